@@ -1,0 +1,64 @@
+// CPU reference of every conversion (SPEC §2-§4). Plain loops, written to be read: these
+// functions are the specification the CUDA kernels are tested against bit for bit.
+//
+// Inputs are row-major. `x` is FP32 or BF16 (flowmoe::bf16_t bits). Every function checks its
+// arguments and throws flowmoe::Error with a message saying what was wrong and what was expected.
+// Non-finite input never throws here: it is counted in the returned QuantStats and its tile is
+// marked NaN (scale 0xFF); call throw_if_nonfinite() to turn it into an error.
+#pragma once
+
+#include <cstdint>
+
+#include "flowmoe/tensor.h"
+
+namespace flowmoe {
+namespace cpu {
+
+// ---- FP8 quantize ----------------------------------------------------------------------------
+// x [M, K] -> row-wise 1x128. K must be a multiple of 128; M >= 0.
+QuantStats quantize_row(const float* x, int64_t m, int64_t k, QTensor* out);
+QuantStats quantize_row(const bf16_t* x, int64_t m, int64_t k, QTensor* out);
+// x [M, K] -> column-wise 128x1 over token segments (Segments::whole(M) for one segment).
+QuantStats quantize_col(const float* x, int64_t m, int64_t k, const Segments& seg, QTensor* out);
+QuantStats quantize_col(const bf16_t* x, int64_t m, int64_t k, const Segments& seg, QTensor* out);
+// Both copies from the same high-precision input (the `blockwise` recipe).
+QuantStats quantize_both(const bf16_t* x, int64_t m, int64_t k, const Segments& seg,
+                         QTensor* row, QTensor* col);
+// Weights w [N, K] -> 128x128 blocks; N and K multiples of 128. `wt` (may be null) receives
+// the exact transpose [K, N] (codes and scale grid transposed; no re-rounding).
+QuantStats quantize_weight(const float* w, int64_t n, int64_t k, QTensor* out, QTensor* wt);
+QuantStats quantize_weight(const bf16_t* w, int64_t n, int64_t k, QTensor* out, QTensor* wt);
+// Exact transpose of a 128x128-block weight.
+void transpose_weight(const QTensor& w, QTensor* wt);
+
+// ---- dequantize --------------------------------------------------------------------------------
+// Any layout -> its logical [rows, cols] matrix (column-wise tensors come back as [M, K] too;
+// weights as [N, K]). Exact in FP32. The BF16 variant rounds to nearest even.
+void dequantize(const QTensor& q, float* out);
+void dequantize(const QTensor& q, bf16_t* out);
+
+// ---- FP8 row-wise -> column-wise ----------------------------------------------------------------
+// The naive path users run today: dequantize to BF16, transpose, quantize with fresh scales.
+QuantStats naive_col_copy(const QTensor& row, const Segments& seg, QTensor* col);
+// Scaling-aware transpose (SPEC §4): per (feature, token block) the target exponent is the
+// maximum row exponent of the block; each code is re-encoded as RNE(q * 2^(e_row - E)).
+// Exact except elements pushed below the E4M3 normal range, rounded to nearest even into the
+// subnormals and counted in QuantStats::underflow.
+QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTensor* col);
+
+// ---- MXFP4 ------------------------------------------------------------------------------------
+// x [M, K] -> MXFP4 row-wise 1x32. K must be a multiple of 32.
+QuantStats quantize_mxfp4(const float* x, int64_t m, int64_t k, QTensor* out);
+QuantStats quantize_mxfp4(const bf16_t* x, int64_t m, int64_t k, QTensor* out);
+// FP4RowToFP8Row: four 1x32 blocks -> one 1x128 tile with exponent max_j(e_j) - 6 (>= -127).
+// Exact when the blocks' exponent spread is <= 14; beyond, RNE into subnormals, counted.
+// K must be a multiple of 128.
+QuantStats fp4_to_fp8_row(const QTensor& fp4, QTensor* row);
+// FP4RowToFP8Col: MXFP4 row-wise [M, K] -> FP8 column-wise [K, M] in one pass; per (feature,
+// token block) exponent max_t(e_t) - 6. Same exactness as above.
+QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col);
+// The stepwise baseline: FP4 -> BF16 (exact), transpose, quantize with fresh scales.
+QuantStats fp4_to_fp8_col_stepwise(const QTensor& fp4, const Segments& seg, QTensor* col);
+
+}  // namespace cpu
+}  // namespace flowmoe

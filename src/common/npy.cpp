@@ -1,0 +1,322 @@
+// NumPy .npy reader/writer (see npy.h). The header is a Python dict literal such as
+//   {'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }
+// which is parsed by a small recursive-descent parser that accepts exactly the value kinds
+// NumPy writes there: quoted strings, True/False and tuples of integers.
+#include "common/npy.h"
+
+#include <cctype>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+namespace flowmoe {
+namespace {
+
+constexpr char kMagic[] = "\x93NUMPY";
+constexpr size_t kMagicLen = 6;
+
+bool host_is_little_endian() {
+  const uint16_t one = 1;
+  uint8_t first;
+  std::memcpy(&first, &one, 1);
+  return first == 1;
+}
+
+// Maps the descr spellings NumPy may write for our dtypes to the normalised form.
+bool normalise_descr(const std::string& d, std::string* out) {
+  if (d == "<f4") *out = kNpyF32;
+  else if (d == "<u2") *out = kNpyU16;
+  else if (d == "|u1" || d == "<u1" || d == "=u1") *out = kNpyU8;
+  else if (d == "<i4") *out = kNpyI32;
+  else return false;
+  return true;
+}
+
+// Text from a file made safe for an error message: non-printable bytes become \xNN.
+std::string printable(const std::string& s) {
+  static const char hex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s) {
+    if (std::isprint(c)) {
+      out += static_cast<char>(c);
+    } else {
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    }
+  }
+  return out;
+}
+
+struct Header {
+  std::string descr;
+  bool fortran_order = false;
+  std::vector<int64_t> shape;
+  bool has_descr = false, has_order = false, has_shape = false;
+};
+
+// Parser of the header dict. Errors name the file and the offending position.
+class HeaderParser {
+ public:
+  HeaderParser(const std::string& text, const std::string& path) : s_(text), path_(path) {}
+
+  Header parse() {
+    Header h;
+    expect('{');
+    for (;;) {
+      skip_ws();
+      if (peek() == '}') break;
+      const std::string key = parse_string();
+      expect(':');
+      skip_ws();
+      if (key == "descr") {
+        FLOWMOE_CHECK(peek() == '\'' || peek() == '"',
+                      path_ << ": unsupported dtype: 'descr' is not a simple type string (structured "
+                               "dtypes are not supported; expected one of '<f4', '<u2', '|u1', '<i4')");
+        h.descr = parse_string();
+        h.has_descr = true;
+      } else if (key == "fortran_order") {
+        h.fortran_order = parse_bool();
+        h.has_order = true;
+      } else if (key == "shape") {
+        h.shape = parse_tuple();
+        h.has_shape = true;
+      } else {
+        fail("unexpected key '" + printable(key) + "' (expected 'descr', 'fortran_order', 'shape')");
+      }
+      skip_ws();
+      if (peek() == ',') {
+        ++pos_;
+        continue;
+      }
+      skip_ws();
+      FLOWMOE_CHECK(peek() == '}', path_ << ": malformed .npy header: expected ',' or '}' at offset "
+                                         << pos_ << " in " << quoted());
+      break;
+    }
+    expect('}');
+    FLOWMOE_CHECK(h.has_descr && h.has_order && h.has_shape,
+                  path_ << ": malformed .npy header: expected keys 'descr', 'fortran_order' and "
+                           "'shape' in "
+                        << quoted());
+    return h;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    std::ostringstream os;
+    os << path_ << ": malformed .npy header: " << what << " at offset " << pos_ << " in " << quoted();
+    throw Error(__FILE__, __LINE__, os.str());
+  }
+  std::string quoted() const { return "\"" + printable(s_) + "\""; }
+  char peek() const { return pos_ < s_.size() ? s_[pos_] : '\0'; }
+  void skip_ws() {
+    while (pos_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[pos_]))) ++pos_;
+  }
+  void expect(char c) {
+    skip_ws();
+    if (peek() != c) fail(std::string("expected '") + c + "'");
+    ++pos_;
+  }
+  std::string parse_string() {
+    skip_ws();
+    const char q = peek();
+    if (q != '\'' && q != '"') fail("expected a quoted string");
+    const size_t end = s_.find(q, pos_ + 1);
+    if (end == std::string::npos) fail("unterminated string");
+    std::string out = s_.substr(pos_ + 1, end - pos_ - 1);
+    pos_ = end + 1;
+    return out;
+  }
+  bool parse_bool() {
+    skip_ws();
+    if (s_.compare(pos_, 4, "True") == 0) {
+      pos_ += 4;
+      return true;
+    }
+    if (s_.compare(pos_, 5, "False") == 0) {
+      pos_ += 5;
+      return false;
+    }
+    fail("expected True or False");
+  }
+  int64_t parse_int() {
+    skip_ws();
+    if (!std::isdigit(static_cast<unsigned char>(peek()))) fail("expected a non-negative integer");
+    int64_t v = 0;
+    while (std::isdigit(static_cast<unsigned char>(peek()))) {
+      const int d = peek() - '0';
+      if (v > (std::numeric_limits<int64_t>::max() - d) / 10) fail("dimension too large");
+      v = v * 10 + d;
+      ++pos_;
+    }
+    if (peek() == 'L') ++pos_;  // Python 2 long suffix
+    return v;
+  }
+  std::vector<int64_t> parse_tuple() {
+    std::vector<int64_t> dims;
+    expect('(');
+    for (;;) {
+      skip_ws();
+      if (peek() == ')') break;
+      dims.push_back(parse_int());
+      skip_ws();
+      if (peek() == ',') {
+        ++pos_;
+        continue;
+      }
+      if (peek() != ')') fail("expected ',' or ')' in shape");
+    }
+    expect(')');
+    return dims;
+  }
+
+  const std::string& s_;
+  const std::string& path_;
+  size_t pos_ = 0;
+};
+
+int64_t numel_of(const std::vector<int64_t>& shape, const std::string& path) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    FLOWMOE_CHECK(d >= 0, path << ": negative dimension in shape " << npy_shape_str(shape));
+    FLOWMOE_CHECK(d == 0 || n <= std::numeric_limits<int64_t>::max() / d,
+                  path << ": shape " << npy_shape_str(shape) << " has too many elements");
+    n *= d;
+  }
+  return n;
+}
+
+}  // namespace
+
+int64_t NpyArray::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+size_t npy_itemsize(const std::string& dtype) {
+  if (dtype == kNpyF32 || dtype == kNpyI32) return 4;
+  if (dtype == kNpyU16) return 2;
+  if (dtype == kNpyU8) return 1;
+  FLOWMOE_CHECK(false, "unsupported .npy dtype '" << dtype
+                                                  << "' (expected one of '<f4', '<u2', '|u1', '<i4')");
+  return 0;
+}
+
+std::string npy_dtype_name(const std::string& dtype) {
+  if (dtype == kNpyF32) return "float32";
+  if (dtype == kNpyU16) return "uint16 (bfloat16 bits)";
+  if (dtype == kNpyU8) return "uint8";
+  if (dtype == kNpyI32) return "int32";
+  return "'" + dtype + "'";
+}
+
+std::string npy_shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+NpyArray npy_load(const std::string& path) {
+  FLOWMOE_CHECK(host_is_little_endian(), "npy_load: only little-endian hosts are supported");
+  std::ifstream f(path, std::ios::binary);
+  FLOWMOE_CHECK(f.is_open(), path << ": cannot open for reading (expected an existing .npy file)");
+  f.seekg(0, std::ios::end);
+  const int64_t file_size = static_cast<int64_t>(f.tellg());
+  f.seekg(0, std::ios::beg);
+
+  // Preamble: magic, version, header length.
+  char pre[12] = {};
+  f.read(pre, 10);
+  FLOWMOE_CHECK(f.gcount() == 10 && std::memcmp(pre, kMagic, kMagicLen) == 0,
+                path << ": not a .npy file (expected the magic string \\x93NUMPY at the start)");
+  const int major = static_cast<uint8_t>(pre[6]), minor = static_cast<uint8_t>(pre[7]);
+  FLOWMOE_CHECK((major == 1 || major == 2) && minor == 0,
+                path << ": unsupported .npy format version " << major << "." << minor
+                     << " (expected 1.0 or 2.0)");
+  uint32_t header_len = 0;
+  int64_t preamble = 10;
+  if (major == 1) {
+    header_len = static_cast<uint8_t>(pre[8]) | (static_cast<uint32_t>(static_cast<uint8_t>(pre[9])) << 8);
+  } else {
+    f.read(pre + 10, 2);
+    FLOWMOE_CHECK(f.gcount() == 2, path << ": truncated .npy preamble (expected 12 bytes for version 2.0)");
+    for (int i = 0; i < 4; ++i) header_len |= static_cast<uint32_t>(static_cast<uint8_t>(pre[8 + i])) << (8 * i);
+    preamble = 12;
+  }
+  FLOWMOE_CHECK(preamble + static_cast<int64_t>(header_len) <= file_size,
+                path << ": truncated .npy header (header length " << header_len << " but the file has "
+                     << file_size << " bytes)");
+  std::string header(header_len, '\0');
+  f.read(&header[0], header_len);
+  FLOWMOE_CHECK(static_cast<uint32_t>(f.gcount()) == header_len, path << ": truncated .npy header");
+  while (!header.empty() && (header.back() == '\n' || header.back() == ' ' || header.back() == '\0'))
+    header.pop_back();
+
+  const Header h = HeaderParser(header, path).parse();
+  NpyArray a;
+  FLOWMOE_CHECK(!(h.descr.size() > 0 && h.descr[0] == '>'),
+                path << ": big-endian dtype '" << printable(h.descr) << "' is not supported (expected little-endian)");
+  FLOWMOE_CHECK(normalise_descr(h.descr, &a.dtype),
+                path << ": unsupported dtype '" << printable(h.descr)
+                     << "' (expected '<f4' float32, '<u2' uint16/bfloat16 bits, '|u1' uint8 or '<i4' int32)");
+  FLOWMOE_CHECK(!h.fortran_order, path << ": fortran_order is True; only C-order arrays are supported "
+                                          "(save with np.ascontiguousarray)");
+  a.shape = h.shape;
+
+  const int64_t n = numel_of(a.shape, path);
+  const int64_t item = static_cast<int64_t>(npy_itemsize(a.dtype));
+  FLOWMOE_CHECK(n <= std::numeric_limits<int64_t>::max() / item, path << ": array too large");
+  const int64_t want = n * item;
+  const int64_t have = file_size - preamble - static_cast<int64_t>(header_len);
+  FLOWMOE_CHECK(have >= want, path << ": truncated data: shape " << npy_shape_str(a.shape) << " of "
+                                   << npy_dtype_name(a.dtype) << " needs " << want << " bytes, the file has "
+                                   << have);
+  FLOWMOE_CHECK(have == want, path << ": " << (have - want) << " unexpected bytes after the data of shape "
+                                   << npy_shape_str(a.shape) << " (" << want << " bytes expected)");
+  a.data.resize(static_cast<size_t>(want));
+  if (want > 0) {
+    f.read(reinterpret_cast<char*>(a.data.data()), want);
+    FLOWMOE_CHECK(f.gcount() == want, path << ": read error: got " << f.gcount() << " of " << want << " data bytes");
+  }
+  return a;
+}
+
+void npy_save(const std::string& path, const std::string& dtype, const std::vector<int64_t>& shape,
+              const void* data) {
+  FLOWMOE_CHECK(host_is_little_endian(), "npy_save: only little-endian hosts are supported");
+  const size_t item = npy_itemsize(dtype);
+  const int64_t n = numel_of(shape, path);
+
+  std::string dict = "{'descr': '" + dtype + "', 'fortran_order': False, 'shape': (";
+  for (size_t i = 0; i < shape.size(); ++i) dict += std::to_string(shape[i]) + ", ";
+  if (shape.size() > 1) dict.resize(dict.size() - 2);  // "(3, 4)"; a 1-d shape keeps "(3,"
+  else if (shape.size() == 1) dict.pop_back();
+  dict += "), }";
+
+  // Pad with spaces so that the data starts at a multiple of 64 bytes; the header ends in '\n'.
+  const bool v2 = 10 + dict.size() + 1 + 64 > 0xFFFF;
+  const size_t preamble = v2 ? 12 : 10;
+  size_t total = preamble + dict.size() + 1;
+  total = (total + 63) / 64 * 64;
+  const size_t header_len = total - preamble;
+  dict.append(header_len - dict.size() - 1, ' ');
+  dict += '\n';
+
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  FLOWMOE_CHECK(f.is_open(), path << ": cannot open for writing");
+  f.write(kMagic, kMagicLen);
+  const char version[2] = {static_cast<char>(v2 ? 2 : 1), 0};
+  f.write(version, 2);
+  for (size_t i = 0; i < (v2 ? 4u : 2u); ++i) f.put(static_cast<char>((header_len >> (8 * i)) & 0xFF));
+  f.write(dict.data(), static_cast<std::streamsize>(dict.size()));
+  if (n > 0) {
+    FLOWMOE_CHECK(data != nullptr, path << ": npy_save given no data for shape " << npy_shape_str(shape));
+    f.write(static_cast<const char*>(data), static_cast<std::streamsize>(n * static_cast<int64_t>(item)));
+  }
+  f.close();
+  FLOWMOE_CHECK(!f.fail(), path << ": write failed (disk full or not writable?)");
+}
+
+}  // namespace flowmoe

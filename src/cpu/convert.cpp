@@ -1,0 +1,438 @@
+// CPU reference conversions: the readable specification of SPEC §2-§4.
+#include "flowmoe/cpu/convert.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "flowmoe/error.h"
+#include "flowmoe/numerics.h"
+
+namespace flowmoe {
+namespace cpu {
+namespace {
+
+using namespace flowmoe::num;
+
+inline float load(const float* x, int64_t i) { return x[i]; }
+inline float load(const bf16_t* x, int64_t i) { return bf16_to_f32(x[i]); }
+
+void check_matrix(const void* x, int64_t m, int64_t k, const char* what) {
+  FLOWMOE_CHECK(m >= 0 && k > 0, what << ": shape [" << m << ", " << k
+                                      << "] invalid; expected M >= 0 tokens and K > 0 features");
+  FLOWMOE_CHECK(x != nullptr || m == 0, what << ": input pointer is null for a non-empty [" << m
+                                             << ", " << k << "] matrix");
+}
+
+void check_multiple(int64_t v, int block, const char* dim, const char* what) {
+  FLOWMOE_CHECK(v % block == 0, what << ": " << dim << " = " << v << " is not a multiple of "
+                                     << block << " (the quantization block); expected "
+                                     << dim << " % " << block << " == 0");
+}
+
+void check_layout(const QTensor& q, Layout want, const char* what) {
+  FLOWMOE_CHECK(q.layout == want, what << ": input is " << layout_name(q.layout) << ", expected "
+                                       << layout_name(want));
+  FLOWMOE_CHECK(static_cast<int64_t>(q.codes.size()) == q.code_bytes(),
+                what << ": " << q.describe() << " holds " << q.codes.size()
+                     << " code bytes, expected " << q.code_bytes());
+  FLOWMOE_CHECK(static_cast<int64_t>(q.scales.size()) == q.scale_rows() * q.scale_cols(),
+                what << ": " << q.describe() << " holds " << q.scales.size()
+                     << " scale bytes, expected " << q.scale_rows() << " x " << q.scale_cols());
+}
+
+// Mark a tile as non-finite: scale NaN, codes NaN (E4M3) so nothing decodes to a finite value.
+constexpr uint8_t kNanCodeE4M3 = kE4M3NaN;
+constexpr uint8_t kNanCodeE2M1 = 0x0;  // E2M1 has no NaN; the NaN scale carries it
+
+// ---- FP8 row-wise -----------------------------------------------------------------------------
+template <typename T>
+QuantStats quantize_row_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
+  check_matrix(x, m, k, "quantize_row");
+  check_multiple(k, kFp8Block, "K", "quantize_row");
+  out->layout = Layout::kRow1x128;
+  out->rows = m;
+  out->cols = k;
+  out->segments = Segments{};
+  out->codes.assign(m * k, 0);
+  out->scales.assign((k / kFp8Block) * m, 0);
+  QuantStats st;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < k / kFp8Block; ++b) {
+      const int64_t base = r * k + b * kFp8Block;
+      float amax = 0.0f;
+      int64_t bad = 0;
+      for (int i = 0; i < kFp8Block; ++i) {
+        const float v = load(x, base + i);
+        if (!f32_is_finite(v)) ++bad;
+        else amax = f32_max_nonneg(amax, f32_abs(v));
+      }
+      uint8_t* codes = &out->codes[base];
+      if (bad) {
+        st.nonfinite += bad;
+        out->scales[b * m + r] = kUE8M0NaN;
+        std::fill(codes, codes + kFp8Block, kNanCodeE4M3);
+        continue;
+      }
+      const int e = e4m3_scale_exp(amax);
+      out->scales[b * m + r] = ue8m0_from_exp(e);
+      for (int i = 0; i < kFp8Block; ++i) codes[i] = quant_e4m3(load(x, base + i), e);
+    }
+  }
+  return st;
+}
+
+// ---- FP8 column-wise (from high precision) ------------------------------------------------------
+template <typename T>
+QuantStats quantize_col_impl(const T* x, int64_t m, int64_t k, const Segments& seg, QTensor* out) {
+  check_matrix(x, m, k, "quantize_col");
+  seg.validate(m);
+  out->layout = Layout::kCol128x1;
+  out->rows = m;
+  out->cols = k;
+  out->segments = seg;
+  const int64_t nb = seg.num_blocks();
+  out->codes.assign(k * m, 0);
+  out->scales.assign(nb * k, 0);
+  QuantStats st;
+  int64_t blk = 0;
+  for (int s = 0; s < seg.num_segments(); ++s) {
+    for (int64_t t0 = seg.offsets[s]; t0 < seg.offsets[s + 1]; t0 += kFp8Block, ++blk) {
+      const int64_t t1 = std::min<int64_t>(t0 + kFp8Block, seg.offsets[s + 1]);
+      for (int64_t c = 0; c < k; ++c) {
+        float amax = 0.0f;
+        int64_t bad = 0;
+        for (int64_t t = t0; t < t1; ++t) {
+          const float v = load(x, t * k + c);
+          if (!f32_is_finite(v)) ++bad;
+          else amax = f32_max_nonneg(amax, f32_abs(v));
+        }
+        uint8_t* codes = &out->codes[c * m];
+        if (bad) {
+          st.nonfinite += bad;
+          out->scales[blk * k + c] = kUE8M0NaN;
+          for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
+          continue;
+        }
+        const int e = e4m3_scale_exp(amax);
+        out->scales[blk * k + c] = ue8m0_from_exp(e);
+        for (int64_t t = t0; t < t1; ++t) codes[t] = quant_e4m3(load(x, t * k + c), e);
+      }
+    }
+  }
+  return st;
+}
+
+// ---- FP8 weights 128x128 ------------------------------------------------------------------------
+template <typename T>
+QuantStats quantize_weight_impl(const T* w, int64_t n, int64_t k, QTensor* out, QTensor* wt) {
+  check_matrix(w, n, k, "quantize_weight");
+  check_multiple(n, kFp8Block, "N", "quantize_weight");
+  check_multiple(k, kFp8Block, "K", "quantize_weight");
+  out->layout = Layout::kWeight128x128;
+  out->rows = n;
+  out->cols = k;
+  out->segments = Segments{};
+  out->codes.assign(n * k, 0);
+  const int64_t nbn = n / kFp8Block, nbk = k / kFp8Block;
+  out->scales.assign(nbn * nbk, 0);
+  QuantStats st;
+  for (int64_t bn = 0; bn < nbn; ++bn) {
+    for (int64_t bk = 0; bk < nbk; ++bk) {
+      float amax = 0.0f;
+      int64_t bad = 0;
+      for (int64_t r = bn * kFp8Block; r < (bn + 1) * kFp8Block; ++r) {
+        for (int64_t c = bk * kFp8Block; c < (bk + 1) * kFp8Block; ++c) {
+          const float v = load(w, r * k + c);
+          if (!f32_is_finite(v)) ++bad;
+          else amax = f32_max_nonneg(amax, f32_abs(v));
+        }
+      }
+      st.nonfinite += bad;
+      const int e = e4m3_scale_exp(amax);
+      out->scales[bn * nbk + bk] = bad ? kUE8M0NaN : ue8m0_from_exp(e);
+      for (int64_t r = bn * kFp8Block; r < (bn + 1) * kFp8Block; ++r) {
+        for (int64_t c = bk * kFp8Block; c < (bk + 1) * kFp8Block; ++c) {
+          out->codes[r * k + c] = bad ? kNanCodeE4M3 : quant_e4m3(load(w, r * k + c), e);
+        }
+      }
+    }
+  }
+  if (wt) transpose_weight(*out, wt);
+  return st;
+}
+
+// ---- MXFP4 --------------------------------------------------------------------------------------
+template <typename T>
+QuantStats quantize_mxfp4_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
+  check_matrix(x, m, k, "quantize_mxfp4");
+  check_multiple(k, kFp4Block, "K", "quantize_mxfp4");
+  out->layout = Layout::kMxfp4Row1x32;
+  out->rows = m;
+  out->cols = k;
+  out->segments = Segments{};
+  out->codes.assign(m * k / 2, 0);
+  out->scales.assign(m * (k / kFp4Block), 0);
+  QuantStats st;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < k / kFp4Block; ++b) {
+      const int64_t base = r * k + b * kFp4Block;
+      float amax = 0.0f;
+      int64_t bad = 0;
+      for (int i = 0; i < kFp4Block; ++i) {
+        const float v = load(x, base + i);
+        if (!f32_is_finite(v)) ++bad;
+        else amax = f32_max_nonneg(amax, f32_abs(v));
+      }
+      st.nonfinite += bad;
+      const int e = e2m1_scale_exp(amax);
+      out->scales[r * (k / kFp4Block) + b] = bad ? kUE8M0NaN : ue8m0_from_exp(e);
+      for (int i = 0; i < kFp4Block; i += 2) {
+        const uint8_t lo = bad ? kNanCodeE2M1 : quant_e2m1(load(x, base + i), e);
+        const uint8_t hi = bad ? kNanCodeE2M1 : quant_e2m1(load(x, base + i + 1), e);
+        out->codes[(base + i) / 2] = e2m1_pack(lo, hi);
+      }
+    }
+  }
+  return st;
+}
+
+// Shared by the FP4 -> FP8 conversions: the FP8 scale code for a set of MXFP4 block scale
+// codes whose maximum is `cmax`: 2^(e_max - 6), clamped at the smallest scale (code 0).
+inline int fp8_code_from_fp4_max(int cmax) { return std::max(cmax - 6, 0); }
+
+}  // namespace
+
+QuantStats quantize_row(const float* x, int64_t m, int64_t k, QTensor* out) {
+  return quantize_row_impl(x, m, k, out);
+}
+QuantStats quantize_row(const bf16_t* x, int64_t m, int64_t k, QTensor* out) {
+  return quantize_row_impl(x, m, k, out);
+}
+QuantStats quantize_col(const float* x, int64_t m, int64_t k, const Segments& seg, QTensor* out) {
+  return quantize_col_impl(x, m, k, seg, out);
+}
+QuantStats quantize_col(const bf16_t* x, int64_t m, int64_t k, const Segments& seg, QTensor* out) {
+  return quantize_col_impl(x, m, k, seg, out);
+}
+QuantStats quantize_both(const bf16_t* x, int64_t m, int64_t k, const Segments& seg, QTensor* row,
+                         QTensor* col) {
+  QuantStats st = quantize_row_impl(x, m, k, row);
+  quantize_col_impl(x, m, k, seg, col);  // counts the same non-finite elements again
+  return st;
+}
+QuantStats quantize_weight(const float* w, int64_t n, int64_t k, QTensor* out, QTensor* wt) {
+  return quantize_weight_impl(w, n, k, out, wt);
+}
+QuantStats quantize_weight(const bf16_t* w, int64_t n, int64_t k, QTensor* out, QTensor* wt) {
+  return quantize_weight_impl(w, n, k, out, wt);
+}
+QuantStats quantize_mxfp4(const float* x, int64_t m, int64_t k, QTensor* out) {
+  return quantize_mxfp4_impl(x, m, k, out);
+}
+QuantStats quantize_mxfp4(const bf16_t* x, int64_t m, int64_t k, QTensor* out) {
+  return quantize_mxfp4_impl(x, m, k, out);
+}
+
+void transpose_weight(const QTensor& w, QTensor* wt) {
+  check_layout(w, Layout::kWeight128x128, "transpose_weight");
+  const int64_t n = w.rows, k = w.cols, nbn = n / kFp8Block, nbk = k / kFp8Block;
+  wt->layout = Layout::kWeight128x128;
+  wt->rows = k;
+  wt->cols = n;
+  wt->segments = Segments{};
+  wt->codes.assign(n * k, 0);
+  wt->scales.assign(nbn * nbk, 0);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < k; ++c) wt->codes[c * n + r] = w.codes[r * k + c];
+  for (int64_t bn = 0; bn < nbn; ++bn)
+    for (int64_t bk = 0; bk < nbk; ++bk) wt->scales[bk * nbn + bn] = w.scales[bn * nbk + bk];
+}
+
+void dequantize(const QTensor& q, float* out) {
+  FLOWMOE_CHECK(out != nullptr || q.rows * q.cols == 0, "dequantize: output pointer is null");
+  check_layout(q, q.layout, "dequantize");
+  const int64_t m = q.rows, k = q.cols;
+  switch (q.layout) {
+    case Layout::kRow1x128:
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < k; ++c)
+          out[r * k + c] = dequant_e4m3(q.codes[r * k + c], q.scales[(c / kFp8Block) * m + r]);
+      break;
+    case Layout::kCol128x1: {
+      q.segments.validate(m);
+      int64_t blk = 0;
+      const Segments& seg = q.segments;
+      for (int s = 0; s < seg.num_segments(); ++s) {
+        for (int64_t t0 = seg.offsets[s]; t0 < seg.offsets[s + 1]; t0 += kFp8Block, ++blk) {
+          const int64_t t1 = std::min<int64_t>(t0 + kFp8Block, seg.offsets[s + 1]);
+          for (int64_t c = 0; c < k; ++c) {
+            const uint8_t sc = q.scales[blk * k + c];
+            for (int64_t t = t0; t < t1; ++t) out[t * k + c] = dequant_e4m3(q.codes[c * m + t], sc);
+          }
+        }
+      }
+      break;
+    }
+    case Layout::kWeight128x128: {
+      const int64_t nbk = k / kFp8Block;
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < k; ++c)
+          out[r * k + c] = dequant_e4m3(q.codes[r * k + c], q.scales[(r / kFp8Block) * nbk + c / kFp8Block]);
+      break;
+    }
+    case Layout::kMxfp4Row1x32:
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < k; ++c)
+          out[r * k + c] = dequant_e2m1(e2m1_get(q.codes.data(), r * k + c),
+                                        q.scales[r * (k / kFp4Block) + c / kFp4Block]);
+      break;
+  }
+}
+
+void dequantize(const QTensor& q, bf16_t* out) {
+  std::vector<float> tmp(q.rows * q.cols);
+  dequantize(q, tmp.data());
+  for (size_t i = 0; i < tmp.size(); ++i) out[i] = f32_to_bf16(tmp[i]);
+}
+
+QuantStats naive_col_copy(const QTensor& row, const Segments& seg, QTensor* col) {
+  check_layout(row, Layout::kRow1x128, "naive_col_copy");
+  std::vector<bf16_t> x(row.rows * row.cols);
+  dequantize(row, x.data());  // FP8 -> BF16 (what users do), exact for in-range values
+  return quantize_col_impl(x.data(), row.rows, row.cols, seg, col);  // transpose + fresh scales
+}
+
+QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTensor* col) {
+  check_layout(row, Layout::kRow1x128, "scaling_aware_transpose");
+  const int64_t m = row.rows, k = row.cols;
+  seg.validate(m);
+  col->layout = Layout::kCol128x1;
+  col->rows = m;
+  col->cols = k;
+  col->segments = seg;
+  col->codes.assign(k * m, 0);
+  col->scales.assign(seg.num_blocks() * k, 0);
+  QuantStats st;
+  int64_t blk = 0;
+  for (int s = 0; s < seg.num_segments(); ++s) {
+    for (int64_t t0 = seg.offsets[s]; t0 < seg.offsets[s + 1]; t0 += kFp8Block, ++blk) {
+      const int64_t t1 = std::min<int64_t>(t0 + kFp8Block, seg.offsets[s + 1]);
+      for (int64_t c = 0; c < k; ++c) {
+        const uint8_t* rs = &row.scales[(c / kFp8Block) * m];  // row exponents of this K tile
+        int cmax = 0, bad = 0;
+        for (int64_t t = t0; t < t1; ++t) {
+          if (rs[t] == kUE8M0NaN) ++bad;
+          else cmax = std::max<int>(cmax, rs[t]);
+        }
+        uint8_t* codes = &col->codes[c * m];
+        if (bad) {
+          st.nonfinite += bad;
+          col->scales[blk * k + c] = kUE8M0NaN;
+          for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
+          continue;
+        }
+        col->scales[blk * k + c] = static_cast<uint8_t>(cmax);
+        for (int64_t t = t0; t < t1; ++t) {
+          bool lost = false;
+          codes[t] = e4m3_rescale(row.codes[t * k + c], cmax - rs[t], &lost);
+          st.underflow += lost;
+        }
+      }
+    }
+  }
+  return st;
+}
+
+QuantStats fp4_to_fp8_row(const QTensor& fp4, QTensor* row) {
+  check_layout(fp4, Layout::kMxfp4Row1x32, "fp4_to_fp8_row");
+  const int64_t m = fp4.rows, k = fp4.cols, ng = k / kFp4Block;
+  check_multiple(k, kFp8Block, "K", "fp4_to_fp8_row");
+  row->layout = Layout::kRow1x128;
+  row->rows = m;
+  row->cols = k;
+  row->segments = Segments{};
+  row->codes.assign(m * k, 0);
+  row->scales.assign((k / kFp8Block) * m, 0);
+  QuantStats st;
+  constexpr int kGroups = kFp8Block / kFp4Block;  // four MXFP4 blocks per FP8 tile
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < k / kFp8Block; ++b) {
+      const uint8_t* es = &fp4.scales[r * ng + b * kGroups];
+      int cmax = 0, bad = 0;
+      for (int j = 0; j < kGroups; ++j) {
+        if (es[j] == kUE8M0NaN) ++bad;
+        else cmax = std::max<int>(cmax, es[j]);
+      }
+      uint8_t* codes = &row->codes[r * k + b * kFp8Block];
+      if (bad) {
+        st.nonfinite += bad * kFp4Block;
+        row->scales[b * m + r] = kUE8M0NaN;
+        std::fill(codes, codes + kFp8Block, kNanCodeE4M3);
+        continue;
+      }
+      const int sc = fp8_code_from_fp4_max(cmax);
+      row->scales[b * m + r] = static_cast<uint8_t>(sc);
+      for (int i = 0; i < kFp8Block; ++i) {
+        const float p = e2m1_to_f32(e2m1_get(fp4.codes.data(), r * k + b * kFp8Block + i));
+        bool lost = false;
+        codes[i] = e4m3_encode_shifted(p, sc - es[i / kFp4Block], &lost);
+        st.underflow += lost;
+      }
+    }
+  }
+  return st;
+}
+
+QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col) {
+  check_layout(fp4, Layout::kMxfp4Row1x32, "fp4_to_fp8_col");
+  const int64_t m = fp4.rows, k = fp4.cols, ng = k / kFp4Block;
+  seg.validate(m);
+  col->layout = Layout::kCol128x1;
+  col->rows = m;
+  col->cols = k;
+  col->segments = seg;
+  col->codes.assign(k * m, 0);
+  col->scales.assign(seg.num_blocks() * k, 0);
+  QuantStats st;
+  int64_t blk = 0;
+  for (int s = 0; s < seg.num_segments(); ++s) {
+    for (int64_t t0 = seg.offsets[s]; t0 < seg.offsets[s + 1]; t0 += kFp8Block, ++blk) {
+      const int64_t t1 = std::min<int64_t>(t0 + kFp8Block, seg.offsets[s + 1]);
+      for (int64_t c = 0; c < k; ++c) {
+        const int64_t g = c / kFp4Block;
+        int cmax = 0, bad = 0;
+        for (int64_t t = t0; t < t1; ++t) {
+          const uint8_t e = fp4.scales[t * ng + g];
+          if (e == kUE8M0NaN) ++bad;
+          else cmax = std::max<int>(cmax, e);
+        }
+        uint8_t* codes = &col->codes[c * m];
+        if (bad) {
+          st.nonfinite += bad;
+          col->scales[blk * k + c] = kUE8M0NaN;
+          for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
+          continue;
+        }
+        const int sc = fp8_code_from_fp4_max(cmax);
+        col->scales[blk * k + c] = static_cast<uint8_t>(sc);
+        for (int64_t t = t0; t < t1; ++t) {
+          const float p = e2m1_to_f32(e2m1_get(fp4.codes.data(), t * k + c));
+          bool lost = false;
+          codes[t] = e4m3_encode_shifted(p, sc - fp4.scales[t * ng + g], &lost);
+          st.underflow += lost;
+        }
+      }
+    }
+  }
+  return st;
+}
+
+QuantStats fp4_to_fp8_col_stepwise(const QTensor& fp4, const Segments& seg, QTensor* col) {
+  check_layout(fp4, Layout::kMxfp4Row1x32, "fp4_to_fp8_col_stepwise");
+  std::vector<bf16_t> x(fp4.rows * fp4.cols);
+  dequantize(fp4, x.data());  // FP4 -> BF16 is exact
+  return quantize_col_impl(x.data(), fp4.rows, fp4.cols, seg, col);
+}
+
+}  // namespace cpu
+}  // namespace flowmoe

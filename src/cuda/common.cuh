@@ -1,0 +1,55 @@
+// Shared device helpers and host-side launch checks for the CUDA backend.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "flowmoe/error.h"
+
+#define FLOWMOE_CUDA_CHECK(expr)                                                           \
+  do {                                                                                     \
+    cudaError_t flowmoe_err_ = (expr);                                                     \
+    if (flowmoe_err_ != cudaSuccess)                                                       \
+      throw ::flowmoe::Error(__FILE__, __LINE__, std::string(#expr) + " failed: " +        \
+                                                     cudaGetErrorString(flowmoe_err_));    \
+  } while (0)
+
+// After every launch: configuration errors surface here, with the kernel's name.
+#define FLOWMOE_LAUNCH_CHECK(name)                                                         \
+  do {                                                                                     \
+    cudaError_t flowmoe_err_ = cudaGetLastError();                                         \
+    if (flowmoe_err_ != cudaSuccess)                                                       \
+      throw ::flowmoe::Error(__FILE__, __LINE__, std::string("launch of ") + (name) +      \
+                                                     " failed: " +                         \
+                                                     cudaGetErrorString(flowmoe_err_));    \
+  } while (0)
+
+namespace flowmoe {
+namespace cuda {
+namespace detail {
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+__device__ __forceinline__ float warp_max(float v, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ int warp_max_i(int v, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ int warp_sum_i(int v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// One atomic per warp for a counter (lane 0 adds the warp's total). All lanes must call.
+__device__ __forceinline__ void warp_count(unsigned long long* counter, int v) {
+  v = warp_sum_i(v);
+  if (counter && v && (threadIdx.x & 31) == 0) atomicAdd(counter, static_cast<unsigned long long>(v));
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace flowmoe

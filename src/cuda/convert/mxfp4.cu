@@ -1,0 +1,309 @@
+// MXFP4: BF16ToFP4Row, FP4RowToFP8Row, FP4RowToFP8Col (fused dequantize + transpose +
+// requantize) and the stepwise FP4 -> BF16 -> transpose -> quantize baseline.
+#include "cuda/convert/tile.cuh"
+#include "flowmoe/cuda/convert.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace {
+
+using namespace flowmoe::num;
+using namespace detail::host;
+using detail::kBytePitch;
+using detail::kThreads;
+using detail::kTile;
+
+// E2M1 magnitude (3 bits) -> E4M3 code of value * 2^-d, for every shift d in [-6, 19] (d >= 19
+// gives zero for every magnitude, so larger shifts use row 19). Built on the host from the
+// numerics core, passed by value, copied to shared memory.
+constexpr int kShiftMin = -6, kShiftMax = 19, kShifts = kShiftMax - kShiftMin + 1;
+struct ShiftTable {
+  unsigned long long codes[kShifts];  // byte i: code of magnitude i
+  uint32_t lost[kShifts];             // bit i: magnitude i is not exact at this shift
+};
+
+const ShiftTable& shift_table() {
+  static const ShiftTable table = [] {
+    ShiftTable t{};
+    for (int d = kShiftMin; d <= kShiftMax; ++d) {
+      for (uint8_t mag = 0; mag < 8; ++mag) {
+        bool lost = false;
+        const uint8_t c = e4m3_encode_shifted(e2m1_to_f32(mag), d, &lost);
+        t.codes[d - kShiftMin] |= static_cast<unsigned long long>(c) << (8 * mag);
+        t.lost[d - kShiftMin] |= static_cast<uint32_t>(lost) << mag;
+      }
+    }
+    return t;
+  }();
+  return table;
+}
+
+__device__ __forceinline__ void load_table(const ShiftTable& src, ShiftTable& dst) {
+  if (threadIdx.x < kShifts) {
+    dst.codes[threadIdx.x] = src.codes[threadIdx.x];
+    dst.lost[threadIdx.x] = src.lost[threadIdx.x];
+  }
+}
+
+// 16 packed e2m1 values (8 bytes) -> 16 e4m3 codes, all shifted down by d.
+__device__ __forceinline__ uint4 fp4x16_to_fp8(uint2 in, int d, const ShiftTable& t, int& lost) {
+  const int row = min(d, kShiftMax) - kShiftMin;
+  const unsigned long long codes = t.codes[row];
+  const uint32_t lmask = t.lost[row];
+  uint32_t out[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t src = (q < 2 ? in.x : in.y) >> (16 * (q & 1));  // 4 nibbles
+    uint32_t word = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t c = (src >> (4 * i)) & 0xFu, mag = c & 7u;
+      const uint32_t code = static_cast<uint32_t>(codes >> (8 * mag)) & 0xFFu;
+      word |= (code | ((c & 8u) << 4)) << (8 * i);
+      lost += (lmask >> mag) & 1u;
+    }
+    out[q] = word;
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// ---- K7: BF16ToFP4Row. 8 values per thread, a quad of lanes per 32-value block.
+__global__ void __launch_bounds__(kThreads)
+quantize_mxfp4_kernel(const bf16_t* __restrict__ x, int64_t nchunks, uint32_t* __restrict__ codes,
+                      uint8_t* __restrict__ scales, unsigned long long* nonfinite) {
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool valid = chunk < nchunks;
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (valid) v = __ldg(reinterpret_cast<const uint4*>(x) + chunk);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float amax = 0.f;
+  int bad = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint16_t h = static_cast<uint16_t>(w[i / 2] >> (16 * (i & 1)));
+    if (!detail::bf16_finite(h)) ++bad;
+    else amax = fmaxf(amax, __uint_as_float(static_cast<uint32_t>(h & 0x7FFFu) << 16));
+  }
+  amax = detail::warp_max(amax, 4);
+  const int block_bad = detail::warp_max_i(bad, 4);
+  detail::warp_count(nonfinite, bad);
+  if (!valid) return;
+  const int e = e2m1_scale_exp(amax);
+  const float inv = detail::inv_pow2(e);
+  uint32_t out = 0;
+  if (!block_bad) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t h = (w[i / 2] >> (16 * (i & 1))) & 0xFFFFu;
+      out |= static_cast<uint32_t>(e2m1_encode_bounded(__uint_as_float(h << 16) * inv)) << (4 * i);
+    }
+  }
+  codes[chunk] = out;
+  if ((threadIdx.x & 3) == 0) scales[chunk >> 2] = block_bad ? kUE8M0NaN : ue8m0_from_exp(e);
+}
+
+// ---- K8: FP4RowToFP8Row. 16 values per thread, 8 threads per 128-value tile; tiles numbered
+// token-fastest so that scale writes ([K/128][M]) of neighbouring tiles are neighbours.
+__global__ void __launch_bounds__(kThreads)
+fp4_to_fp8_row_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __restrict__ fp4_scales,
+                      int64_t m, int64_t k, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales,
+                      DeviceStatus* status, const __grid_constant__ ShiftTable table) {
+  __shared__ ShiftTable s_t;
+  load_table(table, s_t);
+  __syncthreads();
+  const int64_t gid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t tile = gid >> 3;
+  const int part = gid & 7;
+  const bool valid = tile < m * (k / kTile);
+  int lost = 0;
+  if (valid) {
+    const int64_t r = tile % m, b = tile / m;
+    const uint32_t es = *reinterpret_cast<const uint32_t*>(fp4_scales + r * (k / 32) + b * 4);
+    int cmax = 0, bad = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int e = (es >> (8 * j)) & 0xFF;
+      if (e == kUE8M0NaN) ++bad;
+      else cmax = max(cmax, e);
+    }
+    const int sc = max(cmax - 6, 0);
+    uint4 out;
+    if (bad) {
+      out = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+      if (part == 0 && status) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(bad) * 32);
+    } else {
+      const uint2 in = __ldg(reinterpret_cast<const uint2*>(fp4_codes + r * (k / 2) + b * 64) + part);
+      out = fp4x16_to_fp8(in, sc - static_cast<int>((es >> (8 * (part >> 1))) & 0xFF), s_t, lost);
+    }
+    reinterpret_cast<uint4*>(codes + r * k + b * kTile)[part] = out;
+    if (part == 0) scales[b * m + r] = bad ? kUE8M0NaN : static_cast<uint8_t>(sc);
+  }
+  detail::warp_count(status ? &status->underflow : nullptr, lost);
+}
+
+// ---- K9: FP4RowToFP8Col, one CTA per (128-token block, 128-feature tile): dequantize,
+// transpose and requantize in one pass through a shared-memory byte tile.
+__global__ void __launch_bounds__(kThreads)
+fp4_to_fp8_col_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __restrict__ fp4_scales,
+                      int64_t m, int64_t k, const int32_t* __restrict__ bstart,
+                      const int32_t* __restrict__ bend, uint8_t* __restrict__ col_codes,
+                      uint8_t* __restrict__ col_scales, DeviceStatus* status,
+                      const __grid_constant__ ShiftTable table) {
+  __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
+  __shared__ uint32_t s_e[kTile];  // the 4 group exponents of each token
+  __shared__ int s_max[4], s_bad[4];
+  __shared__ ShiftTable s_t;
+  const int64_t b = blockIdx.x, kt = blockIdx.y;
+  const int bs = bstart[b];
+  if (bs < 0) return;
+  const int n = bend[b] - bs;
+  const int tid = threadIdx.x;
+  load_table(table, s_t);
+  if (tid < 4) {
+    s_max[tid] = 0;
+    s_bad[tid] = 0;
+  }
+  __syncthreads();
+  if (tid < kTile) {
+    const uint32_t es = tid < n ? *reinterpret_cast<const uint32_t*>(fp4_scales + (bs + tid) * (k / 32) + kt * 4) : 0u;
+    s_e[tid] = es;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int e = (es >> (8 * j)) & 0xFF;
+      if (e == kUE8M0NaN) atomicAdd(&s_bad[j], 1);
+      else if (e > 0) atomicMax(&s_max[j], e);
+    }
+  }
+  __syncthreads();
+  int lost = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = i * kThreads + tid;
+    const int row = c >> 3, part = c & 7, j = part >> 1;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < n) {
+      if (s_bad[j]) {
+        v = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+      } else {
+        const uint2 in = __ldg(reinterpret_cast<const uint2*>(fp4_codes + (bs + row) * (k / 2) + kt * 64) + part);
+        const int d = max(s_max[j] - 6, 0) - static_cast<int>((s_e[row] >> (8 * j)) & 0xFF);
+        v = fp4x16_to_fp8(in, d, s_t, lost);
+      }
+    }
+    *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + part * 16]) = v;
+  }
+  detail::warp_count(status ? &status->underflow : nullptr, lost);
+  if (tid < kTile) {
+    const int j = tid >> 5;
+    col_scales[b * k + kt * kTile + tid] = s_bad[j] ? kUE8M0NaN : static_cast<uint8_t>(max(s_max[j] - 6, 0));
+  }
+  if (tid == 0 && status) {
+    const int bad = s_bad[0] + s_bad[1] + s_bad[2] + s_bad[3];
+    if (bad) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(bad) * 32);
+  }
+  __syncthreads();
+  detail::store_col_tile(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
+}
+
+// ---- K10: MXFP4 -> bf16 (exact), 16 values per thread.
+__global__ void __launch_bounds__(kThreads)
+dequantize_mxfp4_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                        int64_t nchunks, bf16_t* __restrict__ y) {
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (chunk >= nchunks) return;
+  const uint8_t s = __ldg(scales + (chunk >> 1));  // 16 values per chunk, 32 per scale
+  const uint2 in = __ldg(reinterpret_cast<const uint2*>(codes) + chunk);
+  uint32_t out[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t byte = ((i < 4 ? in.x : in.y) >> (8 * (i & 3))) & 0xFFu;
+    const uint16_t lo = f32_to_bf16(dequant_e2m1(static_cast<uint8_t>(byte & 0xF), s));
+    const uint16_t hi = f32_to_bf16(dequant_e2m1(static_cast<uint8_t>(byte >> 4), s));
+    out[i] = lo | (static_cast<uint32_t>(hi) << 16);
+  }
+  uint4* dst = reinterpret_cast<uint4*>(y) + chunk * 2;
+  dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
+  dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+}  // namespace
+
+void quantize_mxfp4(const bf16_t* x, int64_t m, int64_t k, uint8_t* codes, uint8_t* scales,
+                    DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::quantize_mxfp4";
+  check_k(k, 32, what);
+  FLOWMOE_CHECK(m >= 0, what << ": M = " << m << " must be >= 0");
+  if (m == 0) return;
+  check_aligned(x, "x", what);
+  check_aligned(codes, "codes", what);
+  FLOWMOE_CHECK(scales, what << ": scales is null");
+  const int64_t nchunks = m * k / 8;
+  quantize_mxfp4_kernel<<<grid_for(nchunks), kThreads, 0, stream>>>(
+      x, nchunks, reinterpret_cast<uint32_t*>(codes), scales, nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void fp4_to_fp8_row(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t m, int64_t k,
+                    uint8_t* codes, uint8_t* scales, DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::fp4_to_fp8_row";
+  check_k(k, kTile, what);
+  FLOWMOE_CHECK(m >= 0, what << ": M = " << m << " must be >= 0");
+  if (m == 0) return;
+  check_aligned(fp4_codes, "fp4_codes", what);
+  check_aligned(fp4_scales, "fp4_scales", what);
+  check_aligned(codes, "codes", what);
+  FLOWMOE_CHECK(scales, what << ": scales is null");
+  fp4_to_fp8_row_kernel<<<grid_for(m * (k / kTile) * 8), kThreads, 0, stream>>>(
+      fp4_codes, fp4_scales, m, k, codes, scales, status, shift_table());
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void fp4_to_fp8_col(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t k,
+                    const SegmentBlocks& sb, uint8_t* col_codes, uint8_t* col_scales,
+                    DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::fp4_to_fp8_col";
+  check_k(k, kTile, what);
+  check_blocks(sb, what);
+  if (sb.m == 0) return;
+  check_aligned(fp4_codes, "fp4_codes", what);
+  check_aligned(fp4_scales, "fp4_scales", what);
+  check_aligned(col_codes, "col_codes", what);
+  FLOWMOE_CHECK(col_scales, what << ": col_scales is null");
+  dim3 grid(static_cast<unsigned>(sb.max_blocks), static_cast<unsigned>(k / kTile));
+  fp4_to_fp8_col_kernel<<<grid, kThreads, 0, stream>>>(fp4_codes, fp4_scales, sb.m, k, sb.block_start,
+                                                       sb.block_end, col_codes, col_scales, status,
+                                                       shift_table());
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void dequantize_mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t m, int64_t k,
+                      bf16_t* y, cudaStream_t stream) {
+  const char* what = "cuda::dequantize_mxfp4";
+  check_k(k, 32, what);
+  FLOWMOE_CHECK(m >= 0, what << ": M = " << m << " must be >= 0");
+  if (m == 0) return;
+  check_aligned(codes, "codes", what);
+  check_aligned(y, "y", what);
+  FLOWMOE_CHECK(scales, what << ": scales is null");
+  const int64_t nchunks = m * k / 16;
+  dequantize_mxfp4_kernel<<<grid_for(nchunks), kThreads, 0, stream>>>(codes, scales, nchunks, y);
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void fp4_to_fp8_col_stepwise(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t k,
+                             const SegmentBlocks& sb, uint8_t* col_codes, uint8_t* col_scales,
+                             bf16_t* work, DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::fp4_to_fp8_col_stepwise";
+  check_k(k, kTile, what);
+  check_blocks(sb, what);
+  if (sb.m == 0) return;
+  check_aligned(work, "work", what);
+  bf16_t* x = work;
+  bf16_t* xt = work + sb.m * k;
+  dequantize_mxfp4(fp4_codes, fp4_scales, sb.m, k, x, stream);
+  transpose_bf16(x, sb.m, k, xt, stream);
+  quantize_transposed(xt, k, sb, col_codes, col_scales, status, stream);
+}
+
+}  // namespace cuda
+}  // namespace flowmoe

@@ -1,0 +1,421 @@
+// FP8 quantize (row-wise, column-wise, both, weights), dequantize, and the building blocks of
+// the naive baselines (plain transpose, quantize along the token dimension).
+#include "cuda/convert/tile.cuh"
+#include "flowmoe/cuda/convert.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace {
+
+using namespace flowmoe::num;
+using detail::kBytePitch;
+using detail::kThreads;
+using detail::kTile;
+using namespace detail::host;
+
+// Quantizes 8 finite-checked bf16 values (packed in a uint4) with scale exponent e -> 8 codes.
+__device__ __forceinline__ uint2 encode8(const uint4& v, int e, bool nan_tile) {
+  if (nan_tile) return make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+  const float inv = detail::inv_pow2(e);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t out[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const uint32_t a = w[2 * q], b = w[2 * q + 1];
+    const uint32_t lo = detail::e4m3x2(__uint_as_float(a << 16) * inv, __uint_as_float(a & 0xFFFF0000u) * inv);
+    const uint32_t hi = detail::e4m3x2(__uint_as_float(b << 16) * inv, __uint_as_float(b & 0xFFFF0000u) * inv);
+    out[q] = lo | (hi << 16);
+  }
+  return make_uint2(out[0], out[1]);
+}
+
+// amax and non-finite count of 8 bf16 values
+__device__ __forceinline__ void amax8(const uint4& v, float& amax, int& bad) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint16_t b = static_cast<uint16_t>(h ? (w[q] >> 16) : (w[q] & 0xFFFFu));
+      if (!detail::bf16_finite(b)) ++bad;
+      else amax = fmaxf(amax, __uint_as_float(static_cast<uint32_t>(b & 0x7FFFu) << 16));
+    }
+  }
+}
+
+// ---- K1: row-wise 1x128. A half-warp per tile, 8 values per thread. Tiles are numbered with
+// the token fastest so that neighbouring tiles write neighbouring scale bytes ([K/128][M]).
+__global__ void __launch_bounds__(kThreads)
+quantize_row_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k, uint8_t* __restrict__ codes,
+                    uint8_t* __restrict__ scales, unsigned long long* nonfinite) {
+  const int64_t ntiles = m * (k / kTile);
+  const int64_t tile = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
+  const int lane = threadIdx.x & 15;
+  const bool valid = tile < ntiles;
+  const int64_t r = valid ? tile % m : 0, kb = valid ? tile / m : 0;
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (valid) v = __ldg(reinterpret_cast<const uint4*>(x + r * k + kb * kTile) + lane);
+  float amax = 0.f;
+  int bad = 0;
+  amax8(v, amax, bad);
+  amax = detail::warp_max(amax, 16);
+  const int tile_bad = detail::warp_max_i(bad, 16);
+  detail::warp_count(nonfinite, bad);
+  if (!valid) return;
+  const int e = e4m3_scale_exp(amax);
+  reinterpret_cast<uint2*>(codes + r * k + kb * kTile)[lane] = encode8(v, e, tile_bad != 0);
+  if (lane == 0) scales[kb * m + r] = tile_bad ? kUE8M0NaN : ue8m0_from_exp(e);
+}
+
+// ---- K2: column-wise 128x1 (and optionally row-wise) from BF16, one 128x128 tile per CTA.
+__global__ void __launch_bounds__(kThreads)
+quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
+                    const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend,
+                    uint8_t* __restrict__ col_codes, uint8_t* __restrict__ col_scales,
+                    uint8_t* __restrict__ row_codes, uint8_t* __restrict__ row_scales,
+                    unsigned long long* nonfinite) {
+  constexpr int kPitch = kTile + 8;  // bf16 elements; 272 bytes keeps rows 16-byte aligned
+  __shared__ __align__(16) uint16_t s_x[kTile * kPitch];
+  __shared__ float s_amax[2][kTile];
+  __shared__ int s_bad[2][kTile];
+  const int64_t b = blockIdx.x, kt = blockIdx.y;
+  const int bs = bstart[b];
+  if (bs < 0) return;
+  const int n = bend[b] - bs;
+  const int tid = threadIdx.x;
+  const bool want_row = row_codes != nullptr;
+
+  // Load the tile: 8 passes of 16 rows x 16 chunks of 8 values; a half-warp reads one row.
+#pragma unroll 4
+  for (int i = 0; i < 8; ++i) {
+    const int row = i * 16 + (tid >> 4), ch = tid & 15;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < n) v = __ldg(reinterpret_cast<const uint4*>(x + (bs + row) * k + kt * kTile) + ch);
+    *reinterpret_cast<uint4*>(&s_x[row * kPitch + ch * 8]) = v;
+    if (want_row) {
+      float amax = 0.f;
+      int bad = 0;
+      amax8(v, amax, bad);
+      amax = detail::warp_max(amax, 16);
+      const int tile_bad = detail::warp_max_i(bad, 16);
+      detail::warp_count(nonfinite, bad);
+      if (row < n) {
+        const int e = e4m3_scale_exp(amax);
+        reinterpret_cast<uint2*>(row_codes + (bs + row) * k + kt * kTile)[ch] = encode8(v, e, tile_bad != 0);
+        if (ch == 0) row_scales[kt * m + bs + row] = tile_bad ? kUE8M0NaN : ue8m0_from_exp(e);
+      }
+    }
+  }
+  __syncthreads();
+
+  // Column pass: thread = (feature f, half of the tokens).
+  const int f = tid & (kTile - 1), half = tid >> 7;
+  float amax = 0.f;
+  int bad = 0;
+  for (int i = 0; i < 64; ++i) {
+    const int t = half * 64 + i;
+    if (t >= n) break;
+    const uint16_t h = s_x[t * kPitch + f];
+    if (!detail::bf16_finite(h)) ++bad;
+    else amax = fmaxf(amax, __uint_as_float(static_cast<uint32_t>(h & 0x7FFFu) << 16));
+  }
+  s_amax[half][f] = amax;
+  s_bad[half][f] = bad;
+  if (!want_row) detail::warp_count(nonfinite, bad);
+  __syncthreads();
+  amax = fmaxf(s_amax[0][f], s_amax[1][f]);
+  const bool col_bad = (s_bad[0][f] + s_bad[1][f]) != 0;
+  const int e = e4m3_scale_exp(amax);
+  if (half == 0) col_scales[b * k + kt * kTile + f] = col_bad ? kUE8M0NaN : ue8m0_from_exp(e);
+  const float inv = detail::inv_pow2(e);
+  uint8_t* dst = col_codes + (kt * kTile + f) * m + bs;
+  const bool vec = (m % 16 == 0) && (bs % 16 == 0);
+  for (int j = 0; j < 4; ++j) {
+    const int t0 = half * 64 + j * 16;
+    if (t0 >= n) break;
+    uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int p = 0; p < 4; p += 2) {
+        const int t = t0 + 4 * q + p;
+        const float a = __uint_as_float(static_cast<uint32_t>(s_x[t * kPitch + f]) << 16) * inv;
+        const float c = __uint_as_float(static_cast<uint32_t>(s_x[(t + 1) * kPitch + f]) << 16) * inv;
+        word |= static_cast<uint32_t>(col_bad ? 0x7F7Fu : detail::e4m3x2(a, c)) << (8 * p);
+      }
+      w[q] = word;
+    }
+    if (vec && t0 + 16 <= n) {
+      *reinterpret_cast<uint4*>(dst + t0) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+      for (int t = t0; t < min(t0 + 16, n); ++t) dst[t] = static_cast<uint8_t>(w[(t - t0) >> 2] >> (8 * ((t - t0) & 3)));
+    }
+  }
+}
+
+// ---- K3: dequantize row-wise FP8 -> bf16, 16 codes per thread.
+__global__ void __launch_bounds__(kThreads)
+dequantize_row_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                      int64_t m, int64_t k, bf16_t* __restrict__ y) {
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (chunk >= m * k / 16) return;
+  const int64_t r = chunk / (k / 16), c0 = (chunk % (k / 16)) * 16;
+  const uint8_t s = __ldg(scales + (c0 / kTile) * m + r);
+  const uint4 q = __ldg(reinterpret_cast<const uint4*>(codes + r * k + c0));
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  uint32_t out[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t word = w[i / 2] >> (16 * (i & 1));
+    const uint16_t lo = f32_to_bf16(dequant_e4m3(static_cast<uint8_t>(word), s));
+    const uint16_t hi = f32_to_bf16(dequant_e4m3(static_cast<uint8_t>(word >> 8), s));
+    out[i] = lo | (static_cast<uint32_t>(hi) << 16);
+  }
+  uint4* dst = reinterpret_cast<uint4*>(y + r * k + c0);
+  dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
+  dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// ---- K4: plain bf16 transpose [M, K] -> [K, M], 64x64 tiles, pairs of elements per access.
+__global__ void __launch_bounds__(kThreads)
+transpose_bf16_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k, bf16_t* __restrict__ y) {
+  __shared__ uint16_t s[64][66];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 64, c0 = static_cast<int64_t>(blockIdx.x) * 64;
+  const bool pairs_in = (k % 2 == 0);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int rr = ty + 8 * i;
+    const int64_t r = r0 + rr, c = c0 + 2 * tx;
+    uint16_t a = 0, bb = 0;
+    if (r < m) {
+      if (pairs_in && c + 1 < k) {
+        const uint32_t v = *reinterpret_cast<const uint32_t*>(x + r * k + c);
+        a = static_cast<uint16_t>(v);
+        bb = static_cast<uint16_t>(v >> 16);
+      } else {
+        if (c < k) a = x[r * k + c];
+        if (c + 1 < k) bb = x[r * k + c + 1];
+      }
+    }
+    s[rr][2 * tx] = a;
+    s[rr][2 * tx + 1] = bb;
+  }
+  __syncthreads();
+  const bool pairs_out = (m % 2 == 0);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int cc = ty + 8 * i;
+    const int64_t c = c0 + cc, r = r0 + 2 * tx;
+    if (c >= k) continue;
+    if (pairs_out && r + 1 < m) {
+      *reinterpret_cast<uint32_t*>(y + c * m + r) = s[2 * tx][cc] | (static_cast<uint32_t>(s[2 * tx + 1][cc]) << 16);
+    } else {
+      if (r < m) y[c * m + r] = s[2 * tx][cc];
+      if (r + 1 < m) y[c * m + r + 1] = s[2 * tx + 1][cc];
+    }
+  }
+}
+
+// ---- K5: quantize an already-transposed xt [K, M] along M in segment blocks. A warp per
+// (feature row, block); 4 consecutive tokens per lane.
+__global__ void __launch_bounds__(kThreads)
+quantize_transposed_kernel(const bf16_t* __restrict__ xt, int64_t m, int64_t k,
+                           const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend,
+                           uint8_t* __restrict__ codes, uint8_t* __restrict__ scales,
+                           unsigned long long* nonfinite) {
+  const int64_t b = blockIdx.x;
+  const int64_t kf = static_cast<int64_t>(blockIdx.y) * (kThreads / 32) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  const int bs = bstart[b];
+  if (bs < 0 || kf >= k) return;
+  const int n = bend[b] - bs;
+  const bf16_t* src = xt + kf * m + bs;
+  const int t0 = lane * 4;
+  uint16_t h[4] = {0, 0, 0, 0};
+  const bool vec = (m % 4 == 0) && (bs % 4 == 0) && t0 + 4 <= n;
+  if (vec) {
+    const uint2 v = *reinterpret_cast<const uint2*>(src + t0);
+    h[0] = static_cast<uint16_t>(v.x);
+    h[1] = static_cast<uint16_t>(v.x >> 16);
+    h[2] = static_cast<uint16_t>(v.y);
+    h[3] = static_cast<uint16_t>(v.y >> 16);
+  } else {
+    for (int i = 0; i < 4; ++i)
+      if (t0 + i < n) h[i] = src[t0 + i];
+  }
+  float amax = 0.f;
+  int bad = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (!detail::bf16_finite(h[i])) ++bad;
+    else amax = fmaxf(amax, __uint_as_float(static_cast<uint32_t>(h[i] & 0x7FFFu) << 16));
+  }
+  amax = detail::warp_max(amax, 32);
+  const int tile_bad = detail::warp_max_i(bad, 32);
+  detail::warp_count(nonfinite, bad);
+  const int e = e4m3_scale_exp(amax);
+  if (lane == 0) scales[b * k + kf] = tile_bad ? kUE8M0NaN : ue8m0_from_exp(e);
+  const float inv = detail::inv_pow2(e);
+  uint32_t word = 0x7F7F7F7Fu;
+  if (!tile_bad) {
+    word = detail::e4m3x2(__uint_as_float(static_cast<uint32_t>(h[0]) << 16) * inv,
+                          __uint_as_float(static_cast<uint32_t>(h[1]) << 16) * inv) |
+           (static_cast<uint32_t>(detail::e4m3x2(__uint_as_float(static_cast<uint32_t>(h[2]) << 16) * inv,
+                                                 __uint_as_float(static_cast<uint32_t>(h[3]) << 16) * inv))
+            << 16);
+  }
+  uint8_t* dst = codes + kf * m + bs;
+  if (vec) {
+    *reinterpret_cast<uint32_t*>(dst + t0) = word;
+  } else {
+    for (int i = 0; i < 4; ++i)
+      if (t0 + i < n) dst[t0 + i] = static_cast<uint8_t>(word >> (8 * i));
+  }
+}
+
+// ---- K11: weights, one 128x128 block per CTA, plus the exact transposed copy.
+__global__ void __launch_bounds__(kThreads)
+quantize_weight_kernel(const bf16_t* __restrict__ w, int64_t n, int64_t k, uint8_t* __restrict__ codes,
+                       uint8_t* __restrict__ scales, uint8_t* __restrict__ t_codes,
+                       uint8_t* __restrict__ t_scales, unsigned long long* nonfinite) {
+  __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
+  __shared__ float s_amax[kThreads / 32];
+  __shared__ int s_bad[kThreads / 32];
+  const int64_t bn = blockIdx.y, bk = blockIdx.x;
+  const int tid = threadIdx.x;
+  uint4 v[8];
+  float amax = 0.f;
+  int bad = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int row = i * 16 + (tid >> 4), ch = tid & 15;
+    v[i] = __ldg(reinterpret_cast<const uint4*>(w + (bn * kTile + row) * k + bk * kTile) + ch);
+    amax8(v[i], amax, bad);
+  }
+  amax = detail::warp_max(amax, 32);
+  const int wbad = detail::warp_sum_i(bad);
+  detail::warp_count(nonfinite, bad);
+  if ((tid & 31) == 0) {
+    s_amax[tid >> 5] = amax;
+    s_bad[tid >> 5] = wbad;
+  }
+  __syncthreads();
+  amax = 0.f;
+  bad = 0;
+  for (int i = 0; i < kThreads / 32; ++i) {
+    amax = fmaxf(amax, s_amax[i]);
+    bad += s_bad[i];
+  }
+  const int e = e4m3_scale_exp(amax);
+  const uint8_t sc = bad ? kUE8M0NaN : ue8m0_from_exp(e);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int row = i * 16 + (tid >> 4), ch = tid & 15;
+    const uint2 q = encode8(v[i], e, bad != 0);
+    reinterpret_cast<uint2*>(codes + (bn * kTile + row) * k + bk * kTile)[ch] = q;
+    *reinterpret_cast<uint2*>(&s_q[row * kBytePitch + ch * 8]) = q;
+  }
+  if (tid == 0) {
+    scales[bn * (k / kTile) + bk] = sc;
+    if (t_scales) t_scales[bk * (n / kTile) + bn] = sc;
+  }
+  if (!t_codes) return;
+  __syncthreads();
+  detail::store_col_tile(s_q, kTile, t_codes + (bk * kTile) * n + bn * kTile, n, n % 16 == 0);
+}
+
+}  // namespace
+
+void quantize_row(const bf16_t* x, int64_t m, int64_t k, uint8_t* codes, uint8_t* scales,
+                  DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::quantize_row";
+  check_k(k, kTile, what);
+  FLOWMOE_CHECK(m >= 0, what << ": M = " << m << " must be >= 0");
+  if (m == 0) return;
+  check_aligned(x, "x", what);
+  check_aligned(codes, "codes", what);
+  FLOWMOE_CHECK(scales, what << ": scales is null");
+  quantize_row_kernel<<<grid_for(m * (k / kTile) * 16), kThreads, 0, stream>>>(
+      x, m, k, codes, scales, nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void quantize_col(const bf16_t* x, int64_t k, const SegmentBlocks& sb, uint8_t* col_codes,
+                  uint8_t* col_scales, uint8_t* row_codes, uint8_t* row_scales,
+                  DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::quantize_col";
+  check_k(k, kTile, what);
+  check_blocks(sb, what);
+  if (sb.m == 0) return;
+  check_aligned(x, "x", what);
+  check_aligned(col_codes, "col_codes", what);
+  FLOWMOE_CHECK(col_scales, what << ": col_scales is null");
+  FLOWMOE_CHECK((row_codes == nullptr) == (row_scales == nullptr),
+                what << ": give both row_codes and row_scales, or neither");
+  if (row_codes) check_aligned(row_codes, "row_codes", what);
+  dim3 grid(static_cast<unsigned>(sb.max_blocks), static_cast<unsigned>(k / kTile));
+  quantize_col_kernel<<<grid, kThreads, 0, stream>>>(x, sb.m, k, sb.block_start, sb.block_end,
+                                                     col_codes, col_scales, row_codes, row_scales,
+                                                     nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void quantize_weight(const bf16_t* w, int64_t n, int64_t k, uint8_t* codes, uint8_t* scales,
+                     uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
+                     cudaStream_t stream) {
+  const char* what = "cuda::quantize_weight";
+  check_k(k, kTile, what);
+  FLOWMOE_CHECK(n > 0 && n % kTile == 0, what << ": N = " << n << " must be a positive multiple of 128");
+  check_aligned(w, "w", what);
+  check_aligned(codes, "codes", what);
+  FLOWMOE_CHECK(scales, what << ": scales is null");
+  FLOWMOE_CHECK((t_codes == nullptr) == (t_scales == nullptr),
+                what << ": give both t_codes and t_scales, or neither");
+  if (t_codes) check_aligned(t_codes, "t_codes", what);
+  dim3 grid(static_cast<unsigned>(k / kTile), static_cast<unsigned>(n / kTile));
+  quantize_weight_kernel<<<grid, kThreads, 0, stream>>>(w, n, k, codes, scales, t_codes, t_scales,
+                                                        nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void dequantize_row(const uint8_t* codes, const uint8_t* scales, int64_t m, int64_t k, bf16_t* y,
+                    cudaStream_t stream) {
+  const char* what = "cuda::dequantize_row";
+  check_k(k, kTile, what);
+  FLOWMOE_CHECK(m >= 0, what << ": M = " << m << " must be >= 0");
+  if (m == 0) return;
+  check_aligned(codes, "codes", what);
+  check_aligned(y, "y", what);
+  FLOWMOE_CHECK(scales, what << ": scales is null");
+  dequantize_row_kernel<<<grid_for(m * k / 16), kThreads, 0, stream>>>(codes, scales, m, k, y);
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void transpose_bf16(const bf16_t* x, int64_t m, int64_t k, bf16_t* y, cudaStream_t stream) {
+  const char* what = "cuda::transpose_bf16";
+  FLOWMOE_CHECK(m >= 0 && k > 0, what << ": shape [" << m << ", " << k << "] invalid");
+  if (m == 0) return;
+  FLOWMOE_CHECK(x && y, what << ": null buffer");
+  FLOWMOE_CHECK((m + 63) / 64 < 65536, what << ": M = " << m << " too large (max 4194240)");
+  dim3 grid(static_cast<unsigned>((k + 63) / 64), static_cast<unsigned>((m + 63) / 64));
+  transpose_bf16_kernel<<<grid, kThreads, 0, stream>>>(x, m, k, y);
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void quantize_transposed(const bf16_t* xt, int64_t k, const SegmentBlocks& sb, uint8_t* codes,
+                         uint8_t* scales, DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::quantize_transposed";
+  FLOWMOE_CHECK(k > 0, what << ": K = " << k << " must be > 0");
+  check_blocks(sb, what);
+  if (sb.m == 0) return;
+  FLOWMOE_CHECK(xt && codes && scales, what << ": null buffer");
+  dim3 grid(static_cast<unsigned>(sb.max_blocks), static_cast<unsigned>((k + 7) / 8));
+  quantize_transposed_kernel<<<grid, kThreads, 0, stream>>>(xt, sb.m, k, sb.block_start, sb.block_end,
+                                                            codes, scales, nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+}  // namespace cuda
+}  // namespace flowmoe

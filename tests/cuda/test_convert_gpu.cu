@@ -1,0 +1,378 @@
+// GPU conversion kernels against the CPU reference, bit for bit: codes, scales and counters.
+// Runs on the device machine only (CTest label `gpu`).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flowmoe/cpu/convert.h"
+#include "flowmoe/cuda/convert.h"
+#include "flowmoe/error.h"
+#include "flowmoe/numerics.h"
+
+namespace flowmoe {
+namespace {
+
+#define CU(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+template <typename T>
+struct DBuf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit DBuf(size_t count) : n(count) {
+    if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
+    cudaMemset(p, 0xA5, std::max<size_t>(count, 1) * sizeof(T));  // poison: every byte must be written
+  }
+  DBuf(const std::vector<T>& h) : DBuf(h.size()) {
+    cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  ~DBuf() { cudaFree(p); }
+  std::vector<T> get(size_t count) const {
+    std::vector<T> h(count);
+    cudaMemcpy(h.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+  std::vector<T> get() const { return get(n); }
+};
+
+enum class Dist { kNormal, kHeavy, kBinades, kSubnormal, kNearMax, kNonFinite };
+const char* dist_name(Dist d) {
+  switch (d) {
+    case Dist::kNormal: return "normal";
+    case Dist::kHeavy: return "heavy";
+    case Dist::kBinades: return "binades";
+    case Dist::kSubnormal: return "subnormal";
+    case Dist::kNearMax: return "nearmax";
+    case Dist::kNonFinite: return "nonfinite";
+  }
+  return "?";
+}
+
+std::vector<bf16_t> make_data(int64_t m, int64_t k, Dist d, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> ud(0.f, 1.f);
+  std::vector<bf16_t> x(m * k);
+  for (auto& v : x) {
+    float f = nd(rng);
+    switch (d) {
+      case Dist::kNormal: break;
+      case Dist::kHeavy: if (ud(rng) < 0.002f) f *= 100.f + 900.f * ud(rng); break;
+      case Dist::kBinades: f = (ud(rng) < 0.5f ? -1.f : 1.f) * std::ldexp(1.f + ud(rng), static_cast<int>(ud(rng) * 50) - 35); break;
+      case Dist::kSubnormal: f = std::ldexp(f, -130); break;  // bf16 subnormals and tiny normals
+      case Dist::kNearMax: f = (ud(rng) < 0.5f ? -1.f : 1.f) * (ud(rng) < 0.3f ? 3.0e38f : 448.f * (1.f + ud(rng))); break;
+      case Dist::kNonFinite: {
+        const float u = ud(rng);
+        if (u < 0.0005f) f = NAN;
+        else if (u < 0.001f) f = INFINITY;
+        else if (u < 0.0015f) f = -INFINITY;
+        break;
+      }
+    }
+    v = num::f32_to_bf16(f);
+  }
+  return x;
+}
+
+struct Case {
+  std::string name;
+  int64_t m, k;
+  std::vector<int32_t> counts;  // tokens per segment
+  Dist dist;
+};
+
+std::vector<int32_t> ragged(int e, int64_t m, uint32_t seed, int align) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> c(e, 0);
+  int64_t left = m / align;
+  for (int i = 0; i < e - 1 && left > 0; ++i) {
+    const int64_t take = (i % 5 == 3) ? 0 : static_cast<int64_t>(rng() % (2 * left / (e - i) + 1));
+    c[i] = static_cast<int32_t>(std::min(take, left) * align);
+    left -= std::min(take, left);
+  }
+  c[e - 1] = static_cast<int32_t>(m - [&] { int64_t s = 0; for (int i = 0; i < e - 1; ++i) s += c[i]; return s; }());
+  return c;
+}
+
+class ConvertGpu : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "no CUDA device";
+    CU(cudaMalloc(&status_, sizeof(cuda::DeviceStatus)));
+    reset();
+  }
+  void TearDown() override { cudaFree(status_); }
+  void reset() { cudaMemset(status_, 0, sizeof(cuda::DeviceStatus)); }
+  cuda::DeviceStatus status() {
+    cuda::DeviceStatus s{};
+    cudaDeviceSynchronize();
+    cudaMemcpy(&s, status_, sizeof(s), cudaMemcpyDeviceToHost);
+    return s;
+  }
+  cuda::DeviceStatus* status_ = nullptr;
+};
+
+// Compares the first `n` bytes, reporting the first mismatch.
+void expect_bytes(const std::vector<uint8_t>& want, const std::vector<uint8_t>& got, size_t n, const char* what) {
+  ASSERT_GE(got.size(), n);
+  ASSERT_GE(want.size(), n);
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < n; ++i)
+    if (want[i] != got[i] && bad++ == 0) first = i;
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << n << " bytes differ; first at " << first
+                     << " (want 0x" << std::hex << int(want[first]) << ", got 0x" << int(got[first]) << ")";
+}
+
+TEST_P(ConvertGpu, AllConversionsBitExact) {
+  const Case& c = GetParam();
+  const int64_t m = c.m, k = c.k;
+  const auto x = make_data(m, k, c.dist, 1234u + static_cast<uint32_t>(m * 31 + k));
+  const Segments seg = Segments::from_counts(c.counts);
+  ASSERT_EQ(seg.num_tokens(), m);
+  const int E = seg.num_segments();
+  const int64_t nb = seg.num_blocks();
+
+  DBuf<bf16_t> dx(x);
+  DBuf<int32_t> doff(seg.offsets);
+  const int64_t maxb = cuda::segment_max_blocks(m, E);
+  DBuf<int32_t> bstart(maxb), bend(maxb), boff(E + 1);
+  cuda::SegmentBlocks sb{doff.p, E, m, maxb, bstart.p, bend.p, boff.p};
+  cuda::build_segment_blocks(sb, status_, 0);
+  {
+    const auto bo = boff.get();
+    const auto want = seg.block_offsets();
+    for (int e = 0; e <= E; ++e) ASSERT_EQ(bo[e], want[e]) << "block offset of segment " << e;
+    EXPECT_EQ(status().bad_segments, 0u);
+  }
+
+  // ---- row-wise
+  QTensor row;
+  const QuantStats st_row = cpu::quantize_row(x.data(), m, k, &row);
+  DBuf<uint8_t> rc(m * k), rs(m * k / 128);
+  reset();
+  cuda::quantize_row(dx.p, m, k, rc.p, rs.p, status_, 0);
+  expect_bytes(row.codes, rc.get(), m * k, "quantize_row codes");
+  expect_bytes(row.scales, rs.get(), m * k / 128, "quantize_row scales");
+  EXPECT_EQ(status().nonfinite, static_cast<unsigned long long>(st_row.nonfinite));
+
+  // ---- column-wise and both
+  QTensor col, row2, col2;
+  const QuantStats st_col = cpu::quantize_col(x.data(), m, k, seg, &col);
+  DBuf<uint8_t> cc(m * k), cs(maxb * k), rc2(m * k), rs2(m * k / 128);
+  reset();
+  cuda::quantize_col(dx.p, k, sb, cc.p, cs.p, nullptr, nullptr, status_, 0);
+  expect_bytes(col.codes, cc.get(), m * k, "quantize_col codes");
+  expect_bytes(col.scales, cs.get(), nb * k, "quantize_col scales");
+  EXPECT_EQ(status().nonfinite, static_cast<unsigned long long>(st_col.nonfinite));
+  reset();
+  cuda::quantize_col(dx.p, k, sb, cc.p, cs.p, rc2.p, rs2.p, status_, 0);
+  expect_bytes(col.codes, cc.get(), m * k, "quantize_both col codes");
+  expect_bytes(row.codes, rc2.get(), m * k, "quantize_both row codes");
+  expect_bytes(row.scales, rs2.get(), m * k / 128, "quantize_both row scales");
+  EXPECT_EQ(status().nonfinite, static_cast<unsigned long long>(st_row.nonfinite));
+
+  // ---- dequantize row -> bf16
+  {
+    std::vector<bf16_t> want(m * k);
+    cpu::dequantize(row, want.data());
+    DBuf<bf16_t> y(m * k);
+    cuda::dequantize_row(rc.p, rs.p, m, k, y.p, 0);
+    const auto got = y.get();
+    size_t bad = 0;
+    for (int64_t i = 0; i < m * k; ++i) bad += want[i] != got[i];
+    EXPECT_EQ(bad, 0u) << "dequantize_row";
+  }
+
+  // ---- scaling-aware transpose and the naive path, from the row-wise tensor
+  {
+    QTensor want;
+    const QuantStats st = cpu::scaling_aware_transpose(row, seg, &want);
+    DBuf<uint8_t> oc(m * k), os(maxb * k);
+    reset();
+    cuda::scaling_aware_transpose(rc.p, rs.p, k, sb, oc.p, os.p, status_, 0);
+    expect_bytes(want.codes, oc.get(), m * k, "scaling_aware_transpose codes");
+    expect_bytes(want.scales, os.get(), nb * k, "scaling_aware_transpose scales");
+    const auto s = status();
+    EXPECT_EQ(s.underflow, static_cast<unsigned long long>(st.underflow));
+    EXPECT_EQ(s.nonfinite, static_cast<unsigned long long>(st.nonfinite));
+    if (c.dist == Dist::kBinades) EXPECT_GT(st.underflow, 0) << "binade data should underflow somewhere";
+
+    QTensor naive;
+    const QuantStats stn = cpu::naive_col_copy(row, seg, &naive);
+    DBuf<bf16_t> work(2 * m * k);
+    reset();
+    cuda::naive_col_copy(rc.p, rs.p, k, sb, oc.p, os.p, work.p, status_, 0);
+    expect_bytes(naive.codes, oc.get(), m * k, "naive_col_copy codes");
+    expect_bytes(naive.scales, os.get(), nb * k, "naive_col_copy scales");
+    EXPECT_EQ(status().nonfinite, static_cast<unsigned long long>(stn.nonfinite));
+  }
+
+  // ---- MXFP4 and FP4 -> FP8
+  {
+    QTensor f4;
+    const QuantStats st4 = cpu::quantize_mxfp4(x.data(), m, k, &f4);
+    DBuf<uint8_t> fc(m * k / 2), fs(m * k / 32);
+    reset();
+    cuda::quantize_mxfp4(dx.p, m, k, fc.p, fs.p, status_, 0);
+    expect_bytes(f4.codes, fc.get(), m * k / 2, "quantize_mxfp4 codes");
+    expect_bytes(f4.scales, fs.get(), m * k / 32, "quantize_mxfp4 scales");
+    EXPECT_EQ(status().nonfinite, static_cast<unsigned long long>(st4.nonfinite));
+
+    std::vector<bf16_t> want(m * k);
+    cpu::dequantize(f4, want.data());
+    DBuf<bf16_t> y(m * k);
+    cuda::dequantize_mxfp4(fc.p, fs.p, m, k, y.p, 0);
+    const auto got = y.get();
+    size_t bad = 0;
+    for (int64_t i = 0; i < m * k; ++i) bad += want[i] != got[i];
+    EXPECT_EQ(bad, 0u) << "dequantize_mxfp4";
+
+    QTensor r8;
+    const QuantStats s1 = cpu::fp4_to_fp8_row(f4, &r8);
+    DBuf<uint8_t> oc(m * k), os(std::max<int64_t>(maxb * k, m * k / 128));
+    reset();
+    cuda::fp4_to_fp8_row(fc.p, fs.p, m, k, oc.p, os.p, status_, 0);
+    expect_bytes(r8.codes, oc.get(), m * k, "fp4_to_fp8_row codes");
+    expect_bytes(r8.scales, os.get(), m * k / 128, "fp4_to_fp8_row scales");
+    auto s = status();
+    EXPECT_EQ(s.underflow, static_cast<unsigned long long>(s1.underflow));
+    EXPECT_EQ(s.nonfinite, static_cast<unsigned long long>(s1.nonfinite));
+
+    QTensor c8;
+    const QuantStats s2 = cpu::fp4_to_fp8_col(f4, seg, &c8);
+    reset();
+    cuda::fp4_to_fp8_col(fc.p, fs.p, k, sb, oc.p, os.p, status_, 0);
+    expect_bytes(c8.codes, oc.get(), m * k, "fp4_to_fp8_col codes");
+    expect_bytes(c8.scales, os.get(), nb * k, "fp4_to_fp8_col scales");
+    s = status();
+    EXPECT_EQ(s.underflow, static_cast<unsigned long long>(s2.underflow));
+    EXPECT_EQ(s.nonfinite, static_cast<unsigned long long>(s2.nonfinite));
+
+    QTensor c8s;
+    const QuantStats s3 = cpu::fp4_to_fp8_col_stepwise(f4, seg, &c8s);
+    DBuf<bf16_t> work(2 * m * k);
+    reset();
+    cuda::fp4_to_fp8_col_stepwise(fc.p, fs.p, k, sb, oc.p, os.p, work.p, status_, 0);
+    expect_bytes(c8s.codes, oc.get(), m * k, "fp4_to_fp8_col_stepwise codes");
+    expect_bytes(c8s.scales, os.get(), nb * k, "fp4_to_fp8_col_stepwise scales");
+    EXPECT_EQ(status().nonfinite, static_cast<unsigned long long>(s3.nonfinite));
+  }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  const Dist all[] = {Dist::kNormal, Dist::kHeavy, Dist::kBinades, Dist::kSubnormal, Dist::kNearMax, Dist::kNonFinite};
+  for (Dist d : all) {
+    v.push_back({std::string("one_token_") + dist_name(d), 1, 128, {1}, d});
+    v.push_back({std::string("ragged_") + dist_name(d), 1000, 384, {0, 1, 127, 128, 129, 0, 300, 315}, d});
+    v.push_back({std::string("aligned16_") + dist_name(d), 2048, 512, ragged(8, 2048, 7, 16), d});
+  }
+  v.push_back({"zero_token_experts_only_one_full", 256, 256, {0, 0, 256, 0}, Dist::kNormal});
+  v.push_back({"odd_m_single_segment", 777, 256, {777}, Dist::kHeavy});
+  v.push_back({"v2lite_like_64_experts", 4096, 2048, ragged(64, 4096, 11, 1), Dist::kHeavy});
+  v.push_back({"v3_like_aligned128", 8192, 7168, ragged(32, 8192, 5, 128), Dist::kNormal});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ConvertGpu, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+// ---- weights ------------------------------------------------------------------------------
+TEST(ConvertGpuWeight, QuantizeWeightAndTransposeBitExact) {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) GTEST_SKIP() << "no CUDA device";
+  for (Dist d : {Dist::kNormal, Dist::kHeavy, Dist::kNonFinite}) {
+    const int64_t n = 384, k = 1024;
+    const auto w = make_data(n, k, d, 99);
+    QTensor q, qt;
+    const QuantStats st = cpu::quantize_weight(w.data(), n, k, &q, &qt);
+    DBuf<bf16_t> dw(w);
+    DBuf<uint8_t> c(n * k), s(n * k / 16384), tc(n * k), ts(n * k / 16384);
+    DBuf<cuda::DeviceStatus> ds(1);
+    cudaMemset(ds.p, 0, sizeof(cuda::DeviceStatus));
+    cuda::quantize_weight(dw.p, n, k, c.p, s.p, tc.p, ts.p, ds.p, 0);
+    expect_bytes(q.codes, c.get(), n * k, "weight codes");
+    expect_bytes(q.scales, s.get(), n * k / 16384, "weight scales");
+    expect_bytes(qt.codes, tc.get(), n * k, "weight transposed codes");
+    expect_bytes(qt.scales, ts.get(), n * k / 16384, "weight transposed scales");
+    EXPECT_EQ(ds.get()[0].nonfinite, static_cast<unsigned long long>(st.nonfinite)) << dist_name(d);
+  }
+}
+
+// ---- DeepSeek-V3 scale: 32k tokens x 7168 through the headline path --------------------
+TEST(ConvertGpuLarge, DeepSeekV3Scale32kTokens) {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) GTEST_SKIP() << "no CUDA device";
+  const int64_t m = 32768, k = 7168;
+  const auto x = make_data(m, k, Dist::kHeavy, 2024);
+  const Segments seg = Segments::from_counts(ragged(32, m, 3, 16));
+  QTensor row, col;
+  cpu::quantize_row(x.data(), m, k, &row);
+  const QuantStats st = cpu::scaling_aware_transpose(row, seg, &col);
+  DBuf<bf16_t> dx(x);
+  DBuf<int32_t> doff(seg.offsets);
+  const int E = seg.num_segments();
+  const int64_t maxb = cuda::segment_max_blocks(m, E);
+  DBuf<int32_t> bstart(maxb), bend(maxb), boff(E + 1);
+  DBuf<cuda::DeviceStatus> ds(1);
+  cudaMemset(ds.p, 0, sizeof(cuda::DeviceStatus));
+  cuda::SegmentBlocks sb{doff.p, E, m, maxb, bstart.p, bend.p, boff.p};
+  cuda::build_segment_blocks(sb, ds.p, 0);
+  DBuf<uint8_t> rc(m * k), rs(m * k / 128), cc(m * k), cs(maxb * k);
+  cuda::quantize_row(dx.p, m, k, rc.p, rs.p, ds.p, 0);
+  cuda::scaling_aware_transpose(rc.p, rs.p, k, sb, cc.p, cs.p, ds.p, 0);
+  expect_bytes(row.codes, rc.get(), m * k, "row codes");
+  expect_bytes(row.scales, rs.get(), m * k / 128, "row scales");
+  expect_bytes(col.codes, cc.get(), m * k, "col codes");
+  expect_bytes(col.scales, cs.get(), seg.num_blocks() * k, "col scales");
+  EXPECT_EQ(ds.get()[0].underflow, static_cast<unsigned long long>(st.underflow));
+}
+
+// ---- segments and argument errors ---------------------------------------------------------
+TEST(ConvertGpuSegments, MalformedOffsetsAreReportedNotHung) {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) GTEST_SKIP() << "no CUDA device";
+  const std::vector<int32_t> bad = {0, 50, 20, 100};  // decreasing
+  DBuf<int32_t> doff(bad);
+  const int64_t maxb = cuda::segment_max_blocks(100, 3);
+  DBuf<int32_t> bstart(maxb), bend(maxb), boff(4);
+  DBuf<cuda::DeviceStatus> ds(1);
+  cudaMemset(ds.p, 0, sizeof(cuda::DeviceStatus));
+  cuda::SegmentBlocks sb{doff.p, 3, 100, maxb, bstart.p, bend.p, boff.p};
+  cuda::build_segment_blocks(sb, ds.p, 0);
+  EXPECT_EQ(ds.get()[0].bad_segments, 1u);
+  for (int32_t s : bstart.get()) EXPECT_EQ(s, -1);
+}
+
+TEST(ConvertGpuArgs, BadArgumentsThrowClearErrors) {
+  DBuf<bf16_t> x(256);
+  DBuf<uint8_t> c(256), s(4);
+  try {
+    cuda::quantize_row(x.p, 2, 100, c.p, s.p, nullptr, 0);
+    FAIL() << "expected an error for K = 100";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("multiple of 128"), std::string::npos) << e.what();
+  }
+  try {
+    cuda::quantize_row(x.p + 1, 1, 128, c.p, s.p, nullptr, 0);
+    FAIL() << "expected an alignment error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
+  }
+  cuda::SegmentBlocks sb{};
+  try {
+    cuda::scaling_aware_transpose(c.p, s.p, 128, sb, c.p, s.p, nullptr, 0);
+    FAIL() << "expected an error for unbuilt segment blocks";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("build_segment_blocks"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace flowmoe

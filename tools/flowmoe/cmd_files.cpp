@@ -1,0 +1,290 @@
+// File subcommands: quantize, dequantize, transpose, fp4-to-fp8 (layouts in docs/FILES.md).
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "cli.h"
+#include "common/npy.h"
+#include "flowmoe/cpu/convert.h"
+#include "flowmoe/error.h"
+#include "flowmoe/numerics.h"
+#include "qtensor_io.h"
+
+namespace flowmoe {
+namespace cli {
+namespace {
+
+// A 2-D high-precision input: float32, or uint16 holding bfloat16 bits.
+struct HpInput {
+  std::string path;
+  bool is_bf16 = false;
+  int64_t m = 0, k = 0;
+  std::vector<float> f32;
+  std::vector<bf16_t> bf16;
+  int64_t nonfinite = 0;
+};
+
+HpInput load_hp_input(const std::string& path) {
+  const NpyArray a = npy_load(path);
+  HpInput in;
+  in.path = path;
+  FLOWMOE_CHECK(a.dtype == kNpyF32 || a.dtype == kNpyU16,
+                path << ": input must be float32 ('<f4') or uint16 bfloat16 bits ('<u2'), got "
+                     << npy_dtype_name(a.dtype));
+  FLOWMOE_CHECK(a.shape.size() == 2, path << ": input must be 2-D [M, K], got shape " << npy_shape_str(a.shape));
+  in.m = a.shape[0];
+  in.k = a.shape[1];
+  in.is_bf16 = a.dtype == kNpyU16;
+  if (in.is_bf16) {
+    in.bf16 = npy_values<bf16_t>(a, kNpyU16, path);
+    for (bf16_t h : in.bf16) in.nonfinite += (h & 0x7F80u) == 0x7F80u;
+  } else {
+    in.f32 = npy_values<float>(a, kNpyF32, path);
+    for (float v : in.f32) in.nonfinite += !num::f32_is_finite(v);
+  }
+  return in;
+}
+
+// ---- quantize ------------------------------------------------------------------------------
+
+const char kQuantizeUsage[] =
+    "usage: flowmoe quantize --layout row|col|both|weight|mxfp4 [--segments a,b,...]\n"
+    "                        [--allow-nonfinite] IN.npy OUTPREFIX\n"
+    "\n"
+    "Quantizes IN.npy, a 2-D [M, K] array of float32 ('<f4') or uint16 bfloat16 bits ('<u2'),\n"
+    "with power-of-two UE8M0 scales (SPEC 2) and writes (all uint8):\n"
+    "  row     OUTPREFIX.codes.npy     e4m3 [M, K]\n"
+    "          OUTPREFIX.scales.npy    ue8m0 [K/128, M]         one per (row, 128 features)\n"
+    "          K must be a multiple of 128.\n"
+    "  col     OUTPREFIX.codes.npy     e4m3 [K, M]              X transposed\n"
+    "          OUTPREFIX.scales.npy    ue8m0 [NB, K]            one per (128-token block, feature)\n"
+    "          OUTPREFIX.segments.npy  int32 [E+1]              token offsets of the segments\n"
+    "          NB = sum over segments of ceil(len/128): blocks never straddle two segments.\n"
+    "  both    OUTPREFIX.row.{codes,scales}.npy and OUTPREFIX.col.{codes,scales,segments}.npy\n"
+    "  weight  OUTPREFIX.codes.npy     e4m3 [N, K]  (IN is W [N, K])\n"
+    "          OUTPREFIX.scales.npy    ue8m0 [N/128, K/128]     one per 128x128 block\n"
+    "          OUTPREFIX.t.codes.npy   e4m3 [K, N]              exact transpose, same values\n"
+    "          OUTPREFIX.t.scales.npy  ue8m0 [K/128, N/128]\n"
+    "          N and K must be multiples of 128.\n"
+    "  mxfp4   OUTPREFIX.codes.npy     packed e2m1 [M, K/2]     element 2i in the low nibble\n"
+    "          OUTPREFIX.scales.npy    ue8m0 [M, K/32]          one per (row, 32 features)\n"
+    "          K must be a multiple of 32.\n"
+    "\n"
+    "options:\n"
+    "  --layout L         the layout to write (required)\n"
+    "  --segments a,b,c   token counts per expert segment (col and both only; must sum to M;\n"
+    "                     default: one segment of M tokens)\n"
+    "  --allow-nonfinite  quantize an input holding NaN/Inf: the tiles holding them get scale\n"
+    "                     0xFF (NaN) and decode to NaN. Without it such input is an error\n"
+    "                     (exit 1) and nothing is written.\n"
+    "\n"
+    "Prints 'input:', then one 'wrote PATH DTYPE [SHAPE]' line per file, then 'layout:',\n"
+    "'nonfinite: N' and 'underflow: N' lines per tensor. See docs/FILES.md.\n";
+
+template <typename T>
+int quantize_typed(const T* x, const HpInput& in, const std::string& layout, const std::string& seg_counts,
+                   const std::string& prefix) {
+  const int64_t m = in.m, k = in.k;
+  if (layout == "row") {
+    check_layout_shape(Layout::kRow1x128, m, k, in.path);
+    QTensor q;
+    const QuantStats st = cpu::quantize_row(x, m, k, &q);
+    save_qtensor(q, prefix);
+    print_stats(q, st);
+  } else if (layout == "col") {
+    check_layout_shape(Layout::kCol128x1, m, k, in.path);
+    const Segments seg = segments_from_option(seg_counts, m);
+    QTensor q;
+    const QuantStats st = cpu::quantize_col(x, m, k, seg, &q);
+    save_qtensor(q, prefix);
+    print_stats(q, st);
+  } else if (layout == "both") {
+    check_layout_shape(Layout::kRow1x128, m, k, in.path);
+    const Segments seg = segments_from_option(seg_counts, m);
+    QTensor row, col;
+    const QuantStats st_row = cpu::quantize_row(x, m, k, &row);
+    const QuantStats st_col = cpu::quantize_col(x, m, k, seg, &col);
+    save_qtensor(row, prefix + ".row");
+    save_qtensor(col, prefix + ".col");
+    print_stats(row, st_row);
+    print_stats(col, st_col);
+  } else if (layout == "weight") {
+    check_layout_shape(Layout::kWeight128x128, m, k, in.path);
+    QTensor w, wt;
+    const QuantStats st = cpu::quantize_weight(x, m, k, &w, &wt);
+    save_qtensor(w, prefix);
+    save_qtensor(wt, prefix + ".t");
+    print_stats(w, st);
+  } else {  // mxfp4
+    check_layout_shape(Layout::kMxfp4Row1x32, m, k, in.path);
+    QTensor q;
+    const QuantStats st = cpu::quantize_mxfp4(x, m, k, &q);
+    save_qtensor(q, prefix);
+    print_stats(q, st);
+  }
+  return 0;
+}
+
+int run_quantize(const Args& args) {
+  args.expect_positional({"IN.npy", "OUTPREFIX"});
+  const std::string layout =
+      parse_choice(args.require("layout"), "--layout", {"row", "col", "both", "weight", "mxfp4"});
+  const std::string seg_counts = args.get("segments");
+  if (!seg_counts.empty() && layout != "col" && layout != "both")
+    throw UsageError("--segments applies to --layout col and both only");
+  const std::string& in_path = args.positional()[0];
+  const std::string& prefix = args.positional()[1];
+
+  const HpInput in = load_hp_input(in_path);
+  std::cout << "input: " << in_path << " " << (in.is_bf16 ? "bfloat16" : "float32") << " [" << in.m << ", "
+            << in.k << "]\n";
+  FLOWMOE_CHECK(in.nonfinite == 0 || args.flag("allow-nonfinite"),
+                in_path << ": " << in.nonfinite << " non-finite value(s) (NaN or Inf) in the input; nothing "
+                        << "written (pass --allow-nonfinite to write NaN-marked tiles)");
+  if (in.is_bf16) return quantize_typed(in.bf16.data(), in, layout, seg_counts, prefix);
+  return quantize_typed(in.f32.data(), in, layout, seg_counts, prefix);
+}
+
+// ---- dequantize ----------------------------------------------------------------------------
+
+const char kDequantizeUsage[] =
+    "usage: flowmoe dequantize --layout row|col|weight|mxfp4 [--shape M,K] [--segments a,b,...]\n"
+    "                          [--bf16] PREFIX OUT.npy\n"
+    "\n"
+    "Reads PREFIX.codes.npy and PREFIX.scales.npy (and PREFIX.segments.npy for col) as written by\n"
+    "'flowmoe quantize' and writes the logical matrix [M, K] ([N, K] for weight; a col tensor\n"
+    "comes back un-transposed) as float32, exact, or with --bf16 as uint16 bfloat16 bits\n"
+    "(round to nearest even). Tiles with a NaN scale decode to NaN.\n"
+    "\n"
+    "options:\n"
+    "  --layout L        layout of PREFIX (required)\n"
+    "  --shape M,K       logical shape; checked against the files (default: inferred from\n"
+    "                    PREFIX.codes.npy)\n"
+    "  --segments a,b,c  col only, when PREFIX.segments.npy is absent (default: one segment)\n"
+    "  --bf16            write uint16 bfloat16 bits instead of float32\n";
+
+int run_dequantize(const Args& args) {
+  args.expect_positional({"PREFIX", "OUT.npy"});
+  const Layout l = parse_layout(args.require("layout"));
+  const QTensor q = load_qtensor(l, args.positional()[0], args.get("shape"), args.get("segments"));
+  const std::string& out = args.positional()[1];
+  const std::vector<int64_t> shape = {q.rows, q.cols};
+  if (args.flag("bf16")) {
+    std::vector<bf16_t> y(static_cast<size_t>(q.rows * q.cols));
+    cpu::dequantize(q, y.data());
+    npy_save(out, kNpyU16, shape, y.data());
+    std::cout << "wrote " << out << " " << npy_dtype_name(kNpyU16) << " " << npy_shape_str(shape) << "\n";
+  } else {
+    std::vector<float> y(static_cast<size_t>(q.rows * q.cols));
+    cpu::dequantize(q, y.data());
+    npy_save(out, kNpyF32, shape, y.data());
+    std::cout << "wrote " << out << " " << npy_dtype_name(kNpyF32) << " " << npy_shape_str(shape) << "\n";
+  }
+  std::cout << "layout: " << q.describe() << "\n";
+  return 0;
+}
+
+// ---- transpose -----------------------------------------------------------------------------
+
+const char kTransposeUsage[] =
+    "usage: flowmoe transpose --method aware|naive [--shape M,K] [--segments a,b,...]\n"
+    "                         PREFIX OUTPREFIX\n"
+    "\n"
+    "Converts a row-wise FP8 tensor (PREFIX.codes.npy [M, K], PREFIX.scales.npy [K/128, M]) to\n"
+    "column-wise FP8 and writes OUTPREFIX.codes.npy [K, M], OUTPREFIX.scales.npy [NB, K] and\n"
+    "OUTPREFIX.segments.npy [E+1] (layout 'col', see 'flowmoe quantize --help').\n"
+    "  aware  scaling-aware transpose: exponent arithmetic only; the result decodes to exactly the\n"
+    "         row-wise values except the 'underflow' elements (rounded into E4M3 subnormals/zero).\n"
+    "  naive  dequantize -> transpose -> quantize with fresh scales (double quantization).\n"
+    "\n"
+    "options:\n"
+    "  --method M        aware or naive (required)\n"
+    "  --shape M,K       logical shape; checked against the files (default: inferred)\n"
+    "  --segments a,b,c  token counts per expert segment of the output (default: one segment)\n"
+    "\n"
+    "Prints the 'wrote' lines, then 'layout:', 'nonfinite: N' and 'underflow: N'.\n";
+
+int run_transpose(const Args& args) {
+  args.expect_positional({"PREFIX", "OUTPREFIX"});
+  const std::string method = parse_choice(args.require("method"), "--method", {"aware", "naive"});
+  const QTensor row = load_qtensor(Layout::kRow1x128, args.positional()[0], args.get("shape"), "");
+  const Segments seg = segments_from_option(args.get("segments"), row.rows);
+  QTensor col;
+  const QuantStats st = method == "aware" ? cpu::scaling_aware_transpose(row, seg, &col)
+                                          : cpu::naive_col_copy(row, seg, &col);
+  save_qtensor(col, args.positional()[1]);
+  print_stats(col, st);
+  return 0;
+}
+
+// ---- fp4-to-fp8 ----------------------------------------------------------------------------
+
+const char kFp4ToFp8Usage[] =
+    "usage: flowmoe fp4-to-fp8 --to row|col|col-stepwise [--shape M,K] [--segments a,b,...]\n"
+    "                          PREFIX OUTPREFIX\n"
+    "\n"
+    "Converts an MXFP4 tensor (PREFIX.codes.npy [M, K/2], PREFIX.scales.npy [M, K/32]) to FP8:\n"
+    "  row           FP4RowToFP8Row: OUTPREFIX.codes.npy [M, K], OUTPREFIX.scales.npy [K/128, M]\n"
+    "                (K must be a multiple of 128)\n"
+    "  col           FP4RowToFP8Col, direct: OUTPREFIX.codes.npy [K, M], OUTPREFIX.scales.npy\n"
+    "                [NB, K], OUTPREFIX.segments.npy [E+1]\n"
+    "  col-stepwise  the baseline: FP4 -> BF16, transpose, quantize with fresh scales (same files)\n"
+    "The direct conversions are exact while the exponent spread of the combined blocks is <= 14;\n"
+    "beyond, values round into the E4M3 subnormals and are counted as 'underflow'.\n"
+    "\n"
+    "options:\n"
+    "  --to T            row, col or col-stepwise (required)\n"
+    "  --shape M,K       logical shape; checked against the files (default: inferred)\n"
+    "  --segments a,b,c  col and col-stepwise only: token counts per expert segment\n";
+
+int run_fp4_to_fp8(const Args& args) {
+  args.expect_positional({"PREFIX", "OUTPREFIX"});
+  const std::string to = parse_choice(args.require("to"), "--to", {"row", "col", "col-stepwise"});
+  if (to == "row" && args.has("segments")) throw UsageError("--segments applies to --to col and col-stepwise only");
+  const QTensor fp4 = load_qtensor(Layout::kMxfp4Row1x32, args.positional()[0], args.get("shape"), "");
+  QTensor out;
+  QuantStats st;
+  if (to == "row") {
+    check_layout_shape(Layout::kRow1x128, fp4.rows, fp4.cols, args.positional()[0] + ".codes.npy");
+    st = cpu::fp4_to_fp8_row(fp4, &out);
+  } else {
+    const Segments seg = segments_from_option(args.get("segments"), fp4.rows);
+    st = to == "col" ? cpu::fp4_to_fp8_col(fp4, seg, &out) : cpu::fp4_to_fp8_col_stepwise(fp4, seg, &out);
+  }
+  save_qtensor(out, args.positional()[1]);
+  print_stats(out, st);
+  return 0;
+}
+
+}  // namespace
+
+Command quantize_command() {
+  return {"quantize", "quantize a .npy array to FP8 (row, col, both, weight) or MXFP4",
+          kQuantizeUsage,
+          {{"layout", true}, {"segments", true}, {"allow-nonfinite", false}},
+          run_quantize};
+}
+
+Command dequantize_command() {
+  return {"dequantize", "decode quantized .npy files back to float32 or bfloat16",
+          kDequantizeUsage,
+          {{"layout", true}, {"shape", true}, {"segments", true}, {"bf16", false}},
+          run_dequantize};
+}
+
+Command transpose_command() {
+  return {"transpose", "row-wise FP8 -> column-wise FP8 (scaling-aware or naive)",
+          kTransposeUsage,
+          {{"method", true}, {"shape", true}, {"segments", true}},
+          run_transpose};
+}
+
+Command fp4_to_fp8_command() {
+  return {"fp4-to-fp8", "MXFP4 -> FP8 row-wise or column-wise (direct or stepwise)",
+          kFp4ToFp8Usage,
+          {{"to", true}, {"shape", true}, {"segments", true}},
+          run_fp4_to_fp8};
+}
+
+}  // namespace cli
+}  // namespace flowmoe

@@ -1,0 +1,98 @@
+// `flowmoe` command-line tool: dispatches to the subcommands in cmd_*.cpp.
+//
+// Exit status: 0 success, 1 flowmoe::Error (bad data, non-finite input, I/O), 2 usage error.
+#include <cstdio>
+#include <exception>
+#include <iostream>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "cli.h"
+#include "flowmoe/error.h"
+
+namespace {
+
+using flowmoe::cli::Command;
+
+std::vector<Command> all_commands() {
+  using namespace flowmoe::cli;
+  return {numerics_command(), quantize_command(),  dequantize_command(), transpose_command(),
+          fp4_to_fp8_command(), cast_command(), decode_command()};
+}
+
+void print_top_usage(std::ostream& os, const std::vector<Command>& cmds) {
+  os << "usage: flowmoe <command> [options] [args]\n"
+        "\n"
+        "FP8 / MXFP4 numerics for MoE training: CPU reference conversions and .npy file tools.\n"
+        "\n"
+        "commands:\n";
+  for (const Command& c : cmds) {
+    std::string name = c.name;
+    name.resize(12, ' ');
+    os << "  " << name << c.summary << "\n";
+  }
+  os << "\n"
+        "Run 'flowmoe <command> --help' for the options of one command.\n"
+        "File layouts are described in docs/FILES.md.\n"
+        "Exit status: 0 ok, 1 error (bad data, non-finite input, I/O), 2 usage error.\n";
+}
+
+// flowmoe::Error messages start with "/path/to/file.cpp:LINE: "; keep only the file's base
+// name so the message stays readable on a terminal.
+std::string readable(const char* what) {
+  std::string s = what;
+  const size_t colon = s.find(".cpp:");
+  const size_t end = colon == std::string::npos ? colon : s.find(": ", colon);
+  if (end == std::string::npos) return s;
+  const size_t slash = s.rfind('/', colon);
+  return slash == std::string::npos ? s : s.substr(slash + 1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::vector<Command> cmds = all_commands();
+  if (argc < 2) {
+    std::cerr << "flowmoe: error: no command given\n\n";
+    print_top_usage(std::cerr, cmds);
+    return 2;
+  }
+  const std::string name = argv[1];
+  if (name == "--help" || name == "-h" || name == "help") {
+    print_top_usage(std::cout, cmds);
+    return 0;
+  }
+  const Command* cmd = nullptr;
+  for (const Command& c : cmds)
+    if (name == c.name) cmd = &c;
+  if (!cmd) {
+    std::cerr << "flowmoe: error: unknown command '" << name << "'\n\n";
+    print_top_usage(std::cerr, cmds);
+    return 2;
+  }
+
+  try {
+    const flowmoe::cli::Args args(argc, argv, 2, cmd->options);
+    if (args.help()) {
+      std::cout << cmd->usage;
+      return 0;
+    }
+    const int rc = cmd->run(args);
+    std::cout.flush();
+    return rc;
+  } catch (const flowmoe::cli::UsageError& e) {
+    std::cerr << "flowmoe " << cmd->name << ": error: " << e.what() << "\n\n" << cmd->usage;
+    return 2;
+  } catch (const flowmoe::Error& e) {
+    std::cout.flush();
+    std::cerr << "flowmoe " << cmd->name << ": error: " << readable(e.what()) << "\n";
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "flowmoe " << cmd->name << ": error: out of memory\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "flowmoe " << cmd->name << ": error: " << e.what() << "\n";
+    return 1;
+  }
+}

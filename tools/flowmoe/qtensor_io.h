@@ -1,0 +1,51 @@
+// Quantized tensors <-> .npy files (the layouts are described in docs/FILES.md):
+//
+//   layout  PREFIX.codes.npy (uint8)   PREFIX.scales.npy (uint8 ue8m0)   extra
+//   row     [M, K]                     [K/128, M]
+//   col     [K, M]                     [NB, K]                          PREFIX.segments.npy int32 [E+1]
+//   weight  [N, K]                     [N/128, K/128]
+//   mxfp4   [M, K/2] (packed e2m1)     [M, K/32]
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flowmoe/tensor.h"
+
+namespace flowmoe {
+namespace cli {
+
+// "row" | "col" | "weight" | "mxfp4" -> Layout (UsageError otherwise).
+Layout parse_layout(const std::string& s);
+// The command-line spelling of a layout.
+const char* layout_word(Layout l);
+
+// Checks that [rows, cols] is a valid logical shape for the layout (block multiples), naming
+// `where` (a file or option) in the error.
+void check_layout_shape(Layout l, int64_t rows, int64_t cols, const std::string& where);
+
+// Stored .npy shapes of codes and scales for a logical [rows, cols] tensor.
+std::vector<int64_t> code_shape(Layout l, int64_t rows, int64_t cols);
+std::vector<int64_t> scale_shape(Layout l, int64_t rows, int64_t cols, const Segments& seg);
+
+// Segments from "--segments a,b,c" token counts (must sum to m), or one segment when empty.
+Segments segments_from_option(const std::string& counts, int64_t m);
+
+// Writes PREFIX.codes.npy, PREFIX.scales.npy (and PREFIX.segments.npy for col); prints one
+// "wrote PATH DTYPE [SHAPE]" line per file to stdout.
+void save_qtensor(const QTensor& q, const std::string& prefix);
+
+// Rebuilds a QTensor from PREFIX.*.npy. `shape` is "M,K" or empty (inferred from the codes
+// file); `seg_counts` is the --segments value or empty (col only: then PREFIX.segments.npy is
+// used when present, else one segment). Every size is validated with a message naming the file.
+QTensor load_qtensor(Layout l, const std::string& prefix, const std::string& shape,
+                     const std::string& seg_counts);
+
+bool file_exists(const std::string& path);
+
+// Prints "layout: ...", "nonfinite: N" and "underflow: N" lines to stdout.
+void print_stats(const QTensor& q, const QuantStats& st);
+
+}  // namespace cli
+}  // namespace flowmoe
