@@ -32,6 +32,15 @@ void check_multiple(int64_t v, int block, const char* dim, const char* what) {
 void check_layout(const QTensor& q, Layout want, const char* what) {
   FLOWMOE_CHECK(q.layout == want, what << ": input is " << layout_name(q.layout) << ", expected "
                                        << layout_name(want));
+  FLOWMOE_CHECK(q.rows >= 0 && q.cols >= 0,
+                what << ": " << q.describe() << " has a negative shape");
+  // The shape must tile exactly, or the scale grid below is too small for the elements.
+  if (q.layout == Layout::kRow1x128) check_multiple(q.cols, kFp8Block, "K", what);
+  if (q.layout == Layout::kWeight128x128) {
+    check_multiple(q.rows, kFp8Block, "N", what);
+    check_multiple(q.cols, kFp8Block, "K", what);
+  }
+  if (q.layout == Layout::kMxfp4Row1x32) check_multiple(q.cols, kFp4Block, "K", what);
   FLOWMOE_CHECK(static_cast<int64_t>(q.codes.size()) == q.code_bytes(),
                 what << ": " << q.describe() << " holds " << q.codes.size()
                      << " code bytes, expected " << q.code_bytes());

@@ -200,7 +200,7 @@ TEST_P(ConvertGpu, AllConversionsBitExact) {
     const auto s = status();
     EXPECT_EQ(s.underflow, static_cast<unsigned long long>(st.underflow));
     EXPECT_EQ(s.nonfinite, static_cast<unsigned long long>(st.nonfinite));
-    if (c.dist == Dist::kBinades) EXPECT_GT(st.underflow, 0) << "binade data should underflow somewhere";
+    if (c.dist == Dist::kBinades && m >= 128) EXPECT_GT(st.underflow, 0) << "binade data should underflow somewhere";
 
     QTensor naive;
     const QuantStats stn = cpu::naive_col_copy(row, seg, &naive);

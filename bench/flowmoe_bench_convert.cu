@@ -1,0 +1,239 @@
+// Conversion-kernel benchmark: each kernel next to its baseline path and the device-to-device
+// copy bandwidth, measured in the same run. Medians of CUDA-event timings after warm-up, random
+// data, two input sets alternated so that L2 (60 MB) never holds the input.
+//
+//   flowmoe_bench_convert [--reps N] [--config NAME] [--tokens T]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flowmoe/cuda/convert.h"
+#include "flowmoe/numerics.h"
+
+using namespace flowmoe;
+
+#define CK(x)                                                                        \
+  do {                                                                               \
+    cudaError_t e_ = (x);                                                            \
+    if (e_ != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                  \
+    }                                                                                \
+  } while (0)
+
+namespace {
+
+int g_reps = 30;
+
+template <typename T>
+T* dalloc(size_t n) {
+  T* p = nullptr;
+  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+  return p;
+}
+
+// median time in microseconds of fn(rep), after 3 warm-up calls
+float time_us(const std::function<void(int)>& fn) {
+  for (int i = 0; i < 3; ++i) fn(i);
+  CK(cudaDeviceSynchronize());
+  std::vector<float> t(g_reps);
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < g_reps; ++i) {
+    CK(cudaEventRecord(a));
+    fn(i);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    CK(cudaEventElapsedTime(&t[i], a, b));
+  }
+  CK(cudaGetLastError());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[g_reps / 2] * 1000.f;
+}
+
+struct Config {
+  const char* name;
+  int hidden;
+  int experts;
+  int topk;
+  int ep;
+};
+
+std::vector<int32_t> ragged_counts(int e, int64_t m, uint32_t seed, int align) {
+  std::mt19937 rng(seed);
+  std::vector<double> w(e);
+  for (auto& v : w) v = 0.5 + std::uniform_real_distribution<double>(0, 1)(rng);
+  double s = 0;
+  for (double v : w) s += v;
+  std::vector<int32_t> c(e);
+  int64_t left = m;
+  for (int i = 0; i < e - 1; ++i) {
+    c[i] = static_cast<int32_t>(std::min<int64_t>(left, (static_cast<int64_t>(m * w[i] / s) / align) * align));
+    left -= c[i];
+  }
+  c[e - 1] = static_cast<int32_t>(left);
+  return c;
+}
+
+double g_copy_gbs = 0;
+
+void row(const char* kernel, double bytes, float us, const char* base = nullptr, float base_us = 0) {
+  const double gbs = bytes / (us * 1e3);
+  std::printf("  %-34s %9.1f MB %9.1f us %8.0f GB/s %6.1f%%", kernel, bytes / 1e6, us, gbs, 100.0 * gbs / g_copy_gbs);
+  if (base) std::printf("   %-30s %9.1f us  x%.2f", base, base_us, base_us / us);
+  std::printf("\n");
+}
+
+void bench_config(const Config& c, int64_t tokens_per_gpu) {
+  const int64_t m = tokens_per_gpu * c.topk;  // rows routed to this GPU's experts, on average
+  const int64_t k = c.hidden;
+  const int E = c.experts / c.ep;
+  const auto counts = ragged_counts(E, m, 17, 16);
+  std::vector<int32_t> offs(E + 1, 0);
+  for (int e = 0; e < E; ++e) offs[e + 1] = offs[e] + counts[e];
+  std::printf("\n%s: H %lld, %d experts / EP%d = %d local, top-%d, %lld tokens/GPU -> M = %lld rows\n", c.name,
+              (long long)k, c.experts, c.ep, E, c.topk, (long long)tokens_per_gpu, (long long)m);
+
+  // inputs: two random bf16 sets
+  const int64_t n = m * k;
+  std::vector<bf16_t> hx(n);
+  std::mt19937 rng(42);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (auto& v : hx) v = num::f32_to_bf16(nd(rng));
+  bf16_t* x[2] = {dalloc<bf16_t>(n), dalloc<bf16_t>(n)};
+  for (auto* p : x) CK(cudaMemcpy(p, hx.data(), n * 2, cudaMemcpyHostToDevice));
+  int32_t* doff = dalloc<int32_t>(E + 1);
+  CK(cudaMemcpy(doff, offs.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
+  const int64_t maxb = cuda::segment_max_blocks(m, E);
+  cuda::SegmentBlocks sb{doff, E, m, maxb, dalloc<int32_t>(maxb), dalloc<int32_t>(maxb), dalloc<int32_t>(E + 1)};
+  cuda::DeviceStatus* st = dalloc<cuda::DeviceStatus>(1);
+  CK(cudaMemset(st, 0, sizeof(*st)));
+  cuda::build_segment_blocks(sb, st, 0);
+
+  uint8_t *rc[2], *rs[2], *fc[2], *fs[2];
+  for (int i = 0; i < 2; ++i) {
+    rc[i] = dalloc<uint8_t>(n);
+    rs[i] = dalloc<uint8_t>(n / 128);
+    fc[i] = dalloc<uint8_t>(n / 2);
+    fs[i] = dalloc<uint8_t>(n / 32);
+    cuda::quantize_row(x[i], m, k, rc[i], rs[i], st, 0);
+    cuda::quantize_mxfp4(x[i], m, k, fc[i], fs[i], st, 0);
+  }
+  uint8_t* oc = dalloc<uint8_t>(n);
+  uint8_t* os = dalloc<uint8_t>(maxb * k);
+  uint8_t* oc2 = dalloc<uint8_t>(n);
+  uint8_t* os2 = dalloc<uint8_t>(n / 128);
+  bf16_t* work = dalloc<bf16_t>(2 * n);
+  CK(cudaDeviceSynchronize());
+
+  const double sc8 = n / 128.0, sc4 = n / 32.0;  // scale bytes
+  const double b_qrow = 2.0 * n + n + sc8;
+  const double b_qboth = 2.0 * n + 2.0 * n + 2 * sc8;
+  const double b_deq = n + sc8 + 2.0 * n;
+  const double b_tr = 4.0 * n;
+  const double b_qt = 2.0 * n + n + sc8;
+  const double b_aware = 2.0 * n + 2 * sc8;
+  const double b_q4 = 2.0 * n + 0.5 * n + sc4;
+  const double b_f4to8 = 0.5 * n + sc4 + n + sc8;
+  const double b_deq4 = 0.5 * n + sc4 + 2.0 * n;
+
+  const float t_qrow = time_us([&](int r) { cuda::quantize_row(x[r & 1], m, k, rc[r & 1], rs[r & 1], st, 0); });
+  const float t_qcol = time_us([&](int r) { cuda::quantize_col(x[r & 1], k, sb, oc, os, nullptr, nullptr, st, 0); });
+  const float t_qboth = time_us([&](int r) { cuda::quantize_col(x[r & 1], k, sb, oc, os, oc2, os2, st, 0); });
+  const float t_deq = time_us([&](int r) { cuda::dequantize_row(rc[r & 1], rs[r & 1], m, k, work, 0); });
+  const float t_tr = time_us([&](int r) { cuda::transpose_bf16(x[r & 1], m, k, work, 0); });
+  const float t_qt = time_us([&](int r) { cuda::quantize_transposed(r & 1 ? x[1] : x[0], k, sb, oc, os, st, 0); });
+  const float t_naive = time_us([&](int r) { cuda::naive_col_copy(rc[r & 1], rs[r & 1], k, sb, oc, os, work, st, 0); });
+  const float t_aware = time_us([&](int r) { cuda::scaling_aware_transpose(rc[r & 1], rs[r & 1], k, sb, oc, os, st, 0); });
+  const float t_q4 = time_us([&](int r) { cuda::quantize_mxfp4(x[r & 1], m, k, fc[r & 1], fs[r & 1], st, 0); });
+  const float t_f4r = time_us([&](int r) { cuda::fp4_to_fp8_row(fc[r & 1], fs[r & 1], m, k, oc2, os2, st, 0); });
+  const float t_f4c = time_us([&](int r) { cuda::fp4_to_fp8_col(fc[r & 1], fs[r & 1], k, sb, oc, os, st, 0); });
+  const float t_deq4 = time_us([&](int r) { cuda::dequantize_mxfp4(fc[r & 1], fs[r & 1], m, k, work, 0); });
+  const float t_step = time_us([&](int r) { cuda::fp4_to_fp8_col_stepwise(fc[r & 1], fs[r & 1], k, sb, oc, os, work, st, 0); });
+  const float t_segs = time_us([&](int) { cuda::build_segment_blocks(sb, st, 0); });
+  // unfused "both": row quantize, transpose, quantize the transposed copy (three kernels)
+  const float t_both_unfused = time_us([&](int r) {
+    cuda::quantize_row(x[r & 1], m, k, oc2, os2, st, 0);
+    cuda::transpose_bf16(x[r & 1], m, k, work, 0);
+    cuda::quantize_transposed(work, k, sb, oc, os, st, 0);
+  });
+
+  std::printf("  %-34s %12s %12s %13s %7s   %-30s %12s  %s\n", "kernel", "bytes", "time", "bandwidth", "%copy",
+              "baseline (same run)", "time", "speed-up");
+  row("quantize_row (BF16->FP8 1x128)", b_qrow, t_qrow);
+  row("quantize_both (row+col, 1 pass)", b_qboth, t_qboth, "row Q + transpose + col Q", t_both_unfused);
+  row("quantize_col (BF16->FP8 128x1)", b_qrow, t_qcol);
+  row("dequantize_row (FP8->BF16)", b_deq, t_deq);
+  row("transpose_bf16 (baseline step)", b_tr, t_tr);
+  row("quantize_transposed (baseline step)", b_qt, t_qt);
+  row("scaling_aware_transpose", b_aware, t_aware, "naive DQ -> T -> Q (3 kernels)", t_naive);
+  row("quantize_mxfp4 (BF16ToFP4Row)", b_q4, t_q4);
+  row("fp4_to_fp8_row (FP4RowToFP8Row)", b_f4to8, t_f4r, "FP4 -> BF16 (dequantize)", t_deq4);
+  row("fp4_to_fp8_col (FP4RowToFP8Col)", b_f4to8, t_f4c, "FP4 -> BF16 -> T -> Q (3 kern.)", t_step);
+  row("dequantize_mxfp4 (FP4->BF16)", b_deq4, t_deq4);
+  std::printf("  %-34s %22.1f us (once per layer pass; %d segments)\n", "build_segment_blocks", t_segs, E);
+
+  for (int i = 0; i < 2; ++i) {
+    cudaFree(x[i]); cudaFree(rc[i]); cudaFree(rs[i]); cudaFree(fc[i]); cudaFree(fs[i]);
+  }
+  cudaFree(oc); cudaFree(os); cudaFree(oc2); cudaFree(os2); cudaFree(work); cudaFree(doff); cudaFree(st);
+  cudaFree(sb.block_start); cudaFree(sb.block_end); cudaFree(sb.block_offsets);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string only;
+  int64_t tokens = 4096;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = std::max(3, std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--config") && i + 1 < argc) only = argv[++i];
+    else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) tokens = std::atoll(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: %s [--reps N] [--config NAME] [--tokens T]\n", argv[0]);
+      return 2;
+    }
+  }
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    std::fprintf(stderr, "flowmoe_bench_convert: no CUDA device\n");
+    return 1;
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+
+  // ceiling: device-to-device copy of 2 GiB, bytes read + written
+  {
+    const size_t bytes = size_t(2) << 30;
+    char *a = dalloc<char>(bytes), *b = dalloc<char>(bytes);
+    CK(cudaMemset(a, 1, bytes));
+    const float us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+    g_copy_gbs = 2.0 * bytes / (us * 1e3);
+    std::printf("copy ceiling: cudaMemcpy D2D %.0f MB in %.1f us = %.0f GB/s (read + write)\n", bytes / 1e6, us, g_copy_gbs);
+    cudaFree(a);
+    cudaFree(b);
+  }
+  const Config configs[] = {
+      {"DeepSeek-V3 EP8", 7168, 256, 8, 8},   {"DeepSeek-V3 EP16", 7168, 256, 8, 16},
+      {"DeepSeek-V3 EP32", 7168, 256, 8, 32}, {"DeepSeek-V2 EP8", 5120, 160, 6, 8},
+      {"DeepSeek-V2 EP16", 5120, 160, 6, 16}, {"DeepSeek-V2 EP32", 5120, 160, 6, 32},
+      {"DeepSeek-V2-Lite EP8", 2048, 64, 6, 8}, {"DeepSeek-V2-Lite EP16", 2048, 64, 6, 16},
+      {"DeepSeek-V2-Lite EP32", 2048, 64, 6, 32},
+  };
+  for (const Config& c : configs) {
+    if (!only.empty() && only != c.name) continue;
+    bench_config(c, tokens);
+  }
+  return 0;
+}
