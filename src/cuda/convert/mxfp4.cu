@@ -119,6 +119,7 @@ fp4_to_fp8_row_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
   if (valid) {
     const int64_t r = tile % m, b = tile / m;
     const uint32_t es = *reinterpret_cast<const uint32_t*>(fp4_scales + r * (k / 32) + b * 4);
+    const uint2 in = __ldg(reinterpret_cast<const uint2*>(fp4_codes + r * (k / 2) + b * 64) + part);
     int cmax = 0, bad = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -132,7 +133,6 @@ fp4_to_fp8_row_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
       out = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
       if (part == 0 && status) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(bad) * 32);
     } else {
-      const uint2 in = __ldg(reinterpret_cast<const uint2*>(fp4_codes + r * (k / 2) + b * 64) + part);
       out = fp4x16_to_fp8(in, sc - static_cast<int>((es >> (8 * (part >> 1))) & 0xFF), s_t, lost);
     }
     reinterpret_cast<uint4*>(codes + r * k + b * kTile)[part] = out;
@@ -152,27 +152,39 @@ fp4_to_fp8_col_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
   __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
   __shared__ uint32_t s_e[kTile];  // the 4 group exponents of each token
   __shared__ int s_max[4], s_bad[4];
+  __shared__ int s_wmax[kTile / 32][4], s_wbad[kTile / 32][4];
   __shared__ ShiftTable s_t;
   const int64_t b = blockIdx.x, kt = blockIdx.y;
   const int bs = bstart[b];
   if (bs < 0) return;
   const int n = bend[b] - bs;
   const int tid = threadIdx.x;
-  load_table(table, s_t);
-  if (tid < 4) {
-    s_max[tid] = 0;
-    s_bad[tid] = 0;
+  uint2 in[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = i * kThreads + tid, row = c >> 3, part = c & 7;
+    in[i] = row < n ? __ldg(reinterpret_cast<const uint2*>(fp4_codes + (bs + row) * (k / 2) + kt * 64) + part)
+                    : make_uint2(0, 0);
   }
-  __syncthreads();
+  load_table(table, s_t);
   if (tid < kTile) {
     const uint32_t es = tid < n ? *reinterpret_cast<const uint32_t*>(fp4_scales + (bs + tid) * (k / 32) + kt * 4) : 0u;
     s_e[tid] = es;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int e = (es >> (8 * j)) & 0xFF;
-      if (e == kUE8M0NaN) atomicAdd(&s_bad[j], 1);
-      else if (e > 0) atomicMax(&s_max[j], e);
+      const uint32_t e = (es >> (8 * j)) & 0xFFu;
+      const unsigned wmax = __reduce_max_sync(0xffffffffu, e == kUE8M0NaN ? 0u : e);
+      const unsigned wbad = __reduce_add_sync(0xffffffffu, e == kUE8M0NaN ? 1u : 0u);
+      if ((tid & 31) == 0) {
+        s_wmax[tid >> 5][j] = static_cast<int>(wmax);
+        s_wbad[tid >> 5][j] = static_cast<int>(wbad);
+      }
     }
+  }
+  __syncthreads();
+  if (tid < 4) {
+    s_max[tid] = max(max(s_wmax[0][tid], s_wmax[1][tid]), max(s_wmax[2][tid], s_wmax[3][tid]));
+    s_bad[tid] = s_wbad[0][tid] + s_wbad[1][tid] + s_wbad[2][tid] + s_wbad[3][tid];
   }
   __syncthreads();
   int lost = 0;
@@ -185,9 +197,8 @@ fp4_to_fp8_col_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
       if (s_bad[j]) {
         v = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
       } else {
-        const uint2 in = __ldg(reinterpret_cast<const uint2*>(fp4_codes + (bs + row) * (k / 2) + kt * 64) + part);
         const int d = max(s_max[j] - 6, 0) - static_cast<int>((s_e[row] >> (8 * j)) & 0xFF);
-        v = fp4x16_to_fp8(in, d, s_t, lost);
+        v = fp4x16_to_fp8(in[i], d, s_t, lost);
       }
     }
     *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + part * 16]) = v;
@@ -205,7 +216,17 @@ fp4_to_fp8_col_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
   detail::store_col_tile(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
 }
 
-// ---- K10: MXFP4 -> bf16 (exact), 16 values per thread.
+// ---- K10: MXFP4 -> bf16 (exact), 16 values per thread. For scale codes >= 2 every value is a
+// bf16 normal whose bits follow from the nibble directly (up to code 252); other codes (bf16
+// subnormals) and NaN scales go through the numerics core.
+__device__ __forceinline__ uint32_t e2m1_to_bf16_bits(uint32_t nib, int s) {
+  const uint32_t mag = nib & 7u;
+  // per magnitude 1..7 (0.5, 1, 1.5, 2, 3, 4, 6): exponent offset + 1 and the mantissa bit
+  const uint32_t e = static_cast<uint32_t>(s - 1) + ((0x33221100u >> (4 * mag)) & 0xFu);
+  const uint32_t bits = mag ? ((e << 7) | (((0xA8u >> mag) & 1u) << 6)) : 0u;
+  return bits | ((nib & 8u) << 12);
+}
+
 __global__ void __launch_bounds__(kThreads)
 dequantize_mxfp4_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
                         int64_t nchunks, bf16_t* __restrict__ y) {
@@ -214,12 +235,17 @@ dequantize_mxfp4_kernel(const uint8_t* __restrict__ codes, const uint8_t* __rest
   const uint8_t s = __ldg(scales + (chunk >> 1));  // 16 values per chunk, 32 per scale
   const uint2 in = __ldg(reinterpret_cast<const uint2*>(codes) + chunk);
   uint32_t out[8];
+  const bool fast = s >= 2 && s <= 252;  // larger scales can overflow to Inf: slow path
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t byte = ((i < 4 ? in.x : in.y) >> (8 * (i & 3))) & 0xFFu;
-    const uint16_t lo = f32_to_bf16(dequant_e2m1(static_cast<uint8_t>(byte & 0xF), s));
-    const uint16_t hi = f32_to_bf16(dequant_e2m1(static_cast<uint8_t>(byte >> 4), s));
-    out[i] = lo | (static_cast<uint32_t>(hi) << 16);
+    if (fast) {
+      out[i] = e2m1_to_bf16_bits(byte & 0xFu, s) | (e2m1_to_bf16_bits(byte >> 4, s) << 16);
+    } else {
+      const uint16_t lo = f32_to_bf16(dequant_e2m1(static_cast<uint8_t>(byte & 0xF), s));
+      const uint16_t hi = f32_to_bf16(dequant_e2m1(static_cast<uint8_t>(byte >> 4), s));
+      out[i] = lo | (static_cast<uint32_t>(hi) << 16);
+    }
   }
   uint4* dst = reinterpret_cast<uint4*>(y) + chunk * 2;
   dst[0] = make_uint4(out[0], out[1], out[2], out[3]);

@@ -1,5 +1,8 @@
 // FP8 quantize (row-wise, column-wise, both, weights), dequantize, and the building blocks of
 // the naive baselines (plain transpose, quantize along the token dimension).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "cuda/convert/tile.cuh"
 #include "flowmoe/cuda/convert.h"
 
@@ -43,28 +46,40 @@ __device__ __forceinline__ void amax8(const uint4& v, float& amax, int& bad) {
   }
 }
 
-// ---- K1: row-wise 1x128. A half-warp per tile, 8 values per thread. Tiles are numbered with
-// the token fastest so that neighbouring tiles write neighbouring scale bytes ([K/128][M]).
+// ---- K1: row-wise 1x128. A half-warp per tile, 8 values per thread, two tiles per half-warp
+// (both loads issued before either is used). Tiles are numbered token-fastest so that
+// neighbouring tiles write neighbouring scale bytes ([K/128][M]).
+constexpr int kRowTilesPerHalfWarp = 2;
 __global__ void __launch_bounds__(kThreads)
 quantize_row_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k, uint8_t* __restrict__ codes,
                     uint8_t* __restrict__ scales, unsigned long long* nonfinite) {
   const int64_t ntiles = m * (k / kTile);
-  const int64_t tile = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
+  const int64_t hw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
+  const int64_t nhw = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 4;
   const int lane = threadIdx.x & 15;
-  const bool valid = tile < ntiles;
-  const int64_t r = valid ? tile % m : 0, kb = valid ? tile / m : 0;
-  uint4 v = make_uint4(0, 0, 0, 0);
-  if (valid) v = __ldg(reinterpret_cast<const uint4*>(x + r * k + kb * kTile) + lane);
-  float amax = 0.f;
-  int bad = 0;
-  amax8(v, amax, bad);
-  amax = detail::warp_max(amax, 16);
-  const int tile_bad = detail::warp_max_i(bad, 16);
-  detail::warp_count(nonfinite, bad);
-  if (!valid) return;
-  const int e = e4m3_scale_exp(amax);
-  reinterpret_cast<uint2*>(codes + r * k + kb * kTile)[lane] = encode8(v, e, tile_bad != 0);
-  if (lane == 0) scales[kb * m + r] = tile_bad ? kUE8M0NaN : ue8m0_from_exp(e);
+  uint4 v[kRowTilesPerHalfWarp];
+#pragma unroll
+  for (int i = 0; i < kRowTilesPerHalfWarp; ++i) {
+    const int64_t tile = hw + i * nhw;
+    v[i] = make_uint4(0, 0, 0, 0);
+    if (tile < ntiles) v[i] = __ldg(reinterpret_cast<const uint4*>(x + (tile % m) * k + (tile / m) * kTile) + lane);
+  }
+#pragma unroll
+  for (int i = 0; i < kRowTilesPerHalfWarp; ++i) {
+    const int64_t tile = hw + i * nhw;
+    float amax = 0.f;
+    int bad = 0;
+    amax8(v[i], amax, bad);
+    amax = detail::warp_max(amax, 16);
+    const int tile_bad = detail::warp_max_i(bad, 16);
+    detail::warp_count(nonfinite, bad);
+    if (tile < ntiles) {
+      const int64_t r = tile % m, kb = tile / m;
+      const int e = e4m3_scale_exp(amax);
+      reinterpret_cast<uint2*>(codes + r * k + kb * kTile)[lane] = encode8(v[i], e, tile_bad != 0);
+      if (lane == 0) scales[kb * m + r] = tile_bad ? kUE8M0NaN : ue8m0_from_exp(e);
+    }
+  }
 }
 
 // ---- K2: column-wise 128x1 (and optionally row-wise) from BF16, one 128x128 tile per CTA.
@@ -154,7 +169,9 @@ quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
   }
 }
 
-// ---- K3: dequantize row-wise FP8 -> bf16, 16 codes per thread.
+// ---- K3: dequantize row-wise FP8 -> bf16, 16 codes per thread. Hardware conversions (e4m3x2
+// -> f16x2 -> f32, exact; f32 -> bf16 RNE), then NaN codes or a NaN scale become the canonical
+// NaN, as num::dequant_e4m3 defines.
 __global__ void __launch_bounds__(kThreads)
 dequantize_row_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
                       int64_t m, int64_t k, bf16_t* __restrict__ y) {
@@ -164,13 +181,18 @@ dequantize_row_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restri
   const uint8_t s = __ldg(scales + (c0 / kTile) * m + r);
   const uint4 q = __ldg(reinterpret_cast<const uint4*>(codes + r * k + c0));
   const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  const float sf = ue8m0_to_f32(s);
   uint32_t out[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const uint32_t word = w[i / 2] >> (16 * (i & 1));
-    const uint16_t lo = f32_to_bf16(dequant_e4m3(static_cast<uint8_t>(word), s));
-    const uint16_t hi = f32_to_bf16(dequant_e4m3(static_cast<uint8_t>(word >> 8), s));
-    out[i] = lo | (static_cast<uint32_t>(hi) << 16);
+    const uint16_t pair = static_cast<uint16_t>(w[i / 2] >> (16 * (i & 1)));
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    const __nv_bfloat162 bb = __floats2bfloat162_rn(f.x * sf, f.y * sf);
+    uint32_t o = *reinterpret_cast<const uint32_t*>(&bb);
+    if (s == kUE8M0NaN || (pair & 0x7Fu) == 0x7Fu) o = (o & 0xFFFF0000u) | 0x7FC0u;
+    if (s == kUE8M0NaN || (pair & 0x7F00u) == 0x7F00u) o = (o & 0x0000FFFFu) | 0x7FC00000u;
+    out[i] = o;
   }
   uint4* dst = reinterpret_cast<uint4*>(y + r * k + c0);
   dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
@@ -337,7 +359,7 @@ void quantize_row(const bf16_t* x, int64_t m, int64_t k, uint8_t* codes, uint8_t
   check_aligned(x, "x", what);
   check_aligned(codes, "codes", what);
   FLOWMOE_CHECK(scales, what << ": scales is null");
-  quantize_row_kernel<<<grid_for(m * (k / kTile) * 16), kThreads, 0, stream>>>(
+  quantize_row_kernel<<<grid_for((m * (k / kTile) + kRowTilesPerHalfWarp - 1) / kRowTilesPerHalfWarp * 16), kThreads, 0, stream>>>(
       x, m, k, codes, scales, nonfinite_ptr(status));
   FLOWMOE_LAUNCH_CHECK(what);
 }

@@ -27,35 +27,51 @@ __device__ __forceinline__ float inv_pow2(int e) { return __uint_as_float(static
 
 __device__ __forceinline__ bool bf16_finite(uint16_t h) { return (h & 0x7F80u) != 0x7F80u; }
 
+// Transposes a 4x4 byte block: r[i] holds row i (4 bytes); c[f] receives column f.
+__device__ __forceinline__ void transpose4x4(const uint32_t r0, const uint32_t r1, const uint32_t r2,
+                                             const uint32_t r3, uint32_t c[4]) {
+  const uint32_t a = __byte_perm(r0, r1, 0x5140), b = __byte_perm(r2, r3, 0x5140);
+  const uint32_t a2 = __byte_perm(r0, r1, 0x7362), b2 = __byte_perm(r2, r3, 0x7362);
+  c[0] = __byte_perm(a, b, 0x5410);
+  c[1] = __byte_perm(a, b, 0x7632);
+  c[2] = __byte_perm(a2, b2, 0x5410);
+  c[3] = __byte_perm(a2, b2, 0x7632);
+}
+
 // Writes the column-wise codes of one tile: s_tile holds [token][feature] bytes (pitch
-// kBytePitch) for `n` valid tokens; feature f goes to out[f * ld + token]. 16-byte stores where
-// `vec` (out + f*ld 16-byte aligned for all f) and the 16 tokens are all valid, bytes otherwise.
+// kBytePitch, rows >= n zero) for `n` valid tokens; feature f goes to out[f * ld + token].
+// A task is 4 features x 16 tokens: 16 word reads (a warp reads 32 consecutive words of one row,
+// no bank conflict), 4x4 byte transposes in registers, four 16-byte stores. `vec`: out + f*ld is
+// 16-byte aligned for every f; partial token groups fall back to byte stores.
 __device__ __forceinline__ void store_col_tile(const uint8_t* s_tile, int n, uint8_t* out,
                                                int64_t ld, bool vec) {
-  // task = (token group j of 16, feature f); a warp covers 32 consecutive features of one j, so
-  // its shared-memory reads are 32 consecutive bytes of one row (no bank conflict).
-  for (int task = threadIdx.x; task < kTile * (kTile / 16); task += blockDim.x) {
-    const int f = task % kTile;
-    const int j = task / kTile;
-    const int t0 = j * 16;
+  for (int task = threadIdx.x; task < (kTile / 4) * (kTile / 16); task += blockDim.x) {
+    const int g = task % (kTile / 4);
+    const int t0 = (task / (kTile / 4)) * 16;
     if (t0 >= n) continue;
-    uint8_t* dst = out + f * ld + t0;
-    if (vec && t0 + 16 <= n) {
-      uint32_t w[4];
+    uint32_t col[4][4];  // [feature][token quad]
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const uint8_t* src = s_tile + (t0 + 4 * q) * kBytePitch + f;
-        w[q] = static_cast<uint32_t>(src[0]) | (static_cast<uint32_t>(src[kBytePitch]) << 8) |
-               (static_cast<uint32_t>(src[2 * kBytePitch]) << 16) |
-               (static_cast<uint32_t>(src[3 * kBytePitch]) << 24);
+    for (int q = 0; q < 4; ++q) {
+      const uint8_t* src = s_tile + (t0 + 4 * q) * kBytePitch + 4 * g;
+      uint32_t c[4];
+      transpose4x4(*reinterpret_cast<const uint32_t*>(src),
+                   *reinterpret_cast<const uint32_t*>(src + kBytePitch),
+                   *reinterpret_cast<const uint32_t*>(src + 2 * kBytePitch),
+                   *reinterpret_cast<const uint32_t*>(src + 3 * kBytePitch), c);
+#pragma unroll
+      for (int f = 0; f < 4; ++f) col[f][q] = c[f];
+    }
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+      uint8_t* dst = out + (4 * g + f) * ld + t0;
+      if (vec && t0 + 16 <= n) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(col[f][0], col[f][1], col[f][2], col[f][3]);
+      } else {
+        for (int t = 0; t < min(16, n - t0); ++t) dst[t] = static_cast<uint8_t>(col[f][t >> 2] >> (8 * (t & 3)));
       }
-      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-      for (int t = t0; t < min(t0 + 16, n); ++t) dst[t - t0] = s_tile[t * kBytePitch + f];
     }
   }
 }
-
 
 // ---- host-side argument checks shared by the launchers -------------------------------------
 namespace host {

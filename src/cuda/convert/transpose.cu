@@ -13,9 +13,18 @@ using detail::kBytePitch;
 using detail::kThreads;
 using detail::kTile;
 
-// Rescales the 4 codes of a word by shift_down, counting lost values.
+// Rescales the 4 codes of a word by shift_down d, counting lost values. SWAR fast path: when
+// every byte keeps an exponent field >= 1 (and none is NaN) the shift only subtracts d from
+// each exponent field; otherwise byte by byte through the numerics core.
 __device__ __forceinline__ uint32_t rescale4(uint32_t w, int d, int& lost) {
   if (d == 0) return w;
+  if (d < 15) {
+    const uint32_t ef = (w >> 3) & 0x0F0F0F0Fu;
+    const uint32_t ge = (ef + 0x01010101u * static_cast<uint32_t>(15 - d)) & 0x10101010u;  // ef >= d+1
+    const uint32_t nan = (w & 0x7F7F7F7Fu) ^ 0x7F7F7F7Fu;                                  // 0 byte: NaN
+    const bool has_nan = ((nan - 0x01010101u) & ~nan & 0x80808080u) != 0;
+    if (ge == 0x10101010u && !has_nan) return w - 0x01010101u * (static_cast<uint32_t>(d) << 3);
+  }
   uint32_t out = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -28,6 +37,7 @@ __device__ __forceinline__ uint32_t rescale4(uint32_t w, int d, int& lost) {
 
 // One CTA per (128-token block, 128-feature tile). The target exponent of every column of the
 // tile is the maximum row exponent of the block (all columns of a K tile share the row scales).
+// The code loads are issued first so that their latency overlaps the scale reduction.
 __global__ void __launch_bounds__(kThreads)
 scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint8_t* __restrict__ row_scales,
                                int64_t m, int64_t k, const int32_t* __restrict__ bstart,
@@ -35,46 +45,52 @@ scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint
                                uint8_t* __restrict__ col_scales, DeviceStatus* status) {
   __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
   __shared__ uint8_t s_e[kTile];
-  __shared__ int s_max, s_bad;
+  __shared__ int s_wmax[kTile / 32], s_wbad[kTile / 32];
   const int64_t b = blockIdx.x, kt = blockIdx.y;
   const int bs = bstart[b];
   if (bs < 0) return;
   const int n = bend[b] - bs;
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    s_max = 0;
-    s_bad = 0;
-  }
-  __syncthreads();
-  if (tid < kTile) {
-    const uint8_t e = tid < n ? row_scales[kt * m + bs + tid] : 0;
-    s_e[tid] = e;
-    if (e == kUE8M0NaN) atomicAdd(&s_bad, 1);
-    else if (e > 0) atomicMax(&s_max, static_cast<int>(e));
-  }
-  __syncthreads();
-  const int emax = s_max, nbad = s_bad;
 
-  // Row pass: 4 chunks of 16 codes per thread, shifted by (emax - e_row) into the byte tile.
+  uint4 v[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
+    v[i] = row < n ? __ldg(reinterpret_cast<const uint4*>(row_codes + (bs + row) * k + kt * kTile) + ch)
+                   : make_uint4(0, 0, 0, 0);
+  }
+  if (tid < kTile) {
+    const uint32_t e = tid < n ? row_scales[kt * m + bs + tid] : 0u;
+    s_e[tid] = static_cast<uint8_t>(e);
+    const unsigned wmax = __reduce_max_sync(0xffffffffu, e == kUE8M0NaN ? 0u : e);
+    const unsigned wbad = __reduce_add_sync(0xffffffffu, e == kUE8M0NaN ? 1u : 0u);
+    if ((tid & 31) == 0) {
+      s_wmax[tid >> 5] = static_cast<int>(wmax);
+      s_wbad[tid >> 5] = static_cast<int>(wbad);
+    }
+  }
+  __syncthreads();
+  const int emax = max(max(s_wmax[0], s_wmax[1]), max(s_wmax[2], s_wmax[3]));
+  const int nbad = s_wbad[0] + s_wbad[1] + s_wbad[2] + s_wbad[3];
+
+  // Row pass: shift each 16-code chunk by (emax - e_row) into the byte tile.
   int lost = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int c = i * kThreads + tid;
-    const int row = c >> 3, ch = c & 7;
-    uint4 v = make_uint4(0, 0, 0, 0);
+    const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
+    uint4 w = v[i];
     if (row < n) {
-      v = __ldg(reinterpret_cast<const uint4*>(row_codes + (bs + row) * k + kt * kTile) + ch);
       if (nbad) {
-        v = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+        w = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
       } else {
         const int d = emax - s_e[row];
-        v.x = rescale4(v.x, d, lost);
-        v.y = rescale4(v.y, d, lost);
-        v.z = rescale4(v.z, d, lost);
-        v.w = rescale4(v.w, d, lost);
+        w.x = rescale4(w.x, d, lost);
+        w.y = rescale4(w.y, d, lost);
+        w.z = rescale4(w.z, d, lost);
+        w.w = rescale4(w.w, d, lost);
       }
     }
-    *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + ch * 16]) = v;
+    *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + ch * 16]) = w;
   }
   detail::warp_count(status ? &status->underflow : nullptr, lost);
   if (tid < kTile) col_scales[b * k + kt * kTile + tid] = nbad ? kUE8M0NaN : static_cast<uint8_t>(emax);
