@@ -15,22 +15,25 @@ using detail::kTile;
 
 // E2M1 magnitude (3 bits) -> E4M3 code of value * 2^-d, for every shift d in [-6, 19] (d >= 19
 // gives zero for every magnitude, so larger shifts use row 19). Built on the host from the
-// numerics core, passed by value, copied to shared memory.
+// numerics core, passed by value, copied to shared memory. Each row is 8 bytes (one per
+// magnitude) in two words, so that __byte_perm looks up four magnitudes at once.
 constexpr int kShiftMin = -6, kShiftMax = 19, kShifts = kShiftMax - kShiftMin + 1;
 struct ShiftTable {
-  unsigned long long codes[kShifts];  // byte i: code of magnitude i
-  uint32_t lost[kShifts];             // bit i: magnitude i is not exact at this shift
+  uint32_t lo[kShifts], hi[kShifts];            // codes of magnitudes 0-3 and 4-7
+  uint32_t lost_lo[kShifts], lost_hi[kShifts];  // 1 where that magnitude is not exact
 };
 
 const ShiftTable& shift_table() {
   static const ShiftTable table = [] {
     ShiftTable t{};
     for (int d = kShiftMin; d <= kShiftMax; ++d) {
-      for (uint8_t mag = 0; mag < 8; ++mag) {
+      const int row = d - kShiftMin;
+      for (uint32_t mag = 0; mag < 8; ++mag) {
         bool lost = false;
-        const uint8_t c = e4m3_encode_shifted(e2m1_to_f32(mag), d, &lost);
-        t.codes[d - kShiftMin] |= static_cast<unsigned long long>(c) << (8 * mag);
-        t.lost[d - kShiftMin] |= static_cast<uint32_t>(lost) << mag;
+        const uint32_t c = e4m3_encode_shifted(e2m1_to_f32(static_cast<uint8_t>(mag)), d, &lost);
+        const uint32_t sh = 8 * (mag & 3);
+        (mag < 4 ? t.lo[row] : t.hi[row]) |= c << sh;
+        (mag < 4 ? t.lost_lo[row] : t.lost_hi[row]) |= static_cast<uint32_t>(lost) << sh;
       }
     }
     return t;
@@ -40,66 +43,75 @@ const ShiftTable& shift_table() {
 
 __device__ __forceinline__ void load_table(const ShiftTable& src, ShiftTable& dst) {
   if (threadIdx.x < kShifts) {
-    dst.codes[threadIdx.x] = src.codes[threadIdx.x];
-    dst.lost[threadIdx.x] = src.lost[threadIdx.x];
+    dst.lo[threadIdx.x] = src.lo[threadIdx.x];
+    dst.hi[threadIdx.x] = src.hi[threadIdx.x];
+    dst.lost_lo[threadIdx.x] = src.lost_lo[threadIdx.x];
+    dst.lost_hi[threadIdx.x] = src.lost_hi[threadIdx.x];
   }
 }
 
-// 16 packed e2m1 values (8 bytes) -> 16 e4m3 codes, all shifted down by d.
+// 16 packed e2m1 values (8 bytes) -> 16 e4m3 codes, all shifted down by d: per four values one
+// byte permute for the magnitudes and a few bit operations that move each sign to bit 7.
 __device__ __forceinline__ uint4 fp4x16_to_fp8(uint2 in, int d, const ShiftTable& t, int& lost) {
   const int row = min(d, kShiftMax) - kShiftMin;
-  const unsigned long long codes = t.codes[row];
-  const uint32_t lmask = t.lost[row];
+  const uint32_t lo = t.lo[row], hi = t.hi[row], llo = t.lost_lo[row], lhi = t.lost_hi[row];
+  const bool may_lose = (llo | lhi) != 0;
   uint32_t out[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    const uint32_t src = (q < 2 ? in.x : in.y) >> (16 * (q & 1));  // 4 nibbles
-    uint32_t word = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t c = (src >> (4 * i)) & 0xFu, mag = c & 7u;
-      const uint32_t code = static_cast<uint32_t>(codes >> (8 * mag)) & 0xFFu;
-      word |= (code | ((c & 8u) << 4)) << (8 * i);
-      lost += (lmask >> mag) & 1u;
-    }
-    out[q] = word;
+    const uint32_t x = ((q < 2 ? in.x : in.y) >> (16 * (q & 1))) & 0xFFFFu;  // 4 nibbles
+    const uint32_t sel = x & 0x7777u;
+    uint32_t y = (x & 0xFFu) | ((x & 0xFF00u) << 8);      // nibble pairs in bytes 0 and 2
+    y = (y & 0x000F000Fu) | ((y & 0x00F000F0u) << 4);     // one nibble per byte
+    out[q] = __byte_perm(lo, hi, sel) | ((y & 0x08080808u) << 4);
+    if (may_lose) lost += __popc(__byte_perm(llo, lhi, sel));
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
-// ---- K7: BF16ToFP4Row. 8 values per thread, a quad of lanes per 32-value block.
+// ---- K7: BF16ToFP4Row. 8 values per chunk, a quad of lanes per 32-value block, two chunks per
+// thread (both loads issued first).
+constexpr int kFp4ChunksPerThread = 2;
 __global__ void __launch_bounds__(kThreads)
 quantize_mxfp4_kernel(const bf16_t* __restrict__ x, int64_t nchunks, uint32_t* __restrict__ codes,
                       uint8_t* __restrict__ scales, unsigned long long* nonfinite) {
-  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool valid = chunk < nchunks;
-  uint4 v = make_uint4(0, 0, 0, 0);
-  if (valid) v = __ldg(reinterpret_cast<const uint4*>(x) + chunk);
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  float amax = 0.f;
-  int bad = 0;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  uint4 v[kFp4ChunksPerThread];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint16_t h = static_cast<uint16_t>(w[i / 2] >> (16 * (i & 1)));
-    if (!detail::bf16_finite(h)) ++bad;
-    else amax = fmaxf(amax, __uint_as_float(static_cast<uint32_t>(h & 0x7FFFu) << 16));
+  for (int c = 0; c < kFp4ChunksPerThread; ++c) {
+    const int64_t chunk = first + c * stride;
+    v[c] = chunk < nchunks ? __ldg(reinterpret_cast<const uint4*>(x) + chunk) : make_uint4(0, 0, 0, 0);
   }
-  amax = detail::warp_max(amax, 4);
-  const int block_bad = detail::warp_max_i(bad, 4);
-  detail::warp_count(nonfinite, bad);
-  if (!valid) return;
-  const int e = e2m1_scale_exp(amax);
-  const float inv = detail::inv_pow2(e);
-  uint32_t out = 0;
-  if (!block_bad) {
+#pragma unroll
+  for (int c = 0; c < kFp4ChunksPerThread; ++c) {
+    const int64_t chunk = first + c * stride;
+    const uint32_t w[4] = {v[c].x, v[c].y, v[c].z, v[c].w};
+    float amax = 0.f;
+    int bad = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const uint32_t h = (w[i / 2] >> (16 * (i & 1))) & 0xFFFFu;
-      out |= static_cast<uint32_t>(e2m1_encode_bounded(__uint_as_float(h << 16) * inv)) << (4 * i);
+      const uint16_t h = static_cast<uint16_t>(w[i / 2] >> (16 * (i & 1)));
+      if (!detail::bf16_finite(h)) ++bad;
+      else amax = fmaxf(amax, __uint_as_float(static_cast<uint32_t>(h & 0x7FFFu) << 16));
     }
+    amax = detail::warp_max(amax, 4);
+    const int block_bad = detail::warp_max_i(bad, 4);
+    detail::warp_count(nonfinite, bad);
+    if (chunk >= nchunks) continue;
+    const int e = e2m1_scale_exp(amax);
+    const float inv = detail::inv_pow2(e);
+    uint32_t out = 0;
+    if (!block_bad) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t h = (w[i / 2] >> (16 * (i & 1))) & 0xFFFFu;
+        out |= static_cast<uint32_t>(e2m1_encode_bounded(__uint_as_float(h << 16) * inv)) << (4 * i);
+      }
+    }
+    codes[chunk] = out;
+    if ((threadIdx.x & 3) == 0) scales[chunk >> 2] = block_bad ? kUE8M0NaN : ue8m0_from_exp(e);
   }
-  codes[chunk] = out;
-  if ((threadIdx.x & 3) == 0) scales[chunk >> 2] = block_bad ? kUE8M0NaN : ue8m0_from_exp(e);
 }
 
 // ---- K8: FP4RowToFP8Row. 16 values per thread, 8 threads per 128-value tile; tiles numbered
@@ -148,13 +160,14 @@ fp4_to_fp8_col_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
                       int64_t m, int64_t k, const int32_t* __restrict__ bstart,
                       const int32_t* __restrict__ bend, uint8_t* __restrict__ col_codes,
                       uint8_t* __restrict__ col_scales, DeviceStatus* status,
-                      const __grid_constant__ ShiftTable table) {
+                      const __grid_constant__ ShiftTable table, bool k_fastest) {
   __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
   __shared__ uint32_t s_e[kTile];  // the 4 group exponents of each token
   __shared__ int s_max[4], s_bad[4];
   __shared__ int s_wmax[kTile / 32][4], s_wbad[kTile / 32][4];
   __shared__ ShiftTable s_t;
-  const int64_t b = blockIdx.x, kt = blockIdx.y;
+  int64_t b, kt;
+  detail::tile_coords(k_fastest, b, kt);
   const int bs = bstart[b];
   if (bs < 0) return;
   const int n = bend[b] - bs;
@@ -264,7 +277,7 @@ void quantize_mxfp4(const bf16_t* x, int64_t m, int64_t k, uint8_t* codes, uint8
   check_aligned(codes, "codes", what);
   FLOWMOE_CHECK(scales, what << ": scales is null");
   const int64_t nchunks = m * k / 8;
-  quantize_mxfp4_kernel<<<grid_for(nchunks), kThreads, 0, stream>>>(
+  quantize_mxfp4_kernel<<<grid_for((nchunks + kFp4ChunksPerThread - 1) / kFp4ChunksPerThread), kThreads, 0, stream>>>(
       x, nchunks, reinterpret_cast<uint32_t*>(codes), scales, nonfinite_ptr(status));
   FLOWMOE_LAUNCH_CHECK(what);
 }
@@ -295,10 +308,11 @@ void fp4_to_fp8_col(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t
   check_aligned(fp4_scales, "fp4_scales", what);
   check_aligned(col_codes, "col_codes", what);
   FLOWMOE_CHECK(col_scales, what << ": col_scales is null");
-  dim3 grid(static_cast<unsigned>(sb.max_blocks), static_cast<unsigned>(k / kTile));
+  const bool k_fastest = tile_k_fastest();
+  const dim3 grid = tile_grid(sb.max_blocks, k / kTile);
   fp4_to_fp8_col_kernel<<<grid, kThreads, 0, stream>>>(fp4_codes, fp4_scales, sb.m, k, sb.block_start,
                                                        sb.block_end, col_codes, col_scales, status,
-                                                       shift_table());
+                                                       shift_table(), k_fastest);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
@@ -312,7 +326,7 @@ void dequantize_mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t m, in
   check_aligned(y, "y", what);
   FLOWMOE_CHECK(scales, what << ": scales is null");
   const int64_t nchunks = m * k / 16;
-  dequantize_mxfp4_kernel<<<grid_for(nchunks), kThreads, 0, stream>>>(codes, scales, nchunks, y);
+  dequantize_mxfp4_kernel<<<grid_for((nchunks + kFp4ChunksPerThread - 1) / kFp4ChunksPerThread), kThreads, 0, stream>>>(codes, scales, nchunks, y);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
