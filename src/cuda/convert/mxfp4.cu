@@ -160,14 +160,14 @@ fp4_to_fp8_col_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
                       int64_t m, int64_t k, const int32_t* __restrict__ bstart,
                       const int32_t* __restrict__ bend, uint8_t* __restrict__ col_codes,
                       uint8_t* __restrict__ col_scales, DeviceStatus* status,
-                      const __grid_constant__ ShiftTable table, bool k_fastest) {
+                      const __grid_constant__ ShiftTable table) {
   __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
   __shared__ uint32_t s_e[kTile];  // the 4 group exponents of each token
   __shared__ int s_max[4], s_bad[4];
   __shared__ int s_wmax[kTile / 32][4], s_wbad[kTile / 32][4];
   __shared__ ShiftTable s_t;
   int64_t b, kt;
-  detail::tile_coords(k_fastest, b, kt);
+  detail::tile_coords(b, kt);
   const int bs = bstart[b];
   if (bs < 0) return;
   const int n = bend[b] - bs;
@@ -308,11 +308,10 @@ void fp4_to_fp8_col(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t
   check_aligned(fp4_scales, "fp4_scales", what);
   check_aligned(col_codes, "col_codes", what);
   FLOWMOE_CHECK(col_scales, what << ": col_scales is null");
-  const bool k_fastest = tile_k_fastest();
   const dim3 grid = tile_grid(sb.max_blocks, k / kTile);
   fp4_to_fp8_col_kernel<<<grid, kThreads, 0, stream>>>(fp4_codes, fp4_scales, sb.m, k, sb.block_start,
                                                        sb.block_end, col_codes, col_scales, status,
-                                                       shift_table(), k_fastest);
+                                                       shift_table());
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
@@ -326,7 +325,7 @@ void dequantize_mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t m, in
   check_aligned(y, "y", what);
   FLOWMOE_CHECK(scales, what << ": scales is null");
   const int64_t nchunks = m * k / 16;
-  dequantize_mxfp4_kernel<<<grid_for((nchunks + kFp4ChunksPerThread - 1) / kFp4ChunksPerThread), kThreads, 0, stream>>>(codes, scales, nchunks, y);
+  dequantize_mxfp4_kernel<<<grid_for(nchunks), kThreads, 0, stream>>>(codes, scales, nchunks, y);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 

@@ -88,13 +88,13 @@ quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
                     const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend,
                     uint8_t* __restrict__ col_codes, uint8_t* __restrict__ col_scales,
                     uint8_t* __restrict__ row_codes, uint8_t* __restrict__ row_scales,
-                    unsigned long long* nonfinite, bool k_fastest) {
+                    unsigned long long* nonfinite) {
   constexpr int kPitch = kTile + 8;  // bf16 elements; 272 bytes keeps rows 16-byte aligned
   __shared__ __align__(16) uint16_t s_x[kTile * kPitch];
   __shared__ float s_amax[2][kTile];
   __shared__ int s_bad[2][kTile];
   int64_t b, kt;
-  detail::tile_coords(k_fastest, b, kt);
+  detail::tile_coords(b, kt);
   const int bs = bstart[b];
   if (bs < 0) return;
   const int n = bend[b] - bs;
@@ -378,11 +378,10 @@ void quantize_col(const bf16_t* x, int64_t k, const SegmentBlocks& sb, uint8_t* 
   FLOWMOE_CHECK((row_codes == nullptr) == (row_scales == nullptr),
                 what << ": give both row_codes and row_scales, or neither");
   if (row_codes) check_aligned(row_codes, "row_codes", what);
-  const bool k_fastest = tile_k_fastest();
   const dim3 grid = tile_grid(sb.max_blocks, k / kTile);
   quantize_col_kernel<<<grid, kThreads, 0, stream>>>(x, sb.m, k, sb.block_start, sb.block_end,
                                                      col_codes, col_scales, row_codes, row_scales,
-                                                     nonfinite_ptr(status), k_fastest);
+                                                     nonfinite_ptr(status));
   FLOWMOE_LAUNCH_CHECK(what);
 }
 

@@ -42,12 +42,12 @@ __global__ void __launch_bounds__(kThreads)
 scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint8_t* __restrict__ row_scales,
                                int64_t m, int64_t k, const int32_t* __restrict__ bstart,
                                const int32_t* __restrict__ bend, uint8_t* __restrict__ col_codes,
-                               uint8_t* __restrict__ col_scales, DeviceStatus* status, bool k_fastest) {
+                               uint8_t* __restrict__ col_scales, DeviceStatus* status) {
   __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
   __shared__ uint8_t s_e[kTile];
   __shared__ int s_wmax[kTile / 32], s_wbad[kTile / 32];
   int64_t b, kt;
-  detail::tile_coords(k_fastest, b, kt);
+  detail::tile_coords(b, kt);
   const int bs = bstart[b];
   if (bs < 0) return;
   const int n = bend[b] - bs;
@@ -112,10 +112,9 @@ void scaling_aware_transpose(const uint8_t* row_codes, const uint8_t* row_scales
   check_aligned(row_codes, "row_codes", what);
   check_aligned(col_codes, "col_codes", what);
   FLOWMOE_CHECK(row_scales && col_scales, what << ": row_scales or col_scales is null");
-  const bool k_fastest = tile_k_fastest();
   const dim3 grid = tile_grid(sb.max_blocks, k / kTile);
   scaling_aware_transpose_kernel<<<grid, kThreads, 0, stream>>>(
-      row_codes, row_scales, sb.m, k, sb.block_start, sb.block_end, col_codes, col_scales, status, k_fastest);
+      row_codes, row_scales, sb.m, k, sb.block_start, sb.block_end, col_codes, col_scales, status);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
