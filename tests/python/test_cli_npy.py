@@ -426,12 +426,21 @@ def test_errors(tmp, rng):
 
 def test_numerics():
     out = run_ok("numerics", "--m", "256", "--k", "256", "--experts", "4", "--seed", "7")
-    check("numerics: prints all seven paths",
+    check("numerics: prints all nine paths",
           all(s in out for s in ("row-wise FP8 (reference)", "naive DQ->T->Q col", "scaling-aware transpose col",
+                                 "row-wise FP8, FP32 scales", "naive DQ->T->Q, FP32 scales",
                                  "FP4 row (MXFP4)", "FP4->FP8 stepwise col", "FP4->FP8 direct col",
                                  "FP4->FP8 direct row")), out)
-    m = re.search(r"^c\) scaling-aware transpose col\s+a\s+(\d+) \([^)]*\)\s+\S+\s+\S+\s+(\d+)", out, re.M)
-    check("numerics: aware transpose changed == underflow", m is not None and m.group(1) == m.group(2), out)
+    # "<letter>) <name>  <vs>  <changed> (<pct>)  <max rel>  <mean rel>  <underflow or ->"
+    rows = {mm.group(1): (int(mm.group(2)), mm.group(3))
+            for mm in re.finditer(r"^([a-i])\) .+?\s+[a-z]\s+(\d+) \([^)]*\)\s+\S+\s+\S+\s+(\d+|-)\s", out, re.M)}
+    check("numerics: table has rows a-i", sorted(rows) == list("abcdefghi"), out)
+    if sorted(rows) == list("abcdefghi"):
+        check("numerics: aware transpose changed == underflow", str(rows["c"][0]) == rows["c"][1], out)
+        check("numerics: pow2 naive copy changes no more than the aware transpose", rows["b"][0] <= rows["c"][0], out)
+        check("numerics: FP32-scale naive copy re-rounds (double quantization)",
+              rows["e"][0] > 0 and rows["d"][1] == "-" and rows["e"][1] == "-", out)
+        check("numerics: direct FP4->FP8 conversions change nothing here", rows["h"][0] == rows["i"][0] == 0, out)
 
 
 def main():

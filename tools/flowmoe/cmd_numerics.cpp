@@ -1,5 +1,8 @@
 // `flowmoe numerics`: quantizes a random activation along every path of the papers with the
-// CPU reference and prints how much each path changes values (SPEC §4).
+// CPU reference and prints how much each path changes values (SPEC §4). Two extra rows show the
+// naive column copy as users run it today, with DeepSeek-V3-style FP32 scales (amax / 448): that
+// demonstration lives here, not in the library, which only has power-of-two scales.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,14 +26,20 @@ const char kNumericsUsage[] =
     "  a) row-wise FP8 (reference)    quantize_row(x)                        source: x\n"
     "  b) naive DQ->T->Q col          naive_col_copy(a)                      source: a\n"
     "  c) scaling-aware transpose col scaling_aware_transpose(a)             source: a\n"
-    "  d) FP4 row (MXFP4)             quantize_mxfp4(x)                      source: x\n"
-    "  e) FP4->FP8 stepwise col       fp4_to_fp8_col_stepwise(d)             source: d\n"
-    "  f) FP4->FP8 direct col         fp4_to_fp8_col(d)                      source: d\n"
-    "  g) FP4->FP8 direct row         fp4_to_fp8_row(d)                      source: d\n"
+    "  d) row-wise FP8, FP32 scales   1x128, s = amax/448 in float32         source: x\n"
+    "  e) naive DQ->T->Q, FP32 scales d -> BF16 -> transpose -> fresh FP32   source: d\n"
+    "                                 scales over the same token blocks\n"
+    "  f) FP4 row (MXFP4)             quantize_mxfp4(x)                      source: x\n"
+    "  g) FP4->FP8 stepwise col       fp4_to_fp8_col_stepwise(f)             source: f\n"
+    "  h) FP4->FP8 direct col         fp4_to_fp8_col(f)                      source: f\n"
+    "  i) FP4->FP8 direct row         fp4_to_fp8_row(f)                      source: f\n"
+    "Rows d and e are the DeepSeek-V3-style recipe (FP32 scales, not powers of two), computed\n"
+    "in this tool only, for comparison; every other row is a flowmoe::cpu conversion.\n"
     "Columns: values changed (elements whose decoded value differs from the path's source),\n"
     "max and mean relative error |q - x| / |x| against the input x over its nonzero elements,\n"
-    "underflow count reported by the conversion, bytes per element (codes + scales) and the\n"
-    "single-threaded CPU time of the conversion.\n"
+    "underflow count reported by the exact conversions c, h and i ('-': the path rounds by\n"
+    "design and counts nothing), bytes per element (codes + scales) and the single-threaded\n"
+    "CPU time of the conversion.\n"
     "\n"
     "options:\n"
     "  --m M          tokens (default 4096, >= 1)\n"
@@ -104,26 +113,30 @@ std::vector<int32_t> make_counts(int64_t m, int experts, Rng& rng) {
   return counts;
 }
 
+// Underflow is counted by the exact layout conversions only (scaling-aware transpose, direct
+// FP4->FP8); quantizers and the fresh-scale paths round by design and report no such count.
+constexpr int64_t kNotCounted = -1;
+
 struct Row {
   std::string name, source;
   int64_t changed = 0;
   double max_rel = 0, mean_rel = 0;
-  int64_t underflow = 0;
+  int64_t underflow = 0;  // kNotCounted: the path does not count underflow
   double bytes_per_elem = 0;
   double ms = 0;
 };
 
-// Compares the decoded tensor q against its source (value equality, so -0 == +0) and the
-// input x (relative error over nonzero x).
-Row measure(const std::string& name, const std::string& source_name, const QTensor& t, const QuantStats& st,
-            double ms, const std::vector<float>& source, const std::vector<float>& x, std::vector<float>& buf) {
-  cpu::dequantize(t, buf.data());
+// Compares decoded values q ([M, K], logical order) against the path's source (value
+// equality, so -0 == +0) and the input x (relative error over nonzero x).
+Row measure_values(const std::string& name, const std::string& source_name, const std::vector<float>& buf,
+                   int64_t underflow, double ms, double bytes_per_elem, const std::vector<float>& source,
+                   const std::vector<float>& x) {
   Row r;
   r.name = name;
   r.source = source_name;
-  r.underflow = st.underflow;
+  r.underflow = underflow;
   r.ms = ms;
-  r.bytes_per_elem = static_cast<double>(t.codes.size() + t.scales.size()) / static_cast<double>(x.size());
+  r.bytes_per_elem = bytes_per_elem;
   double sum_rel = 0;
   int64_t nonzero = 0;
   for (size_t i = 0; i < x.size(); ++i) {
@@ -138,6 +151,91 @@ Row measure(const std::string& name, const std::string& source_name, const QTens
   }
   r.mean_rel = nonzero ? sum_rel / static_cast<double>(nonzero) : 0.0;
   return r;
+}
+
+// The same for a flowmoe QTensor: decodes it into buf (which then holds its values).
+Row measure(const std::string& name, const std::string& source_name, const QTensor& t, int64_t underflow,
+            double ms, const std::vector<float>& source, const std::vector<float>& x, std::vector<float>& buf) {
+  cpu::dequantize(t, buf.data());
+  const double bytes = static_cast<double>(t.codes.size() + t.scales.size()) / static_cast<double>(x.size());
+  return measure_values(name, source_name, buf, underflow, ms, bytes, source, x);
+}
+
+// ---- The naive path as users run it today: FP8 with FP32 scales --------------------------------
+// DeepSeek-V3-style blockwise FP8 keeps one float32 scale per 128 values, s = amax / 448
+// (computed in float32, so s is generally NOT a power of two; an all-zero tile gets s = 1), and
+// encodes q = RNE_E4M3(x / s) from the float32 quotient. Its column-wise copy is made by
+// dequantizing (q * s in float32, rounded to BF16), transposing and quantizing again with fresh
+// FP32 scales. Because s is not a power of two, q * s / s' is not an E4M3 value in general and
+// the second quantization rounds again: this is the double quantization error of FP8-Flow-MoE.
+// Only the decoded values matter here, so codes and scales are kept in plain arrays. The input
+// of `numerics` is always finite; no NaN handling.
+struct Fp32ScaledFp8 {
+  std::vector<uint8_t> codes;  // E4M3
+  std::vector<float> scales;   // one float32 scale per 128 values
+};
+
+float fp32_scale(float amax) { return amax > 0.0f ? amax / num::kE4M3Max : 1.0f; }
+
+// Row-wise 1x128: codes [M, K], scales [M][K/128]. Returns the decoded values q * s (float32).
+std::vector<float> quantize_row_fp32_scales(const std::vector<float>& x, int64_t m, int64_t k, Fp32ScaledFp8* q) {
+  const int64_t tiles = k / kFp8Block;
+  q->codes.assign(static_cast<size_t>(m * k), 0);
+  q->scales.assign(static_cast<size_t>(m * tiles), 1.0f);
+  std::vector<float> decoded(static_cast<size_t>(m * k));
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t j = 0; j < tiles; ++j) {
+      const size_t i0 = static_cast<size_t>(t * k + j * kFp8Block);
+      float amax = 0.0f;
+      for (int c = 0; c < kFp8Block; ++c) amax = std::max(amax, std::fabs(x[i0 + c]));
+      const float s = fp32_scale(amax);
+      q->scales[static_cast<size_t>(t * tiles + j)] = s;
+      for (int c = 0; c < kFp8Block; ++c) {
+        q->codes[i0 + c] = num::f32_to_e4m3(x[i0 + c] / s);
+        decoded[i0 + c] = num::e4m3_to_f32(q->codes[i0 + c]) * s;
+      }
+    }
+  }
+  return decoded;
+}
+
+// Naive column-wise copy of a row-wise FP32-scale tensor, given its decoded float32 values
+// [M, K]: round them to BF16 (the dequantized tensor users keep), transpose, and quantize each
+// (feature, 128-token block) with a fresh FP32 scale; blocks follow the segments as in flowmoe's
+// column-wise layout. codes [K, M], scales [NB][K]. Returns the decoded values in [M, K] order.
+std::vector<float> naive_col_fp32_scales(const std::vector<float>& row_decoded, int64_t m, int64_t k,
+                                         const Segments& seg, Fp32ScaledFp8* q) {
+  std::vector<float> xt(static_cast<size_t>(k * m));  // BF16 values, transposed to [K, M]
+  for (int64_t t = 0; t < m; ++t)
+    for (int64_t c = 0; c < k; ++c)
+      xt[static_cast<size_t>(c * m + t)] = num::bf16_to_f32(num::f32_to_bf16(row_decoded[static_cast<size_t>(t * k + c)]));
+  q->codes.assign(static_cast<size_t>(k * m), 0);
+  q->scales.assign(static_cast<size_t>(seg.num_blocks() * k), 1.0f);
+  std::vector<float> decoded(static_cast<size_t>(m * k));
+  int64_t blk = 0;
+  for (int e = 0; e < seg.num_segments(); ++e) {
+    for (int64_t t0 = seg.offsets[static_cast<size_t>(e)]; t0 < seg.offsets[static_cast<size_t>(e) + 1];
+         t0 += kFp8Block, ++blk) {
+      const int64_t t1 = std::min<int64_t>(t0 + kFp8Block, seg.offsets[static_cast<size_t>(e) + 1]);
+      for (int64_t c = 0; c < k; ++c) {
+        const float* col = &xt[static_cast<size_t>(c * m)];
+        float amax = 0.0f;
+        for (int64_t t = t0; t < t1; ++t) amax = std::max(amax, std::fabs(col[t]));
+        const float s = fp32_scale(amax);
+        q->scales[static_cast<size_t>(blk * k + c)] = s;
+        for (int64_t t = t0; t < t1; ++t) {
+          const uint8_t code = num::f32_to_e4m3(col[t] / s);
+          q->codes[static_cast<size_t>(c * m + t)] = code;
+          decoded[static_cast<size_t>(t * k + c)] = num::e4m3_to_f32(code) * s;
+        }
+      }
+    }
+  }
+  return decoded;
+}
+
+double fp32_scaled_bytes_per_elem(const Fp32ScaledFp8& q) {
+  return static_cast<double>(q.codes.size() + 4 * q.scales.size()) / static_cast<double>(q.codes.size());
 }
 
 template <typename F>
@@ -183,62 +281,78 @@ int run_numerics(const Args& args) {
 
   QTensor row, fp4;
   double ms = time_ms([&] { st = cpu::quantize_row(xb.data(), m, k, &row); });
-  rows.push_back(measure("a) row-wise FP8 (reference)", "x", row, st, ms, x, x, buf));
+  rows.push_back(measure("a) row-wise FP8 (reference)", "x", row, kNotCounted, ms, x, x, buf));
   deq_row = buf;
   {
     QTensor col;
     ms = time_ms([&] { st = cpu::naive_col_copy(row, seg, &col); });
-    rows.push_back(measure("b) naive DQ->T->Q col", "a", col, st, ms, deq_row, x, buf));
+    rows.push_back(measure("b) naive DQ->T->Q col", "a", col, kNotCounted, ms, deq_row, x, buf));
     ms = time_ms([&] { st = cpu::scaling_aware_transpose(row, seg, &col); });
-    rows.push_back(measure("c) scaling-aware transpose col", "a", col, st, ms, deq_row, x, buf));
+    rows.push_back(measure("c) scaling-aware transpose col", "a", col, st.underflow, ms, deq_row, x, buf));
+  }
+  {
+    // DeepSeek-V3-style FP32 scales (the comparison rows, see Fp32ScaledFp8 above).
+    Fp32ScaledFp8 row32, col32;
+    std::vector<float> deq_row32, deq_col32;
+    ms = time_ms([&] { deq_row32 = quantize_row_fp32_scales(x, m, k, &row32); });
+    rows.push_back(measure_values("d) row-wise FP8, FP32 scales", "x", deq_row32, kNotCounted, ms,
+                                  fp32_scaled_bytes_per_elem(row32), x, x));
+    ms = time_ms([&] { deq_col32 = naive_col_fp32_scales(deq_row32, m, k, seg, &col32); });
+    rows.push_back(measure_values("e) naive DQ->T->Q, FP32 scales", "d", deq_col32, kNotCounted, ms,
+                                  fp32_scaled_bytes_per_elem(col32), deq_row32, x));
   }
   ms = time_ms([&] { st = cpu::quantize_mxfp4(xb.data(), m, k, &fp4); });
-  rows.push_back(measure("d) FP4 row (MXFP4)", "x", fp4, st, ms, x, x, buf));
+  rows.push_back(measure("f) FP4 row (MXFP4)", "x", fp4, kNotCounted, ms, x, x, buf));
   deq_fp4 = buf;
   {
     QTensor out;
     ms = time_ms([&] { st = cpu::fp4_to_fp8_col_stepwise(fp4, seg, &out); });
-    rows.push_back(measure("e) FP4->FP8 stepwise col", "d", out, st, ms, deq_fp4, x, buf));
+    rows.push_back(measure("g) FP4->FP8 stepwise col", "f", out, kNotCounted, ms, deq_fp4, x, buf));
     ms = time_ms([&] { st = cpu::fp4_to_fp8_col(fp4, seg, &out); });
-    rows.push_back(measure("f) FP4->FP8 direct col", "d", out, st, ms, deq_fp4, x, buf));
+    rows.push_back(measure("h) FP4->FP8 direct col", "f", out, st.underflow, ms, deq_fp4, x, buf));
     ms = time_ms([&] { st = cpu::fp4_to_fp8_row(fp4, &out); });
-    rows.push_back(measure("g) FP4->FP8 direct row", "d", out, st, ms, deq_fp4, x, buf));
+    rows.push_back(measure("i) FP4->FP8 direct row", "f", out, st.underflow, ms, deq_fp4, x, buf));
   }
 
   std::printf("%-32s %-3s %24s %12s %12s %10s %10s %9s\n", "path", "vs", "values changed", "max rel err",
               "mean rel err", "underflow", "bytes/elem", "cpu ms");
   for (const Row& r : rows) {
-    char changed[48];
+    char changed[48], underflow[24];
     std::snprintf(changed, sizeof changed, "%lld (%.4f%%)", static_cast<long long>(r.changed),
                   100.0 * static_cast<double>(r.changed) / static_cast<double>(n));
-    std::printf("%-32s %-3s %24s %12.3e %12.3e %10lld %10.4f %9.1f\n", r.name.c_str(), r.source.c_str(), changed,
-                r.max_rel, r.mean_rel, static_cast<long long>(r.underflow), r.bytes_per_elem, r.ms);
+    if (r.underflow == kNotCounted) std::snprintf(underflow, sizeof underflow, "-");
+    else std::snprintf(underflow, sizeof underflow, "%lld", static_cast<long long>(r.underflow));
+    std::printf("%-32s %-3s %24s %12.3e %12.3e %10s %10.4f %9.1f\n", r.name.c_str(), r.source.c_str(), changed,
+                r.max_rel, r.mean_rel, underflow, r.bytes_per_elem, r.ms);
   }
 
   const Row& naive = rows[1];
   const Row& aware = rows[2];
-  const long long nb = naive.changed, na = aware.changed, nu = aware.underflow;
+  const Row& naive32 = rows[4];
+  const long long nb = naive.changed, na = aware.changed, nu = aware.underflow, ne = naive32.changed;
   std::printf(
-      "\n'vs' is the layout each path is compared with (x = the BF16 input, a = row-wise FP8,\n"
-      "d = MXFP4); relative errors are always against x.\n"
-      "The naive column copy (b) dequantizes the row-wise FP8 tensor and quantizes it again with\n"
-      "fresh scales: values that were already rounded once are rounded a second time (double\n"
-      "quantization); it changed %lld values of (a) here. The scaling-aware transpose (c) never\n"
-      "leaves FP8: it only shifts each code's exponent to the block's shared exponent (the largest\n"
-      "row-tile exponent among the block's 128 tokens), so the column-wise copy decodes to exactly\n"
-      "the row-wise values except the elements pushed below the E4M3 normal range, which are\n"
-      "rounded to nearest even into the subnormals and counted as underflow (%lld changed, %lld\n"
-      "counted).\n"
-      "Note: with power-of-two scales the naive re-rounding is an exponent shift too, so it also\n"
-      "changes only values that leave the normal range, and its fresh per-column scale is never\n"
-      "coarser than (c)'s shared exponent taken over whole 1x128 row tiles:\n"
-      "(b) %s (c) here.\n"
-      "The FP4->FP8 conversions (e-g) are exact while the exponent spread of the combined MXFP4\n"
+      "\n'vs' is the tensor each path is compared with (x = the BF16 input, a = row-wise FP8,\n"
+      "d = row-wise FP8 with FP32 scales, f = MXFP4); relative errors are always against x.\n"
+      "\n"
+      "Double quantization happens with FP32 scales: the naive column copy (e) dequantizes (d),\n"
+      "rounds to BF16 and quantizes again with fresh scales s' = amax/448; q*s/s' is in general\n"
+      "not an E4M3 value, so values rounded once are rounded a second time. It changed %lld\n"
+      "values of (d) here.\n"
+      "With flowmoe's power-of-two scales both column copies are exponent shifts of the row-wise\n"
+      "codes. The scaling-aware transpose (c) shifts each code to the block's shared exponent\n"
+      "(the largest row-tile exponent among the block's tokens), so its column-wise copy decodes\n"
+      "to exactly the row-wise values except the elements pushed below the E4M3 normal range,\n"
+      "which are rounded to nearest even into the subnormals and counted as underflow (%lld\n"
+      "changed, %lld counted). The naive path (b) also changes only such values, and its fresh\n"
+      "per-column scale is never coarser than (c)'s shared exponent, so it changes no more values\n"
+      "than (c): %lld vs %lld here. What (c) adds is one FP8 pass with no BF16 round trip, and\n"
+      "the guarantee that the column copy equals the row copy except for the counted underflow.\n"
+      "\n"
+      "The FP4->FP8 conversions (g-i) are exact while the exponent spread of the combined MXFP4\n"
       "blocks stays within 14 binades; beyond that they count underflow the same way.\n"
       "A max rel err of 1 means some nonzero input decoded to zero (below half the smallest\n"
       "subnormal of its tile's scale).\n",
-      nb, na, nu,
-      nb < na ? "changed fewer values than" : nb == na ? "changed as many values as" : "changed more values than");
+      ne, na, nu, nb, na);
   return 0;
 }
 
