@@ -87,17 +87,10 @@ quantize_mxfp4_kernel(const bf16_t* __restrict__ x, int64_t nchunks, uint32_t* _
   for (int c = 0; c < kFp4ChunksPerThread; ++c) {
     const int64_t chunk = first + c * stride;
     const uint32_t w[4] = {v[c].x, v[c].y, v[c].z, v[c].w};
-    float amax = 0.f;
-    int bad = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint16_t h = static_cast<uint16_t>(w[i / 2] >> (16 * (i & 1)));
-      if (!detail::bf16_finite(h)) ++bad;
-      else amax = fmaxf(amax, __uint_as_float(static_cast<uint32_t>(h & 0x7FFFu) << 16));
-    }
-    amax = detail::warp_max(amax, 4);
-    const int block_bad = detail::warp_max_i(bad, 4);
-    detail::warp_count(nonfinite, bad);
+    const uint32_t amax_bits = detail::group_max_u(detail::absmax8_bits(v[c]), 4);
+    const bool block_bad = amax_bits >= detail::kBf16NonFiniteBits;
+    detail::count_nonfinite_warp(nonfinite, v[c], block_bad);
+    const float amax = detail::bf16_bits_to_f32(amax_bits);
     if (chunk >= nchunks) continue;
     const int e = e2m1_scale_exp(amax);
     const float inv = detail::inv_pow2(e);

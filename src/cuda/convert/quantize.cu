@@ -67,16 +67,14 @@ quantize_row_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k, uint8_t*
 #pragma unroll
   for (int i = 0; i < kRowTilesPerHalfWarp; ++i) {
     const int64_t tile = hw + i * nhw;
-    float amax = 0.f;
-    int bad = 0;
-    amax8(v[i], amax, bad);
-    amax = detail::warp_max(amax, 16);
-    const int tile_bad = detail::warp_max_i(bad, 16);
-    detail::warp_count(nonfinite, bad);
+    const uint32_t amax_bits = detail::group_max_u(detail::absmax8_bits(v[i]), 16);
+    const bool tile_bad = amax_bits >= detail::kBf16NonFiniteBits;
+    detail::count_nonfinite_warp(nonfinite, v[i], tile_bad);
+    const float amax = detail::bf16_bits_to_f32(amax_bits);
     if (tile < ntiles) {
       const int64_t r = tile % m, kb = tile / m;
       const int e = e4m3_scale_exp(amax);
-      reinterpret_cast<uint2*>(codes + r * k + kb * kTile)[lane] = encode8(v[i], e, tile_bad != 0);
+      reinterpret_cast<uint2*>(codes + r * k + kb * kTile)[lane] = encode8(v[i], e, tile_bad);
       if (lane == 0) scales[kb * m + r] = tile_bad ? kUE8M0NaN : ue8m0_from_exp(e);
     }
   }
@@ -91,8 +89,7 @@ quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
                     unsigned long long* nonfinite) {
   constexpr int kPitch = kTile + 8;  // bf16 elements; 272 bytes keeps rows 16-byte aligned
   __shared__ __align__(16) uint16_t s_x[kTile * kPitch];
-  __shared__ float s_amax[2][kTile];
-  __shared__ int s_bad[2][kTile];
+  __shared__ uint32_t s_amax[2][kTile];
   int64_t b, kt;
   detail::tile_coords(b, kt);
   const int bs = bstart[b];
@@ -109,15 +106,13 @@ quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
     if (row < n) v = __ldg(reinterpret_cast<const uint4*>(x + (bs + row) * k + kt * kTile) + ch);
     *reinterpret_cast<uint4*>(&s_x[row * kPitch + ch * 8]) = v;
     if (want_row) {
-      float amax = 0.f;
-      int bad = 0;
-      amax8(v, amax, bad);
-      amax = detail::warp_max(amax, 16);
-      const int tile_bad = detail::warp_max_i(bad, 16);
-      detail::warp_count(nonfinite, bad);
+      const uint32_t amax_bits = detail::group_max_u(detail::absmax8_bits(v), 16);
+      const bool tile_bad = amax_bits >= detail::kBf16NonFiniteBits;
+      detail::count_nonfinite_warp(nonfinite, v, tile_bad);
+      const float amax = detail::bf16_bits_to_f32(amax_bits);
       if (row < n) {
         const int e = e4m3_scale_exp(amax);
-        reinterpret_cast<uint2*>(row_codes + (bs + row) * k + kt * kTile)[ch] = encode8(v, e, tile_bad != 0);
+        reinterpret_cast<uint2*>(row_codes + (bs + row) * k + kt * kTile)[ch] = encode8(v, e, tile_bad);
         if (ch == 0) row_scales[kt * m + bs + row] = tile_bad ? kUE8M0NaN : ue8m0_from_exp(e);
       }
     }
@@ -126,21 +121,18 @@ quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
 
   // Column pass: thread = (feature f, half of the tokens).
   const int f = tid & (kTile - 1), half = tid >> 7;
-  float amax = 0.f;
-  int bad = 0;
-  for (int i = 0; i < 64; ++i) {
-    const int t = half * 64 + i;
-    if (t >= n) break;
-    const uint16_t h = s_x[t * kPitch + f];
-    if (!detail::bf16_finite(h)) ++bad;
-    else amax = fmaxf(amax, __uint_as_float(static_cast<uint32_t>(h & 0x7FFFu) << 16));
+  uint32_t amax_bits = 0;  // rows >= n are zero in s_x
+  for (int i = 0; i < 64; ++i) amax_bits = max(amax_bits, static_cast<uint32_t>(s_x[(half * 64 + i) * kPitch + f] & 0x7FFFu));
+  s_amax[half][f] = amax_bits;
+  if (!want_row && __any_sync(0xffffffffu, amax_bits >= detail::kBf16NonFiniteBits)) {
+    int bad = 0;
+    for (int i = 0; i < 64; ++i) bad += (s_x[(half * 64 + i) * kPitch + f] & 0x7F80u) == 0x7F80u;
+    detail::warp_count(nonfinite, bad);
   }
-  s_amax[half][f] = amax;
-  s_bad[half][f] = bad;
-  if (!want_row) detail::warp_count(nonfinite, bad);
   __syncthreads();
-  amax = fmaxf(s_amax[0][f], s_amax[1][f]);
-  const bool col_bad = (s_bad[0][f] + s_bad[1][f]) != 0;
+  amax_bits = max(s_amax[0][f], s_amax[1][f]);
+  const bool col_bad = amax_bits >= detail::kBf16NonFiniteBits;
+  const float amax = detail::bf16_bits_to_f32(amax_bits);
   const int e = e4m3_scale_exp(amax);
   if (half == 0) col_scales[b * k + kt * kTile + f] = col_bad ? kUE8M0NaN : ue8m0_from_exp(e);
   const float inv = detail::inv_pow2(e);

@@ -27,6 +27,32 @@ __device__ __forceinline__ float inv_pow2(int e) { return __uint_as_float(static
 
 __device__ __forceinline__ bool bf16_finite(uint16_t h) { return (h & 0x7F80u) != 0x7F80u; }
 
+// Largest |bf16| bit pattern among 8 values (a uint4), by per-halfword integer max: absolute
+// values of finite bf16 order like their bits, and any result >= 0x7F80 means a NaN or Inf.
+constexpr uint32_t kBf16NonFiniteBits = 0x7F80u;
+__device__ __forceinline__ uint32_t absmax8_bits(const uint4& v) {
+  const uint32_t m = __vmaxu2(__vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu),
+                              __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu));
+  return max(m & 0xFFFFu, m >> 16);
+}
+// max over groups of `width` lanes (a power of two <= 32)
+__device__ __forceinline__ uint32_t group_max_u(uint32_t v, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ int count_nonfinite8(const uint4& v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  int n = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) n += ((w[i] & 0x7F80u) == 0x7F80u) + ((w[i] & 0x7F800000u) == 0x7F800000u);
+  return n;
+}
+// Counts the non-finite values of v into *counter; cheap when the warp has none (the usual case).
+__device__ __forceinline__ void count_nonfinite_warp(unsigned long long* counter, const uint4& v, bool any) {
+  if (__any_sync(0xffffffffu, any)) warp_count(counter, count_nonfinite8(v));
+}
+__device__ __forceinline__ float bf16_bits_to_f32(uint32_t bits) { return __uint_as_float(bits << 16); }
+
 // Transposes a 4x4 byte block: r[i] holds row i (4 bytes); c[f] receives column f.
 __device__ __forceinline__ void transpose4x4(const uint32_t r0, const uint32_t r1, const uint32_t r2,
                                              const uint32_t r3, uint32_t c[4]) {

@@ -35,92 +35,69 @@ __device__ __forceinline__ uint32_t rescale4(uint32_t w, int d, int& lost) {
   return out;
 }
 
-// One CTA per (128-token block, kSub consecutive 128-feature tiles): each row read is
-// kSub*128 contiguous bytes. The target exponent of every column of a tile is the maximum row
-// exponent of the block (all columns of a K tile share the row scales). All code loads are
-// issued first so that their latency overlaps the scale reduction.
-constexpr int kSub = 2;
+// One CTA per (128-token block, 128-feature tile). The target exponent of every column of the
+// tile is the maximum row exponent of the block (all columns of a K tile share the row scales).
+// The code loads are issued first so that their latency overlaps the scale reduction.
 __global__ void __launch_bounds__(kThreads)
 scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint8_t* __restrict__ row_scales,
                                int64_t m, int64_t k, const int32_t* __restrict__ bstart,
                                const int32_t* __restrict__ bend, uint8_t* __restrict__ col_codes,
                                uint8_t* __restrict__ col_scales, DeviceStatus* status) {
-  extern __shared__ __align__(16) uint8_t s_q[];  // [kSub][kTile * kBytePitch]
-  __shared__ uint8_t s_e[kSub][kTile];
-  __shared__ int s_wmax[kSub][kTile / 32], s_wbad[kSub][kTile / 32];
-  const int64_t b = blockIdx.x;
+  __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
+  __shared__ uint8_t s_e[kTile];
+  __shared__ int s_wmax[kTile / 32], s_wbad[kTile / 32];
+  int64_t b, kt;
+  detail::tile_coords(b, kt);
   const int bs = bstart[b];
   if (bs < 0) return;
   const int n = bend[b] - bs;
   const int tid = threadIdx.x;
-  const int64_t k_tiles = k / kTile;
 
-  uint4 v[kSub][4];
+  uint4 v[4];
 #pragma unroll
-  for (int u = 0; u < kSub; ++u) {
-    const int64_t kt = static_cast<int64_t>(blockIdx.y) * kSub + u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
-      v[u][i] = (row < n && kt < k_tiles)
-                    ? __ldg(reinterpret_cast<const uint4*>(row_codes + (bs + row) * k + kt * kTile) + ch)
-                    : make_uint4(0, 0, 0, 0);
-    }
+  for (int i = 0; i < 4; ++i) {
+    const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
+    v[i] = row < n ? __ldg(reinterpret_cast<const uint4*>(row_codes + (bs + row) * k + kt * kTile) + ch)
+                   : make_uint4(0, 0, 0, 0);
   }
   if (tid < kTile) {
-#pragma unroll
-    for (int u = 0; u < kSub; ++u) {
-      const int64_t kt = static_cast<int64_t>(blockIdx.y) * kSub + u;
-      const uint32_t e = (tid < n && kt < k_tiles) ? row_scales[kt * m + bs + tid] : 0u;
-      s_e[u][tid] = static_cast<uint8_t>(e);
-      const unsigned wmax = __reduce_max_sync(0xffffffffu, e == kUE8M0NaN ? 0u : e);
-      const unsigned wbad = __reduce_add_sync(0xffffffffu, e == kUE8M0NaN ? 1u : 0u);
-      if ((tid & 31) == 0) {
-        s_wmax[u][tid >> 5] = static_cast<int>(wmax);
-        s_wbad[u][tid >> 5] = static_cast<int>(wbad);
-      }
+    const uint32_t e = tid < n ? row_scales[kt * m + bs + tid] : 0u;
+    s_e[tid] = static_cast<uint8_t>(e);
+    const unsigned wmax = __reduce_max_sync(0xffffffffu, e == kUE8M0NaN ? 0u : e);
+    const unsigned wbad = __reduce_add_sync(0xffffffffu, e == kUE8M0NaN ? 1u : 0u);
+    if ((tid & 31) == 0) {
+      s_wmax[tid >> 5] = static_cast<int>(wmax);
+      s_wbad[tid >> 5] = static_cast<int>(wbad);
     }
   }
   __syncthreads();
+  const int emax = max(max(s_wmax[0], s_wmax[1]), max(s_wmax[2], s_wmax[3]));
+  const int nbad = s_wbad[0] + s_wbad[1] + s_wbad[2] + s_wbad[3];
 
+  // Row pass: shift each 16-code chunk by (emax - e_row) into the byte tile.
   int lost = 0;
 #pragma unroll
-  for (int u = 0; u < kSub; ++u) {
-    const int64_t kt = static_cast<int64_t>(blockIdx.y) * kSub + u;
-    if (kt >= k_tiles) break;
-    const int emax = max(max(s_wmax[u][0], s_wmax[u][1]), max(s_wmax[u][2], s_wmax[u][3]));
-    const int nbad = s_wbad[u][0] + s_wbad[u][1] + s_wbad[u][2] + s_wbad[u][3];
-    uint8_t* tile = s_q + u * kTile * kBytePitch;
-    // Row pass: shift each 16-code chunk by (emax - e_row) into the byte tile.
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
-      uint4 w = v[u][i];
-      if (row < n) {
-        if (nbad) {
-          w = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
-        } else {
-          const int d = emax - s_e[u][row];
-          w.x = rescale4(w.x, d, lost);
-          w.y = rescale4(w.y, d, lost);
-          w.z = rescale4(w.z, d, lost);
-          w.w = rescale4(w.w, d, lost);
-        }
+  for (int i = 0; i < 4; ++i) {
+    const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
+    uint4 w = v[i];
+    if (row < n) {
+      if (nbad) {
+        w = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+      } else {
+        const int d = emax - s_e[row];
+        w.x = rescale4(w.x, d, lost);
+        w.y = rescale4(w.y, d, lost);
+        w.z = rescale4(w.z, d, lost);
+        w.w = rescale4(w.w, d, lost);
       }
-      *reinterpret_cast<uint4*>(&tile[row * kBytePitch + ch * 16]) = w;
     }
-    if (tid < kTile) col_scales[b * k + kt * kTile + tid] = nbad ? kUE8M0NaN : static_cast<uint8_t>(emax);
-    if (tid == 0 && nbad && status) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(nbad) * kTile);
+    *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + ch * 16]) = w;
   }
   detail::warp_count(status ? &status->underflow : nullptr, lost);
+  if (tid < kTile) col_scales[b * k + kt * kTile + tid] = nbad ? kUE8M0NaN : static_cast<uint8_t>(emax);
+  if (tid == 0 && nbad && status) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(nbad) * kTile);
   __syncthreads();
-  const bool vec = (m % 16 == 0) && (bs % 16 == 0);
-#pragma unroll
-  for (int u = 0; u < kSub; ++u) {
-    const int64_t kt = static_cast<int64_t>(blockIdx.y) * kSub + u;
-    if (kt >= k_tiles) break;
-    detail::store_col_tile(s_q + u * kTile * kBytePitch, n, col_codes + (kt * kTile) * m + bs, m, vec);
-  }
+  detail::store_col_tile(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
 }
 
 }  // namespace
@@ -135,8 +112,8 @@ void scaling_aware_transpose(const uint8_t* row_codes, const uint8_t* row_scales
   check_aligned(row_codes, "row_codes", what);
   check_aligned(col_codes, "col_codes", what);
   FLOWMOE_CHECK(row_scales && col_scales, what << ": row_scales or col_scales is null");
-  const dim3 grid(static_cast<unsigned>(sb.max_blocks), static_cast<unsigned>((k / kTile + kSub - 1) / kSub));
-  scaling_aware_transpose_kernel<<<grid, kThreads, kSub * kTile * kBytePitch, stream>>>(
+  const dim3 grid = tile_grid(sb.max_blocks, k / kTile);
+  scaling_aware_transpose_kernel<<<grid, kThreads, 0, stream>>>(
       row_codes, row_scales, sb.m, k, sb.block_start, sb.block_end, col_codes, col_scales, status);
   FLOWMOE_LAUNCH_CHECK(what);
 }
