@@ -46,6 +46,7 @@ __device__ __forceinline__ int warp_sum_i(int v) {
 
 // One atomic per warp for a counter (lane 0 adds the warp's total). All lanes must call.
 __device__ __forceinline__ void warp_count(unsigned long long* counter, int v) {
+  if (!__any_sync(0xffffffffu, v != 0)) return;  // the usual case: nothing to count
   v = warp_sum_i(v);
   if (counter && v && (threadIdx.x & 31) == 0) atomicAdd(counter, static_cast<unsigned long long>(v));
 }

@@ -107,8 +107,8 @@ quantize_mxfp4_kernel(const bf16_t* __restrict__ x, int64_t nchunks, uint32_t* _
   }
 }
 
-// ---- K8: FP4RowToFP8Row. 16 values per thread, 8 threads per 128-value tile; tiles numbered
-// token-fastest so that scale writes ([K/128][M]) of neighbouring tiles are neighbours.
+// ---- K8: FP4RowToFP8Row. 16 values per thread, 8 threads per 128-value tile; blockIdx.y is the
+// K tile and x walks the tokens, so neighbouring tiles write neighbouring scale bytes ([K/128][M]).
 __global__ void __launch_bounds__(kThreads)
 fp4_to_fp8_row_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __restrict__ fp4_scales,
                       int64_t m, int64_t k, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales,
@@ -117,12 +117,11 @@ fp4_to_fp8_row_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
   load_table(table, s_t);
   __syncthreads();
   const int64_t gid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t tile = gid >> 3;
+  const int64_t r = gid >> 3, b = blockIdx.y;  // token, K tile (no integer division)
   const int part = gid & 7;
-  const bool valid = tile < m * (k / kTile);
+  const bool valid = r < m;
   int lost = 0;
   if (valid) {
-    const int64_t r = tile % m, b = tile / m;
     const uint32_t es = *reinterpret_cast<const uint32_t*>(fp4_scales + r * (k / 32) + b * 4);
     const uint2 in = __ldg(reinterpret_cast<const uint2*>(fp4_codes + r * (k / 2) + b * 64) + part);
     int cmax = 0, bad = 0;
@@ -285,7 +284,9 @@ void fp4_to_fp8_row(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t
   check_aligned(fp4_scales, "fp4_scales", what);
   check_aligned(codes, "codes", what);
   FLOWMOE_CHECK(scales, what << ": scales is null");
-  fp4_to_fp8_row_kernel<<<grid_for(m * (k / kTile) * 8), kThreads, 0, stream>>>(
+  FLOWMOE_CHECK(k / kTile < 65536, what << ": K = " << k << " too large (at most 65535 tiles of 128)");
+  const dim3 grid(grid_for(m * 8), static_cast<unsigned>(k / kTile));
+  fp4_to_fp8_row_kernel<<<grid, kThreads, 0, stream>>>(
       fp4_codes, fp4_scales, m, k, codes, scales, status, shift_table());
   FLOWMOE_LAUNCH_CHECK(what);
 }

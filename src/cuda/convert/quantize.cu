@@ -46,34 +46,31 @@ __device__ __forceinline__ void amax8(const uint4& v, float& amax, int& bad) {
   }
 }
 
-// ---- K1: row-wise 1x128. A half-warp per tile, 8 values per thread, two tiles per half-warp
-// (both loads issued before either is used). Tiles are numbered token-fastest so that
-// neighbouring tiles write neighbouring scale bytes ([K/128][M]).
+// ---- K1: row-wise 1x128. A half-warp per tile, 8 values per thread. Grid: blockIdx.y is the K
+// tile, x walks the tokens, two tokens per half-warp (both loads issued before either is used);
+// neighbouring half-warps write neighbouring scale bytes ([K/128][M]). No integer division.
 constexpr int kRowTilesPerHalfWarp = 2;
 __global__ void __launch_bounds__(kThreads)
 quantize_row_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k, uint8_t* __restrict__ codes,
                     uint8_t* __restrict__ scales, unsigned long long* nonfinite) {
-  const int64_t ntiles = m * (k / kTile);
+  const int64_t kb = blockIdx.y;
   const int64_t hw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
   const int64_t nhw = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 4;
   const int lane = threadIdx.x & 15;
   uint4 v[kRowTilesPerHalfWarp];
 #pragma unroll
   for (int i = 0; i < kRowTilesPerHalfWarp; ++i) {
-    const int64_t tile = hw + i * nhw;
-    v[i] = make_uint4(0, 0, 0, 0);
-    if (tile < ntiles) v[i] = __ldg(reinterpret_cast<const uint4*>(x + (tile % m) * k + (tile / m) * kTile) + lane);
+    const int64_t r = hw + i * nhw;
+    v[i] = r < m ? __ldg(reinterpret_cast<const uint4*>(x + r * k + kb * kTile) + lane) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
   for (int i = 0; i < kRowTilesPerHalfWarp; ++i) {
-    const int64_t tile = hw + i * nhw;
+    const int64_t r = hw + i * nhw;
     const uint32_t amax_bits = detail::group_max_u(detail::absmax8_bits(v[i]), 16);
     const bool tile_bad = amax_bits >= detail::kBf16NonFiniteBits;
     detail::count_nonfinite_warp(nonfinite, v[i], tile_bad);
-    const float amax = detail::bf16_bits_to_f32(amax_bits);
-    if (tile < ntiles) {
-      const int64_t r = tile % m, kb = tile / m;
-      const int e = e4m3_scale_exp(amax);
+    if (r < m) {
+      const int e = e4m3_scale_exp(detail::bf16_bits_to_f32(amax_bits));
       reinterpret_cast<uint2*>(codes + r * k + kb * kTile)[lane] = encode8(v[i], e, tile_bad);
       if (lane == 0) scales[kb * m + r] = tile_bad ? kUE8M0NaN : ue8m0_from_exp(e);
     }
@@ -98,22 +95,30 @@ quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
   const int tid = threadIdx.x;
   const bool want_row = row_codes != nullptr;
 
-  // Load the tile: 8 passes of 16 rows x 16 chunks of 8 values; a half-warp reads one row.
-#pragma unroll 4
-  for (int i = 0; i < 8; ++i) {
-    const int row = i * 16 + (tid >> 4), ch = tid & 15;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row < n) v = __ldg(reinterpret_cast<const uint4*>(x + (bs + row) * k + kt * kTile) + ch);
-    *reinterpret_cast<uint4*>(&s_x[row * kPitch + ch * 8]) = v;
-    if (want_row) {
-      const uint32_t amax_bits = detail::group_max_u(detail::absmax8_bits(v), 16);
-      const bool tile_bad = amax_bits >= detail::kBf16NonFiniteBits;
-      detail::count_nonfinite_warp(nonfinite, v, tile_bad);
-      const float amax = detail::bf16_bits_to_f32(amax_bits);
-      if (row < n) {
-        const int e = e4m3_scale_exp(amax);
-        reinterpret_cast<uint2*>(row_codes + (bs + row) * k + kt * kTile)[ch] = encode8(v, e, tile_bad);
-        if (ch == 0) row_scales[kt * m + bs + row] = tile_bad ? kUE8M0NaN : ue8m0_from_exp(e);
+  // Load the tile: 8 passes of 16 rows x 16 chunks of 8 values (a half-warp reads one row), in
+  // two batches of four loads issued before any is used.
+#pragma unroll
+  for (int batch = 0; batch < 2; ++batch) {
+    uint4 v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = (batch * 4 + j) * 16 + (tid >> 4), ch = tid & 15;
+      v[j] = row < n ? __ldg(reinterpret_cast<const uint4*>(x + (bs + row) * k + kt * kTile) + ch)
+                     : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = (batch * 4 + j) * 16 + (tid >> 4), ch = tid & 15;
+      *reinterpret_cast<uint4*>(&s_x[row * kPitch + ch * 8]) = v[j];
+      if (want_row) {
+        const uint32_t amax_bits = detail::group_max_u(detail::absmax8_bits(v[j]), 16);
+        const bool tile_bad = amax_bits >= detail::kBf16NonFiniteBits;
+        detail::count_nonfinite_warp(nonfinite, v[j], tile_bad);
+        if (row < n) {
+          const int e = e4m3_scale_exp(detail::bf16_bits_to_f32(amax_bits));
+          reinterpret_cast<uint2*>(row_codes + (bs + row) * k + kt * kTile)[ch] = encode8(v[j], e, tile_bad);
+          if (ch == 0) row_scales[kt * m + bs + row] = tile_bad ? kUE8M0NaN : ue8m0_from_exp(e);
+        }
       }
     }
   }
@@ -352,7 +357,9 @@ void quantize_row(const bf16_t* x, int64_t m, int64_t k, uint8_t* codes, uint8_t
   check_aligned(x, "x", what);
   check_aligned(codes, "codes", what);
   FLOWMOE_CHECK(scales, what << ": scales is null");
-  quantize_row_kernel<<<grid_for((m * (k / kTile) + kRowTilesPerHalfWarp - 1) / kRowTilesPerHalfWarp * 16), kThreads, 0, stream>>>(
+  FLOWMOE_CHECK(k / kTile < 65536, what << ": K = " << k << " too large (at most 65535 tiles of 128)");
+  const dim3 grid(grid_for((m + kRowTilesPerHalfWarp - 1) / kRowTilesPerHalfWarp * 16), static_cast<unsigned>(k / kTile));
+  quantize_row_kernel<<<grid, kThreads, 0, stream>>>(
       x, m, k, codes, scales, nonfinite_ptr(status));
   FLOWMOE_LAUNCH_CHECK(what);
 }
