@@ -1,7 +1,5 @@
 // Row-wise FP8 -> column-wise FP8: the scaling-aware transpose (exponent shifts only) and the
 // naive dequantize -> transpose -> quantize path it replaces.
-#include <algorithm>
-
 #include "cuda/convert/tile.cuh"
 #include "flowmoe/cuda/convert.h"
 
@@ -42,109 +40,69 @@ __device__ __forceinline__ uint32_t rescale4(uint32_t w, int d, int& lost) {
   return rescale4_slow(w, d, lost);
 }
 
-// A tile is (128-token block b, 128-feature tile kt), numbered with b fastest. The target
-// exponent of every column of a tile is the maximum row exponent of the block (all columns of a
-// K tile share the row scales).
-struct AwareTile {
-  uint4 v[4];      // this thread's 4 chunks of 16 codes
-  uint32_t e = 0;  // row exponent of token tid (tid < 128)
-  int bs = -1, n = 0;
-  int64_t b = 0, kt = 0;
-};
-
-__device__ __forceinline__ void load_aware_tile(AwareTile& t, int64_t tile, int64_t num_tiles, int64_t max_blocks,
-                                                const uint8_t* __restrict__ row_codes,
-                                                const uint8_t* __restrict__ row_scales, int64_t m, int64_t k,
-                                                const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend) {
-  const int tid = threadIdx.x;
-  t.n = 0;
-  t.bs = -1;
-  if (tile < num_tiles) {
-    t.b = tile % max_blocks;
-    t.kt = tile / max_blocks;
-    t.bs = bstart[t.b];
-    t.n = t.bs < 0 ? 0 : bend[t.b] - t.bs;
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
-    t.v[i] = row < t.n ? __ldg(reinterpret_cast<const uint4*>(row_codes + (t.bs + row) * k + t.kt * kTile) + ch)
-                       : make_uint4(0, 0, 0, 0);
-  }
-  t.e = (tid < kTile && tid < t.n) ? row_scales[t.kt * m + t.bs + tid] : 0u;
-}
-
-// Persistent CTAs walk the tiles; the loads of the next tile are issued before the current one
-// is shifted and written, so that memory latency overlaps the shared-memory transpose.
-__global__ void __launch_bounds__(kThreads, 4)
+// One CTA per (128-token block, 128-feature tile). The target exponent of every column of the
+// tile is the maximum row exponent of the block (all columns of a K tile share the row scales).
+// The code loads are issued first so that their latency overlaps the scale reduction.
+__global__ void __launch_bounds__(kThreads, 6)
 scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint8_t* __restrict__ row_scales,
                                int64_t m, int64_t k, const int32_t* __restrict__ bstart,
-                               const int32_t* __restrict__ bend, int64_t max_blocks,
-                               uint8_t* __restrict__ col_codes, uint8_t* __restrict__ col_scales,
-                               DeviceStatus* status) {
+                               const int32_t* __restrict__ bend, uint8_t* __restrict__ col_codes,
+                               uint8_t* __restrict__ col_scales, DeviceStatus* status) {
   __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
   __shared__ uint8_t s_e[kTile];
   __shared__ int s_wmax[kTile / 32], s_wbad[kTile / 32];
+  int64_t b, kt;
+  detail::tile_coords(b, kt);
+  const int bs = bstart[b];
+  if (bs < 0) return;
+  const int n = bend[b] - bs;
   const int tid = threadIdx.x;
-  const int64_t num_tiles = max_blocks * (k / kTile);
-  const bool vec_m = m % 16 == 0;
-  int lost = 0;
-  AwareTile cur;
-  load_aware_tile(cur, blockIdx.x, num_tiles, max_blocks, row_codes, row_scales, m, k, bstart, bend);
-  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    if (cur.n > 0 && tid < kTile) {  // cur.n is the same for every thread
-      s_e[tid] = static_cast<uint8_t>(cur.e);
-      const unsigned wmax = __reduce_max_sync(0xffffffffu, cur.e == kUE8M0NaN ? 0u : cur.e);
-      const unsigned wbad = __reduce_add_sync(0xffffffffu, cur.e == kUE8M0NaN ? 1u : 0u);
-      if ((tid & 31) == 0) {
-        s_wmax[tid >> 5] = static_cast<int>(wmax);
-        s_wbad[tid >> 5] = static_cast<int>(wbad);
-      }
-    }
-    __syncthreads();  // s_e/s_wmax ready; the previous tile's s_q reads are done
-    AwareTile next;
-    load_aware_tile(next, tile + gridDim.x, num_tiles, max_blocks, row_codes, row_scales, m, k, bstart, bend);
-    if (cur.n > 0) {
-      const int emax = max(max(s_wmax[0], s_wmax[1]), max(s_wmax[2], s_wmax[3]));
-      const int nbad = s_wbad[0] + s_wbad[1] + s_wbad[2] + s_wbad[3];
-      // Row pass: shift each 16-code chunk by (emax - e_row) into the byte tile.
+
+  uint4 v[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
-        uint4 w = cur.v[i];
-        if (row < cur.n) {
-          if (nbad) {
-            w = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
-          } else {
-            const int d = emax - s_e[row];
-            w.x = rescale4(w.x, d, lost);
-            w.y = rescale4(w.y, d, lost);
-            w.z = rescale4(w.z, d, lost);
-            w.w = rescale4(w.w, d, lost);
-          }
-        }
-        *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + ch * 16]) = w;
-      }
-      if (tid < kTile) col_scales[cur.b * k + cur.kt * kTile + tid] = nbad ? kUE8M0NaN : static_cast<uint8_t>(emax);
-      if (tid == 0 && nbad && status) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(nbad) * kTile);
-      __syncthreads();
-      detail::store_col_tile(s_q, cur.n, col_codes + (cur.kt * kTile) * m + cur.bs, m, vec_m && (cur.bs % 16 == 0));
+  for (int i = 0; i < 4; ++i) {
+    const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
+    v[i] = row < n ? __ldg(reinterpret_cast<const uint4*>(row_codes + (bs + row) * k + kt * kTile) + ch)
+                   : make_uint4(0, 0, 0, 0);
+  }
+  if (tid < kTile) {
+    const uint32_t e = tid < n ? row_scales[kt * m + bs + tid] : 0u;
+    s_e[tid] = static_cast<uint8_t>(e);
+    const unsigned wmax = __reduce_max_sync(0xffffffffu, e == kUE8M0NaN ? 0u : e);
+    const unsigned wbad = __reduce_add_sync(0xffffffffu, e == kUE8M0NaN ? 1u : 0u);
+    if ((tid & 31) == 0) {
+      s_wmax[tid >> 5] = static_cast<int>(wmax);
+      s_wbad[tid >> 5] = static_cast<int>(wbad);
     }
-    cur = next;
+  }
+  __syncthreads();
+  const int emax = max(max(s_wmax[0], s_wmax[1]), max(s_wmax[2], s_wmax[3]));
+  const int nbad = s_wbad[0] + s_wbad[1] + s_wbad[2] + s_wbad[3];
+
+  // Row pass: shift each 16-code chunk by (emax - e_row) into the byte tile.
+  int lost = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
+    uint4 w = v[i];
+    if (row < n) {
+      if (nbad) {
+        w = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+      } else {
+        const int d = emax - s_e[row];
+        w.x = rescale4(w.x, d, lost);
+        w.y = rescale4(w.y, d, lost);
+        w.z = rescale4(w.z, d, lost);
+        w.w = rescale4(w.w, d, lost);
+      }
+    }
+    *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + ch * 16]) = w;
   }
   detail::warp_count(status ? &status->underflow : nullptr, lost);
-}
-
-// CTAs resident at once for the persistent transpose (multiprocessors x blocks per SM).
-int64_t persistent_ctas() {
-  static const int64_t n = [] {
-    int dev = 0, sms = 0, per_sm = 0;
-    FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
-    FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    FLOWMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scaling_aware_transpose_kernel, kThreads, 0));
-    return static_cast<int64_t>(sms) * std::max(per_sm, 1);
-  }();
-  return n;
+  if (tid < kTile) col_scales[b * k + kt * kTile + tid] = nbad ? kUE8M0NaN : static_cast<uint8_t>(emax);
+  if (tid == 0 && nbad && status) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(nbad) * kTile);
+  __syncthreads();
+  detail::store_col_tile(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
 }
 
 }  // namespace
@@ -159,11 +117,9 @@ void scaling_aware_transpose(const uint8_t* row_codes, const uint8_t* row_scales
   check_aligned(row_codes, "row_codes", what);
   check_aligned(col_codes, "col_codes", what);
   FLOWMOE_CHECK(row_scales && col_scales, what << ": row_scales or col_scales is null");
-  const int64_t num_tiles = sb.max_blocks * (k / kTile);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(num_tiles, persistent_ctas()));
-  scaling_aware_transpose_kernel<<<grid, kThreads, 0, stream>>>(row_codes, row_scales, sb.m, k, sb.block_start,
-                                                                sb.block_end, sb.max_blocks, col_codes,
-                                                                col_scales, status);
+  const dim3 grid = tile_grid(sb.max_blocks, k / kTile);
+  scaling_aware_transpose_kernel<<<grid, kThreads, 0, stream>>>(
+      row_codes, row_scales, sb.m, k, sb.block_start, sb.block_end, col_codes, col_scales, status);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 

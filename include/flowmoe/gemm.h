@@ -1,0 +1,225 @@
+// Grouped expert GEMMs (SPEC §5): FP8 block-scaled (1x128 activations x 128x128 weights for
+// fprop and dgrad, 1x128 x 1x128 along tokens for wgrad) on cuBLASLt, the BF16 baseline, the
+// CPU reference that defines the block-scaled numerics, and the argument checks they share.
+//
+// Conventions, the same for every pass. One MoE linear layer has E experts with weights
+// W_e [N, K] (N output features, K input features). Token rows are grouped by expert into ragged
+// segments (flowmoe::Segments: offsets[0] = 0 <= ... <= offsets[E] = M), as permute+pad
+// produces them. Row-major everywhere.
+//   fprop  Y_e  [M_e, N] = X_e  [M_e, K] . W_e^T          X row-wise 1x128, W 128x128
+//   dgrad  dX_e [M_e, K] = dY_e [M_e, N] . W_e            dY row-wise 1x128, the exact transposed
+//                                                         weight copy Wt_e [K, N] (128x128)
+//   wgrad  dW_e [N, K]   = dY_e^T . X_e (sum over tokens) dY and X column-wise (codes [C, M],
+//                                                         1x128 scales along tokens per segment)
+// Experts with no tokens are skipped (wgrad writes zeros for them unless it accumulates).
+//
+// Scales. flowmoe stores UE8M0 bytes (tensor.h); cuBLASLt's block-scaled FP8 modes
+// (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F / _BLK128x128_32F, sm_90) read FP32 scales in fixed
+// layouts. The "GEMM-ready" FP32 layouts below are what the GEMM reads; the conversion kernels
+// (flowmoe::cuda::*_scales_to_f32) write them from the UE8M0 layouts, exactly (powers of two;
+// UE8M0 0xFF -> NaN):
+//   activation, row-wise (fprop X, dgrad dY), C features: expert-packed. Expert e's block starts
+//       at float offset (C/128) * offsets[e] and is [C/128][M_e], tokens contiguous. (cuBLASLt has
+//       no leading dimension for scales, so the global [C/128][M] UE8M0 grid cannot be sliced
+//       per expert; this is the same grid with each expert's columns gathered.) M*C/128 floats.
+//   column-wise (wgrad dY, X), C features: the flowmoe layout as is, [NB][C] (NB = number of
+//       128-token blocks over all segments); expert e's blocks are rows block_offsets[e].. .
+//   weights (fprop W [N, K]: rows N, cols K; dgrad Wt [K, N]: rows K, cols N): per expert
+//       [rows/128][ld] with ld = round_up(cols/128, 4) (cuBLASLt wants the K-contiguous grid's
+//       stride a multiple of 4; the padding floats are written 0 and never read); experts
+//       contiguous, E * (rows/128) * ld floats.
+//
+// Host-side counts: the GEMMs launch one cuBLASLt matmul per non-empty expert, so the per-expert
+// token counts must be on the host. Fetch the routing counts once per layer pass (one small
+// device-to-host copy and a stream sync after routing) and pass the same Segments to all six
+// GEMMs of that layer (forward and backward). The scale conversion kernels read device offsets.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "flowmoe/tensor.h"
+
+// The CUDA runtime's stream handle, declared without including cuda_runtime.h (same typedef).
+typedef struct CUstream_st* cudaStream_t;
+
+namespace flowmoe {
+namespace gemm {
+
+enum class Pass : uint8_t { kFprop, kDgrad, kWgrad };
+const char* pass_name(Pass p);  // "fprop", "dgrad", "wgrad"
+
+// Per-expert token counts the FP8 path requires (cuBLASLt limits, see docs/GEMM.md):
+//  fprop/dgrad: tokens are the GEMM's N dimension, and block-scaled FP8 needs M and N multiples
+//               of 4 (this also keeps every expert's packed FP32 scale block 16-byte aligned);
+//  wgrad:       tokens are the contraction dimension, read at column offset offsets[e] of codes
+//               [C, M]: FP8 tensor cores need it 16-byte aligned, so counts are multiples of 16.
+// Pad segments to these (permute+pad does; padding rows are zero). The BF16 path takes any count.
+int fp8_token_multiple(Pass p);
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---- GEMM-ready FP32 scale buffer sizes (floats) -----------------------------------------------
+// Row-wise activation [M, C]: M * C/128.
+int64_t act_scale_f32_elems(int64_t m, int64_t c);
+// Column-wise [M, C] over `seg`: num_blocks * C.
+int64_t col_scale_f32_elems(const Segments& seg, int64_t c);
+// Leading dimension (floats) of one weight's FP32 scale grid: round_up(cols/128, 4).
+int64_t weight_scale_ld(int64_t cols);
+// E weights [rows, cols]: E * rows/128 * weight_scale_ld(cols).
+int64_t weight_scale_f32_elems(int num_experts, int64_t rows, int64_t cols);
+
+// ---- host builders of the GEMM-ready layouts (the specification of the conversion kernels) ---
+// Row-wise QTensor [M, C] (scales [C/128][M]) over `seg` -> expert-packed FP32.
+std::vector<float> act_scales_f32(const QTensor& row, const Segments& seg);
+// Column-wise QTensor -> FP32 [NB][C] (same order).
+std::vector<float> col_scales_f32(const QTensor& col);
+// E weight QTensors, all [rows, cols] -> [E][rows/128][weight_scale_ld(cols)] (padding 0).
+std::vector<float> weight_scales_f32(const std::vector<QTensor>& w);
+
+// ---- operand views (device pointers plus their sizes, checked against the shapes) ------------
+template <typename T>
+struct Span {
+  T* data = nullptr;
+  int64_t size = 0;  // elements
+};
+// FP8 operand: E4M3 codes and GEMM-ready FP32 scales.
+struct Fp8Operand {
+  Span<const uint8_t> codes;
+  Span<const float> scales;
+};
+// wgrad output [E][N][K]: BF16, FP32, or FP32 accumulated into (main gradients, beta = 1).
+struct WgradOut {
+  enum class Kind : uint8_t { kBf16, kF32, kF32Accumulate };
+  Kind kind = Kind::kF32;
+  void* data = nullptr;
+  int64_t size = 0;  // elements
+  static WgradOut bf16(bf16_t* p, int64_t n) { return {Kind::kBf16, p, n}; }
+  static WgradOut f32(float* p, int64_t n) { return {Kind::kF32, p, n}; }
+  static WgradOut accumulate(float* p, int64_t n) { return {Kind::kF32Accumulate, p, n}; }
+};
+const char* wgrad_kind_name(WgradOut::Kind k);
+
+// ---- argument checks (throw flowmoe::Error saying what was wrong and what was expected) -------
+// Shared by the CUDA GEMMs (before any launch) and testable without a GPU. n, k as in the
+// conventions above; pointers must be 16-byte aligned and non-null unless their size is zero.
+void check_fp8_fprop(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& x,
+                     const Fp8Operand& w, Span<const bf16_t> y);
+void check_fp8_dgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& dy,
+                     const Fp8Operand& wt, Span<const bf16_t> dx);
+void check_fp8_wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& dy_col,
+                     const Fp8Operand& x_col, const WgradOut& dw);
+// BF16: x [M, K], w [E][N][K], y [M, N] (and the dgrad/wgrad analogues); n, k multiples of 8.
+void check_bf16(Pass p, const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> in_a,
+                Span<const bf16_t> in_b, const void* out, int64_t out_size);
+
+}  // namespace gemm
+
+// ---- CPU reference -----------------------------------------------------------------------------
+// Block-scaled exactly as the GEMM defines it: for each output element and each 128-wide block of
+// the contraction dimension, the decoded E4M3 code products are summed in FP32 (in index order),
+// the block sum is multiplied by (scale_a * scale_b), and the block results are summed in FP32 in
+// block order. Outputs are FP32 (round to BF16 to compare with a BF16-output GEMM). No alignment
+// requirements: any token counts, any segments.
+namespace cpu {
+
+// x: row-wise [M, K]; w: E weights [N, K]; y: [M, N].
+void grouped_fprop_ref(const QTensor& x, const std::vector<QTensor>& w, const Segments& seg,
+                       float* y);
+// dy: row-wise [M, N]; wt: E transposed weights [K, N]; dx: [M, K].
+void grouped_dgrad_ref(const QTensor& dy, const std::vector<QTensor>& wt, const Segments& seg,
+                       float* dx);
+// dy_col, x_col: column-wise copies of dY [M, N] and X [M, K] over the same segments (their token
+// blocks are the wgrad K blocks); dw: [E][N][K], overwritten, or added to when `accumulate`.
+void grouped_wgrad_ref(const QTensor& dy_col, const QTensor& x_col, float* dw, bool accumulate);
+
+// BF16 baseline references: products of BF16 values (exact in FP32) summed in FP32 in index order.
+// x [M, K], w [E][N][K], y [M, N]
+void grouped_fprop_bf16_ref(const bf16_t* x, const bf16_t* w, const Segments& seg, int64_t n,
+                            int64_t k, float* y);
+// dy [M, N], w [E][N][K], dx [M, K]
+void grouped_dgrad_bf16_ref(const bf16_t* dy, const bf16_t* w, const Segments& seg, int64_t n,
+                            int64_t k, float* dx);
+// dy [M, N], x [M, K], dw [E][N][K]
+void grouped_wgrad_bf16_ref(const bf16_t* dy, const bf16_t* x, const Segments& seg, int64_t n,
+                            int64_t k, float* dw, bool accumulate);
+
+}  // namespace cpu
+
+// ---- CUDA (link flowmoe_cuda) ----------------------------------------------------------------------
+namespace cuda {
+
+struct DeviceStatus;  // flowmoe/cuda/convert.h
+
+// UE8M0 -> GEMM-ready FP32 scales (exact powers of two, 0xFF -> NaN). Stream-ordered, no sync,
+// no allocation; one pass per layer over a few MB (see docs/GEMM.md for the cost).
+// Row-wise [C/128][M] -> expert-packed. d_offsets: [E+1] token offsets on the device. Malformed
+// offsets (not 0 .. M, decreasing) count once in status->bad_segments (status may be null) and
+// leave `out` untouched.
+void act_scales_to_f32(const uint8_t* scales, int64_t m, int64_t c, const int32_t* d_offsets,
+                       int num_experts, float* out, DeviceStatus* status, cudaStream_t stream);
+// Column-wise [NB][C] -> FP32 [NB][C] (elementwise; num_blocks * c elements).
+void col_scales_to_f32(const uint8_t* scales, int64_t num_blocks, int64_t c, float* out,
+                       cudaStream_t stream);
+// E weights' scales [E][rows/128][cols/128] -> [E][rows/128][round_up(cols/128, 4)].
+void weight_scales_to_f32(const uint8_t* scales, int num_experts, int64_t rows, int64_t cols,
+                          float* out, cudaStream_t stream);
+
+// Grouped GEMMs on cuBLASLt: one matmul per non-empty expert on `stream`. The cuBLASLt handle,
+// the matmul descriptors, the heuristic preference and the workspace are created once (the
+// constructor needs the device current); the matrix layouts and the heuristic's algorithm are
+// cached per shape and alignment (first use of a shape costs a heuristic query). No device
+// allocation and no synchronisation per call. Not thread-safe: use one object per stream that
+// runs GEMMs concurrently (the workspace is shared by the calls of one object).
+class GroupedGemm {
+ public:
+  static constexpr size_t kDefaultWorkspace = size_t(32) << 20;
+  explicit GroupedGemm(size_t workspace_bytes = kDefaultWorkspace);
+  ~GroupedGemm();
+  GroupedGemm(const GroupedGemm&) = delete;
+  GroupedGemm& operator=(const GroupedGemm&) = delete;
+
+  using Fp8Operand = gemm::Fp8Operand;
+  using WgradOut = gemm::WgradOut;
+  template <typename T>
+  using Span = gemm::Span<T>;
+
+  // FP8 block-scaled (sm_90). Sizes (elements): x.codes M*K, x.scales M*K/128 (expert-packed),
+  // w.codes E*N*K, w.scales weight_scale_f32_elems(E, N, K), y M*N.
+  void fprop(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& x, const Fp8Operand& w,
+             Span<bf16_t> y, cudaStream_t stream);
+  // dy.codes M*N, dy.scales M*N/128 (expert-packed), wt.codes E*K*N (Wt_e [K, N]),
+  // wt.scales weight_scale_f32_elems(E, K, N), dx M*K.
+  void dgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& dy,
+             const Fp8Operand& wt, Span<bf16_t> dx, cudaStream_t stream);
+  // dy_col.codes N*M ([N, M]), dy_col.scales NB*N; x_col.codes K*M, x_col.scales NB*K;
+  // dw E*N*K.
+  void wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& dy_col,
+             const Fp8Operand& x_col, const WgradOut& dw, cudaStream_t stream);
+
+  // BF16 baseline (FP32 accumulation): x [M, K], w [E][N][K], y [M, N]; dgrad uses W itself.
+  void fprop_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> x,
+                  Span<const bf16_t> w, Span<bf16_t> y, cudaStream_t stream);
+  void dgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
+                  Span<const bf16_t> w, Span<bf16_t> dx, cudaStream_t stream);
+  void wgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
+                  Span<const bf16_t> x, const WgradOut& dw, cudaStream_t stream);
+
+  struct Stats {
+    int64_t matmuls = 0;            // cublasLtMatmul launches
+    int64_t heuristic_queries = 0;  // plan-cache misses
+    int64_t cached_plans = 0;       // shapes currently cached
+    int64_t zero_fills = 0;         // wgrad outputs of empty experts zeroed (overwrite modes)
+  };
+  Stats stats() const;
+  void clear_cache();  // drop the cached layouts and algorithms
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace cuda
+}  // namespace flowmoe
