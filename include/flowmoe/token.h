@@ -10,8 +10,9 @@
 //   - every reduction has one fixed order, written down below and in docs/TOKEN.md, and the CPU
 //     reproduces the GPU's order (including its 32-lane tree);
 //   - every multiply-add that matters is an explicit fma (no compiler contraction can change it).
-// Assumptions: no --use_fast_math / -ffast-math, no -ftz=true, and a host compiler that does not
-// contract a*b+c on its own (the default x86-64 target has no FMA instructions; see TOKEN.md).
+// Assumptions: no --use_fast_math / -ffast-math, no -ftz=true / denormals-are-zero, IEEE binary32
+// arithmetic on the host (SSE, not x87), default rounding mode. Products that meet an addition go
+// through tok::mul_rn, so contraction into FMA cannot change a result on either side.
 //
 // Shapes are row-major and written like `[T, E] fp32`. T = tokens, E = experts, k = top-k,
 // H = hidden size, A = alignment of expert segments, Mp = padded rows (device value
@@ -60,6 +61,18 @@ FLOWMOE_HD float fma_rn(float a, float b, float c) {
   return std::fma(a, b, c);
 #endif
 }
+// A product rounded on its own: never contracted into a following addition. (Where the host has
+// FMA instructions, __FP_FAST_FMAF, a compiler may contract a*b+c; the volatile prevents it.)
+FLOWMOE_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#elif defined(__FP_FAST_FMAF)
+  volatile float r = a * b;
+  return r;
+#else
+  return a * b;
+#endif
+}
 FLOWMOE_HD float rint_f32(float x) {
 #if defined(__CUDA_ARCH__)
   return rintf(x);
@@ -77,7 +90,7 @@ FLOWMOE_HD float exp_f32(float x) {
   if (is_nan(x)) return x;
   if (x > 88.72283935546875f) return num::f32_from_bits(0x7F800000u);
   if (x < -103.97208404541015625f) return 0.0f;
-  const float kf = rint_f32(x * 1.44269502162933349609375f);  // x * log2(e), one rounding
+  const float kf = rint_f32(mul_rn(x, 1.44269502162933349609375f));  // x * log2(e), one rounding
   const int k = static_cast<int>(kf);
   float r = fma_rn(kf, -0.693145751953125f, x);  // ln2 high part (16 significant bits)
   r = fma_rn(kf, -1.428606765330187045037746429443359375e-06f, r);  // ln2 - high part
@@ -89,9 +102,9 @@ FLOWMOE_HD float exp_f32(float x) {
   p = fma_rn(p, r, 0.5f);
   p = fma_rn(p, r, 1.0f);
   p = fma_rn(p, r, 1.0f);
-  if (k > 127) return (p * 2.0f) * num::exp2i(k - 1);
-  if (k < -126) return (p * num::exp2i(k + 64)) * num::exp2i(-64);
-  return p * num::exp2i(k);
+  if (k > 127) return mul_rn(mul_rn(p, 2.0f), num::exp2i(k - 1));
+  if (k < -126) return mul_rn(mul_rn(p, num::exp2i(k + 64)), num::exp2i(-64));
+  return mul_rn(p, num::exp2i(k));
 }
 
 // sigmoid(z) and its derivative sigmoid(z) * sigmoid(-z), from one e = exp(-|z|):
@@ -102,7 +115,7 @@ FLOWMOE_HD void sigmoid_and_grad(float z, float* s, float* ds) {
   const float pos = 1.0f / d, neg = e / d;
   const bool nonneg = !(z < 0.0f);
   *s = nonneg ? pos : neg;
-  *ds = pos * neg;
+  *ds = mul_rn(pos, neg);
 }
 FLOWMOE_HD float sigmoid_f32(float z) {
   float s, ds;

@@ -1,0 +1,162 @@
+// SwiGLU arithmetic, defined once for host and device so the CPU reference and the CUDA kernels
+// produce identical bits (docs/SWIGLU.md §2).
+//
+// Every function here is a fixed sequence of IEEE binary32 operations, each rounded to nearest
+// even: multiply, add, fused multiply-add (one rounding), and the correctly rounded reciprocal.
+// No libm call (host expf and CUDA expf differ), no approximate hardware instruction.
+//
+// How the sequence is pinned down on both sides:
+//  - device: every operation is an explicit intrinsic (__fmul_rn, __fadd_rn, __fmaf_rn,
+//    __frcp_rn); nvcc never contracts these into FMAs, and they are IEEE operations whatever
+//    -use_fast_math / -ftz / -prec-div say.
+//  - host: multiply-adds are explicit std::fma. A host compiler with -ffp-contract=fast (GCC's
+//    default in GNU mode) and an FMA target may still fuse a plain product into a following add.
+//    The code is written so that this cannot change a result: every product whose value reaches an
+//    addition is either exact (a multiple of a power of two, or k * kLn2Hi, see exp_nonpos) or
+//    tiny next to 1 (1 + t with t < 2^-126, where fused and unfused both give 1). Every other
+//    product only feeds products, selections and the reciprocal.
+//  - FLT_EVAL_METHOD must be 0 (no x87 extended precision); checked below.
+//  - NaN payloads differ between host and device arithmetic; results that are NaN are returned as
+//    the canonical quiet NaN 0x7FC00000 (BF16 0x7FC0) so that stored bits never depend on them.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
+#include "flowmoe/numerics.h"
+
+#if !defined(__CUDA_ARCH__)
+static_assert(FLT_EVAL_METHOD == 0,
+              "flowmoe/swiglu_math.h needs binary32 arithmetic evaluated in binary32 "
+              "(FLT_EVAL_METHOD == 0; x87 extended precision would change the bits)");
+#endif
+
+namespace flowmoe {
+namespace num {
+
+// ---- the four operations ------------------------------------------------------------------------
+FLOWMOE_HD float f_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FLOWMOE_HD float f_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+FLOWMOE_HD float f_fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+// 1 / a, correctly rounded (the SwiGLU code only calls it with a in [1, 2]).
+FLOWMOE_HD float f_rcp(float a) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(a);
+#else
+  return 1.0f / a;
+#endif
+}
+FLOWMOE_HD bool f32_is_nan(float x) { return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+FLOWMOE_HD float canonical_nan_if_nan(float x) {
+  return f32_is_nan(x) ? f32_from_bits(kCanonicalNaN) : x;
+}
+// BF16 of a SwiGLU result: round to nearest even, NaN as the canonical 0x7FC0.
+FLOWMOE_HD uint16_t bf16_canonical(float x) {
+  return f32_is_nan(x) ? static_cast<uint16_t>(kCanonicalNaN >> 16) : f32_to_bf16(x);
+}
+
+// ---- exp(x) for x <= 0 ----------------------------------------------------------------------------
+// Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2 (+ a few ulp), then the degree-7 Taylor
+// polynomial of e^r by Horner with FMAs, then the scaling by 2^k in two exact steps.
+//  - k = round(x log2 e) by the 1.5 * 2^23 trick (one FMA), k in [-150, 0].
+//  - kLn2Hi has 15 significant bits and |k| < 2^8, so k * kLn2Hi is exact, and x - k * kLn2Hi is
+//    exact (both are multiples of ulp(x) and the difference is below 2^(exponent of x + 1)).
+//  - r = fma(-k, kLn2Lo, hi).
+//  - e^r in [0.70, 1.42]; 2^k is applied as 2^k1 * 2^k2 (k1 = k / 2, k2 = k - k1, both >= -75)
+//    so each factor is a binary32 normal: the first product is exact, the second rounds once
+//    (only when the result is subnormal).
+// x < -104 (and -inf) gives +0 (e^-104 < 2^-150 rounds to 0); NaN gives NaN. Accuracy against
+// exp in float64: see docs/SWIGLU.md (measured exhaustively on BF16 inputs by the CPU tests).
+constexpr float kLog2e = 1.44269502f;              // 0x1.715476p+0
+constexpr float kRoundMagic = 12582912.0f;         // 1.5 * 2^23
+constexpr float kLn2Hi = 0.693145751953125f;       // 0x1.62e4p-1, 15 significant bits
+constexpr float kLn2Lo = 1.42860677e-06f;          // ln 2 - kLn2Hi, rounded to binary32
+constexpr float kExpMinArg = -104.0f;
+
+FLOWMOE_HD float exp_nonpos(float x) {
+  const bool in_range = x >= kExpMinArg;  // false for NaN and x < -104
+  const float xc = in_range ? x : kExpMinArg;
+  const float kf = f_add(f_fma(xc, kLog2e, kRoundMagic), -kRoundMagic);  // integer in [-150, 0]
+  const float hi = f_add(xc, f_mul(-kf, kLn2Hi));                        // exact
+  const float r = f_fma(-kf, kLn2Lo, hi);
+  float p = 1.98412701e-4f;          // 1/5040
+  p = f_fma(p, r, 1.38888892e-3f);   // 1/720
+  p = f_fma(p, r, 8.33333377e-3f);   // 1/120
+  p = f_fma(p, r, 4.16666679e-2f);   // 1/24
+  p = f_fma(p, r, 1.66666672e-1f);   // 1/6
+  p = f_fma(p, r, 0.5f);
+  p = f_fma(p, r, 1.0f);
+  p = f_fma(p, r, 1.0f);
+  const int k = static_cast<int>(kf);
+  const int k1 = k / 2, k2 = k - k1;  // both in [-75, 0]
+  const float t = f_mul(f_mul(p, exp2i(k1)), exp2i(k2));
+  if (in_range) return t;
+  return x != x ? x : 0.0f;
+}
+
+// ---- SiLU and SwiGLU ------------------------------------------------------------------------------
+// With t = e^(-|g|) (never overflows) and rd = 1 / (1 + t) (correctly rounded):
+//   sigmoid(g)      s  = rd      (g >= 0)   or  t * rd  (g < 0)
+//   1 - sigmoid(g)  sc = t * rd  (g >= 0)   or  rd      (g < 0)   (no cancellation)
+//   silu(g)            = g * s                       = g / (1 + e^-g) in exact arithmetic
+//   silu'(g)           = s * fma(g, sc, 1)           = s (1 + g (1 - s))
+// -0 counts as g >= 0. NaN g gives NaN everywhere.
+struct SiluParts {
+  float s;   // sigmoid(g)
+  float sc;  // 1 - sigmoid(g)
+};
+FLOWMOE_HD SiluParts sigmoid_parts(float g) {
+  const float t = exp_nonpos(-f32_abs(g));  // -|NaN| is NaN: t is NaN
+  const float rd = f_rcp(f_add(1.0f, t));
+  const float trd = f_mul(t, rd);
+  const bool pos = g >= 0.0f;
+  return SiluParts{pos ? rd : trd, pos ? trd : rd};
+}
+FLOWMOE_HD float silu_f32(float g) { return f_mul(g, sigmoid_parts(g).s); }
+FLOWMOE_HD float dsilu_f32(float g) {
+  const SiluParts p = sigmoid_parts(g);
+  return f_mul(p.s, f_fma(g, p.sc, 1.0f));
+}
+
+// Forward: a = silu(gate) * up, NaN canonical.
+FLOWMOE_HD float swiglu_f32(float gate, float up) {
+  return canonical_nan_if_nan(f_mul(f_mul(gate, sigmoid_parts(gate).s), up));
+}
+
+// Backward: given da = dL/da,
+//   dgate = da * (up * silu'(gate))
+//   dup   = da * silu(gate)
+// NaN canonical.
+struct SwigluGrad {
+  float dgate;
+  float dup;
+};
+FLOWMOE_HD SwigluGrad dswiglu_f32(float da, float gate, float up) {
+  const SiluParts p = sigmoid_parts(gate);
+  const float silu = f_mul(gate, p.s);
+  const float ds = f_mul(p.s, f_fma(gate, p.sc, 1.0f));
+  return SwigluGrad{canonical_nan_if_nan(f_mul(da, f_mul(up, ds))),
+                    canonical_nan_if_nan(f_mul(da, silu))};
+}
+
+}  // namespace num
+}  // namespace flowmoe
