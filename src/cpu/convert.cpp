@@ -25,8 +25,8 @@ void check_matrix(const void* x, int64_t m, int64_t k, const char* what) {
 
 void check_multiple(int64_t v, int block, const char* dim, const char* what) {
   FLOWMOE_CHECK(v % block == 0, what << ": " << dim << " = " << v << " is not a multiple of "
-                                     << block << " (the quantization block); expected "
-                                     << dim << " % " << block << " == 0");
+                                     << block << " (the quantization block); expected " << dim
+                                     << " % " << block << " == 0");
 }
 
 void check_layout(const QTensor& q, Layout want, const char* what) {
@@ -53,6 +53,19 @@ void check_layout(const QTensor& q, Layout want, const char* what) {
 constexpr uint8_t kNanCodeE4M3 = kE4M3NaN;
 constexpr uint8_t kNanCodeE2M1 = 0x0;  // E2M1 has no NaN; the NaN scale carries it
 
+// Calls fn(block, t0, t1) for every 128-token block [t0, t1) of every segment, in order: a
+// block never straddles two segments, the last block of a segment may be partial, an empty
+// segment has none. `block` numbers the blocks (the row of the column-wise scale grid).
+template <typename Fn>
+void for_each_token_block(const Segments& seg, Fn&& fn) {
+  int64_t blk = 0;
+  for (int s = 0; s < seg.num_segments(); ++s) {
+    for (int64_t t0 = seg.offsets[s]; t0 < seg.offsets[s + 1]; t0 += kFp8Block, ++blk) {
+      fn(blk, t0, std::min<int64_t>(t0 + kFp8Block, seg.offsets[s + 1]));
+    }
+  }
+}
+
 // ---- FP8 row-wise -----------------------------------------------------------------------------
 template <typename T>
 QuantStats quantize_row_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
@@ -72,8 +85,10 @@ QuantStats quantize_row_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
       int64_t bad = 0;
       for (int i = 0; i < kFp8Block; ++i) {
         const float v = load(x, base + i);
-        if (!f32_is_finite(v)) ++bad;
-        else amax = f32_max_nonneg(amax, f32_abs(v));
+        if (!f32_is_finite(v))
+          ++bad;
+        else
+          amax = f32_max_nonneg(amax, f32_abs(v));
       }
       uint8_t* codes = &out->codes[base];
       if (bad) {
@@ -103,31 +118,29 @@ QuantStats quantize_col_impl(const T* x, int64_t m, int64_t k, const Segments& s
   out->codes.assign(k * m, 0);
   out->scales.assign(nb * k, 0);
   QuantStats st;
-  int64_t blk = 0;
-  for (int s = 0; s < seg.num_segments(); ++s) {
-    for (int64_t t0 = seg.offsets[s]; t0 < seg.offsets[s + 1]; t0 += kFp8Block, ++blk) {
-      const int64_t t1 = std::min<int64_t>(t0 + kFp8Block, seg.offsets[s + 1]);
-      for (int64_t c = 0; c < k; ++c) {
-        float amax = 0.0f;
-        int64_t bad = 0;
-        for (int64_t t = t0; t < t1; ++t) {
-          const float v = load(x, t * k + c);
-          if (!f32_is_finite(v)) ++bad;
-          else amax = f32_max_nonneg(amax, f32_abs(v));
-        }
-        uint8_t* codes = &out->codes[c * m];
-        if (bad) {
-          st.nonfinite += bad;
-          out->scales[blk * k + c] = kUE8M0NaN;
-          for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
-          continue;
-        }
-        const int e = e4m3_scale_exp(amax);
-        out->scales[blk * k + c] = ue8m0_from_exp(e);
-        for (int64_t t = t0; t < t1; ++t) codes[t] = quant_e4m3(load(x, t * k + c), e);
+  for_each_token_block(seg, [&](int64_t blk, int64_t t0, int64_t t1) {
+    for (int64_t c = 0; c < k; ++c) {
+      float amax = 0.0f;
+      int64_t bad = 0;
+      for (int64_t t = t0; t < t1; ++t) {
+        const float v = load(x, t * k + c);
+        if (!f32_is_finite(v))
+          ++bad;
+        else
+          amax = f32_max_nonneg(amax, f32_abs(v));
       }
+      uint8_t* codes = &out->codes[c * m];
+      if (bad) {
+        st.nonfinite += bad;
+        out->scales[blk * k + c] = kUE8M0NaN;
+        for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
+        continue;
+      }
+      const int e = e4m3_scale_exp(amax);
+      out->scales[blk * k + c] = ue8m0_from_exp(e);
+      for (int64_t t = t0; t < t1; ++t) codes[t] = quant_e4m3(load(x, t * k + c), e);
     }
-  }
+  });
   return st;
 }
 
@@ -152,8 +165,10 @@ QuantStats quantize_weight_impl(const T* w, int64_t n, int64_t k, QTensor* out, 
       for (int64_t r = bn * kFp8Block; r < (bn + 1) * kFp8Block; ++r) {
         for (int64_t c = bk * kFp8Block; c < (bk + 1) * kFp8Block; ++c) {
           const float v = load(w, r * k + c);
-          if (!f32_is_finite(v)) ++bad;
-          else amax = f32_max_nonneg(amax, f32_abs(v));
+          if (!f32_is_finite(v))
+            ++bad;
+          else
+            amax = f32_max_nonneg(amax, f32_abs(v));
         }
       }
       st.nonfinite += bad;
@@ -189,8 +204,10 @@ QuantStats quantize_mxfp4_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
       int64_t bad = 0;
       for (int i = 0; i < kFp4Block; ++i) {
         const float v = load(x, base + i);
-        if (!f32_is_finite(v)) ++bad;
-        else amax = f32_max_nonneg(amax, f32_abs(v));
+        if (!f32_is_finite(v))
+          ++bad;
+        else
+          amax = f32_max_nonneg(amax, f32_abs(v));
       }
       st.nonfinite += bad;
       const int e = e2m1_scale_exp(amax);
@@ -269,24 +286,21 @@ void dequantize(const QTensor& q, float* out) {
       break;
     case Layout::kCol128x1: {
       q.segments.validate(m);
-      int64_t blk = 0;
       const Segments& seg = q.segments;
-      for (int s = 0; s < seg.num_segments(); ++s) {
-        for (int64_t t0 = seg.offsets[s]; t0 < seg.offsets[s + 1]; t0 += kFp8Block, ++blk) {
-          const int64_t t1 = std::min<int64_t>(t0 + kFp8Block, seg.offsets[s + 1]);
-          for (int64_t c = 0; c < k; ++c) {
-            const uint8_t sc = q.scales[blk * k + c];
-            for (int64_t t = t0; t < t1; ++t) out[t * k + c] = dequant_e4m3(q.codes[c * m + t], sc);
-          }
+      for_each_token_block(seg, [&](int64_t blk, int64_t t0, int64_t t1) {
+        for (int64_t c = 0; c < k; ++c) {
+          const uint8_t sc = q.scales[blk * k + c];
+          for (int64_t t = t0; t < t1; ++t) out[t * k + c] = dequant_e4m3(q.codes[c * m + t], sc);
         }
-      }
+      });
       break;
     }
     case Layout::kWeight128x128: {
       const int64_t nbk = k / kFp8Block;
       for (int64_t r = 0; r < m; ++r)
         for (int64_t c = 0; c < k; ++c)
-          out[r * k + c] = dequant_e4m3(q.codes[r * k + c], q.scales[(r / kFp8Block) * nbk + c / kFp8Block]);
+          out[r * k + c] =
+              dequant_e4m3(q.codes[r * k + c], q.scales[(r / kFp8Block) * nbk + c / kFp8Block]);
       break;
     }
     case Layout::kMxfp4Row1x32:
@@ -322,33 +336,31 @@ QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTen
   col->codes.assign(k * m, 0);
   col->scales.assign(seg.num_blocks() * k, 0);
   QuantStats st;
-  int64_t blk = 0;
-  for (int s = 0; s < seg.num_segments(); ++s) {
-    for (int64_t t0 = seg.offsets[s]; t0 < seg.offsets[s + 1]; t0 += kFp8Block, ++blk) {
-      const int64_t t1 = std::min<int64_t>(t0 + kFp8Block, seg.offsets[s + 1]);
-      for (int64_t c = 0; c < k; ++c) {
-        const uint8_t* rs = &row.scales[(c / kFp8Block) * m];  // row exponents of this K tile
-        int cmax = 0, bad = 0;
-        for (int64_t t = t0; t < t1; ++t) {
-          if (rs[t] == kUE8M0NaN) ++bad;
-          else cmax = std::max<int>(cmax, rs[t]);
-        }
-        uint8_t* codes = &col->codes[c * m];
-        if (bad) {
-          st.nonfinite += bad;
-          col->scales[blk * k + c] = kUE8M0NaN;
-          for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
-          continue;
-        }
-        col->scales[blk * k + c] = static_cast<uint8_t>(cmax);
-        for (int64_t t = t0; t < t1; ++t) {
-          bool lost = false;
-          codes[t] = e4m3_rescale(row.codes[t * k + c], cmax - rs[t], &lost);
-          st.underflow += lost;
-        }
+  for_each_token_block(seg, [&](int64_t blk, int64_t t0, int64_t t1) {
+    for (int64_t c = 0; c < k; ++c) {
+      const uint8_t* rs = &row.scales[(c / kFp8Block) * m];  // row exponents of this K tile
+      int cmax = 0, bad = 0;
+      for (int64_t t = t0; t < t1; ++t) {
+        if (rs[t] == kUE8M0NaN)
+          ++bad;
+        else
+          cmax = std::max<int>(cmax, rs[t]);
+      }
+      uint8_t* codes = &col->codes[c * m];
+      if (bad) {
+        st.nonfinite += bad;
+        col->scales[blk * k + c] = kUE8M0NaN;
+        for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
+        continue;
+      }
+      col->scales[blk * k + c] = static_cast<uint8_t>(cmax);
+      for (int64_t t = t0; t < t1; ++t) {
+        bool lost = false;
+        codes[t] = e4m3_rescale(row.codes[t * k + c], cmax - rs[t], &lost);
+        st.underflow += lost;
       }
     }
-  }
+  });
   return st;
 }
 
@@ -369,8 +381,10 @@ QuantStats fp4_to_fp8_row(const QTensor& fp4, QTensor* row) {
       const uint8_t* es = &fp4.scales[r * ng + b * kGroups];
       int cmax = 0, bad = 0;
       for (int j = 0; j < kGroups; ++j) {
-        if (es[j] == kUE8M0NaN) ++bad;
-        else cmax = std::max<int>(cmax, es[j]);
+        if (es[j] == kUE8M0NaN)
+          ++bad;
+        else
+          cmax = std::max<int>(cmax, es[j]);
       }
       uint8_t* codes = &row->codes[r * k + b * kFp8Block];
       if (bad) {
@@ -403,36 +417,34 @@ QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col)
   col->codes.assign(k * m, 0);
   col->scales.assign(seg.num_blocks() * k, 0);
   QuantStats st;
-  int64_t blk = 0;
-  for (int s = 0; s < seg.num_segments(); ++s) {
-    for (int64_t t0 = seg.offsets[s]; t0 < seg.offsets[s + 1]; t0 += kFp8Block, ++blk) {
-      const int64_t t1 = std::min<int64_t>(t0 + kFp8Block, seg.offsets[s + 1]);
-      for (int64_t c = 0; c < k; ++c) {
-        const int64_t g = c / kFp4Block;
-        int cmax = 0, bad = 0;
-        for (int64_t t = t0; t < t1; ++t) {
-          const uint8_t e = fp4.scales[t * ng + g];
-          if (e == kUE8M0NaN) ++bad;
-          else cmax = std::max<int>(cmax, e);
-        }
-        uint8_t* codes = &col->codes[c * m];
-        if (bad) {
-          st.nonfinite += bad;
-          col->scales[blk * k + c] = kUE8M0NaN;
-          for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
-          continue;
-        }
-        const int sc = fp8_code_from_fp4_max(cmax);
-        col->scales[blk * k + c] = static_cast<uint8_t>(sc);
-        for (int64_t t = t0; t < t1; ++t) {
-          const float p = e2m1_to_f32(e2m1_get(fp4.codes.data(), t * k + c));
-          bool lost = false;
-          codes[t] = e4m3_encode_shifted(p, sc - fp4.scales[t * ng + g], &lost);
-          st.underflow += lost;
-        }
+  for_each_token_block(seg, [&](int64_t blk, int64_t t0, int64_t t1) {
+    for (int64_t c = 0; c < k; ++c) {
+      const int64_t g = c / kFp4Block;
+      int cmax = 0, bad = 0;
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint8_t e = fp4.scales[t * ng + g];
+        if (e == kUE8M0NaN)
+          ++bad;
+        else
+          cmax = std::max<int>(cmax, e);
+      }
+      uint8_t* codes = &col->codes[c * m];
+      if (bad) {
+        st.nonfinite += bad;
+        col->scales[blk * k + c] = kUE8M0NaN;
+        for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
+        continue;
+      }
+      const int sc = fp8_code_from_fp4_max(cmax);
+      col->scales[blk * k + c] = static_cast<uint8_t>(sc);
+      for (int64_t t = t0; t < t1; ++t) {
+        const float p = e2m1_to_f32(e2m1_get(fp4.codes.data(), t * k + c));
+        bool lost = false;
+        codes[t] = e4m3_encode_shifted(p, sc - fp4.scales[t * ng + g], &lost);
+        st.underflow += lost;
       }
     }
-  }
+  });
   return st;
 }
 
