@@ -1,7 +1,6 @@
 // Grouped GEMM: the CPU reference (block-scaled numerics as cuBLASLt defines them), the
 // GEMM-ready FP32 scale layouts, and the argument checks shared with the CUDA path.
 #include <cstring>
-#include <string>
 #include <vector>
 
 #include "flowmoe/error.h"
@@ -41,16 +40,21 @@ void check_token_counts(const Segments& seg, int multiple, const char* what) {
   }
 }
 
+// `name` is printed as name_prefix followed by name (formatted only when a check fails, so a
+// passing call allocates nothing).
 template <typename T>
-void check_span(const T* p, int64_t size, int64_t need, const char* name, const char* what) {
+void check_span(const T* p, int64_t size, int64_t need, const char* name, const char* what,
+                const char* name_prefix = "") {
   if (need == 0) return;
-  FLOWMOE_CHECK(p != nullptr, what << ": " << name << " is null; expected a device pointer to at "
-                                   << "least " << need << " elements");
-  FLOWMOE_CHECK(aligned16(p), what << ": " << name << " = " << static_cast<const void*>(p)
+  FLOWMOE_CHECK(p != nullptr, what << ": " << name_prefix << name
+                                   << " is null; expected a device pointer to at least " << need
+                                   << " elements");
+  FLOWMOE_CHECK(aligned16(p), what << ": " << name_prefix << name << " = "
+                                   << static_cast<const void*>(p)
                                    << " is not 16-byte aligned; expected a 16-byte aligned "
                                       "pointer (cudaMalloc gives 256)");
-  FLOWMOE_CHECK(size >= need, what << ": " << name << " holds " << size << " elements, expected at "
-                                   << "least " << need);
+  FLOWMOE_CHECK(size >= need, what << ": " << name_prefix << name << " holds " << size
+                                   << " elements, expected at least " << need);
 }
 
 void check_fp8_rowwise_pass(const char* what, Pass p, const Segments& seg, int64_t n, int64_t k,
@@ -65,15 +69,14 @@ void check_fp8_rowwise_pass(const char* what, Pass p, const Segments& seg, int64
   // fprop contracts over K with an [M, K] activation; dgrad over N with an [M, N] gradient.
   const int64_t c_in = p == Pass::kFprop ? k : n;
   const int64_t c_out = p == Pass::kFprop ? n : k;
-  const std::string an = p == Pass::kFprop ? "x" : "dy";
-  const std::string wn = p == Pass::kFprop ? "w" : "wt";
-  check_span(act.codes.data, act.codes.size, m * c_in, (an + ".codes").c_str(), what);
+  const char* an = p == Pass::kFprop ? "x" : "dy";
+  const char* wn = p == Pass::kFprop ? "w" : "wt";
+  check_span(act.codes.data, act.codes.size, m * c_in, ".codes", what, an);
   check_span(act.scales.data, act.scales.size, act_scale_f32_elems(m, c_in),
-             (an + ".scales (expert-packed FP32)").c_str(), what);
-  check_span(w.codes.data, w.codes.size, static_cast<int64_t>(E) * n * k, (wn + ".codes").c_str(),
-             what);
+             ".scales (expert-packed FP32)", what, an);
+  check_span(w.codes.data, w.codes.size, static_cast<int64_t>(E) * n * k, ".codes", what, wn);
   check_span(w.scales.data, w.scales.size, weight_scale_f32_elems(E, c_out, c_in),
-             (wn + ".scales (FP32, padded)").c_str(), what);
+             ".scales (FP32, padded)", what, wn);
   check_span(out, out_size, m * c_out, p == Pass::kFprop ? "y" : "dx", what);
 }
 

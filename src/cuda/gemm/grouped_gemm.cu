@@ -258,12 +258,13 @@ struct GroupedGemm::Impl {
     key.align[2] = key.align[3] = align_of(D);
     key.op = static_cast<uint8_t>(op);
     key.beta = accumulate ? 1 : 0;
-    Plan& p = plan_for(key, info, what, expert);
     if (info.fp8) {
-      // Read by cublasLtMatmul when it enqueues: changing them for the next expert is safe.
+      // Read by cublasLtMatmul when it enqueues: changing them for the next expert is safe. Set
+      // before a heuristic query too, which sees the descriptor as the matmul will.
       FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)), what);
       FLOWMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)), what);
     }
+    Plan& p = plan_for(key, info, what, expert);
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     const cublasStatus_t st = cublasLtMatmul(handle, d, &alpha, A, p.a, B, p.b, &beta, D, p.c, D, p.d,
                                              &p.algo, workspace, workspace_bytes, stream);

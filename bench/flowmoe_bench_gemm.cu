@@ -1,0 +1,457 @@
+// Grouped expert GEMM benchmark: FP8 block-scaled (cuBLASLt, one matmul per expert) against the
+// BF16 baseline in the same run, for the DeepSeek-V3, V2 and V2-Lite expert shapes with 8..64
+// local experts, plus the dense cuBLASLt ceilings at 8192^3 and the 8 experts x 4096 tokens target.
+// Medians of CUDA-event timings after warm-up (the warm-up also fills the plan cache), random
+// data (normal, not zeros), one stream.
+//
+//   flowmoe_bench_gemm [--reps N] [--tokens T] [--model V3|V2|V2-Lite] [--experts E] [--no-graph]
+//
+// Columns: FP8 us / BF16 us are the grouped call as the library runs it (per-expert launches
+// enqueued by the host); "FP8 graph us" replays the same launches from a CUDA graph (no host
+// enqueue gaps: what the launch loop costs); "host us" is the CPU time to enqueue one FP8 call;
+// "rel diff" is ||Y_fp8 - Y_bf16|| / ||Y_bf16|| (a sanity check of the FP8 result, ~2^-5 is the
+// quantization error of random data).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flowmoe/cuda/convert.h"
+#include "flowmoe/error.h"
+#include "flowmoe/gemm.h"
+#include "flowmoe/numerics.h"
+
+using namespace flowmoe;
+
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+namespace {
+
+int g_reps = 20;
+bool g_graph = true;
+cudaStream_t g_stream = nullptr;
+
+template <typename T>
+T* dalloc(size_t n) {
+  T* p = nullptr;
+  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+  return p;
+}
+
+// ---- random data -----------------------------------------------------------------------------
+__device__ __forceinline__ uint64_t splitmix(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+__global__ void fill_normal_bf16(bf16_t* p, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t h = splitmix(seed * 0x100000001B3ull + i);
+    const float u1 = (static_cast<float>(h >> 40) + 0.5f) * (1.0f / 16777216.0f);
+    const float u2 = (static_cast<float>(h & 0xFFFFFF) + 0.5f) * (1.0f / 16777216.0f);
+    const float z = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    p[i] = num::f32_to_bf16(z * scale);
+  }
+}
+void fill(bf16_t* p, int64_t n, uint64_t seed, float scale) {
+  fill_normal_bf16<<<2048, 256, 0, g_stream>>>(p, n, seed, scale);
+  CK(cudaGetLastError());
+}
+
+// sum (a-b)^2 and b^2
+template <typename T>
+__device__ __forceinline__ float as_f32(T v);
+template <>
+__device__ __forceinline__ float as_f32<bf16_t>(bf16_t v) { return num::bf16_to_f32(v); }
+template <>
+__device__ __forceinline__ float as_f32<float>(float v) { return v; }
+template <typename T>
+__global__ void diff_kernel(const T* a, const T* b, int64_t n, double* acc) {
+  double d = 0, r = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double x = as_f32(a[i]), y = as_f32(b[i]);
+    d += (x - y) * (x - y);
+    r += y * y;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    d += __shfl_xor_sync(0xffffffffu, d, o);
+    r += __shfl_xor_sync(0xffffffffu, r, o);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicAdd(&acc[0], d);
+    atomicAdd(&acc[1], r);
+  }
+}
+template <typename T>
+double rel_diff(const T* a, const T* b, int64_t n) {
+  double* acc = dalloc<double>(2);
+  CK(cudaMemsetAsync(acc, 0, 2 * sizeof(double), g_stream));
+  diff_kernel<T><<<1024, 256, 0, g_stream>>>(a, b, n, acc);
+  CK(cudaGetLastError());
+  double h[2];
+  CK(cudaMemcpyAsync(h, acc, sizeof(h), cudaMemcpyDeviceToHost, g_stream));
+  CK(cudaStreamSynchronize(g_stream));
+  cudaFree(acc);
+  return h[1] > 0 ? std::sqrt(h[0] / h[1]) : 0.0;
+}
+
+// ---- timing ------------------------------------------------------------------------------------
+struct Timing {
+  float us = 0;       // median CUDA-event time
+  float host_us = 0;  // median host enqueue time
+};
+Timing time_call(const std::function<void()>& fn) {
+  for (int i = 0; i < 3; ++i) fn();
+  CK(cudaStreamSynchronize(g_stream));
+  std::vector<float> t(g_reps), h(g_reps);
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < g_reps; ++i) {
+    CK(cudaEventRecord(a, g_stream));
+    const auto h0 = std::chrono::steady_clock::now();
+    fn();
+    const auto h1 = std::chrono::steady_clock::now();
+    CK(cudaEventRecord(b, g_stream));
+    CK(cudaEventSynchronize(b));
+    CK(cudaEventElapsedTime(&t[i], a, b));
+    h[i] = std::chrono::duration<float, std::micro>(h1 - h0).count();
+  }
+  CK(cudaGetLastError());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  std::sort(h.begin(), h.end());
+  return {t[g_reps / 2] * 1000.f, h[g_reps / 2]};
+}
+// The same launches captured once into a CUDA graph and replayed (< 0: capture not possible).
+float time_graph(const std::function<void()>& fn) {
+  if (!g_graph) return -1;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  if (cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    cudaStreamEndCapture(g_stream, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    std::fprintf(stderr, "  (graph capture failed: %s)\n", e.what());
+    return -1;
+  }
+  if (cudaStreamEndCapture(g_stream, &graph) != cudaSuccess ||
+      cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    return -1;
+  }
+  const Timing t = time_call([&] { CK(cudaGraphLaunch(exec, g_stream)); });
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return t.us;
+}
+
+std::vector<int32_t> ragged_counts(int e, int64_t m, uint32_t seed, int align) {
+  std::mt19937 rng(seed);
+  std::vector<double> w(e);
+  for (auto& v : w) v = 0.5 + std::uniform_real_distribution<double>(0, 1)(rng);
+  double s = 0;
+  for (double v : w) s += v;
+  std::vector<int32_t> c(e);
+  int64_t left = m;
+  for (int i = 0; i < e - 1; ++i) {
+    c[i] = static_cast<int32_t>(std::min<int64_t>(left, static_cast<int64_t>(m * w[i] / s) / align * align));
+    left -= c[i];
+  }
+  c[e - 1] = static_cast<int32_t>(left);
+  return c;
+}
+
+void header() {
+  std::printf("| %-44s | %7s | %9s | %7s | %9s | %7s | %8s | %12s | %8s | %8s |\n", "shape", "experts",
+              "FP8 us", "TFLOP/s", "BF16 us", "TFLOP/s", "FP8/BF16", "FP8 graph us", "host us",
+              "rel diff");
+  std::printf("|%s|%s|%s|%s|%s|%s|%s|%s|%s|%s|\n", std::string(46, '-').c_str(), std::string(9, '-').c_str(),
+              std::string(11, '-').c_str(), std::string(9, '-').c_str(), std::string(11, '-').c_str(),
+              std::string(9, '-').c_str(), std::string(10, '-').c_str(), std::string(14, '-').c_str(),
+              std::string(10, '-').c_str(), std::string(10, '-').c_str());
+}
+void row(const std::string& shape, const std::string& experts, double flops, const Timing& f8,
+         const Timing& b16, float graph_us, double rd) {
+  char g[32];
+  if (graph_us > 0) std::snprintf(g, sizeof(g), "%12.1f", graph_us);
+  else std::snprintf(g, sizeof(g), "%12s", "n/a");
+  std::printf("| %-44s | %7s | %9.1f | %7.0f | %9.1f | %7.0f | %7.2fx | %s | %8.1f | %8.4f |\n", shape.c_str(),
+              experts.c_str(), f8.us, flops / (f8.us * 1e6), b16.us, flops / (b16.us * 1e6), b16.us / f8.us, g,
+              f8.host_us, rd);
+  std::fflush(stdout);
+}
+
+// ---- one linear layer's three passes, FP8 and BF16 ---------------------------------------------
+struct LayerBuffers {
+  int64_t m, n, k;
+  int E;
+  Segments seg;
+  int64_t nb;
+  // BF16
+  bf16_t *x = nullptr, *dy = nullptr, *w = nullptr;
+  // FP8 codes and UE8M0 scales, and the GEMM-ready FP32 scales
+  uint8_t *xr_c = nullptr, *xr_s8 = nullptr, *xc_c = nullptr, *xc_s8 = nullptr, *dyr_c = nullptr,
+          *dyr_s8 = nullptr, *dyc_c = nullptr, *dyc_s8 = nullptr, *w_c = nullptr, *w_s8 = nullptr,
+          *wt_c = nullptr, *wt_s8 = nullptr;
+  float *xr_s = nullptr, *xc_s = nullptr, *dyr_s = nullptr, *dyc_s = nullptr, *w_s = nullptr,
+        *wt_s = nullptr;
+  // outputs
+  bf16_t *y8 = nullptr, *y16 = nullptr, *dx8 = nullptr, *dx16 = nullptr;
+  float *g8 = nullptr, *g16 = nullptr;
+  int32_t *offsets = nullptr, *bstart = nullptr, *bend = nullptr, *boff = nullptr;
+  cuda::DeviceStatus* st = nullptr;
+  std::vector<void*> owned;
+
+  template <typename T>
+  T* own(size_t n) {
+    T* p = dalloc<T>(n);
+    owned.push_back(p);
+    return p;
+  }
+
+  LayerBuffers(const std::vector<int32_t>& counts, int64_t n_, int64_t k_, bool backward)
+      : n(n_), k(k_) {
+    seg = Segments::from_counts(counts);
+    m = seg.num_tokens();
+    E = seg.num_segments();
+    nb = seg.num_blocks();
+    const int64_t maxb = cuda::segment_max_blocks(m, E);
+    x = own<bf16_t>(m * k);
+    w = own<bf16_t>(E * n * k);
+    xr_c = own<uint8_t>(m * k);
+    xr_s8 = own<uint8_t>(m * k / 128);
+    xr_s = own<float>(gemm::act_scale_f32_elems(m, k));
+    w_c = own<uint8_t>(E * n * k);
+    w_s8 = own<uint8_t>(E * (n / 128) * (k / 128));
+    w_s = own<float>(gemm::weight_scale_f32_elems(E, n, k));
+    y8 = own<bf16_t>(m * n);
+    y16 = own<bf16_t>(m * n);
+    offsets = own<int32_t>(E + 1);
+    st = own<cuda::DeviceStatus>(1);
+    CK(cudaMemsetAsync(st, 0, sizeof(*st), g_stream));
+    CK(cudaMemcpyAsync(offsets, seg.offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice, g_stream));
+    fill(x, m * k, 1, 1.0f);
+    fill(w, E * n * k, 2, 0.02f);
+    cuda::quantize_row(x, m, k, xr_c, xr_s8, st, g_stream);
+    cuda::act_scales_to_f32(xr_s8, m, k, offsets, E, xr_s, st, g_stream);
+    if (backward) {
+      dy = own<bf16_t>(m * n);
+      xc_c = own<uint8_t>(m * k);
+      xc_s8 = own<uint8_t>(maxb * k);
+      xc_s = own<float>(gemm::col_scale_f32_elems(seg, k));
+      dyr_c = own<uint8_t>(m * n);
+      dyr_s8 = own<uint8_t>(m * n / 128);
+      dyr_s = own<float>(gemm::act_scale_f32_elems(m, n));
+      dyc_c = own<uint8_t>(m * n);
+      dyc_s8 = own<uint8_t>(maxb * n);
+      dyc_s = own<float>(gemm::col_scale_f32_elems(seg, n));
+      wt_c = own<uint8_t>(E * n * k);
+      wt_s8 = own<uint8_t>(E * (n / 128) * (k / 128));
+      wt_s = own<float>(gemm::weight_scale_f32_elems(E, k, n));
+      dx8 = own<bf16_t>(m * k);
+      dx16 = own<bf16_t>(m * k);
+      g8 = own<float>(E * n * k);
+      g16 = own<float>(E * n * k);
+      bstart = own<int32_t>(maxb);
+      bend = own<int32_t>(maxb);
+      boff = own<int32_t>(E + 1);
+      fill(dy, m * n, 3, 1e-3f);
+      cuda::SegmentBlocks sb{offsets, E, m, maxb, bstart, bend, boff};
+      cuda::build_segment_blocks(sb, st, g_stream);
+      cuda::quantize_col(x, k, sb, xc_c, xc_s8, nullptr, nullptr, st, g_stream);
+      cuda::quantize_col(dy, n, sb, dyc_c, dyc_s8, dyr_c, dyr_s8, st, g_stream);
+      cuda::col_scales_to_f32(xc_s8, nb, k, xc_s, g_stream);
+      cuda::col_scales_to_f32(dyc_s8, nb, n, dyc_s, g_stream);
+      cuda::act_scales_to_f32(dyr_s8, m, n, offsets, E, dyr_s, st, g_stream);
+    }
+    const int64_t sw = (n / 128) * (k / 128);
+    for (int e = 0; e < E; ++e)
+      cuda::quantize_weight(w + e * n * k, n, k, w_c + e * n * k, w_s8 + e * sw,
+                            backward ? wt_c + e * n * k : nullptr, backward ? wt_s8 + e * sw : nullptr,
+                            st, g_stream);
+    cuda::weight_scales_to_f32(w_s8, E, n, k, w_s, g_stream);
+    if (backward) cuda::weight_scales_to_f32(wt_s8, E, k, n, wt_s, g_stream);
+    CK(cudaStreamSynchronize(g_stream));
+    cuda::DeviceStatus h{};
+    CK(cudaMemcpy(&h, st, sizeof(h), cudaMemcpyDeviceToHost));
+    if (h.nonfinite || h.bad_segments) {
+      std::fprintf(stderr, "bench setup: nonfinite %llu, bad segments %llu\n", h.nonfinite, h.bad_segments);
+      std::exit(1);
+    }
+  }
+  ~LayerBuffers() {
+    cudaStreamSynchronize(g_stream);
+    for (void* p : owned) cudaFree(p);
+  }
+  gemm::Fp8Operand op(const uint8_t* c, int64_t cn, const float* s, int64_t sn) const { return {{c, cn}, {s, sn}}; }
+};
+
+// Runs and prints the three passes (or fprop only) of one grouped linear layer.
+void bench_layer(cuda::GroupedGemm& gg, const std::string& name, const std::vector<int32_t>& counts,
+                 int64_t n, int64_t k, bool backward) {
+  LayerBuffers b(counts, n, k, backward);
+  const int64_t m = b.m;
+  const int E = b.E;
+  const double flops = 2.0 * m * n * k;
+  const std::string ex = std::to_string(E);
+  const auto x8 = b.op(b.xr_c, m * k, b.xr_s, gemm::act_scale_f32_elems(m, k));
+  const auto w8 = b.op(b.w_c, E * n * k, b.w_s, gemm::weight_scale_f32_elems(E, n, k));
+  const gemm::Span<const bf16_t> x16{b.x, m * k}, w16{b.w, E * n * k};
+  char shape[96];
+
+  auto f8 = [&] { gg.fprop(b.seg, n, k, x8, w8, {b.y8, m * n}, g_stream); };
+  auto f16 = [&] { gg.fprop_bf16(b.seg, n, k, x16, w16, {b.y16, m * n}, g_stream); };
+  Timing t8 = time_call(f8), t16 = time_call(f16);
+  std::snprintf(shape, sizeof(shape), "%s fprop (K %lld -> N %lld)", name.c_str(), (long long)k, (long long)n);
+  row(shape, ex, flops, t8, t16, time_graph(f8), rel_diff(b.y8, b.y16, m * n));
+  if (!backward) return;
+
+  const auto dy8 = b.op(b.dyr_c, m * n, b.dyr_s, gemm::act_scale_f32_elems(m, n));
+  const auto wt8 = b.op(b.wt_c, E * n * k, b.wt_s, gemm::weight_scale_f32_elems(E, k, n));
+  const gemm::Span<const bf16_t> dy16{b.dy, m * n};
+  auto d8 = [&] { gg.dgrad(b.seg, n, k, dy8, wt8, {b.dx8, m * k}, g_stream); };
+  auto d16 = [&] { gg.dgrad_bf16(b.seg, n, k, dy16, w16, {b.dx16, m * k}, g_stream); };
+  t8 = time_call(d8);
+  t16 = time_call(d16);
+  std::snprintf(shape, sizeof(shape), "%s dgrad (N %lld -> K %lld)", name.c_str(), (long long)n, (long long)k);
+  row(shape, ex, flops, t8, t16, time_graph(d8), rel_diff(b.dx8, b.dx16, m * k));
+
+  const auto dyc = b.op(b.dyc_c, m * n, b.dyc_s, gemm::col_scale_f32_elems(b.seg, n));
+  const auto xc = b.op(b.xc_c, m * k, b.xc_s, gemm::col_scale_f32_elems(b.seg, k));
+  // production mode: accumulate into FP32 main gradients, both recipes
+  auto g8 = [&] { gg.wgrad(b.seg, n, k, dyc, xc, gemm::WgradOut::accumulate(b.g8, E * n * k), g_stream); };
+  auto g16 = [&] { gg.wgrad_bf16(b.seg, n, k, dy16, x16, gemm::WgradOut::accumulate(b.g16, E * n * k), g_stream); };
+  t8 = time_call(g8);
+  t16 = time_call(g16);
+  const float gg8 = time_graph(g8);
+  // comparable results: one overwrite call each
+  gg.wgrad(b.seg, n, k, dyc, xc, gemm::WgradOut::f32(b.g8, E * n * k), g_stream);
+  gg.wgrad_bf16(b.seg, n, k, dy16, x16, gemm::WgradOut::f32(b.g16, E * n * k), g_stream);
+  std::snprintf(shape, sizeof(shape), "%s wgrad +=FP32 ([%lld, %lld])", name.c_str(), (long long)n, (long long)k);
+  row(shape, ex, flops, t8, t16, gg8, rel_diff(b.g8, b.g16, E * n * k));
+}
+
+struct Model {
+  const char* name;
+  int64_t hidden, ffn;
+  int topk;
+};
+
+void bench_scale_conversion(int64_t m, int64_t k, int E) {
+  const auto counts = ragged_counts(E, m, 5, 16);
+  const Segments seg = Segments::from_counts(counts);
+  uint8_t* s8 = dalloc<uint8_t>(m * k / 128);
+  float* s32 = dalloc<float>(m * k / 128);
+  int32_t* off = dalloc<int32_t>(E + 1);
+  CK(cudaMemcpy(off, seg.offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemset(s8, 127, m * k / 128));
+  const Timing ta = time_call([&] { cuda::act_scales_to_f32(s8, m, k, off, E, s32, nullptr, g_stream); });
+  const int64_t nb = seg.num_blocks();
+  const Timing tc = time_call([&] { cuda::col_scales_to_f32(s8, std::min<int64_t>(nb, m / 128), k, s32, g_stream); });
+  const double bytes = 5.0 * m * k / 128;
+  std::printf("  act_scales_to_f32  [%lld/128 x %lld tokens, %d experts]: %7.1f us (%5.0f GB/s, %.1f MB written)\n",
+              (long long)k, (long long)m, E, ta.us, bytes / (ta.us * 1e3), 4.0 * m * k / 128 / 1e6);
+  std::printf("  col_scales_to_f32  [%lld blocks x %lld]:                  %7.1f us\n", (long long)nb, (long long)k, tc.us);
+  cudaFree(s8);
+  cudaFree(s32);
+  cudaFree(off);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t tokens = 4096;
+  std::string only_model;
+  int only_e = 0;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = std::max(3, std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) tokens = std::atoll(argv[++i]);
+    else if (!std::strcmp(argv[i], "--model") && i + 1 < argc) only_model = argv[++i];
+    else if (!std::strcmp(argv[i], "--experts") && i + 1 < argc) only_e = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--no-graph")) g_graph = false;
+    else {
+      std::printf("usage: %s [--reps N] [--tokens T] [--model V3|V2|V2-Lite] [--experts E] [--no-graph]\n", argv[0]);
+      return 2;
+    }
+  }
+  int dev = 0;
+  cudaDeviceProp prop{};
+  CK(cudaGetDevice(&dev));
+  CK(cudaGetDeviceProperties(&prop, dev));
+  CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  std::printf("device: %s (sm_%d%d), %d SMs; reps %d (median)\n", prop.name, prop.major, prop.minor,
+              prop.multiProcessorCount, g_reps);
+  try {
+    cuda::GroupedGemm gg;
+
+    std::printf("\n## Ceilings: dense cuBLASLt at 8192^3 (one GEMM, same code path, E = 1)\n\n");
+    header();
+    bench_layer(gg, "dense 8192^3", {8192}, 8192, 8192, false);
+
+    std::printf("\n## Target: FP8 fprop, 8 experts x 4096 tokens, K 7168 -> N 4096 (>= 1000 TFLOP/s)\n\n");
+    header();
+    {
+      const auto s0 = gg.stats();
+      const auto t0 = std::chrono::steady_clock::now();
+      bench_layer(gg, "V3 GEMM1 uniform", std::vector<int32_t>(8, 4096), 4096, 7168, false);
+      const auto t1 = std::chrono::steady_clock::now();
+      std::printf("(first call of these shapes: %lld heuristic queries; whole row incl. setup %.0f ms)\n",
+                  (long long)(gg.stats().heuristic_queries - s0.heuristic_queries),
+                  std::chrono::duration<double, std::milli>(t1 - t0).count());
+    }
+
+    const Model models[] = {{"V3", 7168, 2048, 8}, {"V2", 5120, 1536, 6}, {"V2-Lite", 2048, 1408, 6}};
+    for (const Model& md : models) {
+      if (!only_model.empty() && only_model != md.name) continue;
+      const int64_t m = tokens * md.topk;
+      std::printf("\n## DeepSeek-%s: H %lld, F %lld, top-%d, %lld tokens/GPU -> %lld routed rows (ragged, 16-aligned)\n\n",
+                  md.name, (long long)md.hidden, (long long)md.ffn, md.topk, (long long)tokens, (long long)m);
+      header();
+      for (int E : {8, 16, 32, 64}) {
+        if (only_e && E != only_e) continue;
+        const auto counts = ragged_counts(E, m, 17 + E, 16);
+        bench_layer(gg, std::string(md.name) + " GEMM1", counts, 2 * md.ffn, md.hidden, true);
+        bench_layer(gg, std::string(md.name) + " GEMM2", counts, md.hidden, md.ffn, true);
+      }
+    }
+
+    std::printf("\n## Scale conversion (UE8M0 -> GEMM-ready FP32), once per layer pass\n\n");
+    bench_scale_conversion(tokens * 8, 7168, 32);
+    bench_scale_conversion(tokens * 8, 2048, 32);
+    const auto s = gg.stats();
+    std::printf("\nplans cached %lld, heuristic queries %lld, matmuls %lld\n", (long long)s.cached_plans,
+                (long long)s.heuristic_queries, (long long)s.matmuls);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  cudaStreamDestroy(g_stream);
+  return 0;
+}

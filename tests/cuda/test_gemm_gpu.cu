@@ -1,0 +1,543 @@
+// Grouped GEMMs on the GPU (cuBLASLt) against the CPU reference, and the scale conversion kernels
+// against the host layouts bit for bit. Runs on the device machine only (CTest label `gpu`).
+//
+// Tolerance (documented in docs/GEMM.md). For every output element, with S = sum over the
+// contraction of |a| |b| (decoded, scaled operands) and ref the FP32 CPU reference:
+//     |gpu - ref| <= r * |ref| + c * S
+//   r = 2^-8 for BF16 outputs (one round-to-nearest-even to BF16, 8 significant bits), 2^-23 for
+//       FP32 outputs accumulated into (one FP32 addition on the GPU, one in the expected value),
+//       0 for plain FP32 outputs;
+//   c = 2^-10 for FP8: the order of FP32 additions differs from the reference's, and Hopper's FP8
+//       tensor cores add within a 128-wide block with a reduced-precision accumulator (DeepSeek-V3
+//       reports ~14 bits) before the result is promoted, scaled and added in FP32. The test
+//       prints the largest observed (|gpu - ref| - r |ref|) / S so the bound can be tightened.
+//   c = 2^-14 for BF16 inputs (exact products, FP32 accumulation in another order).
+// On values whose every partial sum is exact (ExactOnSmallValues) the GPU must match the
+// reference bit for bit: that pins the scale layouts with no tolerance at all.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flowmoe/cpu/convert.h"
+#include "flowmoe/cuda/convert.h"
+#include "flowmoe/error.h"
+#include "flowmoe/gemm.h"
+#include "flowmoe/numerics.h"
+
+namespace flowmoe {
+namespace {
+
+#define CU(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+template <typename T>
+struct GBuf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit GBuf(size_t count) : n(count) {
+    if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
+    poison();
+  }
+  explicit GBuf(const std::vector<T>& h) : GBuf(h.size()) { put(h); }
+  ~GBuf() { cudaFree(p); }
+  GBuf(const GBuf&) = delete;
+  void poison() { cudaMemset(p, 0xFF, std::max<size_t>(n, 1) * sizeof(T)); }  // NaN in bf16/f32
+  void put(const std::vector<T>& h) { cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice); }
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    cudaDeviceSynchronize();
+    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+  gemm::Span<T> span() { return {p, static_cast<int64_t>(n)}; }
+  gemm::Span<const T> cspan() const { return {p, static_cast<int64_t>(n)}; }
+};
+
+bool has_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+bool is_sm90() {
+  int dev = 0, major = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  return major == 9;
+}
+
+#define REQUIRE_GPU()                                        \
+  do {                                                       \
+    if (!has_gpu()) GTEST_SKIP() << "no CUDA device";        \
+  } while (0)
+#define REQUIRE_SM90()                                                                         \
+  do {                                                                                         \
+    REQUIRE_GPU();                                                                             \
+    if (!is_sm90()) GTEST_SKIP() << "FP8 block-scaled cuBLASLt modes need sm_90 (Hopper)";     \
+  } while (0)
+
+std::vector<float> widen(const std::vector<bf16_t>& b) {
+  std::vector<float> f(b.size());
+  for (size_t i = 0; i < b.size(); ++i) f[i] = num::bf16_to_f32(b[i]);
+  return f;
+}
+std::vector<bf16_t> narrow(const std::vector<float>& f) {
+  std::vector<bf16_t> b(f.size());
+  for (size_t i = 0; i < f.size(); ++i) b[i] = num::f32_to_bf16(f[i]);
+  return b;
+}
+std::vector<float> dq(const QTensor& q) {
+  std::vector<float> out(q.rows * q.cols);
+  cpu::dequantize(q, out.data());
+  return out;
+}
+std::vector<float> transpose(const std::vector<float>& x, int64_t r, int64_t c) {
+  std::vector<float> t(x.size());
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t j = 0; j < c; ++j) t[j * r + i] = x[i * c + j];
+  return t;
+}
+
+// BF16 data [rows, cols], a random power of two per (row, 128-column tile); rows listed in
+// `zero_rows` are zero (padding). small: values {0, +-0.5, +-1, +-2} * 2^[-2, 2] (exact sums).
+std::vector<bf16_t> make_data(int64_t rows, int64_t cols, uint32_t seed, bool small,
+                              const std::vector<int64_t>& zero_rows = {}) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_int_distribution<int> ed(small ? -2 : -4, small ? 2 : 4), vd(0, 6);
+  const float vals[] = {0.f, 0.5f, -0.5f, 1.f, -1.f, 2.f, -2.f};
+  std::vector<float> x(rows * cols);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < cols; b += 128) {
+      const float f = std::ldexp(1.0f, ed(rng));
+      for (int64_t c = b; c < std::min(cols, b + 128); ++c) x[r * cols + c] = (small ? vals[vd(rng)] : nd(rng)) * f;
+    }
+  for (int64_t r : zero_rows)
+    for (int64_t c = 0; c < cols; ++c) x[r * cols + c] = 0.0f;
+  return narrow(x);
+}
+
+// s[i][j] = sum_c |a[i][c]| |b[j][c]| for rows i in [i0, i1), out row stride ldo.
+void abs_gemm(const float* a, const float* b, int64_t i0, int64_t i1, int64_t J, int64_t C,
+              double* s, int64_t ldo) {
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t j = 0; j < J; ++j) {
+      double acc = 0;
+      for (int64_t c = 0; c < C; ++c) acc += std::fabs(static_cast<double>(a[i * C + c]) * b[j * C + c]);
+      s[i * ldo + j] = acc;
+    }
+}
+
+struct Tol {
+  double r, c;
+};
+constexpr double kU = 1.0 / (1 << 24);
+
+// Checks |got - ref| <= r |ref| + c S (+ tiny absolute slack for S = 0); reports the worst ratio.
+::testing::AssertionResult close(const std::vector<float>& got, const std::vector<float>& ref,
+                                 const std::vector<double>& S, Tol tol, const std::string& what) {
+  if (got.size() < ref.size()) return ::testing::AssertionFailure() << what << ": size";
+  double worst = 0;
+  size_t worst_at = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double g = got[i], rf = ref[i];
+    if (!std::isfinite(g)) return ::testing::AssertionFailure() << what << ": non-finite output at " << i << " (ref " << rf << ")";
+    const double err = std::fabs(g - rf);
+    const double bound = tol.r * std::fabs(rf) + tol.c * S[i] + 1e-30;
+    if (err > bound)
+      return ::testing::AssertionFailure() << what << ": element " << i << " = " << g << ", reference " << rf
+                                           << ", |error| " << err << " > bound " << bound << " (S = " << S[i] << ")";
+    const double excess = (err - tol.r * std::fabs(rf)) / (S[i] > 0 ? S[i] : 1);
+    if (excess > worst) worst = excess, worst_at = i;
+  }
+  std::cout << "    [" << what << "] max (|err| - r|ref|)/S = " << worst << " (= 2^" << std::log2(worst > 0 ? worst : 1e-300)
+            << ") at " << worst_at << "; bound c = 2^" << std::log2(tol.c) << "\n";
+  return ::testing::AssertionSuccess();
+}
+
+// ---- the problem, quantized on the CPU, uploaded, scales converted on the GPU -------------------
+struct Case {
+  const char* name;
+  std::vector<int32_t> counts;
+  int64_t n, k;
+  std::vector<int64_t> zero_rows;  // padding rows (zero in X and dY)
+};
+std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
+
+struct Problem {
+  Segments seg;
+  int64_t m = 0, n = 0, k = 0;
+  int E = 0;
+  std::vector<bf16_t> x, dy, w;  // w [E][N][K]
+  QTensor x_row, x_col, dy_row, dy_col;
+  std::vector<QTensor> wq, wtq;
+};
+
+Problem make_problem(const Case& c, bool small, uint32_t seed) {
+  Problem p;
+  p.seg = Segments::from_counts(c.counts);
+  p.m = p.seg.num_tokens();
+  p.n = c.n;
+  p.k = c.k;
+  p.E = p.seg.num_segments();
+  p.x = make_data(p.m, p.k, seed, small, c.zero_rows);
+  p.dy = make_data(p.m, p.n, seed + 1, small, c.zero_rows);
+  p.w = make_data(p.E * p.n, p.k, seed + 2, small);
+  cpu::quantize_row(p.x.data(), p.m, p.k, &p.x_row);
+  cpu::quantize_col(p.x.data(), p.m, p.k, p.seg, &p.x_col);
+  cpu::quantize_row(p.dy.data(), p.m, p.n, &p.dy_row);
+  cpu::quantize_col(p.dy.data(), p.m, p.n, p.seg, &p.dy_col);
+  p.wq.resize(p.E);
+  p.wtq.resize(p.E);
+  for (int e = 0; e < p.E; ++e) cpu::quantize_weight(&p.w[e * p.n * p.k], p.n, p.k, &p.wq[e], &p.wtq[e]);
+  return p;
+}
+
+template <typename T>
+std::vector<T> concat(const std::vector<QTensor>& v, bool scales) {
+  std::vector<T> out;
+  for (const auto& q : v) {
+    const auto& src = scales ? q.scales : q.codes;
+    out.insert(out.end(), src.begin(), src.end());
+  }
+  return out;
+}
+
+// Device copies: codes as produced, scales converted from UE8M0 by the flowmoe kernels.
+struct Device {
+  GBuf<uint8_t> xr_c, xc_c, dyr_c, dyc_c, w_c, wt_c;
+  GBuf<float> xr_s, xc_s, dyr_s, dyc_s, w_s, wt_s;
+  GBuf<int32_t> offsets;
+  explicit Device(const Problem& p)
+      : xr_c(p.x_row.codes), xc_c(p.x_col.codes), dyr_c(p.dy_row.codes), dyc_c(p.dy_col.codes),
+        w_c(concat<uint8_t>(p.wq, false)), wt_c(concat<uint8_t>(p.wtq, false)),
+        xr_s(gemm::act_scale_f32_elems(p.m, p.k)), xc_s(gemm::col_scale_f32_elems(p.seg, p.k)),
+        dyr_s(gemm::act_scale_f32_elems(p.m, p.n)), dyc_s(gemm::col_scale_f32_elems(p.seg, p.n)),
+        w_s(gemm::weight_scale_f32_elems(p.E, p.n, p.k)), wt_s(gemm::weight_scale_f32_elems(p.E, p.k, p.n)),
+        offsets(p.seg.offsets) {
+    GBuf<uint8_t> a(p.x_row.scales), b(p.x_col.scales), c(p.dy_row.scales), d(p.dy_col.scales),
+        e(concat<uint8_t>(p.wq, true)), f(concat<uint8_t>(p.wtq, true));
+    cuda::act_scales_to_f32(a.p, p.m, p.k, offsets.p, p.E, xr_s.p, nullptr, 0);
+    cuda::col_scales_to_f32(b.p, p.seg.num_blocks(), p.k, xc_s.p, 0);
+    cuda::act_scales_to_f32(c.p, p.m, p.n, offsets.p, p.E, dyr_s.p, nullptr, 0);
+    cuda::col_scales_to_f32(d.p, p.seg.num_blocks(), p.n, dyc_s.p, 0);
+    cuda::weight_scales_to_f32(e.p, p.E, p.n, p.k, w_s.p, 0);
+    cuda::weight_scales_to_f32(f.p, p.E, p.k, p.n, wt_s.p, 0);
+    cudaDeviceSynchronize();
+  }
+  gemm::Fp8Operand op(const GBuf<uint8_t>& c, const GBuf<float>& s) const { return {c.cspan(), s.cspan()}; }
+};
+
+void expect_bits(const std::vector<float>& want, const std::vector<float>& got, const char* what) {
+  ASSERT_EQ(want.size(), got.size()) << what;
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (std::memcmp(&want[i], &got[i], 4) != 0 && bad++ == 0) first = i;
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << want.size() << " differ; first at " << first
+                     << " (want " << want[first] << ", got " << got[first] << ")";
+}
+
+// References and S for the three passes.
+struct Refs {
+  std::vector<float> y, dx, dw;
+  std::vector<double> sy, sdx, sdw;
+};
+Refs fp8_refs(const Problem& p) {
+  Refs r;
+  r.y.resize(p.m * p.n);
+  r.dx.resize(p.m * p.k);
+  r.dw.resize(p.E * p.n * p.k);
+  cpu::grouped_fprop_ref(p.x_row, p.wq, p.seg, r.y.data());
+  cpu::grouped_dgrad_ref(p.dy_row, p.wtq, p.seg, r.dx.data());
+  cpu::grouped_wgrad_ref(p.dy_col, p.x_col, r.dw.data(), false);
+  r.sy.assign(r.y.size(), 0);
+  r.sdx.assign(r.dx.size(), 0);
+  r.sdw.assign(r.dw.size(), 0);
+  const auto xd = dq(p.x_row), dyd = dq(p.dy_row);
+  const auto dyt = transpose(dq(p.dy_col), p.m, p.n), xt = transpose(dq(p.x_col), p.m, p.k);
+  for (int e = 0; e < p.E; ++e) {
+    const int64_t t0 = p.seg.offsets[e], t1 = p.seg.offsets[e + 1];
+    const auto wd = dq(p.wq[e]), wtd = dq(p.wtq[e]);
+    abs_gemm(xd.data(), wd.data(), t0, t1, p.n, p.k, r.sy.data(), p.n);
+    abs_gemm(dyd.data(), wtd.data(), t0, t1, p.k, p.n, r.sdx.data(), p.k);
+    for (int64_t i = 0; i < p.n; ++i)
+      for (int64_t j = 0; j < p.k; ++j) {
+        double s = 0;
+        for (int64_t t = t0; t < t1; ++t) s += std::fabs(static_cast<double>(dyt[i * p.m + t]) * xt[j * p.m + t]);
+        r.sdw[(e * p.n + i) * p.k + j] = s;
+      }
+  }
+  return r;
+}
+
+int nonempty(const Segments& s) {
+  int c = 0;
+  for (int e = 0; e < s.num_segments(); ++e) c += s.offsets[e + 1] > s.offsets[e];
+  return c;
+}
+
+class GemmGpu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GemmGpu, Fp8MatchesReferenceWithinTolerance) {
+  REQUIRE_SM90();
+  const Case& c = GetParam();
+  const Problem p = make_problem(c, false, 1000u + static_cast<uint32_t>(c.n * 7 + c.k));
+  Device d(p);
+  // the converted scales are the host layouts, bit for bit
+  expect_bits(gemm::act_scales_f32(p.x_row, p.seg), d.xr_s.get(), "x row scales");
+  expect_bits(gemm::act_scales_f32(p.dy_row, p.seg), d.dyr_s.get(), "dy row scales");
+  expect_bits(gemm::col_scales_f32(p.x_col), d.xc_s.get(), "x col scales");
+  expect_bits(gemm::col_scales_f32(p.dy_col), d.dyc_s.get(), "dy col scales");
+  expect_bits(gemm::weight_scales_f32(p.wq), d.w_s.get(), "w scales");
+  expect_bits(gemm::weight_scales_f32(p.wtq), d.wt_s.get(), "wt scales");
+
+  const Refs r = fp8_refs(p);
+  cuda::GroupedGemm gg;
+  const int ne = nonempty(p.seg), empty = p.E - ne;
+
+  GBuf<bf16_t> y(p.m * p.n), dx(p.m * p.k), dw16(p.E * p.n * p.k);
+  GBuf<float> dw32(p.E * p.n * p.k);
+  gg.fprop(p.seg, p.n, p.k, d.op(d.xr_c, d.xr_s), d.op(d.w_c, d.w_s), y.span(), 0);
+  EXPECT_EQ(gg.stats().matmuls, ne) << "one matmul per non-empty expert";
+  EXPECT_TRUE(close(widen(y.get()), r.y, r.sy, {1.0 / 256, 1.0 / 1024}, std::string(c.name) + " fprop"));
+
+  gg.dgrad(p.seg, p.n, p.k, d.op(d.dyr_c, d.dyr_s), d.op(d.wt_c, d.wt_s), dx.span(), 0);
+  EXPECT_TRUE(close(widen(dx.get()), r.dx, r.sdx, {1.0 / 256, 1.0 / 1024}, std::string(c.name) + " dgrad"));
+
+  gg.wgrad(p.seg, p.n, p.k, d.op(d.dyc_c, d.dyc_s), d.op(d.xc_c, d.xc_s),
+           gemm::WgradOut::bf16(dw16.p, dw16.n), 0);
+  EXPECT_TRUE(close(widen(dw16.get()), r.dw, r.sdw, {1.0 / 256, 1.0 / 1024}, std::string(c.name) + " wgrad bf16"));
+  gg.wgrad(p.seg, p.n, p.k, d.op(d.dyc_c, d.dyc_s), d.op(d.xc_c, d.xc_s),
+           gemm::WgradOut::f32(dw32.p, dw32.n), 0);
+  EXPECT_TRUE(close(dw32.get(), r.dw, r.sdw, {0.0, 1.0 / 1024}, std::string(c.name) + " wgrad f32"));
+  EXPECT_EQ(gg.stats().zero_fills, 2 * empty) << "empty experts' dW zeroed in overwrite modes";
+
+  // accumulate into main gradients: G = G0 + dW
+  std::vector<float> g0(dw32.n), want(dw32.n);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (size_t i = 0; i < g0.size(); ++i) g0[i] = nd(rng) * 100.0f, want[i] = g0[i] + r.dw[i];
+  dw32.put(g0);
+  gg.wgrad(p.seg, p.n, p.k, d.op(d.dyc_c, d.dyc_s), d.op(d.xc_c, d.xc_s),
+           gemm::WgradOut::accumulate(dw32.p, dw32.n), 0);
+  const auto got = dw32.get();
+  EXPECT_TRUE(close(got, want, r.sdw, {2 * kU, 1.0 / 1024}, std::string(c.name) + " wgrad accumulate"));
+  for (int e = 0; e < p.E; ++e)
+    if (p.seg.offsets[e + 1] == p.seg.offsets[e])
+      for (int64_t i = 0; i < p.n * p.k; ++i)
+        ASSERT_EQ(got[e * p.n * p.k + i], g0[e * p.n * p.k + i]) << "empty expert " << e << " must be untouched";
+
+  // the same shapes again: no new heuristic query
+  const auto before = gg.stats();
+  gg.fprop(p.seg, p.n, p.k, d.op(d.xr_c, d.xr_s), d.op(d.w_c, d.w_s), y.span(), 0);
+  EXPECT_EQ(gg.stats().heuristic_queries, before.heuristic_queries) << "plan cache";
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+TEST_P(GemmGpu, Fp8ExactOnSmallValues) {
+  REQUIRE_SM90();
+  const Case& c = GetParam();
+  const Problem p = make_problem(c, true, 77u + static_cast<uint32_t>(c.n));
+  Device d(p);
+  const Refs r = fp8_refs(p);
+  cuda::GroupedGemm gg;
+  GBuf<bf16_t> y(p.m * p.n), dx(p.m * p.k);
+  GBuf<float> dw(p.E * p.n * p.k);
+  gg.fprop(p.seg, p.n, p.k, d.op(d.xr_c, d.xr_s), d.op(d.w_c, d.w_s), y.span(), 0);
+  gg.dgrad(p.seg, p.n, p.k, d.op(d.dyr_c, d.dyr_s), d.op(d.wt_c, d.wt_s), dx.span(), 0);
+  gg.wgrad(p.seg, p.n, p.k, d.op(d.dyc_c, d.dyc_s), d.op(d.xc_c, d.xc_s), gemm::WgradOut::f32(dw.p, dw.n), 0);
+  expect_bits(widen(narrow(r.y)), widen(y.get()), "fprop (BF16 of the exact value)");
+  expect_bits(widen(narrow(r.dx)), widen(dx.get()), "dgrad (BF16 of the exact value)");
+  expect_bits(r.dw, dw.get(), "wgrad (FP32, exact)");
+}
+
+TEST_P(GemmGpu, Bf16MatchesReferenceWithinTolerance) {
+  REQUIRE_GPU();
+  const Case& c = GetParam();
+  const Problem p = make_problem(c, false, 2000u + static_cast<uint32_t>(c.k));
+  const int64_t m = p.m, n = p.n, k = p.k;
+  const int E = p.E;
+  std::vector<float> y(m * n), dx(m * k), dw(E * n * k);
+  cpu::grouped_fprop_bf16_ref(p.x.data(), p.w.data(), p.seg, n, k, y.data());
+  cpu::grouped_dgrad_bf16_ref(p.dy.data(), p.w.data(), p.seg, n, k, dx.data());
+  cpu::grouped_wgrad_bf16_ref(p.dy.data(), p.x.data(), p.seg, n, k, dw.data(), false);
+  std::vector<double> sy(m * n), sdx(m * k), sdw(E * n * k);
+  const auto xf = widen(p.x), dyf = widen(p.dy), wf = widen(p.w);
+  const auto dyt = transpose(dyf, m, n), xt = transpose(xf, m, k);
+  for (int e = 0; e < E; ++e) {
+    const int64_t t0 = p.seg.offsets[e], t1 = p.seg.offsets[e + 1];
+    abs_gemm(xf.data(), &wf[e * n * k], t0, t1, n, k, sy.data(), n);
+    const auto wte = transpose(std::vector<float>(wf.begin() + e * n * k, wf.begin() + (e + 1) * n * k), n, k);
+    abs_gemm(dyf.data(), wte.data(), t0, t1, k, n, sdx.data(), k);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < k; ++j) {
+        double s = 0;
+        for (int64_t t = t0; t < t1; ++t) s += std::fabs(static_cast<double>(dyt[i * m + t]) * xt[j * m + t]);
+        sdw[(e * n + i) * k + j] = s;
+      }
+  }
+  GBuf<bf16_t> gx(p.x), ddy(p.dy), dwt(p.w), gy(m * n), gdx(m * k), gdw16(E * n * k);
+  GBuf<float> gdw32(E * n * k);
+  cuda::GroupedGemm gg;
+  const Tol t16{1.0 / 256, 1.0 / 16384}, t32{0.0, 1.0 / 16384};
+  gg.fprop_bf16(p.seg, n, k, gx.cspan(), dwt.cspan(), gy.span(), 0);
+  EXPECT_TRUE(close(widen(gy.get()), y, sy, t16, std::string(c.name) + " bf16 fprop"));
+  gg.dgrad_bf16(p.seg, n, k, ddy.cspan(), dwt.cspan(), gdx.span(), 0);
+  EXPECT_TRUE(close(widen(gdx.get()), dx, sdx, t16, std::string(c.name) + " bf16 dgrad"));
+  gg.wgrad_bf16(p.seg, n, k, ddy.cspan(), gx.cspan(), gemm::WgradOut::bf16(gdw16.p, gdw16.n), 0);
+  EXPECT_TRUE(close(widen(gdw16.get()), dw, sdw, t16, std::string(c.name) + " bf16 wgrad bf16"));
+  gg.wgrad_bf16(p.seg, n, k, ddy.cspan(), gx.cspan(), gemm::WgradOut::f32(gdw32.p, gdw32.n), 0);
+  EXPECT_TRUE(close(gdw32.get(), dw, sdw, t32, std::string(c.name) + " bf16 wgrad f32"));
+  std::vector<float> g0(gdw32.n, 0.5f), want(gdw32.n);
+  for (size_t i = 0; i < g0.size(); ++i) want[i] = g0[i] + dw[i];
+  gdw32.put(g0);
+  gg.wgrad_bf16(p.seg, n, k, ddy.cspan(), gx.cspan(), gemm::WgradOut::accumulate(gdw32.p, gdw32.n), 0);
+  EXPECT_TRUE(close(gdw32.get(), want, sdw, {2 * kU, 1.0 / 16384}, std::string(c.name) + " bf16 wgrad accumulate"));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// Counts are multiples of 16 (the FP8 wgrad requirement); "one_token" is one real token padded
+// with 15 zero rows, the production case (permute+pad).
+INSTANTIATE_TEST_SUITE_P(
+    Experts, GemmGpu,
+    ::testing::Values(Case{"three_one_empty", {64, 0, 80}, 256, 384, {}},
+                      Case{"five_one_token_padded", {16, 256, 0, 144, 32}, 384, 256,
+                           {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}},
+                      Case{"k1408_partial_blocks", {208, 48}, 256, 1408, {}},
+                      Case{"seven_small", {16, 32, 0, 48, 16, 0, 64}, 128, 128, {}},
+                      Case{"dense", {512}, 512, 512, {}}),
+    [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+
+// BF16 takes any token counts, including a single unpadded token.
+TEST(GemmGpuBf16, UnpaddedTinyExperts) {
+  REQUIRE_GPU();
+  const Segments seg = Segments::from_counts({1, 7, 0, 33});
+  const int64_t m = seg.num_tokens(), n = 136, k = 264;
+  const auto x = make_data(m, k, 1, false), dy = make_data(m, n, 2, false), w = make_data(4 * n, k, 3, false);
+  std::vector<float> y(m * n), dx(m * k), dw(4 * n * k);
+  cpu::grouped_fprop_bf16_ref(x.data(), w.data(), seg, n, k, y.data());
+  cpu::grouped_dgrad_bf16_ref(dy.data(), w.data(), seg, n, k, dx.data());
+  cpu::grouped_wgrad_bf16_ref(dy.data(), x.data(), seg, n, k, dw.data(), false);
+  GBuf<bf16_t> gx(x), gdy(dy), gw(w), gy(m * n), gdx(m * k);
+  GBuf<float> gdw(4 * n * k);
+  cuda::GroupedGemm gg;
+  gg.fprop_bf16(seg, n, k, gx.cspan(), gw.cspan(), gy.span(), 0);
+  gg.dgrad_bf16(seg, n, k, gdy.cspan(), gw.cspan(), gdx.span(), 0);
+  gg.wgrad_bf16(seg, n, k, gdy.cspan(), gx.cspan(), gemm::WgradOut::f32(gdw.p, gdw.n), 0);
+  EXPECT_EQ(gg.stats().matmuls, 9);
+  EXPECT_EQ(gg.stats().zero_fills, 1);
+  // loose relative check (the parametrised test has the S-based bound)
+  auto rel = [](const std::vector<float>& got, const std::vector<float>& ref) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size(); ++i) num += (got[i] - ref[i]) * double(got[i] - ref[i]), den += double(ref[i]) * ref[i];
+    return std::sqrt(num / std::max(den, 1e-300));
+  };
+  EXPECT_LT(rel(widen(gy.get()), y), 1.0 / 256);
+  EXPECT_LT(rel(widen(gdx.get()), dx), 1.0 / 256);
+  EXPECT_LT(rel(gdw.get(), dw), 1e-5);
+}
+
+// ---- conversion kernels ---------------------------------------------------------------------
+TEST(GemmScales, ConversionsMatchHostLayoutsBitForBit) {
+  REQUIRE_GPU();
+  std::mt19937 rng(3);
+  auto codes = [&](size_t n) {
+    std::vector<uint8_t> v(n);
+    for (auto& c : v) {
+      const uint32_t r = rng() % 100;
+      c = r == 0 ? 0xFF : r == 1 ? 0 : static_cast<uint8_t>(rng() % 255);
+    }
+    return v;
+  };
+  for (const auto& counts : std::vector<std::vector<int32_t>>{{12, 0, 36, 4, 0}, {5, 3, 0, 9}, {0, 0, 1}, {257}}) {
+    const Segments seg = Segments::from_counts(counts);
+    const int64_t m = seg.num_tokens(), c = 384;
+    QTensor row;
+    row.layout = Layout::kRow1x128;
+    row.rows = m;
+    row.cols = c;
+    row.codes.assign(m * c, 0);
+    row.scales = codes(m * c / 128);
+    GBuf<uint8_t> in(row.scales);
+    GBuf<int32_t> off(seg.offsets);
+    GBuf<float> out(m * c / 128);
+    cuda::act_scales_to_f32(in.p, m, c, off.p, seg.num_segments(), out.p, nullptr, 0);
+    expect_bits(gemm::act_scales_f32(row, seg), out.get(), "act scales");
+  }
+  {  // malformed offsets: counted once, nothing written
+    const std::vector<int32_t> bad = {0, 20, 10, 40};
+    GBuf<uint8_t> in(codes(3 * 40));
+    GBuf<int32_t> off(bad);
+    GBuf<float> out(3 * 40);
+    GBuf<cuda::DeviceStatus> st(1);
+    cudaMemset(st.p, 0, sizeof(cuda::DeviceStatus));
+    cuda::act_scales_to_f32(in.p, 40, 384, off.p, 3, out.p, st.p, 0);
+    EXPECT_EQ(st.get()[0].bad_segments, 1u);
+    for (float v : out.get()) ASSERT_TRUE(std::isnan(v)) << "output must stay untouched (poison)";
+  }
+  {
+    QTensor col;
+    col.layout = Layout::kCol128x1;
+    col.scales = codes(7 * 256);
+    GBuf<uint8_t> in(col.scales);
+    GBuf<float> out(7 * 256);
+    cuda::col_scales_to_f32(in.p, 7, 256, out.p, 0);
+    expect_bits(gemm::col_scales_f32(col), out.get(), "col scales");
+  }
+  {
+    std::vector<QTensor> w(3);
+    std::vector<uint8_t> all;
+    for (auto& q : w) {
+      q.layout = Layout::kWeight128x128;
+      q.rows = 256;
+      q.cols = 1408;
+      q.codes.assign(256 * 1408, 0);
+      q.scales = codes(2 * 11);
+      all.insert(all.end(), q.scales.begin(), q.scales.end());
+    }
+    GBuf<uint8_t> in(all);
+    GBuf<float> out(gemm::weight_scale_f32_elems(3, 256, 1408));
+    cuda::weight_scales_to_f32(in.p, 3, 256, 1408, out.p, 0);
+    expect_bits(gemm::weight_scales_f32(w), out.get(), "weight scales (padded to 12)");
+  }
+}
+
+// ---- argument errors through the CUDA entry points -----------------------------------------------
+TEST(GemmGpuErrors, RejectedBeforeAnyLaunch) {
+  REQUIRE_GPU();
+  cuda::GroupedGemm gg;
+  const Segments seg = Segments::from_counts({16, 1, 32});
+  const int64_t m = seg.num_tokens(), n = 256, k = 384;
+  GBuf<uint8_t> codes(64 * k);
+  GBuf<float> scales(64 * k / 128), ws(gemm::weight_scale_f32_elems(3, n, k));
+  GBuf<uint8_t> wc(3 * n * k);
+  GBuf<bf16_t> y(64 * n);
+  auto expect_error = [](const std::function<void()>& f, const char* needle) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected one mentioning \"" << needle << "\"";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { gg.fprop(seg, n, k, {codes.cspan(), scales.cspan()}, {wc.cspan(), ws.cspan()}, y.span(), 0); },
+               "expert 1 has 1 tokens");
+  const Segments ok = Segments::from_counts({16, 4, 32});
+  expect_error(
+      [&] {
+        gg.fprop(ok, n, k, {{codes.p + 1, codes.cspan().size - 1}, scales.cspan()}, {wc.cspan(), ws.cspan()}, y.span(), 0);
+      },
+      "not 16-byte aligned");
+  expect_error([&] { gg.fprop(ok, n, 200, {codes.cspan(), scales.cspan()}, {wc.cspan(), ws.cspan()}, y.span(), 0); },
+               "K = 200");
+  EXPECT_EQ(gg.stats().matmuls, 0);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace flowmoe
