@@ -281,6 +281,12 @@ int nonempty(const Segments& s) {
   return c;
 }
 
+// FP8 bound c (see docs/GEMM.md): Hopper's FP8 tensor cores accumulate each 128-wide block with
+// about 14 significant bits before the FP32 promotion; the H200 measured up to 2^-10.1 S on these
+// cases (three_one_empty wgrad just over 2^-10), so the bound is 2^-8 S: a wrong scale layout
+// gives errors of the order of S itself.
+constexpr double kFp8C = 1.0 / 256;
+
 class GemmGpu : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GemmGpu, Fp8MatchesReferenceWithinTolerance) {
@@ -304,17 +310,17 @@ TEST_P(GemmGpu, Fp8MatchesReferenceWithinTolerance) {
   GBuf<float> dw32(p.E * p.n * p.k);
   gg.fprop(p.seg, p.n, p.k, d.op(d.xr_c, d.xr_s), d.op(d.w_c, d.w_s), y.span(), 0);
   EXPECT_EQ(gg.stats().matmuls, ne) << "one matmul per non-empty expert";
-  EXPECT_TRUE(close(widen(y.get()), r.y, r.sy, {1.0 / 256, 1.0 / 1024}, std::string(c.name) + " fprop"));
+  EXPECT_TRUE(close(widen(y.get()), r.y, r.sy, {1.0 / 256, kFp8C}, std::string(c.name) + " fprop"));
 
   gg.dgrad(p.seg, p.n, p.k, d.op(d.dyr_c, d.dyr_s), d.op(d.wt_c, d.wt_s), dx.span(), 0);
-  EXPECT_TRUE(close(widen(dx.get()), r.dx, r.sdx, {1.0 / 256, 1.0 / 1024}, std::string(c.name) + " dgrad"));
+  EXPECT_TRUE(close(widen(dx.get()), r.dx, r.sdx, {1.0 / 256, kFp8C}, std::string(c.name) + " dgrad"));
 
   gg.wgrad(p.seg, p.n, p.k, d.op(d.dyc_c, d.dyc_s), d.op(d.xc_c, d.xc_s),
            gemm::WgradOut::bf16(dw16.p, dw16.n), 0);
-  EXPECT_TRUE(close(widen(dw16.get()), r.dw, r.sdw, {1.0 / 256, 1.0 / 1024}, std::string(c.name) + " wgrad bf16"));
+  EXPECT_TRUE(close(widen(dw16.get()), r.dw, r.sdw, {1.0 / 256, kFp8C}, std::string(c.name) + " wgrad bf16"));
   gg.wgrad(p.seg, p.n, p.k, d.op(d.dyc_c, d.dyc_s), d.op(d.xc_c, d.xc_s),
            gemm::WgradOut::f32(dw32.p, dw32.n), 0);
-  EXPECT_TRUE(close(dw32.get(), r.dw, r.sdw, {0.0, 1.0 / 1024}, std::string(c.name) + " wgrad f32"));
+  EXPECT_TRUE(close(dw32.get(), r.dw, r.sdw, {0.0, kFp8C}, std::string(c.name) + " wgrad f32"));
   EXPECT_EQ(gg.stats().zero_fills, 2 * empty) << "empty experts' dW zeroed in overwrite modes";
 
   // accumulate into main gradients: G = G0 + dW
@@ -326,7 +332,7 @@ TEST_P(GemmGpu, Fp8MatchesReferenceWithinTolerance) {
   gg.wgrad(p.seg, p.n, p.k, d.op(d.dyc_c, d.dyc_s), d.op(d.xc_c, d.xc_s),
            gemm::WgradOut::accumulate(dw32.p, dw32.n), 0);
   const auto got = dw32.get();
-  EXPECT_TRUE(close(got, want, r.sdw, {2 * kU, 1.0 / 1024}, std::string(c.name) + " wgrad accumulate"));
+  EXPECT_TRUE(close(got, want, r.sdw, {2 * kU, kFp8C}, std::string(c.name) + " wgrad accumulate"));
   for (int e = 0; e < p.E; ++e)
     if (p.seg.offsets[e + 1] == p.seg.offsets[e])
       for (int64_t i = 0; i < p.n * p.k; ++i)
@@ -353,7 +359,17 @@ TEST_P(GemmGpu, Fp8ExactOnSmallValues) {
   gg.wgrad(p.seg, p.n, p.k, d.op(d.dyc_c, d.dyc_s), d.op(d.xc_c, d.xc_s), gemm::WgradOut::f32(dw.p, dw.n), 0);
   expect_bits(widen(narrow(r.y)), widen(y.get()), "fprop (BF16 of the exact value)");
   expect_bits(widen(narrow(r.dx)), widen(dx.get()), "dgrad (BF16 of the exact value)");
-  expect_bits(r.dw, dw.get(), "wgrad (FP32, exact)");
+  // wgrad's FP32 output shows the tensor cores' in-block accumulator (about 14 significant bits,
+  // measured on the H200: errors of one unit in the 14th bit, e.g. 252.984375 -> 252.96875), so
+  // it is compared to that precision; fprop and dgrad round to BF16 and must match exactly.
+  {
+    const auto got = dw.get();
+    size_t bad = 0, first = 0;
+    for (size_t i = 0; i < got.size(); ++i)
+      if (std::fabs(static_cast<double>(got[i]) - r.dw[i]) > std::ldexp(std::fabs(r.dw[i]), -12) && bad++ == 0) first = i;
+    EXPECT_EQ(bad, 0u) << "wgrad (FP32) beyond 2^-12 relative: first at " << first << " (want " << r.dw[first]
+                       << ", got " << got[first] << ")";
+  }
 }
 
 TEST_P(GemmGpu, Bf16MatchesReferenceWithinTolerance) {
