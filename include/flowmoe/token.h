@@ -81,6 +81,10 @@ FLOWMOE_HD float rint_f32(float x) {
 #endif
 }
 FLOWMOE_HD bool is_nan(float x) { return (num::f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+// Every float result is stored through canon(): a NaN becomes the canonical quiet NaN
+// (0x7FC00000), since the NaN bits the hardware produces differ (x86: sign set, payload
+// propagated; CUDA: 0x7FFFFFFF).
+FLOWMOE_HD float canon(float x) { return is_nan(x) ? num::f32_from_bits(num::kCanonicalNaN) : x; }
 
 // e^x for binary32, max error about 1 ulp (tested against double exp). Range reduction
 // x = k*ln2 + r with a two-part ln2 (fma), degree-7 Taylor polynomial by Horner fma on
@@ -97,7 +101,7 @@ FLOWMOE_HD float exp_f32(float x) {
   float p = 1.98412701138295233249664306640625e-04f;                // 1/5040
   p = fma_rn(p, r, 1.388888922519981861114501953125e-03f);          // 1/720
   p = fma_rn(p, r, 8.333333767950534820556640625e-03f);             // 1/120
-  p = fma_rn(p, r, 4.1666667163372039794921875e-02f);               // 1/24
+  p = fma_rn(p, r, 4.16666679084300994873046875e-02f);               // 1/24
   p = fma_rn(p, r, 1.6666667163372039794921875e-01f);               // 1/6
   p = fma_rn(p, r, 0.5f);
   p = fma_rn(p, r, 1.0f);
@@ -287,8 +291,9 @@ int64_t fetch_routing_counts(const Routing& r, int32_t* h_counts, cudaStream_t s
 // x [T, H] bf16 -> out [R, H] bf16. H % 8 == 0.
 void permute_pad_bf16(const bf16_t* x, int64_t h, const Routing& r, bf16_t* out,
                       cudaStream_t stream);
-// codes [T, H], scales [H/128][T] -> out_codes [R, H], out_scales [H/128][scale_ld], scale_ld >= R
-// (pass R, or Mp after fetch_routing_counts, for a tight grid). H % 128 == 0.
+// codes [T, H], scales [H/128][T] -> out_codes [R, H], out_scales [H/128][scale_ld]. scale_ld must
+// be >= Mp: R always is; Mp itself (from fetch_routing_counts) gives a tight grid. Mp is on the
+// device, so the host checks only 1 <= scale_ld < 2^31. H % 128 == 0.
 void permute_pad_fp8(const uint8_t* codes, const uint8_t* scales, int64_t h, const Routing& r,
                      uint8_t* out_codes, uint8_t* out_scales, int64_t scale_ld,
                      cudaStream_t stream);
@@ -309,7 +314,7 @@ void unpermute_unpad_backward(const bf16_t* dy, const bf16_t* y_rows, const floa
 // "Compact" buffers hold the routed rows without padding: [T*k, ...] capacity, offsets[E] rows
 // used, expert e's rows at offsets[e] + rank. They need r.row_map_unpadded.
 // permute without padding: x [T, ...] -> compact rows (row_map_unpadded); FP8 scales
-// [H/128][compact_ld], compact_ld >= T*k.
+// [H/128][scale_ld], scale_ld >= offsets[E] (T*k always is).
 void permute_bf16(const bf16_t* x, int64_t h, const Routing& r, bf16_t* out, cudaStream_t stream);
 void permute_fp8(const uint8_t* codes, const uint8_t* scales, int64_t h, const Routing& r,
                  uint8_t* out_codes, uint8_t* out_scales, int64_t scale_ld, cudaStream_t stream);

@@ -35,6 +35,7 @@ using num::bf16_to_f32;
 using num::f32_to_bf16;
 using tok::fma_rn;
 using tok::mul_rn;
+using tok::canon;
 
 // ---- warp order --------------------------------------------------------------------------
 // Lane l of a warp accumulates elements l, l+32, l+64, ... in turn from 0; then a butterfly
@@ -184,7 +185,7 @@ int64_t router_forward(const float* logits, int64_t tokens, const RouterConfig& 
       for (int j = 0; j < k; ++j) sum = sum + chosen[j];
     for (int j = 0; j < k; ++j) {
       const float q = !cfg.renormalize ? chosen[j] : (sum == 0.0f ? 0.0f : chosen[j] / sum);
-      probs[t * k + j] = mul_rn(q, cfg.scale);
+      probs[t * k + j] = canon(mul_rn(q, cfg.scale));
     }
   }
   return nonfinite;
@@ -218,9 +219,9 @@ float router_aux_loss(const float* logits, const int32_t* ids, int64_t tokens,
   for (int e = 0; e < E; ++e) {
     mean_p[e] = sum_p[e] / tf;
     f[e] = static_cast<float>(cnt[e]) / tk;
-    aux_coef[e] = mul_rn(ae, f[e]) / tf;
+    aux_coef[e] = canon(mul_rn(ae, f[e]) / tf);
   }
-  return mul_rn(ae, warp_dot(f.data(), mean_p.data(), E));
+  return canon(mul_rn(ae, warp_dot(f.data(), mean_p.data(), E)));
 }
 
 void router_backward(const float* logits, int64_t tokens, const RouterConfig& cfg,
@@ -273,19 +274,19 @@ void router_backward(const float* logits, int64_t tokens, const RouterConfig& cf
     }
     float* dz = dlogits + t * E;
     if (!aux_coef) {
-      std::copy(d1.begin(), d1.end(), dz);
+      for (int m = 0; m < E; ++m) dz[m] = canon(d1[m]);
       continue;
     }
     for (int m = 0; m < E; ++m) a[m] = mul_rn(aux_coef[m], aux_dloss);
     if (softmax) {
       const float c2 = warp_dot(a.data(), p.data(), E);
-      for (int m = 0; m < E; ++m) dz[m] = d1[m] + mul_rn(p[m], a[m] - c2);
+      for (int m = 0; m < E; ++m) dz[m] = canon(d1[m] + mul_rn(p[m], a[m] - c2));
     } else {
       const float sall = warp_sum(p.data(), E);
       for (int m = 0; m < E; ++m) pa[m] = aux_prob(cfg, p[m], sall);
       const float c2 = warp_dot(a.data(), pa.data(), E);
       for (int m = 0; m < E; ++m)
-        dz[m] = d1[m] + (sall == 0.0f ? 0.0f : mul_rn(ds[m], a[m] - c2) / sall);
+        dz[m] = canon(d1[m] + (sall == 0.0f ? 0.0f : mul_rn(ds[m], a[m] - c2) / sall));
     }
   }
 }
@@ -394,7 +395,7 @@ void unpermute_unpad(const bf16_t* y_rows, const float* probs, int64_t h, const 
       const float p = probs ? probs[t * k + s] : 1.0f;
       for (int64_t i = 0; i < h; ++i) acc[i] = fma_rn(p, bf16_to_f32(y_rows[row * h + i]), acc[i]);
     }
-    for (int64_t i = 0; i < h; ++i) y[t * h + i] = f32_to_bf16(acc[i]);
+    for (int64_t i = 0; i < h; ++i) y[t * h + i] = f32_to_bf16(canon(acc[i]));
   }
 }
 
@@ -421,11 +422,11 @@ void unpermute_unpad_backward(const bf16_t* dy, const bf16_t* y_rows, const floa
       float lanes[32] = {};
       for (int64_t i = 0; i < h; ++i) {
         const float gi = bf16_to_f32(g[i]);
-        dy_rows[row * h + i] = f32_to_bf16(mul_rn(p, gi));
+        dy_rows[row * h + i] = f32_to_bf16(canon(mul_rn(p, gi)));
         float& acc = lanes[(i / 8) & 31];  // 8-element group i/8 belongs to lane (i/8) % 32
         acc = fma_rn(gi, bf16_to_f32(v[i]), acc);
       }
-      dprobs[t * k + s] = tree32(lanes);
+      dprobs[t * k + s] = canon(tree32(lanes));
     }
   }
   for (int e = 0; e < r.num_experts; ++e)
