@@ -16,8 +16,8 @@
 //    tiny next to 1 (1 + t with t < 2^-126, where fused and unfused both give 1). Every other
 //    product only feeds products, selections and the reciprocal.
 //  - FLT_EVAL_METHOD must be 0 (no x87 extended precision); checked below.
-//  - NaN payloads differ between host and device arithmetic; results that are NaN are returned as
-//    the canonical quiet NaN 0x7FC00000 (BF16 0x7FC0) so that stored bits never depend on them.
+//  - NaN payloads differ between host and device arithmetic; stored BF16 results use the canonical
+//    quiet NaN 0x7FC0 (bf16_canonical), so stored bits never depend on them.
 #pragma once
 
 #include <cfloat>
@@ -66,10 +66,8 @@ FLOWMOE_HD float f_rcp(float a) {
 #endif
 }
 FLOWMOE_HD bool f32_is_nan(float x) { return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
-FLOWMOE_HD float canonical_nan_if_nan(float x) {
-  return f32_is_nan(x) ? f32_from_bits(kCanonicalNaN) : x;
-}
-// BF16 of a SwiGLU result: round to nearest even, NaN as the canonical 0x7FC0.
+// BF16 of a SwiGLU result: round to nearest even, any NaN as the canonical 0x7FC0 (the functions
+// below leave NaN payloads to the hardware; only this conversion makes stored bits canonical).
 FLOWMOE_HD uint16_t bf16_canonical(float x) {
   return f32_is_nan(x) ? static_cast<uint16_t>(kCanonicalNaN >> 16) : f32_to_bf16(x);
 }
@@ -77,26 +75,30 @@ FLOWMOE_HD uint16_t bf16_canonical(float x) {
 // ---- exp(x) for x <= 0 ----------------------------------------------------------------------------
 // Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2 (+ a few ulp), then the degree-7 Taylor
 // polynomial of e^r by Horner with FMAs, then the scaling by 2^k in two exact steps.
-//  - k = round(x log2 e) by the 1.5 * 2^23 trick (one FMA), k in [-150, 0].
+//  - x is first clamped to >= -104 (NaN and -inf become -104); e^-104 < 2^-150 rounds to +0.
+//  - j = fma(x, log2 e, 1.5 * 2^23) holds k = round(x log2 e) in its low bits (ulp(j) = 1);
+//    k = bits(j) - bits(1.5 * 2^23) in [-150, 0] and kf = j - 1.5 * 2^23 exactly.
 //  - kLn2Hi has 15 significant bits and |k| < 2^8, so k * kLn2Hi is exact, and x - k * kLn2Hi is
-//    exact (both are multiples of ulp(x) and the difference is below 2^(exponent of x + 1)).
-//  - r = fma(-k, kLn2Lo, hi).
-//  - e^r in [0.70, 1.42]; 2^k is applied as 2^k1 * 2^k2 (k1 = k / 2, k2 = k - k1, both >= -75)
-//    so each factor is a binary32 normal: the first product is exact, the second rounds once
-//    (only when the result is subnormal).
-// x < -104 (and -inf) gives +0 (e^-104 < 2^-150 rounds to 0); NaN gives NaN. Accuracy against
-// exp in float64: see docs/SWIGLU.md (measured exhaustively on BF16 inputs by the CPU tests).
-constexpr float kLog2e = 1.44269502f;              // 0x1.715476p+0
-constexpr float kRoundMagic = 12582912.0f;         // 1.5 * 2^23
-constexpr float kLn2Hi = 0.693145751953125f;       // 0x1.62e4p-1, 15 significant bits
-constexpr float kLn2Lo = 1.42860677e-06f;          // ln 2 - kLn2Hi, rounded to binary32
+//    exact (both are multiples of ulp(x) and the difference is below 2^(exponent of x + 1)):
+//    hi = fma(-kf, kLn2Hi, x) is that exact value.
+//  - r = fma(-kf, kLn2Lo, hi).
+//  - e^r in [0.70, 1.42]; 2^k is applied as 2^k1 * 2^k2 (k1 = ceil(k/2), k2 = floor(k/2), both
+//    >= -75) so each factor is a binary32 normal: the first product is exact, the second rounds
+//    once (only when the result is subnormal).
+// Accuracy against exp in float64: within 1 ulp (docs/SWIGLU.md; checked by the CPU tests).
+constexpr float kLog2e = 1.44269502f;         // 0x1.715476p+0
+constexpr float kRoundMagic = 12582912.0f;    // 1.5 * 2^23
+constexpr uint32_t kRoundMagicBits = 0x4B400000u;
+constexpr float kLn2Hi = 0.693145751953125f;  // 0x1.62e4p-1, 15 significant bits
+constexpr float kLn2Lo = 1.42860677e-06f;     // ln 2 - kLn2Hi, rounded to binary32
 constexpr float kExpMinArg = -104.0f;
 
 FLOWMOE_HD float exp_nonpos(float x) {
-  const bool in_range = x >= kExpMinArg;  // false for NaN and x < -104
-  const float xc = in_range ? x : kExpMinArg;
-  const float kf = f_add(f_fma(xc, kLog2e, kRoundMagic), -kRoundMagic);  // integer in [-150, 0]
-  const float hi = f_add(xc, f_mul(-kf, kLn2Hi));                        // exact
+  const float xc = x >= kExpMinArg ? x : kExpMinArg;  // NaN compares false
+  const float j = f_fma(xc, kLog2e, kRoundMagic);
+  const int k = static_cast<int>(f32_bits(j) - kRoundMagicBits);  // in [-150, 0]
+  const float kf = f_add(j, -kRoundMagic);                         // k, exactly
+  const float hi = f_fma(-kf, kLn2Hi, xc);                         // exact
   const float r = f_fma(-kf, kLn2Lo, hi);
   float p = 1.98412701e-4f;          // 1/5040
   p = f_fma(p, r, 1.38888892e-3f);   // 1/720
@@ -106,11 +108,9 @@ FLOWMOE_HD float exp_nonpos(float x) {
   p = f_fma(p, r, 0.5f);
   p = f_fma(p, r, 1.0f);
   p = f_fma(p, r, 1.0f);
-  const int k = static_cast<int>(kf);
-  const int k1 = k / 2, k2 = k - k1;  // both in [-75, 0]
-  const float t = f_mul(f_mul(p, exp2i(k1)), exp2i(k2));
-  if (in_range) return t;
-  return x != x ? x : 0.0f;
+  const int k1 = -((-k) >> 1), k2 = k - k1;  // ceil(k/2), floor(k/2): both in [-75, 0]
+  return f_mul(f_mul(p, f32_from_bits(static_cast<uint32_t>(k1 + 127) << 23)),
+               f32_from_bits(static_cast<uint32_t>(k2 + 127) << 23));
 }
 
 // ---- SiLU and SwiGLU ------------------------------------------------------------------------------
@@ -119,13 +119,14 @@ FLOWMOE_HD float exp_nonpos(float x) {
 //   1 - sigmoid(g)  sc = t * rd  (g >= 0)   or  rd      (g < 0)   (no cancellation)
 //   silu(g)            = g * s                       = g / (1 + e^-g) in exact arithmetic
 //   silu'(g)           = s * fma(g, sc, 1)           = s (1 + g (1 - s))
-// -0 counts as g >= 0. NaN g gives NaN everywhere.
+// -0 counts as g >= 0. Non-finite g: silu(NaN) = NaN, silu(+inf) = +inf, silu(-inf) = NaN
+// (-inf * 0), silu'(+-inf) = silu'(NaN) = NaN: a non-finite gate never gives finite results.
 struct SiluParts {
   float s;   // sigmoid(g)
   float sc;  // 1 - sigmoid(g)
 };
 FLOWMOE_HD SiluParts sigmoid_parts(float g) {
-  const float t = exp_nonpos(-f32_abs(g));  // -|NaN| is NaN: t is NaN
+  const float t = exp_nonpos(-f32_abs(g));
   const float rd = f_rcp(f_add(1.0f, t));
   const float trd = f_mul(t, rd);
   const bool pos = g >= 0.0f;
@@ -137,15 +138,14 @@ FLOWMOE_HD float dsilu_f32(float g) {
   return f_mul(p.s, f_fma(g, p.sc, 1.0f));
 }
 
-// Forward: a = silu(gate) * up, NaN canonical.
+// Forward: a = silu(gate) * up.
 FLOWMOE_HD float swiglu_f32(float gate, float up) {
-  return canonical_nan_if_nan(f_mul(f_mul(gate, sigmoid_parts(gate).s), up));
+  return f_mul(f_mul(gate, sigmoid_parts(gate).s), up);
 }
 
 // Backward: given da = dL/da,
 //   dgate = da * (up * silu'(gate))
 //   dup   = da * silu(gate)
-// NaN canonical.
 struct SwigluGrad {
   float dgate;
   float dup;
@@ -154,8 +154,7 @@ FLOWMOE_HD SwigluGrad dswiglu_f32(float da, float gate, float up) {
   const SiluParts p = sigmoid_parts(gate);
   const float silu = f_mul(gate, p.s);
   const float ds = f_mul(p.s, f_fma(gate, p.sc, 1.0f));
-  return SwigluGrad{canonical_nan_if_nan(f_mul(da, f_mul(up, ds))),
-                    canonical_nan_if_nan(f_mul(da, silu))};
+  return SwigluGrad{f_mul(da, f_mul(up, ds)), f_mul(da, silu)};
 }
 
 }  // namespace num

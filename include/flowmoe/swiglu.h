@@ -1,0 +1,116 @@
+// SwiGLU and its fused FP8 quantization, forward and backward (SPEC §5, issue 4; docs/SWIGLU.md).
+//
+// Layout of the GEMM1 output H [M, 2F] (row-major BF16): gate = columns [0, F), up = columns
+// [F, 2F) (Megatron's chunk(2, dim=-1) order).
+//   forward    A[t, j]      = silu(H[t, j]) * H[t, F + j]                          A [M, F]
+//   backward   dH[t, j]     = dA[t, j] * (H[t, F + j] * silu'(H[t, j]))            dH [M, 2F]
+//              dH[t, F + j] = dA[t, j] * silu(H[t, j])
+// computed in binary32 by the shared functions of flowmoe/swiglu_math.h (host and device give the
+// same bits). F must be a positive multiple of 128.
+//
+// Quantized outputs use the layouts of flowmoe/tensor.h and the scale rule and NaN policy of
+// cpu::quantize_row / quantize_col:
+//   swiglu_quant     A row-wise   == quantize_row(binary32 A)  (one rounding per value; the
+//                                    unfused path rounds to BF16 first, docs/SWIGLU.md §4)
+//                    A col-wise   == scaling_aware_transpose(A row-wise, segments)      (option)
+//                    H row-wise   == quantize_row(H)  [M, 2F]                            (option)
+//   dswiglu_quant    dH row-wise  == quantize_row(dswiglu(dA, H))        dH formed in BF16, as
+//                    dH col-wise  == quantize_col(dswiglu(dA, H), seg)   the unfused sequence does
+// The backward also takes H saved as row-wise FP8 (what the `flow` recipe keeps): it is decoded
+// exactly (code * 2^e in binary32) and goes through the same arithmetic.
+//
+// Counters (QuantStats on the CPU, DeviceStatus on the GPU):
+//   nonfinite  the non-finite values among the tensors being quantized (binary32 A, BF16 dH, and
+//              BF16 H when it is quantized too), each counted once however many layouts it is
+//              written in. Their tiles are marked NaN (codes 0x7F, scale 0xFF). A non-finite input
+//              always makes at least one output of its row non-finite (docs/SWIGLU.md §3), and
+//              finite inputs can overflow, so the count is > 0 whenever anything went bad.
+//   underflow  the values the forward column copy could not keep exactly (as
+//              scaling_aware_transpose counts them).
+#pragma once
+
+#include <cstdint>
+
+#include "flowmoe/tensor.h"
+
+namespace flowmoe {
+namespace cpu {
+
+// ---- forward --------------------------------------------------------------------------------------
+// h [M, 2F] bf16 -> a [M, F] bf16 (RNE, NaN 0x7FC0). Returns nonfinite = non-finite elements of a.
+QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a);
+// The same in binary32: the values the fused forward quantizes.
+QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, float* a);
+// Fused: h -> A row-wise FP8 [M, F] (a_row). Options: with `seg` and `a_col`, the column-wise
+// copy of A over the token segments; with `h_row`, H itself quantized row-wise [M, 2F]
+// (the activation the `flow` recipe saves for the backward). Pass null to skip an option.
+QuantStats swiglu_quant(const bf16_t* h, int64_t m, int64_t f, QTensor* a_row,
+                        const Segments* seg, QTensor* a_col, QTensor* h_row);
+
+// ---- backward -------------------------------------------------------------------------------------
+// da [M, F] bf16, h [M, 2F] bf16 -> dh [M, 2F] bf16. Returns nonfinite = non-finite elements of dh.
+QuantStats dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh);
+// The same with H saved as row-wise FP8 (h_row: kRow1x128, [M, 2F]).
+QuantStats dswiglu(const bf16_t* da, const QTensor& h_row, bf16_t* dh);
+// Fused: -> dH row-wise [M, 2F] and column-wise [2F, M] over the segments, from one pass.
+QuantStats dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f,
+                         const Segments& seg, QTensor* dh_row, QTensor* dh_col);
+QuantStats dswiglu_quant(const bf16_t* da, const QTensor& h_row, const Segments& seg,
+                         QTensor* dh_row, QTensor* dh_col);
+
+}  // namespace cpu
+}  // namespace flowmoe
+
+#if defined(FLOWMOE_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+#include "flowmoe/cuda/convert.h"
+
+namespace flowmoe {
+namespace cuda {
+
+// Device pointers, layouts as above; arguments are checked on the host (flowmoe::Error), launches
+// are stream-ordered, nothing allocates or synchronises. BF16 and code buffers must be 16-byte
+// aligned (cudaMalloc gives 256). `status` may be null (then nothing is counted).
+
+// ---- forward --------------------------------------------------------------------------------------
+// Plain BF16 SwiGLU (the baseline): h [M, 2F] -> a [M, F].
+void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* status,
+            cudaStream_t stream);
+// Fused SwiGLU + row-wise quantize: a_codes [M, F], a_scales [F/128][M]. Optionally (h_codes and
+// h_scales not null) H row-wise in the same pass: h_codes [M, 2F], h_scales [2F/128][M].
+void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
+                  uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream);
+// The same plus the column-wise copy of A over the segments (M = sb.m), fused: a_col_codes
+// [F, M], a_col_scales [sb.max_blocks][F]; bit-identical to scaling_aware_transpose of the
+// row-wise output (underflow counted). h_codes/h_scales optional as above.
+void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8_t* a_codes,
+                      uint8_t* a_scales, uint8_t* a_col_codes, uint8_t* a_col_scales,
+                      uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status,
+                      cudaStream_t stream);
+
+// ---- backward -------------------------------------------------------------------------------------
+// Plain BF16 dSwiGLU (first step of the unfused baseline): da [M, F], h [M, 2F] -> dh [M, 2F].
+void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
+             DeviceStatus* status, cudaStream_t stream);
+// Fused dSwiGLU + row-wise and column-wise quantize, one pass (M = sb.m):
+// row_codes [M, 2F], row_scales [2F/128][M], col_codes [2F, M], col_scales [sb.max_blocks][2F].
+void dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,
+                   uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
+                   uint8_t* col_scales, DeviceStatus* status, cudaStream_t stream);
+// The same with H saved as row-wise FP8: h_codes [M, 2F], h_scales [2F/128][M].
+void dswiglu_quant_fp8h(const bf16_t* da, const uint8_t* h_codes, const uint8_t* h_scales,
+                        int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
+                        uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
+                        DeviceStatus* status, cudaStream_t stream);
+// The unfused sequence users run today (three kernels): dswiglu -> quantize_row -> quantize_col.
+// `work` holds M * 2F bf16 (dH). Same outputs, bit for bit, as dswiglu_quant (non-finite values
+// are counted by the row quantizer only, so the count matches too).
+void dswiglu_quant_unfused(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,
+                           uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
+                           uint8_t* col_scales, bf16_t* work, DeviceStatus* status,
+                           cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace flowmoe
+#endif  // FLOWMOE_HAVE_CUDA

@@ -1,0 +1,310 @@
+// CPU reference of SwiGLU and its fused quantization (flowmoe/swiglu.h): plain loops over
+// 1x128 tiles and 128-token blocks, the specification the CUDA kernels are tested against bit for
+// bit. The tests check these loops against the composition of the existing conversions
+// (quantize_row, quantize_col, scaling_aware_transpose).
+#include "flowmoe/swiglu.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "flowmoe/error.h"
+#include "flowmoe/numerics.h"
+#include "flowmoe/swiglu_math.h"
+
+namespace flowmoe {
+namespace cpu {
+namespace {
+
+using namespace flowmoe::num;
+
+constexpr int kT = kFp8Block;  // 128
+
+void check_shape(int64_t m, int64_t f, const char* what) {
+  FLOWMOE_CHECK(m >= 0, what << ": M = " << m << " tokens is negative; expected M >= 0");
+  FLOWMOE_CHECK(f > 0 && f % kT == 0,
+                what << ": F = " << f << " is not a positive multiple of 128 (the quantization "
+                     << "block); H must be [M, 2F] with gate = columns [0, F), up = [F, 2F)");
+}
+void check_ptr(const void* p, int64_t m, const char* name, const char* what) {
+  FLOWMOE_CHECK(p != nullptr || m == 0, what << ": " << name << " is null for M = " << m);
+}
+void check_h_row(const QTensor& h, const char* what) {
+  FLOWMOE_CHECK(h.layout == Layout::kRow1x128,
+                what << ": saved H is " << layout_name(h.layout) << ", expected "
+                     << layout_name(Layout::kRow1x128) << " [M, 2F]");
+  FLOWMOE_CHECK(h.cols > 0 && h.cols % (2 * kT) == 0,
+                what << ": saved H has " << h.cols << " columns; expected 2F with F a positive "
+                     << "multiple of 128");
+  FLOWMOE_CHECK(h.rows >= 0 && static_cast<int64_t>(h.codes.size()) == h.rows * h.cols &&
+                    static_cast<int64_t>(h.scales.size()) == h.rows * (h.cols / kT),
+                what << ": saved H " << h.describe() << " holds " << h.codes.size()
+                     << " code and " << h.scales.size() << " scale bytes, expected "
+                     << h.rows * h.cols << " and " << h.rows * (h.cols / kT));
+}
+
+void init_row(QTensor* q, int64_t m, int64_t k) {
+  q->layout = Layout::kRow1x128;
+  q->rows = m;
+  q->cols = k;
+  q->segments = Segments{};
+  q->codes.assign(m * k, 0);
+  q->scales.assign((k / kT) * m, 0);
+}
+void init_col(QTensor* q, int64_t m, int64_t k, const Segments& seg) {
+  q->layout = Layout::kCol128x1;
+  q->rows = m;
+  q->cols = k;
+  q->segments = seg;
+  q->codes.assign(k * m, 0);
+  q->scales.assign(seg.num_blocks() * k, 0);
+}
+
+// One 1x128 tile -> codes and scale code (SPEC §2), from BF16 or binary32 values. Returns the
+// number of non-finite values (the tile is then marked NaN).
+inline float value(bf16_t v) { return bf16_to_f32(v); }
+inline float value(float v) { return v; }
+template <typename T>
+int64_t quantize_tile(const T* v, uint8_t* codes, uint8_t* scale) {
+  float amax = 0.0f;
+  int64_t bad = 0;
+  for (int i = 0; i < kT; ++i) {
+    const float x = value(v[i]);
+    if (!f32_is_finite(x)) ++bad;
+    else amax = f32_max_nonneg(amax, f32_abs(x));
+  }
+  if (bad) {
+    *scale = kUE8M0NaN;
+    std::fill(codes, codes + kT, kE4M3NaN);
+    return bad;
+  }
+  const int e = e4m3_scale_exp(amax);
+  *scale = ue8m0_from_exp(e);
+  for (int i = 0; i < kT; ++i) codes[i] = quant_e4m3(value(v[i]), e);
+  return 0;
+}
+
+// The same along tokens for a column block of n <= 128 values.
+void quantize_col_block(const bf16_t* v, int64_t stride, int64_t n, uint8_t* codes,
+                        uint8_t* scale) {
+  float amax = 0.0f;
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = bf16_to_f32(v[i * stride]);
+    if (!f32_is_finite(x)) bad = true;
+    else amax = f32_max_nonneg(amax, f32_abs(x));
+  }
+  if (bad) {
+    *scale = kUE8M0NaN;
+    std::fill(codes, codes + n, kE4M3NaN);
+    return;
+  }
+  const int e = e4m3_scale_exp(amax);
+  *scale = ue8m0_from_exp(e);
+  for (int64_t i = 0; i < n; ++i) codes[i] = quant_e4m3(bf16_to_f32(v[i * stride]), e);
+}
+
+// Gate and up of row t, feature j, as binary32: from BF16, or decoded from row-wise FP8.
+struct HBf16 {
+  const bf16_t* h;
+  int64_t f;
+  float gate(int64_t t, int64_t j) const { return bf16_to_f32(h[t * 2 * f + j]); }
+  float up(int64_t t, int64_t j) const { return bf16_to_f32(h[t * 2 * f + f + j]); }
+};
+struct HFp8 {
+  const QTensor* q;
+  int64_t f;
+  float at(int64_t t, int64_t c) const {
+    return dequant_e4m3(q->codes[t * 2 * f + c], q->scales[(c / kT) * q->rows + t]);
+  }
+  float gate(int64_t t, int64_t j) const { return at(t, j); }
+  float up(int64_t t, int64_t j) const { return at(t, f + j); }
+};
+
+template <typename HSrc>
+QuantStats dswiglu_impl(const bf16_t* da, const HSrc& h, int64_t m, int64_t f, bf16_t* dh) {
+  QuantStats st;
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t j = 0; j < f; ++j) {
+      const SwigluGrad g = dswiglu_f32(bf16_to_f32(da[t * f + j]), h.gate(t, j), h.up(t, j));
+      const bf16_t dg = bf16_canonical(g.dgate), du = bf16_canonical(g.dup);
+      dh[t * 2 * f + j] = dg;
+      dh[t * 2 * f + f + j] = du;
+      st.nonfinite += !f32_is_finite(bf16_to_f32(dg));
+      st.nonfinite += !f32_is_finite(bf16_to_f32(du));
+    }
+  }
+  return st;
+}
+
+// Fused backward: dH tile by tile. The BF16 dH is formed once (it is what both layouts quantize).
+template <typename HSrc>
+QuantStats dswiglu_quant_impl(const bf16_t* da, const HSrc& h, int64_t m, int64_t f,
+                              const Segments& seg, QTensor* dh_row, QTensor* dh_col) {
+  const int64_t k = 2 * f;
+  std::vector<bf16_t> dh(m * k);
+  const QuantStats st = dswiglu_impl(da, h, m, f, dh.data());
+  init_row(dh_row, m, k);
+  for (int64_t t = 0; t < m; ++t)
+    for (int64_t b = 0; b < k / kT; ++b)
+      quantize_tile(&dh[t * k + b * kT], &dh_row->codes[t * k + b * kT], &dh_row->scales[b * m + t]);
+  init_col(dh_col, m, k, seg);
+  int64_t blk = 0;
+  for (int s = 0; s < seg.num_segments(); ++s) {
+    for (int64_t t0 = seg.offsets[s]; t0 < seg.offsets[s + 1]; t0 += kT, ++blk) {
+      const int64_t n = std::min<int64_t>(kT, seg.offsets[s + 1] - t0);
+      for (int64_t c = 0; c < k; ++c)
+        quantize_col_block(&dh[t0 * k + c], k, n, &dh_col->codes[c * m + t0],
+                           &dh_col->scales[blk * k + c]);
+    }
+  }
+  return st;  // each non-finite dH value once, though it is written in two layouts
+}
+
+void check_dswiglu_quant_args(const bf16_t* da, int64_t m, int64_t f, const Segments& seg,
+                              QTensor* dh_row, QTensor* dh_col, const char* what) {
+  check_shape(m, f, what);
+  check_ptr(da, m, "dA", what);
+  FLOWMOE_CHECK(dh_row != nullptr && dh_col != nullptr,
+                what << ": dh_row and dh_col outputs must both be given");
+  seg.validate(m);
+}
+
+}  // namespace
+
+QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, float* a) {
+  const char* what = "swiglu";
+  check_shape(m, f, what);
+  check_ptr(h, m, "H", what);
+  check_ptr(a, m, "A", what);
+  QuantStats st;
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t j = 0; j < f; ++j) {
+      a[t * f + j] = swiglu_f32(bf16_to_f32(h[t * 2 * f + j]), bf16_to_f32(h[t * 2 * f + f + j]));
+      st.nonfinite += !f32_is_finite(a[t * f + j]);
+    }
+  }
+  return st;
+}
+
+QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a) {
+  const char* what = "swiglu";
+  check_shape(m, f, what);
+  check_ptr(h, m, "H", what);
+  check_ptr(a, m, "A", what);
+  QuantStats st;
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t j = 0; j < f; ++j) {
+      const float v = swiglu_f32(bf16_to_f32(h[t * 2 * f + j]), bf16_to_f32(h[t * 2 * f + f + j]));
+      a[t * f + j] = bf16_canonical(v);
+      st.nonfinite += !f32_is_finite(bf16_to_f32(a[t * f + j]));
+    }
+  }
+  return st;
+}
+
+QuantStats swiglu_quant(const bf16_t* h, int64_t m, int64_t f, QTensor* a_row,
+                        const Segments* seg, QTensor* a_col, QTensor* h_row) {
+  const char* what = "swiglu_quant";
+  check_shape(m, f, what);
+  check_ptr(h, m, "H", what);
+  FLOWMOE_CHECK(a_row != nullptr, what << ": a_row (the row-wise output) is null");
+  FLOWMOE_CHECK((seg == nullptr) == (a_col == nullptr),
+                what << ": the column-wise copy needs both `seg` and `a_col` (got "
+                     << (seg ? "seg" : "no seg") << " and " << (a_col ? "a_col" : "no a_col")
+                     << ")");
+  if (seg) seg->validate(m);
+
+  // Row pass: per (token, 128-feature tile), the binary32 A values, then the tile quantization
+  // (each A value is rounded once, straight to E4M3).
+  init_row(a_row, m, f);
+  QuantStats st;
+  float tile[kT];
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t b = 0; b < f / kT; ++b) {
+      for (int i = 0; i < kT; ++i) {
+        const int64_t j = b * kT + i;
+        tile[i] = swiglu_f32(bf16_to_f32(h[t * 2 * f + j]), bf16_to_f32(h[t * 2 * f + f + j]));
+      }
+      st.nonfinite += quantize_tile(tile, &a_row->codes[t * f + b * kT], &a_row->scales[b * m + t]);
+    }
+  }
+  if (h_row) {
+    init_row(h_row, m, 2 * f);
+    for (int64_t t = 0; t < m; ++t)
+      for (int64_t b = 0; b < 2 * f / kT; ++b)
+        st.nonfinite += quantize_tile(&h[t * 2 * f + b * kT], &h_row->codes[t * 2 * f + b * kT],
+                                      &h_row->scales[b * m + t]);
+  }
+  if (!a_col) return st;
+
+  // Column copy (SPEC §4): per (feature, 128-token block) the shared exponent is the largest
+  // row exponent of the block; each row code is shifted down to it. A NaN row tile in the block
+  // makes the whole column block NaN (already counted by the row pass).
+  init_col(a_col, m, f, *seg);
+  int64_t blk = 0;
+  for (int s = 0; s < seg->num_segments(); ++s) {
+    for (int64_t t0 = seg->offsets[s]; t0 < seg->offsets[s + 1]; t0 += kT, ++blk) {
+      const int64_t t1 = std::min<int64_t>(t0 + kT, seg->offsets[s + 1]);
+      for (int64_t b = 0; b < f / kT; ++b) {
+        const uint8_t* rs = &a_row->scales[b * m];
+        int emax = 0;
+        bool nan_block = false;
+        for (int64_t t = t0; t < t1; ++t) {
+          if (rs[t] == kUE8M0NaN) nan_block = true;
+          else emax = std::max<int>(emax, rs[t]);
+        }
+        for (int64_t c = b * kT; c < (b + 1) * kT; ++c) {
+          a_col->scales[blk * f + c] = nan_block ? kUE8M0NaN : static_cast<uint8_t>(emax);
+          for (int64_t t = t0; t < t1; ++t) {
+            if (nan_block) {
+              a_col->codes[c * m + t] = kE4M3NaN;
+              continue;
+            }
+            bool lost = false;
+            a_col->codes[c * m + t] = e4m3_rescale(a_row->codes[t * f + c], emax - rs[t], &lost);
+            st.underflow += lost;
+          }
+        }
+      }
+    }
+  }
+  return st;
+}
+
+QuantStats dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh) {
+  const char* what = "dswiglu";
+  check_shape(m, f, what);
+  check_ptr(da, m, "dA", what);
+  check_ptr(h, m, "H", what);
+  check_ptr(dh, m, "dH", what);
+  return dswiglu_impl(da, HBf16{h, f}, m, f, dh);
+}
+
+QuantStats dswiglu(const bf16_t* da, const QTensor& h_row, bf16_t* dh) {
+  const char* what = "dswiglu (FP8 H)";
+  check_h_row(h_row, what);
+  const int64_t m = h_row.rows, f = h_row.cols / 2;
+  check_ptr(da, m, "dA", what);
+  check_ptr(dh, m, "dH", what);
+  return dswiglu_impl(da, HFp8{&h_row, f}, m, f, dh);
+}
+
+QuantStats dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f,
+                         const Segments& seg, QTensor* dh_row, QTensor* dh_col) {
+  const char* what = "dswiglu_quant";
+  check_dswiglu_quant_args(da, m, f, seg, dh_row, dh_col, what);
+  check_ptr(h, m, "H", what);
+  return dswiglu_quant_impl(da, HBf16{h, f}, m, f, seg, dh_row, dh_col);
+}
+
+QuantStats dswiglu_quant(const bf16_t* da, const QTensor& h_row, const Segments& seg,
+                         QTensor* dh_row, QTensor* dh_col) {
+  const char* what = "dswiglu_quant (FP8 H)";
+  check_h_row(h_row, what);
+  const int64_t m = h_row.rows, f = h_row.cols / 2;
+  check_dswiglu_quant_args(da, m, f, seg, dh_row, dh_col, what);
+  return dswiglu_quant_impl(da, HFp8{&h_row, f}, m, f, seg, dh_row, dh_col);
+}
+
+}  // namespace cpu
+}  // namespace flowmoe

@@ -1,0 +1,715 @@
+// SwiGLU forward and backward on the GPU: plain BF16 kernels (the baselines) and the fused
+// SwiGLU + FP8 quantize kernels, bit-identical to flowmoe::cpu (flowmoe/swiglu.h).
+//
+// Kernels
+//   swiglu_row_kernel<Out>      half-warp per (token, 128-feature tile of A): reads the gate and
+//                               up chunks, computes A in binary32 (swiglu_math.h) and either
+//                               stores it as BF16 (plain) or quantizes the 1x128 tile straight
+//                               from binary32 (fused), optionally quantizing the two H tiles it
+//                               read as well.
+//   swiglu_quant_col_kernel     one CTA per (128-token block of a segment, 128-feature tile):
+//                               the row pass above into a shared byte tile, then the column copy
+//                               by exponent shifts (the scaling-aware transpose, fused).
+//   dswiglu_row_kernel          plain backward, same grid as the forward row kernel.
+//   dswiglu_quant_kernel<Fp8H>  one CTA per (token block, feature tile): dA, gate and up tiles in,
+//                               dgate and dup (BF16) formed once, row-wise tiles quantized from
+//                               registers, the BF16 tile kept in shared memory for the column-wise
+//                               quantization along tokens.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <atomic>
+
+#include "cuda/convert/tile.cuh"
+#include "flowmoe/swiglu.h"
+#include "flowmoe/swiglu_math.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace {
+
+using namespace flowmoe::num;
+using namespace detail::host;
+using detail::kBytePitch;
+using detail::kThreads;
+using detail::kTile;
+
+// ---- element helpers ------------------------------------------------------------------------------
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// Two binary32 -> packed BF16 (lo in the low half), hardware round to nearest even. A NaN comes
+// out with the hardware's payload: the fused kernels only test it (any NaN marks its tile), the
+// plain kernels make it canonical before storing (canonical_nan8).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+// Every NaN of 8 packed BF16 -> 0x7FC0 (num::bf16_canonical). `absmax` = absmax8_bits(v).
+__device__ __forceinline__ uint4 canonical_nan8(uint4 v, uint32_t absmax) {
+  if (absmax <= 0x7F80u) return v;  // no NaN (the usual case)
+  uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if ((w[q] & 0x7FFFu) > 0x7F80u) w[q] = (w[q] & 0xFFFF0000u) | 0x7FC0u;
+    if ((w[q] & 0x7FFF0000u) > 0x7F800000u) w[q] = (w[q] & 0x0000FFFFu) | 0x7FC00000u;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// A for 8 consecutive features: gate chunk g, up chunk u (8 bf16 each) -> 8 binary32 values.
+__device__ __forceinline__ void swiglu8(const uint4& g, const uint4& u, float (&a)[8]) {
+  const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    a[2 * q] = swiglu_f32(bf16_lo(gw[q]), bf16_lo(uw[q]));
+    a[2 * q + 1] = swiglu_f32(bf16_hi(gw[q]), bf16_hi(uw[q]));
+  }
+}
+__device__ __forceinline__ uint4 pack8(const float (&a)[8]) {
+  return make_uint4(pack_bf16x2(a[0], a[1]), pack_bf16x2(a[2], a[3]), pack_bf16x2(a[4], a[5]),
+                    pack_bf16x2(a[6], a[7]));
+}
+
+// dgate and dup for 8 consecutive features from binary32 inputs.
+__device__ __forceinline__ void dswiglu8(const float (&da)[8], const float (&g)[8], const float (&u)[8],
+                                         uint4& dg, uint4& du) {
+  uint32_t a[4], b[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const SwigluGrad lo = dswiglu_f32(da[2 * q], g[2 * q], u[2 * q]);
+    const SwigluGrad hi = dswiglu_f32(da[2 * q + 1], g[2 * q + 1], u[2 * q + 1]);
+    a[q] = pack_bf16x2(lo.dgate, hi.dgate);
+    b[q] = pack_bf16x2(lo.dup, hi.dup);
+  }
+  dg = make_uint4(a[0], a[1], a[2], a[3]);
+  du = make_uint4(b[0], b[1], b[2], b[3]);
+}
+
+__device__ __forceinline__ void unpack8(const uint4& v, float (&x)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    x[2 * q] = bf16_lo(w[q]);
+    x[2 * q + 1] = bf16_hi(w[q]);
+  }
+}
+
+// 8 E4M3 codes (a uint2) of one 1x128 row tile with scale code `s`, decoded exactly to binary32
+// (code value * 2^(s-127); a NaN scale gives NaN), as num::dequant_e4m3 up to NaN payloads.
+__device__ __forceinline__ void decode8(const uint2& c, uint8_t s, float (&x)[8]) {
+  const float sf = ue8m0_to_f32(s);
+  const uint32_t w[2] = {c.x, c.y};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2_raw hr =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i >> 1] >> (16 * (i & 1))), __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+    x[2 * i] = f_mul(f.x, sf);  // exact: a 4-bit significand times a power of two >= 2^-127
+    x[2 * i + 1] = f_mul(f.y, sf);
+  }
+}
+
+// ---- quantization of a 1x128 row tile held by a half-warp (8 bf16 per lane) ----------------------
+// All 32 lanes of the warp must call (shuffles); lanes of rows past the end hold zeros.
+__device__ __forceinline__ uint2 encode8(const uint4& v, int e, bool nan_tile) {
+  if (nan_tile) return make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+  const float inv = detail::inv_pow2(e);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t lo16[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) lo16[q] = detail::e4m3x2(bf16_lo(w[q]) * inv, bf16_hi(w[q]) * inv);
+  return make_uint2(lo16[0] | (lo16[1] << 16), lo16[2] | (lo16[3] << 16));
+}
+
+struct TileCodes {
+  uint2 codes;    // this lane's 8 codes
+  uint8_t scale;  // the tile's UE8M0 scale (0xFF: non-finite tile)
+};
+__device__ __forceinline__ TileCodes quantize_tile8(const uint4& v, unsigned long long* nonfinite) {
+  const uint32_t amax_bits = detail::group_max_u(detail::absmax8_bits(v), 16);
+  const bool bad = amax_bits >= detail::kBf16NonFiniteBits;
+  detail::count_nonfinite_warp(nonfinite, v, bad);
+  const int e = e4m3_scale_exp(detail::bf16_bits_to_f32(amax_bits));
+  return TileCodes{encode8(v, e, bad), bad ? kUE8M0NaN : ue8m0_from_exp(e)};
+}
+// The same for binary32 values (8 per lane): amax by integer maximum of the magnitude bits
+// (ordered like the values for finite floats; any bits >= 0x7F800000 mean Inf or NaN).
+__device__ __forceinline__ TileCodes quantize_tile8(const float (&a)[8], unsigned long long* nonfinite) {
+  uint32_t mx = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) mx = max(mx, __float_as_uint(a[i]) & 0x7FFFFFFFu);
+  mx = detail::group_max_u(mx, 16);
+  const bool bad = mx >= 0x7F800000u;
+  if (__any_sync(0xffffffffu, bad)) {
+    int nbad = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) nbad += (__float_as_uint(a[i]) & 0x7F800000u) == 0x7F800000u;
+    detail::warp_count(nonfinite, nbad);
+  }
+  if (bad) return TileCodes{make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu), kUE8M0NaN};
+  const int e = e4m3_scale_exp(__uint_as_float(mx));
+  const float inv = detail::inv_pow2(e);
+  uint32_t c[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) c[q] = detail::e4m3x2(a[2 * q] * inv, a[2 * q + 1] * inv);
+  return TileCodes{make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16)), ue8m0_from_exp(e)};
+}
+
+// ---- forward, row-wise: plain BF16 or fused quantize ----------------------------------------------
+enum class FwdOut { kBf16, kFp8, kFp8SaveH };
+constexpr int kRowsPerHalfWarp = 2;                               // rows in flight per half-warp
+constexpr int kRowsPerCta = (kThreads / 16) * kRowsPerHalfWarp;  // 32
+
+template <FwdOut kOut>
+__global__ void __launch_bounds__(kThreads)
+swiglu_row_kernel(const bf16_t* __restrict__ h, int64_t m, int64_t f, bf16_t* __restrict__ a,
+                  uint8_t* __restrict__ a_codes, uint8_t* __restrict__ a_scales,
+                  uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales,
+                  unsigned long long* nonfinite) {
+  const int64_t kb = blockIdx.y;  // feature tile
+  const int lane = threadIdx.x & 15;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 4);
+  uint4 g[kRowsPerHalfWarp], u[kRowsPerHalfWarp];
+#pragma unroll
+  for (int i = 0; i < kRowsPerHalfWarp; ++i) {
+    const int64_t r = r0 + i * (kThreads / 16);
+    g[i] = u[i] = make_uint4(0, 0, 0, 0);
+    if (r < m) {
+      const bf16_t* src = h + r * 2 * f + kb * kTile + lane * 8;
+      g[i] = ldg16(src);
+      u[i] = ldg16(src + f);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRowsPerHalfWarp; ++i) {
+    const int64_t r = r0 + i * (kThreads / 16);
+    float a32[8];
+    swiglu8(g[i], u[i], a32);
+    if constexpr (kOut == FwdOut::kBf16) {
+      const uint4 av = pack8(a32);
+      const uint32_t mx = detail::absmax8_bits(av);
+      if (nonfinite) detail::count_nonfinite_warp(nonfinite, av, mx >= detail::kBf16NonFiniteBits);
+      if (r < m) *reinterpret_cast<uint4*>(a + r * f + kb * kTile + lane * 8) = canonical_nan8(av, mx);
+    } else {
+      const TileCodes q = quantize_tile8(a32, nonfinite);
+      if (r < m) {
+        *reinterpret_cast<uint2*>(a_codes + r * f + kb * kTile + lane * 8) = q.codes;
+        if (lane == 0) a_scales[kb * m + r] = q.scale;
+      }
+      if constexpr (kOut == FwdOut::kFp8SaveH) {
+        const TileCodes qg = quantize_tile8(g[i], nonfinite);
+        const TileCodes qu = quantize_tile8(u[i], nonfinite);
+        if (r < m) {
+          uint8_t* dst = h_codes + r * 2 * f + kb * kTile + lane * 8;
+          *reinterpret_cast<uint2*>(dst) = qg.codes;
+          *reinterpret_cast<uint2*>(dst + f) = qu.codes;
+          if (lane == 0) {
+            h_scales[kb * m + r] = qg.scale;
+            h_scales[(f / kTile + kb) * m + r] = qu.scale;
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- forward with the column-wise copy (fused scaling-aware transpose) ------------------------------
+// Re-encodes the 4 codes of a word of a finite tile with shift d > 0 (RNE into subnormals where
+// the value leaves the normal range; counted in `lost`). Fast path: every byte keeps an exponent
+// field >= 1, so only the exponent field drops by d (finite quantized codes are never NaN).
+__device__ __forceinline__ uint32_t shift_codes4(uint32_t w, int d, int& lost) {
+  if (d < 15) {
+    const uint32_t ef = (w >> 3) & 0x0F0F0F0Fu;  // exponent fields
+    const uint32_t keep = ((ef | 0x10101010u) - 0x01010101u * static_cast<uint32_t>(d + 1)) & 0x10101010u;
+    if (keep == 0x10101010u) return w - 0x01010101u * (static_cast<uint32_t>(d) << 3);
+  }
+  uint32_t out = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    bool l = false;
+    out |= static_cast<uint32_t>(e4m3_rescale_fast(static_cast<uint8_t>(w >> (8 * i)), d, &l)) << (8 * i);
+    lost += l;
+  }
+  return out;
+}
+
+constexpr int kPasses = kTile / (kThreads / 16);  // 8 passes of 16 rows cover a 128-token block
+constexpr int kPassGroup = 4;                     // passes whose loads are in flight together
+
+template <bool kSaveH>
+__global__ void __launch_bounds__(kThreads)
+swiglu_quant_col_kernel(const bf16_t* __restrict__ h, int64_t m, int64_t f,
+                        const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend,
+                        uint8_t* __restrict__ a_codes, uint8_t* __restrict__ a_scales,
+                        uint8_t* __restrict__ a_col_codes, uint8_t* __restrict__ a_col_scales,
+                        uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales,
+                        DeviceStatus* status) {
+  __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
+  __shared__ uint8_t s_e[kTile];
+  __shared__ unsigned s_wmax[kTile / 32], s_wbad[kTile / 32];
+  int64_t b, kt;
+  detail::tile_coords(b, kt);
+  const int bs = bstart[b];
+  if (bs < 0) return;
+  const int n = bend[b] - bs;
+  const int tid = threadIdx.x, lane = tid & 15;
+  unsigned long long* nonfinite = status ? &status->nonfinite : nullptr;
+
+  // Row pass: A row tiles quantized, codes to global and to the byte tile.
+#pragma unroll
+  for (int p0 = 0; p0 < kPasses; p0 += kPassGroup) {
+    uint4 g[kPassGroup], u[kPassGroup];
+#pragma unroll
+    for (int i = 0; i < kPassGroup; ++i) {
+      const int row = (p0 + i) * (kThreads / 16) + (tid >> 4);
+      g[i] = u[i] = make_uint4(0, 0, 0, 0);
+      if (row < n) {
+        const bf16_t* src = h + static_cast<int64_t>(bs + row) * 2 * f + kt * kTile + lane * 8;
+        g[i] = ldg16(src);
+        u[i] = ldg16(src + f);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPassGroup; ++i) {
+      const int row = (p0 + i) * (kThreads / 16) + (tid >> 4);
+      const int64_t r = static_cast<int64_t>(bs) + row;
+      float a32[8];
+      swiglu8(g[i], u[i], a32);
+      const TileCodes q = quantize_tile8(a32, nonfinite);
+      *reinterpret_cast<uint2*>(&s_q[row * kBytePitch + lane * 8]) = row < n ? q.codes : make_uint2(0, 0);
+      if (lane == 0) s_e[row] = row < n ? q.scale : 0;
+      if (row < n) {
+        *reinterpret_cast<uint2*>(a_codes + r * f + kt * kTile + lane * 8) = q.codes;
+        if (lane == 0) a_scales[kt * m + r] = q.scale;
+      }
+      if constexpr (kSaveH) {
+        const TileCodes qg = quantize_tile8(g[i], nonfinite);
+        const TileCodes qu = quantize_tile8(u[i], nonfinite);
+        if (row < n) {
+          uint8_t* dst = h_codes + r * 2 * f + kt * kTile + lane * 8;
+          *reinterpret_cast<uint2*>(dst) = qg.codes;
+          *reinterpret_cast<uint2*>(dst + f) = qu.codes;
+          if (lane == 0) {
+            h_scales[kt * m + r] = qg.scale;
+            h_scales[(f / kTile + kt) * m + r] = qu.scale;
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // Shared exponent of the block: the largest row scale; a NaN row tile makes the block NaN.
+  if (tid < kTile) {
+    const unsigned e = s_e[tid];  // rows past n hold 0, which never wins the maximum
+    const unsigned wmax = __reduce_max_sync(0xffffffffu, e == kUE8M0NaN ? 0u : e);
+    const unsigned wbad = __reduce_add_sync(0xffffffffu, e == kUE8M0NaN ? 1u : 0u);
+    if ((tid & 31) == 0) {
+      s_wmax[tid >> 5] = wmax;
+      s_wbad[tid >> 5] = wbad;
+    }
+  }
+  __syncthreads();
+  unsigned emax = 0, nbad = 0;
+#pragma unroll
+  for (int w = 0; w < kTile / 32; ++w) {
+    emax = max(emax, s_wmax[w]);
+    nbad += s_wbad[w];
+  }
+
+  // Shift every row's codes down to the shared exponent, in place.
+  int lost = 0;
+  for (int c = tid; c < kTile * (kTile / 16); c += kThreads) {
+    const int row = c / (kTile / 16), ch = c % (kTile / 16);
+    if (row >= n) continue;
+    uint4* p = reinterpret_cast<uint4*>(&s_q[row * kBytePitch + ch * 16]);
+    if (nbad) {
+      *p = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+      continue;
+    }
+    const int d = static_cast<int>(emax) - s_e[row];
+    if (d == 0) continue;
+    uint4 w = *p;
+    w.x = shift_codes4(w.x, d, lost);
+    w.y = shift_codes4(w.y, d, lost);
+    w.z = shift_codes4(w.z, d, lost);
+    w.w = shift_codes4(w.w, d, lost);
+    *p = w;
+  }
+  detail::warp_count(status ? &status->underflow : nullptr, lost);
+  if (tid < kTile) a_col_scales[b * f + kt * kTile + tid] = nbad ? kUE8M0NaN : static_cast<uint8_t>(emax);
+  __syncthreads();
+  detail::store_col_tile(s_q, n, a_col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
+}
+
+// ---- backward: plain BF16 -------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads)
+dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h, int64_t m, int64_t f,
+                   bf16_t* __restrict__ dh, unsigned long long* nonfinite) {
+  const int64_t kb = blockIdx.y;
+  const int lane = threadIdx.x & 15;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 4);
+  uint4 vd[kRowsPerHalfWarp], vg[kRowsPerHalfWarp], vu[kRowsPerHalfWarp];
+#pragma unroll
+  for (int i = 0; i < kRowsPerHalfWarp; ++i) {
+    const int64_t r = r0 + i * (kThreads / 16);
+    vd[i] = vg[i] = vu[i] = make_uint4(0, 0, 0, 0);
+    if (r < m) {
+      const bf16_t* src = h + r * 2 * f + kb * kTile + lane * 8;
+      vd[i] = ldg16(da + r * f + kb * kTile + lane * 8);
+      vg[i] = ldg16(src);
+      vu[i] = ldg16(src + f);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRowsPerHalfWarp; ++i) {
+    const int64_t r = r0 + i * (kThreads / 16);
+    float xd[8], xg[8], xu[8];
+    unpack8(vd[i], xd);
+    unpack8(vg[i], xg);
+    unpack8(vu[i], xu);
+    uint4 dg, du;
+    dswiglu8(xd, xg, xu, dg, du);
+    const uint32_t mg = detail::absmax8_bits(dg), mu = detail::absmax8_bits(du);
+    if (nonfinite) {
+      detail::count_nonfinite_warp(nonfinite, dg, mg >= detail::kBf16NonFiniteBits);
+      detail::count_nonfinite_warp(nonfinite, du, mu >= detail::kBf16NonFiniteBits);
+    }
+    if (r < m) {
+      bf16_t* dst = dh + r * 2 * f + kb * kTile + lane * 8;
+      *reinterpret_cast<uint4*>(dst) = canonical_nan8(dg, mg);
+      *reinterpret_cast<uint4*>(dst + f) = canonical_nan8(du, mu);
+    }
+  }
+}
+
+// ---- backward: fused dSwiGLU + row-wise and column-wise quantize --------------------------------------
+// Shared tile: 128 tokens x 256 bf16 (dgate features [0, 128), dup features [128, 256)), pitch
+// 264 elements (528 bytes: 16-byte aligned rows; a warp reading 32 consecutive words of a row
+// touches every bank once).
+constexpr int kBwdPitch = 2 * kTile + 8;  // bf16 elements
+constexpr int kBwdWords = kBwdPitch / 2;  // 32-bit words per row
+constexpr size_t kBwdSmem = size_t(kTile) * kBwdPitch * 2 + 2 * kTile * sizeof(uint32_t);
+constexpr int kBwdCtasPerSm = 3;
+
+template <bool kFp8H>
+__global__ void __launch_bounds__(kThreads, kBwdCtasPerSm)
+dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
+                     const uint8_t* __restrict__ hc, const uint8_t* __restrict__ hs, int64_t m,
+                     int64_t f, const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend,
+                     uint8_t* __restrict__ row_codes, uint8_t* __restrict__ row_scales,
+                     uint8_t* __restrict__ col_codes, uint8_t* __restrict__ col_scales,
+                     unsigned long long* nonfinite) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint16_t* s_t = reinterpret_cast<uint16_t*>(smem);
+  uint32_t* s_amax = reinterpret_cast<uint32_t*>(smem + size_t(kTile) * kBwdPitch * 2);  // [2][128]
+  int64_t b, kt;
+  detail::tile_coords(b, kt);
+  const int bs = bstart[b];
+  if (bs < 0) return;
+  const int n = bend[b] - bs;
+  const int tid = threadIdx.x, lane = tid & 15;
+  const int64_t k2 = 2 * f;
+
+  // Phase 1: rows. dH for 8 features of (row, gate side) and (row, up side) per lane.
+#pragma unroll
+  for (int p0 = 0; p0 < kPasses; p0 += kPassGroup) {
+    uint4 vd[kPassGroup], vg[kPassGroup], vu[kPassGroup];
+    uint2 cg[kPassGroup], cu[kPassGroup];
+    uint8_t sg[kPassGroup], su[kPassGroup];
+#pragma unroll
+    for (int i = 0; i < kPassGroup; ++i) {
+      const int row = (p0 + i) * (kThreads / 16) + (tid >> 4);
+      const int64_t r = static_cast<int64_t>(bs) + row;
+      vd[i] = vg[i] = vu[i] = make_uint4(0, 0, 0, 0);
+      cg[i] = cu[i] = make_uint2(0, 0);
+      sg[i] = su[i] = 0;
+      if (row < n) {
+        vd[i] = ldg16(da + r * f + kt * kTile + lane * 8);
+        if constexpr (kFp8H) {
+          const uint8_t* src = hc + r * k2 + kt * kTile + lane * 8;
+          cg[i] = __ldg(reinterpret_cast<const uint2*>(src));
+          cu[i] = __ldg(reinterpret_cast<const uint2*>(src + f));
+          sg[i] = __ldg(hs + kt * m + r);
+          su[i] = __ldg(hs + (f / kTile + kt) * m + r);
+        } else {
+          const bf16_t* src = h + r * k2 + kt * kTile + lane * 8;
+          vg[i] = ldg16(src);
+          vu[i] = ldg16(src + f);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPassGroup; ++i) {
+      const int row = (p0 + i) * (kThreads / 16) + (tid >> 4);
+      const int64_t r = static_cast<int64_t>(bs) + row;
+      float xd[8], xg[8], xu[8];
+      unpack8(vd[i], xd);
+      if constexpr (kFp8H) {
+        if (row < n) {
+          decode8(cg[i], sg[i], xg);
+          decode8(cu[i], su[i], xu);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) xg[j] = xu[j] = 0.0f;
+        }
+      } else {
+        unpack8(vg[i], xg);
+        unpack8(vu[i], xu);
+      }
+      uint4 dg, du;
+      dswiglu8(xd, xg, xu, dg, du);
+      const TileCodes qg = quantize_tile8(dg, nonfinite);
+      const TileCodes qu = quantize_tile8(du, nonfinite);
+      if (row < n) {
+        uint8_t* dst = row_codes + r * k2 + kt * kTile + lane * 8;
+        *reinterpret_cast<uint2*>(dst) = qg.codes;
+        *reinterpret_cast<uint2*>(dst + f) = qu.codes;
+        if (lane == 0) {
+          row_scales[kt * m + r] = qg.scale;
+          row_scales[(f / kTile + kt) * m + r] = qu.scale;
+        }
+      }
+      // rows past n are all zero (zero inputs give zero gradients)
+      *reinterpret_cast<uint4*>(&s_t[row * kBwdPitch + lane * 8]) = dg;
+      *reinterpret_cast<uint4*>(&s_t[row * kBwdPitch + kTile + lane * 8]) = du;
+    }
+  }
+  __syncthreads();
+
+  // Phase 2: columns. Thread = (pair of adjacent features p, half of the tokens).
+  const int p = tid & (kTile - 1), half = tid >> 7;
+  const uint32_t* col = reinterpret_cast<const uint32_t*>(s_t) + p;
+  uint32_t mx = 0;
+#pragma unroll 8
+  for (int i = 0; i < kTile / 2; ++i) mx = __vmaxu2(mx, col[(half * (kTile / 2) + i) * kBwdWords] & 0x7FFF7FFFu);
+  s_amax[half * kTile + p] = mx;
+  __syncthreads();
+  mx = __vmaxu2(s_amax[p], s_amax[kTile + p]);
+  const uint32_t a0 = mx & 0xFFFFu, a1 = mx >> 16;
+  const bool bad0 = a0 >= detail::kBf16NonFiniteBits, bad1 = a1 >= detail::kBf16NonFiniteBits;
+  const int e0 = e4m3_scale_exp(detail::bf16_bits_to_f32(a0));
+  const int e1 = e4m3_scale_exp(detail::bf16_bits_to_f32(a1));
+  const int c = 2 * p;  // tile column in [0, 256): dgate side below 128, dup side above
+  const int64_t feat = (c < kTile ? 0 : f - kTile) + kt * kTile + c;  // dH feature of column c
+  if (half == 0) {
+    col_scales[b * k2 + feat] = bad0 ? kUE8M0NaN : ue8m0_from_exp(e0);
+    col_scales[b * k2 + feat + 1] = bad1 ? kUE8M0NaN : ue8m0_from_exp(e1);
+  }
+  const float inv0 = detail::inv_pow2(e0), inv1 = detail::inv_pow2(e1);
+  uint8_t* dst0 = col_codes + feat * m + bs;
+  uint8_t* dst1 = dst0 + m;
+  const bool vec = (m % 16 == 0) && (bs % 16 == 0);
+#pragma unroll
+  for (int j = 0; j < kTile / 2 / 16; ++j) {
+    const int t0 = half * (kTile / 2) + j * 16;
+    if (t0 >= n) break;
+    uint32_t w0[4], w1[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint32_t x0 = 0, x1 = 0;
+#pragma unroll
+      for (int pp = 0; pp < 2; ++pp) {
+        const int t = t0 + 4 * q + 2 * pp;
+        const uint32_t va = col[t * kBwdWords], vb = col[(t + 1) * kBwdWords];
+        const uint32_t c0 = bad0 ? 0x7F7Fu : detail::e4m3x2(bf16_lo(va) * inv0, bf16_lo(vb) * inv0);
+        const uint32_t c1 = bad1 ? 0x7F7Fu : detail::e4m3x2(bf16_hi(va) * inv1, bf16_hi(vb) * inv1);
+        x0 |= c0 << (16 * pp);
+        x1 |= c1 << (16 * pp);
+      }
+      w0[q] = x0;
+      w1[q] = x1;
+    }
+    if (vec && t0 + 16 <= n) {
+      *reinterpret_cast<uint4*>(dst0 + t0) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
+      *reinterpret_cast<uint4*>(dst1 + t0) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
+    } else {
+      for (int t = t0; t < min(t0 + 16, n); ++t) {
+        dst0[t] = static_cast<uint8_t>(w0[(t - t0) >> 2] >> (8 * ((t - t0) & 3)));
+        dst1[t] = static_cast<uint8_t>(w1[(t - t0) >> 2] >> (8 * ((t - t0) & 3)));
+      }
+    }
+  }
+}
+
+// ---- host-side checks -------------------------------------------------------------------------------
+void check_f(int64_t f, const char* what) {
+  FLOWMOE_CHECK(f > 0 && f % kTile == 0,
+                what << ": F = " << f << " is not a positive multiple of 128 (the quantization "
+                     << "block); H must be [M, 2F] with gate = columns [0, F), up = [F, 2F)");
+  FLOWMOE_CHECK(f / kTile <= 65535, what << ": F = " << f << " too large (at most 65535 * 128)");
+}
+void check_m(int64_t m, const char* what) {
+  FLOWMOE_CHECK(m >= 0, what << ": M = " << m << " must be >= 0");
+}
+dim3 row_grid(int64_t m, int64_t f) {
+  const int64_t gx = (m + kRowsPerCta - 1) / kRowsPerCta;
+  FLOWMOE_CHECK(gx < (1ll << 31), "problem too large for one launch: M = " << m);
+  return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(f / kTile));
+}
+void check_pair(const void* codes, const void* scales, const char* cname, const char* sname,
+                const char* what) {
+  check_aligned(codes, cname, what);
+  FLOWMOE_CHECK(scales != nullptr, what << ": " << sname << " is null");
+}
+
+}  // namespace
+
+// ================================================================================================
+// launchers
+// ================================================================================================
+void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* status,
+            cudaStream_t stream) {
+  const char* what = "cuda::swiglu";
+  check_f(f, what);
+  check_m(m, what);
+  if (m == 0) return;
+  check_aligned(h, "h", what);
+  check_aligned(a, "a", what);
+  swiglu_row_kernel<FwdOut::kBf16><<<row_grid(m, f), kThreads, 0, stream>>>(
+      h, m, f, a, nullptr, nullptr, nullptr, nullptr, nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
+                  uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::swiglu_quant";
+  check_f(f, what);
+  check_m(m, what);
+  FLOWMOE_CHECK((h_codes == nullptr) == (h_scales == nullptr),
+                what << ": give both h_codes and h_scales (H saved as FP8), or neither");
+  if (m == 0) return;
+  check_aligned(h, "h", what);
+  check_pair(a_codes, a_scales, "a_codes", "a_scales", what);
+  if (h_codes) {
+    check_aligned(h_codes, "h_codes", what);
+    swiglu_row_kernel<FwdOut::kFp8SaveH><<<row_grid(m, f), kThreads, 0, stream>>>(
+        h, m, f, nullptr, a_codes, a_scales, h_codes, h_scales, nonfinite_ptr(status));
+  } else {
+    swiglu_row_kernel<FwdOut::kFp8><<<row_grid(m, f), kThreads, 0, stream>>>(
+        h, m, f, nullptr, a_codes, a_scales, nullptr, nullptr, nonfinite_ptr(status));
+  }
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8_t* a_codes,
+                      uint8_t* a_scales, uint8_t* a_col_codes, uint8_t* a_col_scales,
+                      uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status,
+                      cudaStream_t stream) {
+  const char* what = "cuda::swiglu_quant_col";
+  check_f(f, what);
+  check_blocks(sb, what);
+  FLOWMOE_CHECK((h_codes == nullptr) == (h_scales == nullptr),
+                what << ": give both h_codes and h_scales (H saved as FP8), or neither");
+  if (sb.m == 0) return;
+  check_aligned(h, "h", what);
+  check_pair(a_codes, a_scales, "a_codes", "a_scales", what);
+  check_pair(a_col_codes, a_col_scales, "a_col_codes", "a_col_scales", what);
+  if (h_codes) check_aligned(h_codes, "h_codes", what);
+  const dim3 grid = tile_grid(sb.max_blocks, f / kTile);
+  if (h_codes) {
+    swiglu_quant_col_kernel<true><<<grid, kThreads, 0, stream>>>(
+        h, sb.m, f, sb.block_start, sb.block_end, a_codes, a_scales, a_col_codes, a_col_scales,
+        h_codes, h_scales, status);
+  } else {
+    swiglu_quant_col_kernel<false><<<grid, kThreads, 0, stream>>>(
+        h, sb.m, f, sb.block_start, sb.block_end, a_codes, a_scales, a_col_codes, a_col_scales,
+        nullptr, nullptr, status);
+  }
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
+             DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::dswiglu";
+  check_f(f, what);
+  check_m(m, what);
+  if (m == 0) return;
+  check_aligned(da, "da", what);
+  check_aligned(h, "h", what);
+  check_aligned(dh, "dh", what);
+  dswiglu_row_kernel<<<row_grid(m, f), kThreads, 0, stream>>>(da, h, m, f, dh, nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+namespace {
+template <bool kFp8H>
+void launch_dswiglu_quant(const bf16_t* da, const bf16_t* h, const uint8_t* hc, const uint8_t* hs,
+                          int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
+                          uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
+                          DeviceStatus* status, cudaStream_t stream, const char* what) {
+  // More than 48 KB of dynamic shared memory needs an opt-in, per function and device; done once
+  // per device (not on every launch, so that launches can be captured in a CUDA graph).
+  static std::atomic<uint64_t> opted_in{0};
+  int dev = 0;
+  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
+  if (!bit || !(opted_in.load(std::memory_order_relaxed) & bit)) {
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(dswiglu_quant_kernel<kFp8H>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(kBwdSmem)));
+    opted_in.fetch_or(bit, std::memory_order_relaxed);
+  }
+  const dim3 grid = tile_grid(sb.max_blocks, f / kTile);
+  dswiglu_quant_kernel<kFp8H><<<grid, kThreads, kBwdSmem, stream>>>(
+      da, h, hc, hs, sb.m, f, sb.block_start, sb.block_end, row_codes, row_scales, col_codes,
+      col_scales, nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void check_bwd_outputs(const uint8_t* row_codes, const uint8_t* row_scales,
+                       const uint8_t* col_codes, const uint8_t* col_scales, const char* what) {
+  check_pair(row_codes, row_scales, "row_codes", "row_scales", what);
+  check_pair(col_codes, col_scales, "col_codes", "col_scales", what);
+}
+}  // namespace
+
+void dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,
+                   uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
+                   uint8_t* col_scales, DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::dswiglu_quant";
+  check_f(f, what);
+  check_blocks(sb, what);
+  if (sb.m == 0) return;
+  check_aligned(da, "da", what);
+  check_aligned(h, "h", what);
+  check_bwd_outputs(row_codes, row_scales, col_codes, col_scales, what);
+  launch_dswiglu_quant<false>(da, h, nullptr, nullptr, f, sb, row_codes, row_scales, col_codes,
+                              col_scales, status, stream, what);
+}
+
+void dswiglu_quant_fp8h(const bf16_t* da, const uint8_t* h_codes, const uint8_t* h_scales,
+                        int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
+                        uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
+                        DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::dswiglu_quant_fp8h";
+  check_f(f, what);
+  check_blocks(sb, what);
+  if (sb.m == 0) return;
+  check_aligned(da, "da", what);
+  check_pair(h_codes, h_scales, "h_codes", "h_scales", what);
+  check_bwd_outputs(row_codes, row_scales, col_codes, col_scales, what);
+  launch_dswiglu_quant<true>(da, nullptr, h_codes, h_scales, f, sb, row_codes, row_scales,
+                             col_codes, col_scales, status, stream, what);
+}
+
+void dswiglu_quant_unfused(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,
+                           uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
+                           uint8_t* col_scales, bf16_t* work, DeviceStatus* status,
+                           cudaStream_t stream) {
+  const char* what = "cuda::dswiglu_quant_unfused";
+  check_f(f, what);
+  check_blocks(sb, what);
+  if (sb.m == 0) return;
+  check_aligned(work, "work", what);
+  dswiglu(da, h, sb.m, f, work, nullptr, stream);
+  quantize_row(work, sb.m, 2 * f, row_codes, row_scales, status, stream);
+  quantize_col(work, 2 * f, sb, col_codes, col_scales, nullptr, nullptr, nullptr, stream);
+}
+
+}  // namespace cuda
+}  // namespace flowmoe

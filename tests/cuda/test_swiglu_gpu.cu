@@ -1,0 +1,429 @@
+// SwiGLU kernels (flowmoe/swiglu.h) against the CPU reference, bit for bit: BF16 outputs, codes,
+// scales and counters, for every entry point, on several distributions (including overflow and
+// non-finite input), odd token counts and ragged segments with empty experts.
+// Runs on the device machine only (CTest label `gpu`); skips without a device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/reference.h"
+#include "flowmoe/cpu/convert.h"
+#include "flowmoe/cuda/convert.h"
+#include "flowmoe/error.h"
+#include "flowmoe/numerics.h"
+#include "flowmoe/swiglu.h"
+#include "flowmoe/swiglu_math.h"
+
+namespace flowmoe {
+namespace {
+
+#define CU(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+bool have_device() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+template <typename T>
+struct DBuf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit DBuf(size_t count) : n(count) {
+    if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
+    cudaMemset(p, 0xA5, std::max<size_t>(count, 1) * sizeof(T));  // poison: every byte must be written
+  }
+  explicit DBuf(const std::vector<T>& h) : DBuf(h.size()) {
+    cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  ~DBuf() { cudaFree(p); }
+  DBuf(const DBuf&) = delete;
+  DBuf& operator=(const DBuf&) = delete;
+  std::vector<T> get(size_t count) const {
+    std::vector<T> h(count);
+    cudaMemcpy(h.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+  std::vector<T> get() const { return get(n); }
+};
+
+// ---- data (the same generator as tests/cpu/test_swiglu.cpp) ---------------------------------------
+enum class HDist { kNormal, kHeavy, kWide, kTiny, kNearMax, kNonFinite };
+const char* hdist_name(HDist d) {
+  switch (d) {
+    case HDist::kNormal: return "normal";
+    case HDist::kHeavy: return "heavy";
+    case HDist::kWide: return "wide";
+    case HDist::kTiny: return "tiny";
+    case HDist::kNearMax: return "nearmax";
+    case HDist::kNonFinite: return "nonfinite";
+  }
+  return "?";
+}
+std::vector<bf16_t> make_bf16(HDist d, int64_t rows, int64_t cols, uint64_t seed, int64_t zero_row_every = 0) {
+  flowmoe_test::Rng rng(seed);
+  std::vector<bf16_t> v(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      double x = rng.normal();
+      switch (d) {
+        case HDist::kNormal: break;
+        case HDist::kHeavy:
+          if (rng.uniform() < 0.005) x *= rng.uniform(100.0, 1000.0);
+          break;
+        case HDist::kWide: x = rng.sign() * std::exp2(rng.uniform(-24.0, 7.5)); break;
+        case HDist::kTiny: x = std::ldexp(x, -128); break;
+        case HDist::kNearMax:
+          x = rng.sign() * (rng.uniform() < 0.3 ? 3e38 : std::exp2(rng.uniform(60.0, 127.0)));
+          break;
+        case HDist::kNonFinite: {
+          const double u = rng.uniform();
+          if (u < 0.001) x = NAN;
+          else if (u < 0.002) x = INFINITY;
+          else if (u < 0.003) x = -INFINITY;
+          break;
+        }
+      }
+      if (zero_row_every > 0 && r % zero_row_every == 1) x = 0;
+      v[r * cols + c] = num::bf16_canonical(static_cast<float>(x));
+    }
+  }
+  return v;
+}
+
+std::vector<int32_t> ragged(int e, int64_t m, uint32_t seed, int align) {
+  flowmoe_test::Rng rng(seed);
+  std::vector<int32_t> c(e, 0);
+  int64_t left = m / align;
+  for (int i = 0; i < e - 1 && left > 0; ++i) {
+    const int64_t take = (i % 5 == 3) ? 0 : static_cast<int64_t>(rng.next() % (2 * left / (e - i) + 1));
+    c[i] = static_cast<int32_t>(std::min(take, left) * align);
+    left -= std::min(take, left);
+  }
+  int64_t s = 0;
+  for (int i = 0; i < e - 1; ++i) s += c[i];
+  c[e - 1] = static_cast<int32_t>(m - s);
+  return c;
+}
+
+template <typename T>
+void expect_equal(const std::vector<T>& want, const std::vector<T>& got, size_t n, const std::string& what) {
+  ASSERT_GE(want.size(), n) << what;
+  ASSERT_GE(got.size(), n) << what;
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < n; ++i)
+    if (want[i] != got[i] && bad++ == 0) first = i;
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << n << " differ; first at " << first << " (want 0x"
+                     << std::hex << static_cast<unsigned>(want[first]) << ", got 0x"
+                     << static_cast<unsigned>(got[first]) << ")";
+}
+
+struct Case {
+  std::string name;
+  std::vector<int32_t> counts;
+  int64_t f;
+  HDist dist;
+  int64_t zero_row_every;
+  int64_t m() const {
+    int64_t s = 0;
+    for (int32_t c : counts) s += c;
+    return s;
+  }
+};
+
+// Device-side segment blocks for a Segments table.
+struct DevSegments {
+  DBuf<int32_t> offsets, start, end, boff;
+  cuda::SegmentBlocks sb;
+  DevSegments(const Segments& seg, cuda::DeviceStatus* st)
+      : offsets(seg.offsets),
+        start(cuda::segment_max_blocks(seg.num_tokens(), seg.num_segments())),
+        end(cuda::segment_max_blocks(seg.num_tokens(), seg.num_segments())),
+        boff(seg.num_segments() + 1) {
+    sb = cuda::SegmentBlocks{offsets.p, seg.num_segments(), seg.num_tokens(),
+                             cuda::segment_max_blocks(seg.num_tokens(), seg.num_segments()),
+                             start.p, end.p, boff.p};
+    cuda::build_segment_blocks(sb, st, 0);
+  }
+};
+
+class SwigluGpu : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+    CU(cudaMalloc(&status_, sizeof(cuda::DeviceStatus)));
+    reset();
+  }
+  void TearDown() override {
+    if (status_) cudaFree(status_);
+  }
+  void reset() { cudaMemset(status_, 0, sizeof(cuda::DeviceStatus)); }
+  cuda::DeviceStatus status() {
+    cuda::DeviceStatus s{};
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cudaMemcpy(&s, status_, sizeof(s), cudaMemcpyDeviceToHost);
+    return s;
+  }
+  cuda::DeviceStatus* status_ = nullptr;
+};
+
+using ull = unsigned long long;
+
+TEST_P(SwigluGpu, ForwardBitExact) {
+  const Case& c = GetParam();
+  const int64_t m = c.m(), f = c.f;
+  const Segments seg = Segments::from_counts(c.counts);
+  const int64_t nb = seg.num_blocks();
+  const auto h = make_bf16(c.dist, m, 2 * f, 1000 + m + f, c.zero_row_every);
+  DBuf<bf16_t> dh(h);
+  DevSegments ds(seg, status_);
+  const int64_t maxb = ds.sb.max_blocks;
+  EXPECT_EQ(status().bad_segments, 0u);
+
+  // ---- plain BF16
+  std::vector<bf16_t> a16(m * f);
+  const QuantStats st16 = cpu::swiglu(h.data(), m, f, a16.data());
+  DBuf<bf16_t> da16(m * f);
+  reset();
+  cuda::swiglu(dh.p, m, f, da16.p, status_, 0);
+  expect_equal(a16, da16.get(), m * f, "swiglu bf16");
+  EXPECT_EQ(status().nonfinite, static_cast<ull>(st16.nonfinite));
+  cuda::swiglu(dh.p, m, f, da16.p, nullptr, 0);  // no status: nothing counted, same output
+  expect_equal(a16, da16.get(), m * f, "swiglu bf16 (no status)");
+
+  // ---- fused, row-wise only
+  QTensor row, col, hq;
+  const QuantStats st_row = cpu::swiglu_quant(h.data(), m, f, &row, nullptr, nullptr, nullptr);
+  const QuantStats st_all = cpu::swiglu_quant(h.data(), m, f, &row, &seg, &col, &hq);
+  const int64_t nonfinite_h = st_all.nonfinite - st_row.nonfinite;
+  DBuf<uint8_t> rc(m * f), rs(m * f / 128), cc(m * f), cs(maxb * f), hc(2 * m * f), hs(2 * m * f / 128);
+  reset();
+  cuda::swiglu_quant(dh.p, m, f, rc.p, rs.p, nullptr, nullptr, status_, 0);
+  expect_equal(row.codes, rc.get(), m * f, "swiglu_quant codes");
+  expect_equal(row.scales, rs.get(), m * f / 128, "swiglu_quant scales");
+  EXPECT_EQ(status().nonfinite, static_cast<ull>(st_row.nonfinite));
+
+  // ---- fused, row-wise + H saved as FP8
+  DBuf<uint8_t> rc2(m * f), rs2(m * f / 128);
+  reset();
+  cuda::swiglu_quant(dh.p, m, f, rc2.p, rs2.p, hc.p, hs.p, status_, 0);
+  expect_equal(row.codes, rc2.get(), m * f, "swiglu_quant+H codes");
+  expect_equal(row.scales, rs2.get(), m * f / 128, "swiglu_quant+H scales");
+  expect_equal(hq.codes, hc.get(), 2 * m * f, "swiglu_quant H codes");
+  expect_equal(hq.scales, hs.get(), 2 * m * f / 128, "swiglu_quant H scales");
+  EXPECT_EQ(status().nonfinite, static_cast<ull>(st_all.nonfinite));
+
+  // ---- fused with the column-wise copy, without and with H
+  for (int with_h = 0; with_h < 2; ++with_h) {
+    DBuf<uint8_t> rc3(m * f), rs3(m * f / 128), cc3(m * f), cs3(maxb * f), hc3(2 * m * f), hs3(2 * m * f / 128);
+    reset();
+    cuda::swiglu_quant_col(dh.p, f, ds.sb, rc3.p, rs3.p, cc3.p, cs3.p, with_h ? hc3.p : nullptr,
+                           with_h ? hs3.p : nullptr, status_, 0);
+    const std::string w = with_h ? " (+H)" : "";
+    expect_equal(row.codes, rc3.get(), m * f, "swiglu_quant_col row codes" + w);
+    expect_equal(row.scales, rs3.get(), m * f / 128, "swiglu_quant_col row scales" + w);
+    expect_equal(col.codes, cc3.get(), m * f, "swiglu_quant_col col codes" + w);
+    expect_equal(col.scales, cs3.get(), nb * f, "swiglu_quant_col col scales" + w);
+    if (with_h) {
+      expect_equal(hq.codes, hc3.get(), 2 * m * f, "swiglu_quant_col H codes");
+      expect_equal(hq.scales, hs3.get(), 2 * m * f / 128, "swiglu_quant_col H scales");
+    }
+    const auto s = status();
+    EXPECT_EQ(s.nonfinite, static_cast<ull>(st_row.nonfinite + (with_h ? nonfinite_h : 0))) << w;
+    EXPECT_EQ(s.underflow, static_cast<ull>(st_all.underflow)) << w;
+  }
+
+  // ---- the chained route gives the same column copy: row-wise kernel, then the existing
+  //      scaling-aware transpose
+  reset();
+  cuda::scaling_aware_transpose(rc.p, rs.p, f, ds.sb, cc.p, cs.p, status_, 0);
+  expect_equal(col.codes, cc.get(), m * f, "chained transpose codes");
+  expect_equal(col.scales, cs.get(), nb * f, "chained transpose scales");
+  EXPECT_EQ(status().underflow, static_cast<ull>(st_all.underflow));
+
+  if (c.dist == HDist::kNonFinite && m >= 127) EXPECT_GT(st_row.nonfinite, 0);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+TEST_P(SwigluGpu, BackwardBitExact) {
+  const Case& c = GetParam();
+  const int64_t m = c.m(), f = c.f, k = 2 * f;
+  const Segments seg = Segments::from_counts(c.counts);
+  const int64_t nb = seg.num_blocks();
+  const auto h = make_bf16(c.dist, m, k, 2000 + m + f, c.zero_row_every);
+  const auto da = make_bf16(c.dist == HDist::kNonFinite ? HDist::kNonFinite : HDist::kHeavy, m, f, 3000 + m,
+                            c.zero_row_every);
+  DBuf<bf16_t> dh_in(h), dda(da);
+  DevSegments ds(seg, status_);
+  const int64_t maxb = ds.sb.max_blocks;
+
+  // ---- plain BF16 dH
+  std::vector<bf16_t> dh(m * k);
+  const QuantStats st_dh = cpu::dswiglu(da.data(), h.data(), m, f, dh.data());
+  DBuf<bf16_t> ddh(m * k);
+  reset();
+  cuda::dswiglu(dda.p, dh_in.p, m, f, ddh.p, status_, 0);
+  expect_equal(dh, ddh.get(), m * k, "dswiglu bf16");
+  EXPECT_EQ(status().nonfinite, static_cast<ull>(st_dh.nonfinite));
+
+  // ---- fused
+  QTensor row, col;
+  const QuantStats st = cpu::dswiglu_quant(da.data(), h.data(), m, f, seg, &row, &col);
+  DBuf<uint8_t> rc(m * k), rs(m * k / 128), cc(m * k), cs(maxb * k);
+  reset();
+  cuda::dswiglu_quant(dda.p, dh_in.p, f, ds.sb, rc.p, rs.p, cc.p, cs.p, status_, 0);
+  expect_equal(row.codes, rc.get(), m * k, "dswiglu_quant row codes");
+  expect_equal(row.scales, rs.get(), m * k / 128, "dswiglu_quant row scales");
+  expect_equal(col.codes, cc.get(), m * k, "dswiglu_quant col codes");
+  expect_equal(col.scales, cs.get(), nb * k, "dswiglu_quant col scales");
+  EXPECT_EQ(status().nonfinite, static_cast<ull>(st.nonfinite));
+
+  // ---- the unfused sequence: same bits
+  {
+    DBuf<uint8_t> rc2(m * k), rs2(m * k / 128), cc2(m * k), cs2(maxb * k);
+    DBuf<bf16_t> work(m * k);
+    reset();
+    cuda::dswiglu_quant_unfused(dda.p, dh_in.p, f, ds.sb, rc2.p, rs2.p, cc2.p, cs2.p, work.p, status_, 0);
+    expect_equal(row.codes, rc2.get(), m * k, "unfused row codes");
+    expect_equal(row.scales, rs2.get(), m * k / 128, "unfused row scales");
+    expect_equal(col.codes, cc2.get(), m * k, "unfused col codes");
+    expect_equal(col.scales, cs2.get(), nb * k, "unfused col scales");
+    EXPECT_EQ(status().nonfinite, static_cast<ull>(st.nonfinite));
+  }
+
+  // ---- H saved as row-wise FP8
+  {
+    QTensor hq, row8, col8;
+    cpu::quantize_row(h.data(), m, k, &hq);
+    const QuantStats st8 = cpu::dswiglu_quant(da.data(), hq, seg, &row8, &col8);
+    DBuf<uint8_t> hc(hq.codes), hs(hq.scales);
+    DBuf<uint8_t> rc2(m * k), rs2(m * k / 128), cc2(m * k), cs2(maxb * k);
+    reset();
+    cuda::dswiglu_quant_fp8h(dda.p, hc.p, hs.p, f, ds.sb, rc2.p, rs2.p, cc2.p, cs2.p, status_, 0);
+    expect_equal(row8.codes, rc2.get(), m * k, "dswiglu_quant_fp8h row codes");
+    expect_equal(row8.scales, rs2.get(), m * k / 128, "dswiglu_quant_fp8h row scales");
+    expect_equal(col8.codes, cc2.get(), m * k, "dswiglu_quant_fp8h col codes");
+    expect_equal(col8.scales, cs2.get(), nb * k, "dswiglu_quant_fp8h col scales");
+    EXPECT_EQ(status().nonfinite, static_cast<ull>(st8.nonfinite));
+  }
+  if (c.dist == HDist::kNonFinite && m >= 127) EXPECT_GT(st.nonfinite, 0);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  const HDist all[] = {HDist::kNormal, HDist::kHeavy, HDist::kWide, HDist::kTiny, HDist::kNearMax, HDist::kNonFinite};
+  for (HDist d : all) {
+    const std::string n = hdist_name(d);
+    v.push_back({"m1_" + n, {1}, 128, d, 0});
+    v.push_back({"m127_" + n, {0, 60, 67}, 256, d, 0});
+    v.push_back({"m129_" + n, {128, 0, 1}, 128, d, 0});
+    v.push_back({"m1000_" + n, {0, 1, 127, 128, 129, 0, 300, 315}, 384, d, 7});
+  }
+  v.push_back({"empty_experts_only_one_full", {0, 0, 256, 0}, 256, HDist::kNormal, 0});
+  v.push_back({"odd_m_single_segment", {777}, 256, HDist::kHeavy, 0});
+  v.push_back({"aligned16_8_experts", ragged(8, 2048, 7, 16), 512, HDist::kWide, 0});
+  v.push_back({"v2lite_f1408_64_experts", ragged(64, 4096, 11, 1), 1408, HDist::kHeavy, 0});
+  v.push_back({"v3_f2048_32_experts", ragged(32, 8192, 5, 128), 2048, HDist::kNormal, 0});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, SwigluGpu, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+// Two runs, identical bits (no atomics touch the outputs; counters are exact integers).
+TEST(SwigluGpuDeterminism, TwoRunsIdenticalBits) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const int64_t m = 3000, f = 1408, k = 2 * f;
+  const Segments seg = Segments::from_counts(ragged(16, m, 3, 1));
+  const auto h = make_bf16(HDist::kHeavy, m, k, 42);
+  const auto da = make_bf16(HDist::kNormal, m, f, 43);
+  DBuf<cuda::DeviceStatus> st(1);
+  cudaMemset(st.p, 0, sizeof(cuda::DeviceStatus));
+  DevSegments ds(seg, st.p);
+  DBuf<bf16_t> dh(h), dda(da);
+  const int64_t maxb = ds.sb.max_blocks;
+  std::vector<uint8_t> first[6];
+  for (int run = 0; run < 2; ++run) {
+    DBuf<uint8_t> rc(m * f), rs(m * f / 128), cc(m * f), cs(maxb * f), brc(m * k), brs(m * k / 128), bcc(m * k),
+        bcs(maxb * k);
+    cuda::swiglu_quant_col(dh.p, f, ds.sb, rc.p, rs.p, cc.p, cs.p, nullptr, nullptr, st.p, 0);
+    cuda::dswiglu_quant(dda.p, dh.p, f, ds.sb, brc.p, brs.p, bcc.p, bcs.p, st.p, 0);
+    const std::vector<uint8_t> now[6] = {rc.get(), cc.get(), cs.get(), brc.get(), bcc.get(), bcs.get()};
+    for (int i = 0; i < 6; ++i) {
+      if (run == 0) first[i] = now[i];
+      else expect_equal(first[i], now[i], now[i].size(), "run 2 vs run 1, output " + std::to_string(i));
+    }
+  }
+}
+
+TEST(SwigluGpuArgs, BadArgumentsThrowClearErrors) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  DBuf<bf16_t> x(4096);
+  DBuf<uint8_t> c(4096), s(64);
+  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected an error mentioning \"" << needle << "\"";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { cuda::swiglu(x.p, 2, 100, x.p, nullptr, 0); }, "not a positive multiple of 128");
+  expect_error([&] { cuda::swiglu_quant(x.p, 2, 192, c.p, s.p, nullptr, nullptr, nullptr, 0); }, "F = 192");
+  expect_error([&] { cuda::swiglu_quant(x.p + 1, 1, 128, c.p, s.p, nullptr, nullptr, nullptr, 0); }, "16-byte aligned");
+  expect_error([&] { cuda::swiglu_quant(x.p, 1, 128, c.p, s.p, c.p, nullptr, nullptr, 0); }, "h_codes and h_scales");
+  expect_error([&] { cuda::swiglu_quant(x.p, -1, 128, c.p, s.p, nullptr, nullptr, nullptr, 0); }, "M = -1");
+  expect_error([&] { cuda::dswiglu(x.p, x.p, 1, 128, x.p + 3, nullptr, 0); }, "16-byte aligned");
+  cuda::SegmentBlocks sb{};
+  expect_error([&] { cuda::dswiglu_quant(x.p, x.p, 128, sb, c.p, s.p, c.p, s.p, nullptr, 0); }, "build_segment_blocks");
+  expect_error([&] { cuda::swiglu_quant_col(x.p, 128, sb, c.p, s.p, c.p, s.p, nullptr, nullptr, nullptr, 0); },
+               "build_segment_blocks");
+  expect_error([&] { cuda::dswiglu_quant_fp8h(x.p, c.p, nullptr, 128, sb, c.p, s.p, c.p, s.p, nullptr, 0); },
+               "build_segment_blocks");
+  // M = 0 is a no-op
+  EXPECT_NO_THROW(cuda::swiglu_quant(nullptr, 0, 128, nullptr, nullptr, nullptr, nullptr, nullptr, 0));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// DeepSeek-V3 shape (M = 16384 rows, F = 2048, 32 ragged experts): the headline path.
+TEST(SwigluGpuLarge, DeepSeekV3Shape) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const int64_t m = 16384, f = 2048, k = 2 * f;
+  const Segments seg = Segments::from_counts(ragged(32, m, 9, 16));
+  const auto h = make_bf16(HDist::kHeavy, m, k, 77);
+  const auto da = make_bf16(HDist::kNormal, m, f, 78);
+  DBuf<cuda::DeviceStatus> st(1);
+  cudaMemset(st.p, 0, sizeof(cuda::DeviceStatus));
+  DevSegments ds(seg, st.p);
+  DBuf<bf16_t> dh(h), dda(da);
+  const int64_t maxb = ds.sb.max_blocks, nb = seg.num_blocks();
+
+  QTensor row, col;
+  const QuantStats sf = cpu::swiglu_quant(h.data(), m, f, &row, &seg, &col, nullptr);
+  DBuf<uint8_t> rc(m * f), rs(m * f / 128), cc(m * f), cs(maxb * f);
+  cuda::swiglu_quant_col(dh.p, f, ds.sb, rc.p, rs.p, cc.p, cs.p, nullptr, nullptr, st.p, 0);
+  expect_equal(row.codes, rc.get(), m * f, "A row codes");
+  expect_equal(row.scales, rs.get(), m * f / 128, "A row scales");
+  expect_equal(col.codes, cc.get(), m * f, "A col codes");
+  expect_equal(col.scales, cs.get(), nb * f, "A col scales");
+  EXPECT_EQ(st.get()[0].underflow, static_cast<ull>(sf.underflow));
+
+  QTensor brow, bcol;
+  cpu::dswiglu_quant(da.data(), h.data(), m, f, seg, &brow, &bcol);
+  DBuf<uint8_t> brc(m * k), brs(m * k / 128), bcc(m * k), bcs(maxb * k);
+  cuda::dswiglu_quant(dda.p, dh.p, f, ds.sb, brc.p, brs.p, bcc.p, bcs.p, st.p, 0);
+  expect_equal(brow.codes, brc.get(), m * k, "dH row codes");
+  expect_equal(brow.scales, brs.get(), m * k / 128, "dH row scales");
+  expect_equal(bcol.codes, bcc.get(), m * k, "dH col codes");
+  expect_equal(bcol.scales, bcs.get(), nb * k, "dH col scales");
+  EXPECT_EQ(st.get()[0].nonfinite, 0u);
+}
+
+}  // namespace
+}  // namespace flowmoe
