@@ -224,6 +224,11 @@ FLOWMOE_HD uint8_t e4m3_rescale(uint8_t q, int shift_down, bool* lost) {
 
 
 
+// FP4 -> FP8 (SPEC §4): the FP8 scale code for MXFP4 block scale codes whose maximum is cmax:
+// 2^(e_max - 6), clamped at the smallest scale (code 0). Every E2M1 value P * 2^(e_j) is then
+// P * 2^(6 - Δ_j) in the FP8 tile, exact for Δ_j <= 14.
+FLOWMOE_HD int fp8_scale_code_from_fp4_max(int cmax) { return cmax > 6 ? cmax - 6 : 0; }
+
 // ---------------------------------------------------------------------------------------------
 // Dequantization of one element: code value times scale, exact in binary32. A NaN code or a NaN
 // scale gives the canonical quiet NaN (0x7FC00000), so NaN bits never depend on the hardware.

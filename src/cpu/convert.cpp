@@ -29,6 +29,14 @@ void check_multiple(int64_t v, int block, const char* dim, const char* what) {
                                      << " % " << block << " == 0");
 }
 
+// The output must exist and must not be an input: outputs are resized before inputs are read.
+void check_output(const QTensor* out, const char* what, const QTensor* in = nullptr,
+                  const QTensor* in2 = nullptr) {
+  FLOWMOE_CHECK(out != nullptr, what << ": output QTensor pointer is null");
+  FLOWMOE_CHECK(out != in && out != in2,
+                what << ": the output QTensor is also an input; pass a separate output");
+}
+
 void check_layout(const QTensor& q, Layout want, const char* what) {
   FLOWMOE_CHECK(q.layout == want, what << ": input is " << layout_name(q.layout) << ", expected "
                                        << layout_name(want));
@@ -69,6 +77,7 @@ void for_each_token_block(const Segments& seg, Fn&& fn) {
 // ---- FP8 row-wise -----------------------------------------------------------------------------
 template <typename T>
 QuantStats quantize_row_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
+  check_output(out, "quantize_row");
   check_matrix(x, m, k, "quantize_row");
   check_multiple(k, kFp8Block, "K", "quantize_row");
   out->layout = Layout::kRow1x128;
@@ -108,6 +117,7 @@ QuantStats quantize_row_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
 // ---- FP8 column-wise (from high precision) ------------------------------------------------------
 template <typename T>
 QuantStats quantize_col_impl(const T* x, int64_t m, int64_t k, const Segments& seg, QTensor* out) {
+  check_output(out, "quantize_col");
   check_matrix(x, m, k, "quantize_col");
   seg.validate(m);
   out->layout = Layout::kCol128x1;
@@ -147,6 +157,8 @@ QuantStats quantize_col_impl(const T* x, int64_t m, int64_t k, const Segments& s
 // ---- FP8 weights 128x128 ------------------------------------------------------------------------
 template <typename T>
 QuantStats quantize_weight_impl(const T* w, int64_t n, int64_t k, QTensor* out, QTensor* wt) {
+  check_output(out, "quantize_weight");
+  FLOWMOE_CHECK(wt != out, "quantize_weight: the transposed copy and the weight share one QTensor");
   check_matrix(w, n, k, "quantize_weight");
   check_multiple(n, kFp8Block, "N", "quantize_weight");
   check_multiple(k, kFp8Block, "K", "quantize_weight");
@@ -188,6 +200,7 @@ QuantStats quantize_weight_impl(const T* w, int64_t n, int64_t k, QTensor* out, 
 // ---- MXFP4 --------------------------------------------------------------------------------------
 template <typename T>
 QuantStats quantize_mxfp4_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
+  check_output(out, "quantize_mxfp4");
   check_matrix(x, m, k, "quantize_mxfp4");
   check_multiple(k, kFp4Block, "K", "quantize_mxfp4");
   out->layout = Layout::kMxfp4Row1x32;
@@ -222,9 +235,7 @@ QuantStats quantize_mxfp4_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
   return st;
 }
 
-// Shared by the FP4 -> FP8 conversions: the FP8 scale code for a set of MXFP4 block scale
-// codes whose maximum is `cmax`: 2^(e_max - 6), clamped at the smallest scale (code 0).
-inline int fp8_code_from_fp4_max(int cmax) { return std::max(cmax - 6, 0); }
+
 
 }  // namespace
 
@@ -242,6 +253,7 @@ QuantStats quantize_col(const bf16_t* x, int64_t m, int64_t k, const Segments& s
 }
 QuantStats quantize_both(const bf16_t* x, int64_t m, int64_t k, const Segments& seg, QTensor* row,
                          QTensor* col) {
+  FLOWMOE_CHECK(row != col, "quantize_both: row and col outputs share one QTensor");
   QuantStats st = quantize_row_impl(x, m, k, row);
   quantize_col_impl(x, m, k, seg, col);  // counts the same non-finite elements again
   return st;
@@ -260,6 +272,7 @@ QuantStats quantize_mxfp4(const bf16_t* x, int64_t m, int64_t k, QTensor* out) {
 }
 
 void transpose_weight(const QTensor& w, QTensor* wt) {
+  check_output(wt, "transpose_weight", &w);
   check_layout(w, Layout::kWeight128x128, "transpose_weight");
   const int64_t n = w.rows, k = w.cols, nbn = n / kFp8Block, nbk = k / kFp8Block;
   wt->layout = Layout::kWeight128x128;
@@ -313,12 +326,14 @@ void dequantize(const QTensor& q, float* out) {
 }
 
 void dequantize(const QTensor& q, bf16_t* out) {
+  check_layout(q, q.layout, "dequantize");
   std::vector<float> tmp(q.rows * q.cols);
   dequantize(q, tmp.data());
   for (size_t i = 0; i < tmp.size(); ++i) out[i] = f32_to_bf16(tmp[i]);
 }
 
 QuantStats naive_col_copy(const QTensor& row, const Segments& seg, QTensor* col) {
+  check_output(col, "naive_col_copy", &row);
   check_layout(row, Layout::kRow1x128, "naive_col_copy");
   std::vector<bf16_t> x(row.rows * row.cols);
   dequantize(row, x.data());  // FP8 -> BF16 (what users do), exact for in-range values
@@ -326,6 +341,7 @@ QuantStats naive_col_copy(const QTensor& row, const Segments& seg, QTensor* col)
 }
 
 QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTensor* col) {
+  check_output(col, "scaling_aware_transpose", &row);
   check_layout(row, Layout::kRow1x128, "scaling_aware_transpose");
   const int64_t m = row.rows, k = row.cols;
   seg.validate(m);
@@ -356,7 +372,9 @@ QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTen
       col->scales[blk * k + c] = static_cast<uint8_t>(cmax);
       for (int64_t t = t0; t < t1; ++t) {
         bool lost = false;
-        codes[t] = e4m3_rescale(row.codes[t * k + c], cmax - rs[t], &lost);
+        const uint8_t q = row.codes[t * k + c];
+        st.nonfinite += e4m3_is_nan(q);  // a NaN code under a finite scale stays NaN, counted
+        codes[t] = e4m3_rescale(q, cmax - rs[t], &lost);
         st.underflow += lost;
       }
     }
@@ -365,6 +383,7 @@ QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTen
 }
 
 QuantStats fp4_to_fp8_row(const QTensor& fp4, QTensor* row) {
+  check_output(row, "fp4_to_fp8_row", &fp4);
   check_layout(fp4, Layout::kMxfp4Row1x32, "fp4_to_fp8_row");
   const int64_t m = fp4.rows, k = fp4.cols, ng = k / kFp4Block;
   check_multiple(k, kFp8Block, "K", "fp4_to_fp8_row");
@@ -393,7 +412,7 @@ QuantStats fp4_to_fp8_row(const QTensor& fp4, QTensor* row) {
         std::fill(codes, codes + kFp8Block, kNanCodeE4M3);
         continue;
       }
-      const int sc = fp8_code_from_fp4_max(cmax);
+      const int sc = fp8_scale_code_from_fp4_max(cmax);
       row->scales[b * m + r] = static_cast<uint8_t>(sc);
       for (int i = 0; i < kFp8Block; ++i) {
         const float p = e2m1_to_f32(e2m1_get(fp4.codes.data(), r * k + b * kFp8Block + i));
@@ -407,6 +426,7 @@ QuantStats fp4_to_fp8_row(const QTensor& fp4, QTensor* row) {
 }
 
 QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col) {
+  check_output(col, "fp4_to_fp8_col", &fp4);
   check_layout(fp4, Layout::kMxfp4Row1x32, "fp4_to_fp8_col");
   const int64_t m = fp4.rows, k = fp4.cols, ng = k / kFp4Block;
   seg.validate(m);
@@ -435,7 +455,7 @@ QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col)
         for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
         continue;
       }
-      const int sc = fp8_code_from_fp4_max(cmax);
+      const int sc = fp8_scale_code_from_fp4_max(cmax);
       col->scales[blk * k + c] = static_cast<uint8_t>(sc);
       for (int64_t t = t0; t < t1; ++t) {
         const float p = e2m1_to_f32(e2m1_get(fp4.codes.data(), t * k + c));
@@ -449,6 +469,7 @@ QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col)
 }
 
 QuantStats fp4_to_fp8_col_stepwise(const QTensor& fp4, const Segments& seg, QTensor* col) {
+  check_output(col, "fp4_to_fp8_col_stepwise", &fp4);
   check_layout(fp4, Layout::kMxfp4Row1x32, "fp4_to_fp8_col_stepwise");
   std::vector<bf16_t> x(fp4.rows * fp4.cols);
   dequantize(fp4, x.data());  // FP4 -> BF16 is exact

@@ -334,6 +334,39 @@ TEST(ConvertGpuLarge, DeepSeekV3Scale32kTokens) {
   EXPECT_EQ(ds.get()[0].underflow, static_cast<unsigned long long>(st.underflow));
 }
 
+
+// ---- NaN codes under finite scales (e.g. from a file) stay NaN and are counted -----------
+TEST(ConvertGpuNaNCodes, ScalingAwareTransposeCountsNaNCodesUnderFiniteScales) {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) GTEST_SKIP() << "no CUDA device";
+  const int64_t m = 300, k = 256;
+  const auto x = make_data(m, k, Dist::kHeavy, 31);
+  QTensor row, want;
+  cpu::quantize_row(x.data(), m, k, &row);
+  row.codes[5] = 0x7F;
+  row.codes[1000] = 0xFF;
+  row.codes[200 * k + 3] = 0x7F;
+  const Segments seg = Segments::from_counts({100, 0, 200});
+  const QuantStats st = cpu::scaling_aware_transpose(row, seg, &want);
+  EXPECT_EQ(st.nonfinite, 3);
+  DBuf<uint8_t> rc(row.codes), rs(row.scales);
+  DBuf<int32_t> doff(seg.offsets);
+  const int E = seg.num_segments();
+  const int64_t maxb = cuda::segment_max_blocks(m, E);
+  DBuf<int32_t> bstart(maxb), bend(maxb), boff(E + 1);
+  DBuf<cuda::DeviceStatus> ds(1);
+  cudaMemset(ds.p, 0, sizeof(cuda::DeviceStatus));
+  cuda::SegmentBlocks sb{doff.p, E, m, maxb, bstart.p, bend.p, boff.p};
+  cuda::build_segment_blocks(sb, ds.p, 0);
+  DBuf<uint8_t> cc(m * k), cs(maxb * k);
+  cuda::scaling_aware_transpose(rc.p, rs.p, k, sb, cc.p, cs.p, ds.p, 0);
+  expect_bytes(want.codes, cc.get(), m * k, "codes with NaN codes");
+  expect_bytes(want.scales, cs.get(), seg.num_blocks() * k, "scales with NaN codes");
+  const auto s = ds.get()[0];
+  EXPECT_EQ(s.nonfinite, 3u);
+  EXPECT_EQ(s.underflow, static_cast<unsigned long long>(st.underflow));
+}
+
 // ---- segments and argument errors ---------------------------------------------------------
 TEST(ConvertGpuSegments, MalformedOffsetsAreReportedNotHung) {
   int ndev = 0;

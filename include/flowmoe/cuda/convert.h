@@ -6,7 +6,8 @@
 //
 // Non-finite input and underflow are reported through a DeviceStatus in device memory (counters
 // are added to, so one status can collect a whole layer pass); read it when convenient, e.g. once
-// per step to skip a step with non-finite values.
+// per step to skip a step with non-finite values. A null status means "do not count" (except in
+// build_segment_blocks, where it is required).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -37,8 +38,10 @@ struct SegmentBlocks {
 };
 int64_t segment_max_blocks(int64_t m, int num_segments);
 // Fills block_start/block_end/block_offsets of `sb` (buffers provided by the caller) from
-// sb.offsets. Malformed offsets (not from 0 to M, decreasing) count in status->bad_segments and
-// leave every block empty.
+// sb.offsets. Malformed offsets (not from 0 to M, decreasing) count in status->bad_segments
+// (status is required) and leave every block empty, so the column-wise outputs are not written:
+// check bad_segments before using them. Only the first block_offsets[E] rows of a column-wise
+// scale grid are written; rows up to max_blocks are left as they were.
 void build_segment_blocks(const SegmentBlocks& sb, DeviceStatus* status, cudaStream_t stream);
 
 // ---- FP8 quantize from BF16 ------------------------------------------------------------------

@@ -131,7 +131,7 @@ fp4_to_fp8_row_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
       if (e == kUE8M0NaN) ++bad;
       else cmax = max(cmax, e);
     }
-    const int sc = max(cmax - 6, 0);
+    const int sc = fp8_scale_code_from_fp4_max(cmax);
     uint4 out;
     if (bad) {
       out = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
@@ -202,7 +202,7 @@ fp4_to_fp8_col_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
       if (s_bad[j]) {
         v = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
       } else {
-        const int d = max(s_max[j] - 6, 0) - static_cast<int>((s_e[row] >> (8 * j)) & 0xFF);
+        const int d = fp8_scale_code_from_fp4_max(s_max[j]) - static_cast<int>((s_e[row] >> (8 * j)) & 0xFF);
         v = fp4x16_to_fp8(in[i], d, s_t, lost);
       }
     }
@@ -211,7 +211,7 @@ fp4_to_fp8_col_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
   detail::warp_count(status ? &status->underflow : nullptr, lost);
   if (tid < kTile) {
     const int j = tid >> 5;
-    col_scales[b * k + kt * kTile + tid] = s_bad[j] ? kUE8M0NaN : static_cast<uint8_t>(max(s_max[j] - 6, 0));
+    col_scales[b * k + kt * kTile + tid] = s_bad[j] ? kUE8M0NaN : static_cast<uint8_t>(fp8_scale_code_from_fp4_max(s_max[j]));
   }
   if (tid == 0 && status) {
     const int bad = s_bad[0] + s_bad[1] + s_bad[2] + s_bad[3];
@@ -281,7 +281,8 @@ void fp4_to_fp8_row(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t
   FLOWMOE_CHECK(m >= 0, what << ": M = " << m << " must be >= 0");
   if (m == 0) return;
   check_aligned(fp4_codes, "fp4_codes", what);
-  check_aligned(fp4_scales, "fp4_scales", what);
+  FLOWMOE_CHECK(fp4_scales && (reinterpret_cast<uintptr_t>(fp4_scales) & 3u) == 0,
+                what << ": fp4_scales must be a 4-byte aligned device buffer");
   check_aligned(codes, "codes", what);
   FLOWMOE_CHECK(scales, what << ": scales is null");
   FLOWMOE_CHECK(k / kTile < 65536, what << ": K = " << k << " too large (at most 65535 tiles of 128)");
@@ -299,7 +300,8 @@ void fp4_to_fp8_col(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t
   check_blocks(sb, what);
   if (sb.m == 0) return;
   check_aligned(fp4_codes, "fp4_codes", what);
-  check_aligned(fp4_scales, "fp4_scales", what);
+  FLOWMOE_CHECK(fp4_scales && (reinterpret_cast<uintptr_t>(fp4_scales) & 3u) == 0,
+                what << ": fp4_scales must be a 4-byte aligned device buffer");
   check_aligned(col_codes, "col_codes", what);
   FLOWMOE_CHECK(col_scales, what << ": col_scales is null");
   const dim3 grid = tile_grid(sb.max_blocks, k / kTile);

@@ -390,6 +390,7 @@ void quantize_weight(const bf16_t* w, int64_t n, int64_t k, uint8_t* codes, uint
   const char* what = "cuda::quantize_weight";
   check_k(k, kTile, what);
   FLOWMOE_CHECK(n > 0 && n % kTile == 0, what << ": N = " << n << " must be a positive multiple of 128");
+  FLOWMOE_CHECK(n / kTile < 65536, what << ": N = " << n << " too large (at most 65535 tiles of 128)");
   check_aligned(w, "w", what);
   check_aligned(codes, "codes", what);
   FLOWMOE_CHECK(scales, what << ": scales is null");
@@ -419,7 +420,8 @@ void transpose_bf16(const bf16_t* x, int64_t m, int64_t k, bf16_t* y, cudaStream
   const char* what = "cuda::transpose_bf16";
   FLOWMOE_CHECK(m >= 0 && k > 0, what << ": shape [" << m << ", " << k << "] invalid");
   if (m == 0) return;
-  FLOWMOE_CHECK(x && y, what << ": null buffer");
+  check_aligned(x, "x", what);
+  check_aligned(y, "y", what);
   FLOWMOE_CHECK((m + 63) / 64 < 65536, what << ": M = " << m << " too large (max 4194240)");
   dim3 grid(static_cast<unsigned>((k + 63) / 64), static_cast<unsigned>((m + 63) / 64));
   transpose_bf16_kernel<<<grid, kThreads, 0, stream>>>(x, m, k, y);
@@ -432,7 +434,10 @@ void quantize_transposed(const bf16_t* xt, int64_t k, const SegmentBlocks& sb, u
   FLOWMOE_CHECK(k > 0, what << ": K = " << k << " must be > 0");
   check_blocks(sb, what);
   if (sb.m == 0) return;
-  FLOWMOE_CHECK(xt && codes && scales, what << ": null buffer");
+  check_aligned(xt, "xt", what);
+  check_aligned(codes, "codes", what);
+  FLOWMOE_CHECK(scales, what << ": scales is null");
+  FLOWMOE_CHECK((k + 7) / 8 < 65536, what << ": K = " << k << " too large (at most 524280)");
   dim3 grid(static_cast<unsigned>(sb.max_blocks), static_cast<unsigned>((k + 7) / 8));
   quantize_transposed_kernel<<<grid, kThreads, 0, stream>>>(xt, sb.m, k, sb.block_start, sb.block_end,
                                                             codes, scales, nonfinite_ptr(status));

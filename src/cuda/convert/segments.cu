@@ -79,6 +79,9 @@ void build_segment_blocks(const SegmentBlocks& sb, DeviceStatus* status, cudaStr
                                           << sb.num_segments);
   FLOWMOE_CHECK(sb.m >= 0 && sb.m <= INT32_MAX, "build_segment_blocks: M = " << sb.m
                                                     << " out of range [0, 2^31)");
+  FLOWMOE_CHECK(status != nullptr,
+                "build_segment_blocks: status is null; malformed offsets are reported only through "
+                "DeviceStatus::bad_segments, so a status buffer is required");
   FLOWMOE_CHECK(sb.offsets && sb.block_start && sb.block_end && sb.block_offsets,
                 "build_segment_blocks: offsets, block_start, block_end and block_offsets must "
                 "all be device buffers (one is null)");
@@ -87,7 +90,7 @@ void build_segment_blocks(const SegmentBlocks& sb, DeviceStatus* status, cudaStr
                     << segment_max_blocks(sb.m, sb.num_segments) << " = ceil(M/128) + E");
   build_segment_blocks_kernel<<<1, kScanThreads, 0, stream>>>(
       sb.offsets, sb.num_segments, sb.m, sb.max_blocks, sb.block_start, sb.block_end,
-      sb.block_offsets, status ? &status->bad_segments : nullptr);
+      sb.block_offsets, &status->bad_segments);
   FLOWMOE_LAUNCH_CHECK("build_segment_blocks_kernel");
 }
 

@@ -13,6 +13,14 @@ using detail::kBytePitch;
 using detail::kThreads;
 using detail::kTile;
 
+// Number of NaN codes (0x7F / 0xFF) among the 4 bytes of w: exact per-byte zero test of
+// (magnitude ^ 0x7F).
+__device__ __forceinline__ int nan_codes4(uint32_t w) {
+  const uint32_t x = (w & 0x7F7F7F7Fu) ^ 0x7F7F7F7Fu;
+  const uint32_t y = ((x & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | x;  // bit 7 set in every non-zero byte
+  return __popc(~y & 0x80808080u);
+}
+
 // Byte-by-byte rescale through the numerics core; rare (zeros, NaN codes, values that leave the
 // normal range). Kept out of line so that the hot loop stays small in the instruction cache.
 __device__ __noinline__ uint32_t rescale4_slow(uint32_t w, int d, int& lost) {
@@ -80,7 +88,7 @@ scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint
   const int nbad = s_wbad[0] + s_wbad[1] + s_wbad[2] + s_wbad[3];
 
   // Row pass: shift each 16-code chunk by (emax - e_row) into the byte tile.
-  int lost = 0;
+  int lost = 0, nan_codes = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
@@ -90,6 +98,7 @@ scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint
         w = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
       } else {
         const int d = emax - s_e[row];
+        nan_codes += nan_codes4(w.x) + nan_codes4(w.y) + nan_codes4(w.z) + nan_codes4(w.w);
         w.x = rescale4(w.x, d, lost);
         w.y = rescale4(w.y, d, lost);
         w.z = rescale4(w.z, d, lost);
@@ -99,6 +108,7 @@ scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint
     *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + ch * 16]) = w;
   }
   detail::warp_count(status ? &status->underflow : nullptr, lost);
+  detail::warp_count(status ? &status->nonfinite : nullptr, nan_codes);
   if (tid < kTile) col_scales[b * k + kt * kTile + tid] = nbad ? kUE8M0NaN : static_cast<uint8_t>(emax);
   if (tid == 0 && nbad && status) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(nbad) * kTile);
   __syncthreads();
