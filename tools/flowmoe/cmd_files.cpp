@@ -201,8 +201,18 @@ const char kTransposeUsage[] =
     "  --method M        aware or naive (required)\n"
     "  --shape M,K       logical shape; checked against the files (default: inferred)\n"
     "  --segments a,b,c  token counts per expert segment of the output (default: one segment)\n"
+    "  --allow-nonfinite  write the result even if the input holds NaN-marked tiles or NaN codes\n"
     "\n"
     "Prints the 'wrote' lines, then 'layout:', 'nonfinite: N' and 'underflow: N'.\n";
+
+// Non-finite input to a conversion (NaN-marked tiles or NaN codes in the source files) is an
+// error, as for 'quantize': nothing is written unless --allow-nonfinite is given.
+void check_conversion_nonfinite(const QuantStats& st, const Args& args, const std::string& what) {
+  FLOWMOE_CHECK(st.nonfinite == 0 || args.flag("allow-nonfinite"),
+                what << ": the input holds " << st.nonfinite
+                     << " non-finite element(s) (NaN scale 0xFF or NaN codes); nothing was written "
+                        "(pass --allow-nonfinite to write the NaN-marked result)");
+}
 
 int run_transpose(const Args& args) {
   args.expect_positional({"PREFIX", "OUTPREFIX"});
@@ -212,6 +222,7 @@ int run_transpose(const Args& args) {
   QTensor col;
   const QuantStats st = method == "aware" ? cpu::scaling_aware_transpose(row, seg, &col)
                                           : cpu::naive_col_copy(row, seg, &col);
+  check_conversion_nonfinite(st, args, args.positional()[0]);
   save_qtensor(col, args.positional()[1]);
   print_stats(col, st);
   return 0;
@@ -235,7 +246,8 @@ const char kFp4ToFp8Usage[] =
     "options:\n"
     "  --to T            row, col or col-stepwise (required)\n"
     "  --shape M,K       logical shape; checked against the files (default: inferred)\n"
-    "  --segments a,b,c  col and col-stepwise only: token counts per expert segment\n";
+    "  --segments a,b,c  col and col-stepwise only: token counts per expert segment\n"
+    "  --allow-nonfinite  write the result even if the input holds NaN-marked blocks\n";
 
 int run_fp4_to_fp8(const Args& args) {
   args.expect_positional({"PREFIX", "OUTPREFIX"});
@@ -251,6 +263,7 @@ int run_fp4_to_fp8(const Args& args) {
     const Segments seg = segments_from_option(args.get("segments"), fp4.rows);
     st = to == "col" ? cpu::fp4_to_fp8_col(fp4, seg, &out) : cpu::fp4_to_fp8_col_stepwise(fp4, seg, &out);
   }
+  check_conversion_nonfinite(st, args, args.positional()[0]);
   save_qtensor(out, args.positional()[1]);
   print_stats(out, st);
   return 0;
@@ -275,14 +288,14 @@ Command dequantize_command() {
 Command transpose_command() {
   return {"transpose", "row-wise FP8 -> column-wise FP8 (scaling-aware or naive)",
           kTransposeUsage,
-          {{"method", true}, {"shape", true}, {"segments", true}},
+          {{"method", true}, {"shape", true}, {"segments", true}, {"allow-nonfinite", false}},
           run_transpose};
 }
 
 Command fp4_to_fp8_command() {
   return {"fp4-to-fp8", "MXFP4 -> FP8 row-wise or column-wise (direct or stepwise)",
           kFp4ToFp8Usage,
-          {{"to", true}, {"shape", true}, {"segments", true}},
+          {{"to", true}, {"shape", true}, {"segments", true}, {"allow-nonfinite", false}},
           run_fp4_to_fp8};
 }
 
