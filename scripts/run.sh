@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: build, then run `flowmoe numerics` (CPU, seconds on two cores); on a machine with
-# a GPU, also the GPU self-check and conversion benchmark.
+# a GPU, also the conversion benchmark (build/flowmoe_bench_convert).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-deps.sh
