@@ -1,0 +1,240 @@
+// The MoE layer (issue 6; SPEC §6; docs/MOE.md): router, permute+pad, two grouped expert linears
+// with SwiGLU between them, unpermute; forward and backward; five recipes selectable at run time.
+// The same interface is implemented by the CPU backend (make_cpu_layer: small shapes, the readable
+// reference, src/cpu/moe_cpu.cpp) and the CUDA backend (make_cuda_layer, src/cuda/moe/).
+//
+// Notation: T tokens of this call, H hidden size, F expert FFN size, E experts (all experts of the
+// layer; with expert parallelism El = E / ranks local experts hold weights on a rank), k = top-k,
+// A = segment alignment, Mp = padded routed rows (sum over experts of round_up(count, A)).
+// Shapes are row-major, written like `[T, H] bf16`.
+//
+// The computation (every recipe computes this function; they differ in the precision of each
+// tensor, see below and docs/MOE.md):
+//   logits  z  [T, E]  fp32  = x · Wrᵀ                         (x decoded from BF16, FP32 sums)
+//   ids, p     [T, k]        = top-k router over z (softmax or sigmoid; token.h semantics)
+//   for each routed pair (t, s) with expert e = ids[t, s], one row r of e's padded segment:
+//     h    [2F]   = W1_e · x_t                                (GEMM1; gate = h[0:F], up = h[F:2F])
+//     a'   [F]    = p[t, s] · silu(gate) ⊙ up                 (probability applied in the SwiGLU)
+//     o    [H]    = W2_e · a'                                 (GEMM2)
+//   y_t  [H]      = Σ_s o_(t,s)                                (unpermute: plain sum, slot order)
+// The routing probability multiplies the SwiGLU output (Megatron-Core's activation with probs), not
+// the unpermute: then the backward's dY is a pure permutation of the layer's dy, so `flow` can
+// quantize dy once at the entry and move it in FP8, and no GEMM2 output has to be kept for dprobs
+// (dp_r = <d a'_r, silu(gate) ⊙ up>, recomputed from the saved h).
+//
+// Weights (set_weights, FP32 masters in the backend's memory): W1 [E, 2F, H], W2 [E, H, F],
+// Wr [E, H]. The layer keeps BF16 copies (RNE) of W1 and W2, and for the FP8 recipes 128x128-block
+// FP8 copies quantized from the BF16 copies together with their exact transposes (for dgrad), made
+// once per set_weights call (once per weight update), never per forward/backward.
+//
+// Gradients (backward): dx [T, H] bf16 (expert path + router path); dW1 [E, 2F, H], dW2 [E, H, F],
+// dWr [E, H], all fp32 and accumulated (+=) into the caller's buffers (main gradients).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flowmoe/tensor.h"
+#include "flowmoe/token.h"
+
+namespace flowmoe {
+
+// ---- recipes (SPEC §6) ----------------------------------------------------------------------
+enum class Recipe : uint8_t {
+  kBf16,       // "bf16":      BF16 operands, FP32 accumulation. The reference.
+  kBlockwise,  // "blockwise": BF16 dataflow; each grouped linear quantizes its BF16 input (row and
+               //              column copies from BF16, power-of-two scales), FP8 GEMM, BF16 out.
+  kFp8Naive,   // "fp8-naive": DeepSeek-V3-style operator substitution with FP32 scales (amax/448):
+               //              quantize before / dequantize after each FP8 op, column copies by
+               //              dequantize -> transpose -> quantize (double quantization).
+  kFlow,       // "flow":      FP8-Flow-MoE: x and dy quantized once at the entry, FP8 permute,
+               //              fused SwiGLU+quant and dSwiGLU+quant, column copies by the
+               //              scaling-aware transpose, activations saved in FP8.
+  kFlowFp4,    // "flow-fp4":  flow with an MXFP4 entry: FP4 permute, FP4 saved GEMM1 input,
+               //              FP4RowToFP8Row for GEMM1, FP4RowToFP8Col for its wgrad; backward FP8.
+};
+const char* recipe_name(Recipe r);  // "bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"
+// Parses a name above (case-sensitive); throws flowmoe::Error listing the valid names otherwise.
+Recipe parse_recipe(const std::string& name);
+bool try_parse_recipe(const std::string& name, Recipe* out);  // false for an unknown name
+const std::vector<Recipe>& all_recipes();                     // in the order of the enum
+bool recipe_uses_fp8(Recipe r);                               // every recipe but bf16
+
+// ---- expert parallelism (next issue) ------------------------------------------------------------
+// Dispatch/combine over ranks. Only declared here: a null communicator means a single rank that
+// holds all E experts. The expert-parallel version adds an implementation and nothing else changes
+// in this interface (weights and weight gradients then cover the El local experts).
+class Communicator;
+
+// ---- configuration ----------------------------------------------------------------------------
+struct MoeConfig {
+  int64_t hidden = 0;       // H: positive multiple of 128
+  int64_t ffn = 0;          // F (per expert): positive multiple of 128
+  int num_experts = 0;      // E: 1..kRouterMaxExperts
+  int topk = 0;             // k: 1..min(E, kMaxTopk)
+  RouterScore router = RouterScore::kSoftmax;
+  bool router_renormalize = false;  // divide the k chosen scores by their sum (token.h)
+  float router_scale = 1.0f;        // multiplies the probs (DeepSeek-V3's routed_scaling_factor)
+  float aux_loss_alpha = 0.0f;      // load-balancing loss coefficient; 0 = no aux loss
+  int align = 128;          // A: expert segment alignment, one of 16, 32, 64, 128
+  Recipe recipe = Recipe::kFlow;
+  int64_t max_tokens = 0;   // largest T of a forward call (workspaces are sized for it), >= 1
+  Communicator* comm = nullptr;  // null: single rank (the only mode implemented so far)
+  // Also compare every column-wise wgrad operand with the row-wise tensor of the same values
+  // (costs a dequantize of both; for tests and the numerics report). See ColumnCheck.
+  bool check_columns = false;
+
+  // Throws flowmoe::Error naming the field, its value and what is expected.
+  void validate() const;
+  RouterConfig router_config() const;  // the token.h router configuration
+  int num_local_experts() const;       // El (= E without a communicator)
+  // Row capacity of the permuted buffers for max_tokens: routing_max_rows(max_tokens, k, E, A).
+  int64_t max_rows() const;
+  std::string describe() const;  // one line, e.g. "H=7168 F=2048 E=32 k=8 softmax A=128 flow"
+};
+
+// Weights: FP32 masters in the backend's memory space (host pointers for the CPU backend, device
+// pointers for the CUDA backend). `router_bias` [E] fp32 or null: added to the scores for
+// selection only (DeepSeek-V3's aux-loss-free balancing), not differentiated.
+struct MoeWeights {
+  const float* w1 = nullptr;  // [E, 2F, H] fp32 (rows [0, F): gate, [F, 2F): up)
+  const float* w2 = nullptr;  // [E, H, F]  fp32
+  const float* wr = nullptr;  // [E, H]     fp32 router
+  const float* router_bias = nullptr;  // [E] fp32 or null
+};
+
+// Gradient outputs, accumulated into (+=), same memory space as the weights. A null pointer skips
+// that gradient.
+struct MoeGrads {
+  float* dw1 = nullptr;  // [E, 2F, H] fp32 +=
+  float* dw2 = nullptr;  // [E, H, F]  fp32 +=
+  float* dwr = nullptr;  // [E, H]     fp32 +=
+};
+
+// ---- accounting -----------------------------------------------------------------------------
+enum class CastKind : uint8_t {
+  kQuantize,    // standalone kernel: BF16/FP32 -> FP8 or MXFP4 (one launch, any number of layouts)
+  kDequantize,  // standalone kernel: FP8 or MXFP4 -> BF16/FP32
+  kFused,       // a quantization fused into another operator (SwiGLU+quant, dSwiGLU+quant)
+  kConvert,     // exact conversion inside the quantized domain, no value rounded except counted
+                // underflow (scaling-aware transpose, FP4RowToFP8Row, FP4RowToFP8Col)
+};
+const char* cast_kind_name(CastKind k);  // "quantize", "dequantize", "fused", "convert"
+
+enum class MoePass : uint8_t { kForward, kBackward, kWeightUpdate };
+const char* moe_pass_name(MoePass p);  // "forward", "backward", "weights"
+
+// One operator as executed: counted when the code runs it, never from a table.
+struct CastOp {
+  MoePass pass = MoePass::kForward;
+  CastKind kind = CastKind::kQuantize;
+  std::string name;      // what it converts, e.g. "quantize x (row 1x128, entry)"
+  int64_t calls = 0;     // launches (CPU: calls of the reference operator) in the pass
+  int64_t outputs = 0;   // quantized or dequantized tensors written (a row+col quantize writes 2)
+  int64_t elements = 0;  // elements read
+};
+
+// One tensor held from forward to backward, with its actual size after the last forward.
+struct SavedTensor {
+  std::string name;    // e.g. "GEMM1 input x_perm"
+  std::string format;  // e.g. "bf16 [Mp, H]", "fp8 row 1x128 [Mp, 2F]", "mxfp4 [Mp, H]"
+  int64_t bytes = 0;   // codes + scales (+ padding rows, as allocated for this call)
+  // The same tensor without the padding rows (routed rows only; column-wise scales counted as
+  // if every segment were a whole number of 128-token blocks), divided by T: the per-token cost
+  // independent of the alignment and of how the tokens fell on the experts.
+  double bytes_per_token_unpadded = 0.0;
+};
+
+// For a column-wise copy consumed by wgrad: does it decode to the same numbers as the row-wise
+// tensor of the same values used by the other GEMM (fprop for forward tensors, dgrad for backward
+// ones)? Filled when MoeConfig::check_columns is set.
+struct ColumnCheck {
+  std::string name;       // e.g. "GEMM2 input a'"
+  std::string method;     // "scaling-aware transpose", "quantize from BF16", "DQ->T->Q", ...
+  int64_t elements = 0;   // real (unpadded) elements compared
+  int64_t differ = 0;     // elements whose decoded values differ
+  int64_t underflow = 0;  // underflow the conversion counted (exact paths only)
+};
+
+struct CastReport {
+  Recipe recipe = Recipe::kBf16;
+  int64_t tokens = 0;        // T of the last forward
+  int64_t routed_rows = 0;   // T * k routed rows (minus dropped slots)
+  int64_t padded_rows = 0;   // Mp
+  std::vector<CastOp> ops;   // weight update, then forward, then backward, in execution order
+  std::vector<SavedTensor> saved;  // after the last forward
+  std::vector<ColumnCheck> columns;
+  QuantStats forward_stats, backward_stats;  // nonfinite and underflow seen by each pass
+
+  // Operator counts per pass (launches; a kind's `calls` summed).
+  int64_t count(MoePass p, CastKind k) const;
+  // standalone quantize + dequantize launches of a pass: the paper's "casts"
+  int64_t standalone_casts(MoePass p) const;
+  int64_t saved_bytes() const;             // sum over `saved`
+  double saved_bytes_per_token() const;    // saved_bytes() / tokens
+  double saved_bytes_per_token_unpadded() const;  // sum of SavedTensor::bytes_per_token_unpadded
+  std::string to_string() const;           // human-readable table of ops and saved tensors
+};
+
+// Status of the current step: forward resets it, backward adds to it. Read after a pass (e.g. to
+// skip a training step on non-finite values).
+struct MoeStatus {
+  int64_t nonfinite = 0;  // non-finite values met by quantizers, router and SwiGLU in the pass
+  int64_t underflow = 0;  // values exact conversions rounded (scaling-aware transpose, FP4->FP8)
+  float aux_loss = 0.0f;  // load-balancing loss of the last forward (0 when aux_loss_alpha is 0)
+};
+
+// ---- the layer --------------------------------------------------------------------------------
+// Call order: set_weights (after construction and after every weight update), then any number of
+// (forward, backward) pairs; backward uses what the latest forward saved and takes the same T.
+// Not thread-safe. The CUDA backend allocates its workspaces at construction for cfg.max_tokens
+// (steady-state calls allocate nothing); the CPU reference allocates per call.
+class MoeLayer {
+ public:
+  virtual ~MoeLayer() = default;
+  MoeLayer(const MoeLayer&) = delete;
+  MoeLayer& operator=(const MoeLayer&) = delete;
+
+  const MoeConfig& config() const { return cfg_; }
+  virtual const char* backend() const = 0;  // "cpu" or "cuda"
+
+  // Copies the masters to BF16 and (FP8 recipes) quantizes them: W1, W2 as 128x128 blocks plus
+  // exact transposes. Counted as MoePass::kWeightUpdate operators in the report.
+  virtual void set_weights(const MoeWeights& w) = 0;
+
+  // x [T, H] bf16 -> y [T, H] bf16, 1 <= T <= max_tokens. Saves what backward needs in the
+  // recipe's precision.
+  virtual void forward(const bf16_t* x, int64_t tokens, bf16_t* y) = 0;
+
+  // dy [T, H] bf16 (T of the last forward) -> dx [T, H] bf16 (overwritten); accumulates the
+  // weight gradients into `grads`. Includes the router path (dlogits · Wr) and, when enabled, the
+  // aux loss gradient (d total / d aux = 1).
+  virtual void backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& grads) = 0;
+
+  // Operators executed by the last set_weights / forward / backward and the tensors saved by the
+  // last forward. (The CUDA backend may synchronise to fill it.)
+  virtual const CastReport& cast_report() const = 0;
+  double saved_bytes_per_token() const { return cast_report().saved_bytes_per_token(); }
+  virtual MoeStatus status() const = 0;
+
+ protected:
+  explicit MoeLayer(const MoeConfig& cfg) : cfg_(cfg) {}
+  MoeConfig cfg_;
+};
+
+// The CPU backend (host pointers everywhere). Validates cfg; throws flowmoe::Error.
+std::unique_ptr<MoeLayer> make_cpu_layer(const MoeConfig& cfg);
+
+}  // namespace flowmoe
+
+// ---- CUDA backend (src/cuda/moe/): declared when the CUDA backend is built (linking flowmoe_cuda
+// defines FLOWMOE_HAVE_CUDA), like the other CUDA declarations of the public headers.
+#if defined(FLOWMOE_HAVE_CUDA)
+typedef struct CUstream_st* cudaStream_t;  // the CUDA runtime's typedef, as in gemm.h
+namespace flowmoe {
+// Device pointers for x, y, dy, dx, weights and gradients; everything is ordered on `stream`.
+std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t stream);
+}  // namespace flowmoe
+#endif

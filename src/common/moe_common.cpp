@@ -1,0 +1,207 @@
+// The backend-independent part of the MoE layer (include/flowmoe/moe.h): recipe names,
+// configuration checks, and the cast / saved-bytes report.
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "flowmoe/error.h"
+#include "flowmoe/moe.h"
+
+namespace flowmoe {
+
+// ---- recipes ------------------------------------------------------------------------------------
+const char* recipe_name(Recipe r) {
+  switch (r) {
+    case Recipe::kBf16: return "bf16";
+    case Recipe::kBlockwise: return "blockwise";
+    case Recipe::kFp8Naive: return "fp8-naive";
+    case Recipe::kFlow: return "flow";
+    case Recipe::kFlowFp4: return "flow-fp4";
+  }
+  return "?";
+}
+
+const std::vector<Recipe>& all_recipes() {
+  static const std::vector<Recipe> all = {Recipe::kBf16, Recipe::kBlockwise, Recipe::kFp8Naive,
+                                          Recipe::kFlow, Recipe::kFlowFp4};
+  return all;
+}
+
+bool try_parse_recipe(const std::string& name, Recipe* out) {
+  for (Recipe r : all_recipes())
+    if (name == recipe_name(r)) {
+      if (out) *out = r;
+      return true;
+    }
+  return false;
+}
+
+Recipe parse_recipe(const std::string& name) {
+  Recipe r = Recipe::kBf16;
+  if (!try_parse_recipe(name, &r)) {
+    std::string valid;
+    for (Recipe v : all_recipes()) valid += std::string(valid.empty() ? "" : ", ") + recipe_name(v);
+    FLOWMOE_CHECK(false, "unknown MoE recipe '" << name << "'; expected one of: " << valid);
+  }
+  return r;
+}
+
+bool recipe_uses_fp8(Recipe r) { return r != Recipe::kBf16; }
+
+const char* cast_kind_name(CastKind k) {
+  switch (k) {
+    case CastKind::kQuantize: return "quantize";
+    case CastKind::kDequantize: return "dequantize";
+    case CastKind::kFused: return "fused";
+    case CastKind::kConvert: return "convert";
+  }
+  return "?";
+}
+
+const char* moe_pass_name(MoePass p) {
+  switch (p) {
+    case MoePass::kForward: return "forward";
+    case MoePass::kBackward: return "backward";
+    case MoePass::kWeightUpdate: return "weights";
+  }
+  return "?";
+}
+
+// ---- configuration ------------------------------------------------------------------------------
+void MoeConfig::validate() const {
+  const char* what = "MoeConfig";
+  FLOWMOE_CHECK(hidden > 0 && hidden % 128 == 0,
+                what << ": hidden H = " << hidden
+                     << " is not a positive multiple of 128 (1x128 FP8 tiles and 128x128 weight "
+                        "blocks); expected H % 128 == 0, e.g. 2048, 5120 or 7168");
+  FLOWMOE_CHECK(ffn > 0 && ffn % 128 == 0,
+                what << ": ffn F = " << ffn
+                     << " is not a positive multiple of 128 (the SwiGLU tiles and 128x128 weight "
+                        "blocks); expected F % 128 == 0, e.g. 1408 or 2048");
+  FLOWMOE_CHECK(num_experts >= 1 && num_experts <= kRouterMaxExperts,
+                what << ": num_experts E = " << num_experts << " out of range; expected 1 <= E <= "
+                     << kRouterMaxExperts);
+  FLOWMOE_CHECK(topk >= 1 && topk <= kMaxTopk,
+                what << ": top_k k = " << topk << " out of range; expected 1 <= k <= " << kMaxTopk);
+  FLOWMOE_CHECK(topk <= num_experts, what << ": top_k k = " << topk << " exceeds num_experts E = "
+                                          << num_experts << "; expected k <= E");
+  FLOWMOE_CHECK(router == RouterScore::kSoftmax || router == RouterScore::kSigmoid,
+                what << ": router score " << static_cast<int>(router)
+                     << " unknown; expected softmax or sigmoid");
+  FLOWMOE_CHECK(std::isfinite(router_scale) && router_scale > 0.0f,
+                what << ": router_scale = " << router_scale << "; expected a finite value > 0");
+  FLOWMOE_CHECK(std::isfinite(aux_loss_alpha) && aux_loss_alpha >= 0.0f,
+                what << ": aux_loss_alpha = " << aux_loss_alpha
+                     << "; expected a finite value >= 0 (0 disables the aux loss)");
+  FLOWMOE_CHECK(align == 16 || align == 32 || align == 64 || align == 128,
+                what << ": align A = " << align
+                     << " not supported; expected 16, 32, 64 or 128 (expert segments are padded to "
+                        "A rows; the FP8 wgrad needs multiples of 16)");
+  FLOWMOE_CHECK(try_parse_recipe(recipe_name(recipe), nullptr),
+                what << ": recipe " << static_cast<int>(recipe)
+                     << " unknown; expected bf16, blockwise, fp8-naive, flow or flow-fp4");
+  FLOWMOE_CHECK(max_tokens >= 1, what << ": max_tokens = " << max_tokens
+                                      << "; expected the largest T of a forward call, >= 1");
+  FLOWMOE_CHECK(routing_max_rows(max_tokens, topk, num_experts, align) <= INT32_MAX,
+                what << ": max_tokens = " << max_tokens << " gives up to "
+                     << routing_max_rows(max_tokens, topk, num_experts, align)
+                     << " padded rows, which do not fit int32 row indices; expected fewer tokens");
+  FLOWMOE_CHECK(comm == nullptr,
+                what << ": a communicator was given, but expert parallelism is not implemented "
+                        "yet; expected comm == nullptr (single rank, all experts local)");
+}
+
+RouterConfig MoeConfig::router_config() const {
+  RouterConfig rc;
+  rc.num_experts = num_experts;
+  rc.topk = topk;
+  rc.score = router;
+  rc.renormalize = router_renormalize;
+  rc.scale = router_scale;
+  return rc;
+}
+
+int MoeConfig::num_local_experts() const { return num_experts; }  // single rank so far
+
+int64_t MoeConfig::max_rows() const {
+  return routing_max_rows(max_tokens, topk, num_experts, align);
+}
+
+std::string MoeConfig::describe() const {
+  std::ostringstream os;
+  os << "H=" << hidden << " F=" << ffn << " E=" << num_experts << " k=" << topk << " "
+     << (router == RouterScore::kSoftmax ? "softmax" : "sigmoid")
+     << (router_renormalize ? "+renorm" : "") << " A=" << align << " " << recipe_name(recipe);
+  return os.str();
+}
+
+// ---- report ---------------------------------------------------------------------------------------
+int64_t CastReport::count(MoePass p, CastKind k) const {
+  int64_t n = 0;
+  for (const CastOp& op : ops)
+    if (op.pass == p && op.kind == k) n += op.calls;
+  return n;
+}
+
+int64_t CastReport::standalone_casts(MoePass p) const {
+  return count(p, CastKind::kQuantize) + count(p, CastKind::kDequantize);
+}
+
+int64_t CastReport::saved_bytes() const {
+  int64_t n = 0;
+  for (const SavedTensor& s : saved) n += s.bytes;
+  return n;
+}
+
+double CastReport::saved_bytes_per_token() const {
+  return tokens > 0 ? static_cast<double>(saved_bytes()) / static_cast<double>(tokens) : 0.0;
+}
+
+double CastReport::saved_bytes_per_token_unpadded() const {
+  double n = 0.0;
+  for (const SavedTensor& s : saved) n += s.bytes_per_token_unpadded;
+  return n;
+}
+
+std::string CastReport::to_string() const {
+  std::ostringstream os;
+  char buf[256];
+  os << "recipe " << recipe_name(recipe) << ": T=" << tokens << ", routed rows " << routed_rows
+     << ", padded rows " << padded_rows << "\n";
+  for (MoePass p : {MoePass::kWeightUpdate, MoePass::kForward, MoePass::kBackward}) {
+    os << "  " << moe_pass_name(p) << ": " << count(p, CastKind::kQuantize) << " quantize, "
+       << count(p, CastKind::kDequantize) << " dequantize, " << count(p, CastKind::kFused)
+       << " fused, " << count(p, CastKind::kConvert) << " exact convert\n";
+    for (const CastOp& op : ops) {
+      if (op.pass != p) continue;
+      std::snprintf(buf, sizeof buf, "    %-10s x%-3lld %-58s outputs %lld, elements %lld\n",
+                    cast_kind_name(op.kind), static_cast<long long>(op.calls), op.name.c_str(),
+                    static_cast<long long>(op.outputs), static_cast<long long>(op.elements));
+      os << buf;
+    }
+  }
+  os << "  saved for backward: " << saved_bytes() << " bytes, "
+     << saved_bytes_per_token() << " per token (" << saved_bytes_per_token_unpadded()
+     << " without padding rows)\n";
+  for (const SavedTensor& s : saved) {
+    std::snprintf(buf, sizeof buf, "    %-34s %-36s %10lld bytes  %9.1f B/token unpadded\n",
+                  s.name.c_str(), s.format.c_str(), static_cast<long long>(s.bytes),
+                  s.bytes_per_token_unpadded);
+    os << buf;
+  }
+  if (!columns.empty()) {
+    os << "  wgrad column operands vs the row-wise values of the other GEMM:\n";
+    for (const ColumnCheck& c : columns) {
+      std::snprintf(buf, sizeof buf, "    %-28s %-30s %lld of %lld differ, underflow %lld\n",
+                    c.name.c_str(), c.method.c_str(), static_cast<long long>(c.differ),
+                    static_cast<long long>(c.elements), static_cast<long long>(c.underflow));
+      os << buf;
+    }
+  }
+  os << "  forward: nonfinite " << forward_stats.nonfinite << ", underflow "
+     << forward_stats.underflow << "; backward: nonfinite " << backward_stats.nonfinite
+     << ", underflow " << backward_stats.underflow << "\n";
+  return os.str();
+}
+
+}  // namespace flowmoe
