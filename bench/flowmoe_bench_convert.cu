@@ -17,49 +17,19 @@
 #include "flowmoe/cuda/convert.h"
 #include "flowmoe/numerics.h"
 
+#include "bench_util.cuh"
+
 using namespace flowmoe;
 
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
 
 namespace {
 
 int g_reps = 30;
 
-template <typename T>
-T* dalloc(size_t n) {
-  T* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  return p;
-}
+using bench::dalloc;
 
 // median time in microseconds of fn(rep), after 3 warm-up calls
-float time_us(const std::function<void(int)>& fn) {
-  for (int i = 0; i < 3; ++i) fn(i);
-  CK(cudaDeviceSynchronize());
-  std::vector<float> t(g_reps);
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < g_reps; ++i) {
-    CK(cudaEventRecord(a));
-    fn(i);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    CK(cudaEventElapsedTime(&t[i], a, b));
-  }
-  CK(cudaGetLastError());
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(t.begin(), t.end());
-  return t[g_reps / 2] * 1000.f;
-}
+float time_us(const std::function<void(int)>& fn) { return bench::median_us(fn, g_reps, 3); }
 
 struct Config {
   const char* name;

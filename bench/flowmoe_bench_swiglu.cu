@@ -24,50 +24,20 @@
 #include "flowmoe/numerics.h"
 #include "flowmoe/swiglu.h"
 
+#include "bench_util.cuh"
+
 using namespace flowmoe;
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));   \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
 
 namespace {
 
 int g_reps = 30;
 double g_copy_gbs = 0;
 
-template <typename T>
-T* dalloc(size_t n) {
-  T* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  return p;
-}
+using bench::dalloc;
 
 // Median of g_reps timed calls of fn(rep), in microseconds, after 5 warm-up calls.
-float median_us(const std::function<void(int)>& fn) {
-  for (int i = 0; i < 5; ++i) fn(i);
-  CK(cudaDeviceSynchronize());
-  cudaEvent_t t0, t1;
-  CK(cudaEventCreate(&t0));
-  CK(cudaEventCreate(&t1));
-  std::vector<float> ms(g_reps);
-  for (int i = 0; i < g_reps; ++i) {
-    CK(cudaEventRecord(t0));
-    fn(i);
-    CK(cudaEventRecord(t1));
-    CK(cudaEventSynchronize(t1));
-    CK(cudaEventElapsedTime(&ms[i], t0, t1));
-  }
-  CK(cudaGetLastError());
-  CK(cudaEventDestroy(t0));
-  CK(cudaEventDestroy(t1));
-  std::sort(ms.begin(), ms.end());
-  return ms[g_reps / 2] * 1000.0f;
-}
+float median_us(const std::function<void(int)>& fn) { return bench::median_us(fn, g_reps, 5); }
 
 struct Config {
   const char* name;
