@@ -1,0 +1,813 @@
+// Kernels of the CUDA MoE layer that the operator libraries do not provide (kernels.cuh). The
+// arithmetic of each is written to be the CPU backend's (src/cpu/moe_cpu.cpp) operation for
+// operation; where a reduction order differs it says so (docs/MOE_GPU.md §3).
+#include <cuda_bf16.h>
+
+#include <cmath>
+
+#include "cuda/common.cuh"
+#include "cuda/moe/kernels.cuh"
+#include "flowmoe/error.h"
+#include "flowmoe/numerics.h"
+#include "flowmoe/swiglu_math.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+namespace {
+
+using namespace flowmoe::num;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+inline unsigned grid_1d(int64_t items, int per_block, int64_t cap = 1 << 20) {
+  int64_t g = (items + per_block - 1) / per_block;
+  if (g < 1) g = 1;
+  return static_cast<unsigned>(g < cap ? g : cap);
+}
+inline void check_ptr(const void* p, const char* name, const char* what) {
+  FLOWMOE_CHECK(p != nullptr, what << ": " << name << " is null; expected a device buffer");
+}
+
+__device__ __forceinline__ uint32_t max_u32_warp(uint32_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ int sum_i_warp(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ void add_count(unsigned long long* c, int lane, int n) {
+  if (c && lane == 0 && n) atomicAdd(c, static_cast<unsigned long long>(n));
+}
+
+// ---- utilities -----------------------------------------------------------------------------------
+__global__ void f32_to_bf16_kernel(const float* __restrict__ in, int64_t n, bf16_t* __restrict__ out,
+                                   unsigned long long* nonfinite) {
+  int bad = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = in[i];
+    bad += !f32_is_finite(v);
+    out[i] = num::f32_to_bf16(v);
+  }
+  if (nonfinite && bad) atomicAdd(nonfinite, static_cast<unsigned long long>(bad));
+}
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+__global__ void fill_normal_kernel(float* __restrict__ f32, bf16_t* __restrict__ bf16, int64_t n,
+                                   uint64_t seed, float stddev) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t r = splitmix64(seed * 0x100000001B3ull + static_cast<uint64_t>(i));
+    const float u1 = (static_cast<float>(r >> 40) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+    const float u2 = static_cast<float>((r >> 16) & 0xFFFFFFu) * (1.0f / 16777216.0f);
+    const float v = stddev * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    if (f32) f32[i] = v;
+    if (bf16) bf16[i] = num::f32_to_bf16(v);
+  }
+}
+
+// ---- router GEMMs ----------------------------------------------------------------------------------
+// Tiles of BT tokens x BE experts, 4x4 outputs per thread, the contraction over H in chunks of 32
+// staged in shared memory; every output's sum runs over h in increasing order, one fma per term.
+constexpr int kChunk = 32;
+
+template <int BT, int BE>
+__global__ void __launch_bounds__((BT / 4) * (BE / 4))
+router_logits_kernel(const bf16_t* __restrict__ x, const float* __restrict__ wr, int64_t T, int E,
+                     int64_t H, float* __restrict__ z) {
+  constexpr int kTh = (BT / 4) * (BE / 4);
+  __shared__ float xs[kChunk][BT + 1];
+  __shared__ float ws[kChunk][BE + 1];
+  const int64_t t0 = int64_t(blockIdx.x) * BT;
+  const int e0 = blockIdx.y * BE;
+  const int tx = threadIdx.x % (BE / 4), ty = threadIdx.x / (BE / 4);
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+  for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
+    for (int i = threadIdx.x; i < BT * kChunk; i += kTh) {
+      const int r = i / kChunk, c = i % kChunk;
+      const int64_t t = t0 + r;
+      xs[c][r] = t < T ? bf16_to_f32(x[t * H + h0 + c]) : 0.0f;
+    }
+    for (int i = threadIdx.x; i < BE * kChunk; i += kTh) {
+      const int r = i / kChunk, c = i % kChunk;
+      const int e = e0 + r;
+      ws[c][r] = e < E ? wr[int64_t(e) * H + h0 + c] : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int c = 0; c < kChunk; ++c) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = xs[c][ty * 4 + i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = ws[c][tx * 4 + j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = __fmaf_rn(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t t = t0 + ty * 4 + i;
+    if (t >= T) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int e = e0 + tx * 4 + j;
+      if (e < E) z[t * E + e] = acc[i][j];
+    }
+  }
+}
+
+// dwr [E, H] += dz^T x: tiles of BE experts x BH features, the contraction over tokens in order.
+template <int BE, int BH>
+__global__ void __launch_bounds__((BE / 4) * (BH / 4))
+router_dwr_kernel(const float* __restrict__ dz, const bf16_t* __restrict__ x, int64_t T, int E,
+                  int64_t H, float* __restrict__ dwr) {
+  constexpr int kTh = (BE / 4) * (BH / 4);
+  __shared__ float ds[kChunk][BE + 1];
+  __shared__ float xs[kChunk][BH + 1];
+  const int e0 = blockIdx.y * BE;
+  const int64_t h0 = int64_t(blockIdx.x) * BH;
+  const int tx = threadIdx.x % (BH / 4), ty = threadIdx.x / (BH / 4);
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+  for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
+    for (int i = threadIdx.x; i < kChunk * BE; i += kTh) {
+      const int c = i / BE, r = i % BE;
+      const int64_t t = t0 + c;
+      const int e = e0 + r;
+      ds[c][r] = (t < T && e < E) ? dz[t * E + e] : 0.0f;
+    }
+    for (int i = threadIdx.x; i < kChunk * BH; i += kTh) {
+      const int c = i / BH, r = i % BH;
+      const int64_t t = t0 + c;
+      const int64_t h = h0 + r;
+      xs[c][r] = (t < T && h < H) ? bf16_to_f32(x[t * H + h]) : 0.0f;
+    }
+    __syncthreads();
+    const int n = static_cast<int>(T - t0 < kChunk ? T - t0 : kChunk);  // no padding terms
+    for (int c = 0; c < n; ++c) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = ds[c][ty * 4 + i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = xs[c][tx * 4 + j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = __fmaf_rn(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = e0 + ty * 4 + i;
+    if (e >= E) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t h = h0 + tx * 4 + j;
+      if (h < H) dwr[int64_t(e) * H + h] = __fadd_rn(dwr[int64_t(e) * H + h], acc[i][j]);
+    }
+  }
+}
+
+// dx: one CTA per (16 tokens, 512 features); thread = 2 adjacent features of 16 tokens.
+constexpr int kDxTokens = 16;
+__global__ void __launch_bounds__(kThreads)
+combine_dx_kernel(const bf16_t* __restrict__ rows, const int32_t* __restrict__ row_map, int64_t T,
+                  int topk, const float* __restrict__ dz, const float* __restrict__ wr, int E,
+                  int64_t H, bf16_t* __restrict__ dx) {
+  extern __shared__ float s_dz[];  // [kDxTokens][E]
+  const int64_t t0 = int64_t(blockIdx.y) * kDxTokens;
+  const int64_t h = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * 2;
+  if (dz) {
+    for (int i = threadIdx.x; i < kDxTokens * E; i += kThreads) {
+      const int64_t t = t0 + i / E;
+      s_dz[i] = t < T ? dz[t * E + i % E] : 0.0f;
+    }
+  }
+  __syncthreads();
+  if (h >= H) return;
+  float acc0[kDxTokens], acc1[kDxTokens];
+#pragma unroll
+  for (int i = 0; i < kDxTokens; ++i) {
+    const int64_t t = t0 + i;
+    float a0 = 0.0f, a1 = 0.0f;
+    if (t < T) {
+      for (int s = 0; s < topk; ++s) {
+        const int32_t r = row_map[t * topk + s];
+        if (r < 0) continue;
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(rows + int64_t(r) * H + h);
+        a0 = __fadd_rn(a0, __uint_as_float(w << 16));
+        a1 = __fadd_rn(a1, __uint_as_float(w & 0xFFFF0000u));
+      }
+    }
+    // the expert path is rounded to BF16 (unpermute's output), then the router path is added
+    acc0[i] = bf16_to_f32(bf16_canonical(a0));
+    acc1[i] = bf16_to_f32(bf16_canonical(a1));
+  }
+  if (dz) {
+    for (int e = 0; e < E; ++e) {
+      const float2 w = *reinterpret_cast<const float2*>(wr + int64_t(e) * H + h);
+#pragma unroll
+      for (int i = 0; i < kDxTokens; ++i) {
+        const float d = s_dz[i * E + e];
+        acc0[i] = __fmaf_rn(d, w.x, acc0[i]);
+        acc1[i] = __fmaf_rn(d, w.y, acc1[i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kDxTokens; ++i) {
+    const int64_t t = t0 + i;
+    if (t >= T) break;
+    const uint32_t o = uint32_t(bf16_canonical(acc0[i])) | (uint32_t(bf16_canonical(acc1[i])) << 16);
+    *reinterpret_cast<uint32_t*>(dx + t * H + h) = o;
+  }
+}
+
+__global__ void scatter_row_probs_kernel(const float* __restrict__ probs, const int32_t* __restrict__ row_map,
+                                         int64_t n, float* __restrict__ prow) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t r = row_map[i];
+    if (r >= 0) prow[r] = probs[i];
+  }
+}
+__global__ void gather_row_dprobs_kernel(const float* __restrict__ dprow, const int32_t* __restrict__ row_map,
+                                         int64_t n, float* __restrict__ dprobs) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t r = row_map[i];
+    dprobs[i] = r >= 0 ? dprow[r] : 0.0f;
+  }
+}
+
+// ---- 1x128 tile quantization of 4 values per lane (one warp = one tile) ----------------------------
+// cpu::quantize_row's rule: amax over the finite values; any non-finite value marks the tile NaN
+// (scale 0xFF, codes 0x7F); else e = e4m3_scale_exp(amax), codes RNE_E4M3(v / 2^e).
+// Returns the tile's non-finite count (the same in every lane).
+__device__ __forceinline__ int quantize_tile4(const float v[4], uint8_t* codes4, uint8_t* scale, int lane) {
+  uint32_t amax = 0;
+  int bad = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (f32_is_finite(v[i])) amax = max(amax, f32_bits(v[i]) & 0x7FFFFFFFu);
+    else ++bad;
+  }
+  amax = max_u32_warp(amax);
+  bad = sum_i_warp(bad);
+  uint32_t packed;
+  if (bad) {
+    packed = 0x7F7F7F7Fu;
+    if (lane == 0) *scale = kUE8M0NaN;
+  } else {
+    const int e = e4m3_scale_exp(f32_from_bits(amax));
+    packed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) packed |= uint32_t(quant_e4m3(v[i], e)) << (8 * i);
+    if (lane == 0) *scale = ue8m0_from_exp(e);
+  }
+  *reinterpret_cast<uint32_t*>(codes4) = packed;
+  return bad;
+}
+
+__device__ __forceinline__ void load_bf16x4(const bf16_t* p, float v[4]) {
+  const uint2 w = *reinterpret_cast<const uint2*>(p);
+  v[0] = __uint_as_float(w.x << 16);
+  v[1] = __uint_as_float(w.x & 0xFFFF0000u);
+  v[2] = __uint_as_float(w.y << 16);
+  v[3] = __uint_as_float(w.y & 0xFFFF0000u);
+}
+
+// ---- SwiGLU * prob forward: one warp per (row, 128-feature tile) -------------------------------------
+__global__ void __launch_bounds__(kThreads)
+swiglu_prob_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, int64_t m, int64_t f,
+                   bf16_t* __restrict__ a_bf16, uint8_t* __restrict__ a_codes, uint8_t* __restrict__ a_scales,
+                   uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales,
+                   unsigned long long* nonfinite) {
+  const int lane = threadIdx.x & 31;
+  const int64_t tiles = f / 128;
+  const int64_t total = m * tiles;
+  for (int64_t w = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); w < total;
+       w += int64_t(gridDim.x) * kWarps) {
+    const int64_t r = w / tiles, j = w % tiles;
+    const int64_t col = j * 128 + lane * 4;
+    float g[4], u[4], a[4];
+    load_bf16x4(h + r * 2 * f + col, g);
+    load_bf16x4(h + r * 2 * f + f + col, u);
+    const float p = prow[r];
+    int bad = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a[i] = f_mul(swiglu_f32(g[i], u[i]), p);
+      bad += !f32_is_finite(a[i]);
+    }
+    bad = sum_i_warp(bad);
+    add_count(nonfinite, lane, bad);  // each value of a' counted once
+    if (a_bf16) {
+      const uint32_t lo = uint32_t(bf16_canonical(a[0])) | (uint32_t(bf16_canonical(a[1])) << 16);
+      const uint32_t hi = uint32_t(bf16_canonical(a[2])) | (uint32_t(bf16_canonical(a[3])) << 16);
+      *reinterpret_cast<uint2*>(a_bf16 + r * f + col) = make_uint2(lo, hi);
+    }
+    if (a_codes) quantize_tile4(a, a_codes + r * f + col, a_scales + j * m + r, lane);
+    if (h_codes) {
+      const int bg = quantize_tile4(g, h_codes + r * 2 * f + col, h_scales + j * m + r, lane);
+      const int bu = quantize_tile4(u, h_codes + r * 2 * f + f + col, h_scales + (tiles + j) * m + r, lane);
+      add_count(nonfinite, lane, bg + bu);
+    }
+  }
+}
+
+// ---- dSwiGLU * prob backward: one warp per row --------------------------------------------------------
+// dh = bf16(dswiglu_f32(p * da', g, u)); dp = sum_j da'_j * swiglu(g_j, u_j): lane l accumulates
+// the 8-element groups l, l + 32, ... (fma, element order), then a butterfly over the lanes.
+__global__ void __launch_bounds__(kThreads)
+dswiglu_prob_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ hb,
+                    const uint8_t* __restrict__ hc, const uint8_t* __restrict__ hs,
+                    const float* __restrict__ prow, int64_t m, int64_t f, bf16_t* __restrict__ dh,
+                    float* __restrict__ dprow, unsigned long long* nonfinite) {
+  const int lane = threadIdx.x & 31;
+  const int64_t groups = f / 8;
+  const int64_t tiles = f / 128;
+  for (int64_t r = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); r < m; r += int64_t(gridDim.x) * kWarps) {
+    const float p = prow[r];
+    float acc = 0.0f;
+    int bad = 0;
+    for (int64_t gi = lane; gi < groups; gi += 32) {
+      const int64_t col = gi * 8;
+      float d[8], g[8], u[8];
+      const uint4 wd = *reinterpret_cast<const uint4*>(da + r * f + col);
+      const uint32_t dw[4] = {wd.x, wd.y, wd.z, wd.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        d[2 * q] = __uint_as_float(dw[q] << 16);
+        d[2 * q + 1] = __uint_as_float(dw[q] & 0xFFFF0000u);
+      }
+      if (hb) {
+        const uint4 wg = *reinterpret_cast<const uint4*>(hb + r * 2 * f + col);
+        const uint4 wu = *reinterpret_cast<const uint4*>(hb + r * 2 * f + f + col);
+        const uint32_t gw[4] = {wg.x, wg.y, wg.z, wg.w}, uw[4] = {wu.x, wu.y, wu.z, wu.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          g[2 * q] = __uint_as_float(gw[q] << 16);
+          g[2 * q + 1] = __uint_as_float(gw[q] & 0xFFFF0000u);
+          u[2 * q] = __uint_as_float(uw[q] << 16);
+          u[2 * q + 1] = __uint_as_float(uw[q] & 0xFFFF0000u);
+        }
+      } else {
+        const uint2 cg = *reinterpret_cast<const uint2*>(hc + r * 2 * f + col);
+        const uint2 cu = *reinterpret_cast<const uint2*>(hc + r * 2 * f + f + col);
+        const uint8_t sg = hs[(col / 128) * m + r], su = hs[(tiles + col / 128) * m + r];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const uint32_t wg = q < 4 ? cg.x : cg.y, wu = q < 4 ? cu.x : cu.y;
+          g[q] = dequant_e4m3(static_cast<uint8_t>(wg >> (8 * (q & 3))), sg);
+          u[q] = dequant_e4m3(static_cast<uint8_t>(wu >> (8 * (q & 3))), su);
+        }
+      }
+      // dswiglu_f32(p * da, g, u) and swiglu_f32(g, u) from one sigmoid (the same operations as
+      // those two functions of swiglu_math.h, so the same bits)
+      float dg[8], du[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const SiluParts sp = sigmoid_parts(g[q]);
+        const float silu = f_mul(g[q], sp.s);
+        const float ds = f_mul(sp.s, f_fma(g[q], sp.sc, 1.0f));
+        const float dq = f_mul(d[q], p);
+        dg[q] = f_mul(dq, f_mul(u[q], ds));
+        du[q] = f_mul(dq, silu);
+        bad += !f32_is_finite(dg[q]) + !f32_is_finite(du[q]);
+        acc = f_fma(d[q], f_mul(silu, u[q]), acc);
+      }
+      uint32_t og[4], ou[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        og[q] = uint32_t(bf16_canonical(dg[2 * q])) | (uint32_t(bf16_canonical(dg[2 * q + 1])) << 16);
+        ou[q] = uint32_t(bf16_canonical(du[2 * q])) | (uint32_t(bf16_canonical(du[2 * q + 1])) << 16);
+      }
+      *reinterpret_cast<uint4*>(dh + r * 2 * f + col) = make_uint4(og[0], og[1], og[2], og[3]);
+      *reinterpret_cast<uint4*>(dh + r * 2 * f + f + col) = make_uint4(ou[0], ou[1], ou[2], ou[3]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+    bad = sum_i_warp(bad);
+    add_count(nonfinite, lane, bad);
+    if (lane == 0) dprow[r] = acc;
+  }
+}
+
+// ---- fp8-naive: FP32 scales ------------------------------------------------------------------------
+__host__ __device__ __forceinline__ float naive_scale_of(float amax) {
+#if defined(__CUDA_ARCH__)
+  return amax > 0.0f ? __fdiv_rn(amax, kE4M3Max) : 1.0f;
+#else
+  return amax > 0.0f ? amax / kE4M3Max : 1.0f;
+#endif
+}
+// 4 values per lane, one warp per tile of up to 128 values (`valid` lanes' values are real; the
+// others must be passed as 0 and are not written). Returns the scale (NaN for a non-finite tile)
+// and writes the codes into c4; bad = the tile's non-finite count.
+__device__ __forceinline__ float naive_tile4(const float v[4], uint32_t* c4, int* bad_out) {
+  uint32_t amax = 0;
+  int bad = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (f32_is_finite(v[i])) amax = max(amax, f32_bits(v[i]) & 0x7FFFFFFFu);
+    else ++bad;
+  }
+  amax = max_u32_warp(amax);
+  bad = sum_i_warp(bad);
+  *bad_out = bad;
+  if (bad) {
+    *c4 = 0x7F7F7F7Fu;
+    return f32_from_bits(kCanonicalNaN);
+  }
+  const float s = naive_scale_of(f32_from_bits(amax));
+  uint32_t packed = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) packed |= uint32_t(f32_to_e4m3(__fdiv_rn(v[i], s))) << (8 * i);
+  *c4 = packed;
+  return s;
+}
+__device__ __forceinline__ float naive_dequant(uint8_t c, float s) {
+  if (e4m3_is_nan(c) || f32_is_nan(s)) return f32_from_bits(kCanonicalNaN);
+  return __fmul_rn(e4m3_to_f32(c), s);
+}
+
+// Index of the FP32 scale of (row r, tile l) in the GEMM-ready layout: expert-packed when the
+// offsets are given (s_off [E+1] in shared memory), else [L][M].
+__device__ __forceinline__ int64_t act_scale_index(const int32_t* s_off, int E, int64_t m, int64_t L,
+                                                   int64_t r, int64_t l) {
+  if (!s_off) return l * m + r;
+  int lo = 0, hi = E - 1;  // last expert with offsets[e] <= r
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (s_off[mid] <= r) lo = mid;
+    else hi = mid - 1;
+  }
+  const int64_t o = s_off[lo], len = s_off[lo + 1] - o;
+  return L * o + l * len + (r - o);
+}
+
+__global__ void __launch_bounds__(kThreads)
+naive_quantize_row_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t c, const int32_t* __restrict__ offsets,
+                          int E, uint8_t* __restrict__ codes, float* __restrict__ scales,
+                          unsigned long long* nonfinite) {
+  extern __shared__ int32_t s_off[];
+  if (offsets)
+    for (int i = threadIdx.x; i <= E; i += kThreads) s_off[i] = offsets[i];
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int64_t L = c / 128, total = m * L;
+  for (int64_t w = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); w < total; w += int64_t(gridDim.x) * kWarps) {
+    const int64_t r = w / L, l = w % L;
+    const int64_t col = l * 128 + lane * 4;
+    float v[4];
+    load_bf16x4(x + r * c + col, v);
+    uint32_t c4;
+    int bad;
+    const float s = naive_tile4(v, &c4, &bad);
+    *reinterpret_cast<uint32_t*>(codes + r * c + col) = c4;
+    if (lane == 0) scales[act_scale_index(offsets ? s_off : nullptr, E, m, L, r, l)] = s;
+    add_count(nonfinite, lane, bad);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+naive_dequantize_row_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ scales, int64_t m,
+                            int64_t c, const int32_t* __restrict__ offsets, int E, bf16_t* __restrict__ y) {
+  extern __shared__ int32_t s_off[];
+  if (offsets)
+    for (int i = threadIdx.x; i <= E; i += kThreads) s_off[i] = offsets[i];
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int64_t L = c / 128, total = m * L;
+  for (int64_t w = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); w < total; w += int64_t(gridDim.x) * kWarps) {
+    const int64_t r = w / L, l = w % L;
+    const int64_t col = l * 128 + lane * 4;
+    const float s = scales[act_scale_index(offsets ? s_off : nullptr, E, m, L, r, l)];
+    const uint32_t c4 = *reinterpret_cast<const uint32_t*>(codes + r * c + col);
+    uint16_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[i] = bf16_canonical(naive_dequant(static_cast<uint8_t>(c4 >> (8 * i)), s));
+    *reinterpret_cast<uint2*>(y + r * c + col) =
+        make_uint2(uint32_t(o[0]) | (uint32_t(o[1]) << 16), uint32_t(o[2]) | (uint32_t(o[3]) << 16));
+  }
+}
+
+// Column-wise from the transposed BF16 [C, M]: one warp per (feature, token block).
+__global__ void __launch_bounds__(kThreads)
+naive_quantize_transposed_kernel(const bf16_t* __restrict__ xt, int64_t c, int64_t m, int64_t max_blocks,
+                                 const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend,
+                                 uint8_t* __restrict__ codes, float* __restrict__ scales,
+                                 unsigned long long* nonfinite) {
+  const int lane = threadIdx.x & 31;
+  const int64_t total = max_blocks * c;
+  for (int64_t w = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); w < total; w += int64_t(gridDim.x) * kWarps) {
+    const int64_t b = w / c, feat = w % c;
+    const int bs = bstart[b];
+    if (bs < 0) continue;  // uniform in the warp
+    const int n = bend[b] - bs;
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = lane * 4 + i;
+      v[i] = t < n ? bf16_to_f32(xt[feat * m + bs + t]) : 0.0f;
+    }
+    uint32_t c4;
+    int bad;
+    const float s = naive_tile4(v, &c4, &bad);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = lane * 4 + i;
+      if (t < n) codes[feat * m + bs + t] = static_cast<uint8_t>(c4 >> (8 * i));
+    }
+    if (lane == 0) scales[b * c + feat] = s;
+    add_count(nonfinite, lane, bad);
+  }
+}
+
+// Weights: one CTA per (expert, 128x128 block); thread i handles column i % 128 of rows
+// i / 128, i / 128 + 2, ...
+__global__ void __launch_bounds__(kThreads)
+naive_quantize_weights_kernel(const bf16_t* __restrict__ w, int64_t n, int64_t k, uint8_t* __restrict__ codes,
+                              float* __restrict__ scales, uint8_t* __restrict__ t_codes,
+                              float* __restrict__ t_scales, unsigned long long* nonfinite) {
+  __shared__ uint32_t s_max[kWarps];
+  __shared__ int s_bad[kWarps];
+  const int64_t nb = n / 128, kb = k / 128;
+  const int64_t e = blockIdx.z;
+  const int64_t bi = blockIdx.y, bj = blockIdx.x;
+  const bf16_t* we = w + e * n * k;
+  const int cx = threadIdx.x & 127, ry = threadIdx.x >> 7;
+  uint32_t amax = 0;
+  int bad = 0;
+  for (int rr = ry; rr < 128; rr += 2) {
+    const float v = bf16_to_f32(we[(bi * 128 + rr) * k + bj * 128 + cx]);
+    if (f32_is_finite(v)) amax = max(amax, f32_bits(v) & 0x7FFFFFFFu);
+    else ++bad;
+  }
+  amax = max_u32_warp(amax);
+  bad = sum_i_warp(bad);
+  if ((threadIdx.x & 31) == 0) {
+    s_max[threadIdx.x >> 5] = amax;
+    s_bad[threadIdx.x >> 5] = bad;
+  }
+  __syncthreads();
+  amax = 0;
+  bad = 0;
+  for (int i = 0; i < kWarps; ++i) {
+    amax = max(amax, s_max[i]);
+    bad += s_bad[i];
+  }
+  const float s = bad ? f32_from_bits(kCanonicalNaN) : naive_scale_of(f32_from_bits(amax));
+  for (int rr = ry; rr < 128; rr += 2) {
+    const int64_t row = bi * 128 + rr, col = bj * 128 + cx;
+    const float v = bf16_to_f32(we[row * k + col]);
+    const uint8_t q = bad ? kE4M3NaN : f32_to_e4m3(__fdiv_rn(v, s));
+    codes[e * n * k + row * k + col] = q;
+    t_codes[e * n * k + col * n + row] = q;
+  }
+  if (threadIdx.x == 0) {
+    const int64_t ldk = (kb + 3) / 4 * 4, ldn = (nb + 3) / 4 * 4;
+    scales[e * nb * ldk + bi * ldk + bj] = s;
+    t_scales[e * kb * ldn + bj * ldn + bi] = s;
+    if (nonfinite && bad) atomicAdd(nonfinite, static_cast<unsigned long long>(bad));
+  }
+}
+
+unsigned long long* nf(DeviceStatus* st) { return st ? &st->nonfinite : nullptr; }
+
+}  // namespace
+
+// =====================================================================================================
+// launchers
+// =====================================================================================================
+void f32_to_bf16(const float* in, int64_t n, bf16_t* out, DeviceStatus* status, cudaStream_t stream) {
+  FLOWMOE_CHECK(n >= 0, "moe::f32_to_bf16: n = " << n << " < 0");
+  if (n == 0) return;
+  check_ptr(in, "in", "moe::f32_to_bf16");
+  check_ptr(out, "out", "moe::f32_to_bf16");
+  f32_to_bf16_kernel<<<grid_1d(n, kThreads * 8), kThreads, 0, stream>>>(in, n, out, nf(status));
+  FLOWMOE_LAUNCH_CHECK("moe::f32_to_bf16_kernel");
+}
+
+void fill_normal(float* f32, bf16_t* bf16, int64_t n, uint64_t seed, float stddev, cudaStream_t stream) {
+  FLOWMOE_CHECK(n >= 0, "moe::fill_normal: n = " << n << " < 0");
+  if (n == 0) return;
+  FLOWMOE_CHECK(f32 || bf16, "moe::fill_normal: both outputs are null");
+  fill_normal_kernel<<<grid_1d(n, kThreads * 8), kThreads, 0, stream>>>(f32, bf16, n, seed, stddev);
+  FLOWMOE_LAUNCH_CHECK("moe::fill_normal_kernel");
+}
+
+void router_logits(const bf16_t* x, const float* wr, int64_t t, int e, int64_t h, float* z,
+                   cudaStream_t stream) {
+  const char* what = "moe::router_logits";
+  FLOWMOE_CHECK(t >= 0 && e >= 1 && h > 0 && h % kChunk == 0,
+                what << ": shape T=" << t << " E=" << e << " H=" << h
+                     << " invalid; expected T >= 0, E >= 1, H a positive multiple of 32");
+  if (t == 0) return;
+  check_ptr(x, "x", what);
+  check_ptr(wr, "wr", what);
+  check_ptr(z, "z", what);
+  if (e <= 32) {
+    const dim3 grid(static_cast<unsigned>((t + 63) / 64), static_cast<unsigned>((e + 31) / 32));
+    router_logits_kernel<64, 32><<<grid, (64 / 4) * (32 / 4), 0, stream>>>(x, wr, t, e, h, z);
+  } else {
+    const dim3 grid(static_cast<unsigned>((t + 63) / 64), static_cast<unsigned>((e + 63) / 64));
+    router_logits_kernel<64, 64><<<grid, (64 / 4) * (64 / 4), 0, stream>>>(x, wr, t, e, h, z);
+  }
+  FLOWMOE_LAUNCH_CHECK("moe::router_logits_kernel");
+}
+
+void router_dwr(const float* dz, const bf16_t* x, int64_t t, int e, int64_t h, float* dwr,
+                cudaStream_t stream) {
+  const char* what = "moe::router_dwr";
+  FLOWMOE_CHECK(t >= 0 && e >= 1 && h > 0,
+                what << ": shape T=" << t << " E=" << e << " H=" << h << " invalid");
+  if (t == 0) return;
+  check_ptr(dz, "dz", what);
+  check_ptr(x, "x", what);
+  check_ptr(dwr, "dwr", what);
+  const dim3 grid(static_cast<unsigned>((h + 63) / 64), static_cast<unsigned>((e + 31) / 32));
+  router_dwr_kernel<32, 64><<<grid, (32 / 4) * (64 / 4), 0, stream>>>(dz, x, t, e, h, dwr);
+  FLOWMOE_LAUNCH_CHECK("moe::router_dwr_kernel");
+}
+
+void combine_dx(const bf16_t* rows, const int32_t* row_map, int64_t t, int topk, const float* dz,
+                const float* wr, int e, int64_t h, bf16_t* dx, cudaStream_t stream) {
+  const char* what = "moe::combine_dx";
+  FLOWMOE_CHECK(t >= 0 && topk >= 1 && e >= 1 && h > 0 && h % 8 == 0,
+                what << ": shape T=" << t << " k=" << topk << " E=" << e << " H=" << h
+                     << " invalid; expected H a positive multiple of 8");
+  if (t == 0) return;
+  check_ptr(rows, "rows", what);
+  check_ptr(row_map, "row_map", what);
+  check_ptr(dx, "dx", what);
+  FLOWMOE_CHECK(!dz || wr, what << ": dz given without wr");
+  const dim3 grid(static_cast<unsigned>((h / 2 + kThreads - 1) / kThreads),
+                  static_cast<unsigned>((t + kDxTokens - 1) / kDxTokens));
+  FLOWMOE_CHECK(grid.y <= 65535, what << ": T = " << t << " too large for one launch");
+  const size_t smem = dz ? size_t(kDxTokens) * e * sizeof(float) : 0;
+  if (smem > 48 * 1024) {  // E > 768: opt in to more dynamic shared memory (at most 64 KB here)
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(combine_dx_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+  }
+  combine_dx_kernel<<<grid, kThreads, smem, stream>>>(rows, row_map, t, topk, dz, wr, e, h, dx);
+  FLOWMOE_LAUNCH_CHECK("moe::combine_dx_kernel");
+}
+
+void scatter_row_probs(const float* probs, const int32_t* row_map, int64_t t, int topk,
+                       float* prow, cudaStream_t stream) {
+  const int64_t n = t * topk;
+  if (n == 0) return;
+  scatter_row_probs_kernel<<<grid_1d(n, kThreads), kThreads, 0, stream>>>(probs, row_map, n, prow);
+  FLOWMOE_LAUNCH_CHECK("moe::scatter_row_probs_kernel");
+}
+
+void gather_row_dprobs(const float* dprow, const int32_t* row_map, int64_t t, int topk,
+                       float* dprobs, cudaStream_t stream) {
+  const int64_t n = t * topk;
+  if (n == 0) return;
+  gather_row_dprobs_kernel<<<grid_1d(n, kThreads), kThreads, 0, stream>>>(dprow, row_map, n, dprobs);
+  FLOWMOE_LAUNCH_CHECK("moe::gather_row_dprobs_kernel");
+}
+
+void swiglu_prob(const bf16_t* h, const float* prow, int64_t m, int64_t f, bf16_t* a_bf16,
+                 uint8_t* a_codes, uint8_t* a_scales, uint8_t* h_codes, uint8_t* h_scales,
+                 DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "moe::swiglu_prob";
+  FLOWMOE_CHECK(m >= 0 && f > 0 && f % 128 == 0,
+                what << ": M = " << m << ", F = " << f << "; expected F a positive multiple of 128");
+  FLOWMOE_CHECK(a_bf16 || a_codes, what << ": no output (a_bf16 and a_codes are both null)");
+  FLOWMOE_CHECK(!a_codes || a_scales, what << ": a_codes given without a_scales");
+  FLOWMOE_CHECK(!h_codes || h_scales, what << ": h_codes given without h_scales");
+  if (m == 0) return;
+  check_ptr(h, "h", what);
+  check_ptr(prow, "prow", what);
+  swiglu_prob_kernel<<<grid_1d(m * (f / 128), kWarps), kThreads, 0, stream>>>(
+      h, prow, m, f, a_bf16, a_codes, a_scales, h_codes, h_scales, nf(status));
+  FLOWMOE_LAUNCH_CHECK("moe::swiglu_prob_kernel");
+}
+
+void prob_backward_impl(const bf16_t* da, const bf16_t* h_bf16, const uint8_t* h_codes,
+                        const uint8_t* h_scales, const float* prow, int64_t m, int64_t f,
+                        bf16_t* dh, float* dprow, DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "moe::dswiglu_prob";
+  FLOWMOE_CHECK(m >= 0 && f > 0 && f % 128 == 0,
+                what << ": M = " << m << ", F = " << f << "; expected F a positive multiple of 128");
+  FLOWMOE_CHECK((h_bf16 != nullptr) != (h_codes != nullptr),
+                what << ": give H either as bf16 or as FP8 codes + scales, exactly one");
+  FLOWMOE_CHECK(!h_codes || h_scales, what << ": h_codes given without h_scales");
+  if (m == 0) return;
+  check_ptr(da, "da", what);
+  check_ptr(prow, "prow", what);
+  check_ptr(dh, "dh", what);
+  check_ptr(dprow, "dprow", what);
+  FLOWMOE_CHECK(aligned16(da) && aligned16(dh) && (!h_bf16 || aligned16(h_bf16)) &&
+                    (!h_codes || aligned16(h_codes)),
+                what << ": da, dh and H must be 16-byte aligned");
+  dswiglu_prob_kernel<<<grid_1d(m, kWarps), kThreads, 0, stream>>>(da, h_bf16, h_codes, h_scales, prow,
+                                                                   m, f, dh, dprow, nf(status));
+  FLOWMOE_LAUNCH_CHECK("moe::dswiglu_prob_kernel");
+}
+
+float naive_scale(float amax) { return naive_scale_of(amax); }
+
+void naive_quantize_row(const bf16_t* x, int64_t m, int64_t c, const int32_t* d_offsets,
+                        int num_experts, uint8_t* codes, float* scales, DeviceStatus* status,
+                        cudaStream_t stream) {
+  const char* what = "moe::naive_quantize_row";
+  FLOWMOE_CHECK(m >= 0 && c > 0 && c % 128 == 0,
+                what << ": [" << m << ", " << c << "]; expected C a positive multiple of 128");
+  FLOWMOE_CHECK(!d_offsets || (num_experts >= 1 && num_experts <= 4096),
+                what << ": " << num_experts << " experts with offsets; expected 1..4096");
+  if (m == 0) return;
+  check_ptr(x, "x", what);
+  check_ptr(codes, "codes", what);
+  check_ptr(scales, "scales", what);
+  const size_t smem = d_offsets ? (num_experts + 1) * sizeof(int32_t) : 0;
+  naive_quantize_row_kernel<<<grid_1d(m * (c / 128), kWarps), kThreads, smem, stream>>>(
+      x, m, c, d_offsets, num_experts, codes, scales, nf(status));
+  FLOWMOE_LAUNCH_CHECK("moe::naive_quantize_row_kernel");
+}
+
+void naive_dequantize_row(const uint8_t* codes, const float* scales, int64_t m, int64_t c,
+                          const int32_t* d_offsets, int num_experts, bf16_t* y,
+                          cudaStream_t stream) {
+  const char* what = "moe::naive_dequantize_row";
+  FLOWMOE_CHECK(m >= 0 && c > 0 && c % 128 == 0,
+                what << ": [" << m << ", " << c << "]; expected C a positive multiple of 128");
+  FLOWMOE_CHECK(!d_offsets || (num_experts >= 1 && num_experts <= 4096),
+                what << ": " << num_experts << " experts with offsets; expected 1..4096");
+  if (m == 0) return;
+  check_ptr(codes, "codes", what);
+  check_ptr(scales, "scales", what);
+  check_ptr(y, "y", what);
+  const size_t smem = d_offsets ? (num_experts + 1) * sizeof(int32_t) : 0;
+  naive_dequantize_row_kernel<<<grid_1d(m * (c / 128), kWarps), kThreads, smem, stream>>>(
+      codes, scales, m, c, d_offsets, num_experts, y);
+  FLOWMOE_LAUNCH_CHECK("moe::naive_dequantize_row_kernel");
+}
+
+void naive_quantize_transposed(const bf16_t* xt, int64_t c, const SegmentBlocks& sb,
+                               uint8_t* codes, float* scales, DeviceStatus* status,
+                               cudaStream_t stream) {
+  const char* what = "moe::naive_quantize_transposed";
+  FLOWMOE_CHECK(c > 0 && c % 128 == 0, what << ": C = " << c << "; expected a positive multiple of 128");
+  FLOWMOE_CHECK(sb.m >= 0 && sb.max_blocks >= segment_max_blocks(sb.m, sb.num_segments),
+                what << ": segment blocks sized " << sb.max_blocks << " for M = " << sb.m);
+  if (sb.m == 0) return;
+  check_ptr(xt, "xt", what);
+  check_ptr(codes, "codes", what);
+  check_ptr(scales, "scales", what);
+  check_ptr(sb.block_start, "block_start", what);
+  check_ptr(sb.block_end, "block_end", what);
+  naive_quantize_transposed_kernel<<<grid_1d(sb.max_blocks * c, kWarps), kThreads, 0, stream>>>(
+      xt, c, sb.m, sb.max_blocks, sb.block_start, sb.block_end, codes, scales, nf(status));
+  FLOWMOE_LAUNCH_CHECK("moe::naive_quantize_transposed_kernel");
+}
+
+void naive_quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k,
+                            uint8_t* codes, float* scales, uint8_t* t_codes, float* t_scales,
+                            DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "moe::naive_quantize_weights";
+  FLOWMOE_CHECK(num_experts >= 1 && num_experts <= 65535 && n > 0 && k > 0 && n % 128 == 0 &&
+                    k % 128 == 0,
+                what << ": E=" << num_experts << " [" << n << ", " << k
+                     << "]; expected N, K positive multiples of 128");
+  check_ptr(w, "w", what);
+  check_ptr(codes, "codes", what);
+  check_ptr(scales, "scales", what);
+  check_ptr(t_codes, "t_codes", what);
+  check_ptr(t_scales, "t_scales", what);
+  const int64_t nb = n / 128, kb = k / 128;
+  const int64_t ldk = (kb + 3) / 4 * 4, ldn = (nb + 3) / 4 * 4;
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(scales, 0, size_t(num_experts) * nb * ldk * sizeof(float), stream));
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(t_scales, 0, size_t(num_experts) * kb * ldn * sizeof(float), stream));
+  const dim3 grid(static_cast<unsigned>(kb), static_cast<unsigned>(nb), static_cast<unsigned>(num_experts));
+  naive_quantize_weights_kernel<<<grid, kThreads, 0, stream>>>(w, n, k, codes, scales, t_codes, t_scales,
+                                                               nf(status));
+  FLOWMOE_LAUNCH_CHECK("moe::naive_quantize_weights_kernel");
+}
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe

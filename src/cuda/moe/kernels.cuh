@@ -1,0 +1,106 @@
+// Kernels of the CUDA MoE layer that the operator libraries (convert.h, token.h, swiglu.h, gemm.h)
+// do not provide: the router's FP32 GEMMs, the routing probability applied inside SwiGLU (forward
+// and backward), the dx combine with the router path, and the FP32-scale FP8 casts of the
+// `fp8-naive` recipe. Launchers check their arguments (flowmoe::Error), never allocate and never
+// synchronise. Arithmetic definitions: docs/MOE_GPU.md §3.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "flowmoe/cuda/convert.h"
+#include "flowmoe/tensor.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+
+// ---- utilities ---------------------------------------------------------------------------------
+// out[i] = bf16(in[i]) (num::f32_to_bf16: round to nearest even); non-finite inputs are counted in
+// status->nonfinite (status may be null).
+void f32_to_bf16(const float* in, int64_t n, bf16_t* out, DeviceStatus* status, cudaStream_t stream);
+// Deterministic normal(0, stddev) values from (seed, index).
+void fill_normal(float* f32, bf16_t* bf16, int64_t n, uint64_t seed, float stddev,
+                 cudaStream_t stream);
+
+// ---- router GEMMs (FP32, sums in one fixed order) ------------------------------------------------
+// z [T, E] = x [T, H] (bf16, decoded exactly) . wr [E, H]^T; for each (t, e) the sum runs over
+// h = 0, 1, ..., H-1 as acc = fma(x, w, acc) from acc = 0.
+void router_logits(const bf16_t* x, const float* wr, int64_t t, int e, int64_t h, float* z,
+                   cudaStream_t stream);
+// dwr [E, H] += dz [T, E]^T . x [T, H]: for each (e, h) the sum over t = 0..T-1 as
+// acc = fma(dz, x, acc) from acc = 0, then dwr = dwr + acc.
+void router_dwr(const float* dz, const bf16_t* x, int64_t t, int e, int64_t h, float* dwr,
+                cudaStream_t stream);
+// dx [T, H] bf16 = bf16( sum_s rows[row_map[t, s]] + sum_e dz[t, e] * wr[e, :] ): the expert rows
+// added in slot order from 0 (dropped slots skipped), then the router path as
+// acc = fma(dz, w, acc) for e = 0..E-1, one rounding to BF16. dz may be null (no router path).
+void combine_dx(const bf16_t* rows, const int32_t* row_map, int64_t t, int topk, const float* dz,
+                const float* wr, int e, int64_t h, bf16_t* dx, cudaStream_t stream);
+
+// ---- routing probability per permuted row -------------------------------------------------------
+// prow[row_map[t, s]] = probs[t, s] for every routed slot (rows not written stay as they are:
+// the caller zeroes [0, Mp) first so padding rows carry 0).
+void scatter_row_probs(const float* probs, const int32_t* row_map, int64_t t, int topk,
+                       float* prow, cudaStream_t stream);
+// dprobs[t, s] = dprow[row_map[t, s]] (0 for a dropped slot).
+void gather_row_dprobs(const float* dprow, const int32_t* row_map, int64_t t, int topk,
+                       float* dprobs, cudaStream_t stream);
+
+// ---- SwiGLU with the routing probability --------------------------------------------------------
+// h [M, 2F] bf16 (gate | up), prow [M] -> a'[r, j] = p_r * swiglu(gate, up) in binary32
+// (num::swiglu_f32, then one f_mul), written as
+//   a_bf16 [M, F] (RNE, canonical NaN)                      when a_bf16 is not null, and/or
+//   a_codes [M, F], a_scales [F/128][M] (row-wise 1x128)    when a_codes is not null
+//   (quantized straight from binary32, cpu::quantize_row's rule);
+//   h_codes [M, 2F], h_scales [2F/128][M]: H itself row-wise  when h_codes is not null.
+// status->nonfinite counts non-finite values of a' (and of H when quantized).
+void swiglu_prob(const bf16_t* h, const float* prow, int64_t m, int64_t f, bf16_t* a_bf16,
+                 uint8_t* a_codes, uint8_t* a_scales, uint8_t* h_codes, uint8_t* h_scales,
+                 DeviceStatus* status, cudaStream_t stream);
+// Backward: da [M, F] bf16 = d a' (GEMM2's dgrad), H as bf16 [M, 2F] (h_bf16) or row-wise FP8
+// (h_codes [M, 2F], h_scales [2F/128][M], decoded exactly) ->
+//   dh [M, 2F] bf16 = bf16(dswiglu_f32(p_r * da, gate, up))   (the CPU backend's arithmetic)
+//   dprow [M] fp32  = sum_j da[r, j] * swiglu(gate, up): lane l of a warp accumulates the
+//                     8-element groups l, l+32, ... by fma in element order, then a butterfly
+//                     (the CPU sums j in order: equal up to FP32 summation order)
+// status->nonfinite counts non-finite dgate/dup values (before rounding).
+void prob_backward_impl(const bf16_t* da, const bf16_t* h_bf16, const uint8_t* h_codes,
+                        const uint8_t* h_scales, const float* prow, int64_t m, int64_t f,
+                        bf16_t* dh, float* dprow, DeviceStatus* status, cudaStream_t stream);
+inline void dswiglu_prob(const bf16_t* da, const bf16_t* h_bf16, const uint8_t* h_codes,
+                         const uint8_t* h_scales, const float* prow, int64_t m, int64_t f,
+                         bf16_t* dh, float* dprow, DeviceStatus* status, cudaStream_t stream) {
+  prob_backward_impl(da, h_bf16, h_codes, h_scales, prow, m, f, dh, dprow, status, stream);
+}
+
+// ---- fp8-naive: FP8 with FP32 scales s = amax / 448 ------------------------------------------------
+// Scale rule of a tile with largest finite magnitude amax: s = amax / 448 (FP32 division, RNE),
+// s = 1 for an all-zero tile; q = RNE_E4M3(x / s); decoded value e4m3(q) * s. A tile holding a
+// non-finite value gets s = NaN and codes 0x7F (counted in status->nonfinite).
+float naive_scale(float amax);  // host copy of the rule, for tests
+// x [M, C] bf16 -> codes [M, C]; FP32 scales, GEMM-ready: with d_offsets [E+1] (device, offsets[E]
+// == M) expert-packed (gemm.h), without (null) the plain [C/128][M] grid.
+void naive_quantize_row(const bf16_t* x, int64_t m, int64_t c, const int32_t* d_offsets,
+                        int num_experts, uint8_t* codes, float* scales, DeviceStatus* status,
+                        cudaStream_t stream);
+// The inverse: codes [M, C] + FP32 scales (same two layouts) -> y [M, C] bf16 (RNE).
+void naive_dequantize_row(const uint8_t* codes, const float* scales, int64_t m, int64_t c,
+                          const int32_t* d_offsets, int num_experts, bf16_t* y,
+                          cudaStream_t stream);
+// xt [C, M] bf16 (already transposed) -> column-wise codes [C, M] and FP32 scales [max_blocks][C]
+// over the segments' 128-token blocks (GEMM-ready for wgrad).
+void naive_quantize_transposed(const bf16_t* xt, int64_t c, const SegmentBlocks& sb,
+                               uint8_t* codes, float* scales, DeviceStatus* status,
+                               cudaStream_t stream);
+// E weights w [E][N][K] bf16 -> codes [E][N][K], GEMM-ready FP32 block scales
+// [E][N/128][round_up(K/128, 4)], and the exact transpose: t_codes [E][K][N], t_scales
+// [E][K/128][round_up(N/128, 4)] (padding entries 0).
+void naive_quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k,
+                            uint8_t* codes, float* scales, uint8_t* t_codes, float* t_scales,
+                            DeviceStatus* status, cudaStream_t stream);
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe

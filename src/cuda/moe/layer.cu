@@ -1,0 +1,921 @@
+// The MoE layer on the GPU (include/flowmoe/moe.h, make_cuda_layer; docs/MOE_GPU.md): the five
+// recipes of SPEC §6 built from the CUDA operators (convert.h, token.h, swiglu.h, gemm.h) and the
+// layer's own kernels (kernels.cuh), with the dataflow of the CPU backend (src/cpu/moe_cpu.cpp)
+// step for step, so the two can be compared on the same inputs.
+//
+// Memory: every buffer is allocated in the constructor for cfg.max_tokens, rows sized by the
+// host-side bound R = routing_max_rows(max_tokens, k, E, A) (scale grids and column copies use the
+// real padded row count Mp as their leading dimension inside those buffers). set_weights converts
+// and quantizes into buffers allocated there too; forward and backward allocate nothing.
+//
+// Synchronisation: one per forward (the per-expert padded counts, which the grouped GEMM's
+// per-expert launches need on the host, fetched right after routing: fetch_routing_counts);
+// backward reuses them and does not synchronise. set_weights synchronises once (non-finite check
+// of the masters). cast_report() and status() synchronise to read the device counters.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "cuda/moe/kernels.cuh"
+#include "cuda/moe/moe_cuda.h"
+#include "flowmoe/cuda/convert.h"
+#include "flowmoe/error.h"
+#include "flowmoe/gemm.h"
+#include "flowmoe/moe.h"
+#include "flowmoe/swiglu.h"
+#include "flowmoe/token.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+namespace {
+
+constexpr int kStatusFwd = 0, kStatusFwdAux = 1, kStatusBwd = 2, kStatusBwdAux = 3;
+constexpr int kEventPool = 256;
+
+void drop_ops(CastReport* rep, MoePass p) {
+  rep->ops.erase(std::remove_if(rep->ops.begin(), rep->ops.end(),
+                                [p](const CastOp& op) { return op.pass == p; }),
+                 rep->ops.end());
+}
+
+// Row-wise FP8 operand: codes [rows, C] + UE8M0 scales [C/128][Mp].
+struct Fp8Buf {
+  uint8_t* codes = nullptr;
+  uint8_t* scales = nullptr;
+};
+// FP8 with FP32 scales (fp8-naive): codes + GEMM-ready FP32 scales.
+struct F32sBuf {
+  uint8_t* codes = nullptr;
+  float* scales = nullptr;
+};
+
+class CudaMoeLayer final : public MoeLayer {
+ public:
+  CudaMoeLayer(const MoeConfig& cfg, cudaStream_t stream)
+      : MoeLayer(cfg), stream_(stream), E_(cfg.num_experts), H_(cfg.hidden), F_(cfg.ffn),
+        K_(cfg.topk), Tm_(cfg.max_tokens), R_(cfg.max_rows()),
+        MB_(segment_max_blocks(cfg.max_rows(), cfg.num_experts)) {
+    int ndev = 0;
+    const cudaError_t err = cudaGetDeviceCount(&ndev);
+    FLOWMOE_CHECK(err == cudaSuccess && ndev > 0,
+                  "make_cuda_layer: no CUDA device is available ("
+                      << (err == cudaSuccess ? "0 devices" : cudaGetErrorString(err))
+                      << "); expected a Hopper GPU (sm_90). Use make_cpu_layer without one");
+    rep_.recipe = cfg.recipe;
+    try {
+      allocate();
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  ~CudaMoeLayer() override { release(); }
+
+  const char* backend() const override { return "cuda"; }
+
+  // ---- weights ---------------------------------------------------------------------------------
+  void set_weights(const MoeWeights& w) override {
+    const char* what = "MoeLayer::set_weights";
+    FLOWMOE_CHECK(w.w1 && w.w2 && w.wr,
+                  what << ": w1, w2 and wr must be non-null device pointers (W1 [E, 2F, H], W2 "
+                          "[E, H, F], Wr [E, H] fp32)");
+    const int64_t n1 = int64_t(E_) * 2 * F_ * H_, n2 = int64_t(E_) * H_ * F_;
+    FLOWMOE_CUDA_CHECK(cudaMemsetAsync(wstatus_, 0, sizeof(DeviceStatus), stream_));
+    f32_to_bf16(w.w1, n1, w1b_, wstatus_, stream_);
+    f32_to_bf16(w.w2, n2, w2b_, wstatus_, stream_);
+    f32_to_bf16(w.wr, int64_t(E_) * H_, scratch_bf16_wr_, wstatus_, stream_);  // finite check of Wr
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(wr_, w.wr, sizeof(float) * E_ * H_, cudaMemcpyDeviceToDevice, stream_));
+    has_bias_ = w.router_bias != nullptr;
+    if (has_bias_)
+      FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(bias_, w.router_bias, sizeof(float) * E_,
+                                         cudaMemcpyDeviceToDevice, stream_));
+    DeviceStatus st{};
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(&st, wstatus_, sizeof st, cudaMemcpyDeviceToHost, stream_));
+    FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (st.nonfinite)
+      throw NonFiniteError(__FILE__, __LINE__,
+                           std::string(what) + ": the weights hold " + std::to_string(st.nonfinite) +
+                               " non-finite value(s); expected finite W1, W2 and Wr");
+
+    drop_ops(&rep_, MoePass::kWeightUpdate);
+    const Recipe rc = cfg_.recipe;
+    if (rc == Recipe::kBlockwise || rc == Recipe::kFlow || rc == Recipe::kFlowFp4) {
+      const int64_t s1 = (2 * F_ / 128) * (H_ / 128), s2 = (H_ / 128) * (F_ / 128);
+      for (int e = 0; e < E_; ++e) {
+        quantize_weight(w1b_ + e * 2 * F_ * H_, 2 * F_, H_, w1_.codes + e * 2 * F_ * H_,
+                        w1s8_ + e * s1, w1t_.codes + e * 2 * F_ * H_, w1ts8_ + e * s1, wstatus_,
+                        stream_);
+        quantize_weight(w2b_ + e * H_ * F_, H_, F_, w2_.codes + e * H_ * F_, w2s8_ + e * s2,
+                        w2t_.codes + e * H_ * F_, w2ts8_ + e * s2, wstatus_, stream_);
+      }
+      weight_scales_to_f32(w1s8_, E_, 2 * F_, H_, w1_.scales, stream_);
+      weight_scales_to_f32(w1ts8_, E_, H_, 2 * F_, w1t_.scales, stream_);
+      weight_scales_to_f32(w2s8_, E_, H_, F_, w2_.scales, stream_);
+      weight_scales_to_f32(w2ts8_, E_, F_, H_, w2t_.scales, stream_);
+      log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W1 (128x128 + exact transpose)", E_,
+          2 * E_, n1);
+      log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W2 (128x128 + exact transpose)", E_,
+          2 * E_, n2);
+    } else if (rc == Recipe::kFp8Naive) {
+      naive_quantize_weights(w1b_, E_, 2 * F_, H_, w1_.codes, w1_.scales, w1t_.codes, w1t_.scales,
+                             wstatus_, stream_);
+      naive_quantize_weights(w2b_, E_, H_, F_, w2_.codes, w2_.scales, w2t_.codes, w2t_.scales,
+                             wstatus_, stream_);
+      log(MoePass::kWeightUpdate, CastKind::kQuantize,
+          "quantize W1 (128x128 FP32 scales + exact transpose)", 1, 2, n1);
+      log(MoePass::kWeightUpdate, CastKind::kQuantize,
+          "quantize W2 (128x128 FP32 scales + exact transpose)", 1, 2, n2);
+    }
+    have_weights_ = true;
+    have_forward_ = false;
+  }
+
+  // ---- forward ---------------------------------------------------------------------------------
+  void forward(const bf16_t* x, int64_t tokens, bf16_t* y) override {
+    const char* what = "MoeLayer::forward";
+    FLOWMOE_CHECK(have_weights_, what << ": no weights; call set_weights first");
+    FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
+                  what << ": T = " << tokens << " tokens; expected 1 <= T <= max_tokens = "
+                       << cfg_.max_tokens);
+    FLOWMOE_CHECK(x && y, what << ": x and y must be non-null device pointers to [T, H] bf16");
+    T_ = tokens;
+    have_forward_ = false;
+    drop_ops(&rep_, MoePass::kForward);
+    drop_ops(&rep_, MoePass::kBackward);
+    rep_.saved.clear();
+    rep_.columns.clear();
+    stats_valid_ = false;
+    backward_done_ = false;
+    stages_fwd_.clear();
+    stages_bwd_.clear();
+    ev_used_ = 0;
+    FLOWMOE_CUDA_CHECK(cudaMemsetAsync(status_, 0, 4 * sizeof(DeviceStatus), stream_));
+
+    route(x);
+    switch (cfg_.recipe) {
+      case Recipe::kBf16: forward_bf16(y); break;
+      case Recipe::kBlockwise: forward_blockwise(y); break;
+      case Recipe::kFp8Naive: forward_naive(y); break;
+      case Recipe::kFlow:
+      case Recipe::kFlowFp4: forward_flow(y); break;
+    }
+    save_tokens("router input x", "bf16 [T, H]", T_ * H_ * 2);
+    save_tokens("router logits", "fp32 [T, E]", T_ * E_ * 4);
+    save_tokens("expert ids + probs + row map", "int32/fp32/int32 [T, k]", T_ * K_ * 12);
+    have_forward_ = true;
+  }
+
+  // ---- backward --------------------------------------------------------------------------------
+  void backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) override {
+    const char* what = "MoeLayer::backward";
+    FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
+                                         "consumes the activations of the latest forward)");
+    FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null device pointers to [T, H] bf16");
+    drop_ops(&rep_, MoePass::kBackward);
+    stats_valid_ = false;
+    stages_bwd_.clear();
+    FLOWMOE_CUDA_CHECK(cudaMemsetAsync(status_ + kStatusBwd, 0, 2 * sizeof(DeviceStatus), stream_));
+    switch (cfg_.recipe) {
+      case Recipe::kBf16: backward_bf16(dy, g); break;
+      case Recipe::kBlockwise: backward_blockwise(dy, g); break;
+      case Recipe::kFp8Naive: backward_naive(dy, g); break;
+      case Recipe::kFlow:
+      case Recipe::kFlowFp4: backward_flow(dy, g); break;
+    }
+    backward_router(g, dx);
+    backward_done_ = true;
+  }
+
+  const CastReport& cast_report() const override {
+    read_status();
+    return rep_;
+  }
+  MoeStatus status() const override {
+    read_status();
+    return mstatus_;
+  }
+
+  // ---- internal interface (moe_cuda.h) -----------------------------------------------------------
+  void set_profiling(bool on) { profiling_ = on; }
+  std::vector<StageTime> stage_times() const {
+    std::vector<StageTime> out;
+    if (stages_fwd_.empty() && stages_bwd_.empty()) return out;
+    FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (const auto* list : {&stages_fwd_, &stages_bwd_})
+      for (const Stage& s : *list) {
+        StageTime t;
+        t.pass = s.pass;
+        t.name = s.name;
+        FLOWMOE_CUDA_CHECK(cudaEventElapsedTime(&t.ms, events_[s.ev0], events_[s.ev1]));
+        out.push_back(t);
+      }
+    return out;
+  }
+  size_t allocated_bytes() const { return allocated_ + gg_workspace_; }
+  LayerCounters counters() const {
+    LayerCounters c;
+    c.host_syncs = host_syncs_;
+    c.gemm_matmuls = gg_ ? gg_->stats().matmuls : 0;
+    return c;
+  }
+
+ private:
+  // ---- allocation ------------------------------------------------------------------------------
+  template <typename T>
+  T* dalloc(int64_t n) {
+    if (n <= 0) n = 1;
+    void* p = nullptr;
+    const size_t bytes = (size_t(n) * sizeof(T) + 255) / 256 * 256;
+    const cudaError_t err = cudaMalloc(&p, bytes);
+    FLOWMOE_CHECK(err == cudaSuccess, "make_cuda_layer: cudaMalloc of " << bytes << " bytes failed ("
+                                          << cudaGetErrorString(err) << ") for "
+                                          << cfg_.describe() << ", max_tokens = " << cfg_.max_tokens
+                                          << "; " << allocated_ << " bytes allocated before it");
+    allocs_.push_back(p);
+    allocated_ += bytes;
+    return static_cast<T*>(p);
+  }
+
+  void allocate() {
+    const int64_t R = R_, Tm = Tm_, H = H_, F = F_, E = E_, K = K_, MB = MB_;
+    const int64_t maxC = std::max(H, 2 * F);
+    const Recipe rc = cfg_.recipe;
+    const bool pow2 = rc == Recipe::kBlockwise || rc == Recipe::kFlow || rc == Recipe::kFlowFp4;
+    const bool fp8 = rc != Recipe::kBf16;
+
+    // routing state (every recipe)
+    x_ = dalloc<bf16_t>(Tm * H);
+    logits_ = dalloc<float>(Tm * E);
+    dlogits_ = dalloc<float>(Tm * E);
+    ids_ = dalloc<int32_t>(Tm * K);
+    probs_ = dalloc<float>(Tm * K);
+    dprobs_ = dalloc<float>(Tm * K);
+    routing_.tokens = 0;
+    routing_.topk = K_;
+    routing_.num_experts = E_;
+    routing_.align = cfg_.align;
+    routing_.counts = dalloc<int32_t>(E);
+    routing_.offsets = dalloc<int32_t>(E + 1);
+    routing_.padded_offsets = dalloc<int32_t>(E + 1);
+    routing_.row_map = dalloc<int32_t>(Tm * K);
+    routing_.workspace = dalloc<uint8_t>(int64_t(routing_workspace_bytes(Tm, K_, E_)));
+    if (cfg_.aux_loss_alpha > 0.0f) {
+      aux_ws_ = dalloc<uint8_t>(int64_t(router_aux_workspace_bytes(Tm, E_)));
+      aux_coef_ = dalloc<float>(E);
+    }
+    loss_ = dalloc<float>(1);
+    prow_ = dalloc<float>(R);
+    dprow_ = dalloc<float>(R);
+    bstart_ = dalloc<int32_t>(MB);
+    bend_ = dalloc<int32_t>(MB);
+    boff_ = dalloc<int32_t>(E + 1);
+    status_ = dalloc<DeviceStatus>(4);
+    wstatus_ = dalloc<DeviceStatus>(1);
+    FLOWMOE_CUDA_CHECK(cudaMallocHost(&h_counts_, sizeof(int32_t) * E));
+    FLOWMOE_CUDA_CHECK(cudaMallocHost(&h_status_, sizeof(DeviceStatus) * 4));
+    FLOWMOE_CUDA_CHECK(cudaMallocHost(&h_loss_, sizeof(float)));
+
+    // weights
+    wr_ = dalloc<float>(E * H);
+    bias_ = dalloc<float>(E);
+    scratch_bf16_wr_ = dalloc<bf16_t>(E * H);
+    w1b_ = dalloc<bf16_t>(E * 2 * F * H);
+    w2b_ = dalloc<bf16_t>(E * H * F);
+    if (fp8) {
+      w1_.codes = dalloc<uint8_t>(E * 2 * F * H);
+      w1t_.codes = dalloc<uint8_t>(E * 2 * F * H);
+      w2_.codes = dalloc<uint8_t>(E * H * F);
+      w2t_.codes = dalloc<uint8_t>(E * H * F);
+      w1_.scales = dalloc<float>(gemm::weight_scale_f32_elems(E_, 2 * F, H));
+      w1t_.scales = dalloc<float>(gemm::weight_scale_f32_elems(E_, H, 2 * F));
+      w2_.scales = dalloc<float>(gemm::weight_scale_f32_elems(E_, H, F));
+      w2t_.scales = dalloc<float>(gemm::weight_scale_f32_elems(E_, F, H));
+      if (pow2) {
+        w1s8_ = dalloc<uint8_t>(E * (2 * F / 128) * (H / 128));
+        w1ts8_ = dalloc<uint8_t>(E * (2 * F / 128) * (H / 128));
+        w2s8_ = dalloc<uint8_t>(E * (H / 128) * (F / 128));
+        w2ts8_ = dalloc<uint8_t>(E * (H / 128) * (F / 128));
+      }
+    }
+
+    // activations (saved and scratch), per recipe
+    o_ = dalloc<bf16_t>(R * H);       // GEMM2 output; backward: dY rows, then GEMM1 dgrad output
+    h1_ = dalloc<bf16_t>(R * 2 * F);  // GEMM1 output (saved in bf16, blockwise, fp8-naive)
+    abuf_ = dalloc<bf16_t>(R * F);    // a' in BF16 (saved in bf16); backward: da'
+    if (rc == Recipe::kBf16) {
+      xp_ = dalloc<bf16_t>(R * H);
+      da_ = dalloc<bf16_t>(R * F);
+    } else {
+      da_ = abuf_;
+    }
+    if (rc == Recipe::kFlow || rc == Recipe::kFlowFp4)
+      dh_ = h1_;  // h1 is scratch in flow (h is saved in FP8)
+    else
+      dh_ = dalloc<bf16_t>(R * 2 * F);
+    if (fp8) {
+      rowA_.codes = dalloc<uint8_t>(R * maxC);
+      rowA_.scales = dalloc<uint8_t>((maxC / 128) * R);
+      colA_.codes = dalloc<uint8_t>(maxC * R);
+      colA_.scales = dalloc<uint8_t>(MB * maxC);
+      colB_.codes = dalloc<uint8_t>(maxC * R);
+      colB_.scales = dalloc<uint8_t>(MB * maxC);
+      act32_ = dalloc<float>(R * maxC / 128);
+      col32A_ = dalloc<float>(MB * maxC);
+      col32B_ = dalloc<float>(MB * maxC);
+    }
+    switch (rc) {
+      case Recipe::kBf16: break;
+      case Recipe::kBlockwise:
+        xc_.codes = dalloc<uint8_t>(H * R);
+        xc_.scales = dalloc<uint8_t>(MB * H);
+        ac_.codes = dalloc<uint8_t>(F * R);
+        ac_.scales = dalloc<uint8_t>(MB * F);
+        break;
+      case Recipe::kFp8Naive:
+        ent_.codes = dalloc<uint8_t>(Tm * H);
+        ent32_ = dalloc<float>(Tm * H / 128);
+        entb_ = dalloc<bf16_t>(Tm * H);
+        xn_.codes = dalloc<uint8_t>(R * H);
+        xn_.scales = dalloc<float>(R * H / 128);
+        an_.codes = dalloc<uint8_t>(R * F);
+        an_.scales = dalloc<float>(R * F / 128);
+        work1_ = dalloc<bf16_t>(R * maxC);
+        work2_ = dalloc<bf16_t>(R * maxC);
+        break;
+      case Recipe::kFlow:
+      case Recipe::kFlowFp4:
+        ent_.codes = dalloc<uint8_t>(Tm * H);
+        ent8s_ = dalloc<uint8_t>((H / 128) * Tm);
+        hr_.codes = dalloc<uint8_t>(R * 2 * F);
+        hr_.scales = dalloc<uint8_t>((2 * F / 128) * R);
+        ac_.codes = dalloc<uint8_t>(F * R);
+        ac_.scales = dalloc<uint8_t>(MB * F);
+        if (rc == Recipe::kFlow) {
+          xr_.codes = dalloc<uint8_t>(R * H);
+          xr_.scales = dalloc<uint8_t>((H / 128) * R);
+        } else {
+          ent4c_ = dalloc<uint8_t>(Tm * H / 2);
+          ent4s_ = dalloc<uint8_t>(Tm * H / 32);
+          x4c_ = dalloc<uint8_t>(R * H / 2);
+          x4s_ = dalloc<uint8_t>(R * H / 32);
+        }
+        break;
+    }
+
+    // GEMM object: cuBLASLt handle, descriptors and its workspace (allocated once here)
+    gg_.reset(new GroupedGemm());
+    gg_workspace_ = GroupedGemm::kDefaultWorkspace;
+    events_.resize(kEventPool);
+    for (int i = 0; i < kEventPool; ++i) FLOWMOE_CUDA_CHECK(cudaEventCreate(&events_[i]));
+  }
+
+  void release() {
+    gg_.reset();
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    events_.clear();
+    for (void* p : allocs_) cudaFree(p);
+    allocs_.clear();
+    if (h_counts_) cudaFreeHost(h_counts_);
+    if (h_status_) cudaFreeHost(h_status_);
+    if (h_loss_) cudaFreeHost(h_loss_);
+    h_counts_ = nullptr;
+    h_status_ = nullptr;
+    h_loss_ = nullptr;
+  }
+
+  // ---- report and timing helpers ---------------------------------------------------------------
+  void log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
+           int64_t elements) {
+    for (CastOp& op : rep_.ops)
+      if (op.pass == pass && op.kind == kind && op.name == name) {
+        op.calls += calls;
+        op.outputs += outputs;
+        op.elements += elements;
+        return;
+      }
+    CastOp op;
+    op.pass = pass;
+    op.kind = kind;
+    op.name = name;
+    op.calls = calls;
+    op.outputs = outputs;
+    op.elements = elements;
+    rep_.ops.push_back(op);
+  }
+  void save_rows(const std::string& name, const std::string& format, int64_t bytes, double per_row) {
+    SavedTensor s;
+    s.name = name;
+    s.format = format;
+    s.bytes = bytes;
+    s.bytes_per_token_unpadded = per_row * double(routed_) / double(T_);
+    rep_.saved.push_back(s);
+  }
+  void save_tokens(const std::string& name, const std::string& format, int64_t bytes) {
+    SavedTensor s;
+    s.name = name;
+    s.format = format;
+    s.bytes = bytes;
+    s.bytes_per_token_unpadded = double(bytes) / double(T_);
+    rep_.saved.push_back(s);
+  }
+  static double fp8_row(int64_t c) { return double(c) + double(c) / 128; }
+  static double fp8_row_f32s(int64_t c) { return double(c) + 4.0 * double(c) / 128; }
+  static double mxfp4_row(int64_t c) { return double(c) / 2 + double(c) / 32; }
+  int64_t row_bytes(int64_t c) const { return Mp_ * c + (c / 128) * Mp_; }  // FP8 row-wise
+  int64_t col_bytes(int64_t c) const { return Mp_ * c + NB_ * c; }          // FP8 column-wise
+
+  struct Stage {
+    MoePass pass;
+    std::string name;
+    int ev0, ev1;
+  };
+  // Brackets a stage with two events when profiling (pool exhausted: the stage goes untimed).
+  class Scope {
+   public:
+    Scope(CudaMoeLayer* l, MoePass pass, const char* name) : l_(l) {
+      if (!l_->profiling_ || l_->ev_used_ + 2 > kEventPool) return;
+      ev0_ = l_->ev_used_++;
+      ev1_ = l_->ev_used_++;
+      pass_ = pass;
+      name_ = name;
+      cudaEventRecord(l_->events_[ev0_], l_->stream_);
+    }
+    ~Scope() {
+      if (ev0_ < 0) return;
+      cudaEventRecord(l_->events_[ev1_], l_->stream_);
+      (pass_ == MoePass::kForward ? l_->stages_fwd_ : l_->stages_bwd_).push_back({pass_, name_, ev0_, ev1_});
+    }
+
+   private:
+    CudaMoeLayer* l_;
+    int ev0_ = -1, ev1_ = -1;
+    MoePass pass_ = MoePass::kForward;
+    std::string name_;
+  };
+  Scope fwd(const char* name) { return Scope(this, MoePass::kForward, name); }
+  Scope bwd(const char* name) { return Scope(this, MoePass::kBackward, name); }
+
+  void read_status() const {
+    if (stats_valid_ || !have_forward_) return;
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(h_status_, status_, 4 * sizeof(DeviceStatus),
+                                       cudaMemcpyDeviceToHost, stream_));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(h_loss_, loss_, sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const DeviceStatus* s = h_status_;
+    rep_.forward_stats.nonfinite = int64_t(s[kStatusFwd].nonfinite);
+    rep_.forward_stats.underflow = int64_t(s[kStatusFwd].underflow + s[kStatusFwdAux].underflow);
+    rep_.backward_stats = QuantStats();
+    if (backward_done_) {
+      rep_.backward_stats.nonfinite = int64_t(s[kStatusBwd].nonfinite);
+      rep_.backward_stats.underflow = int64_t(s[kStatusBwd].underflow + s[kStatusBwdAux].underflow);
+    }
+    mstatus_.nonfinite = rep_.forward_stats.nonfinite + rep_.backward_stats.nonfinite;
+    mstatus_.underflow = rep_.forward_stats.underflow + rep_.backward_stats.underflow;
+    mstatus_.aux_loss = cfg_.aux_loss_alpha > 0.0f ? *h_loss_ : 0.0f;
+    stats_valid_ = true;
+  }
+
+  DeviceStatus* st_fwd() { return status_ + kStatusFwd; }
+  DeviceStatus* st_fwd_aux() { return status_ + kStatusFwdAux; }
+  DeviceStatus* st_bwd() { return status_ + kStatusBwd; }
+  DeviceStatus* st_bwd_aux() { return status_ + kStatusBwdAux; }
+
+  SegmentBlocks blocks() const {
+    SegmentBlocks sb;
+    sb.offsets = routing_.padded_offsets;
+    sb.num_segments = E_;
+    sb.m = Mp_;
+    sb.max_blocks = segment_max_blocks(Mp_, E_);
+    sb.block_start = bstart_;
+    sb.block_end = bend_;
+    sb.block_offsets = boff_;
+    return sb;
+  }
+
+  // ---- GEMM wrappers ---------------------------------------------------------------------------
+  using Fp8Op = gemm::Fp8Operand;
+  template <typename T>
+  static gemm::Span<const T> cs(const T* p, int64_t n) { return {p, n}; }
+  template <typename T>
+  static gemm::Span<T> ms(T* p, int64_t n) { return {p, n}; }
+
+  // Row-wise UE8M0 operand [Mp, C] -> GEMM-ready (expert-packed FP32 scales in act32_).
+  Fp8Op act_operand(const Fp8Buf& b, int64_t c, DeviceStatus* st) {
+    act_scales_to_f32(b.scales, Mp_, c, routing_.padded_offsets, E_, act32_, st, stream_);
+    return Fp8Op{cs<uint8_t>(b.codes, Mp_ * c), cs<float>(act32_, Mp_ * c / 128)};
+  }
+  // Column-wise UE8M0 operand [C over Mp] -> GEMM-ready FP32 [NB][C] in `buf32`.
+  Fp8Op col_operand(const Fp8Buf& b, int64_t c, float* buf32) {
+    col_scales_to_f32(b.scales, NB_, c, buf32, stream_);
+    return Fp8Op{cs<uint8_t>(b.codes, c * Mp_), cs<float>(buf32, NB_ * c)};
+  }
+  Fp8Op w1_op() const {
+    return Fp8Op{cs<uint8_t>(w1_.codes, int64_t(E_) * 2 * F_ * H_),
+                 cs<float>(w1_.scales, gemm::weight_scale_f32_elems(E_, 2 * F_, H_))};
+  }
+  Fp8Op w1t_op() const {
+    return Fp8Op{cs<uint8_t>(w1t_.codes, int64_t(E_) * 2 * F_ * H_),
+                 cs<float>(w1t_.scales, gemm::weight_scale_f32_elems(E_, H_, 2 * F_))};
+  }
+  Fp8Op w2_op() const {
+    return Fp8Op{cs<uint8_t>(w2_.codes, int64_t(E_) * H_ * F_),
+                 cs<float>(w2_.scales, gemm::weight_scale_f32_elems(E_, H_, F_))};
+  }
+  Fp8Op w2t_op() const {
+    return Fp8Op{cs<uint8_t>(w2t_.codes, int64_t(E_) * H_ * F_),
+                 cs<float>(w2t_.scales, gemm::weight_scale_f32_elems(E_, F_, H_))};
+  }
+  gemm::WgradOut dw_out(float* p, int64_t n) const { return gemm::WgradOut::accumulate(p, n); }
+
+  // ---- routing (every recipe) ------------------------------------------------------------------
+  void route(const bf16_t* x) {
+    const RouterConfig rc = cfg_.router_config();
+    {
+      auto s = fwd("router (logits GEMM, top-k, aux loss)");
+      FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(x_, x, sizeof(bf16_t) * T_ * H_, cudaMemcpyDeviceToDevice, stream_));
+      router_logits(x_, wr_, T_, E_, H_, logits_, stream_);
+      router_forward(logits_, T_, rc, has_bias_ ? bias_ : nullptr, ids_, probs_, st_fwd(), stream_);
+      if (cfg_.aux_loss_alpha > 0.0f)
+        router_aux_loss(logits_, ids_, T_, rc, cfg_.aux_loss_alpha, loss_, aux_coef_, aux_ws_, stream_);
+    }
+    {
+      auto s = fwd("routing tables + count fetch (host sync)");
+      routing_.tokens = T_;
+      build_routing(ids_, routing_, st_fwd_aux(), stream_);
+      Mp_ = fetch_routing_counts(routing_, h_counts_, stream_);
+      ++host_syncs_;
+    }
+    std::vector<int32_t> padded(E_);
+    routed_ = 0;
+    for (int e = 0; e < E_; ++e) {
+      routed_ += h_counts_[e];
+      padded[e] = (h_counts_[e] + cfg_.align - 1) / cfg_.align * cfg_.align;
+    }
+    seg_ = Segments::from_counts(padded);
+    NB_ = seg_.num_blocks();
+    rep_.tokens = T_;
+    rep_.routed_rows = routed_;
+    rep_.padded_rows = Mp_;
+    {
+      auto s = fwd("row probabilities + segment blocks");
+      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(prow_, 0, sizeof(float) * std::max<int64_t>(Mp_, 1), stream_));
+      scatter_row_probs(probs_, routing_.row_map, T_, K_, prow_, stream_);
+      if (cfg_.recipe != Recipe::kBf16 && Mp_ > 0) build_segment_blocks(blocks(), st_fwd_aux(), stream_);
+    }
+  }
+
+  // ---- forward, per recipe (the CPU backend's dataflow) -----------------------------------------
+  void forward_bf16(bf16_t* y) {
+    { auto s = fwd("permute+pad x (bf16)"); permute_pad_bf16(x_, H_, routing_, xp_, stream_); }
+    { auto s = fwd("GEMM1 fprop (bf16)");
+      gg_->fprop_bf16(seg_, 2 * F_, H_, cs<bf16_t>(xp_, Mp_ * H_), cs<bf16_t>(w1b_, int64_t(E_) * 2 * F_ * H_),
+                      ms<bf16_t>(h1_, Mp_ * 2 * F_), stream_); }
+    { auto s = fwd("SwiGLU*prob (bf16)");
+      swiglu_prob(h1_, prow_, Mp_, F_, abuf_, nullptr, nullptr, nullptr, nullptr, st_fwd(), stream_); }
+    { auto s = fwd("GEMM2 fprop (bf16)");
+      gg_->fprop_bf16(seg_, H_, F_, cs<bf16_t>(abuf_, Mp_ * F_), cs<bf16_t>(w2b_, int64_t(E_) * H_ * F_),
+                      ms<bf16_t>(o_, Mp_ * H_), stream_); }
+    { auto s = fwd("unpermute+unpad"); unpermute_unpad(o_, nullptr, H_, routing_, y, stream_); }
+    save_rows("GEMM1 input x_perm", "bf16 [Mp, H]", Mp_ * H_ * 2, 2.0 * H_);
+    save_rows("GEMM1 output h", "bf16 [Mp, 2F]", Mp_ * 2 * F_ * 2, 4.0 * F_);
+    save_rows("GEMM2 input a'", "bf16 [Mp, F]", Mp_ * F_ * 2, 2.0 * F_);
+  }
+
+  void forward_blockwise(bf16_t* y) {
+    const SegmentBlocks sb = blocks();
+    bf16_t* xp = o_;  // BF16 permuted input, scratch
+    { auto s = fwd("permute+pad x (bf16)"); permute_pad_bf16(x_, H_, routing_, xp, stream_); }
+    { auto s = fwd("quantize x_perm (row + col)");
+      quantize_col(xp, H_, sb, xc_.codes, xc_.scales, rowA_.codes, rowA_.scales, st_fwd(), stream_); }
+    log(MoePass::kForward, CastKind::kQuantize, "quantize x_perm (row + col, from BF16)", 1, 2, Mp_ * H_);
+    { auto s = fwd("GEMM1 fprop (fp8)");
+      const Fp8Op xo = act_operand(rowA_, H_, st_fwd_aux());
+      gg_->fprop(seg_, 2 * F_, H_, xo, w1_op(), ms<bf16_t>(h1_, Mp_ * 2 * F_), stream_); }
+    { auto s = fwd("SwiGLU*prob (bf16)");
+      swiglu_prob(h1_, prow_, Mp_, F_, abuf_, nullptr, nullptr, nullptr, nullptr, st_fwd(), stream_); }
+    { auto s = fwd("quantize a' (row + col)");
+      quantize_col(abuf_, F_, sb, ac_.codes, ac_.scales, rowA_.codes, rowA_.scales, st_fwd(), stream_); }
+    log(MoePass::kForward, CastKind::kQuantize, "quantize a' (row + col, from BF16)", 1, 2, Mp_ * F_);
+    { auto s = fwd("GEMM2 fprop (fp8)");
+      const Fp8Op ao = act_operand(rowA_, F_, st_fwd_aux());
+      gg_->fprop(seg_, H_, F_, ao, w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
+    { auto s = fwd("unpermute+unpad"); unpermute_unpad(o_, nullptr, H_, routing_, y, stream_); }
+    save_rows("GEMM1 input x_perm (wgrad copy)", "fp8 col 128x1 [Mp, H]", col_bytes(H_), fp8_row(H_));
+    save_rows("GEMM1 output h", "bf16 [Mp, 2F]", Mp_ * 2 * F_ * 2, 4.0 * F_);
+    save_rows("GEMM2 input a' (wgrad copy)", "fp8 col 128x1 [Mp, F]", col_bytes(F_), fp8_row(F_));
+  }
+
+  void forward_naive(bf16_t* y) {
+    { auto s = fwd("quantize x (entry, fp32 scales)");
+      naive_quantize_row(x_, T_, H_, nullptr, E_, ent_.codes, ent32_, st_fwd(), stream_); }
+    log(MoePass::kForward, CastKind::kQuantize, "quantize x (row, FP32 scales, before dispatch)", 1, 1, T_ * H_);
+    { auto s = fwd("dequantize x (after dispatch)");
+      naive_dequantize_row(ent_.codes, ent32_, T_, H_, nullptr, E_, entb_, stream_); }
+    log(MoePass::kForward, CastKind::kDequantize, "dequantize x (after dispatch)", 1, 1, T_ * H_);
+    bf16_t* xp = o_;
+    { auto s = fwd("permute+pad x (bf16)"); permute_pad_bf16(entb_, H_, routing_, xp, stream_); }
+    { auto s = fwd("quantize x_perm (row, fp32 scales)");
+      naive_quantize_row(xp, Mp_, H_, routing_.padded_offsets, E_, xn_.codes, xn_.scales, st_fwd(), stream_); }
+    log(MoePass::kForward, CastKind::kQuantize, "quantize x_perm (row, FP32 scales)", 1, 1, Mp_ * H_);
+    { auto s = fwd("GEMM1 fprop (fp8)");
+      gg_->fprop(seg_, 2 * F_, H_, Fp8Op{cs<uint8_t>(xn_.codes, Mp_ * H_), cs<float>(xn_.scales, Mp_ * H_ / 128)},
+                 w1_op(), ms<bf16_t>(h1_, Mp_ * 2 * F_), stream_); }
+    { auto s = fwd("SwiGLU*prob (bf16)");
+      swiglu_prob(h1_, prow_, Mp_, F_, abuf_, nullptr, nullptr, nullptr, nullptr, st_fwd(), stream_); }
+    { auto s = fwd("quantize a' (row, fp32 scales)");
+      naive_quantize_row(abuf_, Mp_, F_, routing_.padded_offsets, E_, an_.codes, an_.scales, st_fwd(), stream_); }
+    log(MoePass::kForward, CastKind::kQuantize, "quantize a' (row, FP32 scales)", 1, 1, Mp_ * F_);
+    { auto s = fwd("GEMM2 fprop (fp8)");
+      gg_->fprop(seg_, H_, F_, Fp8Op{cs<uint8_t>(an_.codes, Mp_ * F_), cs<float>(an_.scales, Mp_ * F_ / 128)},
+                 w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
+    { auto s = fwd("unpermute+unpad"); unpermute_unpad(o_, nullptr, H_, routing_, y, stream_); }
+    save_rows("GEMM1 input x_perm", "fp8 row 1x128 fp32-scale [Mp, H]", Mp_ * H_ + 4 * (H_ / 128) * Mp_,
+              fp8_row_f32s(H_));
+    save_rows("GEMM1 output h", "bf16 [Mp, 2F]", Mp_ * 2 * F_ * 2, 4.0 * F_);
+    save_rows("GEMM2 input a'", "fp8 row 1x128 fp32-scale [Mp, F]", Mp_ * F_ + 4 * (F_ / 128) * Mp_,
+              fp8_row_f32s(F_));
+  }
+
+  void forward_flow(bf16_t* y) {
+    const bool fp4 = cfg_.recipe == Recipe::kFlowFp4;
+    const SegmentBlocks sb = blocks();
+    Fp8Buf xin;  // GEMM1 input, row-wise FP8 [Mp, H]
+    if (!fp4) {
+      { auto s = fwd("quantize x (entry)");
+        quantize_row(x_, T_, H_, ent_.codes, ent8s_, st_fwd(), stream_); }
+      log(MoePass::kForward, CastKind::kQuantize, "quantize x (row 1x128, entry)", 1, 1, T_ * H_);
+      { auto s = fwd("permute+pad x (fp8)");
+        permute_pad_fp8(ent_.codes, ent8s_, H_, routing_, xr_.codes, xr_.scales, Mp_, stream_); }
+      xin = xr_;
+    } else {
+      { auto s = fwd("quantize x (entry, mxfp4)");
+        quantize_mxfp4(x_, T_, H_, ent4c_, ent4s_, st_fwd(), stream_); }
+      log(MoePass::kForward, CastKind::kQuantize, "quantize x (MXFP4 1x32, entry)", 1, 1, T_ * H_);
+      { auto s = fwd("permute+pad x (mxfp4)");
+        permute_pad_mxfp4(ent4c_, ent4s_, H_, routing_, x4c_, x4s_, stream_); }
+      { auto s = fwd("FP4RowToFP8Row x_perm");
+        fp4_to_fp8_row(x4c_, x4s_, Mp_, H_, rowA_.codes, rowA_.scales, st_fwd(), stream_); }
+      log(MoePass::kForward, CastKind::kConvert, "FP4RowToFP8Row x_perm (GEMM1 input)", 1, 1, Mp_ * H_);
+      xin = rowA_;
+    }
+    { auto s = fwd("GEMM1 fprop (fp8)");
+      const Fp8Op xo = act_operand(xin, H_, st_fwd_aux());
+      gg_->fprop(seg_, 2 * F_, H_, xo, w1_op(), ms<bf16_t>(h1_, Mp_ * 2 * F_), stream_); }
+    const Fp8Buf ar = rowA_;  // a' row-wise (flow-fp4: rowA held GEMM1's input, consumed by now)
+    { auto s = fwd("SwiGLU*prob + quantize (a' row, h row)");
+      swiglu_prob(h1_, prow_, Mp_, F_, nullptr, ar.codes, ar.scales, hr_.codes, hr_.scales, st_fwd(), stream_); }
+    log(MoePass::kForward, CastKind::kFused, "SwiGLU*prob + quantize (a' row, h row)", 1, 2, Mp_ * 2 * F_);
+    { auto s = fwd("scaling-aware transpose a'");
+      scaling_aware_transpose(ar.codes, ar.scales, F_, sb, ac_.codes, ac_.scales, st_fwd_aux(), stream_); }
+    log(MoePass::kForward, CastKind::kConvert, "scaling-aware transpose a' (wgrad copy)", 1, 1, Mp_ * F_);
+    { auto s = fwd("GEMM2 fprop (fp8)");
+      const Fp8Op ao = act_operand(ar, F_, st_fwd_aux());
+      gg_->fprop(seg_, H_, F_, ao, w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
+    { auto s = fwd("unpermute+unpad"); unpermute_unpad(o_, nullptr, H_, routing_, y, stream_); }
+    if (!fp4)
+      save_rows("GEMM1 input x_perm", "fp8 row 1x128 [Mp, H]", row_bytes(H_), fp8_row(H_));
+    else
+      save_rows("GEMM1 input x_perm", "mxfp4 row 1x32 [Mp, H]", Mp_ * H_ / 2 + Mp_ * H_ / 32, mxfp4_row(H_));
+    save_rows("GEMM1 output h", "fp8 row 1x128 [Mp, 2F]", row_bytes(2 * F_), fp8_row(2 * F_));
+    save_rows("GEMM2 input a' (wgrad copy)", "fp8 col 128x1 [Mp, F]", col_bytes(F_), fp8_row(F_));
+  }
+
+  // ---- backward, per recipe: each leaves dXp [Mp, H] bf16 in o_ and dp [Mp] in dprow_ -----------
+  void backward_bf16(const bf16_t* dy, const MoeGrads& g) {
+    bf16_t* dy2 = o_;
+    { auto s = bwd("permute+pad dy (bf16)"); permute_pad_bf16(dy, H_, routing_, dy2, stream_); }
+    { auto s = bwd("GEMM2 dgrad (bf16)");
+      gg_->dgrad_bf16(seg_, H_, F_, cs<bf16_t>(dy2, Mp_ * H_), cs<bf16_t>(w2b_, int64_t(E_) * H_ * F_),
+                      ms<bf16_t>(da_, Mp_ * F_), stream_); }
+    if (g.dw2) { auto s = bwd("GEMM2 wgrad (bf16)");
+      gg_->wgrad_bf16(seg_, H_, F_, cs<bf16_t>(dy2, Mp_ * H_), cs<bf16_t>(abuf_, Mp_ * F_),
+                      dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
+    { auto s = bwd("dSwiGLU*prob (bf16)");
+      dswiglu_prob(da_, h1_, nullptr, nullptr, prow_, Mp_, F_, dh_, dprow_, st_bwd(), stream_); }
+    bf16_t* dxp = o_;
+    { auto s = bwd("GEMM1 dgrad (bf16)");
+      gg_->dgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(dh_, Mp_ * 2 * F_), cs<bf16_t>(w1b_, int64_t(E_) * 2 * F_ * H_),
+                      ms<bf16_t>(dxp, Mp_ * H_), stream_); }
+    if (g.dw1) { auto s = bwd("GEMM1 wgrad (bf16)");
+      gg_->wgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(dh_, Mp_ * 2 * F_), cs<bf16_t>(xp_, Mp_ * H_),
+                      dw_out(g.dw1, int64_t(E_) * 2 * F_ * H_), stream_); }
+  }
+
+  void backward_blockwise(const bf16_t* dy, const MoeGrads& g) {
+    const SegmentBlocks sb = blocks();
+    bf16_t* dy2 = o_;
+    { auto s = bwd("permute+pad dy (bf16)"); permute_pad_bf16(dy, H_, routing_, dy2, stream_); }
+    { auto s = bwd("quantize dY (row + col)");
+      quantize_col(dy2, H_, sb, colA_.codes, colA_.scales, rowA_.codes, rowA_.scales, st_bwd(), stream_); }
+    log(MoePass::kBackward, CastKind::kQuantize, "quantize dY (row + col, from BF16)", 1, 2, Mp_ * H_);
+    { auto s = bwd("GEMM2 dgrad (fp8)");
+      const Fp8Op dyo = act_operand(rowA_, H_, st_bwd_aux());
+      gg_->dgrad(seg_, H_, F_, dyo, w2t_op(), ms<bf16_t>(da_, Mp_ * F_), stream_); }
+    if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
+      const Fp8Op dyc = col_operand(colA_, H_, col32A_);
+      const Fp8Op acc = col_operand(ac_, F_, col32B_);
+      gg_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
+    { auto s = bwd("dSwiGLU*prob (bf16)");
+      dswiglu_prob(da_, h1_, nullptr, nullptr, prow_, Mp_, F_, dh_, dprow_, st_bwd(), stream_); }
+    { auto s = bwd("quantize dh (row + col)");
+      quantize_col(dh_, 2 * F_, sb, colA_.codes, colA_.scales, rowA_.codes, rowA_.scales, st_bwd(), stream_); }
+    log(MoePass::kBackward, CastKind::kQuantize, "quantize dh (row + col, from BF16)", 1, 2, Mp_ * 2 * F_);
+    { auto s = bwd("GEMM1 dgrad (fp8)");
+      const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
+      gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
+    if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
+      const Fp8Op dhc = col_operand(colA_, 2 * F_, col32A_);
+      const Fp8Op xc = col_operand(xc_, H_, col32B_);
+      gg_->wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(E_) * 2 * F_ * H_), stream_); }
+  }
+
+  // fp8-naive column copy: dequantize (row, FP32 scales, expert-packed) -> transpose ->
+  // quantize column-wise with fresh FP32 scales. Codes into `col`, scales into `col32`.
+  void naive_col(const F32sBuf& row, int64_t c, uint8_t* col, float* col32, const std::string& what) {
+    const SegmentBlocks sb = blocks();
+    naive_dequantize_row(row.codes, row.scales, Mp_, c, routing_.padded_offsets, E_, work1_, stream_);
+    log(MoePass::kBackward, CastKind::kDequantize, "dequantize " + what + " (for its column copy)", 1, 1, Mp_ * c);
+    transpose_bf16(work1_, Mp_, c, work2_, stream_);
+    naive_quantize_transposed(work2_, c, sb, col, col32, st_bwd(), stream_);
+    log(MoePass::kBackward, CastKind::kQuantize, "quantize " + what + " col (transposed, FP32 scales)", 1, 1,
+        Mp_ * c);
+  }
+
+  void backward_naive(const bf16_t* dy, const MoeGrads& g) {
+    { auto s = bwd("quantize dy (entry, fp32 scales)");
+      naive_quantize_row(dy, T_, H_, nullptr, E_, ent_.codes, ent32_, st_bwd(), stream_); }
+    log(MoePass::kBackward, CastKind::kQuantize, "quantize dy (row, FP32 scales, before dispatch)", 1, 1, T_ * H_);
+    { auto s = bwd("dequantize dy (after dispatch)");
+      naive_dequantize_row(ent_.codes, ent32_, T_, H_, nullptr, E_, entb_, stream_); }
+    log(MoePass::kBackward, CastKind::kDequantize, "dequantize dy (after dispatch)", 1, 1, T_ * H_);
+    bf16_t* dy2 = o_;
+    { auto s = bwd("permute+pad dy (bf16)"); permute_pad_bf16(entb_, H_, routing_, dy2, stream_); }
+    const F32sBuf dyr{rowA_.codes, act32_};
+    { auto s = bwd("quantize dY (row, fp32 scales)");
+      naive_quantize_row(dy2, Mp_, H_, routing_.padded_offsets, E_, dyr.codes, dyr.scales, st_bwd(), stream_); }
+    log(MoePass::kBackward, CastKind::kQuantize, "quantize dY (row, FP32 scales)", 1, 1, Mp_ * H_);
+    { auto s = bwd("DQ->T->Q dY"); naive_col(dyr, H_, colA_.codes, col32A_, "dY"); }
+    { auto s = bwd("GEMM2 dgrad (fp8)");
+      gg_->dgrad(seg_, H_, F_, Fp8Op{cs<uint8_t>(dyr.codes, Mp_ * H_), cs<float>(dyr.scales, Mp_ * H_ / 128)},
+                 w2t_op(), ms<bf16_t>(da_, Mp_ * F_), stream_); }
+    { auto s = bwd("DQ->T->Q a'"); naive_col(an_, F_, colB_.codes, col32B_, "a'"); }
+    if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
+      gg_->wgrad(seg_, H_, F_, Fp8Op{cs<uint8_t>(colA_.codes, H_ * Mp_), cs<float>(col32A_, NB_ * H_)},
+                 Fp8Op{cs<uint8_t>(colB_.codes, F_ * Mp_), cs<float>(col32B_, NB_ * F_)},
+                 dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
+    { auto s = bwd("dSwiGLU*prob (bf16)");
+      dswiglu_prob(da_, h1_, nullptr, nullptr, prow_, Mp_, F_, dh_, dprow_, st_bwd(), stream_); }
+    const F32sBuf dhr{rowA_.codes, act32_};
+    { auto s = bwd("quantize dh (row, fp32 scales)");
+      naive_quantize_row(dh_, Mp_, 2 * F_, routing_.padded_offsets, E_, dhr.codes, dhr.scales, st_bwd(), stream_); }
+    log(MoePass::kBackward, CastKind::kQuantize, "quantize dh (row, FP32 scales)", 1, 1, Mp_ * 2 * F_);
+    { auto s = bwd("DQ->T->Q dh"); naive_col(dhr, 2 * F_, colA_.codes, col32A_, "dh"); }
+    { auto s = bwd("GEMM1 dgrad (fp8)");
+      gg_->dgrad(seg_, 2 * F_, H_, Fp8Op{cs<uint8_t>(dhr.codes, Mp_ * 2 * F_), cs<float>(dhr.scales, Mp_ * 2 * F_ / 128)},
+                 w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
+    { auto s = bwd("DQ->T->Q x_perm"); naive_col(xn_, H_, colB_.codes, col32B_, "x_perm"); }
+    if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
+      gg_->wgrad(seg_, 2 * F_, H_, Fp8Op{cs<uint8_t>(colA_.codes, 2 * F_ * Mp_), cs<float>(col32A_, NB_ * 2 * F_)},
+                 Fp8Op{cs<uint8_t>(colB_.codes, H_ * Mp_), cs<float>(col32B_, NB_ * H_)},
+                 dw_out(g.dw1, int64_t(E_) * 2 * F_ * H_), stream_); }
+  }
+
+  void backward_flow(const bf16_t* dy, const MoeGrads& g) {
+    const bool fp4 = cfg_.recipe == Recipe::kFlowFp4;
+    const SegmentBlocks sb = blocks();
+    { auto s = bwd("quantize dy (entry)"); quantize_row(dy, T_, H_, ent_.codes, ent8s_, st_bwd(), stream_); }
+    log(MoePass::kBackward, CastKind::kQuantize, "quantize dy (row 1x128, entry)", 1, 1, T_ * H_);
+    const Fp8Buf dyr = rowA_;
+    { auto s = bwd("permute+pad dy (fp8)");
+      permute_pad_fp8(ent_.codes, ent8s_, H_, routing_, dyr.codes, dyr.scales, Mp_, stream_); }
+    { auto s = bwd("scaling-aware transpose dY");
+      scaling_aware_transpose(dyr.codes, dyr.scales, H_, sb, colA_.codes, colA_.scales, st_bwd(), stream_); }
+    log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose dY (wgrad copy)", 1, 1, Mp_ * H_);
+    { auto s = bwd("GEMM2 dgrad (fp8)");
+      const Fp8Op dyo = act_operand(dyr, H_, st_bwd_aux());
+      gg_->dgrad(seg_, H_, F_, dyo, w2t_op(), ms<bf16_t>(da_, Mp_ * F_), stream_); }
+    if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
+      const Fp8Op dyc = col_operand(colA_, H_, col32A_);
+      const Fp8Op acc = col_operand(ac_, F_, col32B_);
+      gg_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
+    { auto s = bwd("dSwiGLU*prob (from fp8 h)");
+      dswiglu_prob(da_, nullptr, hr_.codes, hr_.scales, prow_, Mp_, F_, dh_, dprow_, st_bwd(), stream_); }
+    { auto s = bwd("quantize dh (row + col)");
+      quantize_col(dh_, 2 * F_, sb, colA_.codes, colA_.scales, rowA_.codes, rowA_.scales, st_bwd_aux(), stream_); }
+    log(MoePass::kBackward, CastKind::kQuantize, "quantize dh (row + col, from BF16)", 1, 2, Mp_ * 2 * F_);
+    { auto s = bwd("GEMM1 dgrad (fp8)");
+      const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
+      gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
+    if (!fp4) {
+      auto s = bwd("scaling-aware transpose x_perm");
+      scaling_aware_transpose(xr_.codes, xr_.scales, H_, sb, colB_.codes, colB_.scales, st_bwd(), stream_);
+      log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose x_perm (wgrad copy)", 1, 1, Mp_ * H_);
+    } else {
+      auto s = bwd("FP4RowToFP8Col x_perm");
+      fp4_to_fp8_col(x4c_, x4s_, H_, sb, colB_.codes, colB_.scales, st_bwd(), stream_);
+      log(MoePass::kBackward, CastKind::kConvert, "FP4RowToFP8Col x_perm (wgrad copy)", 1, 1, Mp_ * H_);
+    }
+    if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
+      const Fp8Op dhc = col_operand(colA_, 2 * F_, col32A_);
+      const Fp8Op xc = col_operand(colB_, H_, col32B_);
+      gg_->wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(E_) * 2 * F_ * H_), stream_); }
+  }
+
+  // ---- the common tail: dprobs, router backward, dx = unpermute(dXp) + router path --------------
+  void backward_router(const MoeGrads& g, bf16_t* dx) {
+    const RouterConfig rc = cfg_.router_config();
+    { auto s = bwd("router backward (dprobs, dlogits)");
+      gather_row_dprobs(dprow_, routing_.row_map, T_, K_, dprobs_, stream_);
+      router_backward(logits_, T_, rc, ids_, dprobs_, cfg_.aux_loss_alpha > 0.0f ? aux_coef_ : nullptr, 1.0f,
+                      dlogits_, stream_); }
+    if (g.dwr) { auto s = bwd("router dWr");
+      router_dwr(dlogits_, x_, T_, E_, H_, g.dwr, stream_); }
+    { auto s = bwd("unpermute dx + router path");
+      combine_dx(o_, routing_.row_map, T_, K_, dlogits_, wr_, E_, H_, dx, stream_); }
+  }
+
+  // ---- state -----------------------------------------------------------------------------------
+  cudaStream_t stream_;
+  const int E_;
+  const int64_t H_, F_;
+  const int K_;
+  const int64_t Tm_, R_, MB_;
+  std::vector<void*> allocs_;
+  size_t allocated_ = 0, gg_workspace_ = 0;
+  std::unique_ptr<GroupedGemm> gg_;
+  bool have_weights_ = false, have_forward_ = false, backward_done_ = false, has_bias_ = false;
+  // per call
+  int64_t T_ = 0, Mp_ = 0, routed_ = 0, NB_ = 0;
+  Segments seg_;
+  int64_t host_syncs_ = 0;
+  // routing
+  bf16_t* x_ = nullptr;
+  float *logits_ = nullptr, *dlogits_ = nullptr, *probs_ = nullptr, *dprobs_ = nullptr;
+  int32_t* ids_ = nullptr;
+  Routing routing_;
+  uint8_t* aux_ws_ = nullptr;
+  float *aux_coef_ = nullptr, *loss_ = nullptr, *prow_ = nullptr, *dprow_ = nullptr;
+  int32_t *bstart_ = nullptr, *bend_ = nullptr, *boff_ = nullptr;
+  DeviceStatus *status_ = nullptr, *wstatus_ = nullptr;
+  int32_t* h_counts_ = nullptr;
+  DeviceStatus* h_status_ = nullptr;
+  float* h_loss_ = nullptr;
+  // weights
+  float *wr_ = nullptr, *bias_ = nullptr;
+  bf16_t *w1b_ = nullptr, *w2b_ = nullptr, *scratch_bf16_wr_ = nullptr;
+  F32sBuf w1_, w1t_, w2_, w2t_;  // FP8 codes + GEMM-ready FP32 scales
+  uint8_t *w1s8_ = nullptr, *w1ts8_ = nullptr, *w2s8_ = nullptr, *w2ts8_ = nullptr;
+  // activations
+  bf16_t *o_ = nullptr, *h1_ = nullptr, *abuf_ = nullptr, *xp_ = nullptr, *da_ = nullptr, *dh_ = nullptr;
+  Fp8Buf rowA_, colA_, colB_, xc_, ac_, xr_, hr_, ent_;
+  uint8_t *ent8s_ = nullptr, *ent4c_ = nullptr, *ent4s_ = nullptr, *x4c_ = nullptr, *x4s_ = nullptr;
+  float *act32_ = nullptr, *col32A_ = nullptr, *col32B_ = nullptr, *ent32_ = nullptr;
+  bf16_t *entb_ = nullptr, *work1_ = nullptr, *work2_ = nullptr;
+  F32sBuf xn_, an_;
+  // report, status, profiling
+  mutable CastReport rep_;
+  mutable MoeStatus mstatus_;
+  mutable bool stats_valid_ = false;
+  bool profiling_ = false;
+  std::vector<cudaEvent_t> events_;
+  int ev_used_ = 0;
+  std::vector<Stage> stages_fwd_, stages_bwd_;
+};
+
+CudaMoeLayer* as_cuda(MoeLayer* l) {
+  CudaMoeLayer* c = dynamic_cast<CudaMoeLayer*>(l);
+  FLOWMOE_CHECK(c != nullptr, "cuda::moe: the layer is not a CUDA layer (backend "
+                                  << (l ? l->backend() : "null") << "); expected one made by make_cuda_layer");
+  return c;
+}
+const CudaMoeLayer* as_cuda(const MoeLayer* l) { return as_cuda(const_cast<MoeLayer*>(l)); }
+
+}  // namespace
+
+bool is_cuda_layer(const MoeLayer* layer) { return dynamic_cast<const CudaMoeLayer*>(layer) != nullptr; }
+void set_profiling(MoeLayer* layer, bool on) { as_cuda(layer)->set_profiling(on); }
+std::vector<StageTime> stage_times(const MoeLayer* layer) { return as_cuda(layer)->stage_times(); }
+size_t allocated_bytes(const MoeLayer* layer) { return as_cuda(layer)->allocated_bytes(); }
+LayerCounters counters(const MoeLayer* layer) { return as_cuda(layer)->counters(); }
+void fill_normal_f32(float* p, int64_t n, uint64_t seed, float stddev, cudaStream_t stream) {
+  fill_normal(p, nullptr, n, seed, stddev, stream);
+}
+void fill_normal_bf16(bf16_t* p, int64_t n, uint64_t seed, float stddev, cudaStream_t stream) {
+  fill_normal(nullptr, p, n, seed, stddev, stream);
+}
+
+}  // namespace moe
+}  // namespace cuda
+
+std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t stream) {
+  cfg.validate();
+  return std::unique_ptr<MoeLayer>(new cuda::moe::CudaMoeLayer(cfg, stream));
+}
+
+}  // namespace flowmoe
