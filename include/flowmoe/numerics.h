@@ -196,7 +196,8 @@ FLOWMOE_HD uint8_t quant_e4m3(float x, int scale_exp) { return f32_to_e4m3(div_p
 FLOWMOE_HD uint8_t quant_e2m1(float x, int scale_exp) { return f32_to_e2m1(div_pow2(x, scale_exp)); }
 
 // Encode v * 2^-shift_down in E4M3 (RNE, into the subnormals where needed), for an exactly
-// representable small value v (|v| <= 448: an E4M3 or E2M1 value) and shift_down >= -6.
+// representable small value v (|v| <= 448: an E4M3 or E2M1 value) and any shift that keeps
+// |v * 2^-shift_down| <= 448 (up-shifts are exact).
 // *lost is set when the encoded value differs from v * 2^-shift_down.
 FLOWMOE_HD uint8_t e4m3_encode_shifted(float v, int shift_down, bool* lost) {
   // |v| < 2^9: for shift_down >= 19 the result is below half the smallest subnormal (2^-10)

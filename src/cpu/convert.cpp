@@ -340,7 +340,8 @@ QuantStats naive_col_copy(const QTensor& row, const Segments& seg, QTensor* col)
   return quantize_col_impl(x.data(), row.rows, row.cols, seg, col);  // transpose + fresh scales
 }
 
-QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTensor* col) {
+QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTensor* col,
+                                   TransposeExponent mode) {
   check_output(col, "scaling_aware_transpose", &row);
   check_layout(row, Layout::kRow1x128, "scaling_aware_transpose");
   const int64_t m = row.rows, k = row.cols;
@@ -369,12 +370,38 @@ QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTen
         for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
         continue;
       }
-      col->scales[blk * k + c] = static_cast<uint8_t>(cmax);
+      int target = cmax;
+      if (mode == TransposeExponent::kColumnAmax) {
+        // amax of the column block relative to 2^(r - 127), r = the largest exponent among the
+        // non-zero finite codes: the maximum is then >= 2^-9, an exact binary32 value, and tokens
+        // more than 160 binades below r cannot hold it.
+        int r = -1;
+        for (int64_t t = t0; t < t1; ++t) {
+          const uint8_t q = row.codes[t * k + c];
+          if ((q & 0x7F) != 0 && !e4m3_is_nan(q)) r = std::max<int>(r, rs[t]);
+        }
+        if (r < 0) {
+          target = 0;  // all-zero column block: the smallest scale
+        } else {
+          float amax_rel = 0.0f;
+          for (int64_t t = t0; t < t1; ++t) {
+            const uint8_t q = row.codes[t * k + c];
+            if (e4m3_is_nan(q) || rs[t] - r < -160) continue;
+            amax_rel = std::max(amax_rel, f32_abs(e4m3_to_f32(q)) * exp2i(std::max(rs[t] - r, -149)));
+          }
+          target = std::min(std::max(r + e4m3_scale_exp(amax_rel), 0), 254);
+        }
+      }
+      col->scales[blk * k + c] = static_cast<uint8_t>(target);
       for (int64_t t = t0; t < t1; ++t) {
         bool lost = false;
         const uint8_t q = row.codes[t * k + c];
         st.nonfinite += e4m3_is_nan(q);  // a NaN code under a finite scale stays NaN, counted
-        codes[t] = e4m3_rescale(q, cmax - rs[t], &lost);
+        // NaN codes stay NaN; zeros keep their sign (and need no shift, which for kColumnAmax
+        // may be far upwards when the block's other values are small).
+        codes[t] = (e4m3_is_nan(q) || (q & 0x7F) == 0)
+                       ? q
+                       : e4m3_encode_shifted(e4m3_to_f32(q), target - rs[t], &lost);
         st.underflow += lost;
       }
     }

@@ -26,6 +26,8 @@ const char kNumericsUsage[] =
     "  a) row-wise FP8 (reference)    quantize_row(x)                        source: x\n"
     "  b) naive DQ->T->Q col          naive_col_copy(a)                      source: a\n"
     "  c) scaling-aware transpose col scaling_aware_transpose(a)             source: a\n"
+    "  c2) aware, column-amax exponent the same with the column's own amax as target exponent\n"
+    "                                (TransposeExponent::kColumnAmax; equals b bit for bit)\n"
     "  d) row-wise FP8, FP32 scales   1x128, s = amax/448 in float32         source: x\n"
     "  e) naive DQ->T->Q, FP32 scales d -> BF16 -> transpose -> fresh FP32   source: d\n"
     "                                 scales over the same token blocks\n"
@@ -289,6 +291,10 @@ int run_numerics(const Args& args) {
     rows.push_back(measure("b) naive DQ->T->Q col", "a", col, kNotCounted, ms, deq_row, x, buf));
     ms = time_ms([&] { st = cpu::scaling_aware_transpose(row, seg, &col); });
     rows.push_back(measure("c) scaling-aware transpose col", "a", col, st.underflow, ms, deq_row, x, buf));
+    ms = time_ms([&] {
+      st = cpu::scaling_aware_transpose(row, seg, &col, cpu::TransposeExponent::kColumnAmax);
+    });
+    rows.push_back(measure("c2) aware, column-amax exponent", "a", col, st.underflow, ms, deq_row, x, buf));
   }
   {
     // DeepSeek-V3-style FP32 scales (the comparison rows, see Fp32ScaledFp8 above).

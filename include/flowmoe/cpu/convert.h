@@ -44,7 +44,16 @@ QuantStats naive_col_copy(const QTensor& row, const Segments& seg, QTensor* col)
 // maximum row exponent of the block; each code is re-encoded as RNE(q * 2^(e_row - E)).
 // Exact except elements pushed below the E4M3 normal range, rounded to nearest even into the
 // subnormals and counted in QuantStats::underflow.
-QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTensor* col);
+// How the scaling-aware transpose picks each (feature, token block) exponent E:
+//   kRowMax      E = max of the block's row exponents (SPEC §4; never shifts a code up).
+//   kColumnAmax  E = the fresh power-of-two scale of the column block's own amax, computed in the
+//                FP8 domain: 2^ceil(log2(amax / 448)). Codes shift up or down; the result equals
+//                the naive dequantize -> transpose -> quantize path bit for bit (when the
+//                dequantized values are BF16-exact, i.e. away from 2^-126), still in one FP8
+//                pass, and it underflows fewer values than kRowMax on outlier-heavy data.
+enum class TransposeExponent : uint8_t { kRowMax, kColumnAmax };
+QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTensor* col,
+                                   TransposeExponent mode = TransposeExponent::kRowMax);
 
 // ---- MXFP4 ------------------------------------------------------------------------------------
 // x [M, K] -> MXFP4 row-wise 1x32. K must be a multiple of 32.
