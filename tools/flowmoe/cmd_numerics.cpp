@@ -353,6 +353,8 @@ int run_numerics(const Args& args) {
       "per-column scale is never coarser than (c)'s shared exponent, so it changes no more values\n"
       "than (c): %lld vs %lld here. What (c) adds is one FP8 pass with no BF16 round trip, and\n"
       "the guarantee that the column copy equals the row copy except for the counted underflow.\n"
+      "(c2) takes each column block's exponent from its own amax, computed from the FP8 codes:\n"
+      "still one FP8 pass, bit-identical to (b), so it underflows only what (b) does.\n"
       "\n"
       "The FP4->FP8 conversions (g-i) are exact while the exponent spread of the combined MXFP4\n"
       "blocks stays within 14 binades; beyond that they count underflow the same way.\n"
