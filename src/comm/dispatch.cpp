@@ -1,0 +1,417 @@
+// Expert-parallel dispatch / combine planning and its CPU reference (flowmoe/comm.h, docs/EP.md).
+// Backend independent: the plan is host metadata; dispatch_rows / combine_rows issue one grouped
+// exchange on any Communicator; the ep_* functions are the host-memory reference.
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "flowmoe/comm.h"
+
+namespace flowmoe {
+
+namespace {
+
+// Every rank learns whether every rank's local input was valid, so that a bad input on one rank
+// raises an error on all of them instead of leaving the others waiting in the next collective.
+void agree_on_local_error(Communicator& comm, const char* what, const std::string& local_error) {
+  const int world = comm.world_size();
+  std::vector<int32_t> send(world, local_error.empty() ? 0 : 1), recv(world, 0);
+  comm.alltoall_i32(send.data(), recv.data(), 1);
+  if (!local_error.empty()) throw Error(__FILE__, __LINE__, local_error);
+  for (int p = 0; p < world; ++p)
+    if (recv[p] != 0)
+      throw CommError(__FILE__, __LINE__,
+                      std::string(what) + ": rank " + std::to_string(p) +
+                          " rejected its input (its own error message says why); rank " +
+                          std::to_string(comm.rank()) + " stops too");
+}
+
+void check_plan(const DispatchPlan& plan, const Communicator& comm, const char* what) {
+  FLOWMOE_CHECK(plan.world == comm.world_size() && plan.rank == comm.rank() &&
+                    plan.local_experts >= 1 &&
+                    static_cast<int>(plan.send_counts.size()) == plan.world * plan.local_experts &&
+                    static_cast<int>(plan.recv_counts.size()) == plan.world * plan.local_experts,
+                what << ": the plan (rank " << plan.rank << " of " << plan.world
+                     << ") was not made by plan_dispatch on this communicator (rank "
+                     << comm.rank() << " of " << comm.world_size() << ")");
+}
+
+void check_reference(const DispatchPlan& plan, const Communicator& comm, const char* what) {
+  check_plan(plan, comm, what);
+  FLOWMOE_CHECK(comm.memory_space() == MemorySpace::kHost,
+                what << ": the CPU reference needs a host-memory communicator (e.g. SimWorld); "
+                     << comm.backend() << " moves device memory");
+  FLOWMOE_CHECK(plan.send_routing.tokens == plan.tokens && !plan.send_routing.row_map.empty() ==
+                                                               (plan.tokens > 0),
+                what << ": the plan has no send routing; make it with plan_dispatch (ids), not "
+                        "plan_dispatch_counts");
+}
+
+}  // namespace
+
+// ---- plan ---------------------------------------------------------------------------------------
+int64_t DispatchPlan::recv_rows() const {
+  int64_t n = 0;
+  for (int32_t c : expert_counts) n += c;
+  return n;
+}
+int64_t DispatchPlan::rows_to(int peer) const {
+  FLOWMOE_CHECK(peer >= 0 && peer < world, "DispatchPlan::rows_to: peer " << peer);
+  return send_offsets[(peer + 1) * local_experts] - send_offsets[peer * local_experts];
+}
+int64_t DispatchPlan::rows_from(int peer) const {
+  FLOWMOE_CHECK(peer >= 0 && peer < world, "DispatchPlan::rows_from: peer " << peer);
+  int64_t n = 0;
+  for (int l = 0; l < local_experts; ++l) n += recv_counts[peer * local_experts + l];
+  return n;
+}
+Segments DispatchPlan::padded_segments() const {
+  Segments s;
+  s.offsets = padded_offsets;
+  return s;
+}
+int64_t DispatchPlan::wire_bytes(WireFormat f, bool with_probs) const {
+  const int64_t row = wire_row_bytes(f, hidden) + (with_probs ? kWireProbBytes : 0);
+  int64_t rows = 0;
+  for (int p = 0; p < world; ++p)
+    if (p != rank) rows += rows_to(p);
+  return rows * row;
+}
+std::string DispatchPlan::describe() const {
+  std::ostringstream os;
+  os << "rank " << rank << "/" << world << ": E=" << num_experts << " El=" << local_experts
+     << " k=" << topk << " H=" << hidden << " A=" << align << " " << wire_format_name(format)
+     << " T=" << tokens << " send rows " << send_rows() << " (to peers:";
+  for (int p = 0; p < world; ++p) os << " " << rows_to(p);
+  os << ") recv rows " << recv_rows() << " (from peers:";
+  for (int p = 0; p < world; ++p) os << " " << rows_from(p);
+  os << ") padded " << padded_rows();
+  return os.str();
+}
+
+namespace {
+DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
+                             int64_t tokens);
+}  // namespace
+
+DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
+                                  const int32_t* send_counts, int64_t tokens) {
+  const int world = comm.world_size();
+  // The configuration first: with a different E (so a different El) the count exchange itself
+  // would not match, and NCCL cannot detect a size mismatch of a send/recv pair.
+  comm.check_uniform("plan_dispatch",
+                     {"num_experts", "topk", "hidden", "align", "wire format", "with_probs"},
+                     {cfg.num_experts, cfg.topk, cfg.hidden, cfg.align,
+                      static_cast<int64_t>(cfg.format), cfg.with_probs ? 1 : 0});
+  std::string local_error;
+  try {
+    cfg.validate(world);
+    FLOWMOE_CHECK(tokens >= 0 && tokens <= 0x7FFFFFFF,
+                  "plan_dispatch: T = " << tokens << "; expected 0 <= T < 2^31");
+    FLOWMOE_CHECK(send_counts != nullptr, "plan_dispatch: send_counts is null");
+    int64_t total = 0;
+    for (int g = 0; g < cfg.num_experts; ++g) {
+      FLOWMOE_CHECK(send_counts[g] >= 0, "plan_dispatch: send_counts[" << g << "] = "
+                                                                       << send_counts[g]
+                                                                       << "; expected >= 0");
+      total += send_counts[g];
+    }
+    FLOWMOE_CHECK(total <= tokens * cfg.topk, "plan_dispatch: " << total << " routed rows for T = "
+                                                                << tokens << ", k = " << cfg.topk
+                                                                << "; expected at most T*k");
+  } catch (const Error& e) {
+    local_error = e.what();
+  }
+  agree_on_local_error(comm, "plan_dispatch", local_error);
+  return exchange_counts(comm, cfg, send_counts, tokens);
+}
+
+namespace {
+// The count all-to-all and both layouts; cfg and counts already checked on every rank.
+DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
+                             int64_t tokens) {
+  const int world = comm.world_size();
+  DispatchPlan plan;
+  plan.rank = comm.rank();
+  plan.world = world;
+  plan.num_experts = cfg.num_experts;
+  plan.local_experts = cfg.num_experts / world;
+  plan.topk = cfg.topk;
+  plan.align = cfg.align;
+  plan.hidden = cfg.hidden;
+  plan.tokens = tokens;
+  plan.format = cfg.format;
+  plan.with_probs = cfg.with_probs;
+  const int El = plan.local_experts, n = world * El;
+  plan.send_counts.assign(send_counts, send_counts + n);
+  plan.send_offsets.assign(n + 1, 0);
+  for (int g = 0; g < n; ++g) plan.send_offsets[g + 1] = plan.send_offsets[g] + plan.send_counts[g];
+
+  // send_counts is already laid out [p][l] (global expert g = p*El + l): the count all-to-all
+  // delivers recv_counts[p*El + l] = rows rank p routes to this rank's local expert l.
+  plan.recv_counts.assign(n, 0);
+  comm.alltoall_i32(plan.send_counts.data(), plan.recv_counts.data(), El);
+
+  plan.expert_counts.assign(El, 0);
+  for (int p = 0; p < world; ++p)
+    for (int l = 0; l < El; ++l) plan.expert_counts[l] += plan.recv_counts[p * El + l];
+  plan.padded_offsets.assign(El + 1, 0);
+  int64_t acc = 0;
+  for (int l = 0; l < El; ++l) {
+    acc += (static_cast<int64_t>(plan.expert_counts[l]) + cfg.align - 1) / cfg.align * cfg.align;
+    if (acc > 0x7FFFFFFF)
+      throw CommError(__FILE__, __LINE__,
+                      "plan_dispatch: " + std::to_string(acc) + " received padded rows on rank " +
+                          std::to_string(comm.rank()) + " do not fit int32 row indices");
+    plan.padded_offsets[l + 1] = static_cast<int32_t>(acc);
+  }
+  // Chunk (p, l) lands after the chunks of ranks p' < p inside expert l's segment.
+  plan.recv_offsets.assign(n, 0);
+  for (int l = 0; l < El; ++l) {
+    int32_t off = plan.padded_offsets[l];
+    for (int p = 0; p < world; ++p) {
+      plan.recv_offsets[p * El + l] = off;
+      off += plan.recv_counts[p * El + l];
+    }
+  }
+  return plan;
+}
+}  // namespace
+
+DispatchPlan plan_dispatch(Communicator& comm, const EpConfig& cfg, const int32_t* ids,
+                           int64_t tokens) {
+  // Local validation happens inside the collective protocol (agree_on_local_error), so a rank
+  // with bad ids makes every rank fail instead of leaving them waiting.
+  cpu::Routing routing;
+  std::string local_error;
+  std::vector<int32_t> counts;
+  try {
+    cfg.validate(comm.world_size());
+    routing = cpu::build_routing(ids, tokens, cfg.topk, cfg.num_experts, 1);
+    counts = routing.counts;
+  } catch (const Error& e) {
+    local_error = e.what();
+  }
+  comm.check_uniform("plan_dispatch",
+                     {"num_experts", "topk", "hidden", "align", "wire format", "with_probs"},
+                     {cfg.num_experts, cfg.topk, cfg.hidden, cfg.align,
+                      static_cast<int64_t>(cfg.format), cfg.with_probs ? 1 : 0});
+  agree_on_local_error(comm, "plan_dispatch", local_error);
+  DispatchPlan plan = exchange_counts(comm, cfg, counts.data(), tokens);
+  plan.send_routing = std::move(routing);
+  return plan;
+}
+
+// ---- row movement -----------------------------------------------------------------------------------
+namespace {
+
+// Ops in the one order both sides use: peer, then stream, then local expert; empty chunks skipped
+// (both sides know every chunk's size after the count exchange).
+void build_ops(const DispatchPlan& plan, const std::vector<RowStream>& streams, bool forward,
+               std::vector<P2pOp>* sends, std::vector<P2pOp>* recvs) {
+  const int El = plan.local_experts;
+  for (int p = 0; p < plan.world; ++p) {
+    for (const RowStream& s : streams) {
+      const uint8_t* src = static_cast<const uint8_t*>(s.send);
+      uint8_t* dst = static_cast<uint8_t*>(s.recv);
+      for (int l = 0; l < El; ++l) {
+        // this rank's rows for global expert (p, l)  <->  rank p's rows for local expert l here
+        const int64_t out_rows = plan.send_counts[p * El + l];
+        const int64_t out_first = plan.send_offsets[p * El + l];
+        const int64_t in_rows = plan.recv_counts[p * El + l];
+        const int64_t in_first = plan.recv_offsets[p * El + l];
+        if (forward) {
+          if (out_rows > 0)
+            sends->push_back({p, const_cast<uint8_t*>(src) + out_first * s.row_bytes,
+                              out_rows * s.row_bytes});
+          if (in_rows > 0) recvs->push_back({p, dst + in_first * s.row_bytes, in_rows * s.row_bytes});
+        } else {
+          if (in_rows > 0)
+            sends->push_back({p, const_cast<uint8_t*>(src) + in_first * s.row_bytes,
+                              in_rows * s.row_bytes});
+          if (out_rows > 0)
+            recvs->push_back({p, dst + out_first * s.row_bytes, out_rows * s.row_bytes});
+        }
+      }
+    }
+  }
+}
+
+void check_streams(const std::vector<RowStream>& streams, const DispatchPlan& plan, bool forward,
+                   const char* what) {
+  for (size_t i = 0; i < streams.size(); ++i) {
+    const RowStream& s = streams[i];
+    FLOWMOE_CHECK(s.row_bytes >= 1, what << ": stream " << i << " has row_bytes " << s.row_bytes
+                                         << "; expected >= 1");
+    const int64_t send_rows = forward ? plan.send_rows() : plan.recv_rows();
+    const int64_t recv_rows = forward ? plan.recv_rows() : plan.send_rows();
+    FLOWMOE_CHECK(s.send || send_rows == 0, what << ": stream " << i << " has a null send buffer");
+    FLOWMOE_CHECK(s.recv || recv_rows == 0, what << ": stream " << i << " has a null recv buffer");
+  }
+}
+
+}  // namespace
+
+void dispatch_rows(Communicator& comm, const DispatchPlan& plan,
+                   const std::vector<RowStream>& streams) {
+  check_plan(plan, comm, "dispatch_rows");
+  check_streams(streams, plan, true, "dispatch_rows");
+  std::vector<P2pOp> sends, recvs;
+  build_ops(plan, streams, true, &sends, &recvs);
+  comm.exchange(sends, recvs);
+}
+
+void combine_rows(Communicator& comm, const DispatchPlan& plan,
+                  const std::vector<RowStream>& streams) {
+  check_plan(plan, comm, "combine_rows");
+  check_streams(streams, plan, false, "combine_rows");
+  std::vector<P2pOp> sends, recvs;
+  build_ops(plan, streams, false, &sends, &recvs);
+  comm.exchange(sends, recvs);
+}
+
+void zero_padding_rows(const DispatchPlan& plan, void* rows, int64_t row_bytes) {
+  uint8_t* b = static_cast<uint8_t*>(rows);
+  for (int l = 0; l < plan.local_experts; ++l) {
+    const int64_t first = plan.padded_offsets[l] + plan.expert_counts[l];
+    const int64_t end = plan.padded_offsets[l + 1];
+    if (end > first) std::memset(b + first * row_bytes, 0, (end - first) * row_bytes);
+  }
+}
+
+// ---- CPU reference of the payloads ------------------------------------------------------------------
+namespace {
+
+// send-order gather of fixed-size token rows: out[row_map[t,s]] = in[t]
+void gather_rows(const DispatchPlan& plan, const uint8_t* in, int64_t row_bytes, uint8_t* out) {
+  const cpu::Routing& r = plan.send_routing;
+  for (int64_t t = 0; t < r.tokens; ++t)
+    for (int s = 0; s < r.topk; ++s) {
+      const int32_t row = r.row_map[t * r.topk + s];
+      if (row >= 0) std::memcpy(out + row * row_bytes, in + t * row_bytes, row_bytes);
+    }
+}
+std::vector<float> gather_probs(const DispatchPlan& plan, const float* probs) {
+  const cpu::Routing& r = plan.send_routing;
+  std::vector<float> out(plan.send_rows(), 0.0f);
+  for (int64_t t = 0; t < r.tokens; ++t)
+    for (int s = 0; s < r.topk; ++s) {
+      const int32_t row = r.row_map[t * r.topk + s];
+      if (row >= 0) out[row] = probs[t * r.topk + s];
+    }
+  return out;
+}
+
+// Moves `streams` plus, with plan.with_probs, the probabilities (4 B per row) in one exchange,
+// and zeroes the padding rows of every receive buffer.
+void dispatch_with_probs(Communicator& comm, const DispatchPlan& plan,
+                         std::vector<RowStream> streams, const float* probs, float* recv_probs) {
+  std::vector<float> send_probs;
+  if (plan.with_probs) {
+    FLOWMOE_CHECK(probs || plan.tokens == 0, "dispatch: the plan moves probs but probs is null");
+    FLOWMOE_CHECK(recv_probs || plan.padded_rows() == 0,
+                  "dispatch: the plan moves probs but recv_probs is null");
+    if (plan.tokens > 0) send_probs = gather_probs(plan, probs);
+    streams.push_back({send_probs.data(), recv_probs, static_cast<int64_t>(sizeof(float))});
+  }
+  dispatch_rows(comm, plan, streams);
+  for (const RowStream& s : streams)
+    if (s.recv) zero_padding_rows(plan, s.recv, s.row_bytes);
+}
+
+}  // namespace
+
+void ep_dispatch_bf16(Communicator& comm, const DispatchPlan& plan, const bf16_t* x,
+                      const float* probs, bf16_t* out, float* recv_probs) {
+  check_reference(plan, comm, "ep_dispatch_bf16");
+  FLOWMOE_CHECK(x || plan.tokens == 0, "ep_dispatch_bf16: x is null");
+  FLOWMOE_CHECK(out || plan.padded_rows() == 0, "ep_dispatch_bf16: out is null");
+  const int64_t rb = 2 * plan.hidden;
+  std::vector<uint8_t> send(plan.send_rows() * rb);
+  gather_rows(plan, reinterpret_cast<const uint8_t*>(x), rb, send.data());
+  dispatch_with_probs(comm, plan, {{send.data(), out, rb}}, probs, recv_probs);
+}
+
+void ep_dispatch_fp8(Communicator& comm, const DispatchPlan& plan, const uint8_t* codes,
+                     const uint8_t* scales, const float* probs, uint8_t* out_codes,
+                     uint8_t* out_scales, int64_t scale_ld, float* recv_probs) {
+  check_reference(plan, comm, "ep_dispatch_fp8");
+  FLOWMOE_CHECK(plan.format == WireFormat::kFp8,
+                "ep_dispatch_fp8: the plan's wire format is " << wire_format_name(plan.format)
+                                                              << "; expected fp8");
+  FLOWMOE_CHECK(scale_ld >= plan.padded_rows(),
+                "ep_dispatch_fp8: scale_ld " << scale_ld << " < Mp = " << plan.padded_rows());
+  FLOWMOE_CHECK((codes && scales) || plan.tokens == 0, "ep_dispatch_fp8: null input");
+  FLOWMOE_CHECK((out_codes && out_scales) || plan.padded_rows() == 0, "ep_dispatch_fp8: null output");
+  const int64_t h = plan.hidden, nc = h / kFp8Block, T = plan.tokens;
+  std::vector<uint8_t> send_codes(plan.send_rows() * h), send_scales(plan.send_rows() * nc);
+  gather_rows(plan, codes, h, send_codes.data());
+  // Scales on the wire: row-major [rows][H/128], next to their codes.
+  const cpu::Routing& r = plan.send_routing;
+  for (int64_t t = 0; t < T; ++t)
+    for (int s = 0; s < r.topk; ++s) {
+      const int32_t row = r.row_map[t * r.topk + s];
+      if (row < 0) continue;
+      for (int64_t c = 0; c < nc; ++c) send_scales[row * nc + c] = scales[c * T + t];
+    }
+  std::vector<uint8_t> recv_scales(plan.padded_rows() * nc);
+  dispatch_with_probs(comm, plan,
+                      {{send_codes.data(), out_codes, h}, {send_scales.data(), recv_scales.data(), nc}},
+                      probs, recv_probs);
+  // The receiver's one relayout: [Mp][H/128] -> [H/128][scale_ld] (the GEMM's layout).
+  for (int64_t row = 0; row < plan.padded_rows(); ++row)
+    for (int64_t c = 0; c < nc; ++c) out_scales[c * scale_ld + row] = recv_scales[row * nc + c];
+}
+
+void ep_dispatch_mxfp4(Communicator& comm, const DispatchPlan& plan, const uint8_t* codes,
+                       const uint8_t* scales, const float* probs, uint8_t* out_codes,
+                       uint8_t* out_scales, float* recv_probs) {
+  check_reference(plan, comm, "ep_dispatch_mxfp4");
+  FLOWMOE_CHECK(plan.format == WireFormat::kMxfp4,
+                "ep_dispatch_mxfp4: the plan's wire format is " << wire_format_name(plan.format)
+                                                                << "; expected mxfp4");
+  FLOWMOE_CHECK((codes && scales) || plan.tokens == 0, "ep_dispatch_mxfp4: null input");
+  FLOWMOE_CHECK((out_codes && out_scales) || plan.padded_rows() == 0,
+                "ep_dispatch_mxfp4: null output");
+  const int64_t cb = plan.hidden / 2, sb = plan.hidden / kFp4Block;
+  std::vector<uint8_t> send_codes(plan.send_rows() * cb), send_scales(plan.send_rows() * sb);
+  gather_rows(plan, codes, cb, send_codes.data());
+  gather_rows(plan, scales, sb, send_scales.data());
+  dispatch_with_probs(comm, plan,
+                      {{send_codes.data(), out_codes, cb}, {send_scales.data(), out_scales, sb}},
+                      probs, recv_probs);
+}
+
+void ep_combine_bf16(Communicator& comm, const DispatchPlan& plan, const bf16_t* y_rows,
+                     const float* probs, bf16_t* y) {
+  check_reference(plan, comm, "ep_combine_bf16");
+  FLOWMOE_CHECK(y_rows || plan.padded_rows() == 0, "ep_combine_bf16: y_rows is null");
+  FLOWMOE_CHECK(y || plan.tokens == 0, "ep_combine_bf16: y is null");
+  const int64_t rb = 2 * plan.hidden;
+  std::vector<bf16_t> back(plan.send_rows() * plan.hidden);
+  combine_rows(comm, plan, {{y_rows, back.data(), rb}});
+  // The reduction runs here, on the token's own rank, in slot order (send_routing has align 1, so
+  // its row_map addresses the send-order rows that just came back).
+  if (plan.tokens > 0) cpu::unpermute_unpad(back.data(), probs, plan.hidden, plan.send_routing, y);
+}
+
+void ep_reference_forward(Communicator& comm, const EpConfig& cfg, const bf16_t* x,
+                          const int32_t* ids, const float* probs, int64_t tokens,
+                          const ExpertFn& expert, bf16_t* y) {
+  EpConfig c = cfg;
+  c.format = WireFormat::kBf16;
+  c.with_probs = false;  // the probabilities weight the combine on the token's own rank here
+  const DispatchPlan plan = plan_dispatch(comm, c, ids, tokens);
+  const int64_t h = plan.hidden, mp = plan.padded_rows();
+  std::vector<bf16_t> rows(mp * h), out(mp * h, 0);
+  ep_dispatch_bf16(comm, plan, x, nullptr, rows.data(), nullptr);
+  for (int l = 0; l < plan.local_experts; ++l) {
+    const int64_t first = plan.padded_offsets[l], n = plan.padded_offsets[l + 1] - first;
+    if (n > 0)
+      expert(plan.rank * plan.local_experts + l, rows.data() + first * h, n, out.data() + first * h);
+  }
+  zero_padding_rows(plan, out.data(), 2 * h);
+  ep_combine_bf16(comm, plan, out.data(), probs, y);
+}
+
+}  // namespace flowmoe
