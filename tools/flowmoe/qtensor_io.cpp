@@ -14,23 +14,15 @@ namespace flowmoe {
 namespace cli {
 namespace {
 
-// Number of 128-token blocks of a segmentation: sum of ceil(len / 128).
-int64_t count_blocks(const Segments& seg) {
-  int64_t nb = 0;
-  for (size_t i = 0; i + 1 < seg.offsets.size(); ++i)
-    nb += (seg.offsets[i + 1] - seg.offsets[i] + kFp8Block - 1) / kFp8Block;
-  return nb;
-}
-
-// Checks an offsets vector [E+1] for m tokens, naming `where`.
-void check_offsets(const std::vector<int32_t>& off, int64_t m, const std::string& where) {
-  FLOWMOE_CHECK(off.size() >= 2, where << ": expected at least 2 segment offsets [E+1], got " << off.size());
-  FLOWMOE_CHECK(off.front() == 0, where << ": the first segment offset must be 0, got " << off.front());
-  for (size_t i = 1; i < off.size(); ++i)
-    FLOWMOE_CHECK(off[i] >= off[i - 1], where << ": segment offsets must be non-decreasing, but offset[" << i
-                                              << "] = " << off[i] << " < offset[" << i - 1 << "] = " << off[i - 1]);
-  FLOWMOE_CHECK(off.back() == m, where << ": the last segment offset must equal M = " << m << ", got "
-                                       << off.back());
+// Checks a segmentation for m tokens (Segments::validate), naming the file it came from.
+void check_offsets(const Segments& seg, int64_t m, const std::string& where) {
+  try {
+    seg.validate(m);
+  } catch (const Error& e) {
+    std::string msg = e.what();  // "file:line: message": keep the message
+    const size_t at = msg.find(": ");
+    throw Error(__FILE__, __LINE__, where + ": " + (at == std::string::npos ? msg : msg.substr(at + 2)));
+  }
 }
 
 // Loads a uint8 2-D array and checks its shape against `want`.
@@ -99,7 +91,7 @@ std::vector<int64_t> code_shape(Layout l, int64_t rows, int64_t cols) {
 std::vector<int64_t> scale_shape(Layout l, int64_t rows, int64_t cols, const Segments& seg) {
   switch (l) {
     case Layout::kRow1x128: return {cols / kFp8Block, rows};
-    case Layout::kCol128x1: return {count_blocks(seg), cols};
+    case Layout::kCol128x1: return {seg.num_blocks(), cols};
     case Layout::kWeight128x128: return {rows / kFp8Block, cols / kFp8Block};
     case Layout::kMxfp4Row1x32: return {rows, cols / kFp4Block};
   }
@@ -181,7 +173,7 @@ QTensor load_qtensor(Layout l, const std::string& prefix, const std::string& sha
       FLOWMOE_CHECK(a.shape.size() == 1, seg_path << ": segment offsets must be 1-D [E+1], got shape "
                                                   << npy_shape_str(a.shape));
       seg.offsets = npy_values<int32_t>(a, kNpyI32, seg_path);
-      check_offsets(seg.offsets, rows, seg_path);
+      check_offsets(seg, rows, seg_path);
       if (!seg_counts.empty()) {
         const Segments opt = segments_from_option(seg_counts, rows);
         FLOWMOE_CHECK(opt.offsets == seg.offsets,
