@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "flowmoe/cpu/convert.h"
 #include "flowmoe/tensor.h"
 #include "flowmoe/token.h"
 
@@ -85,6 +86,11 @@ struct MoeConfig {
   // Also compare every column-wise wgrad operand with the row-wise tensor of the same values
   // (costs a dequantize of both; for tests and the numerics report). See ColumnCheck.
   bool check_columns = false;
+  // flow / flow-fp4: the exponent of each column-wise block made by the scaling-aware transpose.
+  // kRowMax is SPEC §4; kColumnAmax takes the block's own amax (bit-identical to the naive
+  // power-of-two path, far less underflow on outlier tokens; cpu/convert.h). CPU backend only so
+  // far: the CUDA backend rejects kColumnAmax with an error.
+  cpu::TransposeExponent transpose_exponent = cpu::TransposeExponent::kRowMax;
 
   // Throws flowmoe::Error naming the field, its value and what is expected.
   void validate() const;

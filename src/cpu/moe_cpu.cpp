@@ -701,7 +701,7 @@ class CpuMoeLayer final : public MoeLayer {
     QuantStats qa = cpu::quantize_row(a.data(), Mp_, F_, &ar);
     qa.nonfinite = 0;  // already counted by swiglu_prob (each value once)
     *st += qa;
-    const QuantStats tr = cpu::scaling_aware_transpose(ar, seg_, &ac_);
+    const QuantStats tr = cpu::scaling_aware_transpose(ar, seg_, &ac_, cfg_.transpose_exponent);
     st->underflow += tr.underflow;
     *st += cpu::quantize_row(h1_.data(), Mp_, 2 * F_, &h_row_);
     log.add(CastKind::kFused, "SwiGLU*prob + quantize (a' row + col, h row)", 3, Mp_ * 2 * F_);
@@ -839,7 +839,7 @@ class CpuMoeLayer final : public MoeLayer {
     log.add(CastKind::kQuantize, "quantize dy (row 1x128, entry)", 1, T_ * H_);
     // combine's backward: FP8 dispatch of dy (identity on one rank), FP8 permute+pad
     permute_fp8(dyq, &dyr);
-    const QuantStats tdy = cpu::scaling_aware_transpose(dyr, seg_, &dyc);
+    const QuantStats tdy = cpu::scaling_aware_transpose(dyr, seg_, &dyc, cfg_.transpose_exponent);
     *st += tdy;
     log.add(CastKind::kConvert, "scaling-aware transpose dY (wgrad copy)", 1, Mp_ * H_);
     std::vector<bf16_t> da(Mp_ * F_);
@@ -861,7 +861,7 @@ class CpuMoeLayer final : public MoeLayer {
     QTensor xpc;
     QuantStats tx;
     if (!fp4) {
-      tx = cpu::scaling_aware_transpose(xp_row_, seg_, &xpc);
+      tx = cpu::scaling_aware_transpose(xp_row_, seg_, &xpc, cfg_.transpose_exponent);
       log.add(CastKind::kConvert, "scaling-aware transpose x_perm (wgrad copy)", 1, Mp_ * H_);
     } else {
       tx = cpu::fp4_to_fp8_col(xp_fp4_, seg_, &xpc);

@@ -456,6 +456,37 @@ TEST(MoeLayer, FlowColumnCopiesAreExactNaiveAreNot) {
   }
 }
 
+// The column-amax exponent (MoeConfig::transpose_exponent) on the outlier data above: the
+// column-wise copies still decode to the row-wise values except counted underflow, with far less
+// underflow than the row-max exponent, and the layer's results move closer to bf16 (or stay).
+TEST(MoeLayer, ColumnAmaxExponentCutsFlowUnderflow) {
+  MoeConfig cfg = make_cfg(256, 128, 4, 2, 64, Recipe::kFlow);
+  Problem p = make_problem(cfg, 64, 31);
+  for (int64_t t = 0; t < p.T; t += 7)
+    for (int64_t h = 0; h < cfg.hidden; ++h)
+      p.x[t * cfg.hidden + h] = num::f32_to_bf16(num::bf16_to_f32(p.x[t * cfg.hidden + h]) * 300.0f);
+  const Result b = run_layer(p, Recipe::kBf16);
+  const Result rowmax = run_layer(p, Recipe::kFlow, /*check_columns=*/true);
+  p.cfg.transpose_exponent = flowmoe::cpu::TransposeExponent::kColumnAmax;
+  const Result tight = run_layer(p, Recipe::kFlow, /*check_columns=*/true);
+  for (const char* nm : {"GEMM1 input x_perm", "GEMM2 input a'", "GEMM2 grad dY"}) {
+    const flowmoe::ColumnCheck* r = find_col(rowmax.rep, nm);
+    const flowmoe::ColumnCheck* c = find_col(tight.rep, nm);
+    ASSERT_NE(r, nullptr) << nm;
+    ASSERT_NE(c, nullptr) << nm;
+    EXPECT_EQ(c->differ, c->underflow) << nm;
+    EXPECT_LE(c->underflow, r->underflow) << nm;
+    std::printf("[ measure  ] flow %-20s underflow: row-max %lld, column-amax %lld of %lld\n", nm,
+                static_cast<long long>(r->underflow), static_cast<long long>(c->underflow),
+                static_cast<long long>(c->elements));
+  }
+  const double e_row = rel_err(rowmax.dw2, b.dw2), e_col = rel_err(tight.dw2, b.dw2);
+  std::printf("[ measure  ] flow dW2 vs bf16: row-max %.3e, column-amax %.3e\n", e_row, e_col);
+  EXPECT_LE(e_col, e_row * 1.05);
+  EXPECT_LT(tight.rep.forward_stats.underflow + tight.rep.backward_stats.underflow,
+            rowmax.rep.forward_stats.underflow + rowmax.rep.backward_stats.underflow);
+}
+
 TEST(MoeLayer, Deterministic) {
   const MoeConfig cfg = make_cfg(256, 128, 4, 2, 32, Recipe::kBf16);
   const Problem p = make_problem(cfg, 32, 41);

@@ -915,6 +915,9 @@ void fill_normal_bf16(bf16_t* p, int64_t n, uint64_t seed, float stddev, cudaStr
 
 std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t stream) {
   cfg.validate();
+  FLOWMOE_CHECK(cfg.transpose_exponent == cpu::TransposeExponent::kRowMax,
+                "make_cuda_layer: transpose_exponent = kColumnAmax is implemented in the CPU backend "
+                "only so far; expected kRowMax on the GPU");
   return std::unique_ptr<MoeLayer>(new cuda::moe::CudaMoeLayer(cfg, stream));
 }
 
