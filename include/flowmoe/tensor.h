@@ -74,6 +74,9 @@ struct QuantStats {
   }
 };
 
+// How the scaling-aware transpose picks each (feature, token block) exponent (cpu/convert.h).
+enum class TransposeExponent : uint8_t { kRowMax, kColumnAmax };
+
 // Throws flowmoe::NonFiniteError naming `what` when stats.nonfinite > 0.
 void throw_if_nonfinite(const QuantStats& stats, const char* what);
 

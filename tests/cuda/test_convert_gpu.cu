@@ -367,6 +367,38 @@ TEST(ConvertGpuNaNCodes, ScalingAwareTransposeCountsNaNCodesUnderFiniteScales) {
   EXPECT_EQ(s.underflow, static_cast<unsigned long long>(st.underflow));
 }
 
+
+// ---- the column-amax transpose (TransposeExponent::kColumnAmax) equals the CPU reference -----
+TEST(ConvertGpuColumnAmax, BitExactAgainstCpuOnSeveralDistributions) {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) GTEST_SKIP() << "no CUDA device";
+  for (Dist dist : {Dist::kNormal, Dist::kHeavy, Dist::kBinades, Dist::kNonFinite, Dist::kSubnormal}) {
+    const int64_t m = 1000, k = 384;
+    const auto x = make_data(m, k, dist, 77);
+    QTensor row, want;
+    cpu::quantize_row(x.data(), m, k, &row);
+    row.codes[3 * k + 5] = 0x7F;  // a NaN code under a finite scale
+    const Segments seg = Segments::from_counts({0, 1, 127, 128, 129, 0, 300, 315});
+    const QuantStats st = cpu::scaling_aware_transpose(row, seg, &want, TransposeExponent::kColumnAmax);
+    DBuf<uint8_t> rc(row.codes), rs(row.scales);
+    DBuf<int32_t> doff(seg.offsets);
+    const int E = seg.num_segments();
+    const int64_t maxb = cuda::segment_max_blocks(m, E);
+    DBuf<int32_t> bstart(maxb), bend(maxb), boff(E + 1);
+    DBuf<cuda::DeviceStatus> ds(1);
+    cudaMemset(ds.p, 0, sizeof(cuda::DeviceStatus));
+    cuda::SegmentBlocks sb{doff.p, E, m, maxb, bstart.p, bend.p, boff.p};
+    cuda::build_segment_blocks(sb, ds.p, 0);
+    DBuf<uint8_t> cc(m * k), cs(maxb * k);
+    cuda::scaling_aware_transpose(rc.p, rs.p, k, sb, cc.p, cs.p, ds.p, 0, TransposeExponent::kColumnAmax);
+    expect_bytes(want.codes, cc.get(), m * k, (std::string("column-amax codes, ") + dist_name(dist)).c_str());
+    expect_bytes(want.scales, cs.get(), seg.num_blocks() * k, (std::string("column-amax scales, ") + dist_name(dist)).c_str());
+    const auto s2 = ds.get()[0];
+    EXPECT_EQ(s2.underflow, static_cast<unsigned long long>(st.underflow)) << dist_name(dist);
+    EXPECT_EQ(s2.nonfinite, static_cast<unsigned long long>(st.nonfinite)) << dist_name(dist);
+  }
+}
+
 // ---- segments and argument errors ---------------------------------------------------------
 TEST(ConvertGpuSegments, MalformedOffsetsAreReportedNotHung) {
   int ndev = 0;

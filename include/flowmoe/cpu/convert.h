@@ -51,7 +51,7 @@ QuantStats naive_col_copy(const QTensor& row, const Segments& seg, QTensor* col)
 //                the naive dequantize -> transpose -> quantize path bit for bit (when the
 //                dequantized values are BF16-exact, i.e. away from 2^-126), still in one FP8
 //                pass, and it underflows fewer values than kRowMax on outlier-heavy data.
-enum class TransposeExponent : uint8_t { kRowMax, kColumnAmax };
+using flowmoe::TransposeExponent;  // defined in tensor.h, shared with the CUDA launchers
 QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTensor* col,
                                    TransposeExponent mode = TransposeExponent::kRowMax);
 

@@ -77,9 +77,12 @@ void quantize_transposed(const bf16_t* xt, int64_t k, const SegmentBlocks& sb, u
 
 // ---- FP8 row-wise -> column-wise ----------------------------------------------------------------
 // Scaling-aware transpose: row-wise [M, K] -> column-wise [K, M] by exponent shifts only.
+// `mode` as in cpu::scaling_aware_transpose: kRowMax (SPEC §4, the tuned kernel) or kColumnAmax
+// (each column block's own amax; a separate, untuned kernel).
 void scaling_aware_transpose(const uint8_t* row_codes, const uint8_t* row_scales, int64_t k,
                              const SegmentBlocks& sb, uint8_t* col_codes, uint8_t* col_scales,
-                             DeviceStatus* status, cudaStream_t stream);
+                             DeviceStatus* status, cudaStream_t stream,
+                             TransposeExponent mode = TransposeExponent::kRowMax);
 // The naive path users run today (three kernels): dequantize -> transpose -> quantize.
 // `work` holds 2*M*K bf16 (two intermediates).
 void naive_col_copy(const uint8_t* row_codes, const uint8_t* row_scales, int64_t k,

@@ -115,11 +115,101 @@ scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint
   detail::store_col_tile(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
 }
 
+
+// The column-amax variant: each (feature, token block) exponent is the fresh power-of-two scale of
+// that column's own amax, computed from the FP8 codes exactly as cpu::scaling_aware_transpose
+// (kColumnAmax) does, then every code is re-encoded by an up- or down-shift. One CTA per tile;
+// written for clarity (byte-wise re-encode), not tuned.
+__global__ void __launch_bounds__(kThreads)
+aware_transpose_colamax_kernel(const uint8_t* __restrict__ row_codes, const uint8_t* __restrict__ row_scales,
+                               int64_t m, int64_t k, const int32_t* __restrict__ bstart,
+                               const int32_t* __restrict__ bend, uint8_t* __restrict__ col_codes,
+                               uint8_t* __restrict__ col_scales, DeviceStatus* status) {
+  __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
+  __shared__ uint8_t s_e[kTile], s_target[kTile];
+  __shared__ int s_bad;
+  int64_t b, kt;
+  detail::tile_coords(b, kt);
+  const int bs = bstart[b];
+  if (bs < 0) return;
+  const int n = bend[b] - bs;
+  const int tid = threadIdx.x;
+  if (tid == 0) s_bad = 0;
+  __syncthreads();
+  for (int i = 0; i < 4; ++i) {  // raw codes into the byte tile
+    const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
+    const uint4 v = row < n ? __ldg(reinterpret_cast<const uint4*>(row_codes + (bs + row) * k + kt * kTile) + ch)
+                            : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + ch * 16]) = v;
+  }
+  if (tid < kTile) {
+    const uint8_t e = tid < n ? row_scales[kt * m + bs + tid] : 0;
+    s_e[tid] = e;
+    if (tid < n && e == kUE8M0NaN) atomicAdd(&s_bad, 1);
+  }
+  __syncthreads();
+  const int nbad = s_bad;
+  if (nbad) {  // a NaN-marked row tile: the whole column block is NaN, as in the row-max kernel
+    for (int i = 0; i < 4; ++i) {
+      const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
+      if (row < n)
+        *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + ch * 16]) =
+            make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+    }
+    if (tid < kTile) col_scales[b * k + kt * kTile + tid] = kUE8M0NaN;
+    if (tid == 0 && status) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(nbad) * kTile);
+  } else {
+    if (tid < kTile) {  // one thread per feature: the column block's exponent
+      const int f = tid;
+      int r = -1;
+      for (int t = 0; t < n; ++t) {
+        const uint8_t q = s_q[t * kBytePitch + f];
+        if ((q & 0x7F) != 0 && !e4m3_is_nan(q)) r = max(r, static_cast<int>(s_e[t]));
+      }
+      int target = 0;
+      if (r >= 0) {
+        float amax_rel = 0.0f;
+        for (int t = 0; t < n; ++t) {
+          const uint8_t q = s_q[t * kBytePitch + f];
+          const int rel = static_cast<int>(s_e[t]) - r;
+          if (e4m3_is_nan(q) || rel < -160) continue;
+          amax_rel = fmaxf(amax_rel, f32_abs(e4m3_to_f32(q)) * exp2i(max(rel, -149)));
+        }
+        target = min(max(r + e4m3_scale_exp(amax_rel), 0), 254);
+      }
+      s_target[f] = static_cast<uint8_t>(target);
+      col_scales[b * k + kt * kTile + f] = static_cast<uint8_t>(target);
+    }
+    __syncthreads();
+    int lost = 0, nan_codes = 0;
+    for (int i = 0; i < 4; ++i) {  // re-encode in place: this thread's 16-code chunks
+      const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
+      if (row >= n) continue;
+      uint8_t* p = &s_q[row * kBytePitch + ch * 16];
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t q = p[j];
+        if (e4m3_is_nan(q)) {
+          ++nan_codes;
+          continue;
+        }
+        if ((q & 0x7F) == 0) continue;  // zeros keep their sign
+        bool l = false;
+        p[j] = e4m3_encode_shifted(e4m3_to_f32(q), static_cast<int>(s_target[ch * 16 + j]) - s_e[row], &l);
+        lost += l;
+      }
+    }
+    detail::warp_count(status ? &status->underflow : nullptr, lost);
+    detail::warp_count(status ? &status->nonfinite : nullptr, nan_codes);
+  }
+  __syncthreads();
+  detail::store_col_tile(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
+}
+
 }  // namespace
 
 void scaling_aware_transpose(const uint8_t* row_codes, const uint8_t* row_scales, int64_t k,
                              const SegmentBlocks& sb, uint8_t* col_codes, uint8_t* col_scales,
-                             DeviceStatus* status, cudaStream_t stream) {
+                             DeviceStatus* status, cudaStream_t stream, TransposeExponent mode) {
   const char* what = "cuda::scaling_aware_transpose";
   check_k(k, kTile, what);
   check_blocks(sb, what);
@@ -128,6 +218,12 @@ void scaling_aware_transpose(const uint8_t* row_codes, const uint8_t* row_scales
   check_aligned(col_codes, "col_codes", what);
   FLOWMOE_CHECK(row_scales && col_scales, what << ": row_scales or col_scales is null");
   const dim3 grid = tile_grid(sb.max_blocks, k / kTile);
+  if (mode == TransposeExponent::kColumnAmax) {
+    aware_transpose_colamax_kernel<<<grid, kThreads, 0, stream>>>(
+        row_codes, row_scales, sb.m, k, sb.block_start, sb.block_end, col_codes, col_scales, status);
+    FLOWMOE_LAUNCH_CHECK(what);
+    return;
+  }
   scaling_aware_transpose_kernel<<<grid, kThreads, 0, stream>>>(
       row_codes, row_scales, sb.m, k, sb.block_start, sb.block_end, col_codes, col_scales, status);
   FLOWMOE_LAUNCH_CHECK(what);
