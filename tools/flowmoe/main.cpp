@@ -39,11 +39,12 @@ void print_top_usage(std::ostream& os, const std::vector<Command>& cmds) {
         "Exit status: 0 ok, 1 error (bad data, non-finite input, I/O), 2 usage error.\n";
 }
 
-// flowmoe::Error messages start with "/path/to/file.cpp:LINE: "; keep only the file's base
+// flowmoe::Error messages start with "/path/to/file.cpp:LINE: " (or .h); keep only the file's base
 // name so the message stays readable on a terminal.
 std::string readable(const char* what) {
   std::string s = what;
-  const size_t colon = s.find(".cpp:");
+  size_t colon = s.find(".cpp:");
+  if (colon == std::string::npos) colon = s.find(".h:");
   const size_t end = colon == std::string::npos ? colon : s.find(": ", colon);
   if (end == std::string::npos) return s;
   const size_t slash = s.rfind('/', colon);

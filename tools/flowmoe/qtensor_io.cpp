@@ -172,6 +172,9 @@ QTensor load_qtensor(Layout l, const std::string& prefix, const std::string& sha
       const NpyArray a = npy_load(seg_path);
       FLOWMOE_CHECK(a.shape.size() == 1, seg_path << ": segment offsets must be 1-D [E+1], got shape "
                                                   << npy_shape_str(a.shape));
+      FLOWMOE_CHECK(a.dtype == kNpyI32, seg_path << ": segment offsets must be int32 ('<i4'), got "
+                                                  << npy_dtype_name(a.dtype)
+                                                  << " (numpy: np.asarray(offsets, dtype=np.int32))");
       seg.offsets = npy_values<int32_t>(a, kNpyI32, seg_path);
       check_offsets(seg, rows, seg_path);
       if (!seg_counts.empty()) {
