@@ -74,6 +74,30 @@ void for_each_token_block(const Segments& seg, Fn&& fn) {
   }
 }
 
+// The largest |value| of a tile over its finite values, and how many were not finite.
+struct TileAmax {
+  float amax = 0.0f;
+  int64_t bad = 0;
+  void add(float v) {
+    if (!f32_is_finite(v))
+      ++bad;
+    else
+      amax = f32_max_nonneg(amax, f32_abs(v));
+  }
+};
+
+// The largest UE8M0 scale code among finite scales (0 when none), and how many were NaN (0xFF).
+struct MaxScaleCode {
+  int cmax = 0;
+  int bad = 0;
+  void add(uint8_t e) {
+    if (e == kUE8M0NaN)
+      ++bad;
+    else
+      cmax = std::max<int>(cmax, e);
+  }
+};
+
 // ---- FP8 row-wise -----------------------------------------------------------------------------
 template <typename T>
 QuantStats quantize_row_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
@@ -90,15 +114,12 @@ QuantStats quantize_row_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < k / kFp8Block; ++b) {
       const int64_t base = r * k + b * kFp8Block;
-      float amax = 0.0f;
-      int64_t bad = 0;
+      TileAmax ta;
       for (int i = 0; i < kFp8Block; ++i) {
-        const float v = load(x, base + i);
-        if (!f32_is_finite(v))
-          ++bad;
-        else
-          amax = f32_max_nonneg(amax, f32_abs(v));
+        ta.add(load(x, base + i));
       }
+      const float amax = ta.amax;
+      const int64_t bad = ta.bad;
       uint8_t* codes = &out->codes[base];
       if (bad) {
         st.nonfinite += bad;
@@ -130,15 +151,12 @@ QuantStats quantize_col_impl(const T* x, int64_t m, int64_t k, const Segments& s
   QuantStats st;
   for_each_token_block(seg, [&](int64_t blk, int64_t t0, int64_t t1) {
     for (int64_t c = 0; c < k; ++c) {
-      float amax = 0.0f;
-      int64_t bad = 0;
+      TileAmax ta;
       for (int64_t t = t0; t < t1; ++t) {
-        const float v = load(x, t * k + c);
-        if (!f32_is_finite(v))
-          ++bad;
-        else
-          amax = f32_max_nonneg(amax, f32_abs(v));
+        ta.add(load(x, t * k + c));
       }
+      const float amax = ta.amax;
+      const int64_t bad = ta.bad;
       uint8_t* codes = &out->codes[c * m];
       if (bad) {
         st.nonfinite += bad;
@@ -172,17 +190,14 @@ QuantStats quantize_weight_impl(const T* w, int64_t n, int64_t k, QTensor* out, 
   QuantStats st;
   for (int64_t bn = 0; bn < nbn; ++bn) {
     for (int64_t bk = 0; bk < nbk; ++bk) {
-      float amax = 0.0f;
-      int64_t bad = 0;
+      TileAmax ta;
       for (int64_t r = bn * kFp8Block; r < (bn + 1) * kFp8Block; ++r) {
         for (int64_t c = bk * kFp8Block; c < (bk + 1) * kFp8Block; ++c) {
-          const float v = load(w, r * k + c);
-          if (!f32_is_finite(v))
-            ++bad;
-          else
-            amax = f32_max_nonneg(amax, f32_abs(v));
+          ta.add(load(w, r * k + c));
         }
       }
+      const float amax = ta.amax;
+      const int64_t bad = ta.bad;
       st.nonfinite += bad;
       const int e = e4m3_scale_exp(amax);
       out->scales[bn * nbk + bk] = bad ? kUE8M0NaN : ue8m0_from_exp(e);
@@ -213,15 +228,12 @@ QuantStats quantize_mxfp4_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < k / kFp4Block; ++b) {
       const int64_t base = r * k + b * kFp4Block;
-      float amax = 0.0f;
-      int64_t bad = 0;
+      TileAmax ta;
       for (int i = 0; i < kFp4Block; ++i) {
-        const float v = load(x, base + i);
-        if (!f32_is_finite(v))
-          ++bad;
-        else
-          amax = f32_max_nonneg(amax, f32_abs(v));
+        ta.add(load(x, base + i));
       }
+      const float amax = ta.amax;
+      const int64_t bad = ta.bad;
       st.nonfinite += bad;
       const int e = e2m1_scale_exp(amax);
       out->scales[r * (k / kFp4Block) + b] = bad ? kUE8M0NaN : ue8m0_from_exp(e);
@@ -234,8 +246,6 @@ QuantStats quantize_mxfp4_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
   }
   return st;
 }
-
-
 
 }  // namespace
 
@@ -356,13 +366,11 @@ QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTen
   for_each_token_block(seg, [&](int64_t blk, int64_t t0, int64_t t1) {
     for (int64_t c = 0; c < k; ++c) {
       const uint8_t* rs = &row.scales[(c / kFp8Block) * m];  // row exponents of this K tile
-      int cmax = 0, bad = 0;
+      MaxScaleCode msc;
       for (int64_t t = t0; t < t1; ++t) {
-        if (rs[t] == kUE8M0NaN)
-          ++bad;
-        else
-          cmax = std::max<int>(cmax, rs[t]);
+        msc.add(rs[t]);
       }
+      const int cmax = msc.cmax, bad = msc.bad;
       uint8_t* codes = &col->codes[c * m];
       if (bad) {
         st.nonfinite += bad;
@@ -387,7 +395,8 @@ QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTen
           for (int64_t t = t0; t < t1; ++t) {
             const uint8_t q = row.codes[t * k + c];
             if (e4m3_is_nan(q) || rs[t] - r < -160) continue;
-            amax_rel = std::max(amax_rel, f32_abs(e4m3_to_f32(q)) * exp2i(std::max(rs[t] - r, -149)));
+            amax_rel =
+                std::max(amax_rel, f32_abs(e4m3_to_f32(q)) * exp2i(std::max(rs[t] - r, -149)));
           }
           target = std::min(std::max(r + e4m3_scale_exp(amax_rel), 0), 254);
         }
@@ -425,13 +434,11 @@ QuantStats fp4_to_fp8_row(const QTensor& fp4, QTensor* row) {
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < k / kFp8Block; ++b) {
       const uint8_t* es = &fp4.scales[r * ng + b * kGroups];
-      int cmax = 0, bad = 0;
+      MaxScaleCode msc;
       for (int j = 0; j < kGroups; ++j) {
-        if (es[j] == kUE8M0NaN)
-          ++bad;
-        else
-          cmax = std::max<int>(cmax, es[j]);
+        msc.add(es[j]);
       }
+      const int cmax = msc.cmax, bad = msc.bad;
       uint8_t* codes = &row->codes[r * k + b * kFp8Block];
       if (bad) {
         st.nonfinite += bad * kFp4Block;
@@ -467,14 +474,12 @@ QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col)
   for_each_token_block(seg, [&](int64_t blk, int64_t t0, int64_t t1) {
     for (int64_t c = 0; c < k; ++c) {
       const int64_t g = c / kFp4Block;
-      int cmax = 0, bad = 0;
+      MaxScaleCode msc;
       for (int64_t t = t0; t < t1; ++t) {
         const uint8_t e = fp4.scales[t * ng + g];
-        if (e == kUE8M0NaN)
-          ++bad;
-        else
-          cmax = std::max<int>(cmax, e);
+        msc.add(e);
       }
+      const int cmax = msc.cmax, bad = msc.bad;
       uint8_t* codes = &col->codes[c * m];
       if (bad) {
         st.nonfinite += bad;
