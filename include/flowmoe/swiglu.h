@@ -27,6 +27,19 @@
 //              finite inputs can overflow, so the count is > 0 whenever anything went bad.
 //   underflow  the values the forward column copy could not keep exactly (as
 //              scaling_aware_transpose counts them).
+//
+// Routing probability (the MoE layer's form a' = p * SwiGLU; docs/SWIGLU.md §10). Every function
+// takes an optional `prow` [M] fp32, the probability of each row (null: p = 1, the plain SwiGLU):
+//   forward   A'[t, j] = f_mul(swiglu_f32(gate, up), prow[t]), then rounded / quantized as A
+//   backward  dH from num::dswiglu_prob_f32(dA'[t, j], prow[t], gate, up), i.e. dswiglu_f32 of
+//             f_mul(dA', p); with `dprow_part` also the gradient of prow as partial sums per
+//             128-feature tile, dprow_part [F/128][M] (tile-major like the row scales):
+//               part[b][t] = sum over the features j of tile b of dA'[t, j] * A[t, j]
+//             in this fixed order: 16 lane sums of 8 consecutive features (fma in feature order
+//             from 0), combined as s_l = s_l + s_(l xor o) for o = 8, 4, 2, 1 (lane 0's value).
+//             The row's gradient is dprow[t] = part[0][t] + part[1][t] + ... (tile order):
+//             sum_dprow_parts. Rows with A = 0 (padding) get 0; a NaN is stored as 0x7FC00000.
+//             dprow_part needs prow.
 #pragma once
 
 #include <cstdint>
@@ -38,25 +51,32 @@ namespace cpu {
 
 // ---- forward --------------------------------------------------------------------------------------
 // h [M, 2F] bf16 -> a [M, F] bf16 (RNE, NaN 0x7FC0). Returns nonfinite = non-finite elements of a.
-QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a);
+QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, const float* prow = nullptr);
 // The same in binary32: the values the fused forward quantizes.
-QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, float* a);
+QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, float* a, const float* prow = nullptr);
 // Fused: h -> A row-wise FP8 [M, F] (a_row). Options: with `seg` and `a_col`, the column-wise
 // copy of A over the token segments; with `h_row`, H itself quantized row-wise [M, 2F]
 // (the activation the `flow` recipe saves for the backward). Pass null to skip an option.
 QuantStats swiglu_quant(const bf16_t* h, int64_t m, int64_t f, QTensor* a_row,
-                        const Segments* seg, QTensor* a_col, QTensor* h_row);
+                        const Segments* seg, QTensor* a_col, QTensor* h_row,
+                        const float* prow = nullptr);
 
 // ---- backward -------------------------------------------------------------------------------------
 // da [M, F] bf16, h [M, 2F] bf16 -> dh [M, 2F] bf16. Returns nonfinite = non-finite elements of dh.
-QuantStats dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh);
+QuantStats dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
+                   const float* prow = nullptr, float* dprow_part = nullptr);
 // The same with H saved as row-wise FP8 (h_row: kRow1x128, [M, 2F]).
-QuantStats dswiglu(const bf16_t* da, const QTensor& h_row, bf16_t* dh);
+QuantStats dswiglu(const bf16_t* da, const QTensor& h_row, bf16_t* dh,
+                   const float* prow = nullptr, float* dprow_part = nullptr);
 // Fused: -> dH row-wise [M, 2F] and column-wise [2F, M] over the segments, from one pass.
 QuantStats dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f,
-                         const Segments& seg, QTensor* dh_row, QTensor* dh_col);
+                         const Segments& seg, QTensor* dh_row, QTensor* dh_col,
+                         const float* prow = nullptr, float* dprow_part = nullptr);
 QuantStats dswiglu_quant(const bf16_t* da, const QTensor& h_row, const Segments& seg,
-                         QTensor* dh_row, QTensor* dh_col);
+                         QTensor* dh_row, QTensor* dh_col, const float* prow = nullptr,
+                         float* dprow_part = nullptr);
+// dprow [M] from the partial sums [F/128][M]: part[0] + part[1] + ... in tile order.
+void sum_dprow_parts(const float* dprow_part, int64_t m, int64_t f, float* dprow);
 
 }  // namespace cpu
 }  // namespace flowmoe
@@ -76,33 +96,40 @@ namespace cuda {
 // ---- forward --------------------------------------------------------------------------------------
 // Plain BF16 SwiGLU (the baseline): h [M, 2F] -> a [M, F].
 void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* status,
-            cudaStream_t stream);
+            cudaStream_t stream, const float* prow = nullptr);
 // Fused SwiGLU + row-wise quantize: a_codes [M, F], a_scales [F/128][M]. Optionally (h_codes and
 // h_scales not null) H row-wise in the same pass: h_codes [M, 2F], h_scales [2F/128][M].
 void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
-                  uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream);
+                  uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream,
+                  const float* prow = nullptr);
 // The same plus the column-wise copy of A over the segments (M = sb.m), fused: a_col_codes
 // [F, M], a_col_scales [sb.max_blocks][F]; bit-identical to scaling_aware_transpose of the
 // row-wise output (underflow counted). h_codes/h_scales optional as above.
 void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8_t* a_codes,
                       uint8_t* a_scales, uint8_t* a_col_codes, uint8_t* a_col_scales,
                       uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status,
-                      cudaStream_t stream);
+                      cudaStream_t stream, const float* prow = nullptr);
 
 // ---- backward -------------------------------------------------------------------------------------
 // Plain BF16 dSwiGLU (first step of the unfused baseline): da [M, F], h [M, 2F] -> dh [M, 2F].
 void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
-             DeviceStatus* status, cudaStream_t stream);
+             DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr,
+             float* dprow_part = nullptr);
 // Fused dSwiGLU + row-wise and column-wise quantize, one pass (M = sb.m):
 // row_codes [M, 2F], row_scales [2F/128][M], col_codes [2F, M], col_scales [sb.max_blocks][2F].
 void dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,
                    uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
-                   uint8_t* col_scales, DeviceStatus* status, cudaStream_t stream);
+                   uint8_t* col_scales, DeviceStatus* status, cudaStream_t stream,
+                   const float* prow = nullptr, float* dprow_part = nullptr);
 // The same with H saved as row-wise FP8: h_codes [M, 2F], h_scales [2F/128][M].
 void dswiglu_quant_fp8h(const bf16_t* da, const uint8_t* h_codes, const uint8_t* h_scales,
                         int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
                         uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
-                        DeviceStatus* status, cudaStream_t stream);
+                        DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr,
+                        float* dprow_part = nullptr);
+// dprow [M] = sum of dprow_part [F/128][M] over the tiles in order (as cpu::sum_dprow_parts).
+void sum_dprow_parts(const float* dprow_part, int64_t m, int64_t f, float* dprow,
+                     cudaStream_t stream);
 // The unfused sequence users run today (three kernels): dswiglu -> quantize_row -> quantize_col.
 // `work` holds M * 2F bf16 (dH). Same outputs, bit for bit, as dswiglu_quant (non-finite values
 // are counted by the row quantizer only, so the count matches too).

@@ -71,6 +71,8 @@ FLOWMOE_HD bool f32_is_nan(float x) { return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F8
 FLOWMOE_HD uint16_t bf16_canonical(float x) {
   return f32_is_nan(x) ? static_cast<uint16_t>(kCanonicalNaN >> 16) : f32_to_bf16(x);
 }
+// A stored binary32 result: any NaN as the canonical 0x7FC00000.
+FLOWMOE_HD float f32_canonical(float x) { return f32_is_nan(x) ? f32_from_bits(kCanonicalNaN) : x; }
 
 // ---- exp(x) for x <= 0 ----------------------------------------------------------------------------
 // Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2 (+ a few ulp), then the degree-7 Taylor
@@ -155,6 +157,23 @@ FLOWMOE_HD SwigluGrad dswiglu_f32(float da, float gate, float up) {
   const float silu = f_mul(gate, p.s);
   const float ds = f_mul(p.s, f_fma(gate, p.sc, 1.0f));
   return SwigluGrad{f_mul(da, f_mul(up, ds)), f_mul(da, silu)};
+}
+
+// The MoE form a' = p * swiglu(gate, up) (p: the row's routing probability). Given da' = dL/da':
+//   dgate, dup = dswiglu_f32(f_mul(da', p), gate, up)
+//   a          = swiglu_f32(gate, up)        (dp = sum over the row of da' * a)
+// from one sigmoid; the same bits as those two functions.
+struct SwigluGradProb {
+  float dgate;
+  float dup;
+  float a;
+};
+FLOWMOE_HD SwigluGradProb dswiglu_prob_f32(float da, float p, float gate, float up) {
+  const SiluParts s = sigmoid_parts(gate);
+  const float silu = f_mul(gate, s.s);
+  const float ds = f_mul(s.s, f_fma(gate, s.sc, 1.0f));
+  const float dq = f_mul(da, p);
+  return SwigluGradProb{f_mul(dq, f_mul(up, ds)), f_mul(dq, silu), f_mul(silu, up)};
 }
 
 }  // namespace num

@@ -120,29 +120,66 @@ struct HFp8 {
   float up(int64_t t, int64_t j) const { return at(t, f + j); }
 };
 
+// Without prow: dH = dswiglu_f32(dA, gate, up). With prow: dswiglu_prob_f32(dA', p, gate, up), and
+// (dprow_part not null) the per-tile partial sums of dA' * A in the order swiglu.h specifies.
 template <typename HSrc>
-QuantStats dswiglu_impl(const bf16_t* da, const HSrc& h, int64_t m, int64_t f, bf16_t* dh) {
+QuantStats dswiglu_impl(const bf16_t* da, const HSrc& h, int64_t m, int64_t f, bf16_t* dh,
+                        const float* prow, float* dprow_part) {
   QuantStats st;
+  constexpr int kLanes = 16, kPerLane = kT / kLanes;  // a half-warp holds a tile, 8 values a lane
   for (int64_t t = 0; t < m; ++t) {
-    for (int64_t j = 0; j < f; ++j) {
-      const SwigluGrad g = dswiglu_f32(bf16_to_f32(da[t * f + j]), h.gate(t, j), h.up(t, j));
-      const bf16_t dg = bf16_canonical(g.dgate), du = bf16_canonical(g.dup);
-      dh[t * 2 * f + j] = dg;
-      dh[t * 2 * f + f + j] = du;
-      st.nonfinite += !f32_is_finite(bf16_to_f32(dg));
-      st.nonfinite += !f32_is_finite(bf16_to_f32(du));
+    for (int64_t b = 0; b < f / kT; ++b) {
+      float lane_sum[kLanes];
+      for (int l = 0; l < kLanes; ++l) {
+        float acc = 0.0f;
+        for (int i = 0; i < kPerLane; ++i) {
+          const int64_t j = b * kT + l * kPerLane + i;
+          const float d = bf16_to_f32(da[t * f + j]);
+          float dgate, dup;
+          if (prow) {
+            const SwigluGradProb g = dswiglu_prob_f32(d, prow[t], h.gate(t, j), h.up(t, j));
+            dgate = g.dgate;
+            dup = g.dup;
+            acc = f_fma(d, g.a, acc);
+          } else {
+            const SwigluGrad g = dswiglu_f32(d, h.gate(t, j), h.up(t, j));
+            dgate = g.dgate;
+            dup = g.dup;
+          }
+          const bf16_t dg = bf16_canonical(dgate), du = bf16_canonical(dup);
+          dh[t * 2 * f + j] = dg;
+          dh[t * 2 * f + f + j] = du;
+          st.nonfinite += !f32_is_finite(bf16_to_f32(dg));
+          st.nonfinite += !f32_is_finite(bf16_to_f32(du));
+        }
+        lane_sum[l] = acc;
+      }
+      if (!dprow_part) continue;
+      for (int o = kLanes / 2; o > 0; o /= 2) {  // the butterfly: every lane gets the same sum
+        float next[kLanes];
+        for (int l = 0; l < kLanes; ++l) next[l] = f_add(lane_sum[l], lane_sum[l ^ o]);
+        std::copy(next, next + kLanes, lane_sum);
+      }
+      dprow_part[b * m + t] = f32_canonical(lane_sum[0]);
     }
   }
   return st;
 }
 
+void check_prob(const float* prow, const float* dprow_part, const char* what) {
+  FLOWMOE_CHECK(prow != nullptr || dprow_part == nullptr,
+                what << ": dprow_part (the gradient of the routing probabilities) needs prow; "
+                     << "give prow, or pass null for both");
+}
+
 // Fused backward: dH tile by tile. The BF16 dH is formed once (it is what both layouts quantize).
 template <typename HSrc>
 QuantStats dswiglu_quant_impl(const bf16_t* da, const HSrc& h, int64_t m, int64_t f,
-                              const Segments& seg, QTensor* dh_row, QTensor* dh_col) {
+                              const Segments& seg, QTensor* dh_row, QTensor* dh_col,
+                              const float* prow, float* dprow_part) {
   const int64_t k = 2 * f;
   std::vector<bf16_t> dh(m * k);
-  const QuantStats st = dswiglu_impl(da, h, m, f, dh.data());
+  const QuantStats st = dswiglu_impl(da, h, m, f, dh.data(), prow, dprow_part);
   init_row(dh_row, m, k);
   for (int64_t t = 0; t < m; ++t)
     for (int64_t b = 0; b < k / kT; ++b)
@@ -171,7 +208,13 @@ void check_dswiglu_quant_args(const bf16_t* da, int64_t m, int64_t f, const Segm
 
 }  // namespace
 
-QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, float* a) {
+// A (or A' = p * A) of row t, feature j, in binary32.
+inline float swiglu_at(const bf16_t* h, int64_t f, int64_t t, int64_t j, const float* prow) {
+  const float a = swiglu_f32(bf16_to_f32(h[t * 2 * f + j]), bf16_to_f32(h[t * 2 * f + f + j]));
+  return prow ? f_mul(a, prow[t]) : a;
+}
+
+QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, float* a, const float* prow) {
   const char* what = "swiglu";
   check_shape(m, f, what);
   check_ptr(h, m, "H", what);
@@ -179,14 +222,14 @@ QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, float* a) {
   QuantStats st;
   for (int64_t t = 0; t < m; ++t) {
     for (int64_t j = 0; j < f; ++j) {
-      a[t * f + j] = swiglu_f32(bf16_to_f32(h[t * 2 * f + j]), bf16_to_f32(h[t * 2 * f + f + j]));
+      a[t * f + j] = swiglu_at(h, f, t, j, prow);
       st.nonfinite += !f32_is_finite(a[t * f + j]);
     }
   }
   return st;
 }
 
-QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a) {
+QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, const float* prow) {
   const char* what = "swiglu";
   check_shape(m, f, what);
   check_ptr(h, m, "H", what);
@@ -194,7 +237,7 @@ QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a) {
   QuantStats st;
   for (int64_t t = 0; t < m; ++t) {
     for (int64_t j = 0; j < f; ++j) {
-      const float v = swiglu_f32(bf16_to_f32(h[t * 2 * f + j]), bf16_to_f32(h[t * 2 * f + f + j]));
+      const float v = swiglu_at(h, f, t, j, prow);
       a[t * f + j] = bf16_canonical(v);
       st.nonfinite += !f32_is_finite(bf16_to_f32(a[t * f + j]));
     }
@@ -203,7 +246,7 @@ QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a) {
 }
 
 QuantStats swiglu_quant(const bf16_t* h, int64_t m, int64_t f, QTensor* a_row,
-                        const Segments* seg, QTensor* a_col, QTensor* h_row) {
+                        const Segments* seg, QTensor* a_col, QTensor* h_row, const float* prow) {
   const char* what = "swiglu_quant";
   check_shape(m, f, what);
   check_ptr(h, m, "H", what);
@@ -223,7 +266,7 @@ QuantStats swiglu_quant(const bf16_t* h, int64_t m, int64_t f, QTensor* a_row,
     for (int64_t b = 0; b < f / kT; ++b) {
       for (int i = 0; i < kT; ++i) {
         const int64_t j = b * kT + i;
-        tile[i] = swiglu_f32(bf16_to_f32(h[t * 2 * f + j]), bf16_to_f32(h[t * 2 * f + f + j]));
+        tile[i] = swiglu_at(h, f, t, j, prow);
       }
       st.nonfinite += quantize_tile(tile, &a_row->codes[t * f + b * kT], &a_row->scales[b * m + t]);
     }
@@ -271,39 +314,58 @@ QuantStats swiglu_quant(const bf16_t* h, int64_t m, int64_t f, QTensor* a_row,
   return st;
 }
 
-QuantStats dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh) {
+QuantStats dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
+                   const float* prow, float* dprow_part) {
   const char* what = "dswiglu";
   check_shape(m, f, what);
   check_ptr(da, m, "dA", what);
   check_ptr(h, m, "H", what);
   check_ptr(dh, m, "dH", what);
-  return dswiglu_impl(da, HBf16{h, f}, m, f, dh);
+  check_prob(prow, dprow_part, what);
+  return dswiglu_impl(da, HBf16{h, f}, m, f, dh, prow, dprow_part);
 }
 
-QuantStats dswiglu(const bf16_t* da, const QTensor& h_row, bf16_t* dh) {
+QuantStats dswiglu(const bf16_t* da, const QTensor& h_row, bf16_t* dh, const float* prow,
+                   float* dprow_part) {
   const char* what = "dswiglu (FP8 H)";
   check_h_row(h_row, what);
   const int64_t m = h_row.rows, f = h_row.cols / 2;
   check_ptr(da, m, "dA", what);
   check_ptr(dh, m, "dH", what);
-  return dswiglu_impl(da, HFp8{&h_row, f}, m, f, dh);
+  check_prob(prow, dprow_part, what);
+  return dswiglu_impl(da, HFp8{&h_row, f}, m, f, dh, prow, dprow_part);
 }
 
 QuantStats dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f,
-                         const Segments& seg, QTensor* dh_row, QTensor* dh_col) {
+                         const Segments& seg, QTensor* dh_row, QTensor* dh_col, const float* prow,
+                         float* dprow_part) {
   const char* what = "dswiglu_quant";
   check_dswiglu_quant_args(da, m, f, seg, dh_row, dh_col, what);
   check_ptr(h, m, "H", what);
-  return dswiglu_quant_impl(da, HBf16{h, f}, m, f, seg, dh_row, dh_col);
+  check_prob(prow, dprow_part, what);
+  return dswiglu_quant_impl(da, HBf16{h, f}, m, f, seg, dh_row, dh_col, prow, dprow_part);
 }
 
 QuantStats dswiglu_quant(const bf16_t* da, const QTensor& h_row, const Segments& seg,
-                         QTensor* dh_row, QTensor* dh_col) {
+                         QTensor* dh_row, QTensor* dh_col, const float* prow, float* dprow_part) {
   const char* what = "dswiglu_quant (FP8 H)";
   check_h_row(h_row, what);
   const int64_t m = h_row.rows, f = h_row.cols / 2;
   check_dswiglu_quant_args(da, m, f, seg, dh_row, dh_col, what);
-  return dswiglu_quant_impl(da, HFp8{&h_row, f}, m, f, seg, dh_row, dh_col);
+  check_prob(prow, dprow_part, what);
+  return dswiglu_quant_impl(da, HFp8{&h_row, f}, m, f, seg, dh_row, dh_col, prow, dprow_part);
+}
+
+void sum_dprow_parts(const float* dprow_part, int64_t m, int64_t f, float* dprow) {
+  const char* what = "sum_dprow_parts";
+  check_shape(m, f, what);
+  check_ptr(dprow_part, m, "dprow_part", what);
+  check_ptr(dprow, m, "dprow", what);
+  for (int64_t t = 0; t < m; ++t) {
+    float acc = dprow_part[t];
+    for (int64_t b = 1; b < f / kT; ++b) acc = f_add(acc, dprow_part[b * m + t]);
+    dprow[t] = f32_canonical(acc);
+  }
 }
 
 }  // namespace cpu

@@ -492,6 +492,94 @@ TEST(SwigluMeasure, SavedFp8HVsBf16HEffectOnGradient) {
   return ::testing::AssertionFailure() << "did not throw";
 }
 
+// ================================================================================================
+// The routing probability (a' = p * SwiGLU, the MoE layer's form)
+// ================================================================================================
+TEST(SwigluProb, ProbabilityOneIsThePlainSwiglu) {
+  const int64_t m = 77, f = 256;
+  const auto h = make_bf16(HDist::kHeavy, m, 2 * f, 11);
+  const auto da = make_bf16(HDist::kNormal, m, f, 12);
+  const std::vector<float> one(m, 1.0f);
+  std::vector<bf16_t> a0(m * f), a1(m * f), d0(m * 2 * f), d1(m * 2 * f);
+  cpu::swiglu(h.data(), m, f, a0.data());
+  cpu::swiglu(h.data(), m, f, a1.data(), one.data());
+  EXPECT_EQ(a0, a1);
+  cpu::dswiglu(da.data(), h.data(), m, f, d0.data());
+  std::vector<float> part(m * (f / 128));
+  cpu::dswiglu(da.data(), h.data(), m, f, d1.data(), one.data(), part.data());
+  EXPECT_EQ(d0, d1);
+  QTensor r0, r1;
+  cpu::swiglu_quant(h.data(), m, f, &r0, nullptr, nullptr, nullptr);
+  cpu::swiglu_quant(h.data(), m, f, &r1, nullptr, nullptr, nullptr, one.data());
+  expect_same(r0, r1, "p = 1");
+}
+
+TEST(SwigluProb, PowerOfTwoProbabilityOnlyShiftsTheScale) {
+  // p = 2^-3 multiplies every A exactly: the codes stay, each tile's scale drops by 3. In the
+  // backward, p = 2 is the plain dSwiGLU of 2 * dA (exact in BF16).
+  const int64_t m = 64, f = 384;
+  const auto h = make_bf16(HDist::kNormal, m, 2 * f, 21);
+  const std::vector<float> eighth(m, 0.125f), two(m, 2.0f);
+  QTensor r0, r1;
+  cpu::swiglu_quant(h.data(), m, f, &r0, nullptr, nullptr, nullptr);
+  cpu::swiglu_quant(h.data(), m, f, &r1, nullptr, nullptr, nullptr, eighth.data());
+  EXPECT_EQ(r0.codes, r1.codes);
+  for (size_t i = 0; i < r0.scales.size(); ++i) ASSERT_EQ(r1.scales[i] + 3, r0.scales[i]) << i;
+  const auto da = make_bf16(HDist::kNormal, m, f, 22);
+  std::vector<bf16_t> da2(da.size());
+  for (size_t i = 0; i < da.size(); ++i) da2[i] = num::bf16_canonical(2.0f * num::bf16_to_f32(da[i]));
+  std::vector<bf16_t> d0(m * 2 * f), d1(m * 2 * f);
+  cpu::dswiglu(da2.data(), h.data(), m, f, d0.data());
+  cpu::dswiglu(da.data(), h.data(), m, f, d1.data(), two.data());
+  EXPECT_EQ(d0, d1);
+}
+
+TEST(SwigluProb, ProbabilityGradientIsTheRowSumOfDaTimesA) {
+  // dp[t] = sum_j dA'[t, j] * A[t, j]: the fixed-order FP32 sum against float64, within the
+  // accumulated rounding (a few ulp of sum |terms| per term added).
+  const int64_t m = 33, f = 1408;
+  const auto h = make_bf16(HDist::kHeavy, m, 2 * f, 31, 5);
+  const auto da = make_bf16(HDist::kNormal, m, f, 32);
+  std::vector<float> prow(m);
+  for (int64_t t = 0; t < m; ++t) prow[t] = 0.01f + 0.03f * static_cast<float>(t);
+  std::vector<bf16_t> dh(m * 2 * f);
+  std::vector<float> part(m * (f / 128), -1.0f), dp(m);
+  cpu::dswiglu(da.data(), h.data(), m, f, dh.data(), prow.data(), part.data());
+  cpu::sum_dprow_parts(part.data(), m, f, dp.data());
+  std::vector<float> a(m * f);
+  cpu::swiglu(h.data(), m, f, a.data());
+  for (int64_t t = 0; t < m; ++t) {
+    double want = 0.0, mag = 0.0;
+    for (int64_t j = 0; j < f; ++j) {
+      const double term = static_cast<double>(num::bf16_to_f32(da[t * f + j])) * a[t * f + j];
+      want += term;
+      mag += std::fabs(term);
+    }
+    EXPECT_NEAR(dp[t], want, 1e-6 * mag + 1e-30) << "row " << t;
+    if (t % 5 == 1) EXPECT_EQ(dp[t], 0.0f) << "zero row " << t;  // padding-like rows give 0
+  }
+  // the fused backward writes the same partial sums
+  QTensor row, col;
+  std::vector<float> part2(m * (f / 128));
+  cpu::dswiglu_quant(da.data(), h.data(), m, f, Segments::from_counts({static_cast<int32_t>(m)}), &row, &col,
+                     prow.data(), part2.data());
+  EXPECT_EQ(part, part2);
+}
+
+TEST(SwigluProb, GradientOfProbabilitiesNeedsProbabilities) {
+  const int64_t m = 4, f = 128;
+  const auto h = make_bf16(HDist::kNormal, m, 2 * f, 41);
+  const auto da = make_bf16(HDist::kNormal, m, f, 42);
+  std::vector<bf16_t> dh(m * 2 * f);
+  std::vector<float> part(m);
+  try {
+    cpu::dswiglu(da.data(), h.data(), m, f, dh.data(), nullptr, part.data());
+    FAIL() << "expected an error";
+  } catch (const flowmoe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs prow"), std::string::npos) << e.what();
+  }
+}
+
 TEST(SwigluErrors, BadShapesAndArgumentsAreRejectedWithClearMessages) {
   const std::vector<bf16_t> h(4 * 512, 0x3F80), da(4 * 256, 0x3F80);
   std::vector<bf16_t> out(4 * 512);

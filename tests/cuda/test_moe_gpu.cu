@@ -245,7 +245,7 @@ TEST_P(MoeGpuVsCpu, ForwardBackwardMatchTheCpuLayer) {
 
   // casts: the same operators as the CPU, except in flow/flow-fp4 where the CPU's one fused
   // SwiGLU+quantize (a' row+col, h row) is the GPU's fused SwiGLU+quantize (a' row, h row) plus a
-  // scaling-aware transpose, and its fused dSwiGLU+quantize is dSwiGLU then one row+col quantize.
+  // scaling-aware transpose (the faster pair on the H200, docs/SWIGLU.md §8).
   if (r == Recipe::kBf16 || r == Recipe::kBlockwise || r == Recipe::kFp8Naive) {
     for (MoePass p : {MoePass::kForward, MoePass::kBackward})
       for (CastKind k : {CastKind::kQuantize, CastKind::kDequantize, CastKind::kFused, CastKind::kConvert})
@@ -255,7 +255,9 @@ TEST_P(MoeGpuVsCpu, ForwardBackwardMatchTheCpuLayer) {
     EXPECT_EQ(g.report.count(MoePass::kForward, CastKind::kDequantize), 0);
     EXPECT_EQ(g.report.count(MoePass::kForward, CastKind::kFused), 1);
     EXPECT_EQ(g.report.count(MoePass::kForward, CastKind::kConvert), r == Recipe::kFlowFp4 ? 2 : 1);
-    EXPECT_EQ(g.report.count(MoePass::kBackward, CastKind::kQuantize), 2);  // dy entry, dh row+col
+    EXPECT_EQ(g.report.count(MoePass::kBackward, CastKind::kQuantize), 1);  // dy entry
+    EXPECT_EQ(g.report.count(MoePass::kBackward, CastKind::kFused), 1);     // dSwiGLU*p + quantize
+    EXPECT_EQ(g.report.count(MoePass::kBackward, CastKind::kFused), c.report.count(MoePass::kBackward, CastKind::kFused));
     EXPECT_EQ(g.report.count(MoePass::kBackward, CastKind::kDequantize), 0);
     EXPECT_EQ(g.report.count(MoePass::kBackward, CastKind::kConvert), 2);
   }
@@ -392,10 +394,14 @@ TEST(MoeGpuLarge, V2LiteShapeFp8RecipesStayNearBf16) {
     std::printf("[ measure  ] v2-lite %s vs bf16 (GPU): y %.3e dx %.3e dW1 %.3e dW2 %.3e; saved %.0f B/token "
                 "(bf16 %.0f)\n",
                 recipe_name(r), ey, edx, e1, e2, o.report.saved_bytes_per_token(), ref.report.saved_bytes_per_token());
-    EXPECT_LE(ey, 0.15) << recipe_name(r);
-    EXPECT_LE(edx, 0.15) << recipe_name(r);
-    EXPECT_LE(e1, 0.15) << recipe_name(r);
-    EXPECT_LE(e2, 0.15) << recipe_name(r);
+    // Measured on the H200: 6.4-7.6e-2 for the FP8 recipes; 1.5-1.8e-1 for flow-fp4, whose GEMM1
+    // input carries one E2M1 rounding (3 significant bits under a power-of-two scale per 32 values:
+    // ~0.1-0.2 relative RMS on Gaussian data), the same as the CPU layer's bounds (test_moe.cpp).
+    const double bound = r == Recipe::kFlowFp4 ? 0.25 : 0.12;
+    EXPECT_LE(ey, bound) << recipe_name(r);
+    EXPECT_LE(edx, bound) << recipe_name(r);
+    EXPECT_LE(e1, bound) << recipe_name(r);
+    EXPECT_LE(e2, bound) << recipe_name(r);
     EXPECT_LT(o.report.saved_bytes_per_token(), ref.report.saved_bytes_per_token()) << recipe_name(r);
   }
 }

@@ -315,6 +315,137 @@ TEST_P(SwigluGpu, BackwardBitExact) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
+// Routing probabilities of the rows: mostly uniform in (0, 1), some exactly 0 (padding rows), 1,
+// powers of two, and tiny values whose products underflow.
+std::vector<float> make_prow(int64_t m, uint64_t seed) {
+  flowmoe_test::Rng rng(seed);
+  std::vector<float> p(static_cast<size_t>(m));
+  for (int64_t r = 0; r < m; ++r) {
+    const double u = rng.uniform();
+    if (u < 0.05) p[r] = 0.0f;
+    else if (u < 0.10) p[r] = 1.0f;
+    else if (u < 0.15) p[r] = std::ldexp(1.0f, -static_cast<int>(rng.next() % 8));
+    else if (u < 0.17) p[r] = 1e-30f;
+    else p[r] = static_cast<float>(rng.uniform(1e-3, 1.0));
+  }
+  return p;
+}
+
+TEST_P(SwigluGpu, ForwardWithProbBitExact) {
+  const Case& c = GetParam();
+  const int64_t m = c.m(), f = c.f;
+  const Segments seg = Segments::from_counts(c.counts);
+  const int64_t nb = seg.num_blocks();
+  const auto h = make_bf16(c.dist, m, 2 * f, 4000 + m + f, c.zero_row_every);
+  const auto prow = make_prow(m, 4500 + m);
+  DBuf<bf16_t> dh(h);
+  DBuf<float> dp(prow);
+  DevSegments ds(seg, status_);
+  const int64_t maxb = ds.sb.max_blocks;
+
+  std::vector<bf16_t> a16(m * f);
+  const QuantStats st16 = cpu::swiglu(h.data(), m, f, a16.data(), prow.data());
+  DBuf<bf16_t> da16(m * f);
+  reset();
+  cuda::swiglu(dh.p, m, f, da16.p, status_, 0, dp.p);
+  expect_equal(a16, da16.get(), m * f, "swiglu*p bf16");
+  EXPECT_EQ(status().nonfinite, static_cast<ull>(st16.nonfinite));
+
+  QTensor row, col, hq;
+  const QuantStats st_row = cpu::swiglu_quant(h.data(), m, f, &row, nullptr, nullptr, nullptr, prow.data());
+  const QuantStats st_all = cpu::swiglu_quant(h.data(), m, f, &row, &seg, &col, &hq, prow.data());
+  DBuf<uint8_t> rc(m * f), rs(m * f / 128), hc(2 * m * f), hs(2 * m * f / 128);
+  reset();
+  cuda::swiglu_quant(dh.p, m, f, rc.p, rs.p, hc.p, hs.p, status_, 0, dp.p);
+  expect_equal(row.codes, rc.get(), m * f, "swiglu_quant*p codes");
+  expect_equal(row.scales, rs.get(), m * f / 128, "swiglu_quant*p scales");
+  expect_equal(hq.codes, hc.get(), 2 * m * f, "swiglu_quant*p H codes");
+  expect_equal(hq.scales, hs.get(), 2 * m * f / 128, "swiglu_quant*p H scales");
+  EXPECT_EQ(status().nonfinite, static_cast<ull>(st_all.nonfinite));
+
+  DBuf<uint8_t> rc3(m * f), rs3(m * f / 128), cc3(m * f), cs3(maxb * f);
+  reset();
+  cuda::swiglu_quant_col(dh.p, f, ds.sb, rc3.p, rs3.p, cc3.p, cs3.p, nullptr, nullptr, status_, 0, dp.p);
+  expect_equal(row.codes, rc3.get(), m * f, "swiglu_quant_col*p row codes");
+  expect_equal(col.codes, cc3.get(), m * f, "swiglu_quant_col*p col codes");
+  expect_equal(col.scales, cs3.get(), nb * f, "swiglu_quant_col*p col scales");
+  const auto s = status();
+  EXPECT_EQ(s.nonfinite, static_cast<ull>(st_row.nonfinite));
+  EXPECT_EQ(s.underflow, static_cast<ull>(st_all.underflow));
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+TEST_P(SwigluGpu, BackwardWithProbBitExact) {
+  const Case& c = GetParam();
+  const int64_t m = c.m(), f = c.f, k = 2 * f, tiles = f / 128;
+  const Segments seg = Segments::from_counts(c.counts);
+  const int64_t nb = seg.num_blocks();
+  const auto h = make_bf16(c.dist, m, k, 5000 + m + f, c.zero_row_every);
+  const auto da = make_bf16(c.dist == HDist::kNonFinite ? HDist::kNonFinite : HDist::kHeavy, m, f, 5500 + m,
+                            c.zero_row_every);
+  const auto prow = make_prow(m, 5800 + m);
+  DBuf<bf16_t> dh_in(h), dda(da);
+  DBuf<float> dp(prow);
+  DevSegments ds(seg, status_);
+  const int64_t maxb = ds.sb.max_blocks;
+  auto bits = [](const std::vector<float>& v) {
+    std::vector<uint32_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = num::f32_bits(v[i]);
+    return b;
+  };
+
+  // plain BF16 dH and the dp partial sums, then their sum over the tiles
+  std::vector<bf16_t> dh(m * k);
+  std::vector<float> part(m * tiles), dprow(m);
+  const QuantStats st_dh = cpu::dswiglu(da.data(), h.data(), m, f, dh.data(), prow.data(), part.data());
+  cpu::sum_dprow_parts(part.data(), m, f, dprow.data());
+  DBuf<bf16_t> ddh(m * k);
+  DBuf<float> dpart(m * tiles), ddprow(m);
+  reset();
+  cuda::dswiglu(dda.p, dh_in.p, m, f, ddh.p, status_, 0, dp.p, dpart.p);
+  expect_equal(dh, ddh.get(), m * k, "dswiglu*p bf16");
+  expect_equal(bits(part), bits(dpart.get()), m * tiles, "dswiglu*p dp partial sums");
+  EXPECT_EQ(status().nonfinite, static_cast<ull>(st_dh.nonfinite));
+  cuda::sum_dprow_parts(dpart.p, m, f, ddprow.p, 0);
+  expect_equal(bits(dprow), bits(ddprow.get()), m, "sum_dprow_parts");
+
+  // fused, BF16 H and FP8 H
+  QTensor row, col;
+  std::vector<float> part2(m * tiles);
+  const QuantStats st = cpu::dswiglu_quant(da.data(), h.data(), m, f, seg, &row, &col, prow.data(), part2.data());
+  expect_equal(bits(part), bits(part2), m * tiles, "cpu dswiglu_quant*p partial sums");
+  DBuf<uint8_t> rc(m * k), rs(m * k / 128), cc(m * k), cs(maxb * k);
+  DBuf<float> dpart2(m * tiles);
+  reset();
+  cuda::dswiglu_quant(dda.p, dh_in.p, f, ds.sb, rc.p, rs.p, cc.p, cs.p, status_, 0, dp.p, dpart2.p);
+  expect_equal(row.codes, rc.get(), m * k, "dswiglu_quant*p row codes");
+  expect_equal(row.scales, rs.get(), m * k / 128, "dswiglu_quant*p row scales");
+  expect_equal(col.codes, cc.get(), m * k, "dswiglu_quant*p col codes");
+  expect_equal(col.scales, cs.get(), nb * k, "dswiglu_quant*p col scales");
+  expect_equal(bits(part), bits(dpart2.get()), m * tiles, "dswiglu_quant*p partial sums");
+  EXPECT_EQ(status().nonfinite, static_cast<ull>(st.nonfinite));
+
+  QTensor hq, row8, col8;
+  cpu::quantize_row(h.data(), m, k, &hq);
+  std::vector<float> part8(m * tiles);
+  const QuantStats st8 = cpu::dswiglu_quant(da.data(), hq, seg, &row8, &col8, prow.data(), part8.data());
+  DBuf<uint8_t> hc(hq.codes), hs(hq.scales);
+  DBuf<uint8_t> rc2(m * k), rs2(m * k / 128), cc2(m * k), cs2(maxb * k);
+  DBuf<float> dpart8(m * tiles);
+  reset();
+  cuda::dswiglu_quant_fp8h(dda.p, hc.p, hs.p, f, ds.sb, rc2.p, rs2.p, cc2.p, cs2.p, status_, 0, dp.p, dpart8.p);
+  expect_equal(row8.codes, rc2.get(), m * k, "dswiglu_quant_fp8h*p row codes");
+  expect_equal(row8.scales, rs2.get(), m * k / 128, "dswiglu_quant_fp8h*p row scales");
+  expect_equal(col8.codes, cc2.get(), m * k, "dswiglu_quant_fp8h*p col codes");
+  expect_equal(col8.scales, cs2.get(), nb * k, "dswiglu_quant_fp8h*p col scales");
+  expect_equal(bits(part8), bits(dpart8.get()), m * tiles, "dswiglu_quant_fp8h*p partial sums");
+  EXPECT_EQ(status().nonfinite, static_cast<ull>(st8.nonfinite));
+
+  // dprow_part without prow is an argument error
+  EXPECT_THROW(cuda::dswiglu(dda.p, dh_in.p, m, f, ddh.p, nullptr, 0, nullptr, dpart.p), Error);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
 std::vector<Case> cases() {
   std::vector<Case> v;
   const HDist all[] = {HDist::kNormal, HDist::kHeavy, HDist::kWide, HDist::kTiny, HDist::kNearMax, HDist::kNonFinite};

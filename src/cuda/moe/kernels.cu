@@ -9,7 +9,7 @@
 #include "cuda/moe/kernels.cuh"
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
-#include "flowmoe/swiglu_math.h"
+#include "flowmoe/swiglu_math.h"  // f32_is_nan, bf16_canonical
 
 namespace flowmoe {
 namespace cuda {
@@ -251,41 +251,18 @@ __global__ void scatter_row_probs_kernel(const float* __restrict__ probs, const 
     if (r >= 0) prow[r] = probs[i];
   }
 }
-__global__ void gather_row_dprobs_kernel(const float* __restrict__ dprow, const int32_t* __restrict__ row_map,
-                                         int64_t n, float* __restrict__ dprobs) {
+__global__ void gather_row_dprobs_kernel(const float* __restrict__ part, int64_t tiles, int64_t m,
+                                         const int32_t* __restrict__ row_map, int64_t n,
+                                         float* __restrict__ dprobs) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int32_t r = row_map[i];
-    dprobs[i] = r >= 0 ? dprow[r] : 0.0f;
+    float acc = 0.0f;
+    if (r >= 0) {  // swiglu.h's order: part[0] + part[1] + ... (cuda::sum_dprow_parts)
+      acc = part[r];
+      for (int64_t b = 1; b < tiles; ++b) acc = __fadd_rn(acc, part[b * m + r]);
+    }
+    dprobs[i] = f32_canonical(acc);
   }
-}
-
-// ---- 1x128 tile quantization of 4 values per lane (one warp = one tile) ----------------------------
-// cpu::quantize_row's rule: amax over the finite values; any non-finite value marks the tile NaN
-// (scale 0xFF, codes 0x7F); else e = e4m3_scale_exp(amax), codes RNE_E4M3(v / 2^e).
-// Returns the tile's non-finite count (the same in every lane).
-__device__ __forceinline__ int quantize_tile4(const float v[4], uint8_t* codes4, uint8_t* scale, int lane) {
-  uint32_t amax = 0;
-  int bad = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (f32_is_finite(v[i])) amax = max(amax, f32_bits(v[i]) & 0x7FFFFFFFu);
-    else ++bad;
-  }
-  amax = max_u32_warp(amax);
-  bad = sum_i_warp(bad);
-  uint32_t packed;
-  if (bad) {
-    packed = 0x7F7F7F7Fu;
-    if (lane == 0) *scale = kUE8M0NaN;
-  } else {
-    const int e = e4m3_scale_exp(f32_from_bits(amax));
-    packed = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) packed |= uint32_t(quant_e4m3(v[i], e)) << (8 * i);
-    if (lane == 0) *scale = ue8m0_from_exp(e);
-  }
-  *reinterpret_cast<uint32_t*>(codes4) = packed;
-  return bad;
 }
 
 __device__ __forceinline__ void load_bf16x4(const bf16_t* p, float v[4]) {
@@ -294,123 +271,6 @@ __device__ __forceinline__ void load_bf16x4(const bf16_t* p, float v[4]) {
   v[1] = __uint_as_float(w.x & 0xFFFF0000u);
   v[2] = __uint_as_float(w.y << 16);
   v[3] = __uint_as_float(w.y & 0xFFFF0000u);
-}
-
-// ---- SwiGLU * prob forward: one warp per (row, 128-feature tile) -------------------------------------
-__global__ void __launch_bounds__(kThreads)
-swiglu_prob_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, int64_t m, int64_t f,
-                   bf16_t* __restrict__ a_bf16, uint8_t* __restrict__ a_codes, uint8_t* __restrict__ a_scales,
-                   uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales,
-                   unsigned long long* nonfinite) {
-  const int lane = threadIdx.x & 31;
-  const int64_t tiles = f / 128;
-  const int64_t total = m * tiles;
-  for (int64_t w = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); w < total;
-       w += int64_t(gridDim.x) * kWarps) {
-    const int64_t r = w / tiles, j = w % tiles;
-    const int64_t col = j * 128 + lane * 4;
-    float g[4], u[4], a[4];
-    load_bf16x4(h + r * 2 * f + col, g);
-    load_bf16x4(h + r * 2 * f + f + col, u);
-    const float p = prow[r];
-    int bad = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      a[i] = f_mul(swiglu_f32(g[i], u[i]), p);
-      bad += !f32_is_finite(a[i]);
-    }
-    bad = sum_i_warp(bad);
-    add_count(nonfinite, lane, bad);  // each value of a' counted once
-    if (a_bf16) {
-      const uint32_t lo = uint32_t(bf16_canonical(a[0])) | (uint32_t(bf16_canonical(a[1])) << 16);
-      const uint32_t hi = uint32_t(bf16_canonical(a[2])) | (uint32_t(bf16_canonical(a[3])) << 16);
-      *reinterpret_cast<uint2*>(a_bf16 + r * f + col) = make_uint2(lo, hi);
-    }
-    if (a_codes) quantize_tile4(a, a_codes + r * f + col, a_scales + j * m + r, lane);
-    if (h_codes) {
-      const int bg = quantize_tile4(g, h_codes + r * 2 * f + col, h_scales + j * m + r, lane);
-      const int bu = quantize_tile4(u, h_codes + r * 2 * f + f + col, h_scales + (tiles + j) * m + r, lane);
-      add_count(nonfinite, lane, bg + bu);
-    }
-  }
-}
-
-// ---- dSwiGLU * prob backward: one warp per row --------------------------------------------------------
-// dh = bf16(dswiglu_f32(p * da', g, u)); dp = sum_j da'_j * swiglu(g_j, u_j): lane l accumulates
-// the 8-element groups l, l + 32, ... (fma, element order), then a butterfly over the lanes.
-__global__ void __launch_bounds__(kThreads)
-dswiglu_prob_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ hb,
-                    const uint8_t* __restrict__ hc, const uint8_t* __restrict__ hs,
-                    const float* __restrict__ prow, int64_t m, int64_t f, bf16_t* __restrict__ dh,
-                    float* __restrict__ dprow, unsigned long long* nonfinite) {
-  const int lane = threadIdx.x & 31;
-  const int64_t groups = f / 8;
-  const int64_t tiles = f / 128;
-  for (int64_t r = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); r < m; r += int64_t(gridDim.x) * kWarps) {
-    const float p = prow[r];
-    float acc = 0.0f;
-    int bad = 0;
-    for (int64_t gi = lane; gi < groups; gi += 32) {
-      const int64_t col = gi * 8;
-      float d[8], g[8], u[8];
-      const uint4 wd = *reinterpret_cast<const uint4*>(da + r * f + col);
-      const uint32_t dw[4] = {wd.x, wd.y, wd.z, wd.w};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        d[2 * q] = __uint_as_float(dw[q] << 16);
-        d[2 * q + 1] = __uint_as_float(dw[q] & 0xFFFF0000u);
-      }
-      if (hb) {
-        const uint4 wg = *reinterpret_cast<const uint4*>(hb + r * 2 * f + col);
-        const uint4 wu = *reinterpret_cast<const uint4*>(hb + r * 2 * f + f + col);
-        const uint32_t gw[4] = {wg.x, wg.y, wg.z, wg.w}, uw[4] = {wu.x, wu.y, wu.z, wu.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          g[2 * q] = __uint_as_float(gw[q] << 16);
-          g[2 * q + 1] = __uint_as_float(gw[q] & 0xFFFF0000u);
-          u[2 * q] = __uint_as_float(uw[q] << 16);
-          u[2 * q + 1] = __uint_as_float(uw[q] & 0xFFFF0000u);
-        }
-      } else {
-        const uint2 cg = *reinterpret_cast<const uint2*>(hc + r * 2 * f + col);
-        const uint2 cu = *reinterpret_cast<const uint2*>(hc + r * 2 * f + f + col);
-        const uint8_t sg = hs[(col / 128) * m + r], su = hs[(tiles + col / 128) * m + r];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          const uint32_t wg = q < 4 ? cg.x : cg.y, wu = q < 4 ? cu.x : cu.y;
-          g[q] = dequant_e4m3(static_cast<uint8_t>(wg >> (8 * (q & 3))), sg);
-          u[q] = dequant_e4m3(static_cast<uint8_t>(wu >> (8 * (q & 3))), su);
-        }
-      }
-      // dswiglu_f32(p * da, g, u) and swiglu_f32(g, u) from one sigmoid (the same operations as
-      // those two functions of swiglu_math.h, so the same bits)
-      float dg[8], du[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const SiluParts sp = sigmoid_parts(g[q]);
-        const float silu = f_mul(g[q], sp.s);
-        const float ds = f_mul(sp.s, f_fma(g[q], sp.sc, 1.0f));
-        const float dq = f_mul(d[q], p);
-        dg[q] = f_mul(dq, f_mul(u[q], ds));
-        du[q] = f_mul(dq, silu);
-        bad += !f32_is_finite(dg[q]) + !f32_is_finite(du[q]);
-        acc = f_fma(d[q], f_mul(silu, u[q]), acc);
-      }
-      uint32_t og[4], ou[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        og[q] = uint32_t(bf16_canonical(dg[2 * q])) | (uint32_t(bf16_canonical(dg[2 * q + 1])) << 16);
-        ou[q] = uint32_t(bf16_canonical(du[2 * q])) | (uint32_t(bf16_canonical(du[2 * q + 1])) << 16);
-      }
-      *reinterpret_cast<uint4*>(dh + r * 2 * f + col) = make_uint4(og[0], og[1], og[2], og[3]);
-      *reinterpret_cast<uint4*>(dh + r * 2 * f + f + col) = make_uint4(ou[0], ou[1], ou[2], ou[3]);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-    bad = sum_i_warp(bad);
-    add_count(nonfinite, lane, bad);
-    if (lane == 0) dprow[r] = acc;
-  }
 }
 
 // ---- fp8-naive: FP32 scales ------------------------------------------------------------------------
@@ -682,51 +542,15 @@ void scatter_row_probs(const float* probs, const int32_t* row_map, int64_t t, in
   FLOWMOE_LAUNCH_CHECK("moe::scatter_row_probs_kernel");
 }
 
-void gather_row_dprobs(const float* dprow, const int32_t* row_map, int64_t t, int topk,
-                       float* dprobs, cudaStream_t stream) {
+void gather_row_dprobs(const float* dprow_part, int64_t tiles, int64_t m, const int32_t* row_map,
+                       int64_t t, int topk, float* dprobs, cudaStream_t stream) {
   const int64_t n = t * topk;
   if (n == 0) return;
-  gather_row_dprobs_kernel<<<grid_1d(n, kThreads), kThreads, 0, stream>>>(dprow, row_map, n, dprobs);
+  FLOWMOE_CHECK(tiles >= 1 && dprow_part != nullptr,
+                "moe::gather_row_dprobs: " << tiles << " tiles of partial sums; expected >= 1, non-null");
+  gather_row_dprobs_kernel<<<grid_1d(n, kThreads), kThreads, 0, stream>>>(dprow_part, tiles, m, row_map,
+                                                                          n, dprobs);
   FLOWMOE_LAUNCH_CHECK("moe::gather_row_dprobs_kernel");
-}
-
-void swiglu_prob(const bf16_t* h, const float* prow, int64_t m, int64_t f, bf16_t* a_bf16,
-                 uint8_t* a_codes, uint8_t* a_scales, uint8_t* h_codes, uint8_t* h_scales,
-                 DeviceStatus* status, cudaStream_t stream) {
-  const char* what = "moe::swiglu_prob";
-  FLOWMOE_CHECK(m >= 0 && f > 0 && f % 128 == 0,
-                what << ": M = " << m << ", F = " << f << "; expected F a positive multiple of 128");
-  FLOWMOE_CHECK(a_bf16 || a_codes, what << ": no output (a_bf16 and a_codes are both null)");
-  FLOWMOE_CHECK(!a_codes || a_scales, what << ": a_codes given without a_scales");
-  FLOWMOE_CHECK(!h_codes || h_scales, what << ": h_codes given without h_scales");
-  if (m == 0) return;
-  check_ptr(h, "h", what);
-  check_ptr(prow, "prow", what);
-  swiglu_prob_kernel<<<grid_1d(m * (f / 128), kWarps), kThreads, 0, stream>>>(
-      h, prow, m, f, a_bf16, a_codes, a_scales, h_codes, h_scales, nf(status));
-  FLOWMOE_LAUNCH_CHECK("moe::swiglu_prob_kernel");
-}
-
-void prob_backward_impl(const bf16_t* da, const bf16_t* h_bf16, const uint8_t* h_codes,
-                        const uint8_t* h_scales, const float* prow, int64_t m, int64_t f,
-                        bf16_t* dh, float* dprow, DeviceStatus* status, cudaStream_t stream) {
-  const char* what = "moe::dswiglu_prob";
-  FLOWMOE_CHECK(m >= 0 && f > 0 && f % 128 == 0,
-                what << ": M = " << m << ", F = " << f << "; expected F a positive multiple of 128");
-  FLOWMOE_CHECK((h_bf16 != nullptr) != (h_codes != nullptr),
-                what << ": give H either as bf16 or as FP8 codes + scales, exactly one");
-  FLOWMOE_CHECK(!h_codes || h_scales, what << ": h_codes given without h_scales");
-  if (m == 0) return;
-  check_ptr(da, "da", what);
-  check_ptr(prow, "prow", what);
-  check_ptr(dh, "dh", what);
-  check_ptr(dprow, "dprow", what);
-  FLOWMOE_CHECK(aligned16(da) && aligned16(dh) && (!h_bf16 || aligned16(h_bf16)) &&
-                    (!h_codes || aligned16(h_codes)),
-                what << ": da, dh and H must be 16-byte aligned");
-  dswiglu_prob_kernel<<<grid_1d(m, kWarps), kThreads, 0, stream>>>(da, h_bf16, h_codes, h_scales, prow,
-                                                                   m, f, dh, dprow, nf(status));
-  FLOWMOE_LAUNCH_CHECK("moe::dswiglu_prob_kernel");
 }
 
 float naive_scale(float amax) { return naive_scale_of(amax); }

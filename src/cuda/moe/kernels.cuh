@@ -1,7 +1,7 @@
 // Kernels of the CUDA MoE layer that the operator libraries (convert.h, token.h, swiglu.h, gemm.h)
-// do not provide: the router's FP32 GEMMs, the routing probability applied inside SwiGLU (forward
-// and backward), the dx combine with the router path, and the FP32-scale FP8 casts of the
-// `fp8-naive` recipe. Launchers check their arguments (flowmoe::Error), never allocate and never
+// do not provide: the router's FP32 GEMMs, the per-row routing probabilities (scatter, and the
+// gather of their gradient), the dx combine with the router path, and the FP32-scale FP8 casts of
+// the `fp8-naive` recipe. Launchers check their arguments (flowmoe::Error), never allocate and never
 // synchronise. Arithmetic definitions: docs/MOE_GPU.md §3.
 #pragma once
 
@@ -44,36 +44,10 @@ void combine_dx(const bf16_t* rows, const int32_t* row_map, int64_t t, int topk,
 // the caller zeroes [0, Mp) first so padding rows carry 0).
 void scatter_row_probs(const float* probs, const int32_t* row_map, int64_t t, int topk,
                        float* prow, cudaStream_t stream);
-// dprobs[t, s] = dprow[row_map[t, s]] (0 for a dropped slot).
-void gather_row_dprobs(const float* dprow, const int32_t* row_map, int64_t t, int topk,
-                       float* dprobs, cudaStream_t stream);
-
-// ---- SwiGLU with the routing probability --------------------------------------------------------
-// h [M, 2F] bf16 (gate | up), prow [M] -> a'[r, j] = p_r * swiglu(gate, up) in binary32
-// (num::swiglu_f32, then one f_mul), written as
-//   a_bf16 [M, F] (RNE, canonical NaN)                      when a_bf16 is not null, and/or
-//   a_codes [M, F], a_scales [F/128][M] (row-wise 1x128)    when a_codes is not null
-//   (quantized straight from binary32, cpu::quantize_row's rule);
-//   h_codes [M, 2F], h_scales [2F/128][M]: H itself row-wise  when h_codes is not null.
-// status->nonfinite counts non-finite values of a' (and of H when quantized).
-void swiglu_prob(const bf16_t* h, const float* prow, int64_t m, int64_t f, bf16_t* a_bf16,
-                 uint8_t* a_codes, uint8_t* a_scales, uint8_t* h_codes, uint8_t* h_scales,
-                 DeviceStatus* status, cudaStream_t stream);
-// Backward: da [M, F] bf16 = d a' (GEMM2's dgrad), H as bf16 [M, 2F] (h_bf16) or row-wise FP8
-// (h_codes [M, 2F], h_scales [2F/128][M], decoded exactly) ->
-//   dh [M, 2F] bf16 = bf16(dswiglu_f32(p_r * da, gate, up))   (the CPU backend's arithmetic)
-//   dprow [M] fp32  = sum_j da[r, j] * swiglu(gate, up): lane l of a warp accumulates the
-//                     8-element groups l, l+32, ... by fma in element order, then a butterfly
-//                     (the CPU sums j in order: equal up to FP32 summation order)
-// status->nonfinite counts non-finite dgate/dup values (before rounding).
-void prob_backward_impl(const bf16_t* da, const bf16_t* h_bf16, const uint8_t* h_codes,
-                        const uint8_t* h_scales, const float* prow, int64_t m, int64_t f,
-                        bf16_t* dh, float* dprow, DeviceStatus* status, cudaStream_t stream);
-inline void dswiglu_prob(const bf16_t* da, const bf16_t* h_bf16, const uint8_t* h_codes,
-                         const uint8_t* h_scales, const float* prow, int64_t m, int64_t f,
-                         bf16_t* dh, float* dprow, DeviceStatus* status, cudaStream_t stream) {
-  prob_backward_impl(da, h_bf16, h_codes, h_scales, prow, m, f, dh, dprow, status, stream);
-}
+// dprobs[t, s] = sum_b dprow_part[b][row_map[t, s]] for b = 0..tiles-1 in order (0 for a dropped
+// slot): the partial sums of dp per 128-feature tile that swiglu.h's backward writes ([tiles][m]).
+void gather_row_dprobs(const float* dprow_part, int64_t tiles, int64_t m, const int32_t* row_map,
+                       int64_t t, int topk, float* dprobs, cudaStream_t stream);
 
 // ---- fp8-naive: FP8 with FP32 scales s = amax / 448 ------------------------------------------------
 // Scale rule of a tile with largest finite magnitude amax: s = amax / 448 (FP32 division, RNE),

@@ -271,7 +271,7 @@ class CudaMoeLayer final : public MoeLayer {
     }
     loss_ = dalloc<float>(1);
     prow_ = dalloc<float>(R);
-    dprow_ = dalloc<float>(R);
+    dpart_ = dalloc<float>(R * (F_ / 128));
     bstart_ = dalloc<int32_t>(MB);
     bend_ = dalloc<int32_t>(MB);
     boff_ = dalloc<int32_t>(E + 1);
@@ -577,7 +577,7 @@ class CudaMoeLayer final : public MoeLayer {
       gg_->fprop_bf16(seg_, 2 * F_, H_, cs<bf16_t>(xp_, Mp_ * H_), cs<bf16_t>(w1b_, int64_t(E_) * 2 * F_ * H_),
                       ms<bf16_t>(h1_, Mp_ * 2 * F_), stream_); }
     { auto s = fwd("SwiGLU*prob (bf16)");
-      swiglu_prob(h1_, prow_, Mp_, F_, abuf_, nullptr, nullptr, nullptr, nullptr, st_fwd(), stream_); }
+      cuda::swiglu(h1_, Mp_, F_, abuf_, st_fwd(), stream_, prow_); }
     { auto s = fwd("GEMM2 fprop (bf16)");
       gg_->fprop_bf16(seg_, H_, F_, cs<bf16_t>(abuf_, Mp_ * F_), cs<bf16_t>(w2b_, int64_t(E_) * H_ * F_),
                       ms<bf16_t>(o_, Mp_ * H_), stream_); }
@@ -598,7 +598,7 @@ class CudaMoeLayer final : public MoeLayer {
       const Fp8Op xo = act_operand(rowA_, H_, st_fwd_aux());
       gg_->fprop(seg_, 2 * F_, H_, xo, w1_op(), ms<bf16_t>(h1_, Mp_ * 2 * F_), stream_); }
     { auto s = fwd("SwiGLU*prob (bf16)");
-      swiglu_prob(h1_, prow_, Mp_, F_, abuf_, nullptr, nullptr, nullptr, nullptr, st_fwd(), stream_); }
+      cuda::swiglu(h1_, Mp_, F_, abuf_, st_fwd(), stream_, prow_); }
     { auto s = fwd("quantize a' (row + col)");
       quantize_col(abuf_, F_, sb, ac_.codes, ac_.scales, rowA_.codes, rowA_.scales, st_fwd(), stream_); }
     log(MoePass::kForward, CastKind::kQuantize, "quantize a' (row + col, from BF16)", 1, 2, Mp_ * F_);
@@ -627,7 +627,7 @@ class CudaMoeLayer final : public MoeLayer {
       gg_->fprop(seg_, 2 * F_, H_, Fp8Op{cs<uint8_t>(xn_.codes, Mp_ * H_), cs<float>(xn_.scales, Mp_ * H_ / 128)},
                  w1_op(), ms<bf16_t>(h1_, Mp_ * 2 * F_), stream_); }
     { auto s = fwd("SwiGLU*prob (bf16)");
-      swiglu_prob(h1_, prow_, Mp_, F_, abuf_, nullptr, nullptr, nullptr, nullptr, st_fwd(), stream_); }
+      cuda::swiglu(h1_, Mp_, F_, abuf_, st_fwd(), stream_, prow_); }
     { auto s = fwd("quantize a' (row, fp32 scales)");
       naive_quantize_row(abuf_, Mp_, F_, routing_.padded_offsets, E_, an_.codes, an_.scales, st_fwd(), stream_); }
     log(MoePass::kForward, CastKind::kQuantize, "quantize a' (row, FP32 scales)", 1, 1, Mp_ * F_);
@@ -669,7 +669,7 @@ class CudaMoeLayer final : public MoeLayer {
       gg_->fprop(seg_, 2 * F_, H_, xo, w1_op(), ms<bf16_t>(h1_, Mp_ * 2 * F_), stream_); }
     const Fp8Buf ar = rowA_;  // a' row-wise (flow-fp4: rowA held GEMM1's input, consumed by now)
     { auto s = fwd("SwiGLU*prob + quantize (a' row, h row)");
-      swiglu_prob(h1_, prow_, Mp_, F_, nullptr, ar.codes, ar.scales, hr_.codes, hr_.scales, st_fwd(), stream_); }
+      cuda::swiglu_quant(h1_, Mp_, F_, ar.codes, ar.scales, hr_.codes, hr_.scales, st_fwd(), stream_, prow_); }
     log(MoePass::kForward, CastKind::kFused, "SwiGLU*prob + quantize (a' row, h row)", 1, 2, Mp_ * 2 * F_);
     { auto s = fwd("scaling-aware transpose a'");
       scaling_aware_transpose(ar.codes, ar.scales, F_, sb, ac_.codes, ac_.scales, st_fwd_aux(), stream_); }
@@ -686,7 +686,8 @@ class CudaMoeLayer final : public MoeLayer {
     save_rows("GEMM2 input a' (wgrad copy)", "fp8 col 128x1 [Mp, F]", col_bytes(F_), fp8_row(F_));
   }
 
-  // ---- backward, per recipe: each leaves dXp [Mp, H] bf16 in o_ and dp [Mp] in dprow_ -----------
+  // ---- backward, per recipe: each leaves dXp [Mp, H] bf16 in o_ and the partial sums of dp
+  //      ([F/128][Mp], swiglu.h) in dpart_ -------------------------------------------------------
   void backward_bf16(const bf16_t* dy, const MoeGrads& g) {
     bf16_t* dy2 = o_;
     { auto s = bwd("permute+pad dy (bf16)"); permute_pad_bf16(dy, H_, routing_, dy2, stream_); }
@@ -697,7 +698,7 @@ class CudaMoeLayer final : public MoeLayer {
       gg_->wgrad_bf16(seg_, H_, F_, cs<bf16_t>(dy2, Mp_ * H_), cs<bf16_t>(abuf_, Mp_ * F_),
                       dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
     { auto s = bwd("dSwiGLU*prob (bf16)");
-      dswiglu_prob(da_, h1_, nullptr, nullptr, prow_, Mp_, F_, dh_, dprow_, st_bwd(), stream_); }
+      cuda::dswiglu(da_, h1_, Mp_, F_, dh_, st_bwd(), stream_, prow_, dpart_); }
     bf16_t* dxp = o_;
     { auto s = bwd("GEMM1 dgrad (bf16)");
       gg_->dgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(dh_, Mp_ * 2 * F_), cs<bf16_t>(w1b_, int64_t(E_) * 2 * F_ * H_),
@@ -722,7 +723,7 @@ class CudaMoeLayer final : public MoeLayer {
       const Fp8Op acc = col_operand(ac_, F_, col32B_);
       gg_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
     { auto s = bwd("dSwiGLU*prob (bf16)");
-      dswiglu_prob(da_, h1_, nullptr, nullptr, prow_, Mp_, F_, dh_, dprow_, st_bwd(), stream_); }
+      cuda::dswiglu(da_, h1_, Mp_, F_, dh_, st_bwd(), stream_, prow_, dpart_); }
     { auto s = bwd("quantize dh (row + col)");
       quantize_col(dh_, 2 * F_, sb, colA_.codes, colA_.scales, rowA_.codes, rowA_.scales, st_bwd(), stream_); }
     log(MoePass::kBackward, CastKind::kQuantize, "quantize dh (row + col, from BF16)", 1, 2, Mp_ * 2 * F_);
@@ -770,7 +771,7 @@ class CudaMoeLayer final : public MoeLayer {
                  Fp8Op{cs<uint8_t>(colB_.codes, F_ * Mp_), cs<float>(col32B_, NB_ * F_)},
                  dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
     { auto s = bwd("dSwiGLU*prob (bf16)");
-      dswiglu_prob(da_, h1_, nullptr, nullptr, prow_, Mp_, F_, dh_, dprow_, st_bwd(), stream_); }
+      cuda::dswiglu(da_, h1_, Mp_, F_, dh_, st_bwd(), stream_, prow_, dpart_); }
     const F32sBuf dhr{rowA_.codes, act32_};
     { auto s = bwd("quantize dh (row, fp32 scales)");
       naive_quantize_row(dh_, Mp_, 2 * F_, routing_.padded_offsets, E_, dhr.codes, dhr.scales, st_bwd(), stream_); }
@@ -804,11 +805,10 @@ class CudaMoeLayer final : public MoeLayer {
       const Fp8Op dyc = col_operand(colA_, H_, col32A_);
       const Fp8Op acc = col_operand(ac_, F_, col32B_);
       gg_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
-    { auto s = bwd("dSwiGLU*prob (from fp8 h)");
-      dswiglu_prob(da_, nullptr, hr_.codes, hr_.scales, prow_, Mp_, F_, dh_, dprow_, st_bwd(), stream_); }
-    { auto s = bwd("quantize dh (row + col)");
-      quantize_col(dh_, 2 * F_, sb, colA_.codes, colA_.scales, rowA_.codes, rowA_.scales, st_bwd_aux(), stream_); }
-    log(MoePass::kBackward, CastKind::kQuantize, "quantize dh (row + col, from BF16)", 1, 2, Mp_ * 2 * F_);
+    { auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
+      dswiglu_quant_fp8h(da_, hr_.codes, hr_.scales, F_, sb, rowA_.codes, rowA_.scales, colA_.codes, colA_.scales,
+                         st_bwd(), stream_, prow_, dpart_); }
+    log(MoePass::kBackward, CastKind::kFused, "dSwiGLU*prob + quantize (dh row + col)", 1, 2, Mp_ * 2 * F_);
     { auto s = bwd("GEMM1 dgrad (fp8)");
       const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
       gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
@@ -831,7 +831,7 @@ class CudaMoeLayer final : public MoeLayer {
   void backward_router(const MoeGrads& g, bf16_t* dx) {
     const RouterConfig rc = cfg_.router_config();
     { auto s = bwd("router backward (dprobs, dlogits)");
-      gather_row_dprobs(dprow_, routing_.row_map, T_, K_, dprobs_, stream_);
+      gather_row_dprobs(dpart_, F_ / 128, Mp_, routing_.row_map, T_, K_, dprobs_, stream_);
       router_backward(logits_, T_, rc, ids_, dprobs_, cfg_.aux_loss_alpha > 0.0f ? aux_coef_ : nullptr, 1.0f,
                       dlogits_, stream_); }
     if (g.dwr) { auto s = bwd("router dWr");
@@ -860,7 +860,7 @@ class CudaMoeLayer final : public MoeLayer {
   int32_t* ids_ = nullptr;
   Routing routing_;
   uint8_t* aux_ws_ = nullptr;
-  float *aux_coef_ = nullptr, *loss_ = nullptr, *prow_ = nullptr, *dprow_ = nullptr;
+  float *aux_coef_ = nullptr, *loss_ = nullptr, *prow_ = nullptr, *dpart_ = nullptr;
   int32_t *bstart_ = nullptr, *bend_ = nullptr, *boff_ = nullptr;
   DeviceStatus *status_ = nullptr, *wstatus_ = nullptr;
   int32_t* h_counts_ = nullptr;

@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "cuda/convert/tile.cuh"
@@ -87,6 +88,31 @@ __device__ __forceinline__ void dswiglu8(const float (&da)[8], const float (&g)[
   }
   dg = make_uint4(a[0], a[1], a[2], a[3]);
   du = make_uint4(b[0], b[1], b[2], b[3]);
+}
+
+// The same with the routing probability p (num::dswiglu_prob_f32), accumulating this lane's share
+// of dp: acc = fma(da[i], a[i], acc) for its 8 features in order.
+__device__ __forceinline__ void dswiglu8_prob(const float (&da)[8], float p, const float (&g)[8],
+                                              const float (&u)[8], uint4& dg, uint4& du, float& acc) {
+  uint32_t a[4], b[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const SwigluGradProb lo = dswiglu_prob_f32(da[2 * q], p, g[2 * q], u[2 * q]);
+    const SwigluGradProb hi = dswiglu_prob_f32(da[2 * q + 1], p, g[2 * q + 1], u[2 * q + 1]);
+    acc = f_fma(da[2 * q], lo.a, acc);
+    acc = f_fma(da[2 * q + 1], hi.a, acc);
+    a[q] = pack_bf16x2(lo.dgate, hi.dgate);
+    b[q] = pack_bf16x2(lo.dup, hi.dup);
+  }
+  dg = make_uint4(a[0], a[1], a[2], a[3]);
+  du = make_uint4(b[0], b[1], b[2], b[3]);
+}
+// dp partial of a 1x128 tile held by a half-warp: the 16 lane sums combined by the butterfly
+// (xor 8, 4, 2, 1; every lane ends with the same value, f_add being commutative).
+__device__ __forceinline__ float tile_sum16(float acc) {
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) acc = f_add(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+  return acc;
 }
 
 __device__ __forceinline__ void unpack8(const uint4& v, float (&x)[8]) {
@@ -166,22 +192,25 @@ constexpr int kRowsPerCta = (kThreads / 16) * kRowsPerHalfWarp;  // 32
 
 template <FwdOut kOut>
 __global__ void __launch_bounds__(kThreads)
-swiglu_row_kernel(const bf16_t* __restrict__ h, int64_t m, int64_t f, bf16_t* __restrict__ a,
-                  uint8_t* __restrict__ a_codes, uint8_t* __restrict__ a_scales,
+swiglu_row_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, int64_t m, int64_t f,
+                  bf16_t* __restrict__ a, uint8_t* __restrict__ a_codes, uint8_t* __restrict__ a_scales,
                   uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales,
                   unsigned long long* nonfinite) {
   const int64_t kb = blockIdx.y;  // feature tile
   const int lane = threadIdx.x & 15;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 4);
   uint4 g[kRowsPerHalfWarp], u[kRowsPerHalfWarp];
+  float p[kRowsPerHalfWarp];
 #pragma unroll
   for (int i = 0; i < kRowsPerHalfWarp; ++i) {
     const int64_t r = r0 + i * (kThreads / 16);
     g[i] = u[i] = make_uint4(0, 0, 0, 0);
+    p[i] = 0.0f;
     if (r < m) {
       const bf16_t* src = h + r * 2 * f + kb * kTile + lane * 8;
       g[i] = ldg16(src);
       u[i] = ldg16(src + f);
+      if (prow) p[i] = __ldg(prow + r);
     }
   }
 #pragma unroll
@@ -189,6 +218,10 @@ swiglu_row_kernel(const bf16_t* __restrict__ h, int64_t m, int64_t f, bf16_t* __
     const int64_t r = r0 + i * (kThreads / 16);
     float a32[8];
     swiglu8(g[i], u[i], a32);
+    if (prow) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) a32[q] = f_mul(a32[q], p[i]);
+    }
     if constexpr (kOut == FwdOut::kBf16) {
       const uint4 av = pack8(a32);
       const uint32_t mx = detail::absmax8_bits(av);
@@ -242,7 +275,7 @@ constexpr int kPassGroup = 4;                     // passes whose loads are in f
 
 template <bool kSaveH>
 __global__ void __launch_bounds__(kThreads)
-swiglu_quant_col_kernel(const bf16_t* __restrict__ h, int64_t m, int64_t f,
+swiglu_quant_col_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, int64_t m, int64_t f,
                         const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend,
                         uint8_t* __restrict__ a_codes, uint8_t* __restrict__ a_scales,
                         uint8_t* __restrict__ a_col_codes, uint8_t* __restrict__ a_col_scales,
@@ -279,6 +312,11 @@ swiglu_quant_col_kernel(const bf16_t* __restrict__ h, int64_t m, int64_t f,
       const int64_t r = static_cast<int64_t>(bs) + row;
       float a32[8];
       swiglu8(g[i], u[i], a32);
+      if (prow) {
+        const float p = row < n ? __ldg(prow + r) : 0.0f;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) a32[q] = f_mul(a32[q], p);
+      }
       const TileCodes q = quantize_tile8(a32, nonfinite);
       *reinterpret_cast<uint2*>(&s_q[row * kBytePitch + lane * 8]) = row < n ? q.codes : make_uint2(0, 0);
       if (lane == 0) s_e[row] = row < n ? q.scale : 0;
@@ -347,22 +385,27 @@ swiglu_quant_col_kernel(const bf16_t* __restrict__ h, int64_t m, int64_t f,
 }
 
 // ---- backward: plain BF16 -------------------------------------------------------------------------
+template <bool kProb>
 __global__ void __launch_bounds__(kThreads)
-dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h, int64_t m, int64_t f,
-                   bf16_t* __restrict__ dh, unsigned long long* nonfinite) {
+dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
+                   const float* __restrict__ prow, int64_t m, int64_t f, bf16_t* __restrict__ dh,
+                   float* __restrict__ dpart, unsigned long long* nonfinite) {
   const int64_t kb = blockIdx.y;
   const int lane = threadIdx.x & 15;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 4);
   uint4 vd[kRowsPerHalfWarp], vg[kRowsPerHalfWarp], vu[kRowsPerHalfWarp];
+  float p[kRowsPerHalfWarp];
 #pragma unroll
   for (int i = 0; i < kRowsPerHalfWarp; ++i) {
     const int64_t r = r0 + i * (kThreads / 16);
     vd[i] = vg[i] = vu[i] = make_uint4(0, 0, 0, 0);
+    p[i] = 0.0f;
     if (r < m) {
       const bf16_t* src = h + r * 2 * f + kb * kTile + lane * 8;
       vd[i] = ldg16(da + r * f + kb * kTile + lane * 8);
       vg[i] = ldg16(src);
       vu[i] = ldg16(src + f);
+      if constexpr (kProb) p[i] = __ldg(prow + r);
     }
   }
 #pragma unroll
@@ -373,7 +416,14 @@ dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h, 
     unpack8(vg[i], xg);
     unpack8(vu[i], xu);
     uint4 dg, du;
-    dswiglu8(xd, xg, xu, dg, du);
+    if constexpr (kProb) {
+      float acc = 0.0f;
+      dswiglu8_prob(xd, p[i], xg, xu, dg, du, acc);
+      acc = tile_sum16(acc);
+      if (dpart && lane == 0 && r < m) dpart[kb * m + r] = f32_canonical(acc);
+    } else {
+      dswiglu8(xd, xg, xu, dg, du);
+    }
     const uint32_t mg = detail::absmax8_bits(dg), mu = detail::absmax8_bits(du);
     if (nonfinite) {
       detail::count_nonfinite_warp(nonfinite, dg, mg >= detail::kBf16NonFiniteBits);
@@ -396,14 +446,15 @@ constexpr int kBwdWords = kBwdPitch / 2;  // 32-bit words per row
 constexpr size_t kBwdSmem = size_t(kTile) * kBwdPitch * 2 + 2 * kTile * sizeof(uint32_t);
 constexpr int kBwdCtasPerSm = 3;
 
-template <bool kFp8H>
+template <bool kFp8H, bool kProb>
 __global__ void __launch_bounds__(kThreads, kBwdCtasPerSm)
 dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
-                     const uint8_t* __restrict__ hc, const uint8_t* __restrict__ hs, int64_t m,
-                     int64_t f, const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend,
+                     const uint8_t* __restrict__ hc, const uint8_t* __restrict__ hs,
+                     const float* __restrict__ prow, int64_t m, int64_t f,
+                     const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend,
                      uint8_t* __restrict__ row_codes, uint8_t* __restrict__ row_scales,
                      uint8_t* __restrict__ col_codes, uint8_t* __restrict__ col_scales,
-                     unsigned long long* nonfinite) {
+                     float* __restrict__ dpart, unsigned long long* nonfinite) {
   extern __shared__ __align__(16) uint8_t smem[];
   uint16_t* s_t = reinterpret_cast<uint16_t*>(smem);
   uint32_t* s_amax = reinterpret_cast<uint32_t*>(smem + size_t(kTile) * kBwdPitch * 2);  // [2][128]
@@ -421,6 +472,7 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
     uint4 vd[kPassGroup], vg[kPassGroup], vu[kPassGroup];
     uint2 cg[kPassGroup], cu[kPassGroup];
     uint8_t sg[kPassGroup], su[kPassGroup];
+    float pr[kPassGroup];
 #pragma unroll
     for (int i = 0; i < kPassGroup; ++i) {
       const int row = (p0 + i) * (kThreads / 16) + (tid >> 4);
@@ -428,8 +480,10 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
       vd[i] = vg[i] = vu[i] = make_uint4(0, 0, 0, 0);
       cg[i] = cu[i] = make_uint2(0, 0);
       sg[i] = su[i] = 0;
+      pr[i] = 0.0f;
       if (row < n) {
         vd[i] = ldg16(da + r * f + kt * kTile + lane * 8);
+        if constexpr (kProb) pr[i] = __ldg(prow + r);
         if constexpr (kFp8H) {
           const uint8_t* src = hc + r * k2 + kt * kTile + lane * 8;
           cg[i] = __ldg(reinterpret_cast<const uint2*>(src));
@@ -462,7 +516,14 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
         unpack8(vu[i], xu);
       }
       uint4 dg, du;
-      dswiglu8(xd, xg, xu, dg, du);
+      if constexpr (kProb) {
+        float acc = 0.0f;
+        dswiglu8_prob(xd, pr[i], xg, xu, dg, du, acc);
+        acc = tile_sum16(acc);
+        if (dpart && lane == 0 && row < n) dpart[kt * m + r] = f32_canonical(acc);
+      } else {
+        dswiglu8(xd, xg, xu, dg, du);
+      }
       const TileCodes qg = quantize_tile8(dg, nonfinite);
       const TileCodes qu = quantize_tile8(du, nonfinite);
       if (row < n) {
@@ -556,6 +617,11 @@ void check_pair(const void* codes, const void* scales, const char* cname, const 
   check_aligned(codes, cname, what);
   FLOWMOE_CHECK(scales != nullptr, what << ": " << sname << " is null");
 }
+void check_prob(const float* prow, const float* dprow_part, const char* what) {
+  FLOWMOE_CHECK(prow != nullptr || dprow_part == nullptr,
+                what << ": dprow_part (the gradient of the routing probabilities) needs prow; "
+                     << "give prow, or pass null for both");
+}
 
 }  // namespace
 
@@ -563,7 +629,7 @@ void check_pair(const void* codes, const void* scales, const char* cname, const 
 // launchers
 // ================================================================================================
 void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* status,
-            cudaStream_t stream) {
+            cudaStream_t stream, const float* prow) {
   const char* what = "cuda::swiglu";
   check_f(f, what);
   check_m(m, what);
@@ -571,12 +637,13 @@ void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* stat
   check_aligned(h, "h", what);
   check_aligned(a, "a", what);
   swiglu_row_kernel<FwdOut::kBf16><<<row_grid(m, f), kThreads, 0, stream>>>(
-      h, m, f, a, nullptr, nullptr, nullptr, nullptr, nonfinite_ptr(status));
+      h, prow, m, f, a, nullptr, nullptr, nullptr, nullptr, nonfinite_ptr(status));
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
 void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
-                  uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream) {
+                  uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream,
+                  const float* prow) {
   const char* what = "cuda::swiglu_quant";
   check_f(f, what);
   check_m(m, what);
@@ -588,10 +655,10 @@ void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8
   if (h_codes) {
     check_aligned(h_codes, "h_codes", what);
     swiglu_row_kernel<FwdOut::kFp8SaveH><<<row_grid(m, f), kThreads, 0, stream>>>(
-        h, m, f, nullptr, a_codes, a_scales, h_codes, h_scales, nonfinite_ptr(status));
+        h, prow, m, f, nullptr, a_codes, a_scales, h_codes, h_scales, nonfinite_ptr(status));
   } else {
     swiglu_row_kernel<FwdOut::kFp8><<<row_grid(m, f), kThreads, 0, stream>>>(
-        h, m, f, nullptr, a_codes, a_scales, nullptr, nullptr, nonfinite_ptr(status));
+        h, prow, m, f, nullptr, a_codes, a_scales, nullptr, nullptr, nonfinite_ptr(status));
   }
   FLOWMOE_LAUNCH_CHECK(what);
 }
@@ -599,7 +666,7 @@ void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8
 void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8_t* a_codes,
                       uint8_t* a_scales, uint8_t* a_col_codes, uint8_t* a_col_scales,
                       uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, const float* prow) {
   const char* what = "cuda::swiglu_quant_col";
   check_f(f, what);
   check_blocks(sb, what);
@@ -613,35 +680,43 @@ void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8
   const dim3 grid = tile_grid(sb.max_blocks, f / kTile);
   if (h_codes) {
     swiglu_quant_col_kernel<true><<<grid, kThreads, 0, stream>>>(
-        h, sb.m, f, sb.block_start, sb.block_end, a_codes, a_scales, a_col_codes, a_col_scales,
-        h_codes, h_scales, status);
+        h, prow, sb.m, f, sb.block_start, sb.block_end, a_codes, a_scales, a_col_codes,
+        a_col_scales, h_codes, h_scales, status);
   } else {
     swiglu_quant_col_kernel<false><<<grid, kThreads, 0, stream>>>(
-        h, sb.m, f, sb.block_start, sb.block_end, a_codes, a_scales, a_col_codes, a_col_scales,
-        nullptr, nullptr, status);
+        h, prow, sb.m, f, sb.block_start, sb.block_end, a_codes, a_scales, a_col_codes,
+        a_col_scales, nullptr, nullptr, status);
   }
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
 void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
-             DeviceStatus* status, cudaStream_t stream) {
+             DeviceStatus* status, cudaStream_t stream, const float* prow, float* dprow_part) {
   const char* what = "cuda::dswiglu";
   check_f(f, what);
   check_m(m, what);
+  check_prob(prow, dprow_part, what);
   if (m == 0) return;
   check_aligned(da, "da", what);
   check_aligned(h, "h", what);
   check_aligned(dh, "dh", what);
-  dswiglu_row_kernel<<<row_grid(m, f), kThreads, 0, stream>>>(da, h, m, f, dh, nonfinite_ptr(status));
+  if (prow) {
+    dswiglu_row_kernel<true><<<row_grid(m, f), kThreads, 0, stream>>>(
+        da, h, prow, m, f, dh, dprow_part, nonfinite_ptr(status));
+  } else {
+    dswiglu_row_kernel<false><<<row_grid(m, f), kThreads, 0, stream>>>(
+        da, h, nullptr, m, f, dh, nullptr, nonfinite_ptr(status));
+  }
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
 namespace {
-template <bool kFp8H>
+template <bool kFp8H, bool kProb>
 void launch_dswiglu_quant(const bf16_t* da, const bf16_t* h, const uint8_t* hc, const uint8_t* hs,
-                          int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
+                          const float* prow, int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
                           uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
-                          DeviceStatus* status, cudaStream_t stream, const char* what) {
+                          float* dprow_part, DeviceStatus* status, cudaStream_t stream,
+                          const char* what) {
   // More than 48 KB of dynamic shared memory needs an opt-in, per function and device; done once
   // per device (not on every launch, so that launches can be captured in a CUDA graph).
   static std::atomic<uint64_t> opted_in{0};
@@ -649,15 +724,15 @@ void launch_dswiglu_quant(const bf16_t* da, const bf16_t* h, const uint8_t* hc, 
   FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
   const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
   if (!bit || !(opted_in.load(std::memory_order_relaxed) & bit)) {
-    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(dswiglu_quant_kernel<kFp8H>,
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(dswiglu_quant_kernel<kFp8H, kProb>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(kBwdSmem)));
     opted_in.fetch_or(bit, std::memory_order_relaxed);
   }
   const dim3 grid = tile_grid(sb.max_blocks, f / kTile);
-  dswiglu_quant_kernel<kFp8H><<<grid, kThreads, kBwdSmem, stream>>>(
-      da, h, hc, hs, sb.m, f, sb.block_start, sb.block_end, row_codes, row_scales, col_codes,
-      col_scales, nonfinite_ptr(status));
+  dswiglu_quant_kernel<kFp8H, kProb><<<grid, kThreads, kBwdSmem, stream>>>(
+      da, h, hc, hs, prow, sb.m, f, sb.block_start, sb.block_end, row_codes, row_scales, col_codes,
+      col_scales, dprow_part, nonfinite_ptr(status));
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
@@ -670,31 +745,72 @@ void check_bwd_outputs(const uint8_t* row_codes, const uint8_t* row_scales,
 
 void dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,
                    uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
-                   uint8_t* col_scales, DeviceStatus* status, cudaStream_t stream) {
+                   uint8_t* col_scales, DeviceStatus* status, cudaStream_t stream,
+                   const float* prow, float* dprow_part) {
   const char* what = "cuda::dswiglu_quant";
   check_f(f, what);
   check_blocks(sb, what);
+  check_prob(prow, dprow_part, what);
   if (sb.m == 0) return;
   check_aligned(da, "da", what);
   check_aligned(h, "h", what);
   check_bwd_outputs(row_codes, row_scales, col_codes, col_scales, what);
-  launch_dswiglu_quant<false>(da, h, nullptr, nullptr, f, sb, row_codes, row_scales, col_codes,
-                              col_scales, status, stream, what);
+  if (prow)
+    launch_dswiglu_quant<false, true>(da, h, nullptr, nullptr, prow, f, sb, row_codes, row_scales,
+                                      col_codes, col_scales, dprow_part, status, stream, what);
+  else
+    launch_dswiglu_quant<false, false>(da, h, nullptr, nullptr, nullptr, f, sb, row_codes,
+                                       row_scales, col_codes, col_scales, nullptr, status, stream,
+                                       what);
 }
 
 void dswiglu_quant_fp8h(const bf16_t* da, const uint8_t* h_codes, const uint8_t* h_scales,
                         int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
                         uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
-                        DeviceStatus* status, cudaStream_t stream) {
+                        DeviceStatus* status, cudaStream_t stream, const float* prow,
+                        float* dprow_part) {
   const char* what = "cuda::dswiglu_quant_fp8h";
   check_f(f, what);
   check_blocks(sb, what);
+  check_prob(prow, dprow_part, what);
   if (sb.m == 0) return;
   check_aligned(da, "da", what);
   check_pair(h_codes, h_scales, "h_codes", "h_scales", what);
   check_bwd_outputs(row_codes, row_scales, col_codes, col_scales, what);
-  launch_dswiglu_quant<true>(da, nullptr, h_codes, h_scales, f, sb, row_codes, row_scales,
-                             col_codes, col_scales, status, stream, what);
+  if (prow)
+    launch_dswiglu_quant<true, true>(da, nullptr, h_codes, h_scales, prow, f, sb, row_codes,
+                                     row_scales, col_codes, col_scales, dprow_part, status, stream,
+                                     what);
+  else
+    launch_dswiglu_quant<true, false>(da, nullptr, h_codes, h_scales, nullptr, f, sb, row_codes,
+                                      row_scales, col_codes, col_scales, nullptr, status, stream,
+                                      what);
+}
+
+namespace {
+__global__ void sum_dprow_parts_kernel(const float* __restrict__ part, int64_t m, int64_t tiles,
+                                       float* __restrict__ dprow) {
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < m;
+       r += int64_t(gridDim.x) * blockDim.x) {
+    float acc = part[r];
+    for (int64_t b = 1; b < tiles; ++b) acc = f_add(acc, part[b * m + r]);
+    dprow[r] = f32_canonical(acc);
+  }
+}
+}  // namespace
+
+void sum_dprow_parts(const float* dprow_part, int64_t m, int64_t f, float* dprow,
+                     cudaStream_t stream) {
+  const char* what = "cuda::sum_dprow_parts";
+  check_f(f, what);
+  check_m(m, what);
+  if (m == 0) return;
+  FLOWMOE_CHECK(dprow_part != nullptr && dprow != nullptr,
+                what << ": dprow_part and dprow must both be given");
+  const int64_t blocks = std::min<int64_t>((m + kThreads - 1) / kThreads, 4096);
+  sum_dprow_parts_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      dprow_part, m, f / kTile, dprow);
+  FLOWMOE_LAUNCH_CHECK(what);
 }
 
 void dswiglu_quant_unfused(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,
