@@ -16,8 +16,8 @@
 //                    H row-wise   == quantize_row(H)  [M, 2F]                            (option)
 //   dswiglu_quant    dH row-wise  == quantize_row(dswiglu(dA, H))        dH formed in BF16, as
 //                    dH col-wise  == quantize_col(dswiglu(dA, H), seg)   the unfused sequence does
-// The backward also takes H saved as row-wise FP8 (what the `flow` recipe keeps): it is decoded
-// exactly (code * 2^e in binary32) and goes through the same arithmetic.
+// The backward also takes H saved as row-wise FP8 (what the `flow` recipe keeps) or as MXFP4 1x32
+// (`flow-fp4`): it is decoded exactly (code * 2^e in binary32) and goes through the same arithmetic.
 //
 // Counters (QuantStats on the CPU, DeviceStatus on the GPU):
 //   nonfinite  the non-finite values among the tensors being quantized (binary32 A, BF16 dH, and
@@ -65,7 +65,7 @@ QuantStats swiglu_quant(const bf16_t* h, int64_t m, int64_t f, QTensor* a_row,
 // da [M, F] bf16, h [M, 2F] bf16 -> dh [M, 2F] bf16. Returns nonfinite = non-finite elements of dh.
 QuantStats dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
                    const float* prow = nullptr, float* dprow_part = nullptr);
-// The same with H saved as row-wise FP8 (h_row: kRow1x128, [M, 2F]).
+// The same with H saved as row-wise FP8 (h_row: kRow1x128, [M, 2F]) or MXFP4 (kMxfp4Row1x32).
 QuantStats dswiglu(const bf16_t* da, const QTensor& h_row, bf16_t* dh,
                    const float* prow = nullptr, float* dprow_part = nullptr);
 // Fused: -> dH row-wise [M, 2F] and column-wise [2F, M] over the segments, from one pass.
@@ -102,6 +102,11 @@ void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* stat
 void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                   uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream,
                   const float* prow = nullptr);
+// The same with H saved as MXFP4 instead (the `flow-fp4` recipe): h4_codes [M, 2F/2] (two E2M1 per
+// byte, even index in the low nibble), h4_scales [M][2F/32] == cpu::quantize_mxfp4(H).
+void swiglu_quant_h4(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
+                     uint8_t* h4_codes, uint8_t* h4_scales, DeviceStatus* status,
+                     cudaStream_t stream, const float* prow = nullptr);
 // The same plus the column-wise copy of A over the segments (M = sb.m), fused: a_col_codes
 // [F, M], a_col_scales [sb.max_blocks][F]; bit-identical to scaling_aware_transpose of the
 // row-wise output (underflow counted). h_codes/h_scales optional as above.
@@ -123,6 +128,12 @@ void dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBl
                    const float* prow = nullptr, float* dprow_part = nullptr);
 // The same with H saved as row-wise FP8: h_codes [M, 2F], h_scales [2F/128][M].
 void dswiglu_quant_fp8h(const bf16_t* da, const uint8_t* h_codes, const uint8_t* h_scales,
+                        int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
+                        uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
+                        DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr,
+                        float* dprow_part = nullptr);
+// The same with H saved as MXFP4 (h4_codes [M, 2F/2], h4_scales [M][2F/32]), decoded exactly.
+void dswiglu_quant_fp4h(const bf16_t* da, const uint8_t* h4_codes, const uint8_t* h4_scales,
                         int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
                         uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
                         DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr,

@@ -703,8 +703,12 @@ class CpuMoeLayer final : public MoeLayer {
     *st += qa;
     const QuantStats tr = cpu::scaling_aware_transpose(ar, seg_, &ac_, cfg_.transpose_exponent);
     st->underflow += tr.underflow;
-    *st += cpu::quantize_row(h1_.data(), Mp_, 2 * F_, &h_row_);
-    log.add(CastKind::kFused, "SwiGLU*prob + quantize (a' row + col, h row)", 3, Mp_ * 2 * F_);
+    // h saved for dSwiGLU: row-wise FP8 (flow) or MXFP4 1x32 (flow-fp4: FP4 saved activations)
+    if (!fp4) *st += cpu::quantize_row(h1_.data(), Mp_, 2 * F_, &h_row_);
+    else *st += cpu::quantize_mxfp4(h1_.data(), Mp_, 2 * F_, &h_row_);
+    log.add(CastKind::kFused, fp4 ? "SwiGLU*prob + quantize (a' row + col, h MXFP4)"
+                                  : "SwiGLU*prob + quantize (a' row + col, h row)",
+            3, Mp_ * 2 * F_);
     h1_.clear();
     std::vector<bf16_t> o;
     fprop_fp8(ar, w2q_, H_, &o);
@@ -713,7 +717,8 @@ class CpuMoeLayer final : public MoeLayer {
       save_rows("GEMM1 input x_perm", "fp8 row 1x128 [Mp, H]", qbytes(xp_row_), fp8_row(H_));
     else
       save_rows("GEMM1 input x_perm", "mxfp4 row 1x32 [Mp, H]", qbytes(xp_fp4_), mxfp4_row(H_));
-    save_rows("GEMM1 output h", "fp8 row 1x128 [Mp, 2F]", qbytes(h_row_), fp8_row(2 * F_));
+    if (!fp4) save_rows("GEMM1 output h", "fp8 row 1x128 [Mp, 2F]", qbytes(h_row_), fp8_row(2 * F_));
+    else save_rows("GEMM1 output h", "mxfp4 row 1x32 [Mp, 2F]", qbytes(h_row_), mxfp4_row(2 * F_));
     save_rows("GEMM2 input a' (wgrad copy)", "fp8 col 128x1 [Mp, F]", qbytes(ac_), fp8_row(F_));
     if (cfg_.check_columns)
       rep_.columns.push_back(compare_columns("GEMM2 input a'", "scaling-aware transpose",

@@ -29,17 +29,21 @@ void check_ptr(const void* p, int64_t m, const char* name, const char* what) {
   FLOWMOE_CHECK(p != nullptr || m == 0, what << ": " << name << " is null for M = " << m);
 }
 void check_h_row(const QTensor& h, const char* what) {
-  FLOWMOE_CHECK(h.layout == Layout::kRow1x128,
+  const bool fp4 = h.layout == Layout::kMxfp4Row1x32;
+  FLOWMOE_CHECK(h.layout == Layout::kRow1x128 || fp4,
                 what << ": saved H is " << layout_name(h.layout) << ", expected "
-                     << layout_name(Layout::kRow1x128) << " [M, 2F]");
+                     << layout_name(Layout::kRow1x128) << " or " << layout_name(Layout::kMxfp4Row1x32)
+                     << " [M, 2F]");
   FLOWMOE_CHECK(h.cols > 0 && h.cols % (2 * kT) == 0,
                 what << ": saved H has " << h.cols << " columns; expected 2F with F a positive "
                      << "multiple of 128");
-  FLOWMOE_CHECK(h.rows >= 0 && static_cast<int64_t>(h.codes.size()) == h.rows * h.cols &&
-                    static_cast<int64_t>(h.scales.size()) == h.rows * (h.cols / kT),
+  const int64_t codes = fp4 ? h.rows * h.cols / 2 : h.rows * h.cols;
+  const int64_t scales = h.rows * (h.cols / (fp4 ? kFp4Block : kT));
+  FLOWMOE_CHECK(h.rows >= 0 && static_cast<int64_t>(h.codes.size()) == codes &&
+                    static_cast<int64_t>(h.scales.size()) == scales,
                 what << ": saved H " << h.describe() << " holds " << h.codes.size()
-                     << " code and " << h.scales.size() << " scale bytes, expected "
-                     << h.rows * h.cols << " and " << h.rows * (h.cols / kT));
+                     << " code and " << h.scales.size() << " scale bytes, expected " << codes
+                     << " and " << scales);
 }
 
 void init_row(QTensor* q, int64_t m, int64_t k) {
@@ -122,6 +126,16 @@ struct HFp8 {
 
 // Without prow: dH = dswiglu_f32(dA, gate, up). With prow: dswiglu_prob_f32(dA', p, gate, up), and
 // (dprow_part not null) the per-tile partial sums of dA' * A in the order swiglu.h specifies.
+struct HFp4 {  // MXFP4 1x32: codes [M, 2F/2], scales [M][2F/32]
+  const QTensor* q;
+  int64_t f;
+  float at(int64_t t, int64_t c) const {
+    return dequant_e2m1(e2m1_get(q->codes.data(), t * 2 * f + c), q->scales[t * (2 * f / kFp4Block) + c / kFp4Block]);
+  }
+  float gate(int64_t t, int64_t j) const { return at(t, j); }
+  float up(int64_t t, int64_t j) const { return at(t, f + j); }
+};
+
 template <typename HSrc>
 QuantStats dswiglu_impl(const bf16_t* da, const HSrc& h, int64_t m, int64_t f, bf16_t* dh,
                         const float* prow, float* dprow_part) {
@@ -327,12 +341,14 @@ QuantStats dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16
 
 QuantStats dswiglu(const bf16_t* da, const QTensor& h_row, bf16_t* dh, const float* prow,
                    float* dprow_part) {
-  const char* what = "dswiglu (FP8 H)";
+  const char* what = "dswiglu (saved H)";
   check_h_row(h_row, what);
   const int64_t m = h_row.rows, f = h_row.cols / 2;
   check_ptr(da, m, "dA", what);
   check_ptr(dh, m, "dH", what);
   check_prob(prow, dprow_part, what);
+  if (h_row.layout == Layout::kMxfp4Row1x32)
+    return dswiglu_impl(da, HFp4{&h_row, f}, m, f, dh, prow, dprow_part);
   return dswiglu_impl(da, HFp8{&h_row, f}, m, f, dh, prow, dprow_part);
 }
 
@@ -348,11 +364,13 @@ QuantStats dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f
 
 QuantStats dswiglu_quant(const bf16_t* da, const QTensor& h_row, const Segments& seg,
                          QTensor* dh_row, QTensor* dh_col, const float* prow, float* dprow_part) {
-  const char* what = "dswiglu_quant (FP8 H)";
+  const char* what = "dswiglu_quant (saved H)";
   check_h_row(h_row, what);
   const int64_t m = h_row.rows, f = h_row.cols / 2;
   check_dswiglu_quant_args(da, m, f, seg, dh_row, dh_col, what);
   check_prob(prow, dprow_part, what);
+  if (h_row.layout == Layout::kMxfp4Row1x32)
+    return dswiglu_quant_impl(da, HFp4{&h_row, f}, m, f, seg, dh_row, dh_col, prow, dprow_part);
   return dswiglu_quant_impl(da, HFp8{&h_row, f}, m, f, seg, dh_row, dh_col, prow, dprow_part);
 }
 

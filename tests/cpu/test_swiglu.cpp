@@ -566,6 +566,33 @@ TEST(SwigluProb, ProbabilityGradientIsTheRowSumOfDaTimesA) {
   EXPECT_EQ(part, part2);
 }
 
+TEST(SwigluProb, Mxfp4SavedHIsDecodedExactly) {
+  // flow-fp4 saves H as MXFP4. Its values are exactly representable in BF16, so the backward
+  // from the MXFP4 copy equals the backward from that copy decoded to BF16, bit for bit.
+  const int64_t m = 129, f = 256;
+  const auto h = make_bf16(HDist::kHeavy, m, 2 * f, 51, 9);
+  const auto da = make_bf16(HDist::kNormal, m, f, 52);
+  std::vector<float> prow(m);
+  for (int64_t t = 0; t < m; ++t) prow[t] = 0.25f + 0.005f * static_cast<float>(t);
+  QTensor h4;
+  cpu::quantize_mxfp4(h.data(), m, 2 * f, &h4);
+  std::vector<bf16_t> hd(m * 2 * f);
+  cpu::dequantize(h4, hd.data());
+  const Segments seg = Segments::from_counts({0, 64, 65});
+  QTensor r4, c4, rb, cb;
+  std::vector<float> p4(m * (f / 128)), pb(m * (f / 128));
+  const QuantStats s4 = cpu::dswiglu_quant(da.data(), h4, seg, &r4, &c4, prow.data(), p4.data());
+  const QuantStats sb = cpu::dswiglu_quant(da.data(), hd.data(), m, f, seg, &rb, &cb, prow.data(), pb.data());
+  expect_same(rb, r4, "dH row-wise (MXFP4 H)");
+  expect_same(cb, c4, "dH column-wise (MXFP4 H)");
+  EXPECT_EQ(pb, p4);
+  EXPECT_EQ(s4.nonfinite, sb.nonfinite);
+  // and it is not the same as the backward from the BF16 H (the MXFP4 rounding is real)
+  QTensor rh, ch;
+  cpu::dswiglu_quant(da.data(), h.data(), m, f, seg, &rh, &ch, prow.data(), nullptr);
+  EXPECT_NE(rh.codes, r4.codes);
+}
+
 TEST(SwigluProb, GradientOfProbabilitiesNeedsProbabilities) {
   const int64_t m = 4, f = 128;
   const auto h = make_bf16(HDist::kNormal, m, 2 * f, 41);

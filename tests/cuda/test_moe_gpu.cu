@@ -70,12 +70,15 @@ struct Shape {
   int align;
   bool bias;
   int64_t tokens, max_tokens;
+  bool column_amax = false;  // MoeConfig::transpose_exponent = kColumnAmax
 };
 const Shape kShapes[] = {
     // softmax, aux loss, align 16 (partial 128-token column blocks), T < max_tokens
     {"softmax_a16", 256, 128, 4, 2, RouterScore::kSoftmax, false, 1.0f, 0.01f, 16, false, 100, 128},
     // sigmoid + renorm x2.5 with a selection bias, H/128 = 3 (weight-scale rows padded to 4), F 256
     {"sigmoid_a32", 384, 256, 6, 3, RouterScore::kSigmoid, true, 2.5f, 0.0f, 32, true, 77, 77},
+    // the column-amax exponent for every scaling-aware transpose (CPU and CUDA kernels)
+    {"colamax_a16", 256, 128, 4, 2, RouterScore::kSoftmax, false, 1.0f, 0.0f, 16, false, 100, 128, true},
 };
 
 MoeConfig make_cfg(const Shape& s, Recipe r) {
@@ -91,6 +94,7 @@ MoeConfig make_cfg(const Shape& s, Recipe r) {
   c.align = s.align;
   c.recipe = r;
   c.max_tokens = s.max_tokens;
+  if (s.column_amax) c.transpose_exponent = cpu::TransposeExponent::kColumnAmax;
   return c;
 }
 
@@ -283,7 +287,7 @@ TEST_P(MoeGpuVsCpu, ForwardBackwardMatchTheCpuLayer) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllRecipes, MoeGpuVsCpu,
-                         ::testing::Combine(::testing::Values(0, 1), ::testing::ValuesIn(recipes())),
+                         ::testing::Combine(::testing::Values(0, 1, 2), ::testing::ValuesIn(recipes())),
                          [](const ::testing::TestParamInfo<std::tuple<int, Recipe>>& i) {
                            std::string n = std::string(kShapes[std::get<0>(i.param)].name) + "_" +
                                            recipe_name(std::get<1>(i.param));

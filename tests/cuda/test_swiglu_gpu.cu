@@ -441,6 +441,36 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
   expect_equal(bits(part8), bits(dpart8.get()), m * tiles, "dswiglu_quant_fp8h*p partial sums");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st8.nonfinite));
 
+  // H saved as MXFP4 (flow-fp4): forward writes it, backward decodes it
+  {
+    QTensor h4;
+    const QuantStats sh4 = cpu::quantize_mxfp4(h.data(), m, k, &h4);
+    QTensor arow;
+    const QuantStats sa = cpu::swiglu_quant(h.data(), m, f, &arow, nullptr, nullptr, nullptr, prow.data());
+    DBuf<uint8_t> ac(m * f), as(m * f / 128), h4c(m * k / 2), h4s(m * k / 32);
+    reset();
+    cuda::swiglu_quant_h4(dh_in.p, m, f, ac.p, as.p, h4c.p, h4s.p, status_, 0, dp.p);
+    expect_equal(arow.codes, ac.get(), m * f, "swiglu_quant_h4 a' codes");
+    expect_equal(arow.scales, as.get(), m * f / 128, "swiglu_quant_h4 a' scales");
+    expect_equal(h4.codes, h4c.get(), m * k / 2, "swiglu_quant_h4 H MXFP4 codes");
+    expect_equal(h4.scales, h4s.get(), m * k / 32, "swiglu_quant_h4 H MXFP4 scales");
+    EXPECT_EQ(status().nonfinite, static_cast<ull>(sa.nonfinite + sh4.nonfinite));
+
+    QTensor row4, col4;
+    std::vector<float> part4(m * tiles);
+    const QuantStats st4 = cpu::dswiglu_quant(da.data(), h4, seg, &row4, &col4, prow.data(), part4.data());
+    DBuf<uint8_t> rc4(m * k), rs4(m * k / 128), cc4(m * k), cs4(maxb * k);
+    DBuf<float> dpart4(m * tiles);
+    reset();
+    cuda::dswiglu_quant_fp4h(dda.p, h4c.p, h4s.p, f, ds.sb, rc4.p, rs4.p, cc4.p, cs4.p, status_, 0, dp.p, dpart4.p);
+    expect_equal(row4.codes, rc4.get(), m * k, "dswiglu_quant_fp4h*p row codes");
+    expect_equal(row4.scales, rs4.get(), m * k / 128, "dswiglu_quant_fp4h*p row scales");
+    expect_equal(col4.codes, cc4.get(), m * k, "dswiglu_quant_fp4h*p col codes");
+    expect_equal(col4.scales, cs4.get(), nb * k, "dswiglu_quant_fp4h*p col scales");
+    expect_equal(bits(part4), bits(dpart4.get()), m * tiles, "dswiglu_quant_fp4h*p partial sums");
+    EXPECT_EQ(status().nonfinite, static_cast<ull>(st4.nonfinite));
+  }
+
   // dprow_part without prow is an argument error
   EXPECT_THROW(cuda::dswiglu(dda.p, dh_in.p, m, f, ddh.p, nullptr, 0, nullptr, dpart.p), Error);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);

@@ -352,8 +352,13 @@ class CudaMoeLayer final : public MoeLayer {
       case Recipe::kFlowFp4:
         ent_.codes = dalloc<uint8_t>(Tm * H);
         ent8s_ = dalloc<uint8_t>((H / 128) * Tm);
-        hr_.codes = dalloc<uint8_t>(R * 2 * F);
-        hr_.scales = dalloc<uint8_t>((2 * F / 128) * R);
+        if (rc == Recipe::kFlow) {  // h saved row-wise FP8
+          hr_.codes = dalloc<uint8_t>(R * 2 * F);
+          hr_.scales = dalloc<uint8_t>((2 * F / 128) * R);
+        } else {  // flow-fp4: h saved as MXFP4 [R, 2F/2] + [R][2F/32]
+          hr_.codes = dalloc<uint8_t>(R * F);
+          hr_.scales = dalloc<uint8_t>(R * (2 * F / 32));
+        }
         ac_.codes = dalloc<uint8_t>(F * R);
         ac_.scales = dalloc<uint8_t>(MB * F);
         if (rc == Recipe::kFlow) {
@@ -668,11 +673,18 @@ class CudaMoeLayer final : public MoeLayer {
       const Fp8Op xo = act_operand(xin, H_, st_fwd_aux());
       gg_->fprop(seg_, 2 * F_, H_, xo, w1_op(), ms<bf16_t>(h1_, Mp_ * 2 * F_), stream_); }
     const Fp8Buf ar = rowA_;  // a' row-wise (flow-fp4: rowA held GEMM1's input, consumed by now)
-    { auto s = fwd("SwiGLU*prob + quantize (a' row, h row)");
-      cuda::swiglu_quant(h1_, Mp_, F_, ar.codes, ar.scales, hr_.codes, hr_.scales, st_fwd(), stream_, prow_); }
-    log(MoePass::kForward, CastKind::kFused, "SwiGLU*prob + quantize (a' row, h row)", 1, 2, Mp_ * 2 * F_);
+    if (!fp4) {
+      auto s = fwd("SwiGLU*prob + quantize (a' row, h row)");
+      cuda::swiglu_quant(h1_, Mp_, F_, ar.codes, ar.scales, hr_.codes, hr_.scales, st_fwd(), stream_, prow_);
+      log(MoePass::kForward, CastKind::kFused, "SwiGLU*prob + quantize (a' row, h row)", 1, 2, Mp_ * 2 * F_);
+    } else {
+      auto s = fwd("SwiGLU*prob + quantize (a' row, h mxfp4)");
+      cuda::swiglu_quant_h4(h1_, Mp_, F_, ar.codes, ar.scales, hr_.codes, hr_.scales, st_fwd(), stream_, prow_);
+      log(MoePass::kForward, CastKind::kFused, "SwiGLU*prob + quantize (a' row, h MXFP4)", 1, 2, Mp_ * 2 * F_);
+    }
     { auto s = fwd("scaling-aware transpose a'");
-      scaling_aware_transpose(ar.codes, ar.scales, F_, sb, ac_.codes, ac_.scales, st_fwd_aux(), stream_); }
+      scaling_aware_transpose(ar.codes, ar.scales, F_, sb, ac_.codes, ac_.scales, st_fwd_aux(), stream_,
+                              cfg_.transpose_exponent); }
     log(MoePass::kForward, CastKind::kConvert, "scaling-aware transpose a' (wgrad copy)", 1, 1, Mp_ * F_);
     { auto s = fwd("GEMM2 fprop (fp8)");
       const Fp8Op ao = act_operand(ar, F_, st_fwd_aux());
@@ -682,7 +694,10 @@ class CudaMoeLayer final : public MoeLayer {
       save_rows("GEMM1 input x_perm", "fp8 row 1x128 [Mp, H]", row_bytes(H_), fp8_row(H_));
     else
       save_rows("GEMM1 input x_perm", "mxfp4 row 1x32 [Mp, H]", Mp_ * H_ / 2 + Mp_ * H_ / 32, mxfp4_row(H_));
-    save_rows("GEMM1 output h", "fp8 row 1x128 [Mp, 2F]", row_bytes(2 * F_), fp8_row(2 * F_));
+    if (!fp4)
+      save_rows("GEMM1 output h", "fp8 row 1x128 [Mp, 2F]", row_bytes(2 * F_), fp8_row(2 * F_));
+    else
+      save_rows("GEMM1 output h", "mxfp4 row 1x32 [Mp, 2F]", Mp_ * F_ + Mp_ * 2 * F_ / 32, mxfp4_row(2 * F_));
     save_rows("GEMM2 input a' (wgrad copy)", "fp8 col 128x1 [Mp, F]", col_bytes(F_), fp8_row(F_));
   }
 
@@ -796,7 +811,8 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = bwd("permute+pad dy (fp8)");
       permute_pad_fp8(ent_.codes, ent8s_, H_, routing_, dyr.codes, dyr.scales, Mp_, stream_); }
     { auto s = bwd("scaling-aware transpose dY");
-      scaling_aware_transpose(dyr.codes, dyr.scales, H_, sb, colA_.codes, colA_.scales, st_bwd(), stream_); }
+      scaling_aware_transpose(dyr.codes, dyr.scales, H_, sb, colA_.codes, colA_.scales, st_bwd(), stream_,
+                              cfg_.transpose_exponent); }
     log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose dY (wgrad copy)", 1, 1, Mp_ * H_);
     { auto s = bwd("GEMM2 dgrad (fp8)");
       const Fp8Op dyo = act_operand(dyr, H_, st_bwd_aux());
@@ -805,16 +821,23 @@ class CudaMoeLayer final : public MoeLayer {
       const Fp8Op dyc = col_operand(colA_, H_, col32A_);
       const Fp8Op acc = col_operand(ac_, F_, col32B_);
       gg_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
-    { auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
+    if (!fp4) {
+      auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
       dswiglu_quant_fp8h(da_, hr_.codes, hr_.scales, F_, sb, rowA_.codes, rowA_.scales, colA_.codes, colA_.scales,
-                         st_bwd(), stream_, prow_, dpart_); }
+                         st_bwd(), stream_, prow_, dpart_);
+    } else {
+      auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from mxfp4 h)");
+      dswiglu_quant_fp4h(da_, hr_.codes, hr_.scales, F_, sb, rowA_.codes, rowA_.scales, colA_.codes, colA_.scales,
+                         st_bwd(), stream_, prow_, dpart_);
+    }
     log(MoePass::kBackward, CastKind::kFused, "dSwiGLU*prob + quantize (dh row + col)", 1, 2, Mp_ * 2 * F_);
     { auto s = bwd("GEMM1 dgrad (fp8)");
       const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
       gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
     if (!fp4) {
       auto s = bwd("scaling-aware transpose x_perm");
-      scaling_aware_transpose(xr_.codes, xr_.scales, H_, sb, colB_.codes, colB_.scales, st_bwd(), stream_);
+      scaling_aware_transpose(xr_.codes, xr_.scales, H_, sb, colB_.codes, colB_.scales, st_bwd(), stream_,
+                              cfg_.transpose_exponent);
       log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose x_perm (wgrad copy)", 1, 1, Mp_ * H_);
     } else {
       auto s = bwd("FP4RowToFP8Col x_perm");
@@ -915,9 +938,6 @@ void fill_normal_bf16(bf16_t* p, int64_t n, uint64_t seed, float stddev, cudaStr
 
 std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t stream) {
   cfg.validate();
-  FLOWMOE_CHECK(cfg.transpose_exponent == cpu::TransposeExponent::kRowMax,
-                "make_cuda_layer: transpose_exponent = kColumnAmax is implemented in the CPU backend "
-                "only so far; expected kRowMax on the GPU");
   return std::unique_ptr<MoeLayer>(new cuda::moe::CudaMoeLayer(cfg, stream));
 }
 

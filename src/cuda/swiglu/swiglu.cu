@@ -139,6 +139,37 @@ __device__ __forceinline__ void decode8(const uint2& c, uint8_t s, float (&x)[8]
   }
 }
 
+// 8 E2M1 values (a uint32, value i in bits 4i..4i+3) of one 1x32 MXFP4 block with scale `s`,
+// decoded exactly (num::dequant_e2m1: a NaN scale gives NaN).
+__device__ __forceinline__ void decode8_fp4(uint32_t c, uint8_t s, float (&x)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = dequant_e2m1(static_cast<uint8_t>((c >> (4 * i)) & 0xFu), s);
+}
+
+// MXFP4 (1x32) of 8 BF16 values per lane, a quad of lanes per block (cpu::quantize_mxfp4's rule;
+// the same steps as quantize_mxfp4_kernel). All 32 lanes must call.
+struct Fp4Codes {
+  uint32_t codes;  // this lane's 8 nibbles
+  uint8_t scale;   // the block's UE8M0 scale (0xFF: non-finite block, codes 0)
+};
+__device__ __forceinline__ Fp4Codes quantize_fp4x8(const uint4& v, unsigned long long* nonfinite) {
+  const uint32_t amax_bits = detail::group_max_u(detail::absmax8_bits(v), 4);
+  const bool bad = amax_bits >= detail::kBf16NonFiniteBits;
+  detail::count_nonfinite_warp(nonfinite, v, bad);
+  const int e = e2m1_scale_exp(detail::bf16_bits_to_f32(amax_bits));
+  uint32_t out = 0;
+  if (!bad) {
+    const float inv = detail::inv_pow2(e);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t hb = (w[i / 2] >> (16 * (i & 1))) & 0xFFFFu;
+      out |= static_cast<uint32_t>(e2m1_encode_bounded(__uint_as_float(hb << 16) * inv)) << (4 * i);
+    }
+  }
+  return Fp4Codes{out, bad ? kUE8M0NaN : ue8m0_from_exp(e)};
+}
+
 // ---- quantization of a 1x128 row tile held by a half-warp (8 bf16 per lane) ----------------------
 // All 32 lanes of the warp must call (shuffles); lanes of rows past the end hold zeros.
 __device__ __forceinline__ uint2 encode8(const uint4& v, int e, bool nan_tile) {
@@ -186,7 +217,7 @@ __device__ __forceinline__ TileCodes quantize_tile8(const float (&a)[8], unsigne
 }
 
 // ---- forward, row-wise: plain BF16 or fused quantize ----------------------------------------------
-enum class FwdOut { kBf16, kFp8, kFp8SaveH };
+enum class FwdOut { kBf16, kFp8, kFp8SaveH, kFp8SaveH4 };
 constexpr int kRowsPerHalfWarp = 2;                               // rows in flight per half-warp
 constexpr int kRowsPerCta = (kThreads / 16) * kRowsPerHalfWarp;  // 32
 
@@ -232,6 +263,20 @@ swiglu_row_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, 
       if (r < m) {
         *reinterpret_cast<uint2*>(a_codes + r * f + kb * kTile + lane * 8) = q.codes;
         if (lane == 0) a_scales[kb * m + r] = q.scale;
+      }
+      if constexpr (kOut == FwdOut::kFp8SaveH4) {  // H as MXFP4: codes [M, 2F/2], scales [M][2F/32]
+        const Fp4Codes qg = quantize_fp4x8(g[i], nonfinite);
+        const Fp4Codes qu = quantize_fp4x8(u[i], nonfinite);
+        if (r < m) {
+          const int64_t col = kb * kTile + lane * 8;
+          uint8_t* dst = h_codes + (r * 2 * f + col) / 2;
+          *reinterpret_cast<uint32_t*>(dst) = qg.codes;
+          *reinterpret_cast<uint32_t*>(dst + f / 2) = qu.codes;
+          if ((lane & 3) == 0) {
+            h_scales[r * (2 * f / 32) + col / 32] = qg.scale;
+            h_scales[r * (2 * f / 32) + (f + col) / 32] = qu.scale;
+          }
+        }
       }
       if constexpr (kOut == FwdOut::kFp8SaveH) {
         const TileCodes qg = quantize_tile8(g[i], nonfinite);
@@ -446,7 +491,9 @@ constexpr int kBwdWords = kBwdPitch / 2;  // 32-bit words per row
 constexpr size_t kBwdSmem = size_t(kTile) * kBwdPitch * 2 + 2 * kTile * sizeof(uint32_t);
 constexpr int kBwdCtasPerSm = 3;
 
-template <bool kFp8H, bool kProb>
+enum class HIn { kBf16, kFp8, kFp4 };  // how the backward reads the saved H
+
+template <HIn kH, bool kProb>
 __global__ void __launch_bounds__(kThreads, kBwdCtasPerSm)
 dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
                      const uint8_t* __restrict__ hc, const uint8_t* __restrict__ hs,
@@ -484,12 +531,19 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
       if (row < n) {
         vd[i] = ldg16(da + r * f + kt * kTile + lane * 8);
         if constexpr (kProb) pr[i] = __ldg(prow + r);
-        if constexpr (kFp8H) {
+        if constexpr (kH == HIn::kFp8) {
           const uint8_t* src = hc + r * k2 + kt * kTile + lane * 8;
           cg[i] = __ldg(reinterpret_cast<const uint2*>(src));
           cu[i] = __ldg(reinterpret_cast<const uint2*>(src + f));
           sg[i] = __ldg(hs + kt * m + r);
           su[i] = __ldg(hs + (f / kTile + kt) * m + r);
+        } else if constexpr (kH == HIn::kFp4) {
+          const int64_t col = kt * kTile + lane * 8;
+          const uint8_t* src = hc + (r * k2 + col) / 2;
+          cg[i].x = __ldg(reinterpret_cast<const uint32_t*>(src));
+          cu[i].x = __ldg(reinterpret_cast<const uint32_t*>(src + f / 2));
+          sg[i] = __ldg(hs + r * (k2 / 32) + col / 32);
+          su[i] = __ldg(hs + r * (k2 / 32) + (f + col) / 32);
         } else {
           const bf16_t* src = h + r * k2 + kt * kTile + lane * 8;
           vg[i] = ldg16(src);
@@ -503,10 +557,15 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
       const int64_t r = static_cast<int64_t>(bs) + row;
       float xd[8], xg[8], xu[8];
       unpack8(vd[i], xd);
-      if constexpr (kFp8H) {
+      if constexpr (kH != HIn::kBf16) {
         if (row < n) {
-          decode8(cg[i], sg[i], xg);
-          decode8(cu[i], su[i], xu);
+          if constexpr (kH == HIn::kFp8) {
+            decode8(cg[i], sg[i], xg);
+            decode8(cu[i], su[i], xu);
+          } else {
+            decode8_fp4(cg[i].x, sg[i], xg);
+            decode8_fp4(cu[i].x, su[i], xu);
+          }
         } else {
 #pragma unroll
           for (int j = 0; j < 8; ++j) xg[j] = xu[j] = 0.0f;
@@ -711,7 +770,7 @@ void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh
 }
 
 namespace {
-template <bool kFp8H, bool kProb>
+template <HIn kH, bool kProb>
 void launch_dswiglu_quant(const bf16_t* da, const bf16_t* h, const uint8_t* hc, const uint8_t* hs,
                           const float* prow, int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
                           uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
@@ -724,13 +783,13 @@ void launch_dswiglu_quant(const bf16_t* da, const bf16_t* h, const uint8_t* hc, 
   FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
   const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
   if (!bit || !(opted_in.load(std::memory_order_relaxed) & bit)) {
-    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(dswiglu_quant_kernel<kFp8H, kProb>,
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(dswiglu_quant_kernel<kH, kProb>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(kBwdSmem)));
     opted_in.fetch_or(bit, std::memory_order_relaxed);
   }
   const dim3 grid = tile_grid(sb.max_blocks, f / kTile);
-  dswiglu_quant_kernel<kFp8H, kProb><<<grid, kThreads, kBwdSmem, stream>>>(
+  dswiglu_quant_kernel<kH, kProb><<<grid, kThreads, kBwdSmem, stream>>>(
       da, h, hc, hs, prow, sb.m, f, sb.block_start, sb.block_end, row_codes, row_scales, col_codes,
       col_scales, dprow_part, nonfinite_ptr(status));
   FLOWMOE_LAUNCH_CHECK(what);
@@ -756,10 +815,10 @@ void dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBl
   check_aligned(h, "h", what);
   check_bwd_outputs(row_codes, row_scales, col_codes, col_scales, what);
   if (prow)
-    launch_dswiglu_quant<false, true>(da, h, nullptr, nullptr, prow, f, sb, row_codes, row_scales,
+    launch_dswiglu_quant<HIn::kBf16, true>(da, h, nullptr, nullptr, prow, f, sb, row_codes, row_scales,
                                       col_codes, col_scales, dprow_part, status, stream, what);
   else
-    launch_dswiglu_quant<false, false>(da, h, nullptr, nullptr, nullptr, f, sb, row_codes,
+    launch_dswiglu_quant<HIn::kBf16, false>(da, h, nullptr, nullptr, nullptr, f, sb, row_codes,
                                        row_scales, col_codes, col_scales, nullptr, status, stream,
                                        what);
 }
@@ -778,13 +837,51 @@ void dswiglu_quant_fp8h(const bf16_t* da, const uint8_t* h_codes, const uint8_t*
   check_pair(h_codes, h_scales, "h_codes", "h_scales", what);
   check_bwd_outputs(row_codes, row_scales, col_codes, col_scales, what);
   if (prow)
-    launch_dswiglu_quant<true, true>(da, nullptr, h_codes, h_scales, prow, f, sb, row_codes,
+    launch_dswiglu_quant<HIn::kFp8, true>(da, nullptr, h_codes, h_scales, prow, f, sb, row_codes,
                                      row_scales, col_codes, col_scales, dprow_part, status, stream,
                                      what);
   else
-    launch_dswiglu_quant<true, false>(da, nullptr, h_codes, h_scales, nullptr, f, sb, row_codes,
+    launch_dswiglu_quant<HIn::kFp8, false>(da, nullptr, h_codes, h_scales, nullptr, f, sb, row_codes,
                                       row_scales, col_codes, col_scales, nullptr, status, stream,
                                       what);
+}
+
+void swiglu_quant_h4(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
+                     uint8_t* h4_codes, uint8_t* h4_scales, DeviceStatus* status,
+                     cudaStream_t stream, const float* prow) {
+  const char* what = "cuda::swiglu_quant_h4";
+  check_f(f, what);
+  check_m(m, what);
+  if (m == 0) return;
+  check_aligned(h, "h", what);
+  check_pair(a_codes, a_scales, "a_codes", "a_scales", what);
+  check_pair(h4_codes, h4_scales, "h4_codes", "h4_scales", what);
+  swiglu_row_kernel<FwdOut::kFp8SaveH4><<<row_grid(m, f), kThreads, 0, stream>>>(
+      h, prow, m, f, nullptr, a_codes, a_scales, h4_codes, h4_scales, nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+void dswiglu_quant_fp4h(const bf16_t* da, const uint8_t* h4_codes, const uint8_t* h4_scales,
+                        int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
+                        uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
+                        DeviceStatus* status, cudaStream_t stream, const float* prow,
+                        float* dprow_part) {
+  const char* what = "cuda::dswiglu_quant_fp4h";
+  check_f(f, what);
+  check_blocks(sb, what);
+  check_prob(prow, dprow_part, what);
+  if (sb.m == 0) return;
+  check_aligned(da, "da", what);
+  check_pair(h4_codes, h4_scales, "h4_codes", "h4_scales", what);
+  check_bwd_outputs(row_codes, row_scales, col_codes, col_scales, what);
+  if (prow)
+    launch_dswiglu_quant<HIn::kFp4, true>(da, nullptr, h4_codes, h4_scales, prow, f, sb, row_codes,
+                                          row_scales, col_codes, col_scales, dprow_part, status,
+                                          stream, what);
+  else
+    launch_dswiglu_quant<HIn::kFp4, false>(da, nullptr, h4_codes, h4_scales, nullptr, f, sb,
+                                           row_codes, row_scales, col_codes, col_scales, nullptr,
+                                           status, stream, what);
 }
 
 namespace {
