@@ -134,6 +134,15 @@ void bench_config(const Config& c, int64_t m) {
   uint8_t* cc = dalloc<uint8_t>(m * k);
   uint8_t* cs = dalloc<uint8_t>(maxb * k);
   for (int i = 0; i < 2; ++i) cuda::swiglu_quant(h[i], m, f, arc, ars, hc[i], hs[i], st, 0);  // saved FP8 H
+  // the MoE layer's form: routing probability per row, dp partial sums, H saved as MXFP4
+  std::vector<float> hp(m);
+  for (int64_t r = 0; r < m; ++r) hp[r] = 0.05f + 0.9f * static_cast<float>((r * 2654435761u) % 1000) / 1000.0f;
+  float* prow = dalloc<float>(m);
+  CK(cudaMemcpy(prow, hp.data(), m * 4, cudaMemcpyHostToDevice));
+  float* dpart = dalloc<float>(m * (f / 128));
+  uint8_t* h4c[2] = {dalloc<uint8_t>(m * k / 2), dalloc<uint8_t>(m * k / 2)};
+  uint8_t* h4s[2] = {dalloc<uint8_t>(m * k / 32), dalloc<uint8_t>(m * k / 32)};
+  for (int i = 0; i < 2; ++i) cuda::swiglu_quant_h4(h[i], m, f, arc, ars, h4c[i], h4s[i], st, 0, prow);
   CK(cudaDeviceSynchronize());
 
   const double mf = static_cast<double>(m) * f;
@@ -172,6 +181,20 @@ void bench_config(const Config& c, int64_t m) {
     cuda::dswiglu(da[r & 1], h[r & 1], m, f, work, nullptr, 0);
     cuda::quantize_col(work, k, sb, cc, cs, rc, rs, st, 0);
   });
+  // ---- the MoE layer's form (probability; flow saves H as FP8, flow-fp4 as MXFP4)
+  const float t_plain_p = median_us([&](int r) { cuda::swiglu(h[r & 1], m, f, a16, nullptr, 0, prow); });
+  const float t_fused_hp = median_us(
+      [&](int r) { cuda::swiglu_quant(h[r & 1], m, f, arc, ars, hc[0], hs[0], st, 0, prow); });
+  const float t_fused_h4p = median_us(
+      [&](int r) { cuda::swiglu_quant_h4(h[r & 1], m, f, arc, ars, h4c[0], h4s[0], st, 0, prow); });
+  const float t_dplain_p =
+      median_us([&](int r) { cuda::dswiglu(da[r & 1], h[r & 1], m, f, work, nullptr, 0, prow, dpart); });
+  const float t_dfused8p = median_us([&](int r) {
+    cuda::dswiglu_quant_fp8h(da[r & 1], hc[r & 1], hs[r & 1], f, sb, rc, rs, cc, cs, st, 0, prow, dpart);
+  });
+  const float t_dfused4p = median_us([&](int r) {
+    cuda::dswiglu_quant_fp4h(da[r & 1], h4c[r & 1], h4s[r & 1], f, sb, rc, rs, cc, cs, st, 0, prow, dpart);
+  });
   const float t_qrow = median_us([&](int) { cuda::quantize_row(work, m, k, rc, rs, st, 0); });
   const float t_qcol = median_us([&](int) { cuda::quantize_col(work, k, sb, cc, cs, nullptr, nullptr, st, 0); });
 
@@ -185,6 +208,15 @@ void bench_config(const Config& c, int64_t m) {
   line("dswiglu_quant (fused, row + col)", b_dfused, t_dfused, "dswiglu -> q_row -> q_col", t_dunfused3, false, 2.5);
   line("dswiglu_quant (fused, row + col)", b_dfused, t_dfused, "dswiglu -> q_col(+row, 1 pass)", t_dunfused2);
   line("dswiglu_quant_fp8h (H saved as FP8)", b_dfused8, t_dfused8, "dswiglu -> q_row -> q_col", t_dunfused3);
+  const double b_h4 = 2 * mf / 2 + 2 * mf / 32;  // H as MXFP4
+  line("swiglu*p (plain BF16, MoE form)", b_plain + 4 * m, t_plain_p, "plain BF16 swiglu", t_plain, true);
+  line("swiglu_quant*p + H FP8 (flow)", b_fused_h + 4 * m, t_fused_hp, "swiglu*p -> quantize_row a', H", t_plain_p + t_qrow);
+  line("swiglu_quant_h4*p + H MXFP4 (flow-fp4)", b_fused + b_h4 + 4 * m, t_fused_h4p, "swiglu_quant*p + H FP8", t_fused_hp, true);
+  line("dswiglu*p (plain BF16, + dp parts)", b_dplain + 4 * m + 4 * m * (f / 128), t_dplain_p, "plain BF16 dswiglu", t_dplain, true);
+  line("dswiglu_quant_fp8h*p (flow)", b_dfused8 + 4 * m * (1 + f / 128), t_dfused8p, "dswiglu*p -> q_row -> q_col", t_dplain_p + t_qrow + t_qcol);
+  line("dswiglu_quant_fp4h*p (flow-fp4)", b_dfused8 - 2 * mf - 2 * mf / 128 + b_h4 + 4 * m * (1 + f / 128), t_dfused4p,
+       "dswiglu_quant_fp8h*p", t_dfused8p,
+       true);
   line("  step: quantize_row [M, 2F]", 4 * mf + 2 * mf + 2 * mf / 128, t_qrow);
   line("  step: quantize_col [M, 2F]", 4 * mf + 2 * mf + nb * k, t_qcol);
   std::printf("  unfused backward total %.1f us = dswiglu %.1f + quantize_row %.1f + quantize_col %.1f (separately timed)\n",
