@@ -5,6 +5,14 @@
 // data (normal, not zeros), one stream.
 //
 //   flowmoe_bench_gemm [--reps N] [--tokens T] [--model V3|V2|V2-Lite] [--experts E] [--no-graph]
+//                      [--streams S] [--compare-only]
+//
+// First section: the grouped GEMMs as the library now runs them (GroupedGemmOptions from the
+// defaults and FLOWMOE_GEMM_TUNE / FLOWMOE_GEMM_STREAMS, --streams overriding: a pool of streams and
+// the algorithm timed once per problem key) against the previous behaviour (Options::previous():
+// one stream, cuBLASLt's first heuristic algorithm), FP8 and BF16, for DeepSeek-V3 GEMM1/GEMM2 at
+// 32 experts x ~2048 tokens and V2-Lite at 64 experts x ~384 tokens, all three passes, then the
+// algorithm each problem key got. --compare-only stops there. The later tables use the new default.
 //
 // Columns: FP8 us / BF16 us are the grouped call as the library runs it (per-expert launches
 // enqueued by the host); "FP8 graph us" replays the same launches from a CUDA graph (no host
@@ -358,6 +366,110 @@ void bench_layer(cuda::GroupedGemm& gg, const std::string& name, const std::vect
   row(shape, ex, flops, t8, t16, gg8, rel_diff(b.g8, b.g16, E * n * k));
 }
 
+// ---- concurrency + tuning against the previous behaviour -----------------------------------------
+void compare_header() {
+  std::printf("| %-40s | %7s | %9s | %7s | %9s | %7s | %8s | %9s | %7s | %9s | %7s | %8s | %9s | %9s | %10s |\n",
+              "shape", "experts", "FP8 new", "TFLOP/s", "FP8 prev", "TFLOP/s", "new/prev", "BF16 new", "TFLOP/s",
+              "BF16 prev", "TFLOP/s", "FP8/BF16", "new graph", "1st call", "new-prev");
+  std::printf("|%s|%s|%s|%s|%s|%s|%s|%s|%s|%s|%s|%s|%s|%s|%s|\n", std::string(42, '-').c_str(),
+              std::string(9, '-').c_str(), std::string(11, '-').c_str(), std::string(9, '-').c_str(),
+              std::string(11, '-').c_str(), std::string(9, '-').c_str(), std::string(10, '-').c_str(),
+              std::string(11, '-').c_str(), std::string(9, '-').c_str(), std::string(11, '-').c_str(),
+              std::string(9, '-').c_str(), std::string(10, '-').c_str(), std::string(11, '-').c_str(),
+              std::string(11, '-').c_str(), std::string(12, '-').c_str());
+}
+
+// Wall time of one call, synchronised, in ms: the first call of a new problem key includes tuning.
+double first_call_ms(const std::function<void()>& fn) {
+  CK(cudaStreamSynchronize(g_stream));
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  CK(cudaStreamSynchronize(g_stream));
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// One layer's three passes: FP8 and BF16, each with `now` (pool + tuning) and `prev`
+// (Options::previous()). "new-prev" is ||out_new - out_prev|| / ||out_prev|| of the FP8 outputs
+// (0 when both ran the same algorithm; otherwise the FP32 summation-order difference).
+void compare_layer(cuda::GroupedGemm& now, cuda::GroupedGemm& prev, const std::string& name,
+                   const std::vector<int32_t>& counts, int64_t n, int64_t k) {
+  LayerBuffers b(counts, n, k, true);
+  const int64_t m = b.m;
+  const int E = b.E;
+  const double flops = 2.0 * m * n * k;
+  bf16_t* y8p = b.own<bf16_t>(m * n);
+  bf16_t* dx8p = b.own<bf16_t>(m * k);
+  float* g8p = b.own<float>(int64_t(E) * n * k);
+  const auto x8 = b.op(b.xr_c, m * k, b.xr_s, gemm::act_scale_f32_elems(m, k));
+  const auto w8 = b.op(b.w_c, E * n * k, b.w_s, gemm::weight_scale_f32_elems(E, n, k));
+  const auto dy8 = b.op(b.dyr_c, m * n, b.dyr_s, gemm::act_scale_f32_elems(m, n));
+  const auto wt8 = b.op(b.wt_c, E * n * k, b.wt_s, gemm::weight_scale_f32_elems(E, k, n));
+  const auto dyc = b.op(b.dyc_c, m * n, b.dyc_s, gemm::col_scale_f32_elems(b.seg, n));
+  const auto xc = b.op(b.xc_c, m * k, b.xc_s, gemm::col_scale_f32_elems(b.seg, k));
+  const gemm::Span<const bf16_t> x16{b.x, m * k}, w16{b.w, E * n * k}, dy16{b.dy, m * n};
+  const int64_t g = int64_t(E) * n * k;
+
+  struct Pass {
+    const char* label;
+    std::function<void(cuda::GroupedGemm&)> f8, b16;
+    std::function<double()> diff;  // after one overwrite call of each FP8 variant
+  };
+  const Pass passes[] = {
+      {"fprop",
+       [&](cuda::GroupedGemm& gg) { gg.fprop(b.seg, n, k, x8, w8, {&gg == &now ? b.y8 : y8p, m * n}, g_stream); },
+       [&](cuda::GroupedGemm& gg) { gg.fprop_bf16(b.seg, n, k, x16, w16, {b.y16, m * n}, g_stream); },
+       [&] { return rel_diff(b.y8, y8p, m * n); }},
+      {"dgrad",
+       [&](cuda::GroupedGemm& gg) { gg.dgrad(b.seg, n, k, dy8, wt8, {&gg == &now ? b.dx8 : dx8p, m * k}, g_stream); },
+       [&](cuda::GroupedGemm& gg) { gg.dgrad_bf16(b.seg, n, k, dy16, w16, {b.dx16, m * k}, g_stream); },
+       [&] { return rel_diff(b.dx8, dx8p, m * k); }},
+      {"wgrad +=FP32",
+       [&](cuda::GroupedGemm& gg) {
+         gg.wgrad(b.seg, n, k, dyc, xc, gemm::WgradOut::accumulate(&gg == &now ? b.g8 : g8p, g), g_stream);
+       },
+       [&](cuda::GroupedGemm& gg) { gg.wgrad_bf16(b.seg, n, k, dy16, x16, gemm::WgradOut::accumulate(b.g16, g), g_stream); },
+       [&] {
+         now.wgrad(b.seg, n, k, dyc, xc, gemm::WgradOut::f32(b.g8, g), g_stream);
+         prev.wgrad(b.seg, n, k, dyc, xc, gemm::WgradOut::f32(g8p, g), g_stream);
+         return rel_diff(b.g8, g8p, g);
+       }},
+  };
+  for (const Pass& ps : passes) {
+    const double first = first_call_ms([&] { ps.f8(now); });
+    const Timing f8n = time_call([&] { ps.f8(now); }), f8p = time_call([&] { ps.f8(prev); });
+    const Timing b16n = time_call([&] { ps.b16(now); }), b16p = time_call([&] { ps.b16(prev); });
+    const float graph = time_graph([&] { ps.f8(now); });
+    char shape[96], gr[32];
+    std::snprintf(shape, sizeof(shape), "%s %s (N %lld, K %lld)", name.c_str(), ps.label, (long long)n, (long long)k);
+    if (graph > 0) std::snprintf(gr, sizeof(gr), "%9.1f", graph);
+    else std::snprintf(gr, sizeof(gr), "%9s", "n/a");
+    auto tf = [&](const Timing& t) { return flops / (t.us * 1e6); };
+    std::printf("| %-40s | %7d | %9.1f | %7.0f | %9.1f | %7.0f | %7.2fx | %9.1f | %7.0f | %9.1f | %7.0f | %7.2fx | %s | %6.1f ms | %10.2e |\n",
+                shape, E, f8n.us, tf(f8n), f8p.us, tf(f8p), f8p.us / f8n.us, b16n.us, tf(b16n), b16p.us, tf(b16p),
+                b16n.us / f8n.us, gr, first, ps.diff());
+    std::fflush(stdout);
+  }
+}
+
+void print_tuning(const cuda::GroupedGemm& gg) {
+  std::printf("\nAlgorithm per problem key (tokens bucketed; \"picked\" indexes cuBLASLt's heuristic list, 0 = its "
+              "first choice; times per run, as measured while tuning):\n\n");
+  std::printf("| %-10s | %3s | %6s | %6s | %6s | %6s | %-17s | %9s | %7s | %4s | %4s | %6s | %9s | %9s |\n", "pass", "+=",
+              "m", "n", "k", "bucket", "how", "candidate", "algo", "tile", "splt", "stages", "first us", "picked us");
+  std::printf("|------------|-----|--------|--------|--------|--------|-------------------|-----------|---------|------|"
+              "------|--------|-----------|-----------|\n");
+  for (const auto& r : gg.tune_records())
+    std::printf("| %-10s | %3s | %6lld | %6lld | %6lld | %6lld | %-17s | %4d of %2d | %7d | %4d | %4d | %6d | %9.1f | %9.1f |\n",
+                r.what, r.accumulate ? "yes" : "", (long long)r.m, (long long)r.n, (long long)r.k,
+                (long long)r.token_bucket, r.shared ? "shared" : r.how, r.picked, r.candidates, r.algo_id, r.tile_id,
+                r.splitk, r.stages, r.first_us, r.picked_us);
+  const auto s = gg.stats();
+  std::printf("\nkeys %lld (timed here %lld, %lld trial matmuls), fallbacks to the heuristic's first %lld, "
+              "calls on several streams %lld\n",
+              (long long)s.tuned_keys, (long long)s.tunings, (long long)s.tune_trials, (long long)s.tune_fallbacks,
+              (long long)s.concurrent_calls);
+}
+
 struct Model {
   const char* name;
   int64_t hidden, ffn;
@@ -389,15 +501,19 @@ void bench_scale_conversion(int64_t m, int64_t k, int E) {
 int main(int argc, char** argv) {
   int64_t tokens = 4096;
   std::string only_model;
-  int only_e = 0;
+  int only_e = 0, streams = 0;
+  bool compare_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = std::max(3, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) tokens = std::atoll(argv[++i]);
     else if (!std::strcmp(argv[i], "--model") && i + 1 < argc) only_model = argv[++i];
     else if (!std::strcmp(argv[i], "--experts") && i + 1 < argc) only_e = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--no-graph")) g_graph = false;
+    else if (!std::strcmp(argv[i], "--streams") && i + 1 < argc) streams = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--compare-only")) compare_only = true;
     else {
-      std::printf("usage: %s [--reps N] [--tokens T] [--model V3|V2|V2-Lite] [--experts E] [--no-graph]\n", argv[0]);
+      std::printf("usage: %s [--reps N] [--tokens T] [--model V3|V2|V2-Lite] [--experts E] [--no-graph] "
+                  "[--streams S] [--compare-only]\n", argv[0]);
       return 2;
     }
   }
@@ -409,7 +525,30 @@ int main(int argc, char** argv) {
   std::printf("device: %s (sm_%d%d), %d SMs; reps %d (median)\n", prop.name, prop.major, prop.minor,
               prop.multiProcessorCount, g_reps);
   try {
-    cuda::GroupedGemm gg;
+    cuda::GroupedGemm::Options opt = cuda::GroupedGemm::Options::from_env();
+    if (streams) opt.streams = streams;
+    cuda::GroupedGemm gg(opt), prev(cuda::GroupedGemm::Options::previous());
+    std::printf("new: %d streams, tuning %s (%d candidates, %d timed runs each, margin %.0f%%), workspaces %.0f MiB "
+                "+ process tuning scratch %.0f MiB; prev: 1 stream, heuristic's first, %.0f MiB\n",
+                opt.streams, opt.tune ? "on" : "off", opt.candidates, opt.tune_reps, 100 * opt.tune_margin,
+                gg.device_bytes() / 1048576.0, cuda::GroupedGemm::tuning_scratch_bytes() / 1048576.0,
+                prev.device_bytes() / 1048576.0);
+
+    std::printf("\n## Concurrency + tuning (new) against one stream + heuristic's first (prev), FP8 and BF16\n\n");
+    compare_header();
+    {
+      const auto v3 = ragged_counts(32, 32 * 2048, 101, 16);  // DeepSeek-V3 EP8: 32 experts x ~2048 rows
+      compare_layer(gg, prev, "V3 GEMM1", v3, 4096, 7168);
+      compare_layer(gg, prev, "V3 GEMM2", v3, 7168, 2048);
+      const auto lite = ragged_counts(64, 64 * 384, 102, 16);  // V2-Lite: 64 experts x ~384 rows
+      compare_layer(gg, prev, "V2-Lite GEMM1", lite, 2816, 2048);
+      compare_layer(gg, prev, "V2-Lite GEMM2", lite, 2048, 1408);
+    }
+    print_tuning(gg);
+    if (compare_only) {
+      cudaStreamDestroy(g_stream);
+      return 0;
+    }
 
     std::printf("\n## Ceilings: dense cuBLASLt at 8192^3 (one GEMM, same code path, E = 1)\n\n");
     header();

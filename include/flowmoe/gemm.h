@@ -115,6 +115,48 @@ void check_fp8_wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand
 void check_bf16(Pass p, const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> in_a,
                 Span<const bf16_t> in_b, const void* out, int64_t out_size);
 
+// ---- options of cuda::GroupedGemm (docs/GEMM.md, "Concurrency and algorithm choice") ----------
+struct GroupedGemmOptions {
+  static constexpr int kMaxStreams = 16;
+  static constexpr int kMaxCandidates = 16;
+
+  // Concurrency: the per-expert matmuls of one call go round-robin to `streams` streams, the
+  // caller's stream and streams - 1 pool streams forked from it and joined back to it with events
+  // (the call stays stream-ordered on the caller's stream). Each stream has its own cuBLASLt
+  // workspace. 1: every matmul on the caller's stream.
+  int streams = 4;
+  size_t workspace_bytes = size_t(32) << 20;  // cuBLASLt workspace per stream
+  // Algorithm choice. tune: ask cuBLASLt's heuristic for `candidates` algorithms, time them once per
+  // problem key (pass, output kind, the two weight dimensions, a bucket of the token count) on the
+  // real operands of the first expert with that key, and keep the fastest for every later call.
+  // false: the heuristic's first algorithm per exact shape.
+  bool tune = true;
+  int candidates = 8;
+  int tune_reps = 3;           // timed runs per candidate, after one untimed run
+  double tune_margin = 0.02;   // another candidate replaces the heuristic's first only when faster
+                               // by more than this fraction (stable picks under timing noise)
+  // Trials of a wgrad that accumulates (beta = 1) write a scratch output, never the gradients: one
+  // buffer per device for the whole process, as large as the largest tune_scratch_bytes of the
+  // live tuning objects (allocated by their constructors, used under a lock). A key whose expert
+  // output ([N, K] FP32) exceeds this object's value is not timed (the heuristic's first); 0: none.
+  size_t tune_scratch_bytes = size_t(128) << 20;
+  // Share the choices with every GroupedGemm of this process on the same device (same workspace
+  // size and candidate count): a key is timed once per process and all objects run the same
+  // algorithm for it. false: this object times its own keys.
+  bool share_tuning = true;
+
+  // The behaviour before concurrency and tuning: one stream, the heuristic's first algorithm.
+  static GroupedGemmOptions previous();
+  // The defaults, then the environment: FLOWMOE_GEMM_TUNE=0|1 sets `tune`, FLOWMOE_GEMM_STREAMS=N
+  // sets `streams` (1..16). Anything else in them throws. This is what GroupedGemm() uses.
+  static GroupedGemmOptions from_env();
+  void validate() const;  // throws flowmoe::Error naming the bad field and the accepted range
+};
+
+// The token bucket of the tuning key: every count up to 128 is one bucket (128); above, half
+// octaves: (128, 192], (192, 256], (256, 384], ... The bucket's upper end is returned.
+int64_t tune_token_bucket(int64_t tokens);
+
 }  // namespace gemm
 
 // ---- CPU reference -----------------------------------------------------------------------------
@@ -167,16 +209,25 @@ void col_scales_to_f32(const uint8_t* scales, int64_t num_blocks, int64_t c, flo
 void weight_scales_to_f32(const uint8_t* scales, int num_experts, int64_t rows, int64_t cols,
                           float* out, cudaStream_t stream);
 
-// Grouped GEMMs on cuBLASLt: one matmul per non-empty expert on `stream`. The cuBLASLt handle,
-// the matmul descriptors, the heuristic preference and the workspace are created once (the
-// constructor needs the device current); the matrix layouts and the heuristic's algorithm are
-// cached per shape and alignment (first use of a shape costs a heuristic query). No device
-// allocation and no synchronisation per call. Not thread-safe: use one object per stream that
-// runs GEMMs concurrently (the workspace is shared by the calls of one object).
+// Grouped GEMMs on cuBLASLt: one matmul per non-empty expert, spread over a small pool of streams
+// forked from and joined back to `stream` (GroupedGemmOptions::streams), each with its own
+// workspace. The cuBLASLt handle, the matmul descriptors, the heuristic preference, the pool
+// streams and events, and one device buffer holding the workspaces are created once (the
+// constructor needs the device current; it also reserves the process's tuning scratch, see
+// GroupedGemmOptions::tune_scratch_bytes); the matrix layouts and the algorithm
+// are cached per shape and alignment. With tuning on, the first call that meets a new problem key
+// times the heuristic's candidates on that call's operands (a host synchronisation, the candidates'
+// runs, all before any of the call's real matmuls are enqueued) and every later call of that key
+// uses the winner: the same call gives the same bits every time, whatever `streams` is (experts are
+// independent; the algorithm does not depend on the stream). No device allocation and, once the
+// keys are tuned, no synchronisation per call. Not thread-safe; calls of one object must not
+// overlap on different streams (the workspaces are reused by its calls).
 class GroupedGemm {
  public:
+  using Options = gemm::GroupedGemmOptions;
   static constexpr size_t kDefaultWorkspace = size_t(32) << 20;
-  explicit GroupedGemm(size_t workspace_bytes = kDefaultWorkspace);
+  GroupedGemm();  // Options::from_env()
+  explicit GroupedGemm(const Options& options);
   ~GroupedGemm();
   GroupedGemm(const GroupedGemm&) = delete;
   GroupedGemm& operator=(const GroupedGemm&) = delete;
@@ -208,13 +259,45 @@ class GroupedGemm {
                   Span<const bf16_t> x, const WgradOut& dw, cudaStream_t stream);
 
   struct Stats {
-    int64_t matmuls = 0;            // cublasLtMatmul launches
-    int64_t heuristic_queries = 0;  // plan-cache misses
+    int64_t matmuls = 0;            // cublasLtMatmul launches of real work (not tuning trials)
+    int64_t heuristic_queries = 0;  // cublasLtMatmulAlgoGetHeuristic calls
     int64_t cached_plans = 0;       // shapes currently cached
     int64_t zero_fills = 0;         // wgrad outputs of empty experts zeroed (overwrite modes)
+    int64_t concurrent_calls = 0;   // calls whose matmuls ran on more than one stream
+    int64_t tuned_keys = 0;         // problem keys this object resolved (timed or shared)
+    int64_t tunings = 0;            // keys this object timed itself
+    int64_t tune_trials = 0;        // trial matmuls run while timing
+    int64_t tune_fallbacks = 0;     // shapes the key's algorithm does not support (heuristic's first)
   };
   Stats stats() const;
-  void clear_cache();  // drop the cached layouts and algorithms
+  // Drop the cached layouts and this object's copy of the algorithm choices. Shared choices
+  // (Options::share_tuning) stay in the process and are picked up again; an object that does not
+  // share re-times its keys (and may pick differently).
+  void clear_cache();
+
+  // Debug: one record per problem key this object resolved, in the order they were met.
+  struct TuneRecord {
+    const char* what = "";        // "FP8 fprop", "BF16 wgrad", ...
+    const char* how = "";         // "timed", "one candidate", "stream capture",
+                                  // "scratch too small", "no candidate ran"
+    bool accumulate = false;      // wgrad beta = 1
+    bool shared = false;          // chosen by another GroupedGemm of this process
+    int64_t m = 0, n = 0, k = 0;  // the cuBLASLt problem it was timed on (D m x n, column-major)
+    int64_t token_bucket = 0;     // upper end of its token bucket (tokens: n in fprop/dgrad, k in wgrad)
+    int candidates = 0;           // algorithms the heuristic returned
+    int picked = 0;               // index among them; 0 = the heuristic's first choice
+    float first_us = 0, picked_us = 0;  // per run, as timed (0: not timed)
+    int algo_id = -1, tile_id = -1, splitk = -1, stages = -1;  // the picked algorithm's config
+  };
+  std::vector<TuneRecord> tune_records() const;
+
+  const Options& options() const;
+  // Use at most `streams` (1 .. options().streams) of the pool from now on (tests, experiments:
+  // the serial path with the same algorithm choices).
+  void set_concurrency(int streams);
+  size_t device_bytes() const;  // this object's device buffer: streams x workspace_bytes
+  // The tuning scratch shared by the process on the current device (0 when no tuning object lives).
+  static size_t tuning_scratch_bytes();
 
  private:
   struct Impl;

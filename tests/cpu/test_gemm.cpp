@@ -9,11 +9,14 @@
 // (128 + L + 2) * u * S. The BF16 references sum K exact products: (K + 2) * u * S.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flowmoe/cpu/convert.h"
@@ -533,6 +536,83 @@ TEST(GemmErrors, ReferenceChecksItsInputs) {
                                {"different segments"}));
   EXPECT_TRUE(ThrowsMentioning([&] { cpu::grouped_fprop_ref(p.x_row, p.w, Segments::from_counts({16, 8}), out.data()); },
                                {"end at the token count M = 32"}));
+}
+
+// ---- GroupedGemm options (the CUDA object's settings; parsed and checked on the host) -----------
+TEST(GemmOptions, DefaultsPreviousAndValidation) {
+  const gemm::GroupedGemmOptions d;
+  EXPECT_EQ(d.streams, 4);
+  EXPECT_TRUE(d.tune);
+  EXPECT_EQ(d.candidates, 8);
+  EXPECT_TRUE(d.share_tuning);
+  EXPECT_NO_THROW(d.validate());
+  const auto p = gemm::GroupedGemmOptions::previous();
+  EXPECT_EQ(p.streams, 1);
+  EXPECT_FALSE(p.tune);
+  EXPECT_EQ(p.workspace_bytes, d.workspace_bytes);
+  auto bad = [](auto edit, const char* needle) {
+    gemm::GroupedGemmOptions o;
+    edit(o);
+    return ThrowsMentioning([&] { o.validate(); }, {needle});
+  };
+  EXPECT_TRUE(bad([](gemm::GroupedGemmOptions& o) { o.streams = 0; }, "streams = 0; expected 1..16"));
+  EXPECT_TRUE(bad([](gemm::GroupedGemmOptions& o) { o.streams = 17; }, "streams = 17"));
+  EXPECT_TRUE(bad([](gemm::GroupedGemmOptions& o) { o.candidates = 0; }, "candidates = 0"));
+  EXPECT_TRUE(bad([](gemm::GroupedGemmOptions& o) { o.tune_reps = 0; }, "tune_reps = 0"));
+  EXPECT_TRUE(bad([](gemm::GroupedGemmOptions& o) { o.tune_margin = -0.5; }, "tune_margin"));
+}
+
+TEST(GemmOptions, Environment) {
+  struct Restore {  // leave the environment as found
+    std::string tune, streams;
+    bool had_tune, had_streams;
+    Restore() {
+      const char* t = std::getenv("FLOWMOE_GEMM_TUNE");
+      const char* s = std::getenv("FLOWMOE_GEMM_STREAMS");
+      had_tune = t, had_streams = s;
+      tune = t ? t : "", streams = s ? s : "";
+    }
+    ~Restore() {
+      if (had_tune) setenv("FLOWMOE_GEMM_TUNE", tune.c_str(), 1); else unsetenv("FLOWMOE_GEMM_TUNE");
+      if (had_streams) setenv("FLOWMOE_GEMM_STREAMS", streams.c_str(), 1); else unsetenv("FLOWMOE_GEMM_STREAMS");
+    }
+  } restore;
+  unsetenv("FLOWMOE_GEMM_TUNE");
+  unsetenv("FLOWMOE_GEMM_STREAMS");
+  EXPECT_TRUE(gemm::GroupedGemmOptions::from_env().tune);
+  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().streams, 4);
+  setenv("FLOWMOE_GEMM_TUNE", "0", 1);
+  setenv("FLOWMOE_GEMM_STREAMS", "1", 1);
+  EXPECT_FALSE(gemm::GroupedGemmOptions::from_env().tune);
+  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().streams, 1);
+  setenv("FLOWMOE_GEMM_TUNE", "1", 1);
+  setenv("FLOWMOE_GEMM_STREAMS", "16", 1);
+  EXPECT_TRUE(gemm::GroupedGemmOptions::from_env().tune);
+  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().streams, 16);
+  setenv("FLOWMOE_GEMM_TUNE", "off", 1);
+  EXPECT_TRUE(ThrowsMentioning([] { gemm::GroupedGemmOptions::from_env(); }, {"FLOWMOE_GEMM_TUNE=\"off\"", "expected 0"}));
+  setenv("FLOWMOE_GEMM_TUNE", "1", 1);
+  for (const char* v : {"0", "17", "2x", ""})  {
+    setenv("FLOWMOE_GEMM_STREAMS", v, 1);
+    EXPECT_TRUE(ThrowsMentioning([] { gemm::GroupedGemmOptions::from_env(); }, {"FLOWMOE_GEMM_STREAMS", "expected an integer 1..16"}))
+        << v;
+  }
+}
+
+TEST(GemmOptions, TokenBuckets) {
+  // up to one 128-token tile: one bucket; then half octaves, named by their upper end
+  const std::pair<int64_t, int64_t> cases[] = {{1, 128},       {16, 128},      {128, 128},     {129, 192},
+                                               {192, 192},     {193, 256},     {256, 256},     {257, 384},
+                                               {384, 384},     {385, 512},     {1536, 1536},   {1537, 2048},
+                                               {2048, 2048},   {2049, 3072},   {2128, 3072},   {3073, 4096},
+                                               {65536, 65536}, {65537, 98304}};
+  for (const auto& c : cases) EXPECT_EQ(gemm::tune_token_bucket(c.first), c.second) << c.first;
+  for (int64_t t = 1; t < 20000; ++t) {  // monotone, and every bucket holds what it names
+    const int64_t b = gemm::tune_token_bucket(t);
+    ASSERT_GE(b, t);
+    ASSERT_LE(b, std::max<int64_t>(128, t * 3 / 2 + 1));
+    ASSERT_LE(gemm::tune_token_bucket(t - 1 > 0 ? t - 1 : 1), b);
+  }
 }
 
 }  // namespace

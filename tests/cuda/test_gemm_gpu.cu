@@ -459,6 +459,261 @@ TEST(GemmGpuBf16, UnpaddedTinyExperts) {
   EXPECT_LT(rel(gdw.get(), dw), 1e-5);
 }
 
+// ---- concurrency and algorithm choice --------------------------------------------------------------
+// The pool of streams and the tuned algorithm change no bit: the concurrent path equals the serial
+// one (the same object with set_concurrency(1), so the same algorithm choices), every call equals
+// the first (which timed the candidates, writing trial outputs), and wgrad accumulation is never
+// disturbed by the trials. No CPU reference here: the tolerance tests above run the default object.
+struct Bits {
+  std::vector<bf16_t> y, dx, dw16;
+  std::vector<float> dw32, acc1, acc2;  // overwrite; G0 + dW; G0 + dW + dW
+};
+
+// Every pass and output kind once, accumulation twice from the same G0.
+Bits run_passes(cuda::GroupedGemm& gg, const Problem& p, const Device& d, const std::vector<float>& g0,
+                cudaStream_t s) {
+  GBuf<bf16_t> y(p.m * p.n), dx(p.m * p.k), dw16(p.E * p.n * p.k);  // poisoned (NaN)
+  GBuf<float> dw32(p.E * p.n * p.k), acc(p.E * p.n * p.k);
+  // the poison is written on the legacy stream, which a non-blocking `s` does not wait for
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  gg.fprop(p.seg, p.n, p.k, d.op(d.xr_c, d.xr_s), d.op(d.w_c, d.w_s), y.span(), s);
+  gg.dgrad(p.seg, p.n, p.k, d.op(d.dyr_c, d.dyr_s), d.op(d.wt_c, d.wt_s), dx.span(), s);
+  const auto dyc = d.op(d.dyc_c, d.dyc_s), xc = d.op(d.xc_c, d.xc_s);
+  gg.wgrad(p.seg, p.n, p.k, dyc, xc, gemm::WgradOut::bf16(dw16.p, dw16.n), s);
+  gg.wgrad(p.seg, p.n, p.k, dyc, xc, gemm::WgradOut::f32(dw32.p, dw32.n), s);
+  Bits b;
+  acc.put(g0);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the copy is on the legacy stream too
+  gg.wgrad(p.seg, p.n, p.k, dyc, xc, gemm::WgradOut::accumulate(acc.p, acc.n), s);
+  b.acc1 = acc.get();
+  gg.wgrad(p.seg, p.n, p.k, dyc, xc, gemm::WgradOut::accumulate(acc.p, acc.n), s);
+  b.acc2 = acc.get();
+  b.y = y.get();
+  b.dx = dx.get();
+  b.dw16 = dw16.get();
+  b.dw32 = dw32.get();
+  return b;
+}
+
+template <typename T>
+::testing::AssertionResult same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes " << a.size() << " vs " << b.size();
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0 && bad++ == 0) first = i;
+  if (bad) return ::testing::AssertionFailure() << bad << " of " << a.size() << " elements differ, first at " << first;
+  return ::testing::AssertionSuccess();
+}
+::testing::AssertionResult same_bits(const Bits& a, const Bits& b) {
+  for (auto r : {same_bits(a.y, b.y), same_bits(a.dx, b.dx), same_bits(a.dw16, b.dw16)})
+    if (!r) return r << " (bf16 output: y, dx or dw bf16)";
+  for (auto r : {same_bits(a.dw32, b.dw32), same_bits(a.acc1, b.acc1), same_bits(a.acc2, b.acc2)})
+    if (!r) return r << " (fp32 output: dw, G0 + dW or G0 + 2 dW)";
+  return ::testing::AssertionSuccess();
+}
+
+cuda::GroupedGemm::Options own_tuning(int streams) {
+  cuda::GroupedGemm::Options o;  // defaults: tuning on, 8 candidates
+  o.streams = streams;
+  o.tune = true;
+  o.share_tuning = false;  // this object times its own keys (the test needs the first call to tune)
+  return o;
+}
+
+std::vector<float> random_grads(size_t n, uint32_t seed) {
+  std::vector<float> g(n);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (auto& v : g) v = nd(rng);
+  return g;
+}
+
+class GemmGpuConcurrency : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GemmGpuConcurrency, BitIdenticalToSerialAndAcrossCalls) {
+  REQUIRE_SM90();
+  const Case& c = GetParam();
+  const Problem p = make_problem(c, false, 4000u + static_cast<uint32_t>(c.n + c.k));
+  const Device d(p);
+  const std::vector<float> g0 = random_grads(p.E * p.n * p.k, 11);
+  const int ne = nonempty(p.seg);
+
+  cuda::GroupedGemm gg(own_tuning(4));
+  const Bits first = run_passes(gg, p, d, g0, 0);  // times every key (on its first expert)
+  const auto tuned = gg.stats();
+  EXPECT_GT(tuned.tunings, 0);
+  EXPECT_EQ(tuned.tunings, tuned.tuned_keys);
+  EXPECT_EQ(tuned.concurrent_calls, ne > 1 ? 6 : 0) << "six calls, each on min(4, experts) streams";
+  for (const auto& r : gg.tune_records()) {
+    const std::string how = r.how;
+    EXPECT_TRUE(how == "timed" || how == "one candidate") << r.what << ": " << how;
+    EXPECT_GE(r.picked, 0);
+    EXPECT_LT(r.picked, r.candidates);
+    EXPECT_FALSE(r.shared);
+    std::cout << "    [" << c.name << "] " << r.what << (r.accumulate ? " +=" : "") << " m " << r.m << " n " << r.n
+              << " k " << r.k << " bucket " << r.token_bucket << ": " << how << ", picked " << r.picked << " of "
+              << r.candidates << " (algo " << r.algo_id << ", tile " << r.tile_id << ", split-k " << r.splitk
+              << "), " << r.picked_us << " us vs first " << r.first_us << " us\n";
+  }
+
+  const Bits again = run_passes(gg, p, d, g0, 0);
+  EXPECT_TRUE(same_bits(first, again)) << "second call vs the first (which tuned)";
+  EXPECT_EQ(gg.stats().tunings, tuned.tunings) << "no key is timed twice";
+  gg.set_concurrency(1);
+  EXPECT_TRUE(same_bits(first, run_passes(gg, p, d, g0, 0))) << "serial (one stream) vs four streams";
+  gg.set_concurrency(3);
+  EXPECT_TRUE(same_bits(first, run_passes(gg, p, d, g0, 0))) << "three streams vs four";
+  gg.set_concurrency(4);
+  cudaStream_t s = nullptr;
+  CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  EXPECT_TRUE(same_bits(first, run_passes(gg, p, d, g0, s))) << "on a non-blocking caller stream";
+  CU(cudaStreamDestroy(s));
+  EXPECT_EQ(gg.stats().tunings, tuned.tunings);
+  EXPECT_THROW(gg.set_concurrency(5), Error);
+  EXPECT_THROW(gg.set_concurrency(0), Error);
+
+  // empty experts: zeroed in the overwrite modes, untouched when accumulating
+  const int64_t nk = p.n * p.k;
+  for (int e = 0; e < p.E; ++e) {
+    if (p.seg.offsets[e + 1] != p.seg.offsets[e]) continue;
+    for (int64_t i = 0; i < nk; ++i) {
+      ASSERT_EQ(first.dw32[e * nk + i], 0.0f) << "empty expert " << e;
+      ASSERT_EQ(num::bf16_to_f32(first.dw16[e * nk + i]), 0.0f) << "empty expert " << e;
+      ASSERT_EQ(std::memcmp(&first.acc2[e * nk + i], &g0[e * nk + i], 4), 0) << "empty expert " << e << " must be untouched";
+    }
+  }
+
+  // without tuning (the heuristic's first algorithm per shape): pool of 4 == one stream == previous()
+  cuda::GroupedGemm::Options untuned = cuda::GroupedGemm::Options::previous();
+  untuned.streams = 4;
+  cuda::GroupedGemm gu(untuned), g1(cuda::GroupedGemm::Options::previous());
+  const Bits u4 = run_passes(gu, p, d, g0, 0);
+  EXPECT_TRUE(same_bits(u4, run_passes(g1, p, d, g0, 0))) << "untuned: four streams vs previous()";
+  EXPECT_TRUE(same_bits(u4, run_passes(gu, p, d, g0, 0))) << "untuned: repeated";
+  EXPECT_EQ(gu.stats().tunings + g1.stats().tunings, 0);
+  EXPECT_EQ(g1.stats().concurrent_calls, 0);
+  EXPECT_EQ(g1.device_bytes(), g1.options().workspace_bytes) << "previous(): one workspace";
+  EXPECT_EQ(gg.device_bytes(), 4 * gg.options().workspace_bytes) << "one workspace per stream";
+  EXPECT_GE(cuda::GroupedGemm::tuning_scratch_bytes(), gg.options().tune_scratch_bytes) << "gg reserved it";
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// Zero-token experts (first, middle, last), a single expert, one non-empty expert among empty
+// ones, and experts large enough to overlap (several 128-token tiles, > 4 experts).
+INSTANTIATE_TEST_SUITE_P(
+    Pool, GemmGpuConcurrency,
+    ::testing::Values(Case{"mixed_empty", {0, 64, 144, 0, 16, 256, 32, 48, 112, 0}, 256, 384, {}},
+                      Case{"single_expert", {512}, 384, 256, {}},
+                      Case{"one_of_four", {0, 0, 96, 0}, 256, 256, {}},
+                      Case{"overlap", {640, 384, 0, 512, 256, 128, 768}, 512, 512, {}}),
+    [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+
+// Choices shared in the process: a second object adopts the first one's algorithms (same bits).
+// The shape is used nowhere else in these tests, so the first object is the one that times.
+TEST(GemmGpuTuning, SharedChoicesGiveTheSameBits) {
+  REQUIRE_SM90();
+  const Case c{"shared", {48, 0, 160, 96}, 640, 896, {}};
+  const Problem p = make_problem(c, false, 51);
+  const Device d(p);
+  const auto g0 = random_grads(p.E * p.n * p.k, 12);
+  cuda::GroupedGemm::Options o;
+  o.tune = true;
+  o.share_tuning = true;
+  cuda::GroupedGemm a(o), b(o);
+  const Bits ra = run_passes(a, p, d, g0, 0);
+  const Bits rb = run_passes(b, p, d, g0, 0);
+  EXPECT_TRUE(same_bits(ra, rb));
+  EXPECT_GT(a.stats().tunings, 0);
+  EXPECT_EQ(b.stats().tunings, 0) << "b adopts a's choices";
+  const auto ka = a.tune_records(), kb = b.tune_records();
+  ASSERT_EQ(ka.size(), kb.size());
+  for (size_t i = 0; i < ka.size(); ++i) {
+    EXPECT_FALSE(ka[i].shared);
+    EXPECT_TRUE(kb[i].shared);
+    EXPECT_EQ(ka[i].picked, kb[i].picked);
+    EXPECT_EQ(ka[i].algo_id, kb[i].algo_id);
+  }
+  // clear_cache: b re-adopts the same choices; the bits stay
+  b.clear_cache();
+  EXPECT_TRUE(same_bits(ra, run_passes(b, p, d, g0, 0)));
+  EXPECT_EQ(b.stats().tunings, 0);
+}
+
+// A key first met while the stream is captured is not timed (nothing may synchronise) and keeps the
+// heuristic's first algorithm for good: the graph and later eager calls give the same bits. Keys
+// timed before capture are replayed from the graph on the pool of streams.
+TEST(GemmGpuTuning, GraphCaptureBeforeAndAfterTuning) {
+  REQUIRE_SM90();
+  const Case c{"graph", {128, 0, 256, 64, 32}, 256, 384, {}};
+  const Problem p = make_problem(c, false, 61);
+  const Device d(p);
+  cuda::GroupedGemm gg(own_tuning(4));
+  cudaStream_t s = nullptr;
+  CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto capture = [&](const std::function<void()>& f) {
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t x = nullptr;
+    EXPECT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    f();
+    EXPECT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&x, g, 0), cudaSuccess);
+    EXPECT_EQ(cudaGraphLaunch(x, s), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    cudaGraphExecDestroy(x);
+    cudaGraphDestroy(g);
+  };
+  GBuf<bf16_t> y_graph(p.m * p.n), y_eager(p.m * p.n), dx_graph(p.m * p.k), dx_eager(p.m * p.k);
+  const auto x8 = d.op(d.xr_c, d.xr_s), w8 = d.op(d.w_c, d.w_s);
+  const auto dy8 = d.op(d.dyr_c, d.dyr_s), wt8 = d.op(d.wt_c, d.wt_s);
+  CU(cudaDeviceSynchronize());  // the buffers' poison (legacy stream) before work on `s`
+  // fprop: first met inside the capture
+  capture([&] { gg.fprop(p.seg, p.n, p.k, x8, w8, y_graph.span(), s); });
+  ASSERT_FALSE(gg.tune_records().empty());
+  for (const auto& r : gg.tune_records()) {
+    const std::string how = r.how;
+    EXPECT_TRUE(how == "stream capture" || how == "one candidate") << how;
+    EXPECT_EQ(r.picked, 0);
+  }
+  gg.fprop(p.seg, p.n, p.k, x8, w8, y_eager.span(), s);
+  EXPECT_TRUE(same_bits(y_graph.get(), y_eager.get())) << "graph (untimed key) vs eager";
+  // dgrad: timed eagerly first, then captured on four streams
+  gg.dgrad(p.seg, p.n, p.k, dy8, wt8, dx_eager.span(), s);
+  const auto calls = gg.stats().concurrent_calls;
+  capture([&] { gg.dgrad(p.seg, p.n, p.k, dy8, wt8, dx_graph.span(), s); });
+  EXPECT_EQ(gg.stats().concurrent_calls, calls + 1) << "the captured call forked the pool";
+  EXPECT_TRUE(same_bits(dx_graph.get(), dx_eager.get())) << "graph on the pool vs eager";
+  CU(cudaStreamDestroy(s));
+}
+
+// Accumulation trials need a scratch output; without one the key is not timed, and the gradients
+// are still right (and the calls deterministic).
+TEST(GemmGpuTuning, AccumulateWithoutScratchIsNotTimed) {
+  REQUIRE_SM90();
+  const Case c{"no_scratch", {64, 32, 0, 96}, 256, 256, {}};
+  const Problem p = make_problem(c, false, 71);
+  const Device d(p);
+  cuda::GroupedGemm::Options o = own_tuning(1);
+  o.tune_scratch_bytes = 0;  // this object never times an accumulating wgrad
+  cuda::GroupedGemm gg(o);
+  EXPECT_EQ(gg.device_bytes(), o.workspace_bytes);
+  const auto g0 = random_grads(p.E * p.n * p.k, 13);
+  const Bits a = run_passes(gg, p, d, g0, 0);
+  EXPECT_TRUE(same_bits(a, run_passes(gg, p, d, g0, 0)));
+  bool seen = false;
+  for (const auto& r : gg.tune_records())
+    if (r.accumulate) {
+      seen = true;
+      const std::string how = r.how;
+      EXPECT_TRUE(how == "scratch too small" || how == "one candidate") << how;
+    }
+  EXPECT_TRUE(seen);
+  // G0 + dW against the reference (the usual bound)
+  const Refs r = fp8_refs(p);
+  std::vector<float> want(g0.size());
+  for (size_t i = 0; i < want.size(); ++i) want[i] = g0[i] + r.dw[i];
+  EXPECT_TRUE(close(a.acc1, want, r.sdw, {2 * kU, kFp8C}, "no_scratch wgrad accumulate"));
+}
+
 // ---- conversion kernels ---------------------------------------------------------------------
 TEST(GemmScales, ConversionsMatchHostLayoutsBitForBit) {
   REQUIRE_GPU();

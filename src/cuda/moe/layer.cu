@@ -374,8 +374,8 @@ class CudaMoeLayer final : public MoeLayer {
     }
 
     // GEMM object: cuBLASLt handle, descriptors and its workspace (allocated once here)
-    gg_.reset(new GroupedGemm());
-    gg_workspace_ = GroupedGemm::kDefaultWorkspace;
+    gg_.reset(new GroupedGemm());  // options from the defaults and FLOWMOE_GEMM_TUNE / _STREAMS
+    gg_workspace_ = gg_->device_bytes();
     events_.resize(kEventPool);
     for (int i = 0; i < kEventPool; ++i) FLOWMOE_CUDA_CHECK(cudaEventCreate(&events_[i]));
   }
