@@ -229,7 +229,17 @@ __device__ __forceinline__ TileCodes quantize_tile8(const float (&a)[8], unsigne
 
 // ---- forward, row-wise: plain BF16 or fused quantize ----------------------------------------------
 enum class FwdOut { kBf16, kFp8, kFp8SaveH, kFp8SaveH4 };
-constexpr int kRowsPerHalfWarp = 2;                               // rows in flight per half-warp
+// Tuning constants (a -D override exists for benchmark sweeps; the defaults are the measured best).
+#ifndef FLOWMOE_SWIGLU_ROWS_PER_HALF_WARP
+#define FLOWMOE_SWIGLU_ROWS_PER_HALF_WARP 2
+#endif
+#ifndef FLOWMOE_SWIGLU_PASS_GROUP
+#define FLOWMOE_SWIGLU_PASS_GROUP 4
+#endif
+#ifndef FLOWMOE_SWIGLU_BWD_CTAS_PER_SM
+#define FLOWMOE_SWIGLU_BWD_CTAS_PER_SM 3
+#endif
+constexpr int kRowsPerHalfWarp = FLOWMOE_SWIGLU_ROWS_PER_HALF_WARP;  // rows in flight per half-warp
 constexpr int kRowsPerCta = (kThreads / 16) * kRowsPerHalfWarp;  // 32
 
 template <FwdOut kOut>
@@ -327,7 +337,7 @@ __device__ __forceinline__ uint32_t shift_codes4(uint32_t w, int d, int& lost) {
 }
 
 constexpr int kPasses = kTile / (kThreads / 16);  // 8 passes of 16 rows cover a 128-token block
-constexpr int kPassGroup = 4;                     // passes whose loads are in flight together
+constexpr int kPassGroup = FLOWMOE_SWIGLU_PASS_GROUP;  // passes whose loads are in flight together
 
 template <bool kSaveH>
 __global__ void __launch_bounds__(kThreads)
@@ -500,7 +510,7 @@ dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
 constexpr int kBwdPitch = 2 * kTile + 8;  // bf16 elements
 constexpr int kBwdWords = kBwdPitch / 2;  // 32-bit words per row
 constexpr size_t kBwdSmem = size_t(kTile) * kBwdPitch * 2 + 2 * kTile * sizeof(uint32_t);
-constexpr int kBwdCtasPerSm = 3;
+constexpr int kBwdCtasPerSm = FLOWMOE_SWIGLU_BWD_CTAS_PER_SM;
 
 enum class HIn { kBf16, kFp8, kFp4 };  // how the backward reads the saved H
 
