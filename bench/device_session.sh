@@ -24,6 +24,7 @@ if [ "$MODE" = quick ]; then
   step bench-convert 120 "$BUILD/flowmoe_bench_convert" --config "DeepSeek-V3 EP8"
   step bench-gemm    120 "$BUILD/flowmoe_bench_gemm" --reps 10 --model V3
   step bench-token   120 "$BUILD/flowmoe_bench_token"
+  step bench-router  120 "$BUILD/flowmoe_bench_router" --config "DeepSeek-V3 EP8" --variants
   step bench-swiglu  120 "$BUILD/flowmoe_bench_swiglu"
   step torch-layer   120 python3 bench/torch_moe_layer.py --config v3-ep8 --tokens 8192 --reps 5 --json "$OUT/torch.json"
   step moe-bench     180 "$BUILD/flowmoe" bench --config v3-ep8 --tokens 8192 --reps 5 --baseline "$OUT/torch.json"
@@ -31,6 +32,7 @@ else
   step bench-convert 300 "$BUILD/flowmoe_bench_convert"
   step bench-gemm    300 "$BUILD/flowmoe_bench_gemm" --reps 10
   step bench-token   200 "$BUILD/flowmoe_bench_token"
+  step bench-router  200 "$BUILD/flowmoe_bench_router" --variants
   step bench-swiglu  200 "$BUILD/flowmoe_bench_swiglu"
   step torch-convert 120 python3 bench/torch_convert_baseline.py 32768 7168
   step torch-layer   300 python3 bench/torch_moe_layer.py --tokens 8192 --reps 10 --json "$OUT/torch.json"

@@ -7,6 +7,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/moe/kernels.cuh"
+#include "cuda/moe/router_gemm.cuh"
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/swiglu_math.h"  // f32_is_nan, bf16_canonical
@@ -75,119 +76,7 @@ __global__ void fill_normal_kernel(float* __restrict__ f32, bf16_t* __restrict__
   }
 }
 
-// ---- router GEMMs ----------------------------------------------------------------------------------
-// Tiles of BT tokens x BE experts, 4x4 outputs per thread, the contraction over H in chunks of 32
-// staged in shared memory; every output's sum runs over h in increasing order, one fma per term.
-constexpr int kChunk = 32;
-
-template <int BT, int BE>
-__global__ void __launch_bounds__((BT / 4) * (BE / 4))
-router_logits_kernel(const bf16_t* __restrict__ x, const float* __restrict__ wr, int64_t T, int E,
-                     int64_t H, float* __restrict__ z) {
-  constexpr int kTh = (BT / 4) * (BE / 4);
-  __shared__ float xs[kChunk][BT + 1];
-  __shared__ float ws[kChunk][BE + 1];
-  const int64_t t0 = int64_t(blockIdx.x) * BT;
-  const int e0 = blockIdx.y * BE;
-  const int tx = threadIdx.x % (BE / 4), ty = threadIdx.x / (BE / 4);
-  float acc[4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-  for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
-    for (int i = threadIdx.x; i < BT * kChunk; i += kTh) {
-      const int r = i / kChunk, c = i % kChunk;
-      const int64_t t = t0 + r;
-      xs[c][r] = t < T ? bf16_to_f32(x[t * H + h0 + c]) : 0.0f;
-    }
-    for (int i = threadIdx.x; i < BE * kChunk; i += kTh) {
-      const int r = i / kChunk, c = i % kChunk;
-      const int e = e0 + r;
-      ws[c][r] = e < E ? wr[int64_t(e) * H + h0 + c] : 0.0f;
-    }
-    __syncthreads();
-#pragma unroll 4
-    for (int c = 0; c < kChunk; ++c) {
-      float a[4], b[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = xs[c][ty * 4 + i];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) b[j] = ws[c][tx * 4 + j];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = __fmaf_rn(a[i], b[j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t t = t0 + ty * 4 + i;
-    if (t >= T) continue;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int e = e0 + tx * 4 + j;
-      if (e < E) z[t * E + e] = acc[i][j];
-    }
-  }
-}
-
-// dwr [E, H] += dz^T x: tiles of BE experts x BH features, the contraction over tokens in order.
-template <int BE, int BH>
-__global__ void __launch_bounds__((BE / 4) * (BH / 4))
-router_dwr_kernel(const float* __restrict__ dz, const bf16_t* __restrict__ x, int64_t T, int E,
-                  int64_t H, float* __restrict__ dwr) {
-  constexpr int kTh = (BE / 4) * (BH / 4);
-  __shared__ float ds[kChunk][BE + 1];
-  __shared__ float xs[kChunk][BH + 1];
-  const int e0 = blockIdx.y * BE;
-  const int64_t h0 = int64_t(blockIdx.x) * BH;
-  const int tx = threadIdx.x % (BH / 4), ty = threadIdx.x / (BH / 4);
-  float acc[4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-  for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
-    for (int i = threadIdx.x; i < kChunk * BE; i += kTh) {
-      const int c = i / BE, r = i % BE;
-      const int64_t t = t0 + c;
-      const int e = e0 + r;
-      ds[c][r] = (t < T && e < E) ? dz[t * E + e] : 0.0f;
-    }
-    for (int i = threadIdx.x; i < kChunk * BH; i += kTh) {
-      const int c = i / BH, r = i % BH;
-      const int64_t t = t0 + c;
-      const int64_t h = h0 + r;
-      xs[c][r] = (t < T && h < H) ? bf16_to_f32(x[t * H + h]) : 0.0f;
-    }
-    __syncthreads();
-    const int n = static_cast<int>(T - t0 < kChunk ? T - t0 : kChunk);  // no padding terms
-    for (int c = 0; c < n; ++c) {
-      float a[4], b[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = ds[c][ty * 4 + i];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) b[j] = xs[c][tx * 4 + j];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = __fmaf_rn(a[i], b[j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int e = e0 + ty * 4 + i;
-    if (e >= E) continue;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t h = h0 + tx * 4 + j;
-      if (h < H) dwr[int64_t(e) * H + h] = __fadd_rn(dwr[int64_t(e) * H + h], acc[i][j]);
-    }
-  }
-}
+// ---- router GEMMs: router_gemm.cuh ----------------------------------------------------------------
 
 // dx: one CTA per (16 tokens, 512 features); thread = 2 adjacent features of 16 tokens.
 constexpr int kDxTokens = 16;
@@ -479,35 +368,46 @@ void fill_normal(float* f32, bf16_t* bf16, int64_t n, uint64_t seed, float stdde
 
 void router_logits(const bf16_t* x, const float* wr, int64_t t, int e, int64_t h, float* z,
                    cudaStream_t stream) {
+  namespace rg = router_gemm;
   const char* what = "moe::router_logits";
-  FLOWMOE_CHECK(t >= 0 && e >= 1 && h > 0 && h % kChunk == 0,
+  FLOWMOE_CHECK(t >= 0 && e >= 1 && h > 0 && h % rg::kTiledChunk == 0,
                 what << ": shape T=" << t << " E=" << e << " H=" << h
                      << " invalid; expected T >= 0, E >= 1, H a positive multiple of 32");
   if (t == 0) return;
   check_ptr(x, "x", what);
   check_ptr(wr, "wr", what);
   check_ptr(z, "z", what);
-  if (e <= 32) {
-    const dim3 grid(static_cast<unsigned>((t + 63) / 64), static_cast<unsigned>((e + 31) / 32));
-    router_logits_kernel<64, 32><<<grid, (64 / 4) * (32 / 4), 0, stream>>>(x, wr, t, e, h, z);
+  if (h % rg::kLogitsChunk == 0 && aligned16(x) && aligned16(wr)) {
+    // <expert lanes, experts per thread, tokens per thread, warps, stages>; tiles BE x BT:
+    if (e <= 8) rg::launch_staged_logits<8, 1, 4, 4, 4>(x, wr, t, e, h, z, stream);          //  8 x 64
+    else if (e <= 16) rg::launch_staged_logits<16, 1, 4, 8, 4>(x, wr, t, e, h, z, stream);   // 16 x 64
+    else if (e <= 32) rg::launch_staged_logits<16, 2, 4, 8, 4>(x, wr, t, e, h, z, stream);   // 32 x 64
+    else rg::launch_staged_logits<32, 2, 4, 8, 4>(x, wr, t, e, h, z, stream);                // 64 x 32
   } else {
-    const dim3 grid(static_cast<unsigned>((t + 63) / 64), static_cast<unsigned>((e + 63) / 64));
-    router_logits_kernel<64, 64><<<grid, (64 / 4) * (64 / 4), 0, stream>>>(x, wr, t, e, h, z);
+    rg::launch_tiled_logits(x, wr, t, e, h, z, stream);  // H % 64 == 32, or unaligned operands
   }
   FLOWMOE_LAUNCH_CHECK("moe::router_logits_kernel");
 }
 
 void router_dwr(const float* dz, const bf16_t* x, int64_t t, int e, int64_t h, float* dwr,
                 cudaStream_t stream) {
+  namespace rg = router_gemm;
   const char* what = "moe::router_dwr";
   FLOWMOE_CHECK(t >= 0 && e >= 1 && h > 0,
-                what << ": shape T=" << t << " E=" << e << " H=" << h << " invalid");
+                what << ": shape T=" << t << " E=" << e << " H=" << h
+                     << " invalid; expected T >= 0, E >= 1, H >= 1");
   if (t == 0) return;
   check_ptr(dz, "dz", what);
   check_ptr(x, "x", what);
   check_ptr(dwr, "dwr", what);
-  const dim3 grid(static_cast<unsigned>((h + 63) / 64), static_cast<unsigned>((e + 31) / 32));
-  router_dwr_kernel<32, 64><<<grid, (32 / 4) * (64 / 4), 0, stream>>>(dz, x, t, e, h, dwr);
+  if (h % 8 == 0 && aligned16(x) && (reinterpret_cast<uintptr_t>(dz) & 3u) == 0) {
+    // <experts per thread, warps along E, warps along H, stages>; tiles BE x BH:
+    if (e <= 8) rg::launch_staged_dwr<1, 4, 1, 4>(dz, x, t, e, h, dwr, stream);         //  8 x 64
+    else if (e <= 16) rg::launch_staged_dwr<2, 4, 1, 4>(dz, x, t, e, h, dwr, stream);   // 16 x 64
+    else rg::launch_staged_dwr<2, 8, 1, 4>(dz, x, t, e, h, dwr, stream);                // 32 x 64
+  } else {
+    rg::launch_tiled_dwr(dz, x, t, e, h, dwr, stream);  // H % 8 != 0, or unaligned operands
+  }
   FLOWMOE_LAUNCH_CHECK("moe::router_dwr_kernel");
 }
 

@@ -25,6 +25,9 @@ void fill_normal(float* f32, bf16_t* bf16, int64_t n, uint64_t seed, float stdde
                  cudaStream_t stream);
 
 // ---- router GEMMs (FP32, sums in one fixed order) ------------------------------------------------
+// Bit-identical to the CPU layer. Kernels: router_gemm.cuh (staged kernels for 16-byte aligned
+// operands with H % 64 == 0 (logits) / H % 8 == 0 (dwr), the previous kernels otherwise; the same
+// bits either way).
 // z [T, E] = x [T, H] (bf16, decoded exactly) . wr [E, H]^T; for each (t, e) the sum runs over
 // h = 0, 1, ..., H-1 as acc = fma(x, w, acc) from acc = 0.
 void router_logits(const bf16_t* x, const float* wr, int64_t t, int e, int64_t h, float* z,

@@ -1,0 +1,538 @@
+// The router's two FP32 GEMMs (kernels.cuh: router_logits, router_dwr) as kernel templates, so that
+// the launchers (kernels.cu), the benchmark (bench/flowmoe_bench_router.cu) and the GPU test
+// (tests/cuda/test_router_gemm_gpu.cu) instantiate the same code.
+//
+// Contract (kernels.cuh, bit-identical to src/cpu/moe_cpu.cpp): every output is ONE chain of fmas
+// in a fixed order, started from 0 -- z[t,e] over h = 0, 1, ..., H-1; dwr[e,h] over t = 0..T-1,
+// then dwr = dwr + acc. No split of a sum, no padding term inside a chain (even fma(0, w, acc) is
+// not an identity: it turns -0 into +0), so padding exists only along the output dimensions, whose
+// results are never stored.
+//
+// Design (docs/MOE_GPU.md §3):
+// - Operands are staged into shared memory with cp.async (16-byte copies, zero-filled out of
+//   range), a ring of STAGES chunks (STAGES-1 chunks in flight while one is computed, one
+//   __syncthreads per chunk). x stays BF16 in shared memory (half the shared-memory traffic of
+//   FP32); each thread widens a value once (a shift or a mask) and uses it for all its outputs.
+// - logits: a thread owns TM tokens x TN experts; the lanes of a warp are LE expert lanes x
+//   (32/LE) token lanes (token lane = low bits, so lane pairs read the same w). Per 8 h a thread
+//   loads TM x 16 B of x (8 BF16 of one token) and TN x 32 B of w. Staged rows are padded to an
+//   odd number of 16-byte units, so the 8 rows a quarter warp reads are on distinct banks.
+// - dwr: a thread owns TE experts x 4 consecutive h; lane bit 0 = expert lane, lanes 1..4 = h
+//   groups (a warp: 2*TE experts x 64 h); warps WE along experts x WH along h. Per token a thread
+//   loads 8 B of x (4 BF16) and TE floats of dz; the chunk's token loop is cut at T (no padding
+//   terms).
+// - The linear block index runs over the expert blocks fastest, so the CTAs that read the same x
+//   rows (logits) or x columns (dwr) run together and share them in L2.
+// The previous 4x4-tile kernels (tiled_*) are kept: the launchers' fallback for operands that are
+// not 16-byte aligned or shapes the staged kernels do not take (logits: H % 64 != 0; dwr:
+// H % 8 != 0), and the benchmark's baseline.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "flowmoe/numerics.h"
+#include "flowmoe/tensor.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+namespace router_gemm {
+namespace {  // internal linkage: each including translation unit owns its instantiations
+
+// ---- small device helpers ---------------------------------------------------------------------
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;  // 0: nothing is read, the 16 bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// BF16 -> FP32, exact (num::bf16_to_f32) on one half of a 32-bit word: element 2q (low) or 2q+1.
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int q) {
+  return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ float comp_of(const float4& v, int q) {
+  return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+}
+
+// =================================================================================================
+// logits: z [T, E] = x [T, H] (bf16) . wr [E, H]^T, sums over h in order
+// =================================================================================================
+constexpr int kLogitsChunk = 64;                // h per staged chunk (H % 64 == 0)
+constexpr int kLogitsXStride = kLogitsChunk + 8;  // bf16 per staged x row: 144 B = 9 x 16 B
+constexpr int kLogitsWStride = kLogitsChunk + 4;  // floats per staged w row: 272 B = 17 x 16 B
+
+template <int LE, int TN, int TM, int WARPS, int STAGES>
+struct LogitsTile {
+  static_assert(LE == 8 || LE == 16 || LE == 32, "expert lanes: 8, 16 or 32");
+  static_assert(STAGES >= 2, "at least double buffering");
+  static constexpr int kTokenLanes = 32 / LE;
+  static constexpr int kBE = LE * TN;                        // experts per CTA
+  static constexpr int kBT = kTokenLanes * TM * WARPS;       // tokens per CTA
+  static constexpr int kThreads = 32 * WARPS;
+  static constexpr int kXBytes = kBT * kLogitsXStride * 2;
+  static constexpr int kWBytes = kBE * kLogitsWStride * 4;
+  static constexpr int kStageBytes = kXBytes + kWBytes;      // multiple of 16
+  static constexpr int kSmemBytes = STAGES * kStageBytes;
+  static int64_t blocks(int64_t t, int e) { return int64_t((e + kBE - 1) / kBE) * ((t + kBT - 1) / kBT); }
+};
+
+template <int LE, int TN, int TM, int WARPS, int STAGES>
+__global__ void __launch_bounds__(32 * WARPS, WARPS <= 4 ? 3 : 2)
+staged_logits_kernel(const bf16_t* __restrict__ x, const float* __restrict__ wr, int64_t T, int E,
+                     int64_t H, float* __restrict__ z) {
+  using L = LogitsTile<LE, TN, TM, WARPS, STAGES>;
+  constexpr int kLT = L::kTokenLanes;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int n_eb = (E + L::kBE - 1) / L::kBE;
+  const int e0 = static_cast<int>(blockIdx.x % n_eb) * L::kBE;
+  const int64_t t0 = int64_t(blockIdx.x / n_eb) * L::kBT;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tl = lane % kLT, el = lane / kLT;
+  const int xrow = warp * (kLT * TM) + tl;  // the thread's tokens: xrow + i * kLT, i < TM
+  const int nch = static_cast<int>(H / kLogitsChunk);
+
+  auto load = [&](int c, int s) {
+    const int64_t h0 = int64_t(c) * kLogitsChunk;
+    unsigned char* st = smem + s * L::kStageBytes;
+    bf16_t* xs = reinterpret_cast<bf16_t*>(st);
+    float* ws = reinterpret_cast<float*>(st + L::kXBytes);
+    constexpr int kXV = L::kBT * (kLogitsChunk / 8);  // 16-byte vectors of x
+#pragma unroll
+    for (int k = 0; k < (kXV + L::kThreads - 1) / L::kThreads; ++k) {
+      const int i = threadIdx.x + k * L::kThreads;
+      if (kXV % L::kThreads == 0 || i < kXV) {
+        const int r = i / (kLogitsChunk / 8), v = i % (kLogitsChunk / 8);
+        const int64_t t = t0 + r;
+        const bool ok = t < T;
+        cp_async16(xs + r * kLogitsXStride + v * 8, ok ? x + t * H + h0 + v * 8 : x, ok);
+      }
+    }
+    constexpr int kWV = L::kBE * (kLogitsChunk / 4);
+#pragma unroll
+    for (int k = 0; k < (kWV + L::kThreads - 1) / L::kThreads; ++k) {
+      const int i = threadIdx.x + k * L::kThreads;
+      if (kWV % L::kThreads == 0 || i < kWV) {
+        const int r = i / (kLogitsChunk / 4), v = i % (kLogitsChunk / 4);
+        const int e = e0 + r;
+        const bool ok = e < E;
+        cp_async16(ws + r * kLogitsWStride + v * 4, ok ? wr + int64_t(e) * H + h0 + v * 4 : wr, ok);
+      }
+    }
+  };
+
+  float acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
+
+  // operands of h = 8b .. 8b+7 of the staged chunk: x of the TM tokens, w of the TN experts
+  auto frag = [&](const bf16_t* xs, const float* ws, int b, uint4 (&xv)[TM], float4 (&w0)[TN],
+                  float4 (&w1)[TN]) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+      xv[i] = *reinterpret_cast<const uint4*>(xs + i * kLT * kLogitsXStride + b * 8);
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      w0[j] = *reinterpret_cast<const float4*>(ws + j * LE * kLogitsWStride + b * 8);
+      w1[j] = *reinterpret_cast<const float4*>(ws + j * LE * kLogitsWStride + b * 8 + 4);
+    }
+  };
+  // acc[i][j] = fma(x, w, acc[i][j]) for the 8 h, in increasing h
+  auto fma8 = [&](const uint4 (&xv)[TM], const float4 (&w0)[TN], const float4 (&w1)[TN]) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+#pragma unroll
+      for (int i = 0; i < TM; ++i) {
+        const uint32_t w2 = word_of(xv[i], k >> 1);
+        const float xf = (k & 1) ? bf16_hi(w2) : bf16_lo(w2);
+#pragma unroll
+        for (int j = 0; j < TN; ++j)
+          acc[i][j] = __fmaf_rn(xf, comp_of(k < 4 ? w0[j] : w1[j], k & 3), acc[i][j]);
+      }
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nch) load(s, s);
+    cp_async_commit();  // always commit (possibly empty): the group count stays uniform
+  }
+  int s_cur = 0, s_next = STAGES - 1;
+  for (int c = 0; c < nch; ++c) {
+    cp_async_wait<STAGES - 2>();  // this thread's copies of chunk c have landed
+    __syncthreads();              // everyone's have; and everyone is done with chunk c-1's stage
+    if (c + STAGES - 1 < nch) load(c + STAGES - 1, s_next);
+    cp_async_commit();
+    const unsigned char* st = smem + s_cur * L::kStageBytes;
+    const bf16_t* xs = reinterpret_cast<const bf16_t*>(st) + xrow * kLogitsXStride;
+    const float* ws = reinterpret_cast<const float*>(st + L::kXBytes) + el * kLogitsWStride;
+    // 8 h at a time, in order; the next 8 h's operands are loaded before these are used (two
+    // register sets, A and B, so that nothing is copied)
+    uint4 xa[TM], xb[TM];
+    float4 wa0[TN], wa1[TN], wb0[TN], wb1[TN];
+    frag(xs, ws, 0, xa, wa0, wa1);
+    for (int b = 0; b < kLogitsChunk / 8; b += 2) {
+      frag(xs, ws, b + 1, xb, wb0, wb1);
+      fma8(xa, wa0, wa1);
+      if (b + 2 < kLogitsChunk / 8) frag(xs, ws, b + 2, xa, wa0, wa1);
+      fma8(xb, wb0, wb1);
+    }
+    s_cur = s_cur + 1 == STAGES ? 0 : s_cur + 1;
+    s_next = s_next + 1 == STAGES ? 0 : s_next + 1;
+  }
+  cp_async_wait<0>();  // nothing useful is in flight; leave no copy outstanding at exit
+
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+    const int64_t t = t0 + xrow + i * kLT;
+    if (t >= T) continue;
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const int e = e0 + el + j * LE;
+      if (e < E) z[t * E + e] = acc[i][j];
+    }
+  }
+}
+
+// Launch one instantiation (no argument checks: the caller's). Requires H % 64 == 0 and x, wr
+// 16-byte aligned.
+template <int LE, int TN, int TM, int WARPS, int STAGES>
+void launch_staged_logits(const bf16_t* x, const float* wr, int64_t t, int e, int64_t h, float* z,
+                          cudaStream_t stream) {
+  using L = LogitsTile<LE, TN, TM, WARPS, STAGES>;
+  auto* k = staged_logits_kernel<LE, TN, TM, WARPS, STAGES>;
+  if (L::kSmemBytes > 48 * 1024)
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmemBytes));
+  const int64_t blocks = L::blocks(t, e);
+  FLOWMOE_CHECK(blocks <= 0x7FFFFFFF, "moe::router_logits: T = " << t << ", E = " << e
+                                          << " need " << blocks << " blocks, more than one launch takes");
+  k<<<static_cast<unsigned>(blocks), L::kThreads, L::kSmemBytes, stream>>>(x, wr, t, e, h, z);
+}
+
+// =================================================================================================
+// dwr: dwr [E, H] += dz [T, E]^T . x [T, H] (bf16), sums over t in order
+// =================================================================================================
+constexpr int kDwrChunk = 64;  // tokens per staged chunk
+
+template <int TE, int WE, int WH, int STAGES>
+struct DwrTile {
+  static_assert(STAGES >= 2, "at least double buffering");
+  static constexpr int kBE = 2 * TE * WE;   // experts per CTA
+  static constexpr int kBH = 64 * WH;       // features per CTA
+  static constexpr int kThreads = 32 * WE * WH;
+  static constexpr int kXBytes = kDwrChunk * kBH * 2;
+  static constexpr int kDBytes = kDwrChunk * kBE * 4;
+  static constexpr int kStageBytes = kXBytes + kDBytes;  // multiple of 16 (kBE even... x 4 x 64)
+  static constexpr int kSmemBytes = STAGES * kStageBytes;
+  static int64_t blocks(int e, int64_t h) { return int64_t((e + kBE - 1) / kBE) * ((h + kBH - 1) / kBH); }
+};
+
+// dz_vec: E % 4 == 0 and dz 16-byte aligned (16-byte copies of dz rows), else 4-byte copies.
+template <int TE, int WE, int WH, int STAGES>
+__global__ void __launch_bounds__(32 * WE * WH, 32 * WE * WH <= 128 ? 3 : 2)
+staged_dwr_kernel(const float* __restrict__ dz, const bf16_t* __restrict__ x, int64_t T, int E,
+                  int64_t H, bool dz_vec, float* __restrict__ dwr) {
+  using D = DwrTile<TE, WE, WH, STAGES>;
+  static_assert(TE == 1 || TE == 2 || TE == 4, "experts per thread: 1, 2 or 4");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int n_eb = (E + D::kBE - 1) / D::kBE;
+  const int e0 = static_cast<int>(blockIdx.x % n_eb) * D::kBE;
+  const int64_t h0 = int64_t(blockIdx.x / n_eb) * D::kBH;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int we = warp % WE, wh = warp / WE;
+  const int le = we * 2 * TE + (lane & 1) * TE;  // the thread's experts: e0 + le + j, j < TE
+  const int lh = wh * 64 + (lane >> 1) * 4;      // the thread's features: h0 + lh + k, k < 4
+  const int64_t nch = (T + kDwrChunk - 1) / kDwrChunk;
+
+  auto load = [&](int64_t c, int s) {
+    const int64_t tc0 = c * kDwrChunk;
+    unsigned char* st = smem + s * D::kStageBytes;
+    bf16_t* xs = reinterpret_cast<bf16_t*>(st);
+    float* ds = reinterpret_cast<float*>(st + D::kXBytes);
+    constexpr int kRowV = D::kBH / 8;  // 16-byte vectors per staged x row
+    constexpr int kXV = kDwrChunk * kRowV;
+#pragma unroll
+    for (int k = 0; k < (kXV + D::kThreads - 1) / D::kThreads; ++k) {
+      const int i = threadIdx.x + k * D::kThreads;
+      if (kXV % D::kThreads == 0 || i < kXV) {
+        const int r = i / kRowV, v = i % kRowV;
+        const int64_t t = tc0 + r, h = h0 + v * 8;
+        const bool ok = t < T && h < H;  // H % 8 == 0: a vector is wholly in or out
+        cp_async16(xs + r * D::kBH + v * 8, ok ? x + t * H + h : x, ok);
+      }
+    }
+    if (dz_vec) {
+      constexpr int kRowD = D::kBE / 4;
+      constexpr int kDV = kDwrChunk * kRowD;
+#pragma unroll
+      for (int k = 0; k < (kDV + D::kThreads - 1) / D::kThreads; ++k) {
+        const int i = threadIdx.x + k * D::kThreads;
+        if (kDV % D::kThreads == 0 || i < kDV) {
+          const int r = i / kRowD, v = i % kRowD;
+          const int64_t t = tc0 + r;
+          const int e = e0 + v * 4;
+          const bool ok = t < T && e < E;  // E % 4 == 0
+          cp_async16(ds + r * D::kBE + v * 4, ok ? dz + t * E + e : dz, ok);
+        }
+      }
+    } else {
+      constexpr int kDS = kDwrChunk * D::kBE;
+#pragma unroll
+      for (int k = 0; k < (kDS + D::kThreads - 1) / D::kThreads; ++k) {
+        const int i = threadIdx.x + k * D::kThreads;
+        if (kDS % D::kThreads == 0 || i < kDS) {
+          const int r = i / D::kBE, q = i % D::kBE;
+          const int64_t t = tc0 + r;
+          const int e = e0 + q;
+          const bool ok = t < T && e < E;
+          cp_async4(ds + r * D::kBE + q, ok ? dz + t * E + e : dz, ok);
+        }
+      }
+    }
+  };
+
+  float acc[TE][4];
+#pragma unroll
+  for (int j = 0; j < TE; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) acc[j][k] = 0.0f;
+
+  // one token: acc[j][k] = fma(dz[t, e_j], x[t, h_k], acc[j][k])
+  auto step = [&](const bf16_t* xs, const float* ds, int t) {
+    const uint2 xv = *reinterpret_cast<const uint2*>(xs + t * D::kBH);
+    const float xf[4] = {bf16_lo(xv.x), bf16_hi(xv.x), bf16_lo(xv.y), bf16_hi(xv.y)};
+    float d[TE];
+    if constexpr (TE == 4) {
+      const float4 d4 = *reinterpret_cast<const float4*>(ds + t * D::kBE);
+      d[0] = d4.x;
+      d[1] = d4.y;
+      d[2] = d4.z;
+      d[3] = d4.w;
+    } else if constexpr (TE == 2) {
+      const float2 d2 = *reinterpret_cast<const float2*>(ds + t * D::kBE);
+      d[0] = d2.x;
+      d[1] = d2.y;
+    } else {
+      d[0] = ds[t * D::kBE];
+    }
+#pragma unroll
+    for (int j = 0; j < TE; ++j)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) acc[j][k] = __fmaf_rn(d[j], xf[k], acc[j][k]);
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nch) load(s, s);
+    cp_async_commit();
+  }
+  int s_cur = 0, s_next = STAGES - 1;
+  for (int64_t c = 0; c < nch; ++c) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (c + STAGES - 1 < nch) load(c + STAGES - 1, s_next);
+    cp_async_commit();
+    const unsigned char* st = smem + s_cur * D::kStageBytes;
+    const bf16_t* xs = reinterpret_cast<const bf16_t*>(st) + lh;
+    const float* ds = reinterpret_cast<const float*>(st + D::kXBytes) + le;
+    const int64_t left = T - c * kDwrChunk;
+    if (left >= kDwrChunk) {
+#pragma unroll 16
+      for (int t = 0; t < kDwrChunk; ++t) step(xs, ds, t);
+    } else {
+      const int n = static_cast<int>(left);  // the last chunk: only its real tokens
+#pragma unroll 4
+      for (int t = 0; t < n; ++t) step(xs, ds, t);
+    }
+    s_cur = s_cur + 1 == STAGES ? 0 : s_cur + 1;
+    s_next = s_next + 1 == STAGES ? 0 : s_next + 1;
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int j = 0; j < TE; ++j) {
+    const int e = e0 + le + j;
+    if (e >= E) continue;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t h = h0 + lh + k;
+      if (h < H) {
+        float* p = dwr + int64_t(e) * H + h;
+        *p = __fadd_rn(*p, acc[j][k]);
+      }
+    }
+  }
+}
+
+// Launch one instantiation (no argument checks: the caller's). Requires H % 8 == 0, x 16-byte
+// aligned, dz 4-byte aligned.
+template <int TE, int WE, int WH, int STAGES>
+void launch_staged_dwr(const float* dz, const bf16_t* x, int64_t t, int e, int64_t h, float* dwr,
+                       cudaStream_t stream) {
+  using D = DwrTile<TE, WE, WH, STAGES>;
+  auto* k = staged_dwr_kernel<TE, WE, WH, STAGES>;
+  if (D::kSmemBytes > 48 * 1024)
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, D::kSmemBytes));
+  const int64_t blocks = D::blocks(e, h);
+  FLOWMOE_CHECK(blocks <= 0x7FFFFFFF, "moe::router_dwr: E = " << e << ", H = " << h << " need "
+                                          << blocks << " blocks, more than one launch takes");
+  const bool dz_vec = e % 4 == 0 && detail::aligned16(dz);
+  k<<<static_cast<unsigned>(blocks), D::kThreads, D::kSmemBytes, stream>>>(dz, x, t, e, h, dz_vec, dwr);
+}
+
+// =================================================================================================
+// The previous kernels (fallback and benchmark baseline): tiles of BT tokens x BE experts (logits)
+// or BE experts x BH features (dwr), 4x4 outputs per thread, chunks of 32 of the contraction staged
+// in shared memory with scalar loads; every output's sum in the same order as above.
+// =================================================================================================
+constexpr int kTiledChunk = 32;
+
+template <int BT, int BE>
+__global__ void __launch_bounds__((BT / 4) * (BE / 4))
+tiled_logits_kernel(const bf16_t* __restrict__ x, const float* __restrict__ wr, int64_t T, int E,
+                    int64_t H, float* __restrict__ z) {
+  constexpr int kTh = (BT / 4) * (BE / 4);
+  __shared__ float xs[kTiledChunk][BT + 1];
+  __shared__ float ws[kTiledChunk][BE + 1];
+  const int64_t t0 = int64_t(blockIdx.x) * BT;
+  const int e0 = blockIdx.y * BE;
+  const int tx = threadIdx.x % (BE / 4), ty = threadIdx.x / (BE / 4);
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+  for (int64_t h0 = 0; h0 < H; h0 += kTiledChunk) {
+    for (int i = threadIdx.x; i < BT * kTiledChunk; i += kTh) {
+      const int r = i / kTiledChunk, c = i % kTiledChunk;
+      const int64_t t = t0 + r;
+      xs[c][r] = t < T ? num::bf16_to_f32(x[t * H + h0 + c]) : 0.0f;
+    }
+    for (int i = threadIdx.x; i < BE * kTiledChunk; i += kTh) {
+      const int r = i / kTiledChunk, c = i % kTiledChunk;
+      const int e = e0 + r;
+      ws[c][r] = e < E ? wr[int64_t(e) * H + h0 + c] : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int c = 0; c < kTiledChunk; ++c) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = xs[c][ty * 4 + i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = ws[c][tx * 4 + j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = __fmaf_rn(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t t = t0 + ty * 4 + i;
+    if (t >= T) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int e = e0 + tx * 4 + j;
+      if (e < E) z[t * E + e] = acc[i][j];
+    }
+  }
+}
+
+template <int BE, int BH>
+__global__ void __launch_bounds__((BE / 4) * (BH / 4))
+tiled_dwr_kernel(const float* __restrict__ dz, const bf16_t* __restrict__ x, int64_t T, int E,
+                 int64_t H, float* __restrict__ dwr) {
+  constexpr int kTh = (BE / 4) * (BH / 4);
+  __shared__ float ds[kTiledChunk][BE + 1];
+  __shared__ float xs[kTiledChunk][BH + 1];
+  const int e0 = blockIdx.y * BE;
+  const int64_t h0 = int64_t(blockIdx.x) * BH;
+  const int tx = threadIdx.x % (BH / 4), ty = threadIdx.x / (BH / 4);
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+  for (int64_t t0 = 0; t0 < T; t0 += kTiledChunk) {
+    for (int i = threadIdx.x; i < kTiledChunk * BE; i += kTh) {
+      const int c = i / BE, r = i % BE;
+      const int64_t t = t0 + c;
+      const int e = e0 + r;
+      ds[c][r] = (t < T && e < E) ? dz[t * E + e] : 0.0f;
+    }
+    for (int i = threadIdx.x; i < kTiledChunk * BH; i += kTh) {
+      const int c = i / BH, r = i % BH;
+      const int64_t t = t0 + c;
+      const int64_t h = h0 + r;
+      xs[c][r] = (t < T && h < H) ? num::bf16_to_f32(x[t * H + h]) : 0.0f;
+    }
+    __syncthreads();
+    const int n = static_cast<int>(T - t0 < kTiledChunk ? T - t0 : kTiledChunk);  // no padding terms
+    for (int c = 0; c < n; ++c) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = ds[c][ty * 4 + i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = xs[c][tx * 4 + j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = __fmaf_rn(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = e0 + ty * 4 + i;
+    if (e >= E) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t h = h0 + tx * 4 + j;
+      if (h < H) dwr[int64_t(e) * H + h] = __fadd_rn(dwr[int64_t(e) * H + h], acc[i][j]);
+    }
+  }
+}
+
+// The previous launchers' tile choice. logits: H % 32 == 0; dwr: any H.
+inline void launch_tiled_logits(const bf16_t* x, const float* wr, int64_t t, int e, int64_t h, float* z,
+                                cudaStream_t stream) {
+  FLOWMOE_CHECK((t + 63) / 64 <= 0x7FFFFFFF && (e + 31) / 32 <= 65535,
+                "moe::router_logits: T = " << t << ", E = " << e << " too large for one launch");
+  if (e <= 32) {
+    const dim3 grid(static_cast<unsigned>((t + 63) / 64), static_cast<unsigned>((e + 31) / 32));
+    tiled_logits_kernel<64, 32><<<grid, (64 / 4) * (32 / 4), 0, stream>>>(x, wr, t, e, h, z);
+  } else {
+    const dim3 grid(static_cast<unsigned>((t + 63) / 64), static_cast<unsigned>((e + 63) / 64));
+    tiled_logits_kernel<64, 64><<<grid, (64 / 4) * (64 / 4), 0, stream>>>(x, wr, t, e, h, z);
+  }
+}
+inline void launch_tiled_dwr(const float* dz, const bf16_t* x, int64_t t, int e, int64_t h, float* dwr,
+                             cudaStream_t stream) {
+  FLOWMOE_CHECK((h + 63) / 64 <= 0x7FFFFFFF && (e + 31) / 32 <= 65535,
+                "moe::router_dwr: E = " << e << ", H = " << h << " too large for one launch");
+  const dim3 grid(static_cast<unsigned>((h + 63) / 64), static_cast<unsigned>((e + 31) / 32));
+  tiled_dwr_kernel<32, 64><<<grid, (32 / 4) * (64 / 4), 0, stream>>>(dz, x, t, e, h, dwr);
+}
+
+}  // namespace
+}  // namespace router_gemm
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe
