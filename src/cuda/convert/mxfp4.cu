@@ -153,7 +153,7 @@ fp4_to_fp8_col_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
                       const int32_t* __restrict__ bend, uint8_t* __restrict__ col_codes,
                       uint8_t* __restrict__ col_scales, DeviceStatus* status,
                       const __grid_constant__ ShiftTable table) {
-  __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
+  __shared__ __align__(16) uint8_t s_q[detail::kSwzBytes];
   __shared__ uint32_t s_e[kTile];  // the 4 group exponents of each token
   __shared__ int s_max[4], s_bad[4];
   __shared__ int s_wmax[kTile / 32][4], s_wbad[kTile / 32][4];
@@ -206,7 +206,7 @@ fp4_to_fp8_col_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
         v = fp4x16_to_fp8(in[i], d, s_t, lost);
       }
     }
-    *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + part * 16]) = v;
+    *reinterpret_cast<uint4*>(&s_q[detail::swz_chunk(row, part)]) = v;
   }
   detail::warp_count(status ? &status->underflow : nullptr, lost);
   if (tid < kTile) {
@@ -218,7 +218,7 @@ fp4_to_fp8_col_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
     if (bad) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(bad) * 32);
   }
   __syncthreads();
-  detail::store_col_tile(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
+  detail::store_col_tile_swz(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
 }
 
 // ---- K10: MXFP4 -> bf16 (exact), 16 values per thread. For scale codes >= 2 every value is a

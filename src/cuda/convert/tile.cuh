@@ -99,6 +99,49 @@ __device__ __forceinline__ void store_col_tile(const uint8_t* s_tile, int n, uin
   }
 }
 
+// ---- swizzled byte tile (pitch 128, no padding) -------------------------------------------------
+// Row r's 16-byte chunk c lives at chunk c ^ ((r / 16) % 8) of the row. Writing whole chunks of a
+// row is conflict-free either way; the swizzle makes the column reads of store_col_tile_swz hit 32
+// different banks although its lanes read rows 16 apart.
+constexpr int kSwzBytes = kTile * kTile;
+__device__ __forceinline__ int swz_chunk(int row, int chunk) { return row * kTile + ((chunk ^ ((row >> 4) & 7)) << 4); }
+__device__ __forceinline__ int swz_word(int row, int byte_col) {  // byte_col a multiple of 4
+  return swz_chunk(row, byte_col >> 4) + (byte_col & 15);
+}
+
+// store_col_tile for the swizzled tile, with coalesced global stores: task = (token group j of 16
+// tokens, feature quad g); the 8 lanes of a group cover one feature row's 128 tokens, so each warp
+// store instruction writes four full 128-byte row segments (store_col_tile writes 32 rows x 16 B).
+__device__ __forceinline__ void store_col_tile_swz(const uint8_t* s_tile, int n, uint8_t* out, int64_t ld,
+                                                   bool vec) {
+  for (int task = threadIdx.x; task < (kTile / 4) * (kTile / 16); task += blockDim.x) {
+    const int j = task & 7, g = task >> 3;
+    const int t0 = j * 16;
+    if (t0 >= n) continue;
+    uint32_t col[4][4];  // [feature][token quad]
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = t0 + 4 * q;
+      uint32_t c[4];
+      transpose4x4(*reinterpret_cast<const uint32_t*>(s_tile + swz_word(r, 4 * g)),
+                   *reinterpret_cast<const uint32_t*>(s_tile + swz_word(r + 1, 4 * g)),
+                   *reinterpret_cast<const uint32_t*>(s_tile + swz_word(r + 2, 4 * g)),
+                   *reinterpret_cast<const uint32_t*>(s_tile + swz_word(r + 3, 4 * g)), c);
+#pragma unroll
+      for (int f = 0; f < 4; ++f) col[f][q] = c[f];
+    }
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+      uint8_t* dst = out + (4 * g + f) * ld + t0;
+      if (vec && t0 + 16 <= n) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(col[f][0], col[f][1], col[f][2], col[f][3]);
+      } else {
+        for (int t = 0; t < min(16, n - t0); ++t) dst[t] = static_cast<uint8_t>(col[f][t >> 2] >> (8 * (t & 3)));
+      }
+    }
+  }
+}
+
 // ---- host-side argument checks shared by the launchers -------------------------------------
 namespace host {
 inline void check_aligned(const void* p, const char* name, const char* what) {

@@ -56,7 +56,7 @@ scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint
                                int64_t m, int64_t k, const int32_t* __restrict__ bstart,
                                const int32_t* __restrict__ bend, uint8_t* __restrict__ col_codes,
                                uint8_t* __restrict__ col_scales, DeviceStatus* status) {
-  __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
+  __shared__ __align__(16) uint8_t s_q[detail::kSwzBytes];
   __shared__ uint8_t s_e[kTile];
   __shared__ int s_wmax[kTile / 32], s_wbad[kTile / 32];
   int64_t b, kt;
@@ -105,14 +105,14 @@ scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint
         w.w = rescale4(w.w, d, lost);
       }
     }
-    *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + ch * 16]) = w;
+    *reinterpret_cast<uint4*>(&s_q[detail::swz_chunk(row, ch)]) = w;
   }
   detail::warp_count(status ? &status->underflow : nullptr, lost);
   detail::warp_count(status ? &status->nonfinite : nullptr, nan_codes);
   if (tid < kTile) col_scales[b * k + kt * kTile + tid] = nbad ? kUE8M0NaN : static_cast<uint8_t>(emax);
   if (tid == 0 && nbad && status) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(nbad) * kTile);
   __syncthreads();
-  detail::store_col_tile(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
+  detail::store_col_tile_swz(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
 }
 
 

@@ -509,7 +509,15 @@ dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
 // touches every bank once).
 constexpr int kBwdPitch = 2 * kTile + 8;  // bf16 elements
 constexpr int kBwdWords = kBwdPitch / 2;  // 32-bit words per row
-constexpr size_t kBwdSmem = size_t(kTile) * kBwdPitch * 2 + 2 * kTile * sizeof(uint32_t);
+constexpr size_t kBwdSmem = size_t(kTile) * kBwdPitch * 2 + 2 * kTile * sizeof(uint32_t) + 2 * kTile;
+// Swizzled 16-byte chunks of a tile row (32 chunks of 8 bf16): chunk c of row r is stored at chunk
+// c ^ ((r / 16) % 8) so that lanes reading the same word of rows 16 apart hit different banks.
+__device__ __forceinline__ int bwd_chunk(int row, int chunk) {  // bf16 element offset
+  return row * kBwdPitch + ((chunk ^ ((row >> 4) & 7)) << 3);
+}
+__device__ __forceinline__ int bwd_word(int row, int p) {  // 32-bit word offset of pair p
+  return row * kBwdWords + ((((p >> 2) ^ ((row >> 4) & 7)) << 2) | (p & 3));
+}
 constexpr int kBwdCtasPerSm = FLOWMOE_SWIGLU_BWD_CTAS_PER_SM;
 
 enum class HIn { kBf16, kFp8, kFp4 };  // how the backward reads the saved H
@@ -616,39 +624,55 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
         }
       }
       // rows past n are all zero (zero inputs give zero gradients)
-      *reinterpret_cast<uint4*>(&s_t[row * kBwdPitch + lane * 8]) = dg;
-      *reinterpret_cast<uint4*>(&s_t[row * kBwdPitch + kTile + lane * 8]) = du;
+      *reinterpret_cast<uint4*>(&s_t[bwd_chunk(row, lane)]) = dg;
+      *reinterpret_cast<uint4*>(&s_t[bwd_chunk(row, 16 + lane)]) = du;
     }
   }
   __syncthreads();
 
-  // Phase 2: columns. Thread = (pair of adjacent features p, half of the tokens).
-  const int p = tid & (kTile - 1), half = tid >> 7;
-  const uint32_t* col = reinterpret_cast<const uint32_t*>(s_t) + p;
-  uint32_t mx = 0;
+  // Phase 2: columns. (a) amax per pair of adjacent features p over the block: thread = (p, half
+  // of the tokens); (b) encode and store: task = (16-token group j, pair p), the 8 lanes of a
+  // group covering one feature row's 128 tokens, so each store instruction writes full 128-byte
+  // row segments. The swizzle (bwd_word) keeps both read patterns free of bank conflicts.
+  uint8_t* s_code = reinterpret_cast<uint8_t*>(s_amax + 2 * kTile);  // [2][128]: scale code of pair p
+  {
+    const int p = tid & (kTile - 1), half = tid >> 7;
+    uint32_t mx = 0;
 #pragma unroll 8
-  for (int i = 0; i < kTile / 2; ++i) mx = __vmaxu2(mx, col[(half * (kTile / 2) + i) * kBwdWords] & 0x7FFF7FFFu);
-  s_amax[half * kTile + p] = mx;
-  __syncthreads();
-  mx = __vmaxu2(s_amax[p], s_amax[kTile + p]);
-  const uint32_t a0 = mx & 0xFFFFu, a1 = mx >> 16;
-  const bool bad0 = a0 >= detail::kBf16NonFiniteBits, bad1 = a1 >= detail::kBf16NonFiniteBits;
-  const int e0 = e4m3_scale_exp(detail::bf16_bits_to_f32(a0));
-  const int e1 = e4m3_scale_exp(detail::bf16_bits_to_f32(a1));
-  const int c = 2 * p;  // tile column in [0, 256): dgate side below 128, dup side above
-  const int64_t feat = (c < kTile ? 0 : f - kTile) + kt * kTile + c;  // dH feature of column c
-  if (half == 0) {
-    col_scales[b * k2 + feat] = bad0 ? kUE8M0NaN : ue8m0_from_exp(e0);
-    col_scales[b * k2 + feat + 1] = bad1 ? kUE8M0NaN : ue8m0_from_exp(e1);
+    for (int i = 0; i < kTile / 2; ++i) {
+      const int t = half * (kTile / 2) + i;
+      mx = __vmaxu2(mx, reinterpret_cast<const uint32_t*>(s_t)[bwd_word(t, p)] & 0x7FFF7FFFu);
+    }
+    s_amax[half * kTile + p] = mx;
   }
-  const float inv0 = detail::inv_pow2(e0), inv1 = detail::inv_pow2(e1);
-  uint8_t* dst0 = col_codes + feat * m + bs;
-  uint8_t* dst1 = dst0 + m;
+  __syncthreads();
+  if (tid < kTile) {
+    const int p = tid;
+    const uint32_t mx = __vmaxu2(s_amax[p], s_amax[kTile + p]);
+    const uint32_t a0 = mx & 0xFFFFu, a1 = mx >> 16;
+    const uint8_t s0 = a0 >= detail::kBf16NonFiniteBits ? kUE8M0NaN : ue8m0_from_exp(e4m3_scale_exp(detail::bf16_bits_to_f32(a0)));
+    const uint8_t s1 = a1 >= detail::kBf16NonFiniteBits ? kUE8M0NaN : ue8m0_from_exp(e4m3_scale_exp(detail::bf16_bits_to_f32(a1)));
+    s_code[p] = s0;
+    s_code[kTile + p] = s1;
+    const int c = 2 * p;  // tile column in [0, 256): dgate side below 128, dup side above
+    const int64_t feat = (c < kTile ? 0 : f - kTile) + kt * kTile + c;  // dH feature of column c
+    col_scales[b * k2 + feat] = s0;
+    col_scales[b * k2 + feat + 1] = s1;
+  }
+  __syncthreads();
   const bool vec = (m % 16 == 0) && (bs % 16 == 0);
-#pragma unroll
-  for (int j = 0; j < kTile / 2 / 16; ++j) {
-    const int t0 = half * (kTile / 2) + j * 16;
-    if (t0 >= n) break;
+  for (int task = tid; task < kTile * (kTile / 16); task += kThreads) {
+    const int j = task & 7, p = task >> 3;
+    const int t0 = j * 16;
+    if (t0 >= n) continue;
+    const uint8_t s0 = s_code[p], s1 = s_code[kTile + p];
+    const bool bad0 = s0 == kUE8M0NaN, bad1 = s1 == kUE8M0NaN;
+    const float inv0 = bad0 ? 0.0f : detail::inv_pow2(static_cast<int>(s0) - 127);
+    const float inv1 = bad1 ? 0.0f : detail::inv_pow2(static_cast<int>(s1) - 127);
+    const int c = 2 * p;
+    const int64_t feat = (c < kTile ? 0 : f - kTile) + kt * kTile + c;
+    uint8_t* dst0 = col_codes + feat * m + bs;
+    uint8_t* dst1 = dst0 + m;
     uint32_t w0[4], w1[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -656,7 +680,8 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
 #pragma unroll
       for (int pp = 0; pp < 2; ++pp) {
         const int t = t0 + 4 * q + 2 * pp;
-        const uint32_t va = col[t * kBwdWords], vb = col[(t + 1) * kBwdWords];
+        const uint32_t va = reinterpret_cast<const uint32_t*>(s_t)[bwd_word(t, p)];
+        const uint32_t vb = reinterpret_cast<const uint32_t*>(s_t)[bwd_word(t + 1, p)];
         const uint32_t c0 = bad0 ? 0x7F7Fu : detail::e4m3x2(bf16_lo(va) * inv0, bf16_lo(vb) * inv0);
         const uint32_t c1 = bad1 ? 0x7F7Fu : detail::e4m3x2(bf16_hi(va) * inv1, bf16_hi(vb) * inv1);
         x0 |= c0 << (16 * pp);
