@@ -1,6 +1,8 @@
-// Router GEMM benchmark: the MoE layer's two FP32 router GEMMs (cuda/moe/kernels.cuh)
+// Router GEMM benchmark: the MoE layer's FP32 router GEMMs (cuda/moe/kernels.cuh)
 //   logits  z [T, E] = x [T, H] (bf16) . Wr [E, H]^T      (router_logits)
 //   dWr     dWr [E, H] += dz [T, E]^T . x [T, H] (bf16)   (router_dwr)
+//   dx      dx = bf16(unpermute(rows) + dz . Wr)           (combine_dx: the unpermute of dX with
+//           the router path fused; new and previous kernel, with and without the router path)
 // each as: the launcher (staged kernels, src/cuda/moe/router_gemm.cuh), the previous 4x4-tile
 // kernels (the baseline; the launchers' fallback), and cuBLAS SGEMM of the same product (FP32 in
 // and out, CUBLAS_DEFAULT_MATH: no TF32; it reads an FP32 copy of x, and sums in its own order, so
@@ -54,6 +56,7 @@ struct Shape {
   const char* name;
   int64_t hidden;
   int experts;
+  int topk;
 };
 
 void header() {
@@ -181,6 +184,48 @@ void bench_shape(const Shape& s, int64_t T, bool variants, cublasHandle_t cublas
   std::printf("  floors: logits memory %.1f us, dWr memory %.1f us (bytes / copy bandwidth); FMA %.1f us\n",
               lg_bytes / (g_copy_gbs * 1e3), dw_bytes / (g_copy_gbs * 1e3), fmas / g_fma_per_s * 1e6);
 
+  // combine_dx: dx = bf16(unpermute(rows) + dz . Wr): the T*k routed rows (a random permutation of
+  // [0, T*k), as balanced routing gives), read once; x[0]'s memory is reused for dx.
+  {
+    const int k = s.topk;
+    const int64_t M = T * k;
+    std::vector<int32_t> hmap(M);
+    for (int64_t i = 0; i < M; ++i) hmap[i] = int32_t(i);
+    uint64_t st = 12345;
+    for (int64_t i = M - 1; i > 0; --i) {  // Fisher-Yates with a splitmix-style LCG
+      st = st * 6364136223846793005ull + 1442695040888963407ull;
+      std::swap(hmap[i], hmap[(st >> 33) % uint64_t(i + 1)]);
+    }
+    int32_t* map = bench::dalloc<int32_t>(M);
+    bf16_t* rows = bench::dalloc<bf16_t>(M * H);
+    bf16_t* dx = x[0];
+    CK(cudaMemcpy(map, hmap.data(), M * 4, cudaMemcpyHostToDevice));
+    cuda::moe::fill_normal(nullptr, rows, M * H, 5, 1.0f, 0);
+    bf16_t* dx_prev = x[1];
+    cuda::moe::combine_dx(rows, map, T, k, dz, wr, E, H, dx, 0);
+    rg::launch_combine_dx2(rows, map, T, k, dz, wr, E, H, dx_prev, 0);
+    CK(cudaDeviceSynchronize());
+    {
+      std::vector<bf16_t> a(T * H), b(T * H);
+      CK(cudaMemcpy(a.data(), dx, T * H * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(b.data(), dx_prev, T * H * 2, cudaMemcpyDeviceToHost));
+      std::printf("  combine_dx (top-%d): bits vs previous kernel %s\n", k, a == b ? "identical" : "DIFFER");
+    }
+    const double cb = M * H * 2.0 + T * H * 2.0 + T * E * 4.0 + double(E) * H * 4;
+    const float t_cp = time_us([&](int) { rg::launch_combine_dx2(rows, map, T, k, dz, wr, E, H, dx_prev, 0); });
+    const float t_cn = time_us([&](int) { cuda::moe::combine_dx(rows, map, T, k, dz, wr, E, H, dx, 0); });
+    const float t_up = time_us([&](int) { rg::launch_combine_dx2(rows, map, T, k, nullptr, wr, E, H, dx_prev, 0); });
+    const float t_un = time_us([&](int) { cuda::moe::combine_dx(rows, map, T, k, nullptr, wr, E, H, dx, 0); });
+    row("combine_dx: new (unpermute + router path)", t_cn, cb, fmas, t_cp);
+    row("combine_dx: previous", t_cp, cb, fmas, 0);
+    row("combine_dx without router path: new", t_un, M * H * 2.0 + T * H * 2.0, 0, t_up);
+    row("combine_dx without router path: previous", t_up, M * H * 2.0 + T * H * 2.0, 0, 0);
+    std::printf("  floor: combine_dx memory %.1f us\n", cb / (g_copy_gbs * 1e3));
+    CK(cudaGetLastError());
+    cudaFree(map);
+    cudaFree(rows);
+  }
+
   cudaFree(x[0]); cudaFree(x[1]); cudaFree(xf); cudaFree(wr); cudaFree(dz); cudaFree(z); cudaFree(z_prev);
   cudaFree(dwr); cudaFree(dwr_prev);
 }
@@ -231,8 +276,8 @@ int main(int argc, char** argv) {
   // The layer configurations of `flowmoe bench` (tools/flowmoe/cmd_bench.cpp): the router covers
   // the layer's E experts. Last: the full DeepSeek-V3 router (256 experts).
   const Shape shapes[] = {
-      {"DeepSeek-V3 EP8", 7168, 32},    {"DeepSeek-V3 EP32", 7168, 8}, {"DeepSeek-V2 EP8", 5120, 20},
-      {"DeepSeek-V2-Lite", 2048, 64},   {"DeepSeek-V3 256 experts", 7168, 256},
+      {"DeepSeek-V3 EP8", 7168, 32, 8},  {"DeepSeek-V3 EP32", 7168, 8, 8}, {"DeepSeek-V2 EP8", 5120, 20, 6},
+      {"DeepSeek-V2-Lite", 2048, 64, 6}, {"DeepSeek-V3 256 experts", 7168, 256, 8},
   };
   for (const Shape& s : shapes) {
     if (!only.empty() && only != s.name) continue;

@@ -1,5 +1,6 @@
-// The router GEMMs of the CUDA MoE layer (cuda/moe/kernels.cuh: router_logits, router_dwr) against
-// a plain host loop in the documented order, bit for bit:
+// The router GEMMs of the CUDA MoE layer (cuda/moe/kernels.cuh: router_logits, router_dwr, and
+// combine_dx, which fuses dx's router path into the unpermute) against a plain host loop in the
+// documented order, bit for bit:
 //   z[t, e]    = fma chain over h = 0..H-1 of bf16(x[t, h]) * wr[e, h], from 0
 //   dwr[e, h] += (fma chain over t = 0..T-1 of dz[t, e] * x[t, h], from 0)
 // (the CPU layer's arithmetic, src/cpu/moe_cpu.cpp). Shapes cover every tile configuration the
@@ -8,6 +9,9 @@
 // NaN / Inf inputs (a NaN output must be NaN on both sides; its payload is not compared). At the
 // DeepSeek-V3 EP8 shape (T 8192, E 32, H 7168) the staged kernels are compared with the previous
 // kernels (router_gemm.cuh, tiled_*), which sum in the same order. Data is random and never zero.
+// combine_dx: T 1 .. 1000, k 2 .. 13 with dropped slots, E 3 .. 1024, with and without the router
+// path, a partial feature block, non-finite values, its fallback (rows/dx not 8-byte aligned), and
+// at the V3 size against the previous kernel.
 // Runs on the device machine (CTest label `gpu`); the argument checks also run without a device.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -256,6 +260,97 @@ TEST(RouterGemmGpu, V3ShapeMatchesPreviousKernels) {
   CU(cudaGetLastError());
   expect_same(z_new.get(), z_old.get(), E, "router_logits V3 vs previous kernel");
   expect_same(dwr_new.get(), dwr_old.get(), H, "router_dwr V3 vs previous kernel");
+}
+
+// ---- combine_dx: dx = bf16(bf16(sum_s rows[row_map[t, s]]) + sum_e dz[t, e] wr[e, :]) ----------------
+struct CombineCase {
+  int64_t t;
+  int k, e;
+  int64_t h;
+  bool router = true;      // dz given
+  bool nonfinite = false;  // +Inf in a row, NaN in dz, -Inf in wr
+  size_t offset = 0;       // elements into the allocations of rows, dx (bf16) and wr (floats)
+};
+void run_combine(const CombineCase& c, uint32_t seed) {
+  const std::string what = "combine_dx T=" + std::to_string(c.t) + " k=" + std::to_string(c.k) + " E=" +
+                           std::to_string(c.e) + " H=" + std::to_string(c.h) + (c.router ? "" : " no router") +
+                           (c.nonfinite ? " nonfinite" : "") + (c.offset ? " offset " + std::to_string(c.offset) : "");
+  SCOPED_TRACE(what);
+  const int64_t T = c.t, H = c.h, M = c.t * c.k + 5;
+  auto rows = rand_bf16(M * H, seed);
+  std::mt19937 rng(seed + 9);
+  std::vector<int32_t> map(T * c.k);
+  for (auto& m : map) m = rng() % 7 == 0 ? -1 : int32_t(rng() % M);  // some dropped slots
+  auto dz = rand_f32(T * c.e, seed + 1, 0.1f);
+  auto w = rand_f32(size_t(c.e) * H, seed + 2, 0.05f);
+  if (c.nonfinite) {
+    rows[int64_t(map[0] >= 0 ? map[0] : 1) * H + 3] = 0x7F80;
+    dz[1 % (T * c.e)] = NAN;
+    w[5 % (c.e * H)] = -INFINITY;
+  }
+  // the CPU layer: unpermute (fma(1, row, acc) in slot order, BF16), then the router path
+  std::vector<bf16_t> want(T * H);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      float a = 0.0f;
+      for (int s = 0; s < c.k; ++s) {
+        const int32_t r = map[t * c.k + s];
+        if (r >= 0) a = std::fma(1.0f, num::bf16_to_f32(rows[r * H + h]), a);
+      }
+      float acc = num::bf16_to_f32(num::bf16_canonical(a));
+      if (c.router)
+        for (int e = 0; e < c.e; ++e) acc = std::fma(dz[t * c.e + e], w[e * H + h], acc);
+      want[t * H + h] = num::bf16_canonical(acc);
+    }
+  DBuf<bf16_t> drows(rows, c.offset), ddx(T * H, c.offset);
+  DBuf<int32_t> dmap(map);
+  DBuf<float> ddz(dz), dw(w, c.offset);
+  cuda::moe::combine_dx(drows.p, dmap.p, T, c.k, c.router ? ddz.p : nullptr, dw.p, c.e, H, ddx.p, 0);
+  CU(cudaDeviceSynchronize());
+  const std::vector<bf16_t> got = ddx.get();
+  int64_t bad = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (got[i] != want[i] && ++bad <= 5)
+      ADD_FAILURE() << what << ": [" << int64_t(i) / H << ", " << int64_t(i) % H << "] gpu 0x" << std::hex << got[i]
+                    << " host 0x" << want[i] << std::dec;
+  EXPECT_EQ(bad, 0) << what;
+}
+
+TEST(RouterGemmGpu, CombineDxMatchesHostLoop) {
+  REQUIRE_DEVICE();
+  run_combine({37, 8, 32, 1032}, 1);           // a partial 1024-feature block
+  run_combine({1, 3, 5, 64, true, true}, 2);
+  run_combine({100, 13, 20, 2048}, 3);         // k > 8: two groups of slot loads
+  run_combine({33, 6, 64, 136, false}, 4);     // no router path
+  run_combine({1000, 8, 32, 1024, true, true}, 5);
+  run_combine({20, 2, 1024, 64}, 6);           // E 1024: more than 48 KB of shared memory
+  run_combine({37, 8, 32, 1032, true, false, 2}, 7);   // rows, dx 4- not 8-byte aligned: previous kernel
+  run_combine({40, 6, 20, 256, true, true, 2}, 8);
+}
+
+// DeepSeek-V3 EP8 size (T 8192, top-8, E 32, H 7168): the new kernel against the previous one.
+TEST(RouterGemmGpu, CombineDxV3ShapeMatchesPreviousKernel) {
+  REQUIRE_DEVICE();
+  const int64_t T = 8192, H = 7168;
+  const int k = 8, E = 32;
+  const int64_t M = T * k + 1024;
+  std::mt19937 rng(11);
+  std::vector<int32_t> map(T * k);
+  for (auto& m : map) m = rng() % 50 == 0 ? -1 : int32_t(rng() % M);
+  DBuf<bf16_t> rows(M * H), dx_new(T * H), dx_old(T * H);
+  DBuf<int32_t> dmap(map);
+  DBuf<float> dz(T * E), w(size_t(E) * H);
+  cuda::moe::fill_normal(nullptr, rows.p, M * H, 21, 1.0f, 0);
+  cuda::moe::fill_normal(dz.p, nullptr, T * E, 22, 0.1f, 0);
+  cuda::moe::fill_normal(w.p, nullptr, int64_t(E) * H, 23, 0.02f, 0);
+  cuda::moe::combine_dx(rows.p, dmap.p, T, k, dz.p, w.p, E, H, dx_new.p, 0);
+  cuda::moe::router_gemm::launch_combine_dx2(rows.p, dmap.p, T, k, dz.p, w.p, E, H, dx_old.p, 0);
+  CU(cudaDeviceSynchronize());
+  CU(cudaGetLastError());
+  const std::vector<bf16_t> a = dx_new.get(), b = dx_old.get();
+  int64_t bad = 0;
+  for (size_t i = 0; i < a.size(); ++i) bad += a[i] != b[i];
+  EXPECT_EQ(bad, 0) << bad << " of " << a.size() << " dx values differ";
 }
 
 // Argument checks come before any device work (these run without a GPU too).

@@ -78,61 +78,6 @@ __global__ void fill_normal_kernel(float* __restrict__ f32, bf16_t* __restrict__
 
 // ---- router GEMMs: router_gemm.cuh ----------------------------------------------------------------
 
-// dx: one CTA per (16 tokens, 512 features); thread = 2 adjacent features of 16 tokens.
-constexpr int kDxTokens = 16;
-__global__ void __launch_bounds__(kThreads)
-combine_dx_kernel(const bf16_t* __restrict__ rows, const int32_t* __restrict__ row_map, int64_t T,
-                  int topk, const float* __restrict__ dz, const float* __restrict__ wr, int E,
-                  int64_t H, bf16_t* __restrict__ dx) {
-  extern __shared__ float s_dz[];  // [kDxTokens][E]
-  const int64_t t0 = int64_t(blockIdx.y) * kDxTokens;
-  const int64_t h = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * 2;
-  if (dz) {
-    for (int i = threadIdx.x; i < kDxTokens * E; i += kThreads) {
-      const int64_t t = t0 + i / E;
-      s_dz[i] = t < T ? dz[t * E + i % E] : 0.0f;
-    }
-  }
-  __syncthreads();
-  if (h >= H) return;
-  float acc0[kDxTokens], acc1[kDxTokens];
-#pragma unroll
-  for (int i = 0; i < kDxTokens; ++i) {
-    const int64_t t = t0 + i;
-    float a0 = 0.0f, a1 = 0.0f;
-    if (t < T) {
-      for (int s = 0; s < topk; ++s) {
-        const int32_t r = row_map[t * topk + s];
-        if (r < 0) continue;
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(rows + int64_t(r) * H + h);
-        a0 = __fadd_rn(a0, __uint_as_float(w << 16));
-        a1 = __fadd_rn(a1, __uint_as_float(w & 0xFFFF0000u));
-      }
-    }
-    // the expert path is rounded to BF16 (unpermute's output), then the router path is added
-    acc0[i] = bf16_to_f32(bf16_canonical(a0));
-    acc1[i] = bf16_to_f32(bf16_canonical(a1));
-  }
-  if (dz) {
-    for (int e = 0; e < E; ++e) {
-      const float2 w = *reinterpret_cast<const float2*>(wr + int64_t(e) * H + h);
-#pragma unroll
-      for (int i = 0; i < kDxTokens; ++i) {
-        const float d = s_dz[i * E + e];
-        acc0[i] = __fmaf_rn(d, w.x, acc0[i]);
-        acc1[i] = __fmaf_rn(d, w.y, acc1[i]);
-      }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < kDxTokens; ++i) {
-    const int64_t t = t0 + i;
-    if (t >= T) break;
-    const uint32_t o = uint32_t(bf16_canonical(acc0[i])) | (uint32_t(bf16_canonical(acc1[i])) << 16);
-    *reinterpret_cast<uint32_t*>(dx + t * H + h) = o;
-  }
-}
-
 __global__ void scatter_row_probs_kernel(const float* __restrict__ probs, const int32_t* __restrict__ row_map,
                                          int64_t n, float* __restrict__ prow) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -413,6 +358,7 @@ void router_dwr(const float* dz, const bf16_t* x, int64_t t, int e, int64_t h, f
 
 void combine_dx(const bf16_t* rows, const int32_t* row_map, int64_t t, int topk, const float* dz,
                 const float* wr, int e, int64_t h, bf16_t* dx, cudaStream_t stream) {
+  namespace rg = router_gemm;
   const char* what = "moe::combine_dx";
   FLOWMOE_CHECK(t >= 0 && topk >= 1 && e >= 1 && h > 0 && h % 8 == 0,
                 what << ": shape T=" << t << " k=" << topk << " E=" << e << " H=" << h
@@ -422,15 +368,11 @@ void combine_dx(const bf16_t* rows, const int32_t* row_map, int64_t t, int topk,
   check_ptr(row_map, "row_map", what);
   check_ptr(dx, "dx", what);
   FLOWMOE_CHECK(!dz || wr, what << ": dz given without wr");
-  const dim3 grid(static_cast<unsigned>((h / 2 + kThreads - 1) / kThreads),
-                  static_cast<unsigned>((t + kDxTokens - 1) / kDxTokens));
-  FLOWMOE_CHECK(grid.y <= 65535, what << ": T = " << t << " too large for one launch");
-  const size_t smem = dz ? size_t(kDxTokens) * e * sizeof(float) : 0;
-  if (smem > 48 * 1024) {  // E > 768: opt in to more dynamic shared memory (at most 64 KB here)
-    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(combine_dx_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem)));
-  }
-  combine_dx_kernel<<<grid, kThreads, smem, stream>>>(rows, row_map, t, topk, dz, wr, e, h, dx);
+  auto aligned8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
+  if (aligned8(rows) && aligned8(dx) && (!dz || aligned16(wr)))
+    rg::launch_combine_dx4(rows, row_map, t, topk, dz, wr, e, h, dx, stream);
+  else
+    rg::launch_combine_dx2(rows, row_map, t, topk, dz, wr, e, h, dx, stream);
   FLOWMOE_LAUNCH_CHECK("moe::combine_dx_kernel");
 }
 

@@ -25,7 +25,8 @@
 //   rows (logits) or x columns (dwr) run together and share them in L2.
 // The previous 4x4-tile kernels (tiled_*) are kept: the launchers' fallback for operands that are
 // not 16-byte aligned or shapes the staged kernels do not take (logits: H % 64 != 0; dwr:
-// H % 8 != 0), and the benchmark's baseline.
+// H % 8 != 0), and the benchmark's baseline. Also here: combine_dx, the dx combine with the router
+// path (dz . Wr fused into the unpermute), and its previous kernel (combine_dx2, same role).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,6 +35,7 @@
 
 #include "cuda/common.cuh"
 #include "flowmoe/numerics.h"
+#include "flowmoe/swiglu_math.h"
 #include "flowmoe/tensor.h"
 
 namespace flowmoe {
@@ -396,9 +398,128 @@ void launch_staged_dwr(const float* dz, const bf16_t* x, int64_t t, int e, int64
 }
 
 // =================================================================================================
+// combine_dx: dx [T, H] = bf16( bf16(sum_s rows[row_map[t, s]]) + sum_e dz[t, e] * wr[e, :] )
+// (kernels.cuh): the expert rows added in slot order from 0 (dropped slots skipped), rounded to
+// BF16, then the router path as acc = fma(dz, w, acc) for e = 0..E-1, one rounding to BF16.
+// A CTA: 16 tokens x 1024 features, a thread 4 consecutive features of the 16 tokens. The routed
+// rows are read 8 bytes per lane, the loads of two tokens' slots (up to 2 x 8) issued before any is
+// added; the router path reads 16 bytes of Wr per expert and the 16 tokens' dz as 4 broadcast
+// float4 from shared memory (dz staged transposed, [E][16]): 64 fmas per 20 registers loaded.
+// =================================================================================================
+constexpr int kCombineTokens = 16;
+constexpr int kCombineThreads = 256;
+constexpr int kCombineFeatures = 4 * kCombineThreads;  // per CTA
+constexpr int kCombineSlots = 8;                       // row loads issued together, per token
+
+inline size_t combine_smem_bytes(int topk, int e, bool router) {
+  return (router ? size_t(kCombineTokens) * e * 4 : 0) + size_t(kCombineTokens) * topk * 4;
+}
+
+// Requires H % 4 == 0, rows and dx 8-byte aligned, wr 16-byte aligned.
+__global__ void __launch_bounds__(kCombineThreads, 2)
+combine_dx4_kernel(const bf16_t* __restrict__ rows, const int32_t* __restrict__ row_map, int64_t T,
+                   int topk, const float* __restrict__ dz, const float* __restrict__ wr, int E,
+                   int64_t H, bf16_t* __restrict__ dx) {
+  extern __shared__ __align__(16) float cdx_smem[];
+  float* s_dz = cdx_smem;  // [E][16] when dz
+  int32_t* s_map = reinterpret_cast<int32_t*>(cdx_smem + (dz ? E * kCombineTokens : 0));  // [16][topk]
+  const int64_t t0 = int64_t(blockIdx.y) * kCombineTokens;
+  const int64_t h = (int64_t(blockIdx.x) * kCombineThreads + threadIdx.x) * 4;
+  const int nt = T - t0 < kCombineTokens ? static_cast<int>(T - t0) : kCombineTokens;
+  for (int i = threadIdx.x; i < kCombineTokens * topk; i += kCombineThreads)
+    s_map[i] = i < nt * topk ? row_map[t0 * topk + i] : -1;
+  if (dz) {
+    for (int i = threadIdx.x; i < kCombineTokens * E; i += kCombineThreads) {
+      const int tt = i / E, e = i % E;
+      s_dz[e * kCombineTokens + tt] = tt < nt ? dz[(t0 + tt) * E + e] : 0.0f;
+    }
+  }
+  __syncthreads();
+  if (h >= H) return;
+
+  float acc[kCombineTokens][4];
+#pragma unroll
+  for (int i = 0; i < kCombineTokens; i += 2) {
+    float a[2][4] = {};
+    if (i < nt) {  // token i+1 >= nt: its slots read -1 (nothing loaded, nothing stored)
+      for (int s0 = 0; s0 < topk; s0 += kCombineSlots) {
+        uint2 v[2][kCombineSlots];
+        bool ok[2][kCombineSlots];
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int q = 0; q < kCombineSlots; ++q) {
+            const int s = s0 + q;
+            const int32_t r = s < topk ? s_map[(i + u) * topk + s] : -1;
+            ok[u][q] = r >= 0;
+            v[u][q] = ok[u][q] ? *reinterpret_cast<const uint2*>(rows + int64_t(r) * H + h) : make_uint2(0u, 0u);
+          }
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int q = 0; q < kCombineSlots; ++q)
+            if (ok[u][q]) {  // slot order
+              a[u][0] = __fadd_rn(a[u][0], bf16_lo(v[u][q].x));
+              a[u][1] = __fadd_rn(a[u][1], bf16_hi(v[u][q].x));
+              a[u][2] = __fadd_rn(a[u][2], bf16_lo(v[u][q].y));
+              a[u][3] = __fadd_rn(a[u][3], bf16_hi(v[u][q].y));
+            }
+      }
+    }
+    // the expert path is rounded to BF16 (unpermute's output), then the router path is added
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i + u][c] = num::bf16_to_f32(num::bf16_canonical(a[u][c]));
+  }
+  if (dz) {
+#pragma unroll 2
+    for (int e = 0; e < E; ++e) {
+      const float4 w = *reinterpret_cast<const float4*>(wr + int64_t(e) * H + h);
+      const float4* d4 = reinterpret_cast<const float4*>(s_dz + e * kCombineTokens);
+#pragma unroll
+      for (int g = 0; g < kCombineTokens / 4; ++g) {
+        const float4 d = d4[g];
+        const float dv[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          float* r = acc[4 * g + u];
+          r[0] = __fmaf_rn(dv[u], w.x, r[0]);
+          r[1] = __fmaf_rn(dv[u], w.y, r[1]);
+          r[2] = __fmaf_rn(dv[u], w.z, r[2]);
+          r[3] = __fmaf_rn(dv[u], w.w, r[3]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kCombineTokens; ++i) {
+    if (i >= nt) break;
+    uint2 o;
+    o.x = uint32_t(num::bf16_canonical(acc[i][0])) | (uint32_t(num::bf16_canonical(acc[i][1])) << 16);
+    o.y = uint32_t(num::bf16_canonical(acc[i][2])) | (uint32_t(num::bf16_canonical(acc[i][3])) << 16);
+    *reinterpret_cast<uint2*>(dx + (t0 + i) * H + h) = o;
+  }
+}
+
+inline void launch_combine_dx4(const bf16_t* rows, const int32_t* row_map, int64_t t, int topk, const float* dz,
+                               const float* wr, int e, int64_t h, bf16_t* dx, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((h + kCombineFeatures - 1) / kCombineFeatures),
+                  static_cast<unsigned>((t + kCombineTokens - 1) / kCombineTokens));
+  FLOWMOE_CHECK((t + kCombineTokens - 1) / kCombineTokens <= 65535,
+                "moe::combine_dx: T = " << t << " too large for one launch");
+  const size_t smem = combine_smem_bytes(topk, e, dz != nullptr);
+  if (smem > 48 * 1024)  // E > 760: opt in to more dynamic shared memory
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(combine_dx4_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+  combine_dx4_kernel<<<grid, kCombineThreads, smem, stream>>>(rows, row_map, t, topk, dz, wr, e, h, dx);
+}
+
+// =================================================================================================
 // The previous kernels (fallback and benchmark baseline): tiles of BT tokens x BE experts (logits)
 // or BE experts x BH features (dwr), 4x4 outputs per thread, chunks of 32 of the contraction staged
-// in shared memory with scalar loads; every output's sum in the same order as above.
+// in shared memory with scalar loads; every output's sum in the same order as above. combine_dx2:
+// 16 tokens x 512 features per CTA, 2 features per thread, 4-byte row loads one slot at a time.
 // =================================================================================================
 constexpr int kTiledChunk = 32;
 
@@ -510,6 +631,62 @@ tiled_dwr_kernel(const float* __restrict__ dz, const bf16_t* __restrict__ x, int
   }
 }
 
+// dx: one CTA per (16 tokens, 512 features); thread = 2 adjacent features of 16 tokens.
+constexpr int kDxTokens = 16;
+constexpr int kDxThreads = 256;
+__global__ void __launch_bounds__(kDxThreads)
+combine_dx2_kernel(const bf16_t* __restrict__ rows, const int32_t* __restrict__ row_map, int64_t T,
+                   int topk, const float* __restrict__ dz, const float* __restrict__ wr, int E,
+                   int64_t H, bf16_t* __restrict__ dx) {
+  extern __shared__ float s_dz[];  // [kDxTokens][E]
+  const int64_t t0 = int64_t(blockIdx.y) * kDxTokens;
+  const int64_t h = (int64_t(blockIdx.x) * kDxThreads + threadIdx.x) * 2;
+  if (dz) {
+    for (int i = threadIdx.x; i < kDxTokens * E; i += kDxThreads) {
+      const int64_t t = t0 + i / E;
+      s_dz[i] = t < T ? dz[t * E + i % E] : 0.0f;
+    }
+  }
+  __syncthreads();
+  if (h >= H) return;
+  float acc0[kDxTokens], acc1[kDxTokens];
+#pragma unroll
+  for (int i = 0; i < kDxTokens; ++i) {
+    const int64_t t = t0 + i;
+    float a0 = 0.0f, a1 = 0.0f;
+    if (t < T) {
+      for (int s = 0; s < topk; ++s) {
+        const int32_t r = row_map[t * topk + s];
+        if (r < 0) continue;
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(rows + int64_t(r) * H + h);
+        a0 = __fadd_rn(a0, __uint_as_float(w << 16));
+        a1 = __fadd_rn(a1, __uint_as_float(w & 0xFFFF0000u));
+      }
+    }
+    // the expert path is rounded to BF16 (unpermute's output), then the router path is added
+    acc0[i] = num::bf16_to_f32(num::bf16_canonical(a0));
+    acc1[i] = num::bf16_to_f32(num::bf16_canonical(a1));
+  }
+  if (dz) {
+    for (int e = 0; e < E; ++e) {
+      const float2 w = *reinterpret_cast<const float2*>(wr + int64_t(e) * H + h);
+#pragma unroll
+      for (int i = 0; i < kDxTokens; ++i) {
+        const float d = s_dz[i * E + e];
+        acc0[i] = __fmaf_rn(d, w.x, acc0[i]);
+        acc1[i] = __fmaf_rn(d, w.y, acc1[i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kDxTokens; ++i) {
+    const int64_t t = t0 + i;
+    if (t >= T) break;
+    const uint32_t o = uint32_t(num::bf16_canonical(acc0[i])) | (uint32_t(num::bf16_canonical(acc1[i])) << 16);
+    *reinterpret_cast<uint32_t*>(dx + t * H + h) = o;
+  }
+}
+
 // The previous launchers' tile choice. logits: H % 32 == 0; dwr: any H.
 inline void launch_tiled_logits(const bf16_t* x, const float* wr, int64_t t, int e, int64_t h, float* z,
                                 cudaStream_t stream) {
@@ -529,6 +706,18 @@ inline void launch_tiled_dwr(const float* dz, const bf16_t* x, int64_t t, int e,
                 "moe::router_dwr: E = " << e << ", H = " << h << " too large for one launch");
   const dim3 grid(static_cast<unsigned>((h + 63) / 64), static_cast<unsigned>((e + 31) / 32));
   tiled_dwr_kernel<32, 64><<<grid, (32 / 4) * (64 / 4), 0, stream>>>(dz, x, t, e, h, dwr);
+}
+// H % 2 == 0; rows, dx 4-byte and wr 8-byte aligned.
+inline void launch_combine_dx2(const bf16_t* rows, const int32_t* row_map, int64_t t, int topk, const float* dz,
+                               const float* wr, int e, int64_t h, bf16_t* dx, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((h / 2 + kDxThreads - 1) / kDxThreads),
+                  static_cast<unsigned>((t + kDxTokens - 1) / kDxTokens));
+  FLOWMOE_CHECK((t + kDxTokens - 1) / kDxTokens <= 65535, "moe::combine_dx: T = " << t << " too large for one launch");
+  const size_t smem = dz ? size_t(kDxTokens) * e * sizeof(float) : 0;
+  if (smem > 48 * 1024)  // E > 768: opt in to more dynamic shared memory (at most 64 KB here)
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(combine_dx2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+  combine_dx2_kernel<<<grid, kDxThreads, smem, stream>>>(rows, row_map, t, topk, dz, wr, e, h, dx);
 }
 
 }  // namespace
