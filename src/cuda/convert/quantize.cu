@@ -78,6 +78,14 @@ quantize_row_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k, uint8_t*
 }
 
 // ---- K2: column-wise 128x1 (and optionally row-wise) from BF16, one 128x128 tile per CTA.
+// The BF16 tile is stored with swizzled 16-byte chunks (chunk c of row t at c ^ ((t / 16) % 8)) so
+// that the column pass's two read patterns are free of bank conflicts; the column codes are
+// stored by task = (16-token group j, feature f), the 8 lanes of a group covering one feature
+// row's 128 tokens (full 128-byte segments per store instruction).
+__device__ __forceinline__ int qc_index(int t, int f) {  // bf16 element offset of (token t, feature f)
+  constexpr int kPitch = kTile + 8;
+  return t * kPitch + (((f >> 3) ^ ((t >> 4) & 7)) << 3) + (f & 7);
+}
 __global__ void __launch_bounds__(kThreads)
 quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
                     const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend,
@@ -87,6 +95,7 @@ quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
   constexpr int kPitch = kTile + 8;  // bf16 elements; 272 bytes keeps rows 16-byte aligned
   __shared__ __align__(16) uint16_t s_x[kTile * kPitch];
   __shared__ uint32_t s_amax[2][kTile];
+  __shared__ uint8_t s_code[kTile];
   int64_t b, kt;
   detail::tile_coords(b, kt);
   const int bs = bstart[b];
@@ -109,7 +118,7 @@ quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int row = (batch * 4 + j) * 16 + (tid >> 4), ch = tid & 15;
-      *reinterpret_cast<uint4*>(&s_x[row * kPitch + ch * 8]) = v[j];
+      *reinterpret_cast<uint4*>(&s_x[qc_index(row, ch * 8)]) = v[j];
       if (want_row) {
         const uint32_t amax_bits = detail::group_max_u(detail::absmax8_bits(v[j]), 16);
         const bool tile_bad = amax_bits >= detail::kBf16NonFiniteBits;
@@ -124,28 +133,39 @@ quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
   }
   __syncthreads();
 
-  // Column pass: thread = (feature f, half of the tokens).
-  const int f = tid & (kTile - 1), half = tid >> 7;
-  uint32_t amax_bits = 0;  // rows >= n are zero in s_x
-  for (int i = 0; i < 64; ++i) amax_bits = max(amax_bits, static_cast<uint32_t>(s_x[(half * 64 + i) * kPitch + f] & 0x7FFFu));
-  s_amax[half][f] = amax_bits;
-  if (!want_row && __any_sync(0xffffffffu, amax_bits >= detail::kBf16NonFiniteBits)) {
-    int bad = 0;
-    for (int i = 0; i < 64; ++i) bad += (s_x[(half * 64 + i) * kPitch + f] & 0x7F80u) == 0x7F80u;
-    detail::warp_count(nonfinite, bad);
+  // Column amax: thread = (feature f, half of the tokens).
+  {
+    const int f = tid & (kTile - 1), half = tid >> 7;
+    uint32_t amax_bits = 0;  // rows >= n are zero in s_x
+    for (int i = 0; i < 64; ++i) amax_bits = max(amax_bits, static_cast<uint32_t>(s_x[qc_index(half * 64 + i, f)] & 0x7FFFu));
+    s_amax[half][f] = amax_bits;
+    if (!want_row && __any_sync(0xffffffffu, amax_bits >= detail::kBf16NonFiniteBits)) {
+      int bad = 0;
+      for (int i = 0; i < 64; ++i) bad += (s_x[qc_index(half * 64 + i, f)] & 0x7F80u) == 0x7F80u;
+      detail::warp_count(nonfinite, bad);
+    }
   }
   __syncthreads();
-  amax_bits = max(s_amax[0][f], s_amax[1][f]);
-  const bool col_bad = amax_bits >= detail::kBf16NonFiniteBits;
-  const float amax = detail::bf16_bits_to_f32(amax_bits);
-  const int e = e4m3_scale_exp(amax);
-  if (half == 0) col_scales[b * k + kt * kTile + f] = col_bad ? kUE8M0NaN : ue8m0_from_exp(e);
-  const float inv = detail::inv_pow2(e);
-  uint8_t* dst = col_codes + (kt * kTile + f) * m + bs;
+  if (tid < kTile) {
+    const uint32_t amax_bits = max(s_amax[0][tid], s_amax[1][tid]);
+    const uint8_t code = amax_bits >= detail::kBf16NonFiniteBits
+                             ? kUE8M0NaN
+                             : ue8m0_from_exp(e4m3_scale_exp(detail::bf16_bits_to_f32(amax_bits)));
+    s_code[tid] = code;
+    col_scales[b * k + kt * kTile + tid] = code;
+  }
+  __syncthreads();
+
+  // Column codes: task = (16-token group j, feature f).
   const bool vec = (m % 16 == 0) && (bs % 16 == 0);
-  for (int j = 0; j < 4; ++j) {
-    const int t0 = half * 64 + j * 16;
-    if (t0 >= n) break;
+  for (int task = tid; task < kTile * (kTile / 16); task += kThreads) {
+    const int j = task & 7, f = task >> 3;
+    const int t0 = j * 16;
+    if (t0 >= n) continue;
+    const uint8_t code = s_code[f];
+    const bool col_bad = code == kUE8M0NaN;
+    const float inv = col_bad ? 0.0f : detail::inv_pow2(static_cast<int>(code) - kUE8M0Bias);
+    uint8_t* dst = col_codes + (kt * kTile + f) * m + bs;
     uint32_t w[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -153,8 +173,8 @@ quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
 #pragma unroll
       for (int p = 0; p < 4; p += 2) {
         const int t = t0 + 4 * q + p;
-        const float a = __uint_as_float(static_cast<uint32_t>(s_x[t * kPitch + f]) << 16) * inv;
-        const float c = __uint_as_float(static_cast<uint32_t>(s_x[(t + 1) * kPitch + f]) << 16) * inv;
+        const float a = __uint_as_float(static_cast<uint32_t>(s_x[qc_index(t, f)]) << 16) * inv;
+        const float c = __uint_as_float(static_cast<uint32_t>(s_x[qc_index(t + 1, f)]) << 16) * inv;
         word |= static_cast<uint32_t>(col_bad ? 0x7F7Fu : detail::e4m3x2(a, c)) << (8 * p);
       }
       w[q] = word;
