@@ -97,6 +97,12 @@ class Communicator {
   // ranks: num_experts = 8 on rank 0 but 6 on rank 1".
   void check_uniform(const char* what, const std::vector<std::string>& names,
                      const std::vector<int64_t>& values);
+  // Collective: each rank passes "" or the message of the error its local checks raised (a bad
+  // argument, a failed precondition). Returns when every rank passed ""; otherwise a rank with an
+  // error throws Error(its message) and every other rank a CommError "<what>: rank p rejected its
+  // input ...": a local error fails every rank at once instead of leaving the others waiting in
+  // the next collective until the timeout. One alltoall_i32 of one int per peer.
+  void agree_on_local_errors(const char* what, const std::string& local_error);
 
  protected:
   Communicator() = default;

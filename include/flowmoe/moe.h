@@ -5,7 +5,8 @@
 //
 // Notation: T tokens of this call, H hidden size, F expert FFN size, E experts (all experts of the
 // layer; with expert parallelism El = E / ranks local experts hold weights on a rank), k = top-k,
-// A = segment alignment, Mp = padded routed rows (sum over experts of round_up(count, A)).
+// A = segment alignment, Mp = padded routed rows (sum over experts of round_up(count, A); with
+// expert parallelism: over this rank's El experts, of the rows every rank routed to them).
 // Shapes are row-major, written like `[T, H] bf16`.
 //
 // The computation (every recipe computes this function; they differ in the precision of each
@@ -29,6 +30,20 @@
 //
 // Gradients (backward): dx [T, H] bf16 (expert path + router path); dW1 [E, 2F, H], dW2 [E, H, F],
 // dWr [E, H], all fp32 and accumulated (+=) into the caller's buffers (main gradients).
+//
+// Expert parallelism (MoeConfig::comm; CPU backend only so far; docs/EP.md §5): R ranks, E = R*El;
+// global expert g lives on rank g / El as local expert g % El. Each rank passes its own T tokens
+// (T may differ between ranks) and routes them over all E experts with the same (replicated) Wr;
+// the routed rows are dispatched to the experts' ranks in the recipe's wire format, the El local
+// experts run on the padded rows they received (rank 0's rows first, each rank's in (token, slot)
+// order), and the outputs are combined back (BF16) to the token's rank, which sums the slots in
+// slot order. W1, W2 and dW1, dW2 then hold the El local experts ([El, 2F, H], [El, H, F]); Wr and
+// dWr stay [E, H]: dWr is this rank's contribution (its own tokens), which a data-parallel
+// all-reduce over the ranks sums like any replicated weight's gradient (the layer does not). The
+// aux loss is per rank (see aux_loss_alpha). With a communicator make_cpu_layer, forward and
+// backward are collective (every rank calls them, in the same order); set_weights is local.
+// Results: y and dx of each rank's tokens and dW1, dW2 of each expert are the bits of one rank
+// holding all E experts run on the concatenation of all ranks' tokens in rank order.
 #pragma once
 
 #include <cstdint>
@@ -78,11 +93,18 @@ struct MoeConfig {
   RouterScore router = RouterScore::kSoftmax;
   bool router_renormalize = false;  // divide the k chosen scores by their sum (token.h)
   float router_scale = 1.0f;        // multiplies the probs (DeepSeek-V3's routed_scaling_factor)
-  float aux_loss_alpha = 0.0f;      // load-balancing loss coefficient; 0 = no aux loss
+  float aux_loss_alpha = 0.0f;      // load-balancing loss coefficient; 0 = no aux loss. With
+                                    // expert parallelism the statistics (f_e, P_e) are this
+                                    // rank's tokens only (per-rank micro-batch loss, Megatron's
+                                    // default), not all-reduced over the ranks.
   int align = 128;          // A: expert segment alignment, one of 16, 32, 64, 128
   Recipe recipe = Recipe::kFlow;
   int64_t max_tokens = 0;   // largest T of a forward call (workspaces are sized for it), >= 1
-  Communicator* comm = nullptr;  // null: single rank (the only mode implemented so far)
+  // null: single rank, all E experts local. Otherwise expert parallelism over comm's ranks (see
+  // the top of this file): CPU backend with a host-memory communicator (SimWorld); the CUDA
+  // backend rejects it so far. E must be a multiple of the rank count; every rank must pass the
+  // same configuration (compared across ranks by make_cpu_layer: CommError on every rank).
+  Communicator* comm = nullptr;
   // Also compare every column-wise wgrad operand with the row-wise tensor of the same values
   // (costs a dequantize of both; for tests and the numerics report). See ColumnCheck.
   bool check_columns = false;
@@ -95,18 +117,22 @@ struct MoeConfig {
   // Throws flowmoe::Error naming the field, its value and what is expected.
   void validate() const;
   RouterConfig router_config() const;  // the token.h router configuration
-  int num_local_experts() const;       // El (= E without a communicator)
-  // Row capacity of the permuted buffers for max_tokens: routing_max_rows(max_tokens, k, E, A).
+  int num_local_experts() const;       // El = E / ranks (= E without a communicator)
+  // Row capacity of the permuted buffers for max_tokens: routing_max_rows(max_tokens, k, E, A);
+  // with a communicator of R ranks routing_max_rows(R * max_tokens, k, El, A) (every rank may
+  // route all its rows to this rank's experts).
   int64_t max_rows() const;
   std::string describe() const;  // one line, e.g. "H=7168 F=2048 E=32 k=8 softmax A=128 flow"
 };
 
 // Weights: FP32 masters in the backend's memory space (host pointers for the CPU backend, device
-// pointers for the CUDA backend). `router_bias` [E] fp32 or null: added to the scores for
-// selection only (DeepSeek-V3's aux-loss-free balancing), not differentiated.
+// pointers for the CUDA backend). With expert parallelism w1 and w2 hold this rank's El local
+// experts (global experts rank*El .. rank*El + El - 1), wr and router_bias all E (replicated).
+// `router_bias` [E] fp32 or null: added to the scores for selection only (DeepSeek-V3's
+// aux-loss-free balancing), not differentiated.
 struct MoeWeights {
-  const float* w1 = nullptr;  // [E, 2F, H] fp32 (rows [0, F): gate, [F, 2F): up)
-  const float* w2 = nullptr;  // [E, H, F]  fp32
+  const float* w1 = nullptr;  // [El, 2F, H] fp32 (rows [0, F): gate, [F, 2F): up); El = E alone
+  const float* w2 = nullptr;  // [El, H, F]  fp32
   const float* wr = nullptr;  // [E, H]     fp32 router
   const float* router_bias = nullptr;  // [E] fp32 or null
 };
@@ -114,9 +140,9 @@ struct MoeWeights {
 // Gradient outputs, accumulated into (+=), same memory space as the weights. A null pointer skips
 // that gradient.
 struct MoeGrads {
-  float* dw1 = nullptr;  // [E, 2F, H] fp32 +=
-  float* dw2 = nullptr;  // [E, H, F]  fp32 +=
-  float* dwr = nullptr;  // [E, H]     fp32 +=
+  float* dw1 = nullptr;  // [El, 2F, H] fp32 += (the local experts; El = E on one rank)
+  float* dw2 = nullptr;  // [El, H, F]  fp32 +=
+  float* dwr = nullptr;  // [E, H]     fp32 += (with EP: this rank's tokens' contribution)
 };
 
 // ---- accounting -----------------------------------------------------------------------------
@@ -164,14 +190,29 @@ struct ColumnCheck {
   int64_t underflow = 0;  // underflow the conversion counted (exact paths only)
 };
 
+// One exchange of the expert-parallel layer (MoeConfig::comm set) as executed: what this rank put
+// on the wire to other ranks (rows to itself are local copies, not counted). Moving rows is not a
+// cast: the quantizations around it are CastOps.
+struct WireTransfer {
+  MoePass pass = MoePass::kForward;
+  std::string name;    // "dispatch x", "combine expert output rows", "dispatch dy", ...
+  std::string format;  // wire format (comm.h wire_format_name) + what travels with each row
+  int64_t rows = 0;    // rows sent to other ranks
+  int64_t bytes = 0;   // payload bytes sent to other ranks (codes + scales + probs)
+};
+
 struct CastReport {
   Recipe recipe = Recipe::kBf16;
   int64_t tokens = 0;        // T of the last forward
-  int64_t routed_rows = 0;   // T * k routed rows (minus dropped slots)
-  int64_t padded_rows = 0;   // Mp
+  int64_t routed_rows = 0;   // T * k routed rows (minus dropped slots) of this rank's tokens
+  int64_t padded_rows = 0;   // Mp (with EP: of the rows this rank's local experts received)
   std::vector<CastOp> ops;   // weight update, then forward, then backward, in execution order
   std::vector<SavedTensor> saved;  // after the last forward
   std::vector<ColumnCheck> columns;
+  // Expert parallelism: the exchanges of the last forward and backward (empty on one rank). The
+  // saved tensors of an EP rank hold the rows its experts received; bytes_per_token_unpadded
+  // divides them by this rank's T (averaged over the ranks: the single-rank figure).
+  std::vector<WireTransfer> wire;
   QuantStats forward_stats, backward_stats;  // nonfinite and underflow seen by each pass
 
   // Operator counts per pass (launches; a kind's `calls` summed).
@@ -181,6 +222,8 @@ struct CastReport {
   int64_t saved_bytes() const;             // sum over `saved`
   double saved_bytes_per_token() const;    // saved_bytes() / tokens
   double saved_bytes_per_token_unpadded() const;  // sum of SavedTensor::bytes_per_token_unpadded
+  int64_t wire_bytes(MoePass p) const;            // sum of WireTransfer::bytes of a pass
+  double wire_bytes_per_token(MoePass p) const;   // wire_bytes(p) / tokens
   std::string to_string() const;           // human-readable table of ops and saved tensors
 };
 

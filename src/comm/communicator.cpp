@@ -83,6 +83,19 @@ void Communicator::check_uniform(const char* what, const std::vector<std::string
   }
 }
 
+void Communicator::agree_on_local_errors(const char* what, const std::string& local_error) {
+  const int world = world_size();
+  std::vector<int32_t> send(world, local_error.empty() ? 0 : 1), recv(world, 0);
+  alltoall_i32(send.data(), recv.data(), 1);
+  if (!local_error.empty()) throw Error(__FILE__, __LINE__, local_error);
+  for (int p = 0; p < world; ++p)
+    if (recv[p] != 0)
+      throw CommError(__FILE__, __LINE__,
+                      std::string(what) + ": rank " + std::to_string(p) +
+                          " rejected its input (its own error message says why); rank " +
+                          std::to_string(rank()) + " stops too");
+}
+
 // ---- wire formats -------------------------------------------------------------------------------
 const char* wire_format_name(WireFormat f) {
   switch (f) {

@@ -11,21 +11,6 @@ namespace flowmoe {
 
 namespace {
 
-// Every rank learns whether every rank's local input was valid, so that a bad input on one rank
-// raises an error on all of them instead of leaving the others waiting in the next collective.
-void agree_on_local_error(Communicator& comm, const char* what, const std::string& local_error) {
-  const int world = comm.world_size();
-  std::vector<int32_t> send(world, local_error.empty() ? 0 : 1), recv(world, 0);
-  comm.alltoall_i32(send.data(), recv.data(), 1);
-  if (!local_error.empty()) throw Error(__FILE__, __LINE__, local_error);
-  for (int p = 0; p < world; ++p)
-    if (recv[p] != 0)
-      throw CommError(__FILE__, __LINE__,
-                      std::string(what) + ": rank " + std::to_string(p) +
-                          " rejected its input (its own error message says why); rank " +
-                          std::to_string(comm.rank()) + " stops too");
-}
-
 void check_plan(const DispatchPlan& plan, const Communicator& comm, const char* what) {
   FLOWMOE_CHECK(plan.world == comm.world_size() && plan.rank == comm.rank() &&
                     plan.local_experts >= 1 &&
@@ -122,7 +107,7 @@ DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
   } catch (const Error& e) {
     local_error = e.what();
   }
-  agree_on_local_error(comm, "plan_dispatch", local_error);
+  comm.agree_on_local_errors("plan_dispatch", local_error);
   return exchange_counts(comm, cfg, send_counts, tokens);
 }
 
@@ -180,7 +165,7 @@ DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int3
 
 DispatchPlan plan_dispatch(Communicator& comm, const EpConfig& cfg, const int32_t* ids,
                            int64_t tokens) {
-  // Local validation happens inside the collective protocol (agree_on_local_error), so a rank
+  // Local validation happens inside the collective protocol (agree_on_local_errors), so a rank
   // with bad ids makes every rank fail instead of leaving them waiting.
   cpu::Routing routing;
   std::string local_error;
@@ -196,7 +181,7 @@ DispatchPlan plan_dispatch(Communicator& comm, const EpConfig& cfg, const int32_
                      {"num_experts", "topk", "hidden", "align", "wire format", "with_probs"},
                      {cfg.num_experts, cfg.topk, cfg.hidden, cfg.align,
                       static_cast<int64_t>(cfg.format), cfg.with_probs ? 1 : 0});
-  agree_on_local_error(comm, "plan_dispatch", local_error);
+  comm.agree_on_local_errors("plan_dispatch", local_error);
   DispatchPlan plan = exchange_counts(comm, cfg, counts.data(), tokens);
   plan.send_routing = std::move(routing);
   return plan;

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "flowmoe/comm.h"
 #include "flowmoe/error.h"
 #include "flowmoe/moe.h"
 
@@ -102,13 +103,19 @@ void MoeConfig::validate() const {
                      << " unknown; expected bf16, blockwise, fp8-naive, flow or flow-fp4");
   FLOWMOE_CHECK(max_tokens >= 1, what << ": max_tokens = " << max_tokens
                                       << "; expected the largest T of a forward call, >= 1");
-  FLOWMOE_CHECK(routing_max_rows(max_tokens, topk, num_experts, align) <= INT32_MAX,
-                what << ": max_tokens = " << max_tokens << " gives up to "
-                     << routing_max_rows(max_tokens, topk, num_experts, align)
+  if (comm != nullptr) {
+    const int world = comm->world_size();
+    FLOWMOE_CHECK(world >= 1, what << ": the communicator reports " << world << " ranks");
+    FLOWMOE_CHECK(num_experts % world == 0,
+                  what << ": num_experts E = " << num_experts << " is not divisible by the "
+                       << world << " ranks of the communicator; expert parallelism splits the "
+                          "experts evenly (El = E / ranks local experts per rank), so E must be a "
+                          "multiple of "
+                       << world);
+  }
+  FLOWMOE_CHECK(max_rows() <= INT32_MAX,
+                what << ": max_tokens = " << max_tokens << " gives up to " << max_rows()
                      << " padded rows, which do not fit int32 row indices; expected fewer tokens");
-  FLOWMOE_CHECK(comm == nullptr,
-                what << ": a communicator was given, but expert parallelism is not implemented "
-                        "yet; expected comm == nullptr (single rank, all experts local)");
 }
 
 RouterConfig MoeConfig::router_config() const {
@@ -121,10 +128,16 @@ RouterConfig MoeConfig::router_config() const {
   return rc;
 }
 
-int MoeConfig::num_local_experts() const { return num_experts; }  // single rank so far
+int MoeConfig::num_local_experts() const {
+  return comm ? num_experts / comm->world_size() : num_experts;
+}
 
 int64_t MoeConfig::max_rows() const {
-  return routing_max_rows(max_tokens, topk, num_experts, align);
+  if (comm == nullptr) return routing_max_rows(max_tokens, topk, num_experts, align);
+  // Expert parallelism: every rank (same max_tokens, checked across ranks by the layer) may send
+  // all its routed rows to this rank's El experts.
+  const int64_t world = comm->world_size();
+  return routing_max_rows(world * max_tokens, topk, num_local_experts(), align);
 }
 
 std::string MoeConfig::describe() const {
@@ -163,6 +176,17 @@ double CastReport::saved_bytes_per_token_unpadded() const {
   return n;
 }
 
+int64_t CastReport::wire_bytes(MoePass p) const {
+  int64_t n = 0;
+  for (const WireTransfer& w : wire)
+    if (w.pass == p) n += w.bytes;
+  return n;
+}
+
+double CastReport::wire_bytes_per_token(MoePass p) const {
+  return tokens > 0 ? static_cast<double>(wire_bytes(p)) / static_cast<double>(tokens) : 0.0;
+}
+
 std::string CastReport::to_string() const {
   std::ostringstream os;
   char buf[256];
@@ -195,6 +219,18 @@ std::string CastReport::to_string() const {
       std::snprintf(buf, sizeof buf, "    %-28s %-30s %lld of %lld differ, underflow %lld\n",
                     c.name.c_str(), c.method.c_str(), static_cast<long long>(c.differ),
                     static_cast<long long>(c.elements), static_cast<long long>(c.underflow));
+      os << buf;
+    }
+  }
+  if (!wire.empty()) {
+    os << "  sent to other ranks (expert parallelism): forward " << wire_bytes(MoePass::kForward)
+       << " bytes (" << wire_bytes_per_token(MoePass::kForward) << " per token), backward "
+       << wire_bytes(MoePass::kBackward) << " bytes (" << wire_bytes_per_token(MoePass::kBackward)
+       << " per token)\n";
+    for (const WireTransfer& w : wire) {
+      std::snprintf(buf, sizeof buf, "    %-8s %-28s %-24s %8lld rows %12lld bytes\n",
+                    moe_pass_name(w.pass), w.name.c_str(), w.format.c_str(),
+                    static_cast<long long>(w.rows), static_cast<long long>(w.bytes));
       os << buf;
     }
   }

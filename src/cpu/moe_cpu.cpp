@@ -5,12 +5,24 @@
 //
 // Every operator that converts precision is run through OpLog, which appends it to the cast report
 // when it runs: the report counts what this file executes, not a table.
+//
+// Expert parallelism (MoeConfig::comm, a host-memory Communicator such as SimWorld's; docs/EP.md §5):
+// the token movement changes and nothing else. Each rank routes its own T tokens over all E experts
+// (replicated router), plans the dispatch (DispatchPlan: counts exchanged, each local expert's
+// segment holds rank 0's rows, then rank 1's, ..., each in (token, slot) order, padded to A), moves
+// its rows in the recipe's wire format where one rank would permute+pad, runs its El local experts
+// on the padded rows exactly as one rank does, and combines the expert outputs (BF16) back to the
+// token's rank where one rank would unpermute. Every step between dispatch and combine is row-wise
+// or per expert segment, and the segments hold the same rows in the same order as one rank holding
+// all experts over the concatenated batch, so the results are that layer's bits.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <vector>
 
+#include "flowmoe/comm.h"
 #include "flowmoe/cpu/convert.h"
 #include "flowmoe/error.h"
 #include "flowmoe/gemm.h"
@@ -348,7 +360,8 @@ std::vector<float> decode(const QTensor& q) {
 class CpuMoeLayer final : public MoeLayer {
  public:
   explicit CpuMoeLayer(const MoeConfig& cfg)
-      : MoeLayer(cfg), E_(cfg.num_experts), H_(cfg.hidden), F_(cfg.ffn), K_(cfg.topk) {
+      : MoeLayer(cfg), E_(cfg.num_experts), El_(cfg.num_local_experts()), H_(cfg.hidden),
+        F_(cfg.ffn), K_(cfg.topk), comm_(cfg.comm) {
     rep_.recipe = cfg.recipe;
     // Host workspaces for cfg.max_tokens (the reference operators still allocate their outputs).
     const int64_t R = cfg.max_rows();
@@ -362,9 +375,11 @@ class CpuMoeLayer final : public MoeLayer {
   void set_weights(const MoeWeights& w) override {
     const char* what = "MoeLayer::set_weights";
     FLOWMOE_CHECK(w.w1 && w.w2 && w.wr,
-                  what << ": w1, w2 and wr must be non-null host pointers (W1 [E, 2F, H], W2 "
-                          "[E, H, F], Wr [E, H] fp32)");
-    const int64_t n1 = int64_t(E_) * 2 * F_ * H_, n2 = int64_t(E_) * H_ * F_;
+                  what << ": w1, w2 and wr must be non-null host pointers (W1 [El, 2F, H], W2 "
+                          "[El, H, F] of the El = "
+                       << El_ << " local experts, Wr [E, H] fp32)");
+    // W1, W2: this rank's El local experts (El = E on a single rank); Wr: all E (replicated).
+    const int64_t n1 = int64_t(El_) * 2 * F_ * H_, n2 = int64_t(El_) * H_ * F_;
     check_finite(w.w1, n1, "W1");
     check_finite(w.w2, n2, "W2");
     check_finite(w.wr, int64_t(E_) * H_, "Wr");
@@ -380,22 +395,22 @@ class CpuMoeLayer final : public MoeLayer {
     OpLog log(&rep_, MoePass::kWeightUpdate);
     const Recipe rc = cfg_.recipe;
     if (rc == Recipe::kBlockwise || rc == Recipe::kFlow || rc == Recipe::kFlowFp4) {
-      w1q_.assign(E_, QTensor());
-      w1t_.assign(E_, QTensor());
-      w2q_.assign(E_, QTensor());
-      w2t_.assign(E_, QTensor());
-      for (int e = 0; e < E_; ++e) {
+      w1q_.assign(El_, QTensor());
+      w1t_.assign(El_, QTensor());
+      w2q_.assign(El_, QTensor());
+      w2t_.assign(El_, QTensor());
+      for (int e = 0; e < El_; ++e) {
         cpu::quantize_weight(&w1b_[e * 2 * F_ * H_], 2 * F_, H_, &w1q_[e], &w1t_[e]);
         cpu::quantize_weight(&w2b_[e * H_ * F_], H_, F_, &w2q_[e], &w2t_[e]);
       }
       log.add(CastKind::kQuantize, "quantize W1 (128x128 + exact transpose)", 2, n1);
       log.add(CastKind::kQuantize, "quantize W2 (128x128 + exact transpose)", 2, n2);
     } else if (rc == Recipe::kFp8Naive) {
-      w1n_.assign(E_, F32Q());
-      w1nt_.assign(E_, F32Q());
-      w2n_.assign(E_, F32Q());
-      w2nt_.assign(E_, F32Q());
-      for (int e = 0; e < E_; ++e) {
+      w1n_.assign(El_, F32Q());
+      w1nt_.assign(El_, F32Q());
+      w2n_.assign(El_, F32Q());
+      w2nt_.assign(El_, F32Q());
+      for (int e = 0; e < El_; ++e) {
         f32q_weight(&w1b_[e * 2 * F_ * H_], 2 * F_, H_, &w1n_[e], &w1nt_[e]);
         f32q_weight(&w2b_[e * H_ * F_], H_, F_, &w2n_[e], &w2nt_[e]);
       }
@@ -407,17 +422,20 @@ class CpuMoeLayer final : public MoeLayer {
 
   void forward(const bf16_t* x, int64_t tokens, bf16_t* y) override {
     const char* what = "MoeLayer::forward";
-    FLOWMOE_CHECK(have_weights_, what << ": no weights; call set_weights first");
-    FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
-                  what << ": T = " << tokens << " tokens; expected 1 <= T <= max_tokens = "
-                       << cfg_.max_tokens);
-    FLOWMOE_CHECK(x && y, what << ": x and y must be non-null host pointers to [T, H] bf16");
+    local_checks(what, [&] {
+      FLOWMOE_CHECK(have_weights_, what << ": no weights; call set_weights first");
+      FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
+                    what << ": T = " << tokens << " tokens; expected 1 <= T <= max_tokens = "
+                         << cfg_.max_tokens);
+      FLOWMOE_CHECK(x && y, what << ": x and y must be non-null host pointers to [T, H] bf16");
+    });
     T_ = tokens;
     have_forward_ = false;
     drop_ops(&rep_, MoePass::kForward);
     drop_ops(&rep_, MoePass::kBackward);
     rep_.saved.clear();
     rep_.columns.clear();
+    rep_.wire.clear();
     rep_.forward_stats = QuantStats();
     rep_.backward_stats = QuantStats();
     status_ = MoeStatus();
@@ -441,10 +459,15 @@ class CpuMoeLayer final : public MoeLayer {
 
   void backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) override {
     const char* what = "MoeLayer::backward";
-    FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
-                                         "consumes the activations of the latest forward)");
-    FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null host pointers to [T, H] bf16");
+    local_checks(what, [&] {
+      FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
+                                           "consumes the activations of the latest forward)");
+      FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null host pointers to [T, H] bf16");
+    });
     drop_ops(&rep_, MoePass::kBackward);
+    rep_.wire.erase(std::remove_if(rep_.wire.begin(), rep_.wire.end(),
+                                   [](const WireTransfer& w) { return w.pass == MoePass::kBackward; }),
+                    rep_.wire.end());
     rep_.columns.resize(forward_columns_);  // drop the checks of an earlier backward
     rep_.backward_stats = QuantStats();
     QuantStats& st = rep_.backward_stats;
@@ -482,6 +505,34 @@ class CpuMoeLayer final : public MoeLayer {
     return s;
   }
 
+  // Runs the local precondition checks of a pass. With a communicator the pass is collective, so
+  // every rank learns whether every rank passed them: a bad call on one rank fails every rank at
+  // once (this rank rethrows its own error; the others get a CommError naming it) instead of
+  // leaving the others waiting in the dispatch until the timeout.
+  template <typename Checks>
+  void local_checks(const char* what, Checks&& checks) {
+    if (comm_ == nullptr) {
+      checks();
+      return;
+    }
+    std::exception_ptr mine;
+    std::string msg;
+    try {
+      checks();
+    } catch (const Error& e) {
+      mine = std::current_exception();
+      msg = e.what();
+    }
+    if (mine) {
+      try {
+        comm_->agree_on_local_errors(what, msg);
+      } catch (const Error&) {
+      }
+      std::rethrow_exception(mine);
+    }
+    comm_->agree_on_local_errors(what, msg);
+  }
+
   // ---- router and routing (the same in every recipe: FP32 from the BF16 input) ----------------
   void route(const bf16_t* x, QuantStats* st) {
     const int64_t T = T_;
@@ -507,15 +558,159 @@ class CpuMoeLayer final : public MoeLayer {
       aux_loss_ = cpu::router_aux_loss(logits_.data(), ids_.data(), T, rc, cfg_.aux_loss_alpha,
                                        aux_coef_.data());
     }
-    r_ = cpu::build_routing(ids_.data(), T, K_, E_, cfg_.align);
-    seg_ = padded_segments();
-    Mp_ = r_.padded_rows();
-    prow_.assign(Mp_, 0.0f);
-    for (int64_t i = 0; i < T * K_; ++i)
-      if (r_.row_map[i] >= 0) prow_[r_.row_map[i]] = probs_[i];
+    if (comm_ == nullptr) {
+      r_ = cpu::build_routing(ids_.data(), T, K_, E_, cfg_.align);
+      seg_ = padded_segments();
+      Mp_ = r_.padded_rows();
+      prow_.assign(Mp_, 0.0f);
+      for (int64_t i = 0; i < T * K_; ++i)
+        if (r_.row_map[i] >= 0) prow_[r_.row_map[i]] = probs_[i];
+      rep_.routed_rows = r_.routed_rows();
+    } else {
+      // Expert parallelism: the plan (collective: configuration check, count all-to-all). The
+      // forward dispatch moves each row's probability with it into prow_ (0 on padding rows).
+      EpConfig ec;
+      ec.num_experts = E_;
+      ec.topk = K_;
+      ec.hidden = H_;
+      ec.align = cfg_.align;
+      ec.format = forward_wire_format();
+      ec.with_probs = true;
+      plan_ = plan_dispatch(*comm_, ec, ids_.data(), T);
+      // r_ describes this rank's El local expert segments (counts, offsets, padded offsets; no
+      // token map: the send side's map is plan_.send_routing).
+      r_ = cpu::Routing();
+      r_.tokens = 0;
+      r_.topk = K_;
+      r_.num_experts = El_;
+      r_.align = cfg_.align;
+      r_.counts = plan_.expert_counts;
+      r_.offsets.assign(El_ + 1, 0);
+      for (int l = 0; l < El_; ++l) r_.offsets[l + 1] = r_.offsets[l] + r_.counts[l];
+      r_.padded_offsets = plan_.padded_offsets;
+      seg_ = padded_segments();
+      Mp_ = r_.padded_rows();
+      prow_.assign(Mp_, 0.0f);
+      rep_.routed_rows = plan_.send_routing.routed_rows();
+    }
     rep_.tokens = T;
-    rep_.routed_rows = r_.routed_rows();
     rep_.padded_rows = Mp_;
+  }
+
+  // ---- token movement: permute+pad / unpermute on one rank, dispatch / combine with EP ----------
+  // The wire format of the forward dispatch (the recipe's format of x before GEMM1).
+  WireFormat forward_wire_format() const {
+    switch (cfg_.recipe) {
+      case Recipe::kBf16:
+      case Recipe::kBlockwise: return WireFormat::kBf16;
+      case Recipe::kFp8Naive: return WireFormat::kFp8Fp32Scale;
+      case Recipe::kFlow: return WireFormat::kFp8;
+      case Recipe::kFlowFp4: return WireFormat::kMxfp4;
+    }
+    return WireFormat::kBf16;
+  }
+  // The forward plan with another wire format: forward dispatches carry the probabilities,
+  // backward ones do not. Same counts and layouts, no collective.
+  DispatchPlan plan_for(MoePass pass, WireFormat f) const {
+    DispatchPlan p = plan_;
+    p.format = f;
+    p.with_probs = pass == MoePass::kForward;
+    return p;
+  }
+  // Rows and bytes this rank sent to other ranks (its own rows are local copies).
+  void log_dispatch(MoePass pass, const std::string& name, const DispatchPlan& p) {
+    WireTransfer w;
+    w.pass = pass;
+    w.name = name;
+    w.format = std::string(wire_format_name(p.format)) + (p.with_probs ? " + fp32 prob" : "");
+    for (int q = 0; q < p.world; ++q)
+      if (q != p.rank) w.rows += p.rows_to(q);
+    w.bytes = p.wire_bytes(p.format, p.with_probs);
+    rep_.wire.push_back(w);
+  }
+  void log_combine(MoePass pass, const std::string& name, const std::string& format,
+                   int64_t row_bytes) {
+    WireTransfer w;
+    w.pass = pass;
+    w.name = name;
+    w.format = format;
+    for (int q = 0; q < plan_.world; ++q)
+      if (q != plan_.rank) w.rows += plan_.rows_from(q);
+    w.bytes = w.rows * row_bytes;
+    rep_.wire.push_back(w);
+  }
+
+  // token rows [T, H] bf16 -> padded rows [Mp, H] bf16 of the local experts
+  void permute_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name) {
+    if (comm_ == nullptr) {
+      cpu::permute_pad_bf16(tok, H_, r_, rows);
+      return;
+    }
+    const DispatchPlan p = plan_for(pass, WireFormat::kBf16);
+    const bool fwd = pass == MoePass::kForward;
+    ep_dispatch_bf16(*comm_, p, tok, fwd ? probs_.data() : nullptr, rows,
+                     fwd ? prow_.data() : nullptr);
+    log_dispatch(pass, name, p);
+  }
+
+  // padded expert output rows [Mp, H] bf16 -> y [T, H] bf16 (plain sum in slot order)
+  void unpermute_bf16(const std::vector<bf16_t>& rows, bf16_t* tok) {
+    if (comm_ == nullptr) {
+      cpu::unpermute_unpad(rows.data(), nullptr, H_, r_, tok);
+      return;
+    }
+    ep_combine_bf16(*comm_, plan_, rows.data(), nullptr, tok);
+    log_combine(MoePass::kForward, "combine expert output rows", "bf16", 2 * H_);
+  }
+
+  // MXFP4 token rows (codes [T, H/2], scales [T][H/32]) -> xp_fp4_ [Mp, H] MXFP4 (forward)
+  void permute_mxfp4(const QTensor& q) {
+    if (comm_ == nullptr) {
+      cpu::permute_pad_mxfp4(q.codes.data(), q.scales.data(), H_, r_, xp_fp4_.codes.data(),
+                             xp_fp4_.scales.data());
+      return;
+    }
+    const DispatchPlan p = plan_for(MoePass::kForward, WireFormat::kMxfp4);
+    ep_dispatch_mxfp4(*comm_, p, q.codes.data(), q.scales.data(), probs_.data(),
+                      xp_fp4_.codes.data(), xp_fp4_.scales.data(), prow_.data());
+    log_dispatch(MoePass::kForward, "dispatch x", p);
+  }
+
+  // fp8-naive with EP: the FP8 codes and FP32 scales of token rows q [T, H] travel (wire format
+  // fp8-fp32scale), then the received rows are dequantized to BF16 rows [Mp, H] (padding rows 0).
+  // Dequantization is element-wise, so dequantizing the moved rows gives the bits one rank gets by
+  // dequantizing the tokens and permuting them. Returns the elements dequantized.
+  int64_t dispatch_naive(const F32Q& q, MoePass pass, const char* name, bf16_t* rows) {
+    const DispatchPlan p = plan_for(pass, WireFormat::kFp8Fp32Scale);
+    const bool fwd = pass == MoePass::kForward;
+    const int64_t nc = H_ / kFp8Block, n = p.send_rows(), T = T_;
+    const cpu::Routing& sr = p.send_routing;
+    // send order; scales row-major [rows][H/128] next to their codes (as ep_dispatch_fp8)
+    std::vector<uint8_t> sc(n * H_);
+    std::vector<float> ss(n * nc), sp(fwd ? n : 0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int s = 0; s < K_; ++s) {
+        const int32_t row = sr.row_map[t * K_ + s];
+        if (row < 0) continue;
+        std::memcpy(&sc[row * H_], &q.codes[t * H_], H_);
+        for (int64_t c = 0; c < nc; ++c) ss[row * nc + c] = q.scales[c * T + t];
+        if (fwd) sp[row] = probs_[t * K_ + s];
+      }
+    std::vector<uint8_t> rc(Mp_ * H_, 0);
+    std::vector<float> rs(Mp_ * nc, 0.0f);
+    std::vector<RowStream> streams = {{sc.data(), rc.data(), H_},
+                                      {ss.data(), rs.data(), int64_t(sizeof(float)) * nc}};
+    if (fwd) streams.push_back({sp.data(), prow_.data(), int64_t(sizeof(float))});
+    dispatch_rows(*comm_, p, streams);  // padding rows are not written: rc, rs, prow_ stay 0
+    log_dispatch(pass, name, p);
+    int64_t elements = 0;
+    for (int l = 0; l < El_; ++l)
+      for (int64_t row = r_.padded_offsets[l]; row < r_.padded_offsets[l] + r_.counts[l]; ++row) {
+        for (int64_t c = 0; c < H_; ++c)
+          rows[row * H_ + c] = to_bf16(f32_dequant(rc[row * H_ + c], rs[row * nc + c / kFp8Block]));
+        elements += H_;
+      }
+    return elements;
   }
 
   // ---- saved-tensor bookkeeping --------------------------------------------------------------
@@ -526,6 +721,7 @@ class CpuMoeLayer final : public MoeLayer {
     s.name = name;
     s.format = format;
     s.bytes = bytes;
+    // the rows this rank holds: its routed rows (one rank) or the rows its El experts received
     s.bytes_per_token_unpadded = per_row * double(r_.routed_rows()) / double(T_);
     rep_.saved.push_back(s);
   }
@@ -585,7 +781,7 @@ class CpuMoeLayer final : public MoeLayer {
   // bf16: BF16 operands, FP32 accumulation.
   void forward_bf16(bf16_t* y, QuantStats* st) {
     xp_.assign(Mp_ * H_, 0);
-    cpu::permute_pad_bf16(x_.data(), H_, r_, xp_.data());
+    permute_bf16(x_.data(), xp_.data(), MoePass::kForward, "dispatch x");
     fprop_bf16(xp_, w1b_, 2 * F_, H_, &h1_);
     std::vector<float> a(Mp_ * F_);
     st->nonfinite += swiglu_prob(widen(h1_.data(), Mp_ * 2 * F_).data(), prow_.data(), Mp_, F_,
@@ -593,7 +789,7 @@ class CpuMoeLayer final : public MoeLayer {
     a_bf16_ = round_bf16(a);
     std::vector<bf16_t> o;
     fprop_bf16(a_bf16_, w2b_, H_, F_, &o);
-    cpu::unpermute_unpad(o.data(), nullptr, H_, r_, y);
+    unpermute_bf16(o, y);
     save_rows("GEMM1 input x_perm", "bf16 [Mp, H]", Mp_ * H_ * 2, 2.0 * H_);
     save_rows("GEMM1 output h", "bf16 [Mp, 2F]", Mp_ * 2 * F_ * 2, 4.0 * F_);
     save_rows("GEMM2 input a'", "bf16 [Mp, F]", Mp_ * F_ * 2, 2.0 * F_);
@@ -603,7 +799,7 @@ class CpuMoeLayer final : public MoeLayer {
   void forward_blockwise(bf16_t* y, QuantStats* st) {
     OpLog log(&rep_, MoePass::kForward);
     std::vector<bf16_t> xp(Mp_ * H_);
-    cpu::permute_pad_bf16(x_.data(), H_, r_, xp.data());
+    permute_bf16(x_.data(), xp.data(), MoePass::kForward, "dispatch x");
     QTensor xr;
     *st += cpu::quantize_both(xp.data(), Mp_, H_, seg_, &xr, &xc_);
     log.add(CastKind::kQuantize, "quantize x_perm (row + col, from BF16)", 2, Mp_ * H_);
@@ -617,7 +813,7 @@ class CpuMoeLayer final : public MoeLayer {
     log.add(CastKind::kQuantize, "quantize a' (row + col, from BF16)", 2, Mp_ * F_);
     std::vector<bf16_t> o;
     fprop_fp8(ar, w2q_, H_, &o);
-    cpu::unpermute_unpad(o.data(), nullptr, H_, r_, y);
+    unpermute_bf16(o, y);
     save_rows("GEMM1 input x_perm (wgrad copy)", "fp8 col 128x1 [Mp, H]", qbytes(xc_),
               fp8_row(H_));
     save_rows("GEMM1 output h", "bf16 [Mp, 2F]", Mp_ * 2 * F_ * 2, 4.0 * F_);
@@ -637,11 +833,16 @@ class CpuMoeLayer final : public MoeLayer {
     F32Q xq;
     *st += f32q_row(x_.data(), T_, H_, &xq);
     log.add(CastKind::kQuantize, "quantize x (row, FP32 scales, before dispatch)", 1, T_ * H_);
-    // dispatch: identity on a single rank; the FP8 payload is what would travel
-    const std::vector<bf16_t> xd = f32q_dequant_bf16(xq);
-    log.add(CastKind::kDequantize, "dequantize x (after dispatch)", 1, T_ * H_);
     std::vector<bf16_t> xp(Mp_ * H_);
-    cpu::permute_pad_bf16(xd.data(), H_, r_, xp.data());
+    if (comm_ == nullptr) {
+      // dispatch: identity on a single rank; the FP8 payload is what would travel
+      const std::vector<bf16_t> xd = f32q_dequant_bf16(xq);
+      log.add(CastKind::kDequantize, "dequantize x (after dispatch)", 1, T_ * H_);
+      cpu::permute_pad_bf16(xd.data(), H_, r_, xp.data());
+    } else {
+      const int64_t n = dispatch_naive(xq, MoePass::kForward, "dispatch x", xp.data());
+      log.add(CastKind::kDequantize, "dequantize x (after dispatch)", 1, n);
+    }
     *st += f32q_row(xp.data(), Mp_, H_, &xn_);
     log.add(CastKind::kQuantize, "quantize x_perm (row, FP32 scales)", 1, Mp_ * H_);
     h1_.assign(Mp_ * 2 * F_, 0);
@@ -654,7 +855,7 @@ class CpuMoeLayer final : public MoeLayer {
     log.add(CastKind::kQuantize, "quantize a' (row, FP32 scales)", 1, Mp_ * F_);
     std::vector<bf16_t> o(Mp_ * H_);
     fprop_f32q(an_, w2n_, H_, o.data());
-    cpu::unpermute_unpad(o.data(), nullptr, H_, r_, y);
+    unpermute_bf16(o, y);
     save_rows("GEMM1 input x_perm", "fp8 row 1x128 fp32-scale [Mp, H]", xn_.bytes(),
               fp8_row_f32s(H_));
     save_rows("GEMM1 output h", "bf16 [Mp, 2F]", Mp_ * 2 * F_ * 2, 4.0 * F_);
@@ -673,7 +874,7 @@ class CpuMoeLayer final : public MoeLayer {
       *st += cpu::quantize_row(x_.data(), T_, H_, &xq);
       log.add(CastKind::kQuantize, "quantize x (row 1x128, entry)", 1, T_ * H_);
       // dispatch: identity on a single rank, FP8 payload
-      permute_fp8(xq, &xp_row_);
+      permute_fp8(xq, &xp_row_, MoePass::kForward, "dispatch x");
       xr = xp_row_;
     } else {
       QTensor xq;
@@ -685,8 +886,7 @@ class CpuMoeLayer final : public MoeLayer {
       xp_fp4_.segments = Segments();
       xp_fp4_.codes.assign(Mp_ * H_ / 2, 0);
       xp_fp4_.scales.assign(Mp_ * H_ / kFp4Block, 0);
-      cpu::permute_pad_mxfp4(xq.codes.data(), xq.scales.data(), H_, r_, xp_fp4_.codes.data(),
-                             xp_fp4_.scales.data());
+      permute_mxfp4(xq);
       *st += cpu::fp4_to_fp8_row(xp_fp4_, &xr);
       log.add(CastKind::kConvert, "FP4RowToFP8Row x_perm (GEMM1 input)", 1, Mp_ * H_);
       if (cfg_.check_columns) xp_row_ = xr;  // kept only to compare with the wgrad copy
@@ -712,7 +912,7 @@ class CpuMoeLayer final : public MoeLayer {
     h1_.clear();
     std::vector<bf16_t> o;
     fprop_fp8(ar, w2q_, H_, &o);
-    cpu::unpermute_unpad(o.data(), nullptr, H_, r_, y);
+    unpermute_bf16(o, y);
     if (!fp4)
       save_rows("GEMM1 input x_perm", "fp8 row 1x128 [Mp, H]", qbytes(xp_row_), fp8_row(H_));
     else
@@ -725,8 +925,9 @@ class CpuMoeLayer final : public MoeLayer {
                                              decode(ar), decode(ac_), r_, F_, tr.underflow));
   }
 
-  // FP8 row-wise [T, C] -> permuted and padded row-wise [Mp, C].
-  void permute_fp8(const QTensor& q, QTensor* out) const {
+  // FP8 row-wise [T, C] -> permuted and padded row-wise [Mp, C] (EP: dispatched in FP8, wire
+  // format fp8, with the probabilities in the forward).
+  void permute_fp8(const QTensor& q, QTensor* out, MoePass pass, const char* name) {
     const int64_t c = q.cols;
     out->layout = Layout::kRow1x128;
     out->rows = Mp_;
@@ -734,8 +935,16 @@ class CpuMoeLayer final : public MoeLayer {
     out->segments = Segments();
     out->codes.assign(Mp_ * c, 0);
     out->scales.assign((c / kFp8Block) * Mp_, 0);
-    cpu::permute_pad_fp8(q.codes.data(), q.scales.data(), c, r_, out->codes.data(),
-                         out->scales.data(), Mp_);
+    if (comm_ == nullptr) {
+      cpu::permute_pad_fp8(q.codes.data(), q.scales.data(), c, r_, out->codes.data(),
+                           out->scales.data(), Mp_);
+      return;
+    }
+    const DispatchPlan p = plan_for(pass, WireFormat::kFp8);
+    const bool fwd = pass == MoePass::kForward;
+    ep_dispatch_fp8(*comm_, p, q.codes.data(), q.scales.data(), fwd ? probs_.data() : nullptr,
+                    out->codes.data(), out->scales.data(), Mp_, fwd ? prow_.data() : nullptr);
+    log_dispatch(pass, name, p);
   }
 
   // ---- backward, per recipe -------------------------------------------------------------------
@@ -744,7 +953,7 @@ class CpuMoeLayer final : public MoeLayer {
   void backward_bf16(const bf16_t* dy, const MoeGrads& g, bf16_t* dxp, float* dp,
                      QuantStats* st) {
     std::vector<bf16_t> dy2(Mp_ * H_);
-    cpu::permute_pad_bf16(dy, H_, r_, dy2.data());
+    permute_bf16(dy, dy2.data(), MoePass::kBackward, "dispatch dy");
     std::vector<bf16_t> da(Mp_ * F_);
     dgrad_bf16(dy2, w2b_, H_, F_, da.data());
     if (g.dw2) cpu::grouped_wgrad_bf16_ref(dy2.data(), a_bf16_.data(), seg_, H_, F_, g.dw2, true);
@@ -759,7 +968,7 @@ class CpuMoeLayer final : public MoeLayer {
                           QuantStats* st) {
     OpLog log(&rep_, MoePass::kBackward);
     std::vector<bf16_t> dy2(Mp_ * H_);
-    cpu::permute_pad_bf16(dy, H_, r_, dy2.data());
+    permute_bf16(dy, dy2.data(), MoePass::kBackward, "dispatch dy");
     QTensor dyr, dyc;
     *st += cpu::quantize_both(dy2.data(), Mp_, H_, seg_, &dyr, &dyc);
     log.add(CastKind::kQuantize, "quantize dY (row + col, from BF16)", 2, Mp_ * H_);
@@ -801,10 +1010,15 @@ class CpuMoeLayer final : public MoeLayer {
     F32Q dyq;
     *st += f32q_row(dy, T_, H_, &dyq);
     log.add(CastKind::kQuantize, "quantize dy (row, FP32 scales, before dispatch)", 1, T_ * H_);
-    const std::vector<bf16_t> dyd = f32q_dequant_bf16(dyq);
-    log.add(CastKind::kDequantize, "dequantize dy (after dispatch)", 1, T_ * H_);
     std::vector<bf16_t> dy2(Mp_ * H_);
-    cpu::permute_pad_bf16(dyd.data(), H_, r_, dy2.data());
+    if (comm_ == nullptr) {
+      const std::vector<bf16_t> dyd = f32q_dequant_bf16(dyq);
+      log.add(CastKind::kDequantize, "dequantize dy (after dispatch)", 1, T_ * H_);
+      cpu::permute_pad_bf16(dyd.data(), H_, r_, dy2.data());
+    } else {
+      const int64_t n = dispatch_naive(dyq, MoePass::kBackward, "dispatch dy", dy2.data());
+      log.add(CastKind::kDequantize, "dequantize dy (after dispatch)", 1, n);
+    }
     F32Q dyr;
     *st += f32q_row(dy2.data(), Mp_, H_, &dyr);
     log.add(CastKind::kQuantize, "quantize dY (row, FP32 scales)", 1, Mp_ * H_);
@@ -843,7 +1057,7 @@ class CpuMoeLayer final : public MoeLayer {
     *st += cpu::quantize_row(dy, T_, H_, &dyq);
     log.add(CastKind::kQuantize, "quantize dy (row 1x128, entry)", 1, T_ * H_);
     // combine's backward: FP8 dispatch of dy (identity on one rank), FP8 permute+pad
-    permute_fp8(dyq, &dyr);
+    permute_fp8(dyq, &dyr, MoePass::kBackward, "dispatch dy");
     const QuantStats tdy = cpu::scaling_aware_transpose(dyr, seg_, &dyc, cfg_.transpose_exponent);
     *st += tdy;
     log.add(CastKind::kConvert, "scaling-aware transpose dY (wgrad copy)", 1, Mp_ * H_);
@@ -890,10 +1104,26 @@ class CpuMoeLayer final : public MoeLayer {
                        const MoeGrads& g, bf16_t* dx) {
     const int64_t T = T_;
     std::vector<bf16_t> dxe(T * H_);
-    cpu::unpermute_unpad(dxp.data(), nullptr, H_, r_, dxe.data());
     std::vector<float> dprobs(T * K_, 0.0f);
-    for (int64_t i = 0; i < T * K_; ++i)
-      if (r_.row_map[i] >= 0) dprobs[i] = dp[r_.row_map[i]];
+    if (comm_ == nullptr) {
+      cpu::unpermute_unpad(dxp.data(), nullptr, H_, r_, dxe.data());
+      for (int64_t i = 0; i < T * K_; ++i)
+        if (r_.row_map[i] >= 0) dprobs[i] = dp[r_.row_map[i]];
+    } else {
+      // combine: the dX rows (BF16) and each row's d loss / d prob (FP32) go back to the token's
+      // rank in one exchange; the sum over slots runs there in slot order, as on one rank.
+      const cpu::Routing& sr = plan_.send_routing;
+      std::vector<bf16_t> back(plan_.send_rows() * H_);
+      std::vector<float> back_dp(plan_.send_rows());
+      combine_rows(*comm_, plan_,
+                   {{dxp.data(), back.data(), 2 * H_}, {dp.data(), back_dp.data(),
+                                                        int64_t(sizeof(float))}});
+      log_combine(MoePass::kBackward, "combine dX rows + dprob", "bf16 + fp32 dprob",
+                  2 * H_ + int64_t(sizeof(float)));
+      cpu::unpermute_unpad(back.data(), nullptr, H_, sr, dxe.data());
+      for (int64_t i = 0; i < T * K_; ++i)
+        if (sr.row_map[i] >= 0) dprobs[i] = back_dp[sr.row_map[i]];
+    }
     std::vector<float> dlogits(T * E_);
     const RouterConfig rc = cfg_.router_config();
     cpu::router_backward(logits_.data(), T, rc, ids_.data(), dprobs.data(),
@@ -917,14 +1147,16 @@ class CpuMoeLayer final : public MoeLayer {
   }
 
   // ---- state -----------------------------------------------------------------------------------
-  const int E_;
+  const int E_, El_;  // all experts; local experts (E_ / ranks with a communicator)
   const int64_t H_, F_;
   const int K_;
+  Communicator* const comm_;  // null: single rank
+  DispatchPlan plan_;         // EP: the plan of the latest forward (backward reuses it)
   bool have_weights_ = false, have_forward_ = false;
   // weights
   std::vector<float> wr_, bias_;
   bool has_bias_ = false;
-  std::vector<bf16_t> w1b_, w2b_;                 // [E, 2F, H], [E, H, F] bf16
+  std::vector<bf16_t> w1b_, w2b_;                 // [El, 2F, H], [El, H, F] bf16
   std::vector<QTensor> w1q_, w1t_, w2q_, w2t_;    // UE8M0 128x128 + exact transposes
   std::vector<F32Q> w1n_, w1nt_, w2n_, w2nt_;     // fp8-naive: FP32-scale copies
   // routing state (every recipe)
@@ -954,7 +1186,51 @@ class CpuMoeLayer final : public MoeLayer {
 }  // namespace
 
 std::unique_ptr<MoeLayer> make_cpu_layer(const MoeConfig& cfg) {
-  cfg.validate();
+  if (cfg.comm == nullptr) {
+    cfg.validate();
+    return std::unique_ptr<MoeLayer>(new CpuMoeLayer(cfg));
+  }
+  // Expert parallelism: collective. First the configuration across ranks (a mismatch is a
+  // CommError on every rank, reported identically), then each rank's own checks, agreed on by
+  // every rank, so that nobody is left waiting in a later collective.
+  Communicator& comm = *cfg.comm;
+  const char* what = "make_cpu_layer";
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return static_cast<int64_t>(u);
+  };
+  comm.check_uniform(what,
+                     {"hidden", "ffn", "num_experts", "topk", "router (0 softmax, 1 sigmoid)",
+                      "router_renormalize", "router_scale (fp32 bits)",
+                      "aux_loss_alpha (fp32 bits)", "align",
+                      "recipe (0 bf16, 1 blockwise, 2 fp8-naive, 3 flow, 4 flow-fp4)",
+                      "max_tokens", "transpose_exponent (0 row max, 1 column amax)"},
+                     {cfg.hidden, cfg.ffn, cfg.num_experts, cfg.topk,
+                      static_cast<int64_t>(cfg.router), cfg.router_renormalize ? 1 : 0,
+                      bits(cfg.router_scale), bits(cfg.aux_loss_alpha), cfg.align,
+                      static_cast<int64_t>(cfg.recipe), cfg.max_tokens,
+                      static_cast<int64_t>(cfg.transpose_exponent)});
+  std::exception_ptr mine;
+  std::string msg;
+  try {
+    cfg.validate();
+    FLOWMOE_CHECK(comm.memory_space() == MemorySpace::kHost,
+                  what << ": the CPU layer moves host memory but the communicator ("
+                       << comm.backend() << ") moves device memory; expected a host-memory "
+                          "communicator such as SimWorld's");
+  } catch (const Error& e) {
+    mine = std::current_exception();
+    msg = e.what();
+  }
+  if (mine) {
+    try {
+      comm.agree_on_local_errors(what, msg);
+    } catch (const Error&) {
+    }
+    std::rethrow_exception(mine);
+  }
+  comm.agree_on_local_errors(what, msg);
   return std::unique_ptr<MoeLayer>(new CpuMoeLayer(cfg));
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/reference.h"
+#include "flowmoe/comm.h"
 #include "flowmoe/error.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
@@ -552,9 +553,23 @@ TEST(MoeConfig, BadConfigsThrowClearErrors) {
   c = ok;
   c.router_scale = -1.0f;
   expect_error(c, "router_scale");
+  // Expert parallelism (tests/cpu/test_moe_ep.cpp has the collective cases): E must split evenly
+  // over the ranks. validate() alone, since make_cpu_layer with a communicator is collective.
   c = ok;
-  c.comm = reinterpret_cast<flowmoe::Communicator*>(&c);
-  expect_error(c, "expert parallelism is not implemented");
+  flowmoe::SimWorld world3(3);
+  c.comm = &world3.comm(0);
+  try {
+    c.validate();
+    ADD_FAILURE() << "no error for E = 4 over 3 ranks";
+  } catch (const flowmoe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_experts E = 4 is not divisible by the 3 ranks"),
+              std::string::npos)
+        << e.what();
+  }
+  c.num_experts = 6;
+  c.topk = 2;
+  EXPECT_NO_THROW(c.validate());
+  EXPECT_EQ(c.num_local_experts(), 2);
 
   EXPECT_EQ(flowmoe::parse_recipe("flow-fp4"), Recipe::kFlowFp4);
   for (Recipe r : flowmoe::all_recipes())

@@ -937,6 +937,10 @@ void fill_normal_bf16(bf16_t* p, int64_t n, uint64_t seed, float stddev, cudaStr
 }  // namespace cuda
 
 std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t stream) {
+  FLOWMOE_CHECK(cfg.comm == nullptr,
+                "make_cuda_layer: a communicator was given, but the CUDA backend does not "
+                "implement expert parallelism yet (the CPU backend does: make_cpu_layer); expected "
+                "comm == nullptr (single GPU, all experts local)");
   cfg.validate();
   return std::unique_ptr<MoeLayer>(new cuda::moe::CudaMoeLayer(cfg, stream));
 }
