@@ -209,6 +209,11 @@ void bench_movers(const Config& c, int64_t T, int align) {
     cuda::pad_bf16(compact, H, r, out, 0);
   });
   const float t_p8 = time_us([&](int i) { cuda::permute_pad_fp8(c8[i & 1], s8[i & 1], H, r, ob, os, R, 0); });
+  // the same with the inverse row map (what the MoE layer uses): coalesced scale gather
+  cuda::Routing r_src = r;
+  r_src.row_src = dalloc<int32_t>(R);
+  cuda::build_routing(ids, r_src, nullptr, 0);
+  const float t_p8g = time_us([&](int i) { cuda::permute_pad_fp8(c8[i & 1], s8[i & 1], H, r_src, ob, os, R, 0); });
   const float t_p8_u = time_us([&](int i) {
     cuda::permute_fp8(c8[i & 1], s8[i & 1], H, r, cb, cs, TK, 0);
     cuda::pad_fp8(cb, cs, TK, H, r, ob, os, R, 0);
@@ -270,6 +275,7 @@ void bench_movers(const Config& c, int64_t T, int align) {
               "baseline (same run)", "time", "speed-up");
   row("permute+pad BF16", rd_x + wr_p, t_pb, "permute, then pad (2 kernels)", t_pb_u);
   row("permute+pad FP8 + 1x128 scales", T * fp8_row + Mp * fp8_row, t_p8, "permute, then pad (2 kernels)", t_p8_u);
+  row("permute+pad FP8, scales via row_src", T * fp8_row + Mp * fp8_row, t_p8g, "permute, then pad (2 kernels)", t_p8_u);
   row("permute+pad MXFP4 + 1x32 scales", T * fp4_row + Mp * fp4_row, t_p4, "permute, then pad (2 kernels)", t_p4_u);
   row("unpermute+unpad (x prob, FP32 sum)", routed * H * 2.0 + T * H * 2.0, t_un, "unpad, then unpermute (2 kernels)", t_un_u);
   row("", routed * H * 2.0 + T * H * 2.0, t_un, "unpad, x prob, atomic scatter-add, cast (5)", t_un_m);

@@ -276,6 +276,10 @@ struct Routing {
   int32_t* padded_offsets = nullptr;   // [E+1]
   int32_t* row_map = nullptr;          // [T, k]
   int32_t* row_map_unpadded = nullptr; // [T, k] or null
+  // [max_rows()] or null: the source token of each padded row, -1 for padding rows (and rows past
+  // Mp). When given, build_routing fills it and permute_pad_fp8 gathers the scale grid through it
+  // (coalesced writes) instead of scattering each token's scale bytes.
+  int32_t* row_src = nullptr;
   void* workspace = nullptr;           // routing_workspace_bytes(T, k, E) bytes
   int64_t max_rows() const { return routing_max_rows(tokens, topk, num_experts, align); }
 };

@@ -290,6 +290,24 @@ TEST_P(MoveGpu, RoutingPermuteUnpermuteBitExact) {
     cuda::pad_fp8(cc.p, cs.p, TK, H, d.r, oc2.p, os2.p, R, 0);
     expect_same(wc, oc2.get(), "permute_fp8 + pad_fp8 codes");
     expect_same(ws, os2.get(), "permute_fp8 + pad_fp8 scales");
+
+    // with the inverse row map: build_routing fills row_src, permute_pad_fp8 gathers the scales
+    std::vector<int32_t> want_src(R, -1);
+    for (int64_t i = 0; i < TK; ++i)
+      if (r.row_map[i] >= 0) want_src[r.row_map[i]] = static_cast<int32_t>(i / k);
+    DBuf<int32_t> rs(std::vector<int32_t>(R, 12345));  // poison: every row must be written
+    cuda::Routing r2 = d.r;
+    r2.row_src = rs.p;
+    cuda::build_routing(d.ids.p, r2, nullptr, 0);
+    expect_same(want_src, rs.get(), "row_src (inverse row map)");
+    DBuf<uint8_t> oc3(R * H), os3(std::vector<uint8_t>(ws.size(), 0xA5));
+    // rows >= Mp of the scale grid stay untouched, like the CPU's poison
+    std::vector<uint8_t> ws3 = ws;
+    for (int64_t c = 0; c < H / 128; ++c)
+      for (int64_t row = Mp; row < R; ++row) ws3[c * R + row] = 0xA5;
+    cuda::permute_pad_fp8(dc.p, dsc.p, H, r2, oc3.p, os3.p, R, 0);
+    expect_same(wc, oc3.get(), "permute_pad_fp8 (row_src) codes");
+    expect_same(ws3, os3.get(), "permute_pad_fp8 (row_src) scales");
   }
   // ---- MXFP4 (codes [.., H/2] + scales [..][H/32])
   if (H % 32 == 0) {

@@ -97,10 +97,9 @@ quantize_mxfp4_kernel(const bf16_t* __restrict__ x, int64_t nchunks, uint32_t* _
     uint32_t out = 0;
     if (!block_bad) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint32_t h = (w[i / 2] >> (16 * (i & 1))) & 0xFFFFu;
-        out |= static_cast<uint32_t>(e2m1_encode_bounded(__uint_as_float(h << 16) * inv)) << (4 * i);
-      }
+      for (int q = 0; q < 4; ++q)
+        out |= detail::e2m1x2_bounded(__uint_as_float(w[q] << 16) * inv, __uint_as_float(w[q] & 0xFFFF0000u) * inv)
+               << (8 * q);
     }
     codes[chunk] = out;
     if ((threadIdx.x & 3) == 0) scales[chunk >> 2] = block_bad ? kUE8M0NaN : ue8m0_from_exp(e);

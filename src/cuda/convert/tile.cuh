@@ -2,6 +2,7 @@
 // numerics core, and the byte-tile transpose that writes column-wise codes.
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include "cuda/common.cuh"
@@ -20,6 +21,26 @@ constexpr int kBytePitch = kTile + 16;  // smem byte-tile row pitch (keeps 16-by
 // num::f32_to_e4m3 on finite input (GPU tests compare every kernel with the CPU reference).
 __device__ __forceinline__ uint16_t e4m3x2(float a, float b) {
   return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
+}
+
+// Two E2M1 nibbles (a in bits 0-3, b in bits 4-7) of finite a, b with |a|, |b| <= 6: the
+// thresholds of num::e2m1_encode_bounded evaluated on packed halves (one HSET2 per threshold for
+// both values). Exact whenever a and b carry at most 11 significant bits (true for a BF16 value
+// times a power of two): such a value >= 2^-14 converts to half exactly, and a smaller one stays
+// below the first threshold (0.25) after rounding, which is all the thresholds see; the sign is
+// taken from the binary32 bits. Tested bit for bit through the MXFP4 kernels' GPU tests.
+__device__ __forceinline__ uint32_t e2m1x2_bounded(float a, float b) {
+  const __half2 m = __habs2(__floats2half2_rn(a, b));
+  const auto th = [](unsigned short bits) { return __halves2half2(__ushort_as_half(bits), __ushort_as_half(bits)); };
+  uint32_t cnt = __hgt2_mask(m, th(0x3400)) & 0x00010001u;   // > 0.25
+  cnt += __hge2_mask(m, th(0x3A00)) & 0x00010001u;           // >= 0.75
+  cnt += __hgt2_mask(m, th(0x3D00)) & 0x00010001u;           // > 1.25
+  cnt += __hge2_mask(m, th(0x3F00)) & 0x00010001u;           // >= 1.75
+  cnt += __hgt2_mask(m, th(0x4100)) & 0x00010001u;           // > 2.5
+  cnt += __hge2_mask(m, th(0x4300)) & 0x00010001u;           // >= 3.5
+  cnt += __hgt2_mask(m, th(0x4500)) & 0x00010001u;           // > 5
+  return (cnt & 7u) | ((__float_as_uint(a) >> 28) & 8u) | (((cnt >> 16) & 7u) << 4) |
+         ((__float_as_uint(b) >> 24) & 0x80u);
 }
 
 // 1 / 2^e for a scale exponent e in [-127, 126]: always a binary32 normal.

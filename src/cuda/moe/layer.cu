@@ -264,6 +264,7 @@ class CudaMoeLayer final : public MoeLayer {
     routing_.offsets = dalloc<int32_t>(E + 1);
     routing_.padded_offsets = dalloc<int32_t>(E + 1);
     routing_.row_map = dalloc<int32_t>(Tm * K);
+    routing_.row_src = dalloc<int32_t>(R);  // inverse row map: coalesced FP8 scale permute
     routing_.workspace = dalloc<uint8_t>(int64_t(routing_workspace_bytes(Tm, K_, E_)));
     if (cfg_.aux_loss_alpha > 0.0f) {
       aux_ws_ = dalloc<uint8_t>(int64_t(router_aux_workspace_bytes(Tm, E_)));

@@ -173,10 +173,8 @@ __device__ __forceinline__ Fp4Codes quantize_fp4x8(const uint4& v, unsigned long
     const float inv = detail::inv_pow2(e);
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t hb = (w[i / 2] >> (16 * (i & 1))) & 0xFFFFu;
-      out |= static_cast<uint32_t>(e2m1_encode_bounded(__uint_as_float(hb << 16) * inv)) << (4 * i);
-    }
+    for (int q = 0; q < 4; ++q)
+      out |= detail::e2m1x2_bounded(bf16_lo(w[q]) * inv, bf16_hi(w[q]) * inv) << (8 * q);
   }
   return Fp4Codes{out, bad ? kUE8M0NaN : ue8m0_from_exp(e)};
 }

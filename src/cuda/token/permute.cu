@@ -453,6 +453,19 @@ void permute_bf16_impl(const bf16_t* x, int64_t h, const Routing& r, bf16_t* out
   a.nparts = 1;
   scatter(a, r, padded, stream, what);
 }
+// The FP8 scale grid of permute_pad_fp8 through the inverse map: dst[c][row] = src[c][row_src[row]]
+// (0 for padding rows), rows [0, Mp): consecutive threads write consecutive bytes of a scale row.
+__global__ void __launch_bounds__(kThreads)
+gather_fp8_scales_kernel(const uint8_t* __restrict__ src, int64_t src_ld, const int32_t* __restrict__ row_src,
+                         const int32_t* __restrict__ padded_offsets, int E, uint8_t* __restrict__ dst,
+                         int64_t dst_ld) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (row >= padded_offsets[E]) return;
+  const int64_t c = blockIdx.y;
+  const int32_t t = row_src[row];
+  dst[c * dst_ld + row] = t >= 0 ? src[c * src_ld + t] : 0;
+}
+
 void permute_fp8_impl(const uint8_t* codes, const uint8_t* scales, int64_t h, const Routing& r,
                       uint8_t* out_codes, uint8_t* out_scales, int64_t scale_ld, bool padded,
                       cudaStream_t stream, const char* what) {
@@ -471,7 +484,16 @@ void permute_fp8_impl(const uint8_t* codes, const uint8_t* scales, int64_t h, co
   a.col.dst = out_scales;
   a.col.dst_ld = scale_ld;
   a.col.ncols = static_cast<int>(h / kFp8Block);
+  const bool gather_scales = padded && r.row_src != nullptr;
+  if (gather_scales) a.col.ncols = 0;  // the codes only; the scales below
   scatter(a, r, padded, stream, what);
+  if (gather_scales) {
+    const int64_t rows = r.max_rows();
+    const dim3 grid(static_cast<unsigned>((rows + kThreads - 1) / kThreads), static_cast<unsigned>(h / kFp8Block));
+    gather_fp8_scales_kernel<<<grid, kThreads, 0, stream>>>(scales, r.tokens, r.row_src, r.padded_offsets,
+                                                           r.num_experts, out_scales, scale_ld);
+    FLOWMOE_LAUNCH_CHECK(what);
+  }
 }
 void permute_mxfp4_impl(const uint8_t* codes, const uint8_t* scales, int64_t h, const Routing& r,
                         uint8_t* out_codes, uint8_t* out_scales, bool padded, cudaStream_t stream,

@@ -57,7 +57,7 @@ routing_rank_kernel(const int32_t* __restrict__ ids, int64_t pairs, int E, int a
                     int64_t chunk, int64_t nchunks, const int32_t* __restrict__ hist,
                     int32_t* __restrict__ counts, int32_t* __restrict__ offsets,
                     int32_t* __restrict__ padded_offsets, int32_t* __restrict__ row_map,
-                    int32_t* __restrict__ row_map_unpadded) {
+                    int32_t* __restrict__ row_map_unpadded, int32_t* __restrict__ row_src, int topk) {
   extern __shared__ int smem[];
   int* s_wc = smem;                  // [kWarps][E] pairs per expert in each warp of a round
   int* s_run = s_wc + kWarps * E;    // [E] pairs of e before the current round (all chunks)
@@ -140,6 +140,7 @@ routing_rank_kernel(const int32_t* __restrict__ ids, int64_t pairs, int E, int a
       }
       row_map[i] = row;
       if (row_map_unpadded) row_map_unpadded[i] = urow;
+      if (row_src && row >= 0) row_src[row] = static_cast<int32_t>(i / topk);
     }
     __syncthreads();
     if (valid && leader) {
@@ -179,6 +180,8 @@ void build_routing(const int32_t* ids, const Routing& r, DeviceStatus* status, c
   const int64_t chunk = chunk_pairs(pairs);
   const int64_t nchunks = num_chunks(pairs);
   int32_t* hist = static_cast<int32_t*>(r.workspace);
+  if (r.row_src)  // every row -1 first: padding rows (and rows past Mp) keep it
+    FLOWMOE_CUDA_CHECK(cudaMemsetAsync(r.row_src, 0xFF, static_cast<size_t>(r.max_rows()) * sizeof(int32_t), stream));
   if (nchunks > 0) {
     routing_hist_kernel<<<static_cast<unsigned>(nchunks), kThreads, E * sizeof(int), stream>>>(
         ids, pairs, E, chunk, hist, status ? &status->bad_segments : nullptr);
@@ -188,7 +191,7 @@ void build_routing(const int32_t* ids, const Routing& r, DeviceStatus* status, c
   // E <= 1024: at most 11266 ints = 45 KB, under the 48 KB default limit.
   routing_rank_kernel<<<static_cast<unsigned>(std::max<int64_t>(1, nchunks)), kThreads, smem, stream>>>(
       ids, pairs, E, r.align, chunk, nchunks, hist, r.counts, r.offsets, r.padded_offsets, r.row_map,
-      r.row_map_unpadded);
+      r.row_map_unpadded, r.row_src, r.topk);
   FLOWMOE_LAUNCH_CHECK("routing_rank_kernel");
 }
 
