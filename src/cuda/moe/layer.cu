@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -379,10 +380,41 @@ class CudaMoeLayer final : public MoeLayer {
     gg_workspace_ = gg_->device_bytes();
     events_.resize(kEventPool);
     for (int i = 0; i < kEventPool; ++i) FLOWMOE_CUDA_CHECK(cudaEventCreate(&events_[i]));
+    // flow / flow-fp4: the column copies for wgrad (scaling-aware transposes, FP4RowToFP8Col) run
+    // on a side stream next to the GEMMs that do not need them (FLOWMOE_LAYER_OVERLAP=0: inline)
+    const char* ov = std::getenv("FLOWMOE_LAYER_OVERLAP");
+    overlap_ = (rc == Recipe::kFlow || rc == Recipe::kFlowFp4) && !(ov && std::string(ov) == "0");
+    if (overlap_) {
+      FLOWMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+      for (cudaEvent_t& e : side_events_) FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+  }
+
+  // Side-stream work: fork() makes the side stream wait for everything issued on stream_ so far and
+  // returns it (stream_ itself without overlap); mark(i) records side event i on the side stream;
+  // join(i) makes stream_ wait for it.
+  cudaStream_t fork() {
+    if (!overlap_) return stream_;
+    FLOWMOE_CUDA_CHECK(cudaEventRecord(side_events_[kSideFork], stream_));
+    FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(side_, side_events_[kSideFork], 0));
+    return side_;
+  }
+  void mark(int i) {
+    if (overlap_) FLOWMOE_CUDA_CHECK(cudaEventRecord(side_events_[i], side_));
+  }
+  void join(int i) {
+    if (overlap_) FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(stream_, side_events_[i], 0));
   }
 
   void release() {
     gg_.reset();
+    if (side_) {
+      cudaStreamSynchronize(side_);
+      for (cudaEvent_t e : side_events_)
+        if (e) cudaEventDestroy(e);
+      cudaStreamDestroy(side_);
+      side_ = nullptr;
+    }
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     events_.clear();
     for (void* p : allocs_) cudaFree(p);
@@ -444,28 +476,29 @@ class CudaMoeLayer final : public MoeLayer {
   // Brackets a stage with two events when profiling (pool exhausted: the stage goes untimed).
   class Scope {
    public:
-    Scope(CudaMoeLayer* l, MoePass pass, const char* name) : l_(l) {
+    Scope(CudaMoeLayer* l, MoePass pass, const char* name, cudaStream_t stream) : l_(l), stream_(stream) {
       if (!l_->profiling_ || l_->ev_used_ + 2 > kEventPool) return;
       ev0_ = l_->ev_used_++;
       ev1_ = l_->ev_used_++;
       pass_ = pass;
       name_ = name;
-      cudaEventRecord(l_->events_[ev0_], l_->stream_);
+      cudaEventRecord(l_->events_[ev0_], stream_);
     }
     ~Scope() {
       if (ev0_ < 0) return;
-      cudaEventRecord(l_->events_[ev1_], l_->stream_);
+      cudaEventRecord(l_->events_[ev1_], stream_);
       (pass_ == MoePass::kForward ? l_->stages_fwd_ : l_->stages_bwd_).push_back({pass_, name_, ev0_, ev1_});
     }
 
    private:
     CudaMoeLayer* l_;
+    cudaStream_t stream_;
     int ev0_ = -1, ev1_ = -1;
     MoePass pass_ = MoePass::kForward;
     std::string name_;
   };
-  Scope fwd(const char* name) { return Scope(this, MoePass::kForward, name); }
-  Scope bwd(const char* name) { return Scope(this, MoePass::kBackward, name); }
+  Scope fwd(const char* name, cudaStream_t s = nullptr) { return Scope(this, MoePass::kForward, name, s ? s : stream_); }
+  Scope bwd(const char* name, cudaStream_t s = nullptr) { return Scope(this, MoePass::kBackward, name, s ? s : stream_); }
 
   void read_status() const {
     if (stats_valid_ || !have_forward_) return;
@@ -683,14 +716,19 @@ class CudaMoeLayer final : public MoeLayer {
       cuda::swiglu_quant_h4(h1_, Mp_, F_, ar.codes, ar.scales, hr_.codes, hr_.scales, st_fwd(), stream_, prow_);
       log(MoePass::kForward, CastKind::kFused, "SwiGLU*prob + quantize (a' row, h MXFP4)", 1, 2, Mp_ * 2 * F_);
     }
-    { auto s = fwd("scaling-aware transpose a'");
-      scaling_aware_transpose(ar.codes, ar.scales, F_, sb, ac_.codes, ac_.scales, st_fwd_aux(), stream_,
-                              cfg_.transpose_exponent); }
+    {  // the wgrad copy of a' is needed in the backward only: next to GEMM2 (both read a' row-wise)
+      cudaStream_t ts = fork();
+      auto s = fwd(overlap_ ? "scaling-aware transpose a' (side stream)" : "scaling-aware transpose a'", ts);
+      scaling_aware_transpose(ar.codes, ar.scales, F_, sb, ac_.codes, ac_.scales, st_fwd_aux(), ts,
+                              cfg_.transpose_exponent);
+      mark(kSideA);
+    }
     log(MoePass::kForward, CastKind::kConvert, "scaling-aware transpose a' (wgrad copy)", 1, 1, Mp_ * F_);
     { auto s = fwd("GEMM2 fprop (fp8)");
       const Fp8Op ao = act_operand(ar, F_, st_fwd_aux());
       gg_->fprop(seg_, H_, F_, ao, w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
     { auto s = fwd("unpermute+unpad"); unpermute_unpad(o_, nullptr, H_, routing_, y, stream_); }
+    join(kSideA);  // a' col ready before anything later on stream_ (the backward) runs
     if (!fp4)
       save_rows("GEMM1 input x_perm", "fp8 row 1x128 [Mp, H]", row_bytes(H_), fp8_row(H_));
     else
@@ -811,13 +849,30 @@ class CudaMoeLayer final : public MoeLayer {
     const Fp8Buf dyr = rowA_;
     { auto s = bwd("permute+pad dy (fp8)");
       permute_pad_fp8(ent_.codes, ent8s_, H_, routing_, dyr.codes, dyr.scales, Mp_, stream_); }
-    { auto s = bwd("scaling-aware transpose dY");
-      scaling_aware_transpose(dyr.codes, dyr.scales, H_, sb, colA_.codes, colA_.scales, st_bwd(), stream_,
-                              cfg_.transpose_exponent); }
+    {  // the wgrad copies on the side stream: dY's next to GEMM2 dgrad (both read dY row-wise),
+       // then x_perm's next to everything up to GEMM1 wgrad (colB_ is free until then)
+      cudaStream_t ts = fork();
+      {
+        auto s = bwd(overlap_ ? "scaling-aware transpose dY (side stream)" : "scaling-aware transpose dY", ts);
+        scaling_aware_transpose(dyr.codes, dyr.scales, H_, sb, colA_.codes, colA_.scales, st_bwd(), ts,
+                                cfg_.transpose_exponent);
+        mark(kSideA);
+      }
+      if (!fp4) {
+        auto s = bwd(overlap_ ? "scaling-aware transpose x_perm (side stream)" : "scaling-aware transpose x_perm", ts);
+        scaling_aware_transpose(xr_.codes, xr_.scales, H_, sb, colB_.codes, colB_.scales, st_bwd(), ts,
+                                cfg_.transpose_exponent);
+      } else {
+        auto s = bwd(overlap_ ? "FP4RowToFP8Col x_perm (side stream)" : "FP4RowToFP8Col x_perm", ts);
+        fp4_to_fp8_col(x4c_, x4s_, H_, sb, colB_.codes, colB_.scales, st_bwd(), ts);
+      }
+      mark(kSideB);
+    }
     log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose dY (wgrad copy)", 1, 1, Mp_ * H_);
     { auto s = bwd("GEMM2 dgrad (fp8)");
       const Fp8Op dyo = act_operand(dyr, H_, st_bwd_aux());
       gg_->dgrad(seg_, H_, F_, dyo, w2t_op(), ms<bf16_t>(da_, Mp_ * F_), stream_); }
+    join(kSideA);  // dY col ready; also orders the dSwiGLU below after the transpose read dY row
     if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
       const Fp8Op dyc = col_operand(colA_, H_, col32A_);
       const Fp8Op acc = col_operand(ac_, F_, col32B_);
@@ -835,16 +890,11 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = bwd("GEMM1 dgrad (fp8)");
       const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
       gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
-    if (!fp4) {
-      auto s = bwd("scaling-aware transpose x_perm");
-      scaling_aware_transpose(xr_.codes, xr_.scales, H_, sb, colB_.codes, colB_.scales, st_bwd(), stream_,
-                              cfg_.transpose_exponent);
+    if (!fp4)
       log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose x_perm (wgrad copy)", 1, 1, Mp_ * H_);
-    } else {
-      auto s = bwd("FP4RowToFP8Col x_perm");
-      fp4_to_fp8_col(x4c_, x4s_, H_, sb, colB_.codes, colB_.scales, st_bwd(), stream_);
+    else
       log(MoePass::kBackward, CastKind::kConvert, "FP4RowToFP8Col x_perm (wgrad copy)", 1, 1, Mp_ * H_);
-    }
+    join(kSideB);  // x_perm col ready (and the side stream idle before the next forward reuses x_perm)
     if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
       const Fp8Op dhc = col_operand(colA_, 2 * F_, col32A_);
       const Fp8Op xc = col_operand(colB_, H_, col32B_);
@@ -908,6 +958,11 @@ class CudaMoeLayer final : public MoeLayer {
   mutable bool stats_valid_ = false;
   bool profiling_ = false;
   std::vector<cudaEvent_t> events_;
+  // side stream of flow / flow-fp4 (see fork / mark / join)
+  enum { kSideFork, kSideA, kSideB, kSideEvents };
+  bool overlap_ = false;
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t side_events_[kSideEvents] = {};
   int ev_used_ = 0;
   std::vector<Stage> stages_fwd_, stages_bwd_;
 };
