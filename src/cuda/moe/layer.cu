@@ -3,6 +3,10 @@
 // layer's own kernels (kernels.cuh), with the dataflow of the CPU backend (src/cpu/moe_cpu.cpp)
 // step for step, so the two can be compared on the same inputs.
 //
+// Expert parallelism (cfg.comm, a device-memory communicator; docs/EP.md §6): the token movement
+// becomes dispatch / combine (the CPU layer's plan and wire formats), the experts are the El local
+// ones; see route(), the "token movement" helpers and backward_router().
+//
 // Memory: every buffer is allocated in the constructor for cfg.max_tokens, rows sized by the
 // host-side bound R = routing_max_rows(max_tokens, k, E, A) (scale grids and column copies use the
 // real padded row count Mp as their leading dimension inside those buffers). set_weights converts
