@@ -4,7 +4,8 @@
 //   Communicator   rank, world size, count all-to-all, grouped point-to-point exchange (all-to-all-v
 //                  of byte payloads), barrier, error query and abort, all bounded by a timeout: a
 //                  mismatched or dead rank gives a CommError on the others, never a hang.
-//   SimWorld       N simulated ranks in one process (one thread each, host memory): the CPU tests.
+//   SimWorld       N simulated ranks in one process (one thread each, host memory): the CPU tests;
+//                  make_device_sim_world: the same over device memory on one GPU (CUDA tests).
 //   NCCL           make_nccl_comm*: one process per GPU, device memory, ordered on a CUDA stream
 //                  (declared when the library is built with NCCL: FLOWMOE_HAVE_NCCL).
 //   DispatchPlan   who sends which routed rows where, and where they land: grouped by local expert,
@@ -114,14 +115,34 @@ class Communicator {
 // agree, copy, depart). A rank that does not arrive within the timeout, or arguments that do not
 // match, give a CommError on every rank that is waiting. Counts the bytes each rank sends to other
 // ranks (its own copies excluded).
+//
+// Memory space. The default world moves host memory (memcpy). A device-memory world (kDevice; made
+// by make_device_sim_world of the CUDA backend, which supplies the Copier) runs every rank on the
+// same GPU: exchange() payload pointers are device pointers and each chunk is copied by the
+// receiving rank on a private stream. Its exchange() is blocking at both ends: the send buffers
+// must hold their data when it is called (the caller synchronises the stream that wrote them) and
+// the received bytes are in place, on the device, when it returns. synchronize() only checks the
+// error, as for host memory.
 class SimWorld {
  public:
+  // How a device-memory world copies: copy(rank, dst, src, bytes) runs on the receiving rank's
+  // thread for each chunk addressed to it (the peers' send buffers stay valid until that rank's
+  // wait(rank) returned), then wait(rank) once per exchange; it returns when those copies are
+  // complete. Either may throw (the exchange then fails on every rank with a CommError).
+  struct Copier {
+    std::function<void(int rank, void* dst, const void* src, int64_t bytes)> copy;
+    std::function<void(int rank)> wait;
+  };
   explicit SimWorld(int world_size, double timeout_s = 30.0);
+  // space kHost: the constructor above (copier unused). kDevice: copier.copy and copier.wait must
+  // be set.
+  SimWorld(int world_size, double timeout_s, MemorySpace space, Copier copier);
   ~SimWorld();
   SimWorld(const SimWorld&) = delete;
   SimWorld& operator=(const SimWorld&) = delete;
 
   int world_size() const;
+  MemorySpace memory_space() const;
   Communicator& comm(int rank);
   int64_t bytes_sent(int rank) const;  // payload bytes of exchange() to other ranks
   void reset_bytes();
@@ -316,6 +337,19 @@ void ep_reference_forward(Communicator& comm, const EpConfig& cfg, const bf16_t*
                           const ExpertFn& expert, bf16_t* y);
 
 }  // namespace flowmoe
+
+// ---- device-memory simulated world (declared when the CUDA backend is built: FLOWMOE_HAVE_CUDA) --
+#if defined(FLOWMOE_HAVE_CUDA)
+namespace flowmoe {
+// N simulated ranks (threads) sharing the current CUDA device, exchanging device memory: the
+// world of the expert-parallel CUDA layer's tests on one GPU (NCCL cannot put two ranks on one
+// GPU). Each rank's chunks are copied with cudaMemcpyAsync (device to device) on a stream of its
+// own, created here on the current device, and waited for before the rank leaves the exchange
+// (see SimWorld: blocking at both ends). Same rendezvous, checks, timeouts and byte counts as the
+// host-memory world.
+std::unique_ptr<SimWorld> make_device_sim_world(int world_size, double timeout_s = 30.0);
+}  // namespace flowmoe
+#endif
 
 // ---- NCCL (declared when flowmoe_cuda is built with NCCL: FLOWMOE_HAVE_NCCL) --------------------
 #if defined(FLOWMOE_HAVE_NCCL)

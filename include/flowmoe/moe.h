@@ -31,7 +31,7 @@
 // Gradients (backward): dx [T, H] bf16 (expert path + router path); dW1 [E, 2F, H], dW2 [E, H, F],
 // dWr [E, H], all fp32 and accumulated (+=) into the caller's buffers (main gradients).
 //
-// Expert parallelism (MoeConfig::comm; CPU backend only so far; docs/EP.md §5): R ranks, E = R*El;
+// Expert parallelism (MoeConfig::comm; docs/EP.md §5 CPU, §6 CUDA): R ranks, E = R*El;
 // global expert g lives on rank g / El as local expert g % El. Each rank passes its own T tokens
 // (T may differ between ranks) and routes them over all E experts with the same (replicated) Wr;
 // the routed rows are dispatched to the experts' ranks in the recipe's wire format, the El local
@@ -40,8 +40,10 @@
 // slot order. W1, W2 and dW1, dW2 then hold the El local experts ([El, 2F, H], [El, H, F]); Wr and
 // dWr stay [E, H]: dWr is this rank's contribution (its own tokens), which a data-parallel
 // all-reduce over the ranks sums like any replicated weight's gradient (the layer does not). The
-// aux loss is per rank (see aux_loss_alpha). With a communicator make_cpu_layer, forward and
-// backward are collective (every rank calls them, in the same order); set_weights is local.
+// aux loss is per rank (see aux_loss_alpha). With a communicator make_cpu_layer / make_cuda_layer,
+// forward and backward are collective (every rank calls them, in the same order); set_weights is
+// local. The CPU backend needs a host-memory communicator (SimWorld), the CUDA backend a
+// device-memory one (NCCL, or make_device_sim_world's ranks sharing one GPU).
 // Results: y and dx of each rank's tokens and dW1, dW2 of each expert are the bits of one rank
 // holding all E experts run on the concatenation of all ranks' tokens in rank order.
 #pragma once
@@ -101,9 +103,10 @@ struct MoeConfig {
   Recipe recipe = Recipe::kFlow;
   int64_t max_tokens = 0;   // largest T of a forward call (workspaces are sized for it), >= 1
   // null: single rank, all E experts local. Otherwise expert parallelism over comm's ranks (see
-  // the top of this file): CPU backend with a host-memory communicator (SimWorld); the CUDA
-  // backend rejects it so far. E must be a multiple of the rank count; every rank must pass the
-  // same configuration (compared across ranks by make_cpu_layer: CommError on every rank).
+  // the top of this file): CPU backend with a host-memory communicator (SimWorld), CUDA backend
+  // with a device-memory one (NCCL; make_device_sim_world). E must be a multiple of the rank
+  // count; every rank must pass the same configuration (compared across ranks by make_cpu_layer /
+  // make_cuda_layer: CommError on every rank).
   Communicator* comm = nullptr;
   // Also compare every column-wise wgrad operand with the row-wise tensor of the same values
   // (costs a dequantize of both; for tests and the numerics report). See ColumnCheck.

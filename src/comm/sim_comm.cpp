@@ -13,6 +13,7 @@
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "flowmoe/comm.h"
 
@@ -62,6 +63,8 @@ struct SimWorld::Impl {
   int readers = 0;              // ranks between arrival and departure (reading peers' buffers)
   std::vector<int64_t> bytes_sent;
   std::vector<std::unique_ptr<SimComm>> comms;
+  MemorySpace space = MemorySpace::kHost;
+  SimWorld::Copier copier;  // kDevice only
 };
 
 class SimComm final : public Communicator {
@@ -71,7 +74,7 @@ class SimComm final : public Communicator {
   int rank() const override { return rank_; }
   int world_size() const override { return w_->n; }
   const char* backend() const override { return "sim"; }
-  MemorySpace memory_space() const override { return MemorySpace::kHost; }
+  MemorySpace memory_space() const override { return w_->space; }
 
   void alltoall_i32(const int32_t* send, int32_t* recv, int n) override {
     FLOWMOE_CHECK(n >= 0, "alltoall_i32: n = " << n << "; expected >= 0");
@@ -127,8 +130,28 @@ class SimComm final : public Communicator {
                                     " from rank " + std::to_string(q) + " but rank " +
                                     std::to_string(q) + " sends " + sizes_of(in) + " to rank " +
                                     std::to_string(rank_));
-      for (size_t i = 0; i < in.size(); ++i)
-        if (in[i]->bytes > 0) std::memcpy(mine[i]->data, in[i]->data, in[i]->bytes);
+      for (size_t i = 0; i < in.size(); ++i) {
+        if (in[i]->bytes == 0) continue;
+        if (w_->space == MemorySpace::kHost) {
+          std::memcpy(mine[i]->data, in[i]->data, in[i]->bytes);
+        } else {
+          try {
+            w_->copier.copy(rank_, mine[i]->data, in[i]->data, in[i]->bytes);
+          } catch (const std::exception& e) {
+            fail(sim_op_name(p.op), "rank " + std::to_string(rank_) + ": device copy from rank " +
+                                        std::to_string(q) + " failed: " + e.what());
+          }
+        }
+      }
+    }
+    if (w_->space == MemorySpace::kDevice) {
+      // the copies read the peers' buffers: complete before this rank departs
+      try {
+        w_->copier.wait(rank_);
+      } catch (const std::exception& e) {
+        fail(sim_op_name(p.op),
+             "rank " + std::to_string(rank_) + ": waiting for the device copies failed: " + e.what());
+      }
     }
     {
       std::lock_guard<std::mutex> lk(w_->m);
@@ -270,9 +293,21 @@ SimWorld::SimWorld(int world_size, double timeout_s) : impl_(new Impl) {
   for (int r = 0; r < world_size; ++r) impl_->comms.emplace_back(new SimComm(impl_.get(), r));
 }
 
+SimWorld::SimWorld(int world_size, double timeout_s, MemorySpace space, Copier copier)
+    : SimWorld(world_size, timeout_s) {
+  if (space == MemorySpace::kDevice) {
+    FLOWMOE_CHECK(copier.copy && copier.wait,
+                  "SimWorld: a device-memory world needs Copier::copy and Copier::wait (use "
+                  "make_device_sim_world of the CUDA backend)");
+    impl_->space = space;
+    impl_->copier = std::move(copier);
+  }
+}
+
 SimWorld::~SimWorld() = default;
 
 int SimWorld::world_size() const { return impl_->n; }
+MemorySpace SimWorld::memory_space() const { return impl_->space; }
 
 Communicator& SimWorld::comm(int rank) {
   FLOWMOE_CHECK(rank >= 0 && rank < impl_->n,

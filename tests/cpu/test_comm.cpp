@@ -139,6 +139,58 @@ TEST(CommSim, AlltoallAndAlltoallv) {
   }
 }
 
+// The device-memory world's protocol, exercised on the CPU with a host Copier standing in for
+// the CUDA copies (make_device_sim_world supplies cudaMemcpyAsync + a stream wait): every chunk
+// goes through copy() on the receiving rank's thread, wait() once per exchange per rank, and a
+// failing copy fails the exchange on every rank.
+TEST(CommSim, DeviceWorldCopiesThroughItsCopier) {
+  for (int n : {1, 2, 4}) {
+    std::vector<std::atomic<int>> copies(n), waits(n);
+    SimWorld::Copier cp;
+    cp.copy = [&](int rank, void* dst, const void* src, int64_t bytes) {
+      std::memcpy(dst, src, size_t(bytes));
+      ++copies[rank];
+    };
+    cp.wait = [&](int rank) { ++waits[rank]; };
+    SimWorld world(n, 10.0, MemorySpace::kDevice, cp);
+    EXPECT_EQ(world.memory_space(), MemorySpace::kDevice);
+    const auto errs = world.run([&](Communicator& c) {
+      const int me = c.rank();
+      EXPECT_EQ(c.memory_space(), MemorySpace::kDevice);
+      std::vector<std::vector<int32_t>> out(n), in(n);
+      std::vector<P2pOp> sends, recvs;
+      for (int p = 0; p < n; ++p) {
+        out[p].assign(p + 1, me * 100 + p);
+        in[p].assign(me + 1, -1);
+        sends.push_back({p, out[p].data(), int64_t(4 * out[p].size())});
+        recvs.push_back({p, in[p].data(), int64_t(4 * in[p].size())});
+      }
+      c.exchange(sends, recvs);
+      for (int p = 0; p < n; ++p)
+        for (int32_t v : in[p]) EXPECT_EQ(v, p * 100 + me);
+    });
+    expect_all_ok(errs);
+    for (int r = 0; r < n; ++r) {
+      EXPECT_EQ(copies[r].load(), n);
+      EXPECT_EQ(waits[r].load(), 1);
+    }
+  }
+  // a failing copy: CommError on every rank, naming the copy
+  SimWorld::Copier bad;
+  bad.copy = [](int, void*, const void*, int64_t) { throw Error(__FILE__, __LINE__, "boom"); };
+  bad.wait = [](int) {};
+  SimWorld world(2, 10.0, MemorySpace::kDevice, bad);
+  const auto errs = world.run([&](Communicator& c) {
+    int32_t a = 1, b = 0;
+    const int peer = 1 - c.rank();
+    c.exchange({{peer, &a, 4}}, {{peer, &b, 4}});
+  });
+  for (const std::string& e : errs) EXPECT_NE(e.find("device copy"), std::string::npos) << e;
+  // a device world without a copier is an error; the host world is unchanged
+  EXPECT_THROW(SimWorld(2, 10.0, MemorySpace::kDevice, SimWorld::Copier()), Error);
+  EXPECT_EQ(SimWorld(2).memory_space(), MemorySpace::kHost);
+}
+
 TEST(CommSim, MissingRankTimesOutWithClearError) {
   SimWorld world(3, 0.2);
   const auto t0 = Clock::now();

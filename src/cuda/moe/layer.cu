@@ -3,6 +3,10 @@
 // layer's own kernels (kernels.cuh), with the dataflow of the CPU backend (src/cpu/moe_cpu.cpp)
 // step for step, so the two can be compared on the same inputs.
 //
+// Expert parallelism (cfg.comm, a device-memory communicator; docs/EP.md §6): the token movement
+// becomes dispatch / combine (the CPU layer's plan and wire formats), the experts are the El local
+// ones; see route(), the "token movement" helpers and backward_router().
+//
 // Memory: every buffer is allocated in the constructor for cfg.max_tokens, rows sized by the
 // host-side bound R = routing_max_rows(max_tokens, k, E, A) (scale grids and column copies use the
 // real padded row count Mp as their leading dimension inside those buffers). set_weights converts
@@ -16,6 +20,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <cstdlib>
 #include <string>
@@ -25,6 +30,7 @@
 #include "cuda/moe/kernels.cuh"
 #include "cuda/moe/moe_cuda.h"
 #include "flowmoe/cuda/convert.h"
+#include "flowmoe/comm.h"
 #include "flowmoe/error.h"
 #include "flowmoe/gemm.h"
 #include "flowmoe/moe.h"
@@ -60,8 +66,8 @@ class CudaMoeLayer final : public MoeLayer {
  public:
   CudaMoeLayer(const MoeConfig& cfg, cudaStream_t stream)
       : MoeLayer(cfg), stream_(stream), E_(cfg.num_experts), H_(cfg.hidden), F_(cfg.ffn),
-        K_(cfg.topk), Tm_(cfg.max_tokens), R_(cfg.max_rows()),
-        MB_(segment_max_blocks(cfg.max_rows(), cfg.num_experts)) {
+        K_(cfg.topk), El_(cfg.num_local_experts()), comm_(cfg.comm), Tm_(cfg.max_tokens),
+        R_(cfg.max_rows()), MB_(segment_max_blocks(cfg.max_rows(), cfg.num_local_experts())) {
     int ndev = 0;
     const cudaError_t err = cudaGetDeviceCount(&ndev);
     FLOWMOE_CHECK(err == cudaSuccess && ndev > 0,
@@ -84,9 +90,10 @@ class CudaMoeLayer final : public MoeLayer {
   void set_weights(const MoeWeights& w) override {
     const char* what = "MoeLayer::set_weights";
     FLOWMOE_CHECK(w.w1 && w.w2 && w.wr,
-                  what << ": w1, w2 and wr must be non-null device pointers (W1 [E, 2F, H], W2 "
-                          "[E, H, F], Wr [E, H] fp32)");
-    const int64_t n1 = int64_t(E_) * 2 * F_ * H_, n2 = int64_t(E_) * H_ * F_;
+                  what << ": w1, w2 and wr must be non-null device pointers (W1 [El, 2F, H], W2 "
+                          "[El, H, F] of the El = "
+                       << El_ << " local experts, Wr [E, H] fp32)");
+    const int64_t n1 = int64_t(El_) * 2 * F_ * H_, n2 = int64_t(El_) * H_ * F_;
     FLOWMOE_CUDA_CHECK(cudaMemsetAsync(wstatus_, 0, sizeof(DeviceStatus), stream_));
     f32_to_bf16(w.w1, n1, w1b_, wstatus_, stream_);
     f32_to_bf16(w.w2, n2, w2b_, wstatus_, stream_);
@@ -108,25 +115,25 @@ class CudaMoeLayer final : public MoeLayer {
     const Recipe rc = cfg_.recipe;
     if (rc == Recipe::kBlockwise || rc == Recipe::kFlow || rc == Recipe::kFlowFp4) {
       const int64_t s1 = (2 * F_ / 128) * (H_ / 128), s2 = (H_ / 128) * (F_ / 128);
-      for (int e = 0; e < E_; ++e) {
+      for (int e = 0; e < El_; ++e) {
         quantize_weight(w1b_ + e * 2 * F_ * H_, 2 * F_, H_, w1_.codes + e * 2 * F_ * H_,
                         w1s8_ + e * s1, w1t_.codes + e * 2 * F_ * H_, w1ts8_ + e * s1, wstatus_,
                         stream_);
         quantize_weight(w2b_ + e * H_ * F_, H_, F_, w2_.codes + e * H_ * F_, w2s8_ + e * s2,
                         w2t_.codes + e * H_ * F_, w2ts8_ + e * s2, wstatus_, stream_);
       }
-      weight_scales_to_f32(w1s8_, E_, 2 * F_, H_, w1_.scales, stream_);
-      weight_scales_to_f32(w1ts8_, E_, H_, 2 * F_, w1t_.scales, stream_);
-      weight_scales_to_f32(w2s8_, E_, H_, F_, w2_.scales, stream_);
-      weight_scales_to_f32(w2ts8_, E_, F_, H_, w2t_.scales, stream_);
-      log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W1 (128x128 + exact transpose)", E_,
-          2 * E_, n1);
-      log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W2 (128x128 + exact transpose)", E_,
-          2 * E_, n2);
+      weight_scales_to_f32(w1s8_, El_, 2 * F_, H_, w1_.scales, stream_);
+      weight_scales_to_f32(w1ts8_, El_, H_, 2 * F_, w1t_.scales, stream_);
+      weight_scales_to_f32(w2s8_, El_, H_, F_, w2_.scales, stream_);
+      weight_scales_to_f32(w2ts8_, El_, F_, H_, w2t_.scales, stream_);
+      log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W1 (128x128 + exact transpose)", El_,
+          2 * El_, n1);
+      log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W2 (128x128 + exact transpose)", El_,
+          2 * El_, n2);
     } else if (rc == Recipe::kFp8Naive) {
-      naive_quantize_weights(w1b_, E_, 2 * F_, H_, w1_.codes, w1_.scales, w1t_.codes, w1t_.scales,
+      naive_quantize_weights(w1b_, El_, 2 * F_, H_, w1_.codes, w1_.scales, w1t_.codes, w1t_.scales,
                              wstatus_, stream_);
-      naive_quantize_weights(w2b_, E_, H_, F_, w2_.codes, w2_.scales, w2t_.codes, w2t_.scales,
+      naive_quantize_weights(w2b_, El_, H_, F_, w2_.codes, w2_.scales, w2t_.codes, w2t_.scales,
                              wstatus_, stream_);
       log(MoePass::kWeightUpdate, CastKind::kQuantize,
           "quantize W1 (128x128 FP32 scales + exact transpose)", 1, 2, n1);
@@ -140,17 +147,20 @@ class CudaMoeLayer final : public MoeLayer {
   // ---- forward ---------------------------------------------------------------------------------
   void forward(const bf16_t* x, int64_t tokens, bf16_t* y) override {
     const char* what = "MoeLayer::forward";
-    FLOWMOE_CHECK(have_weights_, what << ": no weights; call set_weights first");
-    FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
-                  what << ": T = " << tokens << " tokens; expected 1 <= T <= max_tokens = "
-                       << cfg_.max_tokens);
-    FLOWMOE_CHECK(x && y, what << ": x and y must be non-null device pointers to [T, H] bf16");
+    local_checks(what, [&] {
+      FLOWMOE_CHECK(have_weights_, what << ": no weights; call set_weights first");
+      FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
+                    what << ": T = " << tokens << " tokens; expected 1 <= T <= max_tokens = "
+                         << cfg_.max_tokens);
+      FLOWMOE_CHECK(x && y, what << ": x and y must be non-null device pointers to [T, H] bf16");
+    });
     T_ = tokens;
     have_forward_ = false;
     drop_ops(&rep_, MoePass::kForward);
     drop_ops(&rep_, MoePass::kBackward);
     rep_.saved.clear();
     rep_.columns.clear();
+    rep_.wire.clear();
     stats_valid_ = false;
     backward_done_ = false;
     stages_fwd_.clear();
@@ -175,10 +185,15 @@ class CudaMoeLayer final : public MoeLayer {
   // ---- backward --------------------------------------------------------------------------------
   void backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) override {
     const char* what = "MoeLayer::backward";
-    FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
-                                         "consumes the activations of the latest forward)");
-    FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null device pointers to [T, H] bf16");
+    local_checks(what, [&] {
+      FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
+                                           "consumes the activations of the latest forward)");
+      FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null device pointers to [T, H] bf16");
+    });
     drop_ops(&rep_, MoePass::kBackward);
+    rep_.wire.erase(std::remove_if(rep_.wire.begin(), rep_.wire.end(),
+                                   [](const WireTransfer& w) { return w.pass == MoePass::kBackward; }),
+                    rep_.wire.end());
     stats_valid_ = false;
     stages_bwd_.clear();
     FLOWMOE_CUDA_CHECK(cudaMemsetAsync(status_ + kStatusBwd, 0, 2 * sizeof(DeviceStatus), stream_));
@@ -244,7 +259,7 @@ class CudaMoeLayer final : public MoeLayer {
   }
 
   void allocate() {
-    const int64_t R = R_, Tm = Tm_, H = H_, F = F_, E = E_, K = K_, MB = MB_;
+    const int64_t R = R_, Tm = Tm_, H = H_, F = F_, E = E_, El = El_, K = K_, MB = MB_;
     const int64_t maxC = std::max(H, 2 * F);
     const Recipe rc = cfg_.recipe;
     const bool pow2 = rc == Recipe::kBlockwise || rc == Recipe::kFlow || rc == Recipe::kFlowFp4;
@@ -266,6 +281,9 @@ class CudaMoeLayer final : public MoeLayer {
     routing_.padded_offsets = dalloc<int32_t>(E + 1);
     routing_.row_map = dalloc<int32_t>(Tm * K);
     routing_.row_src = dalloc<int32_t>(R);  // inverse row map: coalesced FP8 scale permute
+    // EP: the send order of the dispatch is the unpadded routing (rows by global expert, then
+    // (token, slot)), so the send-side gathers use row_map_unpadded
+    if (comm_) routing_.row_map_unpadded = dalloc<int32_t>(Tm * K);
     routing_.workspace = dalloc<uint8_t>(int64_t(routing_workspace_bytes(Tm, K_, E_)));
     if (cfg_.aux_loss_alpha > 0.0f) {
       aux_ws_ = dalloc<uint8_t>(int64_t(router_aux_workspace_bytes(Tm, E_)));
@@ -282,27 +300,41 @@ class CudaMoeLayer final : public MoeLayer {
     FLOWMOE_CUDA_CHECK(cudaMallocHost(&h_counts_, sizeof(int32_t) * E));
     FLOWMOE_CUDA_CHECK(cudaMallocHost(&h_status_, sizeof(DeviceStatus) * 4));
     FLOWMOE_CUDA_CHECK(cudaMallocHost(&h_loss_, sizeof(float)));
+    if (comm_) {
+      // Expert parallelism, worst case: this rank sends at most T*k rows (Tm*k here) and its El
+      // experts receive at most R = max_rows() = routing_max_rows(ranks * Tm, k, El, A) padded rows
+      // (every rank routing every slot here), which is what the expert buffers below are sized
+      // for. The send buffer holds the widest row (BF16, 2H bytes); the combines come back into it.
+      const int64_t nc = H / 128;
+      d_loff_ = dalloc<int32_t>(El + 1);
+      FLOWMOE_CUDA_CHECK(cudaMallocHost(&h_loff_, sizeof(int32_t) * (El + 1)));
+      ep_send_ = dalloc<uint8_t>(Tm * K * 2 * H);
+      ep_send_sc_ = dalloc<uint8_t>(Tm * K * 4 * nc);
+      ep_send_p_ = dalloc<float>(Tm * K);
+      ep_recv_sc_ = dalloc<uint8_t>(R * 4 * nc);
+      ep_dprow_ = dalloc<float>(R);
+    }
 
     // weights
     wr_ = dalloc<float>(E * H);
     bias_ = dalloc<float>(E);
     scratch_bf16_wr_ = dalloc<bf16_t>(E * H);
-    w1b_ = dalloc<bf16_t>(E * 2 * F * H);
-    w2b_ = dalloc<bf16_t>(E * H * F);
+    w1b_ = dalloc<bf16_t>(El * 2 * F * H);
+    w2b_ = dalloc<bf16_t>(El * H * F);
     if (fp8) {
-      w1_.codes = dalloc<uint8_t>(E * 2 * F * H);
-      w1t_.codes = dalloc<uint8_t>(E * 2 * F * H);
-      w2_.codes = dalloc<uint8_t>(E * H * F);
-      w2t_.codes = dalloc<uint8_t>(E * H * F);
-      w1_.scales = dalloc<float>(gemm::weight_scale_f32_elems(E_, 2 * F, H));
-      w1t_.scales = dalloc<float>(gemm::weight_scale_f32_elems(E_, H, 2 * F));
-      w2_.scales = dalloc<float>(gemm::weight_scale_f32_elems(E_, H, F));
-      w2t_.scales = dalloc<float>(gemm::weight_scale_f32_elems(E_, F, H));
+      w1_.codes = dalloc<uint8_t>(El * 2 * F * H);
+      w1t_.codes = dalloc<uint8_t>(El * 2 * F * H);
+      w2_.codes = dalloc<uint8_t>(El * H * F);
+      w2t_.codes = dalloc<uint8_t>(El * H * F);
+      w1_.scales = dalloc<float>(gemm::weight_scale_f32_elems(El_, 2 * F, H));
+      w1t_.scales = dalloc<float>(gemm::weight_scale_f32_elems(El_, H, 2 * F));
+      w2_.scales = dalloc<float>(gemm::weight_scale_f32_elems(El_, H, F));
+      w2t_.scales = dalloc<float>(gemm::weight_scale_f32_elems(El_, F, H));
       if (pow2) {
-        w1s8_ = dalloc<uint8_t>(E * (2 * F / 128) * (H / 128));
-        w1ts8_ = dalloc<uint8_t>(E * (2 * F / 128) * (H / 128));
-        w2s8_ = dalloc<uint8_t>(E * (H / 128) * (F / 128));
-        w2ts8_ = dalloc<uint8_t>(E * (H / 128) * (F / 128));
+        w1s8_ = dalloc<uint8_t>(El * (2 * F / 128) * (H / 128));
+        w1ts8_ = dalloc<uint8_t>(El * (2 * F / 128) * (H / 128));
+        w2s8_ = dalloc<uint8_t>(El * (H / 128) * (F / 128));
+        w2ts8_ = dalloc<uint8_t>(El * (H / 128) * (F / 128));
       }
     }
 
@@ -422,6 +454,8 @@ class CudaMoeLayer final : public MoeLayer {
     if (h_counts_) cudaFreeHost(h_counts_);
     if (h_status_) cudaFreeHost(h_status_);
     if (h_loss_) cudaFreeHost(h_loss_);
+    if (h_loff_) cudaFreeHost(h_loff_);
+    h_loff_ = nullptr;
     h_counts_ = nullptr;
     h_status_ = nullptr;
     h_loss_ = nullptr;
@@ -451,7 +485,8 @@ class CudaMoeLayer final : public MoeLayer {
     s.name = name;
     s.format = format;
     s.bytes = bytes;
-    s.bytes_per_token_unpadded = per_row * double(routed_) / double(T_);
+    // the rows held here: this rank's routed rows (one GPU) or the rows its El experts received
+    s.bytes_per_token_unpadded = per_row * double(held_) / double(T_);
     rep_.saved.push_back(s);
   }
   void save_tokens(const std::string& name, const std::string& format, int64_t bytes) {
@@ -527,10 +562,10 @@ class CudaMoeLayer final : public MoeLayer {
 
   SegmentBlocks blocks() const {
     SegmentBlocks sb;
-    sb.offsets = routing_.padded_offsets;
-    sb.num_segments = E_;
+    sb.offsets = poff();
+    sb.num_segments = El_;
     sb.m = Mp_;
-    sb.max_blocks = segment_max_blocks(Mp_, E_);
+    sb.max_blocks = segment_max_blocks(Mp_, El_);
     sb.block_start = bstart_;
     sb.block_end = bend_;
     sb.block_offsets = boff_;
@@ -546,7 +581,7 @@ class CudaMoeLayer final : public MoeLayer {
 
   // Row-wise UE8M0 operand [Mp, C] -> GEMM-ready (expert-packed FP32 scales in act32_).
   Fp8Op act_operand(const Fp8Buf& b, int64_t c, DeviceStatus* st) {
-    act_scales_to_f32(b.scales, Mp_, c, routing_.padded_offsets, E_, act32_, st, stream_);
+    act_scales_to_f32(b.scales, Mp_, c, poff(), El_, act32_, st, stream_);
     return Fp8Op{cs<uint8_t>(b.codes, Mp_ * c), cs<float>(act32_, Mp_ * c / 128)};
   }
   // Column-wise UE8M0 operand [C over Mp] -> GEMM-ready FP32 [NB][C] in `buf32`.
@@ -555,20 +590,20 @@ class CudaMoeLayer final : public MoeLayer {
     return Fp8Op{cs<uint8_t>(b.codes, c * Mp_), cs<float>(buf32, NB_ * c)};
   }
   Fp8Op w1_op() const {
-    return Fp8Op{cs<uint8_t>(w1_.codes, int64_t(E_) * 2 * F_ * H_),
-                 cs<float>(w1_.scales, gemm::weight_scale_f32_elems(E_, 2 * F_, H_))};
+    return Fp8Op{cs<uint8_t>(w1_.codes, int64_t(El_) * 2 * F_ * H_),
+                 cs<float>(w1_.scales, gemm::weight_scale_f32_elems(El_, 2 * F_, H_))};
   }
   Fp8Op w1t_op() const {
-    return Fp8Op{cs<uint8_t>(w1t_.codes, int64_t(E_) * 2 * F_ * H_),
-                 cs<float>(w1t_.scales, gemm::weight_scale_f32_elems(E_, H_, 2 * F_))};
+    return Fp8Op{cs<uint8_t>(w1t_.codes, int64_t(El_) * 2 * F_ * H_),
+                 cs<float>(w1t_.scales, gemm::weight_scale_f32_elems(El_, H_, 2 * F_))};
   }
   Fp8Op w2_op() const {
-    return Fp8Op{cs<uint8_t>(w2_.codes, int64_t(E_) * H_ * F_),
-                 cs<float>(w2_.scales, gemm::weight_scale_f32_elems(E_, H_, F_))};
+    return Fp8Op{cs<uint8_t>(w2_.codes, int64_t(El_) * H_ * F_),
+                 cs<float>(w2_.scales, gemm::weight_scale_f32_elems(El_, H_, F_))};
   }
   Fp8Op w2t_op() const {
-    return Fp8Op{cs<uint8_t>(w2t_.codes, int64_t(E_) * H_ * F_),
-                 cs<float>(w2t_.scales, gemm::weight_scale_f32_elems(E_, F_, H_))};
+    return Fp8Op{cs<uint8_t>(w2t_.codes, int64_t(El_) * H_ * F_),
+                 cs<float>(w2t_.scales, gemm::weight_scale_f32_elems(El_, F_, H_))};
   }
   gemm::WgradOut dw_out(float* p, int64_t n) const { return gemm::WgradOut::accumulate(p, n); }
 
@@ -596,7 +631,33 @@ class CudaMoeLayer final : public MoeLayer {
       routed_ += h_counts_[e];
       padded[e] = (h_counts_[e] + cfg_.align - 1) / cfg_.align * cfg_.align;
     }
-    seg_ = Segments::from_counts(padded);
+    if (comm_ == nullptr) {
+      seg_ = Segments::from_counts(padded);
+      held_ = routed_;
+    } else {
+      // Expert parallelism: the plan from the per-expert counts just fetched (collective:
+      // configuration check, count all-to-all), the CPU layer's plan (plan_dispatch_counts gives
+      // what plan_dispatch gives without the send routing, which lives on the device here as
+      // routing_.row_map_unpadded). From here on Mp_, seg_ and the device offsets describe this
+      // rank's El local expert segments of the rows every rank sends here.
+      auto s = fwd("dispatch plan (count all-to-all)");
+      EpConfig ec;
+      ec.num_experts = E_;
+      ec.topk = K_;
+      ec.hidden = H_;
+      ec.align = cfg_.align;
+      ec.format = forward_wire_format();
+      ec.with_probs = true;
+      plan_ = plan_dispatch_counts(*comm_, ec, h_counts_, T_);
+      Mp_ = plan_.padded_rows();
+      FLOWMOE_CHECK(Mp_ <= R_, "MoeLayer::forward: " << Mp_ << " padded rows received; the "
+                                   "workspaces hold max_rows() = " << R_ << " (a rank passed T > max_tokens?)");
+      seg_ = plan_.padded_segments();
+      held_ = plan_.recv_rows();
+      std::copy(plan_.padded_offsets.begin(), plan_.padded_offsets.end(), h_loff_);
+      FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(d_loff_, h_loff_, sizeof(int32_t) * (El_ + 1),
+                                         cudaMemcpyHostToDevice, stream_));
+    }
     NB_ = seg_.num_blocks();
     rep_.tokens = T_;
     rep_.routed_rows = routed_;
@@ -604,23 +665,190 @@ class CudaMoeLayer final : public MoeLayer {
     {
       auto s = fwd("row probabilities + segment blocks");
       FLOWMOE_CUDA_CHECK(cudaMemsetAsync(prow_, 0, sizeof(float) * std::max<int64_t>(Mp_, 1), stream_));
-      scatter_row_probs(probs_, routing_.row_map, T_, K_, prow_, stream_);
+      // EP: the forward dispatch brings each received row's probability into prow_
+      if (comm_ == nullptr) scatter_row_probs(probs_, routing_.row_map, T_, K_, prow_, stream_);
       if (cfg_.recipe != Recipe::kBf16 && Mp_ > 0) build_segment_blocks(blocks(), st_fwd_aux(), stream_);
     }
   }
 
+  // ---- token movement: permute+pad / unpermute on one GPU, dispatch / combine with EP ------------
+  // The device offsets of the expert segments the GEMMs and the segment-aware kernels see.
+  const int32_t* poff() const { return comm_ ? d_loff_ : routing_.padded_offsets; }
+
+  // Runs the local precondition checks of a pass. With a communicator the pass is collective, so
+  // every rank learns whether every rank passed them (as the CPU layer): a bad call on one rank
+  // fails every rank at once instead of leaving the others waiting in the next exchange.
+  template <typename Checks>
+  void local_checks(const char* what, Checks&& checks) {
+    if (comm_ == nullptr) {
+      checks();
+      return;
+    }
+    std::exception_ptr mine;
+    std::string msg;
+    try {
+      checks();
+    } catch (const Error& e) {
+      mine = std::current_exception();
+      msg = e.what();
+    }
+    if (mine) {
+      try {
+        comm_->agree_on_local_errors(what, msg);
+      } catch (const Error&) {
+      }
+      std::rethrow_exception(mine);
+    }
+    comm_->agree_on_local_errors(what, msg);
+  }
+
+  // The wire format of the forward dispatch (the recipe's format of x before GEMM1), as the CPU.
+  WireFormat forward_wire_format() const {
+    switch (cfg_.recipe) {
+      case Recipe::kBf16:
+      case Recipe::kBlockwise: return WireFormat::kBf16;
+      case Recipe::kFp8Naive: return WireFormat::kFp8Fp32Scale;
+      case Recipe::kFlow: return WireFormat::kFp8;
+      case Recipe::kFlowFp4: return WireFormat::kMxfp4;
+    }
+    return WireFormat::kBf16;
+  }
+  void log_dispatch(MoePass pass, const std::string& name, const DispatchPlan& p) {
+    WireTransfer w;
+    w.pass = pass;
+    w.name = name;
+    w.format = std::string(wire_format_name(p.format)) + (p.with_probs ? " + fp32 prob" : "");
+    for (int q = 0; q < p.world; ++q)
+      if (q != p.rank) w.rows += p.rows_to(q);
+    w.bytes = p.wire_bytes(p.format, p.with_probs);
+    rep_.wire.push_back(w);
+  }
+  void log_combine(MoePass pass, const std::string& name, const std::string& format,
+                   int64_t row_bytes) {
+    WireTransfer w;
+    w.pass = pass;
+    w.name = name;
+    w.format = format;
+    for (int q = 0; q < plan_.world; ++q)
+      if (q != plan_.rank) w.rows += plan_.rows_from(q);
+    w.bytes = w.rows * row_bytes;
+    rep_.wire.push_back(w);
+  }
+
+  // One exchange of the communicator. Stream contract: the send buffers were written (and the
+  // receive buffers zeroed) on stream_, so stream_ is synchronised first; the communicator then
+  // moves the bytes (device SimWorld: blocking copies; NCCL: ordered on its own stream) and
+  // comm.synchronize() waits for them, so the work enqueued on stream_ afterwards reads complete
+  // rows whatever stream the communicator uses. One host sync of stream_ per exchange (counted)
+  // plus the communicator's; overlapping the exchange with compute is future work.
+  template <typename Fn>
+  void ep_exchange(Fn&& fn) {
+    FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    ++host_syncs_;
+    fn();
+    comm_->synchronize();
+  }
+
+  // EP: moves `streams` (send-order rows -> their padded rows on the experts' ranks) in one
+  // exchange, with the routing probabilities (FP32, into prow_) in the forward; the padding rows
+  // of every receive buffer are zero (memset before the exchange).
+  void ep_dispatch(MoePass pass, const char* name, WireFormat f, std::vector<RowStream> streams) {
+    const bool fwd = pass == MoePass::kForward;
+    DispatchPlan p = plan_;
+    p.format = f;
+    p.with_probs = fwd;
+    if (fwd) {
+      ep_gather_rows(probs_, int64_t(sizeof(float)), true, routing_.row_map_unpadded, T_, K_,
+                     ep_send_p_, stream_);
+      streams.push_back({ep_send_p_, prow_, int64_t(sizeof(float))});
+    }
+    if (Mp_ > 0)
+      for (const RowStream& st : streams)
+        FLOWMOE_CUDA_CHECK(cudaMemsetAsync(st.recv, 0, size_t(Mp_ * st.row_bytes), stream_));
+    ep_exchange([&] { dispatch_rows(*comm_, p, streams); });
+    log_dispatch(pass, name, p);
+  }
+
+  // token rows [T, H] bf16 -> padded rows [Mp, H] bf16 of the local experts
+  void move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name) {
+    if (comm_ == nullptr) {
+      permute_pad_bf16(tok, H_, routing_, rows, stream_);
+      return;
+    }
+    ep_gather_rows(tok, 2 * H_, false, routing_.row_map_unpadded, T_, K_, ep_send_, stream_);
+    ep_dispatch(pass, name, WireFormat::kBf16, {{ep_send_, rows, 2 * H_}});
+  }
+  // FP8 row-wise token rows (codes [T, H], scales [H/128][T]) -> out_codes [Mp, H], out_scales
+  // [H/128][Mp]. EP wire format fp8: codes + UE8M0 scales row-major [rows][H/128] next to them;
+  // the receiver transposes the scales (as the CPU's ep_dispatch_fp8).
+  void move_fp8(const uint8_t* codes, const uint8_t* scales, uint8_t* out_codes,
+                uint8_t* out_scales, MoePass pass, const char* name) {
+    if (comm_ == nullptr) {
+      permute_pad_fp8(codes, scales, H_, routing_, out_codes, out_scales, Mp_, stream_);
+      return;
+    }
+    const int64_t nc = H_ / 128;
+    ep_gather_rows(codes, H_, false, routing_.row_map_unpadded, T_, K_, ep_send_, stream_);
+    ep_gather_col_scales(scales, nc, 1, routing_.row_map_unpadded, T_, K_, ep_send_sc_, stream_);
+    ep_dispatch(pass, name, WireFormat::kFp8, {{ep_send_, out_codes, H_}, {ep_send_sc_, ep_recv_sc_, nc}});
+    ep_transpose_scales(ep_recv_sc_, Mp_, nc, 1, out_scales, Mp_, stream_);
+  }
+  // MXFP4 entry rows (ent4c_ [T, H/2], ent4s_ [T][H/32]) -> x4c_ [Mp, H/2], x4s_ [Mp][H/32]
+  // (the wire layout is the final layout). Forward only.
+  void move_mxfp4() {
+    if (comm_ == nullptr) {
+      permute_pad_mxfp4(ent4c_, ent4s_, H_, routing_, x4c_, x4s_, stream_);
+      return;
+    }
+    ep_gather_rows(ent4c_, H_ / 2, false, routing_.row_map_unpadded, T_, K_, ep_send_, stream_);
+    ep_gather_rows(ent4s_, H_ / 32, false, routing_.row_map_unpadded, T_, K_, ep_send_sc_, stream_);
+    ep_dispatch(MoePass::kForward, "dispatch x", WireFormat::kMxfp4,
+                {{ep_send_, x4c_, H_ / 2}, {ep_send_sc_, x4s_, H_ / 32}});
+  }
+  // fp8-naive with EP: the entry codes (ent_) and FP32 scales (ent32_ [H/128][T]) travel (wire
+  // format fp8-fp32scale, scales row-major next to the codes), land in rowA_.codes and
+  // ep_recv_sc_, the scales are transposed into act32_ ([H/128][Mp]) and the rows dequantized into
+  // out [Mp, H] bf16 (padding rows: code 0 x scale 0 = +0, the zero rows one GPU's permute+pad
+  // writes). Dequantization is element-wise, so this gives the bits of dequantize-then-permute.
+  // Returns the elements counted for the report: the received routed rows (as the CPU layer).
+  int64_t move_naive(bf16_t* out, MoePass pass, const char* name) {
+    const int64_t nc = H_ / 128;
+    ep_gather_rows(ent_.codes, H_, false, routing_.row_map_unpadded, T_, K_, ep_send_, stream_);
+    ep_gather_col_scales(ent32_, nc, 4, routing_.row_map_unpadded, T_, K_, ep_send_sc_, stream_);
+    ep_dispatch(pass, name, WireFormat::kFp8Fp32Scale,
+                {{ep_send_, rowA_.codes, H_}, {ep_send_sc_, ep_recv_sc_, 4 * nc}});
+    ep_transpose_scales(ep_recv_sc_, Mp_, nc, 4, act32_, Mp_, stream_);
+    naive_dequantize_row(rowA_.codes, act32_, Mp_, H_, nullptr, El_, out, stream_);
+    return held_ * H_;
+  }
+  // expert output rows o_ [Mp, H] -> y [T, H] (plain sum in slot order; EP: the rows come back
+  // to the token's rank in send order first, and the sum runs there, as unpermute does)
+  void combine_y(bf16_t* y) {
+    if (comm_ == nullptr) {
+      unpermute_unpad(o_, nullptr, H_, routing_, y, stream_);
+      return;
+    }
+    bf16_t* back = reinterpret_cast<bf16_t*>(ep_send_);
+    ep_exchange([&] { combine_rows(*comm_, plan_, {{o_, back, 2 * H_}}); });
+    log_combine(MoePass::kForward, "combine expert output rows", "bf16", 2 * H_);
+    // the unpadded map addresses the send-order rows that just came back; same kernel and
+    // arithmetic as unpermute_unpad (token.h)
+    unpermute(back, nullptr, H_, routing_, y, stream_);
+  }
+
   // ---- forward, per recipe (the CPU backend's dataflow) -----------------------------------------
   void forward_bf16(bf16_t* y) {
-    { auto s = fwd("permute+pad x (bf16)"); permute_pad_bf16(x_, H_, routing_, xp_, stream_); }
+    { auto s = fwd(comm_ ? "dispatch x (bf16)" : "permute+pad x (bf16)");
+      move_bf16(x_, xp_, MoePass::kForward, "dispatch x"); }
     { auto s = fwd("GEMM1 fprop (bf16)");
-      gg_->fprop_bf16(seg_, 2 * F_, H_, cs<bf16_t>(xp_, Mp_ * H_), cs<bf16_t>(w1b_, int64_t(E_) * 2 * F_ * H_),
+      gg_->fprop_bf16(seg_, 2 * F_, H_, cs<bf16_t>(xp_, Mp_ * H_), cs<bf16_t>(w1b_, int64_t(El_) * 2 * F_ * H_),
                       ms<bf16_t>(h1_, Mp_ * 2 * F_), stream_); }
     { auto s = fwd("SwiGLU*prob (bf16)");
       cuda::swiglu(h1_, Mp_, F_, abuf_, st_fwd(), stream_, prow_); }
     { auto s = fwd("GEMM2 fprop (bf16)");
-      gg_->fprop_bf16(seg_, H_, F_, cs<bf16_t>(abuf_, Mp_ * F_), cs<bf16_t>(w2b_, int64_t(E_) * H_ * F_),
+      gg_->fprop_bf16(seg_, H_, F_, cs<bf16_t>(abuf_, Mp_ * F_), cs<bf16_t>(w2b_, int64_t(El_) * H_ * F_),
                       ms<bf16_t>(o_, Mp_ * H_), stream_); }
-    { auto s = fwd("unpermute+unpad"); unpermute_unpad(o_, nullptr, H_, routing_, y, stream_); }
+    { auto s = fwd(comm_ ? "combine + unpermute" : "unpermute+unpad"); combine_y(y); }
     save_rows("GEMM1 input x_perm", "bf16 [Mp, H]", Mp_ * H_ * 2, 2.0 * H_);
     save_rows("GEMM1 output h", "bf16 [Mp, 2F]", Mp_ * 2 * F_ * 2, 4.0 * F_);
     save_rows("GEMM2 input a'", "bf16 [Mp, F]", Mp_ * F_ * 2, 2.0 * F_);
@@ -629,7 +857,8 @@ class CudaMoeLayer final : public MoeLayer {
   void forward_blockwise(bf16_t* y) {
     const SegmentBlocks sb = blocks();
     bf16_t* xp = o_;  // BF16 permuted input, scratch
-    { auto s = fwd("permute+pad x (bf16)"); permute_pad_bf16(x_, H_, routing_, xp, stream_); }
+    { auto s = fwd(comm_ ? "dispatch x (bf16)" : "permute+pad x (bf16)");
+      move_bf16(x_, xp, MoePass::kForward, "dispatch x"); }
     { auto s = fwd("quantize x_perm (row + col)");
       quantize_col(xp, H_, sb, xc_.codes, xc_.scales, rowA_.codes, rowA_.scales, st_fwd(), stream_); }
     log(MoePass::kForward, CastKind::kQuantize, "quantize x_perm (row + col, from BF16)", 1, 2, Mp_ * H_);
@@ -644,7 +873,7 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = fwd("GEMM2 fprop (fp8)");
       const Fp8Op ao = act_operand(rowA_, F_, st_fwd_aux());
       gg_->fprop(seg_, H_, F_, ao, w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
-    { auto s = fwd("unpermute+unpad"); unpermute_unpad(o_, nullptr, H_, routing_, y, stream_); }
+    { auto s = fwd(comm_ ? "combine + unpermute" : "unpermute+unpad"); combine_y(y); }
     save_rows("GEMM1 input x_perm (wgrad copy)", "fp8 col 128x1 [Mp, H]", col_bytes(H_), fp8_row(H_));
     save_rows("GEMM1 output h", "bf16 [Mp, 2F]", Mp_ * 2 * F_ * 2, 4.0 * F_);
     save_rows("GEMM2 input a' (wgrad copy)", "fp8 col 128x1 [Mp, F]", col_bytes(F_), fp8_row(F_));
@@ -654,13 +883,20 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = fwd("quantize x (entry, fp32 scales)");
       naive_quantize_row(x_, T_, H_, nullptr, E_, ent_.codes, ent32_, st_fwd(), stream_); }
     log(MoePass::kForward, CastKind::kQuantize, "quantize x (row, FP32 scales, before dispatch)", 1, 1, T_ * H_);
-    { auto s = fwd("dequantize x (after dispatch)");
-      naive_dequantize_row(ent_.codes, ent32_, T_, H_, nullptr, E_, entb_, stream_); }
-    log(MoePass::kForward, CastKind::kDequantize, "dequantize x (after dispatch)", 1, 1, T_ * H_);
     bf16_t* xp = o_;
-    { auto s = fwd("permute+pad x (bf16)"); permute_pad_bf16(entb_, H_, routing_, xp, stream_); }
+    if (comm_ == nullptr) {
+      { auto s = fwd("dequantize x (after dispatch)");
+        naive_dequantize_row(ent_.codes, ent32_, T_, H_, nullptr, E_, entb_, stream_); }
+      log(MoePass::kForward, CastKind::kDequantize, "dequantize x (after dispatch)", 1, 1, T_ * H_);
+      { auto s = fwd("permute+pad x (bf16)"); permute_pad_bf16(entb_, H_, routing_, xp, stream_); }
+    } else {
+      int64_t n = 0;
+      { auto s = fwd("dispatch x (fp8, fp32 scales) + dequantize");
+        n = move_naive(xp, MoePass::kForward, "dispatch x"); }
+      log(MoePass::kForward, CastKind::kDequantize, "dequantize x (after dispatch)", 1, 1, n);
+    }
     { auto s = fwd("quantize x_perm (row, fp32 scales)");
-      naive_quantize_row(xp, Mp_, H_, routing_.padded_offsets, E_, xn_.codes, xn_.scales, st_fwd(), stream_); }
+      naive_quantize_row(xp, Mp_, H_, poff(), El_, xn_.codes, xn_.scales, st_fwd(), stream_); }
     log(MoePass::kForward, CastKind::kQuantize, "quantize x_perm (row, FP32 scales)", 1, 1, Mp_ * H_);
     { auto s = fwd("GEMM1 fprop (fp8)");
       gg_->fprop(seg_, 2 * F_, H_, Fp8Op{cs<uint8_t>(xn_.codes, Mp_ * H_), cs<float>(xn_.scales, Mp_ * H_ / 128)},
@@ -668,12 +904,12 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = fwd("SwiGLU*prob (bf16)");
       cuda::swiglu(h1_, Mp_, F_, abuf_, st_fwd(), stream_, prow_); }
     { auto s = fwd("quantize a' (row, fp32 scales)");
-      naive_quantize_row(abuf_, Mp_, F_, routing_.padded_offsets, E_, an_.codes, an_.scales, st_fwd(), stream_); }
+      naive_quantize_row(abuf_, Mp_, F_, poff(), El_, an_.codes, an_.scales, st_fwd(), stream_); }
     log(MoePass::kForward, CastKind::kQuantize, "quantize a' (row, FP32 scales)", 1, 1, Mp_ * F_);
     { auto s = fwd("GEMM2 fprop (fp8)");
       gg_->fprop(seg_, H_, F_, Fp8Op{cs<uint8_t>(an_.codes, Mp_ * F_), cs<float>(an_.scales, Mp_ * F_ / 128)},
                  w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
-    { auto s = fwd("unpermute+unpad"); unpermute_unpad(o_, nullptr, H_, routing_, y, stream_); }
+    { auto s = fwd(comm_ ? "combine + unpermute" : "unpermute+unpad"); combine_y(y); }
     save_rows("GEMM1 input x_perm", "fp8 row 1x128 fp32-scale [Mp, H]", Mp_ * H_ + 4 * (H_ / 128) * Mp_,
               fp8_row_f32s(H_));
     save_rows("GEMM1 output h", "bf16 [Mp, 2F]", Mp_ * 2 * F_ * 2, 4.0 * F_);
@@ -689,15 +925,14 @@ class CudaMoeLayer final : public MoeLayer {
       { auto s = fwd("quantize x (entry)");
         quantize_row(x_, T_, H_, ent_.codes, ent8s_, st_fwd(), stream_); }
       log(MoePass::kForward, CastKind::kQuantize, "quantize x (row 1x128, entry)", 1, 1, T_ * H_);
-      { auto s = fwd("permute+pad x (fp8)");
-        permute_pad_fp8(ent_.codes, ent8s_, H_, routing_, xr_.codes, xr_.scales, Mp_, stream_); }
+      { auto s = fwd(comm_ ? "dispatch x (fp8)" : "permute+pad x (fp8)");
+        move_fp8(ent_.codes, ent8s_, xr_.codes, xr_.scales, MoePass::kForward, "dispatch x"); }
       xin = xr_;
     } else {
       { auto s = fwd("quantize x (entry, mxfp4)");
         quantize_mxfp4(x_, T_, H_, ent4c_, ent4s_, st_fwd(), stream_); }
       log(MoePass::kForward, CastKind::kQuantize, "quantize x (MXFP4 1x32, entry)", 1, 1, T_ * H_);
-      { auto s = fwd("permute+pad x (mxfp4)");
-        permute_pad_mxfp4(ent4c_, ent4s_, H_, routing_, x4c_, x4s_, stream_); }
+      { auto s = fwd(comm_ ? "dispatch x (mxfp4)" : "permute+pad x (mxfp4)"); move_mxfp4(); }
       { auto s = fwd("FP4RowToFP8Row x_perm");
         fp4_to_fp8_row(x4c_, x4s_, Mp_, H_, rowA_.codes, rowA_.scales, st_fwd(), stream_); }
       log(MoePass::kForward, CastKind::kConvert, "FP4RowToFP8Row x_perm (GEMM1 input)", 1, 1, Mp_ * H_);
@@ -727,7 +962,7 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = fwd("GEMM2 fprop (fp8)");
       const Fp8Op ao = act_operand(ar, F_, st_fwd_aux());
       gg_->fprop(seg_, H_, F_, ao, w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
-    { auto s = fwd("unpermute+unpad"); unpermute_unpad(o_, nullptr, H_, routing_, y, stream_); }
+    { auto s = fwd(comm_ ? "combine + unpermute" : "unpermute+unpad"); combine_y(y); }
     join(kSideA);  // a' col ready before anything later on stream_ (the backward) runs
     if (!fp4)
       save_rows("GEMM1 input x_perm", "fp8 row 1x128 [Mp, H]", row_bytes(H_), fp8_row(H_));
@@ -744,28 +979,30 @@ class CudaMoeLayer final : public MoeLayer {
   //      ([F/128][Mp], swiglu.h) in dpart_ -------------------------------------------------------
   void backward_bf16(const bf16_t* dy, const MoeGrads& g) {
     bf16_t* dy2 = o_;
-    { auto s = bwd("permute+pad dy (bf16)"); permute_pad_bf16(dy, H_, routing_, dy2, stream_); }
+    { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");
+      move_bf16(dy, dy2, MoePass::kBackward, "dispatch dy"); }
     { auto s = bwd("GEMM2 dgrad (bf16)");
-      gg_->dgrad_bf16(seg_, H_, F_, cs<bf16_t>(dy2, Mp_ * H_), cs<bf16_t>(w2b_, int64_t(E_) * H_ * F_),
+      gg_->dgrad_bf16(seg_, H_, F_, cs<bf16_t>(dy2, Mp_ * H_), cs<bf16_t>(w2b_, int64_t(El_) * H_ * F_),
                       ms<bf16_t>(da_, Mp_ * F_), stream_); }
     if (g.dw2) { auto s = bwd("GEMM2 wgrad (bf16)");
       gg_->wgrad_bf16(seg_, H_, F_, cs<bf16_t>(dy2, Mp_ * H_), cs<bf16_t>(abuf_, Mp_ * F_),
-                      dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
+                      dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_); }
     { auto s = bwd("dSwiGLU*prob (bf16)");
       cuda::dswiglu(da_, h1_, Mp_, F_, dh_, st_bwd(), stream_, prow_, dpart_); }
     bf16_t* dxp = o_;
     { auto s = bwd("GEMM1 dgrad (bf16)");
-      gg_->dgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(dh_, Mp_ * 2 * F_), cs<bf16_t>(w1b_, int64_t(E_) * 2 * F_ * H_),
+      gg_->dgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(dh_, Mp_ * 2 * F_), cs<bf16_t>(w1b_, int64_t(El_) * 2 * F_ * H_),
                       ms<bf16_t>(dxp, Mp_ * H_), stream_); }
     if (g.dw1) { auto s = bwd("GEMM1 wgrad (bf16)");
       gg_->wgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(dh_, Mp_ * 2 * F_), cs<bf16_t>(xp_, Mp_ * H_),
-                      dw_out(g.dw1, int64_t(E_) * 2 * F_ * H_), stream_); }
+                      dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
   }
 
   void backward_blockwise(const bf16_t* dy, const MoeGrads& g) {
     const SegmentBlocks sb = blocks();
     bf16_t* dy2 = o_;
-    { auto s = bwd("permute+pad dy (bf16)"); permute_pad_bf16(dy, H_, routing_, dy2, stream_); }
+    { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");
+      move_bf16(dy, dy2, MoePass::kBackward, "dispatch dy"); }
     { auto s = bwd("quantize dY (row + col)");
       quantize_col(dy2, H_, sb, colA_.codes, colA_.scales, rowA_.codes, rowA_.scales, st_bwd(), stream_); }
     log(MoePass::kBackward, CastKind::kQuantize, "quantize dY (row + col, from BF16)", 1, 2, Mp_ * H_);
@@ -775,7 +1012,7 @@ class CudaMoeLayer final : public MoeLayer {
     if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
       const Fp8Op dyc = col_operand(colA_, H_, col32A_);
       const Fp8Op acc = col_operand(ac_, F_, col32B_);
-      gg_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
+      gg_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_); }
     { auto s = bwd("dSwiGLU*prob (bf16)");
       cuda::dswiglu(da_, h1_, Mp_, F_, dh_, st_bwd(), stream_, prow_, dpart_); }
     { auto s = bwd("quantize dh (row + col)");
@@ -787,14 +1024,14 @@ class CudaMoeLayer final : public MoeLayer {
     if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
       const Fp8Op dhc = col_operand(colA_, 2 * F_, col32A_);
       const Fp8Op xc = col_operand(xc_, H_, col32B_);
-      gg_->wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(E_) * 2 * F_ * H_), stream_); }
+      gg_->wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
   }
 
   // fp8-naive column copy: dequantize (row, FP32 scales, expert-packed) -> transpose ->
   // quantize column-wise with fresh FP32 scales. Codes into `col`, scales into `col32`.
   void naive_col(const F32sBuf& row, int64_t c, uint8_t* col, float* col32, const std::string& what) {
     const SegmentBlocks sb = blocks();
-    naive_dequantize_row(row.codes, row.scales, Mp_, c, routing_.padded_offsets, E_, work1_, stream_);
+    naive_dequantize_row(row.codes, row.scales, Mp_, c, poff(), El_, work1_, stream_);
     log(MoePass::kBackward, CastKind::kDequantize, "dequantize " + what + " (for its column copy)", 1, 1, Mp_ * c);
     transpose_bf16(work1_, Mp_, c, work2_, stream_);
     naive_quantize_transposed(work2_, c, sb, col, col32, st_bwd(), stream_);
@@ -806,14 +1043,21 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = bwd("quantize dy (entry, fp32 scales)");
       naive_quantize_row(dy, T_, H_, nullptr, E_, ent_.codes, ent32_, st_bwd(), stream_); }
     log(MoePass::kBackward, CastKind::kQuantize, "quantize dy (row, FP32 scales, before dispatch)", 1, 1, T_ * H_);
-    { auto s = bwd("dequantize dy (after dispatch)");
-      naive_dequantize_row(ent_.codes, ent32_, T_, H_, nullptr, E_, entb_, stream_); }
-    log(MoePass::kBackward, CastKind::kDequantize, "dequantize dy (after dispatch)", 1, 1, T_ * H_);
     bf16_t* dy2 = o_;
-    { auto s = bwd("permute+pad dy (bf16)"); permute_pad_bf16(entb_, H_, routing_, dy2, stream_); }
+    if (comm_ == nullptr) {
+      { auto s = bwd("dequantize dy (after dispatch)");
+        naive_dequantize_row(ent_.codes, ent32_, T_, H_, nullptr, E_, entb_, stream_); }
+      log(MoePass::kBackward, CastKind::kDequantize, "dequantize dy (after dispatch)", 1, 1, T_ * H_);
+      { auto s = bwd("permute+pad dy (bf16)"); permute_pad_bf16(entb_, H_, routing_, dy2, stream_); }
+    } else {
+      int64_t n = 0;
+      { auto s = bwd("dispatch dy (fp8, fp32 scales) + dequantize");
+        n = move_naive(dy2, MoePass::kBackward, "dispatch dy"); }
+      log(MoePass::kBackward, CastKind::kDequantize, "dequantize dy (after dispatch)", 1, 1, n);
+    }
     const F32sBuf dyr{rowA_.codes, act32_};
     { auto s = bwd("quantize dY (row, fp32 scales)");
-      naive_quantize_row(dy2, Mp_, H_, routing_.padded_offsets, E_, dyr.codes, dyr.scales, st_bwd(), stream_); }
+      naive_quantize_row(dy2, Mp_, H_, poff(), El_, dyr.codes, dyr.scales, st_bwd(), stream_); }
     log(MoePass::kBackward, CastKind::kQuantize, "quantize dY (row, FP32 scales)", 1, 1, Mp_ * H_);
     { auto s = bwd("DQ->T->Q dY"); naive_col(dyr, H_, colA_.codes, col32A_, "dY"); }
     { auto s = bwd("GEMM2 dgrad (fp8)");
@@ -823,12 +1067,12 @@ class CudaMoeLayer final : public MoeLayer {
     if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
       gg_->wgrad(seg_, H_, F_, Fp8Op{cs<uint8_t>(colA_.codes, H_ * Mp_), cs<float>(col32A_, NB_ * H_)},
                  Fp8Op{cs<uint8_t>(colB_.codes, F_ * Mp_), cs<float>(col32B_, NB_ * F_)},
-                 dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
+                 dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_); }
     { auto s = bwd("dSwiGLU*prob (bf16)");
       cuda::dswiglu(da_, h1_, Mp_, F_, dh_, st_bwd(), stream_, prow_, dpart_); }
     const F32sBuf dhr{rowA_.codes, act32_};
     { auto s = bwd("quantize dh (row, fp32 scales)");
-      naive_quantize_row(dh_, Mp_, 2 * F_, routing_.padded_offsets, E_, dhr.codes, dhr.scales, st_bwd(), stream_); }
+      naive_quantize_row(dh_, Mp_, 2 * F_, poff(), El_, dhr.codes, dhr.scales, st_bwd(), stream_); }
     log(MoePass::kBackward, CastKind::kQuantize, "quantize dh (row, FP32 scales)", 1, 1, Mp_ * 2 * F_);
     { auto s = bwd("DQ->T->Q dh"); naive_col(dhr, 2 * F_, colA_.codes, col32A_, "dh"); }
     { auto s = bwd("GEMM1 dgrad (fp8)");
@@ -838,7 +1082,7 @@ class CudaMoeLayer final : public MoeLayer {
     if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
       gg_->wgrad(seg_, 2 * F_, H_, Fp8Op{cs<uint8_t>(colA_.codes, 2 * F_ * Mp_), cs<float>(col32A_, NB_ * 2 * F_)},
                  Fp8Op{cs<uint8_t>(colB_.codes, H_ * Mp_), cs<float>(col32B_, NB_ * H_)},
-                 dw_out(g.dw1, int64_t(E_) * 2 * F_ * H_), stream_); }
+                 dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
   }
 
   void backward_flow(const bf16_t* dy, const MoeGrads& g) {
@@ -847,8 +1091,8 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = bwd("quantize dy (entry)"); quantize_row(dy, T_, H_, ent_.codes, ent8s_, st_bwd(), stream_); }
     log(MoePass::kBackward, CastKind::kQuantize, "quantize dy (row 1x128, entry)", 1, 1, T_ * H_);
     const Fp8Buf dyr = rowA_;
-    { auto s = bwd("permute+pad dy (fp8)");
-      permute_pad_fp8(ent_.codes, ent8s_, H_, routing_, dyr.codes, dyr.scales, Mp_, stream_); }
+    { auto s = bwd(comm_ ? "dispatch dy (fp8)" : "permute+pad dy (fp8)");
+      move_fp8(ent_.codes, ent8s_, dyr.codes, dyr.scales, MoePass::kBackward, "dispatch dy"); }
     {  // the wgrad copies on the side stream: dY's next to GEMM2 dgrad (both read dY row-wise),
        // then x_perm's next to everything up to GEMM1 wgrad (colB_ is free until then)
       cudaStream_t ts = fork();
@@ -876,7 +1120,7 @@ class CudaMoeLayer final : public MoeLayer {
     if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
       const Fp8Op dyc = col_operand(colA_, H_, col32A_);
       const Fp8Op acc = col_operand(ac_, F_, col32B_);
-      gg_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(E_) * H_ * F_), stream_); }
+      gg_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_); }
     if (!fp4) {
       auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
       dswiglu_quant_fp8h(da_, hr_.codes, hr_.scales, F_, sb, rowA_.codes, rowA_.scales, colA_.codes, colA_.scales,
@@ -898,20 +1142,40 @@ class CudaMoeLayer final : public MoeLayer {
     if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
       const Fp8Op dhc = col_operand(colA_, 2 * F_, col32A_);
       const Fp8Op xc = col_operand(colB_, H_, col32B_);
-      gg_->wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(E_) * 2 * F_ * H_), stream_); }
+      gg_->wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
   }
 
   // ---- the common tail: dprobs, router backward, dx = unpermute(dXp) + router path --------------
   void backward_router(const MoeGrads& g, bf16_t* dx) {
     const RouterConfig rc = cfg_.router_config();
+    const bf16_t* rows = o_;                 // dX rows, [Mp, H] padded (one GPU)
+    const int32_t* map = routing_.row_map;
+    if (comm_) {
+      // combine: the dX rows (BF16) and each row's d loss / d prob (FP32, summed over the F/128
+      // partial sums here, in gather_row_dprobs' order) go back to the token's rank in one
+      // exchange, into send order; the slot sums then run there, in slot order, as on one GPU.
+      auto s = bwd("combine dX rows + dprob");
+      ep_sum_row_dprobs(dpart_, F_ / 128, Mp_, ep_dprow_, stream_);
+      bf16_t* back = reinterpret_cast<bf16_t*>(ep_send_);
+      ep_exchange([&] {
+        combine_rows(*comm_, plan_, {{o_, back, 2 * H_}, {ep_dprow_, ep_send_p_, int64_t(sizeof(float))}});
+      });
+      log_combine(MoePass::kBackward, "combine dX rows + dprob", "bf16 + fp32 dprob",
+                  2 * H_ + int64_t(sizeof(float)));
+      rows = back;
+      map = routing_.row_map_unpadded;
+    }
     { auto s = bwd("router backward (dprobs, dlogits)");
-      gather_row_dprobs(dpart_, F_ / 128, Mp_, routing_.row_map, T_, K_, dprobs_, stream_);
+      if (comm_ == nullptr)
+        gather_row_dprobs(dpart_, F_ / 128, Mp_, routing_.row_map, T_, K_, dprobs_, stream_);
+      else  // one "tile": the sums that came back (x + nothing = x, canonicalised as on one GPU)
+        gather_row_dprobs(ep_send_p_, 1, plan_.send_rows(), map, T_, K_, dprobs_, stream_);
       router_backward(logits_, T_, rc, ids_, dprobs_, cfg_.aux_loss_alpha > 0.0f ? aux_coef_ : nullptr, 1.0f,
                       dlogits_, stream_); }
     if (g.dwr) { auto s = bwd("router dWr");
       router_dwr(dlogits_, x_, T_, E_, H_, g.dwr, stream_); }
     { auto s = bwd("unpermute dx + router path");
-      combine_dx(o_, routing_.row_map, T_, K_, dlogits_, wr_, E_, H_, dx, stream_); }
+      combine_dx(rows, map, T_, K_, dlogits_, wr_, E_, H_, dx, stream_); }
   }
 
   // ---- state -----------------------------------------------------------------------------------
@@ -919,7 +1183,19 @@ class CudaMoeLayer final : public MoeLayer {
   const int E_;
   const int64_t H_, F_;
   const int K_;
+  const int El_;               // experts held here: E_ alone, E_ / ranks with a communicator
+  Communicator* const comm_;   // null: single GPU, all experts local
   const int64_t Tm_, R_, MB_;
+  // expert parallelism (comm_ set)
+  DispatchPlan plan_;                  // of the latest forward (backward reuses it)
+  int32_t* d_loff_ = nullptr;          // [El+1] device: padded offsets of the local segments
+  int32_t* h_loff_ = nullptr;          // [El+1] pinned host copy
+  uint8_t* ep_send_ = nullptr;         // [T*k, 2H] bytes: send-order rows; combines land here too
+  uint8_t* ep_send_sc_ = nullptr;      // [T*k, 4*H/128] bytes: send-order scales
+  float* ep_send_p_ = nullptr;         // [T*k]: send-order probs; backward: dprobs coming back
+  uint8_t* ep_recv_sc_ = nullptr;      // [R, 4*H/128] bytes: received row-major scales
+  float* ep_dprow_ = nullptr;          // [R]: d loss / d prob of each received row
+  int64_t held_ = 0;                   // routed rows the local experts hold (= routed_ alone)
   std::vector<void*> allocs_;
   size_t allocated_ = 0, gg_workspace_ = 0;
   std::unique_ptr<GroupedGemm> gg_;
@@ -993,12 +1269,54 @@ void fill_normal_bf16(bf16_t* p, int64_t n, uint64_t seed, float stddev, cudaStr
 }  // namespace cuda
 
 std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t stream) {
-  FLOWMOE_CHECK(cfg.comm == nullptr,
-                "make_cuda_layer: a communicator was given, but the CUDA backend does not "
-                "implement expert parallelism yet (the CPU backend does: make_cpu_layer); expected "
-                "comm == nullptr (single GPU, all experts local)");
-  cfg.validate();
-  return std::unique_ptr<MoeLayer>(new cuda::moe::CudaMoeLayer(cfg, stream));
+  if (cfg.comm == nullptr) {
+    cfg.validate();
+    return std::unique_ptr<MoeLayer>(new cuda::moe::CudaMoeLayer(cfg, stream));
+  }
+  // Expert parallelism (docs/EP.md §6): collective, as make_cpu_layer. First the configuration
+  // across ranks (a mismatch is a CommError on every rank), then each rank's own checks and
+  // allocation, agreed on by every rank, so that nobody is left waiting in a later collective.
+  Communicator& comm = *cfg.comm;
+  const char* what = "make_cuda_layer";
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return static_cast<int64_t>(u);
+  };
+  comm.check_uniform(what,
+                     {"hidden", "ffn", "num_experts", "topk", "router (0 softmax, 1 sigmoid)",
+                      "router_renormalize", "router_scale (fp32 bits)",
+                      "aux_loss_alpha (fp32 bits)", "align",
+                      "recipe (0 bf16, 1 blockwise, 2 fp8-naive, 3 flow, 4 flow-fp4)",
+                      "max_tokens", "transpose_exponent (0 row max, 1 column amax)"},
+                     {cfg.hidden, cfg.ffn, cfg.num_experts, cfg.topk,
+                      static_cast<int64_t>(cfg.router), cfg.router_renormalize ? 1 : 0,
+                      bits(cfg.router_scale), bits(cfg.aux_loss_alpha), cfg.align,
+                      static_cast<int64_t>(cfg.recipe), cfg.max_tokens,
+                      static_cast<int64_t>(cfg.transpose_exponent)});
+  std::unique_ptr<MoeLayer> layer;
+  std::exception_ptr mine;
+  std::string msg;
+  try {
+    cfg.validate();
+    FLOWMOE_CHECK(comm.memory_space() == MemorySpace::kDevice,
+                  what << ": the CUDA layer moves device memory but the communicator ("
+                       << comm.backend() << ") moves host memory; expected a device-memory "
+                          "communicator (NCCL, or make_device_sim_world's ranks)");
+    layer.reset(new cuda::moe::CudaMoeLayer(cfg, stream));
+  } catch (const Error& e) {
+    mine = std::current_exception();
+    msg = e.what();
+  }
+  if (mine) {
+    try {
+      comm.agree_on_local_errors(what, msg);
+    } catch (const Error&) {
+    }
+    std::rethrow_exception(mine);
+  }
+  comm.agree_on_local_errors(what, msg);
+  return layer;
 }
 
 }  // namespace flowmoe
