@@ -280,7 +280,9 @@ class CudaMoeLayer final : public MoeLayer {
     routing_.offsets = dalloc<int32_t>(E + 1);
     routing_.padded_offsets = dalloc<int32_t>(E + 1);
     routing_.row_map = dalloc<int32_t>(Tm * K);
-    routing_.row_src = dalloc<int32_t>(R);  // inverse row map: coalesced FP8 scale permute
+    // inverse row map (coalesced FP8 scale permute); sized like routing_.max_rows(), which with a
+    // communicator counts all E experts: the EP path does not permute locally and needs none
+    if (!comm_) routing_.row_src = dalloc<int32_t>(routing_max_rows(Tm, K_, E_, cfg_.align));
     // EP: the send order of the dispatch is the unpadded routing (rows by global expert, then
     // (token, slot)), so the send-side gathers use row_map_unpadded
     if (comm_) routing_.row_map_unpadded = dalloc<int32_t>(Tm * K);
