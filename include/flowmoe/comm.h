@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -109,6 +110,34 @@ class Communicator {
   Communicator() = default;
   double timeout_s_ = 60.0;
 };
+
+// Runs a pass's local precondition checks (a callable that throws flowmoe::Error). Without a
+// communicator it just runs them; with one the pass is collective, so every rank learns whether
+// every rank passed (agree_on_local_errors): this rank rethrows its own error, the others get a
+// CommError naming it, instead of waiting in the next exchange until the timeout.
+template <typename Checks>
+void collective_checks(Communicator* comm, const char* what, Checks&& checks) {
+  if (comm == nullptr) {
+    checks();
+    return;
+  }
+  std::exception_ptr mine;
+  std::string msg;
+  try {
+    checks();
+  } catch (const Error& e) {
+    mine = std::current_exception();
+    msg = e.what();
+  }
+  if (mine) {
+    try {
+      comm->agree_on_local_errors(what, msg);
+    } catch (const Error&) {
+    }
+    std::rethrow_exception(mine);
+  }
+  comm->agree_on_local_errors(what, msg);
+}
 
 // ---- simulated world: N ranks in one process --------------------------------------------------
 // Step-synchronous: each collective is a rendezvous of all ranks (arrive, check the arguments

@@ -422,7 +422,7 @@ class CpuMoeLayer final : public MoeLayer {
 
   void forward(const bf16_t* x, int64_t tokens, bf16_t* y) override {
     const char* what = "MoeLayer::forward";
-    local_checks(what, [&] {
+    collective_checks(comm_, what, [&] {
       FLOWMOE_CHECK(have_weights_, what << ": no weights; call set_weights first");
       FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
                     what << ": T = " << tokens << " tokens; expected 1 <= T <= max_tokens = "
@@ -459,7 +459,7 @@ class CpuMoeLayer final : public MoeLayer {
 
   void backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) override {
     const char* what = "MoeLayer::backward";
-    local_checks(what, [&] {
+    collective_checks(comm_, what, [&] {
       FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
                                            "consumes the activations of the latest forward)");
       FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null host pointers to [T, H] bf16");
@@ -505,33 +505,6 @@ class CpuMoeLayer final : public MoeLayer {
     return s;
   }
 
-  // Runs the local precondition checks of a pass. With a communicator the pass is collective, so
-  // every rank learns whether every rank passed them: a bad call on one rank fails every rank at
-  // once (this rank rethrows its own error; the others get a CommError naming it) instead of
-  // leaving the others waiting in the dispatch until the timeout.
-  template <typename Checks>
-  void local_checks(const char* what, Checks&& checks) {
-    if (comm_ == nullptr) {
-      checks();
-      return;
-    }
-    std::exception_ptr mine;
-    std::string msg;
-    try {
-      checks();
-    } catch (const Error& e) {
-      mine = std::current_exception();
-      msg = e.what();
-    }
-    if (mine) {
-      try {
-        comm_->agree_on_local_errors(what, msg);
-      } catch (const Error&) {
-      }
-      std::rethrow_exception(mine);
-    }
-    comm_->agree_on_local_errors(what, msg);
-  }
 
   // ---- router and routing (the same in every recipe: FP32 from the BF16 input) ----------------
   void route(const bf16_t* x, QuantStats* st) {

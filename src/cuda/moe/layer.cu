@@ -147,7 +147,7 @@ class CudaMoeLayer final : public MoeLayer {
   // ---- forward ---------------------------------------------------------------------------------
   void forward(const bf16_t* x, int64_t tokens, bf16_t* y) override {
     const char* what = "MoeLayer::forward";
-    local_checks(what, [&] {
+    collective_checks(comm_, what, [&] {
       FLOWMOE_CHECK(have_weights_, what << ": no weights; call set_weights first");
       FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
                     what << ": T = " << tokens << " tokens; expected 1 <= T <= max_tokens = "
@@ -185,7 +185,7 @@ class CudaMoeLayer final : public MoeLayer {
   // ---- backward --------------------------------------------------------------------------------
   void backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) override {
     const char* what = "MoeLayer::backward";
-    local_checks(what, [&] {
+    collective_checks(comm_, what, [&] {
       FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
                                            "consumes the activations of the latest forward)");
       FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null device pointers to [T, H] bf16");
@@ -677,32 +677,6 @@ class CudaMoeLayer final : public MoeLayer {
   // The device offsets of the expert segments the GEMMs and the segment-aware kernels see.
   const int32_t* poff() const { return comm_ ? d_loff_ : routing_.padded_offsets; }
 
-  // Runs the local precondition checks of a pass. With a communicator the pass is collective, so
-  // every rank learns whether every rank passed them (as the CPU layer): a bad call on one rank
-  // fails every rank at once instead of leaving the others waiting in the next exchange.
-  template <typename Checks>
-  void local_checks(const char* what, Checks&& checks) {
-    if (comm_ == nullptr) {
-      checks();
-      return;
-    }
-    std::exception_ptr mine;
-    std::string msg;
-    try {
-      checks();
-    } catch (const Error& e) {
-      mine = std::current_exception();
-      msg = e.what();
-    }
-    if (mine) {
-      try {
-        comm_->agree_on_local_errors(what, msg);
-      } catch (const Error&) {
-      }
-      std::rethrow_exception(mine);
-    }
-    comm_->agree_on_local_errors(what, msg);
-  }
 
   // The wire format of the forward dispatch (the recipe's format of x before GEMM1), as the CPU.
   WireFormat forward_wire_format() const {
