@@ -35,10 +35,11 @@
 //             f_mul(dA', p); with `dprow_part` also the gradient of prow as partial sums per
 //             128-feature tile, dprow_part [F/128][M] (tile-major like the row scales):
 //               part[b][t] = sum over the features j of tile b of dA'[t, j] * A[t, j]
-//             in this fixed order: 16 lane sums of 8 consecutive features (fma in feature order
-//             from 0), combined as s_l = s_l + s_(l xor o) for o = 8, 4, 2, 1 (lane 0's value).
+//             in this fixed order: lane l = 0..15 sums the features 8l..8l+7 of the tile by
+//             acc = fma(dA', A, acc) in feature order starting from acc = +0.0; the 16 sums are
+//             combined as s_l = s_l + s_(l xor o) for o = 8, 4, 2, 1 and lane 0's value is stored.
 //             The row's gradient is dprow[t] = part[0][t] + part[1][t] + ... (tile order):
-//             sum_dprow_parts. Rows with A = 0 (padding) get 0; a NaN is stored as 0x7FC00000.
+//             sum_dprow_parts. Padding rows (A = 0, finite dA') get 0; a NaN is stored as 0x7FC00000.
 //             dprow_part needs prow.
 #pragma once
 

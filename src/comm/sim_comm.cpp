@@ -189,6 +189,14 @@ class SimComm final : public Communicator {
   // Called only between arrival and departure: before this rank's buffers go away (the throw
   // unwinds the caller), it waits until no peer is still reading them (bounded by the timeout).
   [[noreturn]] void fail(const char* op, const std::string& what) {
+    // device mode: copies this rank already issued read the peers' buffers; let them finish before
+    // the peers may unwind (errors of the wait itself are moot here)
+    if (w_->space == MemorySpace::kDevice) {
+      try {
+        w_->copier.wait(rank_);
+      } catch (...) {
+      }
+    }
     std::unique_lock<std::mutex> lk(w_->m);
     if (w_->error.empty())
       w_->error = "SimComm " + std::string(op) + " (collective #" + std::to_string(seq_) +

@@ -174,7 +174,7 @@ class CudaMoeLayer final : public MoeLayer {
       case Recipe::kBlockwise: forward_blockwise(y); break;
       case Recipe::kFp8Naive: forward_naive(y); break;
       case Recipe::kFlow:
-      case Recipe::kFlowFp4: forward_flow(y); break;
+      case Recipe::kFlowFp4: with_side_drained([&] { forward_flow(y); }); break;
     }
     save_tokens("router input x", "bf16 [T, H]", T_ * H_ * 2);
     save_tokens("router logits", "fp32 [T, E]", T_ * E_ * 4);
@@ -202,7 +202,7 @@ class CudaMoeLayer final : public MoeLayer {
       case Recipe::kBlockwise: backward_blockwise(dy, g); break;
       case Recipe::kFp8Naive: backward_naive(dy, g); break;
       case Recipe::kFlow:
-      case Recipe::kFlowFp4: backward_flow(dy, g); break;
+      case Recipe::kFlowFp4: with_side_drained([&] { backward_flow(dy, g); }); break;
     }
     backward_router(g, dx);
     backward_done_ = true;
@@ -438,6 +438,18 @@ class CudaMoeLayer final : public MoeLayer {
   }
   void join(int i) {
     if (overlap_) FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(stream_, side_events_[i], 0));
+  }
+  // Runs a pass; if it throws between fork() and its joins, waits for the side stream before
+  // rethrowing, so that no column copy is still reading or writing when the next call reuses the
+  // buffers.
+  template <typename Pass>
+  void with_side_drained(Pass&& pass) {
+    try {
+      pass();
+    } catch (...) {
+      if (side_) cudaStreamSynchronize(side_);
+      throw;
+    }
   }
 
   void release() {
@@ -929,9 +941,11 @@ class CudaMoeLayer final : public MoeLayer {
     }
     {  // the wgrad copy of a' is needed in the backward only: next to GEMM2 (both read a' row-wise)
       cudaStream_t ts = fork();
-      auto s = fwd(overlap_ ? "scaling-aware transpose a' (side stream)" : "scaling-aware transpose a'", ts);
-      scaling_aware_transpose(ar.codes, ar.scales, F_, sb, ac_.codes, ac_.scales, st_fwd_aux(), ts,
-                              cfg_.transpose_exponent);
+      {  // the stage's events close before mark(), so that join() covers them too
+        auto s = fwd(overlap_ ? "scaling-aware transpose a' (side stream)" : "scaling-aware transpose a'", ts);
+        scaling_aware_transpose(ar.codes, ar.scales, F_, sb, ac_.codes, ac_.scales, st_fwd_aux(), ts,
+                                cfg_.transpose_exponent);
+      }
       mark(kSideA);
     }
     log(MoePass::kForward, CastKind::kConvert, "scaling-aware transpose a' (wgrad copy)", 1, 1, Mp_ * F_);
@@ -1073,9 +1087,11 @@ class CudaMoeLayer final : public MoeLayer {
        // then x_perm's next to everything up to GEMM1 wgrad (colB_ is free until then)
       cudaStream_t ts = fork();
       {
-        auto s = bwd(overlap_ ? "scaling-aware transpose dY (side stream)" : "scaling-aware transpose dY", ts);
-        scaling_aware_transpose(dyr.codes, dyr.scales, H_, sb, colA_.codes, colA_.scales, st_bwd(), ts,
-                                cfg_.transpose_exponent);
+        {
+          auto s = bwd(overlap_ ? "scaling-aware transpose dY (side stream)" : "scaling-aware transpose dY", ts);
+          scaling_aware_transpose(dyr.codes, dyr.scales, H_, sb, colA_.codes, colA_.scales, st_bwd(), ts,
+                                  cfg_.transpose_exponent);
+        }
         mark(kSideA);
       }
       if (!fp4) {
