@@ -4,7 +4,7 @@
 # the build folder:  scripts/build.sh && run: bench/device_session.sh build [quick]
 #   quick: the GPU tests and one shape per benchmark (about 3 minutes); default: everything.
 #   ep2: TWO GPUs (nvidia-h200-x2): flowmoe_nccl_tests (< 100 s) and `flowmoe bench-ep` (dispatch /
-#        combine < 150 s, layer < 300 s); needs flowmoe, flowmoe_nccl_tests and flowmoe_bench_ep.
+#        combine < 120 s, layer < 260 s; < 9 min in all, under the device tool's 600 s); needs flowmoe, flowmoe_nccl_tests and flowmoe_bench_ep.
 set -uo pipefail
 BUILD=${1:-build}
 MODE=${2:-full}
@@ -42,8 +42,8 @@ if [ "$MODE" = ep2 ]; then
   step nccl-tests      100 "$BUILD/flowmoe_nccl_tests" --verbose
   grep -E "FAIL|SKIPPED|WATCHDOG|PASS |summary|ALL PASSED|FAILED" "$OUT/nccl-tests.log" | head -40
   step nccl-size-mismatch 40 "$BUILD/flowmoe_nccl_tests" --scenarios size-mismatch --budget 35
-  step bench-ep-comm  150 "$BUILD/flowmoe" bench-ep --gpus 2 --config v3-ep8,v2,v2-lite --tokens 8192 --no-layer --timeout 140
-  step bench-ep-layer 300 "$BUILD/flowmoe" bench-ep --gpus 2 --config v3-ep8,v2,v2-lite --tokens 8192 --no-comm --reps 5 --warmup 2 --timeout 290
+  step bench-ep-comm  120 "$BUILD/flowmoe" bench-ep --gpus 2 --config v3-ep8,v2,v2-lite --tokens 8192 --no-layer --timeout 110
+  step bench-ep-layer 260 "$BUILD/flowmoe" bench-ep --gpus 2 --config v3-ep8,v2,v2-lite --tokens 8192 --no-comm --reps 5 --warmup 2 --timeout 250
   exit 0
 fi
 step gpu-tests 420 "$BUILD/flowmoe_gpu_tests"
