@@ -3,6 +3,8 @@
 # under $OUT (the device tool's output folder; ./device-out elsewhere). Build here first, then carry
 # the build folder:  scripts/build.sh && run: bench/device_session.sh build [quick]
 #   quick: the GPU tests and one shape per benchmark (about 3 minutes); default: everything.
+#   ep2: TWO GPUs (nvidia-h200-x2): flowmoe_nccl_tests (< 100 s) and `flowmoe bench-ep` (dispatch /
+#        combine < 120 s, layer < 260 s; < 9 min in all, under the device tool's 600 s); needs flowmoe, flowmoe_nccl_tests and flowmoe_bench_ep.
 set -uo pipefail
 BUILD=${1:-build}
 MODE=${2:-full}
@@ -18,6 +20,32 @@ step() {  # step NAME TIMEOUT COMMAND...: run with a time limit, keep the log, p
   printf '%-28s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
     "$(grep -E 'PASSED|FAILED|tests from .* ran' "$OUT/$name.log" | tail -n 2 | tr '\n' ' ')"
 }
+if [ "$MODE" = ep2 ]; then
+  # Two GPUs (kind nvidia-h200-x2), NCCL: NOT YET RUN ANYWHERE (written without a GPU). Every step
+  # has a time limit; logs under $OUT. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 above, also
+  # forced by the programs and the launcher); TORCH_SYMM_MEM_DISABLE_MULTICAST / NVSHMEM_DISABLE_NVLS
+  # are kept set for anything else started here.
+  export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+  nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+  # libnccl.so.2 / libcudart / libcublasLt: the toolkit's (the build's RUNPATH /usr/local/cuda/lib)
+  # or, where the image lacks one, lib64 or the NVIDIA wheels of PyTorch's environment
+  if ldd "$BUILD/flowmoe_nccl_tests" 2>/dev/null | grep -q "not found"; then
+    extra=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib
+    for m in nccl cuda_runtime cublas; do
+      d=$(python3 -c "import nvidia.$m as x, os; print(os.path.join(list(x.__path__)[0], 'lib'))" 2>/dev/null)
+      [ -n "$d" ] && extra="$extra:$d"
+    done
+    export LD_LIBRARY_PATH="$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+  ldd "$BUILD/flowmoe_nccl_tests" > "$OUT/ldd.txt" 2>&1
+  echo "GPUs: $(nvidia-smi -L 2>/dev/null | wc -l); libnccl: $(grep -o 'libnccl[^ ]* => [^ ]*' "$OUT/ldd.txt")"
+  step nccl-tests      100 "$BUILD/flowmoe_nccl_tests" --verbose
+  grep -E "FAIL|SKIPPED|WATCHDOG|PASS |summary|ALL PASSED|FAILED" "$OUT/nccl-tests.log" | head -40
+  step nccl-size-mismatch 40 "$BUILD/flowmoe_nccl_tests" --scenarios size-mismatch --budget 35
+  step bench-ep-comm  120 "$BUILD/flowmoe" bench-ep --gpus 2 --config v3-ep8,v2,v2-lite --tokens 8192 --no-layer --timeout 110
+  step bench-ep-layer 260 "$BUILD/flowmoe" bench-ep --gpus 2 --config v3-ep8,v2,v2-lite --tokens 8192 --no-comm --reps 5 --warmup 2 --timeout 250
+  exit 0
+fi
 step gpu-tests 420 "$BUILD/flowmoe_gpu_tests"
 grep -B3 -A8 "Failure" "$OUT/gpu-tests.log" | head -60
 if [ "$MODE" = quick ]; then

@@ -222,6 +222,28 @@ void ensure_nvls_disabled();
 int launch_local_ranks(const std::vector<std::string>& argv, int nprocs, int master_port,
                        double grace_s = 10.0);
 
+// The launcher with a watchdog and per-rank results (launch_local_ranks is this with the default
+// options, returning first_failure, or 124 when only the timeout stopped it).
+struct LaunchOptions {
+  double grace_s = 10.0;        // after the first failure: SIGTERM to the others after grace_s
+                                // (SIGKILL 5 s later), when stop_on_failure
+  double timeout_s = 0.0;       // > 0: bound of the whole launch; ranks still running then get
+                                // SIGTERM, SIGKILL 5 s later (so it returns by timeout_s + 5 s)
+  bool stop_on_failure = true;  // false: a failing rank does not stop the others (a test of a
+                                // rank that dies needs its peer to run on and report)
+  std::vector<std::string> env; // extra "NAME=VALUE" for every rank (NCCL_NVLS_ENABLE stays 0)
+};
+struct LaunchResult {
+  std::vector<int> exit_codes;  // per rank: exit status, 128 + signal when killed
+  std::vector<double> seconds;  // per rank: seconds from the start until it exited
+  bool timed_out = false;       // the watchdog stopped at least one rank
+  int first_failure = 0;        // exit code of the first rank that failed before any timeout
+                                // (0: none; ranks the watchdog stopped are not counted)
+  int first_failed_rank = -1;
+};
+LaunchResult launch_local_ranks_ex(const std::vector<std::string>& argv, int nprocs,
+                                   int master_port, const LaunchOptions& opt);
+
 // ---- wire formats of the dispatched rows ---------------------------------------------------------
 enum class WireFormat : uint8_t {
   kBf16,         // codes [rows, H] bf16                                  2 B/element

@@ -259,17 +259,21 @@ void ensure_nvls_disabled() {
   ::setenv("NCCL_NVLS_ENABLE", "0", 1);
 }
 
-int launch_local_ranks(const std::vector<std::string>& argv, int nprocs, int master_port,
-                       double grace_s) {
+LaunchResult launch_local_ranks_ex(const std::vector<std::string>& argv, int nprocs,
+                                   int master_port, const LaunchOptions& opt) {
   FLOWMOE_CHECK(!argv.empty(), "launch_local_ranks: empty command");
   FLOWMOE_CHECK(nprocs >= 1 && nprocs <= 1024,
                 "launch_local_ranks: nprocs " << nprocs << "; expected 1..1024");
   FLOWMOE_CHECK(master_port >= 1 && master_port <= 65535,
                 "launch_local_ranks: port " << master_port << "; expected 1..65535");
+  for (const std::string& e : opt.env)
+    FLOWMOE_CHECK(e.find('=') != std::string::npos && e.find('=') > 0,
+                  "launch_local_ranks: environment entry '" << e << "' is not NAME=VALUE");
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   std::fflush(nullptr);
+  const auto start = Clock::now();
   std::vector<pid_t> pids;
   for (int i = 0; i < nprocs; ++i) {
     const pid_t pid = ::fork();
@@ -279,6 +283,10 @@ int launch_local_ranks(const std::vector<std::string>& argv, int nprocs, int mas
       FLOWMOE_CHECK(false, "launch_local_ranks: fork failed: " << std::strerror(errno));
     }
     if (pid == 0) {
+      for (const std::string& e : opt.env) {
+        const size_t eq = e.find('=');
+        ::setenv(e.substr(0, eq).c_str(), e.substr(eq + 1).c_str(), 1);
+      }
       const std::string r = std::to_string(i), n = std::to_string(nprocs),
                         port = std::to_string(master_port);
       ::setenv("RANK", r.c_str(), 1);
@@ -294,11 +302,15 @@ int launch_local_ranks(const std::vector<std::string>& argv, int nprocs, int mas
     }
     pids.push_back(pid);
   }
-  int first_failure = 0;
+  LaunchResult res;
+  res.exit_codes.assign(nprocs, 0);
+  res.seconds.assign(nprocs, 0.0);
   std::vector<bool> done(nprocs, false);
   int remaining = nprocs;
-  bool termed = false, killed = false;
+  bool termed = false, killed = false, stopping = false;
   Clock::time_point term_at{}, kill_at{};
+  const bool has_deadline = opt.timeout_s > 0;
+  const Clock::time_point deadline = has_deadline ? deadline_after(opt.timeout_s) : Clock::time_point{};
   while (remaining > 0) {
     bool reaped = false;
     for (int i = 0; i < nprocs; ++i) {  // only our children (never waitpid(-1))
@@ -311,17 +323,39 @@ int launch_local_ranks(const std::vector<std::string>& argv, int nprocs, int mas
       --remaining;
       const int code = WIFEXITED(status) ? WEXITSTATUS(status)
                                          : (WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 1);
-      if (code != 0 && first_failure == 0) {
-        first_failure = code;
-        std::fprintf(stderr, "flowmoe launch: rank %d exited with status %d%s\n", i, code,
-                     remaining ? "; stopping the other ranks" : "");
-        term_at = deadline_after(grace_s);
-        kill_at = deadline_after(grace_s + 5.0);
+      res.exit_codes[i] = code;
+      res.seconds[i] = std::chrono::duration<double>(Clock::now() - start).count();
+      // ranks stopped by the watchdog are not failures of their own (the result says timed_out)
+      if (code != 0 && res.first_failure == 0 && !res.timed_out) {
+        res.first_failure = code;
+        res.first_failed_rank = i;
+        if (opt.stop_on_failure) {
+          std::fprintf(stderr, "flowmoe launch: rank %d exited with status %d%s\n", i, code,
+                       remaining ? "; stopping the other ranks" : "");
+          if (!stopping) {
+            stopping = true;
+            term_at = deadline_after(opt.grace_s);
+            kill_at = deadline_after(opt.grace_s + 5.0);
+          }
+        } else {
+          std::fprintf(stderr, "flowmoe launch: rank %d exited with status %d\n", i, code);
+        }
       }
     }
     if (reaped) continue;
-    if (first_failure != 0) {
-      const auto now = Clock::now();
+    const auto now = Clock::now();
+    if (has_deadline && !res.timed_out && now >= deadline) {
+      res.timed_out = true;
+      std::fprintf(stderr,
+                   "flowmoe launch: timeout of %.1f s reached; stopping %d rank(s) still running\n",
+                   opt.timeout_s, remaining);
+      if (!stopping || term_at > now) {
+        stopping = true;
+        term_at = now;
+        kill_at = deadline_after(5.0);
+      }
+    }
+    if (stopping) {
       if (!termed && now >= term_at) {
         for (int i = 0; i < nprocs; ++i)
           if (!done[i]) ::kill(pids[i], SIGTERM);
@@ -335,7 +369,15 @@ int launch_local_ranks(const std::vector<std::string>& argv, int nprocs, int mas
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  return first_failure;
+  return res;
+}
+
+int launch_local_ranks(const std::vector<std::string>& argv, int nprocs, int master_port,
+                       double grace_s) {
+  LaunchOptions opt;
+  opt.grace_s = grace_s;
+  const LaunchResult r = launch_local_ranks_ex(argv, nprocs, master_port, opt);
+  return r.first_failure != 0 ? r.first_failure : (r.timed_out ? 124 : 0);
 }
 
 }  // namespace flowmoe

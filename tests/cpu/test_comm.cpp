@@ -726,5 +726,43 @@ TEST(CommBootstrap, LaunchLocalRanks) {
   EXPECT_LT(seconds_since(t0), 5.0);
 }
 
+// The watchdog and per-rank results of launch_local_ranks_ex (flowmoe_nccl_tests and `flowmoe
+// launch` rely on them): a rank that hangs is stopped at the timeout; without stop_on_failure a
+// failing rank leaves the others running to completion; extra environment reaches every rank.
+TEST(CommBootstrap, LaunchWithTimeoutAndPerRankCodes) {
+  LaunchOptions opt;
+  opt.timeout_s = 0.5;
+  auto t0 = Clock::now();
+  LaunchResult r = launch_local_ranks_ex(
+      {"/bin/sh", "-c", "if [ $RANK = 1 ]; then exec sleep 30; fi; exit 0"}, 2, 29913, opt);
+  EXPECT_LT(seconds_since(t0), 5.0);
+  EXPECT_TRUE(r.timed_out);
+  ASSERT_EQ(r.exit_codes.size(), 2u);
+  EXPECT_EQ(r.exit_codes[0], 0);
+  EXPECT_EQ(r.exit_codes[1], 128 + 15);  // SIGTERM
+  EXPECT_EQ(r.first_failure, 0);  // stopped by the watchdog: timed_out, not a failure of its own
+  EXPECT_EQ(r.first_failed_rank, -1);
+
+  LaunchOptions keep;
+  keep.stop_on_failure = false;
+  keep.grace_s = 0.0;
+  keep.timeout_s = 20.0;
+  keep.env = {"FLOWMOE_TEST_VAR=hello"};
+  t0 = Clock::now();
+  r = launch_local_ranks_ex({"/bin/sh", "-c",
+                             "test \"$FLOWMOE_TEST_VAR\" = hello || exit 9; "
+                             "if [ $RANK = 0 ]; then exit 5; fi; sleep 0.3; exit 0"},
+                            2, 29915, keep);
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_codes[0], 5);
+  EXPECT_EQ(r.exit_codes[1], 0);  // ran to completion although rank 0 failed
+  EXPECT_EQ(r.first_failure, 5);
+  EXPECT_EQ(r.first_failed_rank, 0);
+  EXPECT_GE(r.seconds[1], 0.25);
+  EXPECT_LT(seconds_since(t0), 10.0);
+  EXPECT_THROW(launch_local_ranks_ex({"/bin/true"}, 1, 29916, LaunchOptions{10.0, 0.0, true, {"NOEQUALS"}}),
+               Error);
+}
+
 }  // namespace
 }  // namespace flowmoe

@@ -30,6 +30,7 @@
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/token.h"
+#include "cuda/moe_ep_model.h"
 
 namespace flowmoe {
 namespace {
@@ -43,121 +44,7 @@ bool have_device() {
 
 #define CK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
-constexpr int64_t kH = 256, kF = 128;
-constexpr int kE = 8, kK = 2;
-
-// Device buffer owned by one rank's thread; copies on that rank's stream.
-template <typename T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  Dev(size_t count, cudaStream_t s, const T* host = nullptr) : n(count) {
-    const size_t bytes = std::max<size_t>(count, 1) * sizeof(T);
-    if (cudaMalloc(&p, bytes) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    if (host)
-      cudaMemcpyAsync(p, host, count * sizeof(T), cudaMemcpyHostToDevice, s);
-    else
-      cudaMemsetAsync(p, 0, bytes, s);
-    cudaStreamSynchronize(s);
-  }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  std::vector<T> get(cudaStream_t s) const {
-    std::vector<T> h(n);
-    cudaStreamSynchronize(s);
-    cudaMemcpyAsync(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost, s);
-    cudaStreamSynchronize(s);
-    return h;
-  }
-};
-
-struct Model {
-  MoeConfig cfg;  // comm null, max_tokens unset
-  std::vector<float> w1, w2, wr, bias;
-  std::vector<std::vector<bf16_t>> x, dy;  // per rank [T_r, H]
-  std::vector<int64_t> tokens;
-  int64_t total_tokens() const {
-    int64_t n = 0;
-    for (int64_t t : tokens) n += t;
-    return n;
-  }
-  int64_t max_tokens() const { return *std::max_element(tokens.begin(), tokens.end()); }
-  std::vector<bf16_t> concat(const std::vector<std::vector<bf16_t>>& v) const {
-    std::vector<bf16_t> all;
-    for (const auto& r : v) all.insert(all.end(), r.begin(), r.end());
-    return all;
-  }
-};
-
-Model make_model(Recipe recipe, const std::vector<int64_t>& tokens, int align, RouterScore score,
-                 bool renorm, uint32_t seed) {
-  Model m;
-  MoeConfig& c = m.cfg;
-  c.hidden = kH;
-  c.ffn = kF;
-  c.num_experts = kE;
-  c.topk = kK;
-  c.router = score;
-  c.router_renormalize = renorm;
-  if (renorm) c.router_scale = 2.5f;
-  c.align = align;
-  c.recipe = recipe;
-  m.tokens = tokens;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  m.w1.resize(int64_t(kE) * 2 * kF * kH);
-  m.w2.resize(int64_t(kE) * kH * kF);
-  m.wr.resize(int64_t(kE) * kH);
-  for (float& v : m.w1) v = nd(rng) / std::sqrt(float(kH));
-  for (float& v : m.w2) v = nd(rng) / std::sqrt(float(kF));
-  for (float& v : m.wr) v = nd(rng) / std::sqrt(float(kH));
-  for (int64_t t : tokens) {
-    std::vector<bf16_t> x(t * kH), dy(t * kH);
-    for (bf16_t& v : x) v = num::f32_to_bf16(nd(rng));
-    for (bf16_t& v : dy) v = num::f32_to_bf16(nd(rng));
-    m.x.push_back(x);
-    m.dy.push_back(dy);
-  }
-  return m;
-}
-
-struct Out {
-  std::vector<bf16_t> y, dx;
-  std::vector<float> dw1, dw2, dwr;  // from zero; dw1/dw2 of the layer's (local) experts
-  CastReport rep;
-  MoeStatus st;
-};
-
-// Forward + backward of one CUDA layer whose weights are experts [e0, e0 + n) of the model.
-Out run_gpu_one(const MoeConfig& cfg, const Model& m, int e0, int n, const bf16_t* x,
-                const bf16_t* dy, int64_t T) {
-  cudaStream_t s = nullptr;
-  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
-    throw std::runtime_error("cudaStreamCreate");
-  Out o;
-  {
-    std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s);
-    Dev<float> w1(int64_t(n) * 2 * kF * kH, s, m.w1.data() + int64_t(e0) * 2 * kF * kH);
-    Dev<float> w2(int64_t(n) * kH * kF, s, m.w2.data() + int64_t(e0) * kH * kF);
-    Dev<float> wr(m.wr.size(), s, m.wr.data());
-    Dev<float> bias(kE, s, m.bias.empty() ? nullptr : m.bias.data());
-    Dev<bf16_t> dx_in(T * kH, s, x), dy_in(T * kH, s, dy), y(T * kH, s), dx(T * kH, s);
-    Dev<float> dw1(int64_t(n) * 2 * kF * kH, s), dw2(int64_t(n) * kH * kF, s), dwr(m.wr.size(), s);
-    layer->set_weights(MoeWeights{w1.p, w2.p, wr.p, m.bias.empty() ? nullptr : bias.p});
-    layer->forward(dx_in.p, T, y.p);
-    layer->backward(dy_in.p, dx.p, MoeGrads{dw1.p, dw2.p, dwr.p});
-    o.y = y.get(s);
-    o.dx = dx.get(s);
-    o.dw1 = dw1.get(s);
-    o.dw2 = dw2.get(s);
-    o.dwr = dwr.get(s);
-    o.rep = layer->cast_report();
-    o.st = layer->status();
-  }
-  cudaStreamDestroy(s);
-  return o;
-}
+using namespace eptest;  // Dev, Model, make_model, Out, run_gpu_one, kH, kF, kE, kK
 
 Out run_cpu_one(const MoeConfig& cfg, const Model& m, int e0, int n, const bf16_t* x,
                 const bf16_t* dy, int64_t T) {

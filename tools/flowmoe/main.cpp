@@ -11,6 +11,7 @@
 #include "cli.h"
 #include "flowmoe/error.h"
 namespace flowmoe { namespace cli { Command bench_command(); } }  // cmd_bench.cpp (GPU layer benchmark)
+namespace flowmoe { namespace cli { Command launch_command(); Command bench_ep_command(); } }  // cmd_launch.cpp
 
 namespace {
 
@@ -19,7 +20,8 @@ using flowmoe::cli::Command;
 std::vector<Command> all_commands() {
   using namespace flowmoe::cli;
   return {numerics_command(), quantize_command(),  dequantize_command(), transpose_command(),
-          fp4_to_fp8_command(), cast_command(), decode_command(), bench_command()};
+          fp4_to_fp8_command(), cast_command(), decode_command(), bench_command(),
+          bench_ep_command(), launch_command()};
 }
 
 void print_top_usage(std::ostream& os, const std::vector<Command>& cmds) {
