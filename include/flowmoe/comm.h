@@ -196,8 +196,14 @@ struct BootstrapEnv {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  std::string launcher = "torchrun";  // whose variables gave rank and size (see below)
 };
-// Reads the variables above; throws Error naming a missing or malformed one.
+// Reads the variables above; throws Error naming a missing or malformed one. Without torchrun's
+// RANK / WORLD_SIZE, an MPI or Slurm launcher's own variables give rank, size and local rank:
+// Open MPI (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE), MPICH / Intel MPI (PMI_RANK,
+// PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS), Slurm srun (SLURM_PROCID, SLURM_NTASKS,
+// SLURM_LOCALID). No MPI library is linked: the unique id still goes over TCP to MASTER_ADDR
+// (default 127.0.0.1, i.e. single node; pass MASTER_ADDR=<rank 0's host> across nodes).
 BootstrapEnv bootstrap_env_from_environment();
 
 // Rank 0 listens on MASTER_PORT, the others connect to MASTER_ADDR:MASTER_PORT (retrying until

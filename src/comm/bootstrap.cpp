@@ -110,10 +110,34 @@ void send_msg(int fd, uint32_t status, const std::vector<uint8_t>& body,
 
 BootstrapEnv bootstrap_env_from_environment() {
   BootstrapEnv env;
-  env.rank = parse_env_int("RANK", nullptr, 0, true);
-  env.world_size = parse_env_int("WORLD_SIZE", nullptr, 1, true);
-  env.local_rank = parse_env_int("LOCAL_RANK", "RANK", env.rank, false);
-  env.local_world_size = parse_env_int("LOCAL_WORLD_SIZE", "WORLD_SIZE", env.world_size, false);
+  // rank / size / local rank / local size variables of each launcher, first match wins
+  struct Launcher {
+    const char* name;
+    const char *rank, *size, *local_rank, *local_size;
+  };
+  static const Launcher kLaunchers[] = {
+      {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+      {"Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+       "OMPI_COMM_WORLD_LOCAL_SIZE"},
+      {"MPICH / Intel MPI (PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+      {"Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
+  };
+  const Launcher* l = nullptr;
+  for (const Launcher& c : kLaunchers)
+    if (std::getenv(c.rank)) {
+      l = &c;
+      break;
+    }
+  FLOWMOE_CHECK(l != nullptr, "bootstrap: no rank variable is set; expected torchrun's RANK and "
+                              "WORLD_SIZE (and optionally LOCAL_RANK, MASTER_ADDR, MASTER_PORT), "
+                              "or an MPI / Slurm launcher's (OMPI_COMM_WORLD_RANK, PMI_RANK, "
+                              "SLURM_PROCID)");
+  env.launcher = l->name;
+  env.rank = parse_env_int(l->rank, nullptr, 0, true);
+  env.world_size = parse_env_int(l->size, nullptr, 1, true);
+  env.local_rank = parse_env_int(l->local_rank, l->rank, env.rank, false);
+  env.local_world_size = l->local_size ? parse_env_int(l->local_size, l->size, env.world_size, false)
+                                       : env.world_size;
   if (const char* a = std::getenv("MASTER_ADDR")) env.master_addr = a;
   env.master_port = parse_env_int("MASTER_PORT", nullptr, 29500, false);
   FLOWMOE_CHECK(env.world_size >= 1 && env.rank < env.world_size,

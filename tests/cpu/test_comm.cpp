@@ -684,6 +684,55 @@ TEST(CommBootstrap, TcpBroadcastRejectsMismatchAndTimesOut) {
   }
 }
 
+TEST(CommBootstrap, MpiAndSlurmLaunchersGiveRankAndSize) {
+  const char* all[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                       "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                       "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "SLURM_PROCID",
+                       "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT"};
+  for (const char* v : all) unsetenv(v);
+  setenv("OMPI_COMM_WORLD_RANK", "5", 1);
+  setenv("OMPI_COMM_WORLD_SIZE", "8", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4", 1);
+  BootstrapEnv env = bootstrap_env_from_environment();
+  EXPECT_EQ(env.launcher, "Open MPI");
+  EXPECT_EQ(env.rank, 5);
+  EXPECT_EQ(env.world_size, 8);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 4);
+  EXPECT_EQ(env.master_addr, "127.0.0.1");
+  // torchrun's variables win when both are present
+  setenv("RANK", "2", 1);
+  setenv("WORLD_SIZE", "3", 1);
+  env = bootstrap_env_from_environment();
+  EXPECT_EQ(env.launcher, "torchrun");
+  EXPECT_EQ(env.rank, 2);
+  for (const char* v : all) unsetenv(v);
+  setenv("PMI_RANK", "0", 1);
+  setenv("PMI_SIZE", "2", 1);
+  env = bootstrap_env_from_environment();
+  EXPECT_EQ(env.launcher, "MPICH / Intel MPI (PMI)");
+  EXPECT_EQ(env.world_size, 2);
+  EXPECT_EQ(env.local_rank, 0);
+  for (const char* v : all) unsetenv(v);
+  setenv("SLURM_PROCID", "3", 1);
+  setenv("SLURM_NTASKS", "4", 1);
+  setenv("SLURM_LOCALID", "1", 1);
+  env = bootstrap_env_from_environment();
+  EXPECT_EQ(env.launcher, "Slurm");
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.local_rank, 1);
+  setenv("SLURM_PROCID", "4", 1);  // rank >= size
+  EXPECT_THROW(bootstrap_env_from_environment(), Error);
+  for (const char* v : all) unsetenv(v);
+  try {
+    bootstrap_env_from_environment();
+    FAIL() << "expected an error without any rank variable";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("OMPI_COMM_WORLD_RANK"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CommBootstrap, EnvironmentAndNvlsGuard) {
   setenv("RANK", "3", 1);
   setenv("WORLD_SIZE", "4", 1);
