@@ -3,6 +3,7 @@
 # under $OUT (the device tool's output folder; ./device-out elsewhere). Build here first, then carry
 # the build folder:  scripts/build.sh && run: bench/device_session.sh build [quick]
 #   quick: the GPU tests and one shape per benchmark (about 3 minutes); default: everything.
+#   ep4 / ep8: issue 8's scaling run (nvidia-h200-x4 / -x8): bench-ep at EP 2, 4 (8), 256 experts.
 #   ep2: TWO GPUs (nvidia-h200-x2): flowmoe_nccl_tests (< 100 s) and `flowmoe bench-ep` (dispatch /
 #        combine < 120 s, layer < 260 s; < 9 min in all, under the device tool's 600 s); needs flowmoe, flowmoe_nccl_tests and flowmoe_bench_ep.
 set -uo pipefail
@@ -44,6 +45,20 @@ if [ "$MODE" = ep2 ]; then
   step nccl-size-mismatch 40 "$BUILD/flowmoe_nccl_tests" --scenarios size-mismatch --budget 35
   step bench-ep-comm  120 "$BUILD/flowmoe" bench-ep --gpus 2 --config v3-ep8,v2,v2-lite --tokens 8192 --no-layer --timeout 110
   step bench-ep-layer 260 "$BUILD/flowmoe" bench-ep --gpus 2 --config v3-ep8,v2,v2-lite --tokens 8192 --no-comm --reps 5 --warmup 2 --timeout 250
+  exit 0
+fi
+if [ "$MODE" = ep4 ] || [ "$MODE" = ep8 ]; then
+  # Issue 8 (kinds nvidia-h200-x4 / -x8), NOT YET RUN: DeepSeek-V3 layer, 256 experts in all,
+  # 4096 tokens per GPU, at EP = 2, 4 (and 8); dispatch/combine and the layer per recipe.
+  export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+  nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+  ngpu=${MODE#ep}
+  step nccl-tests 100 "$BUILD/flowmoe_nccl_tests" --verbose
+  for n in 2 4 8; do
+    [ "$n" -le "$ngpu" ] || continue
+    step "bench-ep${n}" 150 "$BUILD/flowmoe" bench-ep --gpus "$n" --config v3-ep8 --experts-total 256 \
+      --tokens 4096 --reps 5 --warmup 2 --timeout 140
+  done
   exit 0
 fi
 step gpu-tests 420 "$BUILD/flowmoe_gpu_tests"

@@ -96,9 +96,18 @@ struct Opts {
   int64_t tokens = 8192;
   std::string recipes = "bf16,blockwise,fp8-naive,flow,flow-fp4";
   int reps = 10, warmup = 3, align = 128;
+  int experts_total = 0;  // > 0: E experts in all, El = E / ranks (issue 8: 256 at every EP degree)
   bool layer = true, single = true, comm = true;
   double timeout = 60.0;
 };
+
+// Local experts per GPU: the configuration's El, or E / ranks with --experts-total E.
+int local_experts(const Cfg& c, const Opts& o, int world) {
+  if (o.experts_total <= 0) return c.experts;
+  FLOWMOE_CHECK(o.experts_total % world == 0, "--experts-total " << o.experts_total << " is not divisible by the "
+                                                                 << world << " ranks");
+  return o.experts_total / world;
+}
 
 // The max over ranks of a per-rank value (milliseconds), exchanged as integer nanoseconds / 16.
 double max_over_ranks(Communicator& comm, double ms) {
@@ -138,7 +147,7 @@ std::pair<double, double> time_op(Communicator& comm, cudaStream_t s, int warmup
 // ---- 1. dispatch and combine ------------------------------------------------------------------------
 void bench_comm(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o) {
   const int W = comm.world_size(), me = comm.rank();
-  const int El = c.experts, E = El * W, k = c.topk;
+  const int El = local_experts(c, o, W), E = El * W, k = c.topk;
   const int64_t H = c.hidden, T = o.tokens, nc = H / 128;
   // uniform random top-k distinct experts per token (seeded by rank)
   std::mt19937 rng(1000 + me);
@@ -384,7 +393,7 @@ LayerTime run_layer(Communicator* comm, const Cfg& c, Recipe rc, int el, int64_t
 
 void bench_layer(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o) {
   const int W = comm.world_size(), me = comm.rank();
-  const int El = c.experts;
+  const int El = local_experts(c, o, W);
   const int64_t T = o.tokens;
   std::vector<Recipe> recipes;
   for (const std::string& n : split(o.recipes)) {
@@ -450,6 +459,7 @@ int run(int argc, char** argv) {
     else if (a == "--reps") o.reps = std::atoi(val().c_str());
     else if (a == "--warmup") o.warmup = std::atoi(val().c_str());
     else if (a == "--align") o.align = std::atoi(val().c_str());
+    else if (a == "--experts-total") o.experts_total = std::atoi(val().c_str());
     else if (a == "--comm-timeout") o.timeout = std::atof(val().c_str());
     else if (a == "--no-layer") o.layer = false;
     else if (a == "--no-single") o.single = false;

@@ -66,6 +66,8 @@ const char kBenchEpUsage[] =
     "  --recipes R     default bf16,blockwise,fp8-naive,flow,flow-fp4\n"
     "  --reps N        timed repetitions (default 10); --warmup N untimed first (default 3)\n"
     "  --align A       expert segment alignment (default 128)\n"
+    "  --experts-total E  E experts in all, El = E / N per GPU (default: the configuration's El per\n"
+    "                  GPU; issue 8's scaling run keeps DeepSeek-V3's 256 at every EP degree)\n"
     "  --no-layer      dispatch/combine only; --no-comm: layer only; --no-single: no 1-GPU layers\n"
     "  --port P        MASTER_PORT (default 29500); --timeout S: watchdog (default 540)\n"
     "Needs a build with NCCL (flowmoe_bench_ep next to this binary, or FLOWMOE_BENCH_EP=path).\n"
@@ -130,7 +132,7 @@ int run_bench_ep(const Args& args) {
     return 1;
   }
   std::vector<std::string> argv = {worker};
-  for (const char* o : {"config", "tokens", "recipes", "reps", "warmup", "align"})
+  for (const char* o : {"config", "tokens", "recipes", "reps", "warmup", "align", "experts-total"})
     if (args.has(o)) {
       argv.push_back(std::string("--") + o);
       argv.push_back(args.get(o));
@@ -159,7 +161,8 @@ Command bench_ep_command() {
   return {"bench-ep", "expert-parallel dispatch/combine and layer benchmark over NCCL, one rank per GPU",
           kBenchEpUsage,
           {{"gpus", true}, {"config", true}, {"tokens", true}, {"recipes", true}, {"reps", true},
-           {"warmup", true}, {"align", true}, {"no-layer", false}, {"no-single", false}, {"no-comm", false},
+           {"warmup", true}, {"align", true}, {"experts-total", true}, {"no-layer", false}, {"no-single", false},
+           {"no-comm", false},
            {"port", true}, {"timeout", true}},
           run_bench_ep};
 }
