@@ -7,6 +7,7 @@
 #include "flowmoe/comm.h"
 #include "flowmoe/error.h"
 #include "flowmoe/moe.h"
+#include "common/moe_ep.h"
 
 namespace flowmoe {
 
@@ -240,4 +241,49 @@ std::string CastReport::to_string() const {
   return os.str();
 }
 
+// ---- expert-parallel bookkeeping (common/moe_ep.h) ------------------------------------------------
+namespace ep_detail {
+
+WireFormat forward_wire_format(Recipe r) {
+  switch (r) {
+    case Recipe::kBf16:
+    case Recipe::kBlockwise: return WireFormat::kBf16;
+    case Recipe::kFp8Naive: return WireFormat::kFp8Fp32Scale;
+    case Recipe::kFlow: return WireFormat::kFp8;
+    case Recipe::kFlowFp4: return WireFormat::kMxfp4;
+  }
+  return WireFormat::kBf16;
+}
+
+DispatchPlan plan_for(const DispatchPlan& plan, MoePass pass, WireFormat f) {
+  DispatchPlan p = plan;
+  p.format = f;
+  p.with_probs = pass == MoePass::kForward;
+  return p;
+}
+
+WireTransfer dispatch_transfer(MoePass pass, const std::string& name, const DispatchPlan& p) {
+  WireTransfer w;
+  w.pass = pass;
+  w.name = name;
+  w.format = std::string(wire_format_name(p.format)) + (p.with_probs ? " + fp32 prob" : "");
+  for (int q = 0; q < p.world; ++q)
+    if (q != p.rank) w.rows += p.rows_to(q);
+  w.bytes = p.wire_bytes(p.format, p.with_probs);
+  return w;
+}
+
+WireTransfer combine_transfer(MoePass pass, const std::string& name, const std::string& format,
+                              int64_t row_bytes, const DispatchPlan& plan) {
+  WireTransfer w;
+  w.pass = pass;
+  w.name = name;
+  w.format = format;
+  for (int q = 0; q < plan.world; ++q)
+    if (q != plan.rank) w.rows += plan.rows_from(q);
+  w.bytes = w.rows * row_bytes;
+  return w;
+}
+
+}  // namespace ep_detail
 }  // namespace flowmoe

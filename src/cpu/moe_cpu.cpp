@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "common/moe_ep.h"
 #include "flowmoe/comm.h"
 #include "flowmoe/cpu/convert.h"
 #include "flowmoe/error.h"
@@ -570,47 +571,13 @@ class CpuMoeLayer final : public MoeLayer {
     rep_.padded_rows = Mp_;
   }
 
-  // ---- token movement: permute+pad / unpermute on one rank, dispatch / combine with EP ----------
-  // The wire format of the forward dispatch (the recipe's format of x before GEMM1).
-  WireFormat forward_wire_format() const {
-    switch (cfg_.recipe) {
-      case Recipe::kBf16:
-      case Recipe::kBlockwise: return WireFormat::kBf16;
-      case Recipe::kFp8Naive: return WireFormat::kFp8Fp32Scale;
-      case Recipe::kFlow: return WireFormat::kFp8;
-      case Recipe::kFlowFp4: return WireFormat::kMxfp4;
-    }
-    return WireFormat::kBf16;
-  }
-  // The forward plan with another wire format: forward dispatches carry the probabilities,
-  // backward ones do not. Same counts and layouts, no collective.
-  DispatchPlan plan_for(MoePass pass, WireFormat f) const {
-    DispatchPlan p = plan_;
-    p.format = f;
-    p.with_probs = pass == MoePass::kForward;
-    return p;
-  }
-  // Rows and bytes this rank sent to other ranks (its own rows are local copies).
+  WireFormat forward_wire_format() const { return ep_detail::forward_wire_format(cfg_.recipe); }
+  DispatchPlan plan_for(MoePass pass, WireFormat f) const { return ep_detail::plan_for(plan_, pass, f); }
   void log_dispatch(MoePass pass, const std::string& name, const DispatchPlan& p) {
-    WireTransfer w;
-    w.pass = pass;
-    w.name = name;
-    w.format = std::string(wire_format_name(p.format)) + (p.with_probs ? " + fp32 prob" : "");
-    for (int q = 0; q < p.world; ++q)
-      if (q != p.rank) w.rows += p.rows_to(q);
-    w.bytes = p.wire_bytes(p.format, p.with_probs);
-    rep_.wire.push_back(w);
+    rep_.wire.push_back(ep_detail::dispatch_transfer(pass, name, p));
   }
-  void log_combine(MoePass pass, const std::string& name, const std::string& format,
-                   int64_t row_bytes) {
-    WireTransfer w;
-    w.pass = pass;
-    w.name = name;
-    w.format = format;
-    for (int q = 0; q < plan_.world; ++q)
-      if (q != plan_.rank) w.rows += plan_.rows_from(q);
-    w.bytes = w.rows * row_bytes;
-    rep_.wire.push_back(w);
+  void log_combine(MoePass pass, const std::string& name, const std::string& format, int64_t row_bytes) {
+    rep_.wire.push_back(ep_detail::combine_transfer(pass, name, format, row_bytes, plan_));
   }
 
   // token rows [T, H] bf16 -> padded rows [Mp, H] bf16 of the local experts

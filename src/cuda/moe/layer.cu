@@ -30,6 +30,7 @@
 #include "cuda/moe/kernels.cuh"
 #include "cuda/moe/moe_cuda.h"
 #include "flowmoe/cuda/convert.h"
+#include "common/moe_ep.h"
 #include "flowmoe/comm.h"
 #include "flowmoe/error.h"
 #include "flowmoe/gemm.h"
@@ -690,37 +691,12 @@ class CudaMoeLayer final : public MoeLayer {
   const int32_t* poff() const { return comm_ ? d_loff_ : routing_.padded_offsets; }
 
 
-  // The wire format of the forward dispatch (the recipe's format of x before GEMM1), as the CPU.
-  WireFormat forward_wire_format() const {
-    switch (cfg_.recipe) {
-      case Recipe::kBf16:
-      case Recipe::kBlockwise: return WireFormat::kBf16;
-      case Recipe::kFp8Naive: return WireFormat::kFp8Fp32Scale;
-      case Recipe::kFlow: return WireFormat::kFp8;
-      case Recipe::kFlowFp4: return WireFormat::kMxfp4;
-    }
-    return WireFormat::kBf16;
-  }
+  WireFormat forward_wire_format() const { return ep_detail::forward_wire_format(cfg_.recipe); }
   void log_dispatch(MoePass pass, const std::string& name, const DispatchPlan& p) {
-    WireTransfer w;
-    w.pass = pass;
-    w.name = name;
-    w.format = std::string(wire_format_name(p.format)) + (p.with_probs ? " + fp32 prob" : "");
-    for (int q = 0; q < p.world; ++q)
-      if (q != p.rank) w.rows += p.rows_to(q);
-    w.bytes = p.wire_bytes(p.format, p.with_probs);
-    rep_.wire.push_back(w);
+    rep_.wire.push_back(ep_detail::dispatch_transfer(pass, name, p));
   }
-  void log_combine(MoePass pass, const std::string& name, const std::string& format,
-                   int64_t row_bytes) {
-    WireTransfer w;
-    w.pass = pass;
-    w.name = name;
-    w.format = format;
-    for (int q = 0; q < plan_.world; ++q)
-      if (q != plan_.rank) w.rows += plan_.rows_from(q);
-    w.bytes = w.rows * row_bytes;
-    rep_.wire.push_back(w);
+  void log_combine(MoePass pass, const std::string& name, const std::string& format, int64_t row_bytes) {
+    rep_.wire.push_back(ep_detail::combine_transfer(pass, name, format, row_bytes, plan_));
   }
 
   // One exchange of the communicator. Stream contract: the send buffers were written (and the
@@ -742,9 +718,7 @@ class CudaMoeLayer final : public MoeLayer {
   // of every receive buffer are zero (memset before the exchange).
   void ep_dispatch(MoePass pass, const char* name, WireFormat f, std::vector<RowStream> streams) {
     const bool fwd = pass == MoePass::kForward;
-    DispatchPlan p = plan_;
-    p.format = f;
-    p.with_probs = fwd;
+    const DispatchPlan p = ep_detail::plan_for(plan_, pass, f);
     if (fwd) {
       ep_gather_rows(probs_, int64_t(sizeof(float)), true, routing_.row_map_unpadded, T_, K_,
                      ep_send_p_, stream_);
