@@ -85,6 +85,32 @@ __device__ __forceinline__ void transpose4x4(const uint32_t r0, const uint32_t r
   c[3] = __byte_perm(a2, b2, 0x7632);
 }
 
+// One store task: features 4g..4g+3 of tokens t0..t0+15 (word_at(r): the tile's 32-bit word
+// holding bytes 4g..4g+3 of row r), 4x4 byte transposes in registers, four 16-byte stores (byte
+// stores for a partial token group or when `vec` is false).
+template <typename WordAt>
+__device__ __forceinline__ void store_col_task(WordAt word_at, int g, int t0, int n, uint8_t* out,
+                                               int64_t ld, bool vec) {
+  uint32_t col[4][4];  // [feature][token quad]
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int r = t0 + 4 * q;
+    uint32_t c[4];
+    transpose4x4(word_at(r), word_at(r + 1), word_at(r + 2), word_at(r + 3), c);
+#pragma unroll
+    for (int f = 0; f < 4; ++f) col[f][q] = c[f];
+  }
+#pragma unroll
+  for (int f = 0; f < 4; ++f) {
+    uint8_t* dst = out + (4 * g + f) * ld + t0;
+    if (vec && t0 + 16 <= n) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(col[f][0], col[f][1], col[f][2], col[f][3]);
+    } else {
+      for (int t = 0; t < min(16, n - t0); ++t) dst[t] = static_cast<uint8_t>(col[f][t >> 2] >> (8 * (t & 3)));
+    }
+  }
+}
+
 // Writes the column-wise codes of one tile: s_tile holds [token][feature] bytes (pitch
 // kBytePitch, rows >= n zero) for `n` valid tokens; feature f goes to out[f * ld + token].
 // A task is 4 features x 16 tokens: 16 word reads (a warp reads 32 consecutive words of one row,
@@ -96,27 +122,9 @@ __device__ __forceinline__ void store_col_tile(const uint8_t* s_tile, int n, uin
     const int g = task % (kTile / 4);
     const int t0 = (task / (kTile / 4)) * 16;
     if (t0 >= n) continue;
-    uint32_t col[4][4];  // [feature][token quad]
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const uint8_t* src = s_tile + (t0 + 4 * q) * kBytePitch + 4 * g;
-      uint32_t c[4];
-      transpose4x4(*reinterpret_cast<const uint32_t*>(src),
-                   *reinterpret_cast<const uint32_t*>(src + kBytePitch),
-                   *reinterpret_cast<const uint32_t*>(src + 2 * kBytePitch),
-                   *reinterpret_cast<const uint32_t*>(src + 3 * kBytePitch), c);
-#pragma unroll
-      for (int f = 0; f < 4; ++f) col[f][q] = c[f];
-    }
-#pragma unroll
-    for (int f = 0; f < 4; ++f) {
-      uint8_t* dst = out + (4 * g + f) * ld + t0;
-      if (vec && t0 + 16 <= n) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(col[f][0], col[f][1], col[f][2], col[f][3]);
-      } else {
-        for (int t = 0; t < min(16, n - t0); ++t) dst[t] = static_cast<uint8_t>(col[f][t >> 2] >> (8 * (t & 3)));
-      }
-    }
+    store_col_task(
+        [&](int r) { return *reinterpret_cast<const uint32_t*>(s_tile + r * kBytePitch + 4 * g); }, g, t0, n,
+        out, ld, vec);
   }
 }
 
@@ -139,27 +147,8 @@ __device__ __forceinline__ void store_col_tile_swz(const uint8_t* s_tile, int n,
     const int j = task & 7, g = task >> 3;
     const int t0 = j * 16;
     if (t0 >= n) continue;
-    uint32_t col[4][4];  // [feature][token quad]
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int r = t0 + 4 * q;
-      uint32_t c[4];
-      transpose4x4(*reinterpret_cast<const uint32_t*>(s_tile + swz_word(r, 4 * g)),
-                   *reinterpret_cast<const uint32_t*>(s_tile + swz_word(r + 1, 4 * g)),
-                   *reinterpret_cast<const uint32_t*>(s_tile + swz_word(r + 2, 4 * g)),
-                   *reinterpret_cast<const uint32_t*>(s_tile + swz_word(r + 3, 4 * g)), c);
-#pragma unroll
-      for (int f = 0; f < 4; ++f) col[f][q] = c[f];
-    }
-#pragma unroll
-    for (int f = 0; f < 4; ++f) {
-      uint8_t* dst = out + (4 * g + f) * ld + t0;
-      if (vec && t0 + 16 <= n) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(col[f][0], col[f][1], col[f][2], col[f][3]);
-      } else {
-        for (int t = 0; t < min(16, n - t0); ++t) dst[t] = static_cast<uint8_t>(col[f][t >> 2] >> (8 * (t & 3)));
-      }
-    }
+    store_col_task([&](int r) { return *reinterpret_cast<const uint32_t*>(s_tile + swz_word(r, 4 * g)); }, g, t0,
+                   n, out, ld, vec);
   }
 }
 

@@ -846,25 +846,39 @@ void check_bwd_outputs(const uint8_t* row_codes, const uint8_t* row_scales,
 }
 }  // namespace
 
-void dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,
-                   uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
-                   uint8_t* col_scales, DeviceStatus* status, cudaStream_t stream,
-                   const float* prow, float* dprow_part) {
-  const char* what = "cuda::dswiglu_quant";
+namespace {
+// The three fused backward entry points: checks, then the kernel for the saved H's format and
+// whether a routing probability is given.
+template <HIn kH>
+void dswiglu_quant_entry(const bf16_t* da, const bf16_t* h, const uint8_t* hc, const uint8_t* hs,
+                         const char* hc_name, const char* hs_name, int64_t f, const SegmentBlocks& sb,
+                         uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
+                         uint8_t* col_scales, DeviceStatus* status, cudaStream_t stream,
+                         const float* prow, float* dprow_part, const char* what) {
   check_f(f, what);
   check_blocks(sb, what);
   check_prob(prow, dprow_part, what);
   if (sb.m == 0) return;
   check_aligned(da, "da", what);
-  check_aligned(h, "h", what);
+  if constexpr (kH == HIn::kBf16) check_aligned(h, "h", what);
+  else check_pair(hc, hs, hc_name, hs_name, what);
   check_bwd_outputs(row_codes, row_scales, col_codes, col_scales, what);
   if (prow)
-    launch_dswiglu_quant<HIn::kBf16, true>(da, h, nullptr, nullptr, prow, f, sb, row_codes, row_scales,
-                                      col_codes, col_scales, dprow_part, status, stream, what);
+    launch_dswiglu_quant<kH, true>(da, h, hc, hs, prow, f, sb, row_codes, row_scales, col_codes,
+                                   col_scales, dprow_part, status, stream, what);
   else
-    launch_dswiglu_quant<HIn::kBf16, false>(da, h, nullptr, nullptr, nullptr, f, sb, row_codes,
-                                       row_scales, col_codes, col_scales, nullptr, status, stream,
-                                       what);
+    launch_dswiglu_quant<kH, false>(da, h, hc, hs, nullptr, f, sb, row_codes, row_scales, col_codes,
+                                    col_scales, nullptr, status, stream, what);
+}
+}  // namespace
+
+void dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,
+                   uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
+                   uint8_t* col_scales, DeviceStatus* status, cudaStream_t stream,
+                   const float* prow, float* dprow_part) {
+  dswiglu_quant_entry<HIn::kBf16>(da, h, nullptr, nullptr, nullptr, nullptr, f, sb, row_codes, row_scales,
+                                  col_codes, col_scales, status, stream, prow, dprow_part,
+                                  "cuda::dswiglu_quant");
 }
 
 void dswiglu_quant_fp8h(const bf16_t* da, const uint8_t* h_codes, const uint8_t* h_scales,
@@ -872,22 +886,9 @@ void dswiglu_quant_fp8h(const bf16_t* da, const uint8_t* h_codes, const uint8_t*
                         uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
                         DeviceStatus* status, cudaStream_t stream, const float* prow,
                         float* dprow_part) {
-  const char* what = "cuda::dswiglu_quant_fp8h";
-  check_f(f, what);
-  check_blocks(sb, what);
-  check_prob(prow, dprow_part, what);
-  if (sb.m == 0) return;
-  check_aligned(da, "da", what);
-  check_pair(h_codes, h_scales, "h_codes", "h_scales", what);
-  check_bwd_outputs(row_codes, row_scales, col_codes, col_scales, what);
-  if (prow)
-    launch_dswiglu_quant<HIn::kFp8, true>(da, nullptr, h_codes, h_scales, prow, f, sb, row_codes,
-                                     row_scales, col_codes, col_scales, dprow_part, status, stream,
-                                     what);
-  else
-    launch_dswiglu_quant<HIn::kFp8, false>(da, nullptr, h_codes, h_scales, nullptr, f, sb, row_codes,
-                                      row_scales, col_codes, col_scales, nullptr, status, stream,
-                                      what);
+  dswiglu_quant_entry<HIn::kFp8>(da, nullptr, h_codes, h_scales, "h_codes", "h_scales", f, sb, row_codes,
+                                 row_scales, col_codes, col_scales, status, stream, prow, dprow_part,
+                                 "cuda::dswiglu_quant_fp8h");
 }
 
 void swiglu_quant_h4(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
@@ -910,22 +911,9 @@ void dswiglu_quant_fp4h(const bf16_t* da, const uint8_t* h4_codes, const uint8_t
                         uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
                         DeviceStatus* status, cudaStream_t stream, const float* prow,
                         float* dprow_part) {
-  const char* what = "cuda::dswiglu_quant_fp4h";
-  check_f(f, what);
-  check_blocks(sb, what);
-  check_prob(prow, dprow_part, what);
-  if (sb.m == 0) return;
-  check_aligned(da, "da", what);
-  check_pair(h4_codes, h4_scales, "h4_codes", "h4_scales", what);
-  check_bwd_outputs(row_codes, row_scales, col_codes, col_scales, what);
-  if (prow)
-    launch_dswiglu_quant<HIn::kFp4, true>(da, nullptr, h4_codes, h4_scales, prow, f, sb, row_codes,
-                                          row_scales, col_codes, col_scales, dprow_part, status,
-                                          stream, what);
-  else
-    launch_dswiglu_quant<HIn::kFp4, false>(da, nullptr, h4_codes, h4_scales, nullptr, f, sb,
-                                           row_codes, row_scales, col_codes, col_scales, nullptr,
-                                           status, stream, what);
+  dswiglu_quant_entry<HIn::kFp4>(da, nullptr, h4_codes, h4_scales, "h4_codes", "h4_scales", f, sb, row_codes,
+                                 row_scales, col_codes, col_scales, status, stream, prow, dprow_part,
+                                 "cuda::dswiglu_quant_fp4h");
 }
 
 namespace {
