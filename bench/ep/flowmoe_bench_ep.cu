@@ -467,6 +467,7 @@ int run(int argc, char** argv) {
     else FLOWMOE_CHECK(false, "unknown argument '" << a << "' (see `flowmoe bench-ep --help`)");
   }
   FLOWMOE_CHECK(o.tokens >= 1 && o.reps >= 1 && o.warmup >= 0, "bad --tokens/--reps/--warmup");
+  FLOWMOE_CHECK(o.experts_total >= 0, "--experts-total " << o.experts_total << ": expected a positive expert count");
   std::vector<const Cfg*> cfgs;
   for (const std::string& n : split(o.configs)) {
     const Cfg* f = nullptr;
