@@ -21,7 +21,7 @@ step() {  # step NAME TIMEOUT COMMAND...: run with a time limit, keep the log, p
   printf '%-28s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
     "$(grep -E 'PASSED|FAILED|tests from .* ran' "$OUT/$name.log" | tail -n 2 | tr '\n' ' ')"
 }
-if [ "$MODE" = ep2 ]; then
+if [ "$MODE" = ep2 ] || [ "$MODE" = ep2-tests ] || [ "$MODE" = ep2-layer ]; then
   # Two GPUs (kind nvidia-h200-x2), NCCL: NOT YET RUN ANYWHERE (written without a GPU). Every step
   # has a time limit; logs under $OUT. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 above, also
   # forced by the programs and the launcher); TORCH_SYMM_MEM_DISABLE_MULTICAST / NVSHMEM_DISABLE_NVLS
@@ -40,11 +40,21 @@ if [ "$MODE" = ep2 ]; then
   fi
   ldd "$BUILD/flowmoe_nccl_tests" > "$OUT/ldd.txt" 2>&1
   echo "GPUs: $(nvidia-smi -L 2>/dev/null | wc -l); libnccl: $(grep -o 'libnccl[^ ]* => [^ ]*' "$OUT/ldd.txt")"
-  step nccl-tests      100 "$BUILD/flowmoe_nccl_tests" --verbose
-  grep -E "FAIL|SKIPPED|WATCHDOG|PASS |summary|ALL PASSED|FAILED" "$OUT/nccl-tests.log" | head -40
-  step nccl-size-mismatch 40 "$BUILD/flowmoe_nccl_tests" --scenarios size-mismatch --budget 35
-  step bench-ep-comm  120 "$BUILD/flowmoe" bench-ep --gpus 2 --config v3-ep8,v2,v2-lite --tokens 8192 --no-layer --timeout 110
-  step bench-ep-layer 260 "$BUILD/flowmoe" bench-ep --gpus 2 --config v3-ep8,v2,v2-lite --tokens 8192 --no-comm --reps 5 --warmup 2 --timeout 250
+  if [ "$MODE" != ep2-layer ]; then
+    step nccl-tests      100 "$BUILD/flowmoe_nccl_tests" --verbose
+    grep -E "FAIL|SKIPPED|WATCHDOG|PASS |summary|ALL PASSED|FAILED" "$OUT/nccl-tests.log" | head -40
+    step nccl-size-mismatch 40 "$BUILD/flowmoe_nccl_tests" --scenarios size-mismatch --budget 35
+    step bench-ep-comm  120 "$BUILD/flowmoe" bench-ep --gpus 2 --config v3-ep8,v2,v2-lite --tokens 8192 --no-layer --timeout 110
+  fi
+  # ep2-tests: also the one-GPU test suite (about 140 s) on the first GPU, so that one call of the
+  # two-GPU machine checks everything but the layer benchmark (ep2-layer runs that alone)
+  if [ "$MODE" = ep2-tests ]; then
+    CUDA_VISIBLE_DEVICES=0 step gpu-tests 300 "$BUILD/flowmoe_gpu_tests"
+    grep -B3 -A8 "Failure" "$OUT/gpu-tests.log" | head -60
+  fi
+  if [ "$MODE" != ep2-tests ]; then
+    step bench-ep-layer 260 "$BUILD/flowmoe" bench-ep --gpus 2 --config v3-ep8,v2,v2-lite --tokens 8192 --no-comm --reps 5 --warmup 2 --timeout 250
+  fi
   exit 0
 fi
 if [ "$MODE" = ep4 ] || [ "$MODE" = ep8 ]; then

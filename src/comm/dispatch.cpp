@@ -2,7 +2,9 @@
 // Backend independent: the plan is host metadata; dispatch_rows / combine_rows issue one grouped
 // exchange on any Communicator; the ep_* functions are the host-memory reference.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <sstream>
 
 #include "flowmoe/comm.h"
@@ -190,36 +192,116 @@ DispatchPlan plan_dispatch(Communicator& comm, const EpConfig& cfg, const int32_
 // ---- row movement -----------------------------------------------------------------------------------
 namespace {
 
-// Ops in the one order both sides use: peer, then stream, then local expert; empty chunks skipped
-// (both sides know every chunk's size after the count exchange).
-void build_ops(const DispatchPlan& plan, const std::vector<RowStream>& streams, bool forward,
-               std::vector<P2pOp>* sends, std::vector<P2pOp>* recvs) {
+// Messages of one peer and stream, the same on both sides (both know every chunk's size after
+// the count exchange): walking the (peer, local expert) chunks in local-expert order, empty chunks
+// skipped, a chunk of >= direct bytes is a message of its own, consecutive smaller chunks one
+// message. Returns [first, end) chunk ranges.
+std::vector<std::pair<int, int>> group_chunks(const std::vector<int64_t>& bytes, int64_t direct) {
+  std::vector<std::pair<int, int>> groups;
+  int open = -1, last = -1;  // current merged group: its first and last non-empty chunk
+  auto flush = [&] {
+    if (open >= 0) groups.push_back({open, last + 1});
+    open = -1;
+  };
+  for (int i = 0; i < static_cast<int>(bytes.size()); ++i) {
+    if (bytes[i] == 0) continue;
+    if (bytes[i] >= direct) {
+      flush();
+      groups.push_back({i, i + 1});
+    } else {
+      if (open < 0) open = i;
+      last = i;
+    }
+  }
+  flush();
+  return groups;
+}
+
+// What one dispatch_rows / combine_rows issues: local copies before the exchange (own chunks,
+// gathers into staging), the grouped exchange, local copies after it (scatters out of staging).
+struct ExchangeOps {
+  std::vector<P2pOp> sends, recvs;
+  std::vector<CopyPiece> before, after;
+};
+
+constexpr int64_t kStageAlign = 256;
+
+// forward (dispatch): send side = send-order rows (contiguous per peer), recv side = padded rows.
+// reverse (combine): send side = padded rows, recv side = send-order rows.
+// stage == nullptr: only counts the staging bytes (returned).
+int64_t build_ops(const DispatchPlan& plan, const std::vector<RowStream>& streams, bool forward,
+                  int64_t direct, uint8_t* stage, ExchangeOps* ops) {
   const int El = plan.local_experts;
+  int64_t staged = 0;
+  auto region = [&](int64_t bytes) {
+    uint8_t* r = stage ? stage + staged : nullptr;
+    staged += (bytes + kStageAlign - 1) / kStageAlign * kStageAlign;
+    return r;
+  };
+  std::vector<int64_t> out_bytes(El), in_bytes(El);
+  std::vector<const uint8_t*> out_ptr(El);
+  std::vector<uint8_t*> in_ptr(El);
   for (int p = 0; p < plan.world; ++p) {
     for (const RowStream& s : streams) {
       const uint8_t* src = static_cast<const uint8_t*>(s.send);
       uint8_t* dst = static_cast<uint8_t*>(s.recv);
       for (int l = 0; l < El; ++l) {
-        // this rank's rows for global expert (p, l)  <->  rank p's rows for local expert l here
-        const int64_t out_rows = plan.send_counts[p * El + l];
-        const int64_t out_first = plan.send_offsets[p * El + l];
-        const int64_t in_rows = plan.recv_counts[p * El + l];
-        const int64_t in_first = plan.recv_offsets[p * El + l];
+        // this rank's send-order rows for global expert (p, l), and rank p's rows for local
+        // expert l here (padded rows)
+        const int64_t so = plan.send_offsets[p * El + l], sn = plan.send_counts[p * El + l];
+        const int64_t po = plan.recv_offsets[p * El + l], pn = plan.recv_counts[p * El + l];
         if (forward) {
-          if (out_rows > 0)
-            sends->push_back({p, const_cast<uint8_t*>(src) + out_first * s.row_bytes,
-                              out_rows * s.row_bytes});
-          if (in_rows > 0) recvs->push_back({p, dst + in_first * s.row_bytes, in_rows * s.row_bytes});
+          out_bytes[l] = sn * s.row_bytes;
+          out_ptr[l] = src ? src + so * s.row_bytes : nullptr;
+          in_bytes[l] = pn * s.row_bytes;
+          in_ptr[l] = dst ? dst + po * s.row_bytes : nullptr;
         } else {
-          if (in_rows > 0)
-            sends->push_back({p, const_cast<uint8_t*>(src) + in_first * s.row_bytes,
-                              in_rows * s.row_bytes});
-          if (out_rows > 0)
-            recvs->push_back({p, dst + out_first * s.row_bytes, out_rows * s.row_bytes});
+          out_bytes[l] = pn * s.row_bytes;
+          out_ptr[l] = src ? src + po * s.row_bytes : nullptr;
+          in_bytes[l] = sn * s.row_bytes;
+          in_ptr[l] = dst ? dst + so * s.row_bytes : nullptr;
         }
+      }
+      if (p == plan.rank) {  // own chunks: local copies (out and in describe the same rows)
+        for (int l = 0; l < El; ++l)
+          if (out_bytes[l] > 0 && ops) ops->before.push_back({out_ptr[l], in_ptr[l], out_bytes[l]});
+        continue;
+      }
+      // the padded side is scattered: a group of several chunks is staged there
+      const bool stage_out = !forward, stage_in = forward;
+      for (const auto& g : group_chunks(out_bytes, direct)) {
+        int64_t bytes = 0;
+        for (int l = g.first; l < g.second; ++l) bytes += out_bytes[l];
+        const uint8_t* from = out_ptr[g.first];
+        if (stage_out && g.second - g.first > 1) {
+          uint8_t* r = region(bytes);
+          int64_t at = 0;
+          for (int l = g.first; l < g.second; ++l) {
+            if (out_bytes[l] > 0 && ops) ops->before.push_back({out_ptr[l], r + at, out_bytes[l]});
+            at += out_bytes[l];
+          }
+          from = r;
+        }
+        if (ops) ops->sends.push_back({p, const_cast<uint8_t*>(from), bytes});
+      }
+      for (const auto& g : group_chunks(in_bytes, direct)) {
+        int64_t bytes = 0;
+        for (int l = g.first; l < g.second; ++l) bytes += in_bytes[l];
+        uint8_t* to = in_ptr[g.first];
+        if (stage_in && g.second - g.first > 1) {
+          uint8_t* r = region(bytes);
+          int64_t at = 0;
+          for (int l = g.first; l < g.second; ++l) {
+            if (in_bytes[l] > 0 && ops) ops->after.push_back({r + at, in_ptr[l], in_bytes[l]});
+            at += in_bytes[l];
+          }
+          to = r;
+        }
+        if (ops) ops->recvs.push_back({p, to, bytes});
       }
     }
   }
+  return staged;
 }
 
 void check_streams(const std::vector<RowStream>& streams, const DispatchPlan& plan, bool forward,
@@ -235,24 +317,43 @@ void check_streams(const std::vector<RowStream>& streams, const DispatchPlan& pl
   }
 }
 
+void move_rows(Communicator& comm, const DispatchPlan& plan, const std::vector<RowStream>& streams,
+               bool forward, int64_t direct_bytes, const char* what) {
+  check_plan(plan, comm, what);
+  check_streams(streams, plan, forward, what);
+  const int64_t direct = direct_bytes < 0 ? ep_direct_bytes() : direct_bytes;
+  const int64_t staged = build_ops(plan, streams, forward, direct, nullptr, nullptr);
+  uint8_t* stage = static_cast<uint8_t*>(comm.scratch(staged));
+  FLOWMOE_CHECK(stage || staged == 0, what << ": the communicator gave no scratch for " << staged
+                                           << " staging bytes");
+  ExchangeOps ops;
+  build_ops(plan, streams, forward, direct, stage, &ops);
+  if (!ops.before.empty()) comm.copy_local(ops.before);
+  comm.exchange(ops.sends, ops.recvs);
+  if (!ops.after.empty()) comm.copy_local(ops.after);
+}
+
 }  // namespace
 
+int64_t ep_direct_bytes() {
+  const char* v = std::getenv("FLOWMOE_EP_DIRECT_BYTES");
+  if (v == nullptr || *v == '\0') return kEpDirectBytes;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  FLOWMOE_CHECK(end != v && *end == '\0' && n >= 0,
+                "FLOWMOE_EP_DIRECT_BYTES='" << v << "'; expected a byte count >= 0 (0: every "
+                                                   "expert chunk its own message)");
+  return n;
+}
+
 void dispatch_rows(Communicator& comm, const DispatchPlan& plan,
-                   const std::vector<RowStream>& streams) {
-  check_plan(plan, comm, "dispatch_rows");
-  check_streams(streams, plan, true, "dispatch_rows");
-  std::vector<P2pOp> sends, recvs;
-  build_ops(plan, streams, true, &sends, &recvs);
-  comm.exchange(sends, recvs);
+                   const std::vector<RowStream>& streams, int64_t direct_bytes) {
+  move_rows(comm, plan, streams, true, direct_bytes, "dispatch_rows");
 }
 
 void combine_rows(Communicator& comm, const DispatchPlan& plan,
-                  const std::vector<RowStream>& streams) {
-  check_plan(plan, comm, "combine_rows");
-  check_streams(streams, plan, false, "combine_rows");
-  std::vector<P2pOp> sends, recvs;
-  build_ops(plan, streams, false, &sends, &recvs);
-  comm.exchange(sends, recvs);
+                  const std::vector<RowStream>& streams, int64_t direct_bytes) {
+  move_rows(comm, plan, streams, false, direct_bytes, "combine_rows");
 }
 
 void zero_padding_rows(const DispatchPlan& plan, void* rows, int64_t row_bytes) {

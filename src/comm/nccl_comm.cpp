@@ -17,6 +17,7 @@
 #include <cstring>
 #include <thread>
 
+#include "cuda/comm/copy_pieces.h"
 #include "flowmoe/comm.h"
 
 namespace flowmoe {
@@ -94,6 +95,7 @@ class NcclComm final : public Communicator {
     }
     if (h_stage_) cudaFreeHost(h_stage_);
     if (d_stage_) cudaFree(d_stage_);
+    if (scratch_) cudaFree(scratch_);
     if (own_stream_) cudaStreamDestroy(stream_);
   }
 
@@ -127,6 +129,27 @@ class NcclComm final : public Communicator {
     } else if (r != ncclSuccess) {
       die(std::string("ncclGroupEnd: ") + ncclGetErrorString(r) + detail());
     }
+  }
+
+  void copy_local(const std::vector<CopyPiece>& pieces) override {
+    check_healthy();
+    cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+    cuda::comm::copy_pieces(pieces, stream_);
+  }
+
+  void* scratch(int64_t bytes) override {
+    FLOWMOE_CHECK(bytes >= 0, "NcclComm::scratch: " << bytes << " bytes");
+    if (bytes > scratch_bytes_) {
+      // the previous buffer may still be read or written by work on the stream
+      cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+      cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (scratch growth)");
+      if (scratch_) cudaFree(scratch_);
+      scratch_ = nullptr;
+      scratch_bytes_ = 0;
+      cuda_check(cudaMalloc(&scratch_, static_cast<size_t>(bytes)), "cudaMalloc (exchange staging)");
+      scratch_bytes_ = bytes;
+    }
+    return scratch_;
   }
 
   void alltoall_i32(const int32_t* send, int32_t* recv, int n) override {
@@ -252,6 +275,8 @@ class NcclComm final : public Communicator {
   void* h_stage_ = nullptr;
   void* d_stage_ = nullptr;
   size_t stage_bytes_ = 0;
+  void* scratch_ = nullptr;  // scratch(): staging of dispatch_rows / combine_rows
+  int64_t scratch_bytes_ = 0;
 };
 
 }  // namespace

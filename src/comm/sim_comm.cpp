@@ -160,6 +160,25 @@ class SimComm final : public Communicator {
     depart(p.op);
   }
 
+  void copy_local(const std::vector<CopyPiece>& pieces) override {
+    for (const CopyPiece& c : pieces)
+      FLOWMOE_CHECK(c.bytes >= 0 && (c.bytes == 0 || (c.src && c.dst)),
+                    "copy_local: bad piece (" << c.bytes << " bytes); expected buffers");
+    if (w_->space == MemorySpace::kHost) {
+      for (const CopyPiece& c : pieces)
+        if (c.bytes > 0) std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
+    } else {
+      w_->copier.copy_local(rank_, pieces);
+    }
+  }
+
+  void* scratch(int64_t bytes) override {
+    FLOWMOE_CHECK(bytes >= 0, "scratch: " << bytes << " bytes");
+    if (w_->space == MemorySpace::kDevice) return w_->copier.scratch(rank_, bytes);
+    if (static_cast<int64_t>(scratch_.size()) < bytes) scratch_.resize(static_cast<size_t>(bytes));
+    return scratch_.empty() ? nullptr : scratch_.data();
+  }
+
   void barrier() override {
     Post p;
     p.op = SimOp::kBarrier;
@@ -285,6 +304,7 @@ class SimComm final : public Communicator {
 
   SimWorld::Impl* w_;
   int rank_;
+  std::vector<uint8_t> scratch_;  // host world's scratch()
   uint64_t seq_ = 0;
   bool reading_ = false;  // between arrival and departure (guarded by the world's mutex)
 };
@@ -304,8 +324,8 @@ SimWorld::SimWorld(int world_size, double timeout_s) : impl_(new Impl) {
 SimWorld::SimWorld(int world_size, double timeout_s, MemorySpace space, Copier copier)
     : SimWorld(world_size, timeout_s) {
   if (space == MemorySpace::kDevice) {
-    FLOWMOE_CHECK(copier.copy && copier.wait,
-                  "SimWorld: a device-memory world needs Copier::copy and Copier::wait (use "
+    FLOWMOE_CHECK(copier.copy && copier.wait && copier.copy_local && copier.scratch,
+                  "SimWorld: a device-memory world needs every Copier function (use "
                   "make_device_sim_world of the CUDA backend)");
     impl_->space = space;
     impl_->copier = std::move(copier);

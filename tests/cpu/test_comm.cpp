@@ -152,6 +152,14 @@ TEST(CommSim, DeviceWorldCopiesThroughItsCopier) {
       ++copies[rank];
     };
     cp.wait = [&](int rank) { ++waits[rank]; };
+    std::vector<std::vector<uint8_t>> scratch(n);
+    cp.copy_local = [](int, const std::vector<CopyPiece>& pieces) {
+      for (const CopyPiece& c : pieces) std::memcpy(c.dst, c.src, size_t(c.bytes));
+    };
+    cp.scratch = [&](int rank, int64_t bytes) -> void* {
+      if (int64_t(scratch[rank].size()) < bytes) scratch[rank].resize(size_t(bytes));
+      return scratch[rank].data();
+    };
     SimWorld world(n, 10.0, MemorySpace::kDevice, cp);
     EXPECT_EQ(world.memory_space(), MemorySpace::kDevice);
     const auto errs = world.run([&](Communicator& c) {
@@ -179,6 +187,8 @@ TEST(CommSim, DeviceWorldCopiesThroughItsCopier) {
   SimWorld::Copier bad;
   bad.copy = [](int, void*, const void*, int64_t) { throw Error(__FILE__, __LINE__, "boom"); };
   bad.wait = [](int) {};
+  bad.copy_local = [](int, const std::vector<CopyPiece>&) {};
+  bad.scratch = [](int, int64_t) -> void* { return nullptr; };
   SimWorld world(2, 10.0, MemorySpace::kDevice, bad);
   const auto errs = world.run([&](Communicator& c) {
     int32_t a = 1, b = 0;
@@ -390,6 +400,112 @@ TEST(Dispatch, CombineReturnsRowsInFixedOrder) {
     });
     expect_all_ok(errs);
   }
+}
+
+// Forwards to a rank of a SimWorld and counts the messages of its exchanges: dispatch_rows /
+// combine_rows must give the same rows whatever the message grouping (direct_bytes), and merging
+// must cut the message count.
+class CountingComm final : public Communicator {
+ public:
+  explicit CountingComm(Communicator& c) : c_(c) { set_timeout_s(c.timeout_s()); }
+  int rank() const override { return c_.rank(); }
+  int world_size() const override { return c_.world_size(); }
+  const char* backend() const override { return c_.backend(); }
+  MemorySpace memory_space() const override { return c_.memory_space(); }
+  void alltoall_i32(const int32_t* s, int32_t* r, int n) override { c_.alltoall_i32(s, r, n); }
+  void exchange(const std::vector<P2pOp>& sends, const std::vector<P2pOp>& recvs) override {
+    for (const P2pOp& o : sends) {
+      EXPECT_NE(o.peer, rank()) << "own chunks must be local copies, not messages";
+      ++messages;
+    }
+    c_.exchange(sends, recvs);
+  }
+  void copy_local(const std::vector<CopyPiece>& p) override { c_.copy_local(p); }
+  void* scratch(int64_t bytes) override { return c_.scratch(bytes); }
+  void barrier() override { c_.barrier(); }
+  void synchronize() override { c_.synchronize(); }
+  std::string error() const override { return c_.error(); }
+  void abort(const std::string& reason) override { c_.abort(reason); }
+  int64_t messages = 0;
+
+ private:
+  Communicator& c_;
+};
+
+TEST(Dispatch, MessageGroupingMovesTheSameRows) {
+  const int e_total = 16, k = 3;
+  for (int n : {2, 4}) {
+    // experts 12..15 never routed: empty chunks between non-empty ones
+    const auto in = make_inputs({37, 0, 29, 41}, k, e_total, 12, 8, 50 + n);
+    SimWorld world(n, 10.0);
+    const auto errs = world.run([&](Communicator& base) {
+      CountingComm c(base);
+      const int me = c.rank();
+      const RankInput& ri = in[me];
+      const DispatchPlan plan =
+          plan_dispatch(c, {e_total, k, 8, 8, WireFormat::kBf16, false}, ri.ids.data(), ri.tokens);
+      // three streams of odd row sizes: stamp (rank, send row) in every byte pattern
+      const int64_t rb[3] = {12, 4, 3};
+      std::vector<std::vector<uint8_t>> send(3);
+      for (int i = 0; i < 3; ++i) {
+        send[i].resize(plan.send_rows() * rb[i]);
+        for (int64_t r = 0; r < plan.send_rows(); ++r)
+          for (int64_t b = 0; b < rb[i]; ++b) send[i][r * rb[i] + b] = uint8_t(me * 61 + r * 7 + b * 3 + i);
+      }
+      std::vector<std::vector<uint8_t>> ref;
+      int64_t ref_messages = 0;
+      for (int64_t direct : {int64_t(0), int64_t(1), int64_t(40), int64_t(1) << 62}) {
+        std::vector<std::vector<uint8_t>> recv(3), back(3);
+        std::vector<RowStream> fwd, rev;
+        for (int i = 0; i < 3; ++i) {
+          recv[i].assign(plan.padded_rows() * rb[i], 0xEE);
+          back[i].assign(plan.send_rows() * rb[i], 0xDD);
+        }
+        for (int i = 0; i < 3; ++i) fwd.push_back({send[i].data(), recv[i].data(), rb[i]});
+        for (int i = 0; i < 3; ++i) rev.push_back({recv[i].data(), back[i].data(), rb[i]});
+        c.messages = 0;
+        dispatch_rows(c, plan, fwd, direct);
+        const int64_t msgs = c.messages;
+        combine_rows(c, plan, rev, direct);
+        for (int i = 0; i < 3; ++i)
+          EXPECT_EQ(back[i], send[i]) << "rank " << me << " stream " << i << " direct " << direct;
+        if (direct == 0) {
+          ref = recv;
+          ref_messages = msgs;
+          // every non-empty (peer, expert) chunk of every stream, other ranks only
+          int64_t chunks = 0;
+          for (int g = 0; g < e_total; ++g)
+            if (g / plan.local_experts != me && plan.send_counts[g] > 0) chunks += 3;
+          EXPECT_EQ(msgs, chunks);
+        } else {
+          EXPECT_EQ(recv, ref) << "rank " << me << " direct " << direct;
+        }
+        if (direct == (int64_t(1) << 62)) {  // at most one message per peer and stream
+          int peers = 0;
+          for (int p = 0; p < n; ++p) peers += p != me && plan.rows_to(p) > 0;
+          EXPECT_EQ(msgs, 3 * peers);
+          EXPECT_LE(msgs, ref_messages);
+        }
+      }
+      // the padding rows were never written
+      for (int l = 0; l < plan.local_experts; ++l)
+        for (int64_t r = plan.padded_offsets[l] + plan.expert_counts[l]; r < plan.padded_offsets[l + 1]; ++r)
+          EXPECT_EQ(ref[0][r * rb[0]], 0xEE);
+    });
+    expect_all_ok(errs);
+  }
+}
+
+TEST(Dispatch, DirectBytesFromTheEnvironment) {
+  ::unsetenv("FLOWMOE_EP_DIRECT_BYTES");
+  EXPECT_EQ(ep_direct_bytes(), kEpDirectBytes);
+  ::setenv("FLOWMOE_EP_DIRECT_BYTES", "4096", 1);
+  EXPECT_EQ(ep_direct_bytes(), 4096);
+  ::setenv("FLOWMOE_EP_DIRECT_BYTES", "-3", 1);
+  EXPECT_THROW(ep_direct_bytes(), Error);
+  ::setenv("FLOWMOE_EP_DIRECT_BYTES", "12kb", 1);
+  EXPECT_THROW(ep_direct_bytes(), Error);
+  ::unsetenv("FLOWMOE_EP_DIRECT_BYTES");
 }
 
 // A small per-expert linear: out[j] = bf16(Σ_i W_e[j][i] x[i]), FP32 fma in i order.

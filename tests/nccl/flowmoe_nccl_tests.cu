@@ -191,7 +191,7 @@ void payload_case(Communicator& comm, WireFormat f, int64_t H, int E, int k,
     cuda::moe::ep_gather_rows(d_codes.p, cb, false, rmu.p, T, k, send_c.p, s);
     if (col_scales)
       cuda::moe::ep_gather_col_scales(d_scales.p, nc, int(scale_elem), rmu.p, T, k, send_s.p, s);
-    else
+    else if (sb > 0)  // bf16 has no scale stream
       cuda::moe::ep_gather_rows(d_scales.p, sb, false, rmu.p, T, k, send_s.p, s);
     cuda::moe::ep_gather_rows(d_probs.p, 4, true, rmu.p, T, k, send_p.p, s);
   }
@@ -200,7 +200,9 @@ void payload_case(Communicator& comm, WireFormat f, int64_t H, int E, int k,
   CUDA_OK(cudaMemsetAsync(recv_p.p, 0xA5, std::max<int64_t>(Mp * 4, 1), s));
   CUDA_OK(cudaStreamSynchronize(s));
   const auto t0 = Clock::now();
-  dispatch_rows(comm, plan, {{send_c.p, recv_c.p, cb}, {send_s.p, recv_s.p, sb}, {send_p.p, recv_p.p, 4}});
+  std::vector<RowStream> streams{{send_c.p, recv_c.p, cb}, {send_p.p, recv_p.p, 4}};
+  if (sb > 0) streams.push_back({send_s.p, recv_s.p, sb});
+  dispatch_rows(comm, plan, streams);
   comm.synchronize();
   const double t_disp = since(t0);
   const std::vector<uint8_t> gc = recv_c.get(s), gs = recv_s.get(s);

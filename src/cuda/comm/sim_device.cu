@@ -3,13 +3,15 @@
 // (src/comm/sim_comm.cpp); this file supplies the copies: cudaMemcpyAsync device to device on a
 // non-blocking stream per rank, waited for (cudaStreamSynchronize) before the rank leaves the
 // exchange, so the peers' send buffers are never released while being read and the received
-// bytes are complete when exchange() returns.
+// bytes are complete when exchange() returns; copy_local runs the NCCL communicator's batched
+// copy kernel (copy_pieces.h) on the rank's stream and waits for it.
 #include <cuda_runtime.h>
 
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "cuda/comm/copy_pieces.h"
 #include "cuda/common.cuh"
 #include "flowmoe/comm.h"
 
@@ -19,6 +21,8 @@ namespace {
 struct DeviceCopyState {
   int device = 0;
   std::vector<cudaStream_t> streams;  // one per rank
+  std::vector<void*> scratch;         // Communicator::scratch of each rank
+  std::vector<int64_t> scratch_bytes;
   ~DeviceCopyState() {
     if (streams.empty()) return;
     int cur = 0;
@@ -26,6 +30,8 @@ struct DeviceCopyState {
     cudaSetDevice(device);
     for (cudaStream_t s : streams)
       if (s) cudaStreamDestroy(s);
+    for (void* p : scratch)
+      if (p) cudaFree(p);
     if (have) cudaSetDevice(cur);
   }
 };
@@ -43,6 +49,8 @@ std::unique_ptr<SimWorld> make_device_sim_world(int world_size, double timeout_s
                     << (err == cudaSuccess ? "0 devices" : cudaGetErrorString(err)) << ")");
   FLOWMOE_CUDA_CHECK(cudaGetDevice(&st->device));
   st->streams.assign(world_size, nullptr);
+  st->scratch.assign(world_size, nullptr);
+  st->scratch_bytes.assign(world_size, 0);
   for (int r = 0; r < world_size; ++r)
     FLOWMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st->streams[r], cudaStreamNonBlocking));
   SimWorld::Copier c;
@@ -52,6 +60,24 @@ std::unique_ptr<SimWorld> make_device_sim_world(int world_size, double timeout_s
                                        st->streams[rank]));
   };
   c.wait = [st](int rank) { FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(st->streams[rank])); };
+  // the NCCL communicator's batched copy kernel, so the one-GPU tests exercise it
+  c.copy_local = [st](int rank, const std::vector<CopyPiece>& pieces) {
+    FLOWMOE_CUDA_CHECK(cudaSetDevice(st->device));
+    cuda::comm::copy_pieces(pieces, st->streams[rank]);
+    FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(st->streams[rank]));
+  };
+  c.scratch = [st](int rank, int64_t bytes) -> void* {
+    if (bytes > st->scratch_bytes[rank]) {
+      FLOWMOE_CUDA_CHECK(cudaSetDevice(st->device));
+      FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(st->streams[rank]));
+      if (st->scratch[rank]) FLOWMOE_CUDA_CHECK(cudaFree(st->scratch[rank]));
+      st->scratch[rank] = nullptr;
+      st->scratch_bytes[rank] = 0;
+      FLOWMOE_CUDA_CHECK(cudaMalloc(&st->scratch[rank], size_t(bytes)));
+      st->scratch_bytes[rank] = bytes;
+    }
+    return st->scratch[rank];
+  };
   return std::unique_ptr<SimWorld>(new SimWorld(world_size, timeout_s, MemorySpace::kDevice, c));
 }
 
