@@ -98,6 +98,7 @@ struct Opts {
   int reps = 10, warmup = 3, align = 128;
   int experts_total = 0;  // > 0: E experts in all, El = E / ranks (issue 8: 256 at every EP degree)
   bool layer = true, single = true, comm = true;
+  bool stages = false;  // --stages: per-stage times of the EP layer next to the 1 GPU share's
   double timeout = 60.0;
 };
 
@@ -316,6 +317,7 @@ void bench_comm(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o)
 struct LayerTime {
   double fwd = 0, bwd = 0, total = 0, total_max = 0;
   int64_t routed = 0, padded = 0, wire_fwd = 0, wire_bwd = 0;
+  std::vector<std::pair<std::string, double>> stages;  // "pass/stage", median ms (--stages)
 };
 
 // One layer (comm may be null) with `el` local experts of E = el * world experts, T tokens.
@@ -377,6 +379,23 @@ LayerTime run_layer(Communicator* comm, const Cfg& c, Recipe rc, int el, int64_t
   cudaEventDestroy(e1);
   cudaEventDestroy(e2);
   LayerTime r;
+  if (o.stages) {  // the layer's own stage events (moe_cuda.h), medians of 3 profiled steps
+    cuda::moe::set_profiling(layer.get(), true);
+    std::vector<std::vector<double>> acc;
+    for (int i = 0; i < 3; ++i) {
+      if (comm) comm->barrier();
+      layer->forward(x.p, T, y.p);
+      layer->backward(dy.p, dx.p, g);
+      const std::vector<cuda::moe::StageTime> st = cuda::moe::stage_times(layer.get());
+      if (i == 0) {
+        for (const auto& x2 : st) r.stages.push_back({std::string(moe_pass_name(x2.pass)) + "/" + x2.name, 0.0});
+        acc.resize(st.size());
+      }
+      for (size_t j = 0; j < st.size() && j < acc.size(); ++j) acc[j].push_back(st[j].ms);
+    }
+    for (size_t j = 0; j < r.stages.size(); ++j) r.stages[j].second = median(acc[j]);
+    cuda::moe::set_profiling(layer.get(), false);
+  }
   r.fwd = median(f);
   r.bwd = median(b);
   r.total = median(t);
@@ -413,6 +432,7 @@ void bench_layer(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o
     std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
     std::fflush(stdout);
   }
+  std::string stage_text;
   for (Recipe rc : recipes) {
     const LayerTime ep = run_layer(&comm, c, rc, El, T, o, s, me);
     LayerTime share, all;
@@ -435,8 +455,25 @@ void bench_layer(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o
                   double(W * T) / (ep.total_max * 1e-3), double(ep.wire_fwd) / double(T),
                   double(ep.wire_bwd) / double(T), sh, eff, al, sp);
       std::fflush(stdout);
+      if (o.stages) {
+        std::ostringstream os;
+        os << "\n#### stages of " << recipe_name(rc) << " (rank 0; medians of 3 profiled steps; ms)\n\n"
+           << "| stage | EP | 1 GPU share |\n| --- | --- | --- |\n";
+        for (const auto& st : ep.stages) {
+          double sv = -1;
+          for (const auto& q : share.stages)
+            if (q.first == st.first) sv = q.second;
+          char b[64] = "-";
+          if (sv >= 0) std::snprintf(b, sizeof b, "%.3f", sv);
+          char e[32];
+          std::snprintf(e, sizeof e, "%.3f", st.second);
+          os << "| " << st.first << " | " << e << " | " << b << " |\n";
+        }
+        stage_text += os.str();
+      }
     }
   }
+  if (me == 0 && !stage_text.empty()) std::printf("%s", stage_text.c_str());
   if (me == 0)
     std::printf("\n(EP efficiency = 1 GPU share / EP slowest rank: 100%% = communication and EP overheads cost "
                 "nothing; EP speed-up = 1 GPU all / EP slowest rank, ideal %d; tokens/s from the slowest rank's "
@@ -464,6 +501,7 @@ int run(int argc, char** argv) {
     else if (a == "--no-layer") o.layer = false;
     else if (a == "--no-single") o.single = false;
     else if (a == "--no-comm") o.comm = false;
+    else if (a == "--stages") o.stages = true;
     else FLOWMOE_CHECK(false, "unknown argument '" << a << "' (see `flowmoe bench-ep --help`)");
   }
   FLOWMOE_CHECK(o.tokens >= 1 && o.reps >= 1 && o.warmup >= 0, "bad --tokens/--reps/--warmup");
@@ -486,7 +524,6 @@ int run(int argc, char** argv) {
   BCUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   NcclCommOptions no;
   no.timeout_s = std::max(o.timeout, 30.0);
-  no.stream = s;  // exchanges ordered with the gathers and relayouts of the timed sequences
   std::unique_ptr<Communicator> comm = make_nccl_comm_from_env(no);
   comm->set_timeout_s(o.timeout);
   if (comm->rank() == 0) {
@@ -499,7 +536,14 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
   }
   for (const Cfg* c : cfgs) {
-    if (o.comm) bench_comm(*comm, s, *c, o);
+    // dispatch / combine: exchanges on s, ordered with the timed gathers and relayouts; the layer:
+    // the communicator's own high-priority stream (as users get by default), so that the
+    // backward's combine can overlap GEMM1 wgrad
+    if (o.comm) {
+      set_nccl_stream(*comm, s);
+      bench_comm(*comm, s, *c, o);
+      set_nccl_stream(*comm, nullptr);
+    }
     if (o.layer) bench_layer(*comm, s, *c, o);
   }
   comm->barrier();

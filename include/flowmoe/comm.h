@@ -351,9 +351,12 @@ struct DispatchPlan {
 DispatchPlan plan_dispatch(Communicator& comm, const EpConfig& cfg, const int32_t* ids,
                            int64_t tokens);
 // The same from the send counts alone ([E_total] rows per global expert), e.g. fetched from the
-// device routing tables.
+// device routing tables. config_agreed: the caller has already checked that cfg agrees across
+// ranks (the layer does at construction), so the check_uniform round trip is skipped and the plan
+// costs one collective (the counts and the ranks' local errors travel together).
 DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
-                                  const int32_t* send_counts, int64_t tokens);
+                                  const int32_t* send_counts, int64_t tokens,
+                                  bool config_agreed = false);
 
 // One row stream moved by the plan: row i of the send order (row_bytes each, send rows) to its
 // padded row on the receiving rank. Forward direction (dispatch) or reverse (combine: padded rows
@@ -451,8 +454,15 @@ namespace flowmoe {
 struct NcclCommOptions {
   double timeout_s = 120.0;        // bound of initialisation and of every synchronize()
   int device = -1;                 // CUDA device; -1: LOCAL_RANK (env) or rank % visible devices
-  cudaStream_t stream = nullptr;   // stream of exchange(); null: the communicator creates one
+  // stream of exchange(); null: the communicator's own, created at the device's highest priority
+  // (the MoE layer overlaps the backward's combine with GEMM1 wgrad: leave this null for it; the
+  // layer's stream here would serialise the two)
+  cudaStream_t stream = nullptr;
 };
+// Orders the NCCL communicator's exchanges on `stream` from now on (null: its own stream), after
+// waiting for the current one. E.g. a benchmark timing exchanges with events on its stream. Throws
+// Error when comm is not an NCCL communicator.
+void set_nccl_stream(Communicator& comm, cudaStream_t stream);
 // One process per GPU. Sets NCCL_NVLS_ENABLE=0, selects the device, creates the communicator with
 // a non-blocking config and polls its state (ncclCommGetAsyncError) against the timeout, so a rank
 // that never joins gives a CommError, not a hang. unique_id: the 128 bytes of an ncclUniqueId made

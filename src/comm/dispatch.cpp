@@ -78,18 +78,21 @@ std::string DispatchPlan::describe() const {
 
 namespace {
 DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
-                             int64_t tokens);
+                             int64_t tokens, const std::string& local_error);
+DispatchPlan exchange_layouts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
+                              int64_t tokens, const std::vector<int32_t>& msgs);
 }  // namespace
 
 DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
-                                  const int32_t* send_counts, int64_t tokens) {
+                                  const int32_t* send_counts, int64_t tokens, bool config_agreed) {
   const int world = comm.world_size();
   // The configuration first: with a different E (so a different El) the count exchange itself
   // would not match, and NCCL cannot detect a size mismatch of a send/recv pair.
-  comm.check_uniform("plan_dispatch",
-                     {"num_experts", "topk", "hidden", "align", "wire format", "with_probs"},
-                     {cfg.num_experts, cfg.topk, cfg.hidden, cfg.align,
-                      static_cast<int64_t>(cfg.format), cfg.with_probs ? 1 : 0});
+  if (!config_agreed)
+    comm.check_uniform("plan_dispatch",
+                       {"num_experts", "topk", "hidden", "align", "wire format", "with_probs"},
+                       {cfg.num_experts, cfg.topk, cfg.hidden, cfg.align,
+                        static_cast<int64_t>(cfg.format), cfg.with_probs ? 1 : 0});
   std::string local_error;
   try {
     cfg.validate(world);
@@ -109,14 +112,40 @@ DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
   } catch (const Error& e) {
     local_error = e.what();
   }
-  comm.agree_on_local_errors("plan_dispatch", local_error);
-  return exchange_counts(comm, cfg, send_counts, tokens);
+  return exchange_counts(comm, cfg, send_counts, tokens, local_error);
 }
 
 namespace {
-// The count all-to-all and both layouts; cfg and counts already checked on every rank.
+// The count all-to-all and both layouts; cfg agreed on every rank (check_uniform). One
+// alltoall_i32 also agrees on the ranks' local errors: each message to a peer is [flag, El
+// counts], flag 1 (counts 0) from a rank whose own checks failed; that rank throws its own error,
+// every other rank a CommError naming it (as agree_on_local_errors, without a second collective).
 DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
-                             int64_t tokens) {
+                             int64_t tokens, const std::string& local_error) {
+  const int world = comm.world_size();
+  {
+    const int el = std::max(1, cfg.num_experts / std::max(1, world)), m = el + 1;
+    std::vector<int32_t> out(static_cast<size_t>(world) * m, 0), in(out.size(), 0);
+    for (int p = 0; p < world; ++p) {
+      out[static_cast<size_t>(p) * m] = local_error.empty() ? 0 : 1;
+      if (local_error.empty())
+        std::copy(send_counts + static_cast<size_t>(p) * el, send_counts + static_cast<size_t>(p + 1) * el,
+                  out.begin() + static_cast<size_t>(p) * m + 1);
+    }
+    comm.alltoall_i32(out.data(), in.data(), m);
+    if (!local_error.empty()) throw Error(__FILE__, __LINE__, local_error);
+    for (int p = 0; p < world; ++p)
+      if (in[static_cast<size_t>(p) * m] != 0)
+        throw CommError(__FILE__, __LINE__,
+                        "plan_dispatch: rank " + std::to_string(p) +
+                            " rejected its input (its own error message says why); rank " +
+                            std::to_string(comm.rank()) + " stops too");
+    return exchange_layouts(comm, cfg, send_counts, tokens, in);
+  }
+}
+
+DispatchPlan exchange_layouts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
+                              int64_t tokens, const std::vector<int32_t>& msgs) {
   const int world = comm.world_size();
   DispatchPlan plan;
   plan.rank = comm.rank();
@@ -137,7 +166,9 @@ DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int3
   // send_counts is already laid out [p][l] (global expert g = p*El + l): the count all-to-all
   // delivers recv_counts[p*El + l] = rows rank p routes to this rank's local expert l.
   plan.recv_counts.assign(n, 0);
-  comm.alltoall_i32(plan.send_counts.data(), plan.recv_counts.data(), El);
+  for (int p = 0; p < world; ++p)
+    for (int l = 0; l < El; ++l)
+      plan.recv_counts[p * El + l] = msgs[static_cast<size_t>(p) * (El + 1) + 1 + l];
 
   plan.expert_counts.assign(El, 0);
   for (int p = 0; p < world; ++p)
@@ -183,8 +214,7 @@ DispatchPlan plan_dispatch(Communicator& comm, const EpConfig& cfg, const int32_
                      {"num_experts", "topk", "hidden", "align", "wire format", "with_probs"},
                      {cfg.num_experts, cfg.topk, cfg.hidden, cfg.align,
                       static_cast<int64_t>(cfg.format), cfg.with_probs ? 1 : 0});
-  comm.agree_on_local_errors("plan_dispatch", local_error);
-  DispatchPlan plan = exchange_counts(comm, cfg, counts.data(), tokens);
+  DispatchPlan plan = exchange_counts(comm, cfg, counts.data(), tokens, local_error);
   plan.send_routing = std::move(routing);
   return plan;
 }

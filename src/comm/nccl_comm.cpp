@@ -53,12 +53,14 @@ class NcclComm final : public Communicator {
                                             << " visible; expected one process per GPU "
                                                "(LOCAL_RANK < number of GPUs)");
     cuda_check(cudaSetDevice(device_), "cudaSetDevice");
-    if (opt.stream) {
-      stream_ = opt.stream;
-    } else {
-      cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-      own_stream_ = true;
-    }
+    // Its own stream, at the device's highest priority: while the MoE layer overlaps an exchange
+    // with a GEMM, the block scheduler then gives NCCL's and copy_local's CTAs SMs ahead of the
+    // GEMM's queued ones instead of after its last wave.
+    int lo = 0, hi = 0;
+    cuda_check(cudaDeviceGetStreamPriorityRange(&lo, &hi), "cudaDeviceGetStreamPriorityRange");
+    cuda_check(cudaStreamCreateWithPriority(&own_, cudaStreamNonBlocking, hi), "cudaStreamCreateWithPriority");
+    own_stream_ = true;
+    stream_ = opt.stream ? opt.stream : own_;
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;  // every call returns at once; we poll with a deadline
     const ncclResult_t r = ncclCommInitRankConfig(&comm_, world, id, rank, &config);
@@ -96,7 +98,7 @@ class NcclComm final : public Communicator {
     if (h_stage_) cudaFreeHost(h_stage_);
     if (d_stage_) cudaFree(d_stage_);
     if (scratch_) cudaFree(scratch_);
-    if (own_stream_) cudaStreamDestroy(stream_);
+    if (own_stream_) cudaStreamDestroy(own_);
   }
 
   int rank() const override { return rank_; }
@@ -184,6 +186,7 @@ class NcclComm final : public Communicator {
 
   void synchronize() override {
     check_healthy();
+    const auto start = Clock::now();
     const auto deadline = deadline_now();
     while (true) {
       const cudaError_t q = cudaStreamQuery(stream_);
@@ -198,7 +201,12 @@ class NcclComm final : public Communicator {
         die("timed out after " + std::to_string(timeout_s()) +
             " s waiting for the communication to finish (a peer that died, skipped the collective "
             "or passed different sizes)");
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      // spin (yielding) through the first milliseconds: the exchanges of a layer step take
+      // 0.1-3 ms and every wait is on its critical path; then poll every 50 us
+      if (Clock::now() - start < std::chrono::milliseconds(5))
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
 
@@ -242,6 +250,7 @@ class NcclComm final : public Communicator {
   }
   // Polls the communicator state until it leaves ncclInProgress, bounded by the timeout.
   void wait_ready(const char* what) {
+    const auto start = Clock::now();
     const auto deadline = deadline_now();
     while (true) {
       ncclResult_t st = ncclInProgress;
@@ -251,7 +260,10 @@ class NcclComm final : public Communicator {
       if (st != ncclInProgress) die(std::string(what) + ": " + ncclGetErrorString(st) + detail());
       if (Clock::now() > deadline)
         die(std::string(what) + ": timed out after " + std::to_string(timeout_s()) + " s");
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      if (Clock::now() - start < std::chrono::milliseconds(5))  // launches finish in microseconds
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
   void ensure_stage(size_t bytes) {
@@ -268,8 +280,19 @@ class NcclComm final : public Communicator {
 
   int rank_, world_;
   int device_ = 0;
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;  // where exchanges are ordered: own_ or the caller's
+  cudaStream_t own_ = nullptr;
   bool own_stream_ = false;
+
+ public:
+  void set_stream(cudaStream_t s) {
+    check_healthy();
+    cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+    cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (set_nccl_stream)");
+    stream_ = s ? s : own_;
+  }
+
+ private:
   ncclComm_t comm_ = nullptr;
   std::string error_;
   void* h_stage_ = nullptr;
@@ -299,6 +322,13 @@ std::unique_ptr<Communicator> make_nccl_comm(int rank, int world_size,
   ncclUniqueId id;
   std::memcpy(&id, unique_id.data(), sizeof(id));
   return std::unique_ptr<Communicator>(new NcclComm(rank, world_size, id, opt));
+}
+
+void set_nccl_stream(Communicator& comm, cudaStream_t stream) {
+  NcclComm* n = dynamic_cast<NcclComm*>(&comm);
+  FLOWMOE_CHECK(n != nullptr, "set_nccl_stream: the communicator is '" << comm.backend()
+                                                                       << "', not an NCCL communicator");
+  n->set_stream(stream);
 }
 
 std::unique_ptr<Communicator> make_nccl_comm_from_env(const NcclCommOptions& opt) {

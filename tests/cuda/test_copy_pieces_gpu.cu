@@ -1,6 +1,7 @@
 // The batched copy kernel of the staged expert-parallel exchange (src/cuda/comm/copy_pieces.h):
-// every piece's bytes land exactly, nothing else is written, for any alignment and size (1 byte
-// to several units), and for more pieces than one launch takes.
+// every piece's bytes land exactly (or zeros, for a piece without a source), nothing else is
+// written, for any alignment and size (1 byte to several units), and for more pieces than one
+// launch takes.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -42,8 +43,9 @@ TEST(CopyPiecesGpu, RandomPiecesLandExactly) {
     CUDA_OK(cudaMemcpy(dd, dst0.data(), dst0.size(), cudaMemcpyHostToDevice));
     std::vector<uint8_t> expect = dst0;
     for (int i = 0; i < npieces; ++i) {
-      host.push_back({ds + so[i], dd + dof[i], len[i]});
-      for (int64_t b = 0; b < len[i]; ++b) expect[dof[i] + b] = src[so[i] + b];
+      const bool zero = i % 5 == 3;  // every fifth piece a zero fill
+      host.push_back({zero ? nullptr : ds + so[i], dd + dof[i], len[i]});
+      for (int64_t b = 0; b < len[i]; ++b) expect[dof[i] + b] = zero ? 0 : src[so[i] + b];
     }
     cuda::comm::copy_pieces(host, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
@@ -60,7 +62,7 @@ TEST(CopyPiecesGpu, RandomPiecesLandExactly) {
 TEST(CopyPiecesGpu, BadPieceIsAClearError) {
   uint8_t* d = nullptr;
   ASSERT_EQ(cudaMalloc(&d, 64), cudaSuccess);
-  EXPECT_THROW(cuda::comm::copy_pieces({{d, nullptr, 8}}, nullptr), Error);
+  EXPECT_THROW(cuda::comm::copy_pieces({{d, nullptr, 8}}, nullptr), Error);  // no destination
   EXPECT_THROW(cuda::comm::copy_pieces({{d, d + 32, -1}}, nullptr), Error);
   cuda::comm::copy_pieces({{nullptr, nullptr, 0}}, nullptr);  // empty pieces are skipped
   cuda::comm::copy_pieces({}, nullptr);

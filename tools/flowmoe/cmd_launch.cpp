@@ -42,7 +42,7 @@ const char kLaunchUsage[] =
 const char kBenchEpUsage[] =
     "usage: flowmoe bench-ep [--gpus N] [--config C[,C...]|all] [--tokens T] [--recipes R[,R...]]\n"
     "                        [--reps N] [--warmup N] [--align A] [--no-layer] [--no-single]\n"
-    "                        [--no-comm] [--port P] [--timeout S]\n"
+    "                        [--no-comm] [--stages] [--port P] [--timeout S]\n"
     "\n"
     "Expert-parallel benchmark over NCCL, one rank per GPU (started by this command; EP = N):\n"
     "  * dispatch and combine for the token shape of each configuration, per wire format (bf16;\n"
@@ -69,9 +69,10 @@ const char kBenchEpUsage[] =
     "  --experts-total E  E experts in all, El = E / N per GPU (default: the configuration's El per\n"
     "                  GPU; issue 8's scaling run keeps DeepSeek-V3's 256 at every EP degree)\n"
     "  --no-layer      dispatch/combine only; --no-comm: layer only; --no-single: no 1-GPU layers\n"
+    "  --stages        per-stage times of each recipe's EP layer (rank 0) next to the 1 GPU share's\n"
     "  --port P        MASTER_PORT (default 29500); --timeout S: watchdog (default 540)\n"
     "Needs a build with NCCL (flowmoe_bench_ep next to this binary, or FLOWMOE_BENCH_EP=path).\n"
-    "Status: written and compiled without a GPU; not yet run on GPUs.\n";
+    "Measured on two H200s: docs/PERFORMANCE.md, \"Expert parallelism on two H200s\".\n";
 
 int visible_gpus() {
 #if defined(FLOWMOE_HAVE_CUDA)
@@ -137,7 +138,7 @@ int run_bench_ep(const Args& args) {
       argv.push_back(std::string("--") + o);
       argv.push_back(args.get(o));
     }
-  for (const char* f : {"no-layer", "no-single", "no-comm"})
+  for (const char* f : {"no-layer", "no-single", "no-comm", "stages"})
     if (args.flag(f)) argv.push_back(std::string("--") + f);
   LaunchOptions opt;
   opt.timeout_s = double(parse_int(args.get("timeout", "540"), "--timeout", 1, 86400));
@@ -162,7 +163,7 @@ Command bench_ep_command() {
           kBenchEpUsage,
           {{"gpus", true}, {"config", true}, {"tokens", true}, {"recipes", true}, {"reps", true},
            {"warmup", true}, {"align", true}, {"experts-total", true}, {"no-layer", false}, {"no-single", false},
-           {"no-comm", false},
+           {"no-comm", false}, {"stages", false},
            {"port", true}, {"timeout", true}},
           run_bench_ep};
 }

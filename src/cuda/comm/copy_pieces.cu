@@ -2,7 +2,7 @@
 // parameter (up to 32 KB of parameters on sm_70+ with CUDA >= 12.1). Each piece is cut into units
 // of kUnitBytes; blocks take units round-robin, find their piece by binary search over the units'
 // prefix, and copy with the widest access the piece's two addresses allow (16, 8, 4 or 1 bytes),
-// the sub-width tail byte by byte.
+// the sub-width tail byte by byte. A piece without a source is a zero fill.
 #include "cuda/comm/copy_pieces.h"
 
 #include <algorithm>
@@ -38,6 +38,16 @@ __device__ __forceinline__ void copy_words(const uint8_t* __restrict__ s, uint8_
   for (int64_t i = words * int64_t(sizeof(W)) + threadIdx.x; i < len; i += blockDim.x) d[i] = s[i];
 }
 
+template <typename W>
+__device__ __forceinline__ void zero_words(uint8_t* __restrict__ d, int64_t len) {
+  const int64_t words = len / int64_t(sizeof(W));
+  W z;
+  memset(&z, 0, sizeof(W));
+  W* dw = reinterpret_cast<W*>(d);
+  for (int64_t i = threadIdx.x; i < words; i += blockDim.x) dw[i] = z;
+  for (int64_t i = words * int64_t(sizeof(W)) + threadIdx.x; i < len; i += blockDim.x) d[i] = 0;
+}
+
 __global__ void __launch_bounds__(kThreads) copy_pieces_kernel(const __grid_constant__ PieceBatch b) {
   for (int64_t u = blockIdx.x; u < b.units; u += gridDim.x) {
     int lo = 0, hi = b.n - 1;  // the last piece whose first unit is <= u (no empty pieces)
@@ -47,8 +57,15 @@ __global__ void __launch_bounds__(kThreads) copy_pieces_kernel(const __grid_cons
     }
     const int64_t off = (u - b.first_unit[lo]) * kUnitBytes;
     const int64_t len = min(kUnitBytes, b.bytes[lo] - off);
-    const uint8_t* s = b.src[lo] + off;
     uint8_t* d = b.dst[lo] + off;
+    if (b.src[lo] == nullptr) {  // a zero fill
+      const uintptr_t a = reinterpret_cast<uintptr_t>(d);
+      if ((a & 15u) == 0) zero_words<uint4>(d, len);
+      else if ((a & 3u) == 0) zero_words<uint32_t>(d, len);
+      else zero_words<uint8_t>(d, len);
+      continue;
+    }
+    const uint8_t* s = b.src[lo] + off;
     const uintptr_t a = reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d);
     if ((a & 15u) == 0) copy_words<uint4>(s, d, len);
     else if ((a & 7u) == 0) copy_words<uint2>(s, d, len);
@@ -72,9 +89,9 @@ void copy_pieces(const std::vector<CopyPiece>& pieces, cudaStream_t stream) {
     b.units = 0;
   };
   for (const CopyPiece& p : pieces) {
-    FLOWMOE_CHECK(p.bytes >= 0 && (p.bytes == 0 || (p.src && p.dst)),
+    FLOWMOE_CHECK(p.bytes >= 0 && (p.bytes == 0 || p.dst),
                   "cuda::comm::copy_pieces: bad piece (" << p.bytes
-                                                         << " bytes); expected two device buffers");
+                                                         << " bytes); expected a destination buffer");
     if (p.bytes == 0) continue;
     if (b.n == kMaxPieces) launch();
     b.src[b.n] = static_cast<const uint8_t*>(p.src);

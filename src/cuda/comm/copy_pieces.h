@@ -15,7 +15,8 @@ namespace cuda {
 namespace comm {
 
 // Copies each piece (device pointers, any alignment and size; pieces must not overlap) on
-// `stream`. Asynchronous; the piece table travels as kernel parameters, so nothing needs to stay
+// `stream`; a piece with src == nullptr zero-fills its destination (the padding rows of a
+// dispatch). Asynchronous; the piece table travels as kernel parameters, so nothing needs to stay
 // valid after the call returns. Throws Error on a bad piece or a failed launch.
 void copy_pieces(const std::vector<CopyPiece>& pieces, cudaStream_t stream);
 

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/comm/copy_pieces.h"
 #include "cuda/common.cuh"
 #include "cuda/moe/kernels.cuh"
 #include "cuda/moe/moe_cuda.h"
@@ -415,6 +416,7 @@ class CudaMoeLayer final : public MoeLayer {
     gg_workspace_ = gg_->device_bytes();
     events_.resize(kEventPool);
     for (int i = 0; i < kEventPool; ++i) FLOWMOE_CUDA_CHECK(cudaEventCreate(&events_[i]));
+    if (comm_) FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_dx_, cudaEventDisableTiming));
     // flow / flow-fp4: the column copies for wgrad (scaling-aware transposes, FP4RowToFP8Col) run
     // on a side stream next to the GEMMs that do not need them (FLOWMOE_LAYER_OVERLAP=0: inline)
     const char* ov = std::getenv("FLOWMOE_LAYER_OVERLAP");
@@ -464,6 +466,8 @@ class CudaMoeLayer final : public MoeLayer {
     }
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     events_.clear();
+    if (ev_dx_) cudaEventDestroy(ev_dx_);
+    ev_dx_ = nullptr;
     for (void* p : allocs_) cudaFree(p);
     allocs_.clear();
     if (h_counts_) cudaFreeHost(h_counts_);
@@ -663,7 +667,8 @@ class CudaMoeLayer final : public MoeLayer {
       ec.align = cfg_.align;
       ec.format = forward_wire_format();
       ec.with_probs = true;
-      plan_ = plan_dispatch_counts(*comm_, ec, h_counts_, T_);
+      // the configuration was agreed on at construction (make_cuda_layer): one collective here
+      plan_ = plan_dispatch_counts(*comm_, ec, h_counts_, T_, /*config_agreed=*/true);
       Mp_ = plan_.padded_rows();
       FLOWMOE_CHECK(Mp_ <= R_, "MoeLayer::forward: " << Mp_ << " padded rows received; the "
                                    "workspaces hold max_rows() = " << R_ << " (a rank passed T > max_tokens?)");
@@ -724,9 +729,16 @@ class CudaMoeLayer final : public MoeLayer {
                      ep_send_p_, stream_);
       streams.push_back({ep_send_p_, prow_, int64_t(sizeof(float))});
     }
-    if (Mp_ > 0)
-      for (const RowStream& st : streams)
-        FLOWMOE_CUDA_CHECK(cudaMemsetAsync(st.recv, 0, size_t(Mp_ * st.row_bytes), stream_));
+    // the padding rows of every receive buffer are zero (the exchange writes every other row):
+    // one batched fill of El ranges per stream instead of a memset of the whole buffer
+    std::vector<CopyPiece> pad;
+    for (const RowStream& st : streams)
+      for (int l = 0; l < p.local_experts; ++l) {
+        const int64_t first = int64_t(p.padded_offsets[l]) + p.expert_counts[l], end = p.padded_offsets[l + 1];
+        if (end > first)
+          pad.push_back({nullptr, static_cast<uint8_t*>(st.recv) + first * st.row_bytes, (end - first) * st.row_bytes});
+      }
+    cuda::comm::copy_pieces(pad, stream_);
     ep_exchange([&] { dispatch_rows(*comm_, p, streams); });
     log_dispatch(pass, name, p);
   }
@@ -957,6 +969,7 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = bwd("GEMM1 dgrad (bf16)");
       gg_->dgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(dh_, Mp_ * 2 * F_), cs<bf16_t>(w1b_, int64_t(El_) * 2 * F_ * H_),
                       ms<bf16_t>(dxp, Mp_ * H_), stream_); }
+    ep_combine_dx_begin();
     if (g.dw1) { auto s = bwd("GEMM1 wgrad (bf16)");
       gg_->wgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(dh_, Mp_ * 2 * F_), cs<bf16_t>(xp_, Mp_ * H_),
                       dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
@@ -985,6 +998,7 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = bwd("GEMM1 dgrad (fp8)");
       const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
       gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
+    ep_combine_dx_begin();
     if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
       const Fp8Op dhc = col_operand(colA_, 2 * F_, col32A_);
       const Fp8Op xc = col_operand(xc_, H_, col32B_);
@@ -1042,6 +1056,7 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = bwd("GEMM1 dgrad (fp8)");
       gg_->dgrad(seg_, 2 * F_, H_, Fp8Op{cs<uint8_t>(dhr.codes, Mp_ * 2 * F_), cs<float>(dhr.scales, Mp_ * 2 * F_ / 128)},
                  w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
+    ep_combine_dx_begin();
     { auto s = bwd("DQ->T->Q x_perm"); naive_col(xn_, H_, colB_.codes, col32B_, "x_perm"); }
     if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
       gg_->wgrad(seg_, 2 * F_, H_, Fp8Op{cs<uint8_t>(colA_.codes, 2 * F_ * Mp_), cs<float>(col32A_, NB_ * 2 * F_)},
@@ -1100,6 +1115,7 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = bwd("GEMM1 dgrad (fp8)");
       const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
       gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
+    ep_combine_dx_begin();
     if (!fp4)
       log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose x_perm (wgrad copy)", 1, 1, Mp_ * H_);
     else
@@ -1111,6 +1127,17 @@ class CudaMoeLayer final : public MoeLayer {
       gg_->wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
   }
 
+  // EP: called by every recipe's backward right after GEMM1 dgrad wrote the dX rows (o_) and
+  // before GEMM1 wgrad: sums each row's dprob partials and marks the point (ev_dx_), so that
+  // backward_router can send the rows while the wgrad (enqueued meanwhile, and touching none of
+  // o_, ep_dprow_, ep_send_, ep_send_p_) runs on the GPU.
+  void ep_combine_dx_begin() {
+    if (!comm_) return;
+    ep_sum_row_dprobs(dpart_, F_ / 128, Mp_, ep_dprow_, stream_);
+    FLOWMOE_CUDA_CHECK(cudaEventRecord(ev_dx_, stream_));
+    dx_ready_marked_ = true;
+  }
+
   // ---- the common tail: dprobs, router backward, dx = unpermute(dXp) + router path --------------
   void backward_router(const MoeGrads& g, bf16_t* dx) {
     const RouterConfig rc = cfg_.router_config();
@@ -1120,12 +1147,16 @@ class CudaMoeLayer final : public MoeLayer {
       // combine: the dX rows (BF16) and each row's d loss / d prob (FP32, summed over the F/128
       // partial sums here, in gather_row_dprobs' order) go back to the token's rank in one
       // exchange, into send order; the slot sums then run there, in slot order, as on one GPU.
-      auto s = bwd("combine dX rows + dprob");
-      ep_sum_row_dprobs(dpart_, F_ / 128, Mp_, ep_dprow_, stream_);
+      // Waits (host) for the dX rows only, not for GEMM1 wgrad queued behind them: the exchange
+      // runs while the wgrad computes; the stage's events on stream_ show what stays exposed.
+      auto s = bwd("combine dX rows + dprob (exposed; overlaps GEMM1 wgrad)");
+      FLOWMOE_CHECK(dx_ready_marked_, "MoeLayer::backward: internal error: the recipe did not mark the dX rows");
+      dx_ready_marked_ = false;
+      FLOWMOE_CUDA_CHECK(cudaEventSynchronize(ev_dx_));
+      ++host_syncs_;
       bf16_t* back = reinterpret_cast<bf16_t*>(ep_send_);
-      ep_exchange([&] {
-        combine_rows(*comm_, plan_, {{o_, back, 2 * H_}, {ep_dprow_, ep_send_p_, int64_t(sizeof(float))}});
-      });
+      combine_rows(*comm_, plan_, {{o_, back, 2 * H_}, {ep_dprow_, ep_send_p_, int64_t(sizeof(float))}});
+      comm_->synchronize();
       log_combine(MoePass::kBackward, "combine dX rows + dprob", "bf16 + fp32 dprob",
                   2 * H_ + int64_t(sizeof(float)));
       rows = back;
@@ -1205,6 +1236,8 @@ class CudaMoeLayer final : public MoeLayer {
   bool overlap_ = false;
   cudaStream_t side_ = nullptr;
   cudaEvent_t side_events_[kSideEvents] = {};
+  cudaEvent_t ev_dx_ = nullptr;  // EP: the dX rows and their dprobs are ready (ep_combine_dx_begin)
+  bool dx_ready_marked_ = false;
   int ev_used_ = 0;
   std::vector<Stage> stages_fwd_, stages_bwd_;
 };
