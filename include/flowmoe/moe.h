@@ -146,6 +146,11 @@ struct MoeGrads {
   float* dw1 = nullptr;  // [El, 2F, H] fp32 += (the local experts; El = E on one rank)
   float* dw2 = nullptr;  // [El, H, F]  fp32 +=
   float* dwr = nullptr;  // [E, H]     fp32 += (with EP: this rank's tokens' contribution)
+  // true: the gradients are added to the buffers (accumulation over micro-batches into FP32 main
+  // gradients). false: the buffers receive this backward's gradients; their old contents are
+  // neither read nor needed (the expert wgrads skip reading 4 B per weight: 1.2 ms of 22 at
+  // DeepSeek-V3 EP8 sizes, docs/PERFORMANCE.md), e.g. the first micro-batch of a step.
+  bool accumulate = true;
 };
 
 // ---- accounting -----------------------------------------------------------------------------

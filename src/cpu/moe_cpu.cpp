@@ -896,12 +896,12 @@ class CpuMoeLayer final : public MoeLayer {
     permute_bf16(dy, dy2.data(), MoePass::kBackward, "dispatch dy");
     std::vector<bf16_t> da(Mp_ * F_);
     dgrad_bf16(dy2, w2b_, H_, F_, da.data());
-    if (g.dw2) cpu::grouped_wgrad_bf16_ref(dy2.data(), a_bf16_.data(), seg_, H_, F_, g.dw2, true);
+    if (g.dw2) cpu::grouped_wgrad_bf16_ref(dy2.data(), a_bf16_.data(), seg_, H_, F_, g.dw2, g.accumulate);
     std::vector<bf16_t> dh(Mp_ * 2 * F_);
     st->nonfinite += dswiglu_prob(da.data(), widen(h1_.data(), Mp_ * 2 * F_).data(), prow_.data(),
                                   Mp_, F_, dh.data(), dp);
     dgrad_bf16(dh, w1b_, 2 * F_, H_, dxp);
-    if (g.dw1) cpu::grouped_wgrad_bf16_ref(dh.data(), xp_.data(), seg_, 2 * F_, H_, g.dw1, true);
+    if (g.dw1) cpu::grouped_wgrad_bf16_ref(dh.data(), xp_.data(), seg_, 2 * F_, H_, g.dw1, g.accumulate);
   }
 
   void backward_blockwise(const bf16_t* dy, const MoeGrads& g, bf16_t* dxp, float* dp,
@@ -914,7 +914,7 @@ class CpuMoeLayer final : public MoeLayer {
     log.add(CastKind::kQuantize, "quantize dY (row + col, from BF16)", 2, Mp_ * H_);
     std::vector<bf16_t> da(Mp_ * F_);
     dgrad_fp8(dyr, w2t_, F_, da.data());
-    if (g.dw2) cpu::grouped_wgrad_ref(dyc, ac_, g.dw2, true);
+    if (g.dw2) cpu::grouped_wgrad_ref(dyc, ac_, g.dw2, g.accumulate);
     std::vector<bf16_t> dh(Mp_ * 2 * F_);
     st->nonfinite += dswiglu_prob(da.data(), widen(h1_.data(), Mp_ * 2 * F_).data(), prow_.data(),
                                   Mp_, F_, dh.data(), dp);
@@ -922,7 +922,7 @@ class CpuMoeLayer final : public MoeLayer {
     *st += cpu::quantize_both(dh.data(), Mp_, 2 * F_, seg_, &dhr, &dhc);
     log.add(CastKind::kQuantize, "quantize dh (row + col, from BF16)", 2, Mp_ * 2 * F_);
     dgrad_fp8(dhr, w1t_, H_, dxp);
-    if (g.dw1) cpu::grouped_wgrad_ref(dhc, xc_, g.dw1, true);
+    if (g.dw1) cpu::grouped_wgrad_ref(dhc, xc_, g.dw1, g.accumulate);
     if (cfg_.check_columns) {
       rep_.columns.push_back(compare_columns("GEMM2 grad dY", "quantize col from BF16",
                                              decode(dyr), decode(dyc), r_, H_, 0));
@@ -966,7 +966,7 @@ class CpuMoeLayer final : public MoeLayer {
     std::vector<bf16_t> da(Mp_ * F_);
     fprop_f32q(dyr, w2nt_, F_, da.data());  // dgrad: dY [Mp, H] x W2t [F, H]
     const F32Q acn = naive_col(&log, an_, "a'", st);
-    if (g.dw2) f32q_wgrad(dyc, acn, g.dw2, true);
+    if (g.dw2) f32q_wgrad(dyc, acn, g.dw2, g.accumulate);
     std::vector<bf16_t> dh(Mp_ * 2 * F_);
     st->nonfinite += dswiglu_prob(da.data(), widen(h1_.data(), Mp_ * 2 * F_).data(), prow_.data(),
                                   Mp_, F_, dh.data(), dp);
@@ -976,7 +976,7 @@ class CpuMoeLayer final : public MoeLayer {
     const F32Q dhc = naive_col(&log, dhr, "dh", st);
     fprop_f32q(dhr, w1nt_, H_, dxp);  // dgrad: dh [Mp, 2F] x W1t [H, 2F]
     const F32Q xpc = naive_col(&log, xn_, "x_perm", st);
-    if (g.dw1) f32q_wgrad(dhc, xpc, g.dw1, true);
+    if (g.dw1) f32q_wgrad(dhc, xpc, g.dw1, g.accumulate);
     if (cfg_.check_columns) {
       rep_.columns.push_back(compare_columns("GEMM1 input x_perm", "DQ->T->Q (FP32 scales)",
                                              f32q_decode(xn_), f32q_decode(xpc), r_, H_, 0));
@@ -1003,7 +1003,7 @@ class CpuMoeLayer final : public MoeLayer {
     log.add(CastKind::kConvert, "scaling-aware transpose dY (wgrad copy)", 1, Mp_ * H_);
     std::vector<bf16_t> da(Mp_ * F_);
     dgrad_fp8(dyr, w2t_, F_, da.data());
-    if (g.dw2) cpu::grouped_wgrad_ref(dyc, ac_, g.dw2, true);
+    if (g.dw2) cpu::grouped_wgrad_ref(dyc, ac_, g.dw2, g.accumulate);
     // fused dSwiGLU * prob + quantize: dh row-wise (GEMM1 dgrad) and column-wise (its wgrad),
     // both from the BF16 dh, with h decoded exactly from its saved FP8 copy
     std::vector<float> h(Mp_ * 2 * F_);
@@ -1027,7 +1027,7 @@ class CpuMoeLayer final : public MoeLayer {
       log.add(CastKind::kConvert, "FP4RowToFP8Col x_perm (wgrad copy)", 1, Mp_ * H_);
     }
     *st += tx;
-    if (g.dw1) cpu::grouped_wgrad_ref(dhc, xpc, g.dw1, true);
+    if (g.dw1) cpu::grouped_wgrad_ref(dhc, xpc, g.dw1, g.accumulate);
     if (cfg_.check_columns) {
       rep_.columns.push_back(compare_columns(
           "GEMM1 input x_perm", fp4 ? "FP4RowToFP8Col vs FP4RowToFP8Row" : "scaling-aware transpose",
@@ -1069,6 +1069,7 @@ class CpuMoeLayer final : public MoeLayer {
     cpu::router_backward(logits_.data(), T, rc, ids_.data(), dprobs.data(),
                          aux_coef_.empty() ? nullptr : aux_coef_.data(), 1.0f, dlogits.data());
     // dWr[e, h] += sum_t dlogits[t, e] * x[t, h]   (FP32, fma in t order)
+    if (g.dwr && !g.accumulate) std::fill(g.dwr, g.dwr + int64_t(E_) * H_, 0.0f);  // then 0 + sum
     if (g.dwr)
       for (int e = 0; e < E_; ++e)
         for (int64_t h = 0; h < H_; ++h) {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -517,6 +518,30 @@ TEST(MoeLayer, GradientsAccumulate) {
   for (size_t i = 0; i < dw1.size(); ++i) ASSERT_EQ(dw1[i], once1[i] + once1[i]);
   for (size_t i = 0; i < dw2.size(); ++i) ASSERT_EQ(dw2[i], once2[i] + once2[i]);
   for (size_t i = 0; i < dwr.size(); ++i) ASSERT_EQ(dwr[i], oncer[i] + oncer[i]);
+}
+
+// MoeGrads::accumulate = false writes this backward's gradients: NaN-filled buffers come out equal
+// to a backward accumulated into zeros, every recipe (a zero-token expert included: E 8, T 3).
+TEST(MoeLayer, OverwrittenGradientsIgnoreOldContents) {
+  for (Recipe r : flowmoe::all_recipes()) {
+    const MoeConfig cfg = make_cfg(128, 128, 8, 2, 16, r);
+    const Problem p = make_problem(cfg, 3, 47);
+    auto layer = flowmoe::make_cpu_layer(cfg);
+    layer->set_weights({p.w1.data(), p.w2.data(), p.wr.data(), nullptr});
+    std::vector<bf16_t> y(p.T * 128), dx(p.T * 128);
+    std::vector<float> a1(8 * 256 * 128, 0.0f), a2(8 * 128 * 128, 0.0f), ar(8 * 128, 0.0f);
+    layer->forward(p.x.data(), p.T, y.data());
+    layer->backward(p.dy.data(), dx.data(), {a1.data(), a2.data(), ar.data()});
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> o1(a1.size(), nan), o2(a2.size(), nan), orr(ar.size(), nan);
+    flowmoe::MoeGrads g{o1.data(), o2.data(), orr.data()};
+    g.accumulate = false;
+    layer->forward(p.x.data(), p.T, y.data());
+    layer->backward(p.dy.data(), dx.data(), g);
+    for (size_t i = 0; i < a1.size(); ++i) ASSERT_EQ(o1[i], a1[i]) << flowmoe::recipe_name(r) << " dW1[" << i << "]";
+    for (size_t i = 0; i < a2.size(); ++i) ASSERT_EQ(o2[i], a2[i]) << flowmoe::recipe_name(r) << " dW2[" << i << "]";
+    for (size_t i = 0; i < ar.size(); ++i) ASSERT_EQ(orr[i], ar[i]) << flowmoe::recipe_name(r) << " dWr[" << i << "]";
+  }
 }
 
 void expect_error(const MoeConfig& c, const std::string& needle) {

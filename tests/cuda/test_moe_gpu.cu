@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -317,6 +318,39 @@ TEST_P(MoeGpuRecipe, TwoRunsGiveIdenticalBits) {
     expect_same_bits(a.dw2, o->dw2, "dW2");
     expect_same_bits(a.dwr, o->dwr, "dWr");
   }
+}
+
+// MoeGrads::accumulate = false: the gradient buffers' old contents (NaN here) are never read, and
+// the result is the gradient accumulated into zeros (expert wgrads: cuBLASLt beta 0 against beta 1
+// over zeros, possibly another algorithm, so a tight tolerance; dWr: the same kernel after a
+// zero fill, so the same bits). A zero-token expert's dW must come out zero, not NaN.
+TEST_P(MoeGpuRecipe, OverwrittenGradientsIgnoreOldContents) {
+  REQUIRE_DEVICE();
+  const Shape& s = kShapes[1];
+  const Recipe r = GetParam();
+  Data d = make_data(s, s.tokens, 91);
+  std::fill(d.dw1.begin(), d.dw1.end(), 0.0f);
+  std::fill(d.dw2.begin(), d.dw2.end(), 0.0f);
+  std::fill(d.dwr.begin(), d.dwr.end(), 0.0f);
+  DevData dd(d);
+  std::unique_ptr<MoeLayer> l = make_cuda_layer(make_cfg(s, r), nullptr);
+  const Outputs acc = run_gpu(l.get(), s, d, dd, s.tokens);  // += into zeros
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  DBuf<float> dw1(std::vector<float>(d.dw1.size(), nan)), dw2(std::vector<float>(d.dw2.size(), nan)),
+      dwr(std::vector<float>(d.dwr.size(), nan));
+  DBuf<bf16_t> y(s.tokens * s.hidden), dx(s.tokens * s.hidden);
+  l->forward(dd.x.p, s.tokens, y.p);
+  MoeGrads g{dw1.p, dw2.p, dwr.p};
+  g.accumulate = false;
+  l->backward(dd.dy.p, dx.p, g);
+  const std::vector<float> o1 = dw1.get(), o2 = dw2.get(), orr = dwr.get();
+  auto wide = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+  for (const auto& pr : {std::make_pair(&o1, &acc.dw1), std::make_pair(&o2, &acc.dw2)}) {
+    ASSERT_TRUE(all_finite(wide(*pr.first))) << recipe_name(r) << ": an old NaN survived or leaked";
+    EXPECT_LT(rel_rms(wide(*pr.first), wide(*pr.second)), 1e-6) << recipe_name(r);
+  }
+  for (size_t i = 0; i < orr.size(); ++i) ASSERT_EQ(orr[i], acc.dwr[i]) << "dWr[" << i << "]";
+  EXPECT_EQ(dx.get(), acc.dx);
 }
 
 TEST_P(MoeGpuRecipe, SteadyStateAllocatesNothingAndSyncsOncePerForward) {

@@ -30,7 +30,7 @@ namespace {
 const char kBenchUsage[] =
     "usage: flowmoe bench [--config NAME[,NAME...]|all] [--tokens T] [--recipes R[,R...]]\n"
     "                     [--reps N] [--warmup N] [--align A] [--no-breakdown]\n"
-    "                     [--json FILE] [--baseline FILE]\n"
+    "                     [--grads accumulate|overwrite] [--json FILE] [--baseline FILE]\n"
     "\n"
     "Runs the MoE layer forward + backward on the GPU for every recipe in one run and prints,\n"
     "per recipe: time of forward, backward and both (medians of CUDA-event timings), tokens/s,\n"
@@ -52,6 +52,9 @@ const char kBenchUsage[] =
     "  --warmup N     untimed steps first (default 3)\n"
     "  --align A      expert segment alignment: 16, 32, 64 or 128 (default 128)\n"
     "  --no-breakdown skip the per-operator time table\n"
+    "  --grads G      accumulate (default: dW += into FP32 main gradients) or overwrite (dW =,\n"
+    "                 the old values never read: MoeGrads::accumulate = false; what the PyTorch\n"
+    "                 baseline does, which starts every step from grad = None)\n"
     "  --json FILE    also write the results as JSON\n"
     "  --baseline F   JSON written by `python3 bench/torch_moe_layer.py --json F`: adds the\n"
     "                 PyTorch layer's tokens/s and the ratio of each recipe to it\n"
@@ -325,6 +328,9 @@ int run_bench(const Args& args) {
   }
   if (recipes.empty()) throw UsageError("--recipes: no recipe given");
   const bool breakdown = !args.flag("no-breakdown");
+  const std::string grads = args.get("grads", "accumulate");
+  if (grads != "accumulate" && grads != "overwrite")
+    throw UsageError("--grads: '" + grads + "' is not one of accumulate|overwrite");
   std::vector<Baseline> baseline;
   if (args.has("baseline")) baseline = load_baseline(args.get("baseline"));
 
@@ -345,9 +351,10 @@ int run_bench(const Args& args) {
     return 1;
   }
   std::printf("# flowmoe bench: %s, %d SMs, %.0f GiB; T = %lld tokens/GPU, align %d, %d warm-up + %d timed "
-              "steps (medians)\n",
+              "steps (medians); gradients %s\n",
               prop.name, prop.multiProcessorCount, double(prop.totalGlobalMem) / double(1ull << 30),
-              static_cast<long long>(T), align, warmup, reps);
+              static_cast<long long>(T), align, warmup, reps,
+              grads == "accumulate" ? "accumulated (dW +=)" : "overwritten (dW =)");
 
   std::ostringstream json;
   json << "[";
@@ -382,6 +389,7 @@ int run_bench(const Args& args) {
     g.dw1 = dw1.p;
     g.dw2 = dw2.p;
     g.dwr = dwr.p;
+    g.accumulate = grads == "accumulate";
 
     std::vector<RecipeResult> results;
     for (Recipe rc : recipes) {
@@ -536,7 +544,7 @@ Command bench_command() {
   return {"bench", "MoE layer forward+backward on the GPU, every recipe (tokens/s, TFLOP/s, memory)",
           kBenchUsage,
           {{"config", true}, {"tokens", true}, {"recipes", true}, {"reps", true}, {"warmup", true},
-           {"align", true}, {"no-breakdown", false}, {"json", true}, {"baseline", true}},
+           {"align", true}, {"no-breakdown", false}, {"grads", true}, {"json", true}, {"baseline", true}},
           run_bench};
 }
 

@@ -199,6 +199,7 @@ class CudaMoeLayer final : public MoeLayer {
     stats_valid_ = false;
     stages_bwd_.clear();
     FLOWMOE_CUDA_CHECK(cudaMemsetAsync(status_ + kStatusBwd, 0, 2 * sizeof(DeviceStatus), stream_));
+    grads_accumulate_ = g.accumulate;
     switch (cfg_.recipe) {
       case Recipe::kBf16: backward_bf16(dy, g); break;
       case Recipe::kBlockwise: backward_blockwise(dy, g); break;
@@ -624,7 +625,10 @@ class CudaMoeLayer final : public MoeLayer {
     return Fp8Op{cs<uint8_t>(w2t_.codes, int64_t(El_) * H_ * F_),
                  cs<float>(w2t_.scales, gemm::weight_scale_f32_elems(El_, F_, H_))};
   }
-  gemm::WgradOut dw_out(float* p, int64_t n) const { return gemm::WgradOut::accumulate(p, n); }
+  // MoeGrads::accumulate: beta = 1 into the gradients, or beta = 0 (the old values never read)
+  gemm::WgradOut dw_out(float* p, int64_t n) const {
+    return grads_accumulate_ ? gemm::WgradOut::accumulate(p, n) : gemm::WgradOut::f32(p, n);
+  }
 
   // ---- routing (every recipe) ------------------------------------------------------------------
   void route(const bf16_t* x) {
@@ -1170,6 +1174,9 @@ class CudaMoeLayer final : public MoeLayer {
       router_backward(logits_, T_, rc, ids_, dprobs_, cfg_.aux_loss_alpha > 0.0f ? aux_coef_ : nullptr, 1.0f,
                       dlogits_, stream_); }
     if (g.dwr) { auto s = bwd("router dWr");
+      // overwrite: the kernel adds in a fixed order to what is there, so start from zeros (the
+      // CPU layer does the same: 0 + sum, so -0 sums give +0 in both)
+      if (!g.accumulate) FLOWMOE_CUDA_CHECK(cudaMemsetAsync(g.dwr, 0, sizeof(float) * size_t(E_) * H_, stream_));
       router_dwr(dlogits_, x_, T_, E_, H_, g.dwr, stream_); }
     { auto s = bwd("unpermute dx + router path");
       combine_dx(rows, map, T_, K_, dlogits_, wr_, E_, H_, dx, stream_); }
@@ -1236,6 +1243,7 @@ class CudaMoeLayer final : public MoeLayer {
   bool overlap_ = false;
   cudaStream_t side_ = nullptr;
   cudaEvent_t side_events_[kSideEvents] = {};
+  bool grads_accumulate_ = true;  // MoeGrads::accumulate of the backward running
   cudaEvent_t ev_dx_ = nullptr;  // EP: the dX rows and their dprobs are ready (ep_combine_dx_begin)
   bool dx_ready_marked_ = false;
   int ev_used_ = 0;
