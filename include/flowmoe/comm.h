@@ -331,6 +331,11 @@ struct DispatchPlan {
   std::vector<int32_t> padded_offsets;   // [El + 1]: Σ round_up(expert_counts, A)
   std::vector<int32_t> recv_offsets;     // [world * El]: first padded row of chunk (p, l)
 
+  // Deduplicated dispatch (the CUDA layer's, FLOWMOE_EP_DEDUP): tokens this rank sends to each
+  // rank (a token once per rank however many of its experts live there) and receives from each;
+  // [world], all zero when the caller passed no token counts.
+  std::vector<int32_t> send_tokens, recv_tokens;
+
   int64_t send_rows() const { return send_offsets.empty() ? 0 : send_offsets.back(); }
   int64_t recv_rows() const;     // routed rows received (Σ expert_counts)
   int64_t padded_rows() const { return padded_offsets.empty() ? 0 : padded_offsets.back(); }
@@ -356,7 +361,8 @@ DispatchPlan plan_dispatch(Communicator& comm, const EpConfig& cfg, const int32_
 // costs one collective (the counts and the ranks' local errors travel together).
 DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
                                   const int32_t* send_counts, int64_t tokens,
-                                  bool config_agreed = false);
+                                  bool config_agreed = false,
+                                  const int32_t* send_tokens = nullptr);  // [world] or null
 
 // One row stream moved by the plan: row i of the send order (row_bytes each, send rows) to its
 // padded row on the receiving rank. Forward direction (dispatch) or reverse (combine: padded rows

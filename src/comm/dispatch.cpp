@@ -78,13 +78,15 @@ std::string DispatchPlan::describe() const {
 
 namespace {
 DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
-                             int64_t tokens, const std::string& local_error);
+                             int64_t tokens, const std::string& local_error,
+                             const int32_t* send_tokens = nullptr);
 DispatchPlan exchange_layouts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
                               int64_t tokens, const std::vector<int32_t>& msgs);
 }  // namespace
 
 DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
-                                  const int32_t* send_counts, int64_t tokens, bool config_agreed) {
+                                  const int32_t* send_counts, int64_t tokens, bool config_agreed,
+                                  const int32_t* send_tokens) {
   const int world = comm.world_size();
   // The configuration first: with a different E (so a different El) the count exchange itself
   // would not match, and NCCL cannot detect a size mismatch of a send/recv pair.
@@ -112,7 +114,7 @@ DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
   } catch (const Error& e) {
     local_error = e.what();
   }
-  return exchange_counts(comm, cfg, send_counts, tokens, local_error);
+  return exchange_counts(comm, cfg, send_counts, tokens, local_error, send_tokens);
 }
 
 namespace {
@@ -121,16 +123,20 @@ namespace {
 // counts], flag 1 (counts 0) from a rank whose own checks failed; that rank throws its own error,
 // every other rank a CommError naming it (as agree_on_local_errors, without a second collective).
 DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
-                             int64_t tokens, const std::string& local_error) {
+                             int64_t tokens, const std::string& local_error,
+                             const int32_t* send_tokens) {
   const int world = comm.world_size();
   {
-    const int el = std::max(1, cfg.num_experts / std::max(1, world)), m = el + 1;
+    // per peer: [flag, El counts, tokens to that peer (deduplicated dispatch; 0 when not given)]
+    const int el = std::max(1, cfg.num_experts / std::max(1, world)), m = el + 2;
     std::vector<int32_t> out(static_cast<size_t>(world) * m, 0), in(out.size(), 0);
     for (int p = 0; p < world; ++p) {
       out[static_cast<size_t>(p) * m] = local_error.empty() ? 0 : 1;
-      if (local_error.empty())
+      if (local_error.empty()) {
         std::copy(send_counts + static_cast<size_t>(p) * el, send_counts + static_cast<size_t>(p + 1) * el,
                   out.begin() + static_cast<size_t>(p) * m + 1);
+        out[static_cast<size_t>(p) * m + 1 + el] = send_tokens ? send_tokens[p] : 0;
+      }
     }
     comm.alltoall_i32(out.data(), in.data(), m);
     if (!local_error.empty()) throw Error(__FILE__, __LINE__, local_error);
@@ -140,7 +146,14 @@ DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int3
                         "plan_dispatch: rank " + std::to_string(p) +
                             " rejected its input (its own error message says why); rank " +
                             std::to_string(comm.rank()) + " stops too");
-    return exchange_layouts(comm, cfg, send_counts, tokens, in);
+    DispatchPlan plan = exchange_layouts(comm, cfg, send_counts, tokens, in);
+    plan.send_tokens.assign(world, 0);
+    plan.recv_tokens.assign(world, 0);
+    for (int p = 0; p < world; ++p) {
+      plan.send_tokens[p] = send_tokens ? send_tokens[p] : 0;
+      plan.recv_tokens[p] = in[static_cast<size_t>(p) * m + 1 + el];
+    }
+    return plan;
   }
 }
 
@@ -168,7 +181,7 @@ DispatchPlan exchange_layouts(Communicator& comm, const EpConfig& cfg, const int
   plan.recv_counts.assign(n, 0);
   for (int p = 0; p < world; ++p)
     for (int l = 0; l < El; ++l)
-      plan.recv_counts[p * El + l] = msgs[static_cast<size_t>(p) * (El + 1) + 1 + l];
+      plan.recv_counts[p * El + l] = msgs[static_cast<size_t>(p) * (El + 2) + 1 + l];
 
   plan.expert_counts.assign(El, 0);
   for (int p = 0; p < world; ++p)

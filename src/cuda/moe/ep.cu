@@ -73,7 +73,49 @@ __global__ void sum_row_dprobs_kernel(const float* __restrict__ part, int64_t ti
   }
 }
 
+__global__ void peer_ids_kernel(const int32_t* __restrict__ ids, int64_t t, int topk, int el,
+                                int32_t* __restrict__ peers) {
+  for (int64_t tok = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; tok < t;
+       tok += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t* in = ids + tok * topk;
+    for (int s = 0; s < topk; ++s) {
+      const int32_t id = in[s];
+      int32_t p = id >= 0 ? id / el : -1;
+      for (int s2 = 0; s2 < s && p >= 0; ++s2)
+        if (in[s2] >= 0 && in[s2] / el == p) p = -1;
+      peers[tok * topk + s] = p;
+    }
+  }
+}
+
+__global__ void local_ids_kernel(const int32_t* __restrict__ ids, int64_t n, int el, int rank,
+                                 int32_t* __restrict__ local) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t id = ids[i];
+    local[i] = (id >= 0 && id / el == rank) ? id - rank * el : -1;
+  }
+}
+
 }  // namespace
+
+void ep_peer_ids(const int32_t* ids, int64_t t, int topk, int el, int32_t* peers, cudaStream_t stream) {
+  FLOWMOE_CHECK(t >= 0 && topk >= 1 && el >= 1, "moe::ep_peer_ids: T " << t << ", k " << topk << ", El " << el);
+  if (t == 0) return;
+  FLOWMOE_CHECK(ids && peers, "moe::ep_peer_ids: null buffer");
+  peer_ids_kernel<<<grid_1d(t, kThreads), kThreads, 0, stream>>>(ids, t, topk, el, peers);
+  FLOWMOE_LAUNCH_CHECK("moe::peer_ids_kernel");
+}
+
+void ep_local_ids(const int32_t* ids, int64_t n, int topk, int el, int rank, int32_t* local,
+                  cudaStream_t stream) {
+  FLOWMOE_CHECK(n >= 0 && topk >= 1 && el >= 1 && rank >= 0,
+                "moe::ep_local_ids: n " << n << ", k " << topk << ", El " << el << ", rank " << rank);
+  if (n == 0) return;
+  FLOWMOE_CHECK(ids && local, "moe::ep_local_ids: null buffer");
+  local_ids_kernel<<<grid_1d(n * topk, kThreads), kThreads, 0, stream>>>(ids, n * topk, el, rank, local);
+  FLOWMOE_LAUNCH_CHECK("moe::local_ids_kernel");
+}
 
 void ep_gather_rows(const void* in, int64_t row_bytes, bool per_slot, const int32_t* row_map,
                     int64_t t, int topk, void* out, cudaStream_t stream) {

@@ -96,6 +96,15 @@ void ep_transpose_scales(const void* in, int64_t m, int64_t nc, int elem_bytes, 
 // dp[r] = part[0][r] + part[1][r] + ... + part[tiles-1][r] (FP32, in that order: the order of
 // gather_row_dprobs) for r < m: each padded row's d loss / d prob, sent back with the dX rows.
 void ep_sum_row_dprobs(const float* part, int64_t tiles, int64_t m, float* dp, cudaStream_t stream);
+// Deduplicated dispatch (each token once per destination rank): ids [T, k] global expert ids ->
+// peers [T, k]: the rank of slot s's expert (id / el) where no earlier slot of the token has that
+// rank, else -1 (and -1 for dropped slots). build_routing over these with E = ranks, align 1,
+// gives each rank's tokens in token order and the counts per rank.
+void ep_peer_ids(const int32_t* ids, int64_t t, int topk, int el, int32_t* peers, cudaStream_t stream);
+// ids [n, k] global expert ids of received tokens -> local ids (id - rank * el for this rank's
+// experts, -1 otherwise): build_routing over them gives the padded layout of the plan.
+void ep_local_ids(const int32_t* ids, int64_t n, int topk, int el, int rank, int32_t* local,
+                  cudaStream_t stream);
 
 }  // namespace moe
 }  // namespace cuda

@@ -44,6 +44,14 @@ namespace cuda {
 namespace moe {
 namespace {
 
+// FLOWMOE_EP_DEDUP=0 turns the deduplicated dispatch off (every (token, expert) row travels, as
+// the CPU layer's reference exchange); anything else or unset: on. Read once per layer; part of
+// the configuration every rank must agree on (make_cuda_layer checks it).
+bool ep_dedup_from_env() {
+  const char* v = std::getenv("FLOWMOE_EP_DEDUP");
+  return !(v && std::string(v) == "0");
+}
+
 constexpr int kStatusFwd = 0, kStatusFwdAux = 1, kStatusBwd = 2, kStatusBwdAux = 3;
 constexpr int kEventPool = 256;
 
@@ -263,6 +271,7 @@ class CudaMoeLayer final : public MoeLayer {
 
   void allocate() {
     const int64_t R = R_, Tm = Tm_, H = H_, F = F_, E = E_, El = El_, K = K_, MB = MB_;
+    dedup_ = comm_ != nullptr && cfg_.recipe != Recipe::kFp8Naive && ep_dedup_from_env();
     const int64_t maxC = std::max(H, 2 * F);
     const Recipe rc = cfg_.recipe;
     const bool pow2 = rc == Recipe::kBlockwise || rc == Recipe::kFlow || rc == Recipe::kFlowFp4;
@@ -318,6 +327,43 @@ class CudaMoeLayer final : public MoeLayer {
       ep_send_p_ = dalloc<float>(Tm * K);
       ep_recv_sc_ = dalloc<uint8_t>(R * 4 * nc);
       ep_dprow_ = dalloc<float>(R);
+      if (dedup_) {
+        // Deduplicated dispatch: a token goes once to each rank holding one of its experts. Send
+        // side: peer ids [Tm, k] and their routing over the W ranks (token order per rank); the
+        // token rows go through ep_send_ / ep_send_sc_ (at most min(W, k) * Tm rows), the ids and
+        // probs rows (k each) through dd_send_ids_ / dd_send_p_. Receive side: at most W * Tm
+        // tokens: codes, row-major scales, their column relayout, ids, probs, and the routing of
+        // the received tokens over the El local experts (it reproduces the plan's padded layout).
+        const int W = comm_->world_size();
+        const int64_t Wt = int64_t(W) * Tm;
+        dd_peer_ids_ = dalloc<int32_t>(Tm * K);
+        prt_.topk = K_;
+        prt_.num_experts = W;
+        prt_.align = 1;
+        prt_.counts = dalloc<int32_t>(W);
+        prt_.offsets = dalloc<int32_t>(W + 1);
+        prt_.padded_offsets = dalloc<int32_t>(W + 1);
+        prt_.row_map = dalloc<int32_t>(Tm * K);
+        prt_.workspace = dalloc<uint8_t>(int64_t(routing_workspace_bytes(Tm, K_, W)));
+        FLOWMOE_CUDA_CHECK(cudaMallocHost(&h_tok_, sizeof(int32_t) * W));
+        dd_send_ids_ = dalloc<int32_t>(Tm * K * K);
+        dd_send_p_ = dalloc<float>(Tm * K * K);
+        dd_recv_ = dalloc<uint8_t>(Wt * 2 * H);
+        dd_recv_sc_ = dalloc<uint8_t>(Wt * (H / 32));  // FP8: H/128 bytes per row; MXFP4: H/32
+        dd_recv_scc_ = dalloc<uint8_t>(Wt * nc);
+        dd_recv_ids_ = dalloc<int32_t>(Wt * K);
+        dd_recv_p_ = dalloc<float>(Wt * K);
+        dd_local_ids_ = dalloc<int32_t>(Wt * K);
+        rrt_.topk = K_;
+        rrt_.num_experts = El_;
+        rrt_.align = cfg_.align;
+        rrt_.counts = dalloc<int32_t>(El_);
+        rrt_.offsets = dalloc<int32_t>(El_ + 1);
+        rrt_.padded_offsets = dalloc<int32_t>(El_ + 1);
+        rrt_.row_map = dalloc<int32_t>(Wt * K);
+        rrt_.row_src = dalloc<int32_t>(routing_max_rows(Wt, K_, El_, cfg_.align));
+        rrt_.workspace = dalloc<uint8_t>(int64_t(routing_workspace_bytes(Wt, K_, El_)));
+      }
     }
 
     // weights
@@ -476,6 +522,8 @@ class CudaMoeLayer final : public MoeLayer {
     if (h_loss_) cudaFreeHost(h_loss_);
     if (h_loff_) cudaFreeHost(h_loff_);
     h_loff_ = nullptr;
+    if (h_tok_) cudaFreeHost(h_tok_);
+    h_tok_ = nullptr;
     h_counts_ = nullptr;
     h_status_ = nullptr;
     h_loss_ = nullptr;
@@ -645,6 +693,17 @@ class CudaMoeLayer final : public MoeLayer {
       auto s = fwd("routing tables + count fetch (host sync)");
       routing_.tokens = T_;
       build_routing(ids_, routing_, st_fwd_aux(), stream_);
+      if (dedup_) {  // tokens per destination rank, fetched by the same host sync
+        prt_.tokens = T_;
+        if (T_ > 0) {
+          ep_peer_ids(ids_, T_, K_, El_, dd_peer_ids_, stream_);
+          build_routing(dd_peer_ids_, prt_, nullptr, stream_);
+          FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(h_tok_, prt_.counts, sizeof(int32_t) * comm_->world_size(),
+                                             cudaMemcpyDeviceToHost, stream_));
+        } else {
+          std::fill(h_tok_, h_tok_ + comm_->world_size(), 0);
+        }
+      }
       Mp_ = fetch_routing_counts(routing_, h_counts_, stream_);
       ++host_syncs_;
     }
@@ -672,7 +731,8 @@ class CudaMoeLayer final : public MoeLayer {
       ec.format = forward_wire_format();
       ec.with_probs = true;
       // the configuration was agreed on at construction (make_cuda_layer): one collective here
-      plan_ = plan_dispatch_counts(*comm_, ec, h_counts_, T_, /*config_agreed=*/true);
+      plan_ = plan_dispatch_counts(*comm_, ec, h_counts_, T_, /*config_agreed=*/true,
+                                   dedup_ ? h_tok_ : nullptr);
       Mp_ = plan_.padded_rows();
       FLOWMOE_CHECK(Mp_ <= R_, "MoeLayer::forward: " << Mp_ << " padded rows received; the "
                                    "workspaces hold max_rows() = " << R_ << " (a rank passed T > max_tokens?)");
@@ -747,10 +807,77 @@ class CudaMoeLayer final : public MoeLayer {
     log_dispatch(pass, name, p);
   }
 
+  // Deduplicated dispatch (dedup_): each token travels once to each rank holding one of its
+  // experts (prt_.row_map gives its row among the rows to that rank, token order per rank); the
+  // forward adds its k expert ids and probabilities. The receiver routes the received tokens over
+  // its El experts (rrt_: rank 0's tokens first, each rank's in token order, so the padded layout
+  // is the plan's, row for row) and then runs the one-GPU permute+pad kernels on them: the bits of
+  // the per-(token, expert) exchange, with at most min(W, k) rows per token on the wire instead
+  // of k. `streams`: the token rows already gathered by prt_.row_map (send) and the dd_* receive
+  // buffers, rank-major. One message per peer and stream; own rows by a local copy.
+  void dd_exchange(MoePass pass, const char* name, const std::string& format, std::vector<RowStream> streams) {
+    const bool fwd = pass == MoePass::kForward;
+    const int W = comm_->world_size(), me = comm_->rank();
+    if (fwd) {
+      ep_gather_rows(ids_, int64_t(sizeof(int32_t)) * K_, false, prt_.row_map, T_, K_, dd_send_ids_, stream_);
+      ep_gather_rows(probs_, int64_t(sizeof(float)) * K_, false, prt_.row_map, T_, K_, dd_send_p_, stream_);
+      streams.push_back({dd_send_ids_, dd_recv_ids_, int64_t(sizeof(int32_t)) * K_});
+      streams.push_back({dd_send_p_, dd_recv_p_, int64_t(sizeof(float)) * K_});
+    }
+    std::vector<int64_t> so(W + 1, 0), ro(W + 1, 0);
+    for (int p = 0; p < W; ++p) {
+      so[p + 1] = so[p] + plan_.send_tokens[p];
+      ro[p + 1] = ro[p] + plan_.recv_tokens[p];
+    }
+    FLOWMOE_CHECK(ro[W] <= int64_t(W) * Tm_, "MoeLayer: " << ro[W] << " tokens received; expected at most "
+                                                          << int64_t(W) * Tm_);
+    std::vector<P2pOp> sends, recvs;
+    std::vector<CopyPiece> own;
+    int64_t row_bytes = 0;
+    for (const RowStream& st : streams) row_bytes += st.row_bytes;
+    for (int p = 0; p < W; ++p)
+      for (const RowStream& st : streams) {
+        uint8_t* src = const_cast<uint8_t*>(static_cast<const uint8_t*>(st.send)) + so[p] * st.row_bytes;
+        uint8_t* dst = static_cast<uint8_t*>(st.recv) + ro[p] * st.row_bytes;
+        const int64_t ns = (so[p + 1] - so[p]) * st.row_bytes, nr = (ro[p + 1] - ro[p]) * st.row_bytes;
+        if (p == me) {
+          if (ns > 0) own.push_back({src, dst, ns});
+          continue;
+        }
+        if (ns > 0) sends.push_back({p, src, ns});
+        if (nr > 0) recvs.push_back({p, dst, nr});
+      }
+    cuda::comm::copy_pieces(own, stream_);
+    ep_exchange([&] { comm_->exchange(sends, recvs); });
+    if (fwd) {
+      dd_recv_tokens_ = ro[W];
+      rrt_.tokens = dd_recv_tokens_;
+      if (rrt_.tokens > 0) {
+        ep_local_ids(dd_recv_ids_, rrt_.tokens, K_, El_, me, dd_local_ids_, stream_);
+        build_routing(dd_local_ids_, rrt_, nullptr, stream_);
+        scatter_row_probs(dd_recv_p_, rrt_.row_map, rrt_.tokens, K_, prow_, stream_);
+      }
+    }
+    WireTransfer w;
+    w.pass = pass;
+    w.name = name;
+    w.format = format + (fwd ? " + k ids + k probs" : "") + " (deduplicated: one row per token and rank)";
+    for (int p = 0; p < W; ++p)
+      if (p != me) w.rows += so[p + 1] - so[p];
+    w.bytes = w.rows * row_bytes;
+    rep_.wire.push_back(w);
+  }
+
   // token rows [T, H] bf16 -> padded rows [Mp, H] bf16 of the local experts
   void move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name) {
     if (comm_ == nullptr) {
       permute_pad_bf16(tok, H_, routing_, rows, stream_);
+      return;
+    }
+    if (dedup_) {
+      ep_gather_rows(tok, 2 * H_, false, prt_.row_map, T_, K_, ep_send_, stream_);
+      dd_exchange(pass, name, "bf16", {{ep_send_, dd_recv_, 2 * H_}});
+      permute_pad_bf16(reinterpret_cast<const bf16_t*>(dd_recv_), H_, rrt_, rows, stream_);
       return;
     }
     ep_gather_rows(tok, 2 * H_, false, routing_.row_map_unpadded, T_, K_, ep_send_, stream_);
@@ -766,6 +893,15 @@ class CudaMoeLayer final : public MoeLayer {
       return;
     }
     const int64_t nc = H_ / 128;
+    if (dedup_) {
+      ep_gather_rows(codes, H_, false, prt_.row_map, T_, K_, ep_send_, stream_);
+      ep_gather_col_scales(scales, nc, 1, prt_.row_map, T_, K_, ep_send_sc_, stream_);
+      dd_exchange(pass, name, "fp8 + ue8m0 1x128 scales", {{ep_send_, dd_recv_, H_}, {ep_send_sc_, dd_recv_sc_, nc}});
+      ep_transpose_scales(dd_recv_sc_, dd_recv_tokens_, nc, 1, dd_recv_scc_, std::max<int64_t>(dd_recv_tokens_, 1),
+                          stream_);
+      permute_pad_fp8(dd_recv_, dd_recv_scc_, H_, rrt_, out_codes, out_scales, std::max<int64_t>(Mp_, 1), stream_);
+      return;
+    }
     ep_gather_rows(codes, H_, false, routing_.row_map_unpadded, T_, K_, ep_send_, stream_);
     ep_gather_col_scales(scales, nc, 1, routing_.row_map_unpadded, T_, K_, ep_send_sc_, stream_);
     ep_dispatch(pass, name, WireFormat::kFp8, {{ep_send_, out_codes, H_}, {ep_send_sc_, ep_recv_sc_, nc}});
@@ -776,6 +912,14 @@ class CudaMoeLayer final : public MoeLayer {
   void move_mxfp4() {
     if (comm_ == nullptr) {
       permute_pad_mxfp4(ent4c_, ent4s_, H_, routing_, x4c_, x4s_, stream_);
+      return;
+    }
+    if (dedup_) {
+      ep_gather_rows(ent4c_, H_ / 2, false, prt_.row_map, T_, K_, ep_send_, stream_);
+      ep_gather_rows(ent4s_, H_ / 32, false, prt_.row_map, T_, K_, ep_send_sc_, stream_);
+      dd_exchange(MoePass::kForward, "dispatch x", "mxfp4 + ue8m0 1x32 scales",
+                  {{ep_send_, dd_recv_, H_ / 2}, {ep_send_sc_, dd_recv_sc_, H_ / 32}});
+      permute_pad_mxfp4(dd_recv_, dd_recv_sc_, H_, rrt_, x4c_, x4s_, stream_);
       return;
     }
     ep_gather_rows(ent4c_, H_ / 2, false, routing_.row_map_unpadded, T_, K_, ep_send_, stream_);
@@ -1244,6 +1388,21 @@ class CudaMoeLayer final : public MoeLayer {
   cudaStream_t side_ = nullptr;
   cudaEvent_t side_events_[kSideEvents] = {};
   bool grads_accumulate_ = true;  // MoeGrads::accumulate of the backward running
+  // deduplicated EP dispatch (FLOWMOE_EP_DEDUP, default on; not for fp8-naive): see dd_dispatch
+  bool dedup_ = false;
+  int32_t* h_tok_ = nullptr;      // [W] tokens to each rank (pinned)
+  int32_t* dd_peer_ids_ = nullptr;
+  Routing prt_;                   // this rank's tokens over the W ranks
+  Routing rrt_;                   // received tokens over the El local experts
+  int32_t* dd_send_ids_ = nullptr;
+  float* dd_send_p_ = nullptr;
+  uint8_t* dd_recv_ = nullptr;
+  uint8_t* dd_recv_sc_ = nullptr;
+  uint8_t* dd_recv_scc_ = nullptr;
+  int32_t* dd_recv_ids_ = nullptr;
+  float* dd_recv_p_ = nullptr;
+  int32_t* dd_local_ids_ = nullptr;
+  int64_t dd_recv_tokens_ = 0;    // tokens received by the last forward's dispatch
   cudaEvent_t ev_dx_ = nullptr;  // EP: the dX rows and their dprobs are ready (ep_combine_dx_begin)
   bool dx_ready_marked_ = false;
   int ev_used_ = 0;
@@ -1295,12 +1454,13 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                       "router_renormalize", "router_scale (fp32 bits)",
                       "aux_loss_alpha (fp32 bits)", "align",
                       "recipe (0 bf16, 1 blockwise, 2 fp8-naive, 3 flow, 4 flow-fp4)",
-                      "max_tokens", "transpose_exponent (0 row max, 1 column amax)"},
+                      "max_tokens", "transpose_exponent (0 row max, 1 column amax)",
+                      "deduplicated dispatch (FLOWMOE_EP_DEDUP)"},
                      {cfg.hidden, cfg.ffn, cfg.num_experts, cfg.topk,
                       static_cast<int64_t>(cfg.router), cfg.router_renormalize ? 1 : 0,
                       bits(cfg.router_scale), bits(cfg.aux_loss_alpha), cfg.align,
                       static_cast<int64_t>(cfg.recipe), cfg.max_tokens,
-                      static_cast<int64_t>(cfg.transpose_exponent)});
+                      static_cast<int64_t>(cfg.transpose_exponent), cuda::moe::ep_dedup_from_env() ? 1 : 0});
   std::unique_ptr<MoeLayer> layer;
   std::exception_ptr mine;
   std::string msg;
