@@ -83,14 +83,17 @@ class Communicator {
   virtual void exchange(const std::vector<P2pOp>& sends, const std::vector<P2pOp>& recvs) = 0;
 
   // ---- local helpers of a staged exchange (not collective) ---------------------------------------
-  // Copies every piece (buffers in memory_space(); pieces must not overlap), ordered with
+  // Copies every piece (buffers in memory_space(), both non-null; pieces must not overlap; the
+  // CUDA backend's internal copy_pieces also zero-fills pieces without a source), ordered with
   // exchange(): after everything issued before, before everything issued after. NCCL: one batched
   // copy kernel on the communicator's stream; sim: memcpy (host) or the rank's copy stream
   // (device), complete on return.
   virtual void copy_local(const std::vector<CopyPiece>& pieces) = 0;
   // A buffer of at least `bytes` bytes in memory_space(), owned by the communicator, valid until
-  // the next scratch() call (which may grow it: NCCL waits for its stream before freeing). No
-  // allocation while the size asked for does not grow. bytes 0: may return null.
+  // the next scratch() call (which may grow it: NCCL waits for its stream, bounded by the
+  // timeout, before freeing, and grows by at least a quarter). Not counted by the layer's
+  // allocated_bytes(); the CUDA layer grows it after each forward's plan to what its combines
+  // stage (up to the padded rows x (2H + 4) bytes). bytes 0: may return null.
   virtual void* scratch(int64_t bytes) = 0;
 
   virtual void barrier() = 0;
@@ -388,6 +391,13 @@ void dispatch_rows(Communicator& comm, const DispatchPlan& plan,
 // stream.recv the send-order buffer [send_rows, row_bytes]. Padding rows are not sent.
 void combine_rows(Communicator& comm, const DispatchPlan& plan,
                   const std::vector<RowStream>& streams, int64_t direct_bytes = -1);
+// combine_rows for the rows of local experts [expert_begin, expert_end) only (collective: every
+// rank passes the same range; other experts' rows are neither sent nor received). Lets a caller
+// send the first experts' rows back while the later experts still compute; a sequence of calls
+// covering every expert moves exactly what one combine_rows moves.
+void combine_rows_experts(Communicator& comm, const DispatchPlan& plan,
+                          const std::vector<RowStream>& streams, int expert_begin, int expert_end,
+                          int64_t direct_bytes = -1);
 // The default of direct_bytes: FLOWMOE_EP_DIRECT_BYTES when set (a byte count; 0 = every chunk
 // its own message, nothing staged), else kEpDirectBytes: every group staged, one message per peer
 // and stream. Measured on two H200s (NVLink, docs/PERFORMANCE.md): against one message per chunk,

@@ -239,8 +239,10 @@ class GroupedGemm {
 
   // FP8 block-scaled (sm_90). Sizes (elements): x.codes M*K, x.scales M*K/128 (expert-packed),
   // w.codes E*N*K, w.scales weight_scale_f32_elems(E, N, K), y M*N.
+  // experts [e_begin, e_end) only (e_end < 0: to the last), e.g. the expert-parallel layer's
+  // GEMM2 in chunks whose rows travel while the next chunk computes; the others are untouched.
   void fprop(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& x, const Fp8Operand& w,
-             Span<bf16_t> y, cudaStream_t stream);
+             Span<bf16_t> y, cudaStream_t stream, int e_begin = 0, int e_end = -1);
   // dy.codes M*N, dy.scales M*N/128 (expert-packed), wt.codes E*K*N (Wt_e [K, N]),
   // wt.scales weight_scale_f32_elems(E, K, N), dx M*K.
   void dgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& dy,
@@ -252,7 +254,8 @@ class GroupedGemm {
 
   // BF16 baseline (FP32 accumulation): x [M, K], w [E][N][K], y [M, N]; dgrad uses W itself.
   void fprop_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> x,
-                  Span<const bf16_t> w, Span<bf16_t> y, cudaStream_t stream);
+                  Span<const bf16_t> w, Span<bf16_t> y, cudaStream_t stream, int e_begin = 0,
+                  int e_end = -1);
   void dgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
                   Span<const bf16_t> w, Span<bf16_t> dx, cudaStream_t stream);
   void wgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,

@@ -273,7 +273,7 @@ constexpr int64_t kStageAlign = 256;
 // reverse (combine): send side = padded rows, recv side = send-order rows.
 // stage == nullptr: only counts the staging bytes (returned).
 int64_t build_ops(const DispatchPlan& plan, const std::vector<RowStream>& streams, bool forward,
-                  int64_t direct, uint8_t* stage, ExchangeOps* ops) {
+                  int64_t direct, uint8_t* stage, ExchangeOps* ops, int l_begin, int l_end) {
   const int El = plan.local_experts;
   int64_t staged = 0;
   auto region = [&](int64_t bytes) {
@@ -291,8 +291,10 @@ int64_t build_ops(const DispatchPlan& plan, const std::vector<RowStream>& stream
       for (int l = 0; l < El; ++l) {
         // this rank's send-order rows for global expert (p, l), and rank p's rows for local
         // expert l here (padded rows)
-        const int64_t so = plan.send_offsets[p * El + l], sn = plan.send_counts[p * El + l];
-        const int64_t po = plan.recv_offsets[p * El + l], pn = plan.recv_counts[p * El + l];
+        // chunks of local experts outside [l_begin, l_end) are left out (as if empty)
+        const bool in_range = l >= l_begin && l < l_end;
+        const int64_t so = plan.send_offsets[p * El + l], sn = in_range ? plan.send_counts[p * El + l] : 0;
+        const int64_t po = plan.recv_offsets[p * El + l], pn = in_range ? plan.recv_counts[p * El + l] : 0;
         if (forward) {
           out_bytes[l] = sn * s.row_bytes;
           out_ptr[l] = src ? src + so * s.row_bytes : nullptr;
@@ -361,16 +363,20 @@ void check_streams(const std::vector<RowStream>& streams, const DispatchPlan& pl
 }
 
 void move_rows(Communicator& comm, const DispatchPlan& plan, const std::vector<RowStream>& streams,
-               bool forward, int64_t direct_bytes, const char* what) {
+               bool forward, int64_t direct_bytes, const char* what, int l_begin = 0, int l_end = -1) {
   check_plan(plan, comm, what);
   check_streams(streams, plan, forward, what);
+  if (l_end < 0) l_end = plan.local_experts;
+  FLOWMOE_CHECK(l_begin >= 0 && l_begin <= l_end && l_end <= plan.local_experts,
+                what << ": local experts [" << l_begin << ", " << l_end << ") outside [0, "
+                     << plan.local_experts << ")");
   const int64_t direct = direct_bytes < 0 ? ep_direct_bytes() : direct_bytes;
-  const int64_t staged = build_ops(plan, streams, forward, direct, nullptr, nullptr);
+  const int64_t staged = build_ops(plan, streams, forward, direct, nullptr, nullptr, l_begin, l_end);
   uint8_t* stage = static_cast<uint8_t*>(comm.scratch(staged));
   FLOWMOE_CHECK(stage || staged == 0, what << ": the communicator gave no scratch for " << staged
                                            << " staging bytes");
   ExchangeOps ops;
-  build_ops(plan, streams, forward, direct, stage, &ops);
+  build_ops(plan, streams, forward, direct, stage, &ops, l_begin, l_end);
   if (!ops.before.empty()) comm.copy_local(ops.before);
   comm.exchange(ops.sends, ops.recvs);
   if (!ops.after.empty()) comm.copy_local(ops.after);
@@ -397,6 +403,12 @@ void dispatch_rows(Communicator& comm, const DispatchPlan& plan,
 void combine_rows(Communicator& comm, const DispatchPlan& plan,
                   const std::vector<RowStream>& streams, int64_t direct_bytes) {
   move_rows(comm, plan, streams, false, direct_bytes, "combine_rows");
+}
+
+void combine_rows_experts(Communicator& comm, const DispatchPlan& plan,
+                          const std::vector<RowStream>& streams, int expert_begin, int expert_end,
+                          int64_t direct_bytes) {
+  move_rows(comm, plan, streams, false, direct_bytes, "combine_rows_experts", expert_begin, expert_end);
 }
 
 void zero_padding_rows(const DispatchPlan& plan, void* rows, int64_t row_bytes) {

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -135,6 +136,10 @@ class NcclComm final : public Communicator {
 
   void copy_local(const std::vector<CopyPiece>& pieces) override {
     check_healthy();
+    for (size_t i = 0; i < pieces.size(); ++i)
+      FLOWMOE_CHECK(pieces[i].bytes == 0 || (pieces[i].src && pieces[i].dst),
+                    "NcclComm::copy_local: piece " << i << " (" << pieces[i].bytes << " bytes) has a null "
+                                                   << (pieces[i].src ? "destination" : "source"));
     cuda_check(cudaSetDevice(device_), "cudaSetDevice");
     cuda::comm::copy_pieces(pieces, stream_);
   }
@@ -142,14 +147,16 @@ class NcclComm final : public Communicator {
   void* scratch(int64_t bytes) override {
     FLOWMOE_CHECK(bytes >= 0, "NcclComm::scratch: " << bytes << " bytes");
     if (bytes > scratch_bytes_) {
-      // the previous buffer may still be read or written by work on the stream
+      // the previous buffer may still be read or written by work on the stream (bounded wait);
+      // grows by at least 1/4 so that routing drifting upwards does not reallocate every step
       cuda_check(cudaSetDevice(device_), "cudaSetDevice");
-      cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (scratch growth)");
-      if (scratch_) cudaFree(scratch_);
+      synchronize();
+      if (scratch_) cuda_check(cudaFree(scratch_), "cudaFree (exchange staging)");
       scratch_ = nullptr;
+      const int64_t want = std::max<int64_t>(bytes, scratch_bytes_ + scratch_bytes_ / 4);
       scratch_bytes_ = 0;
-      cuda_check(cudaMalloc(&scratch_, static_cast<size_t>(bytes)), "cudaMalloc (exchange staging)");
-      scratch_bytes_ = bytes;
+      cuda_check(cudaMalloc(&scratch_, static_cast<size_t>(want)), "cudaMalloc (exchange staging)");
+      scratch_bytes_ = want;
     }
     return scratch_;
   }
@@ -288,7 +295,7 @@ class NcclComm final : public Communicator {
   void set_stream(cudaStream_t s) {
     check_healthy();
     cuda_check(cudaSetDevice(device_), "cudaSetDevice");
-    cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (set_nccl_stream)");
+    synchronize();  // bounded by the timeout, like every wait of the communicator
     stream_ = s ? s : own_;
   }
 

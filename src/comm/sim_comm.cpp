@@ -161,9 +161,12 @@ class SimComm final : public Communicator {
   }
 
   void copy_local(const std::vector<CopyPiece>& pieces) override {
-    for (const CopyPiece& c : pieces)
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const CopyPiece& c = pieces[i];
       FLOWMOE_CHECK(c.bytes >= 0 && (c.bytes == 0 || (c.src && c.dst)),
-                    "copy_local: bad piece (" << c.bytes << " bytes); expected buffers");
+                    "copy_local: piece " << i << " (" << c.bytes << " bytes) has "
+                                         << (c.bytes < 0 ? "a negative size" : c.src ? "a null destination" : "a null source"));
+    }
     if (w_->space == MemorySpace::kHost) {
       for (const CopyPiece& c : pieces)
         if (c.bytes > 0) std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));

@@ -435,8 +435,12 @@ class CountingComm final : public Communicator {
 TEST(Dispatch, MessageGroupingMovesTheSameRows) {
   const int e_total = 16, k = 3;
   for (int n : {2, 4}) {
-    // experts 12..15 never routed: empty chunks between non-empty ones
-    const auto in = make_inputs({37, 0, 29, 41}, k, e_total, 12, 8, 50 + n);
+    // 12 of 16 experts routed, spread by e -> 5e mod 16 so that the 4 empty (peer, expert)
+    // chunks fall between non-empty ones, not only at the end
+    auto in = make_inputs({37, 0, 29, 41}, k, e_total, 12, 8, 50 + n);
+    for (RankInput& ri : in)
+      for (int32_t& id : ri.ids)
+        if (id >= 0) id = (id * 5) % e_total;
     SimWorld world(n, 10.0);
     const auto errs = world.run([&](Communicator& base) {
       CountingComm c(base);
@@ -454,7 +458,8 @@ TEST(Dispatch, MessageGroupingMovesTheSameRows) {
       }
       std::vector<std::vector<uint8_t>> ref;
       int64_t ref_messages = 0;
-      for (int64_t direct : {int64_t(0), int64_t(1), int64_t(40), int64_t(1) << 62}) {
+      // 36 = 3 rows of stream 0: chunks exactly at the threshold travel alone
+      for (int64_t direct : {int64_t(0), int64_t(1), int64_t(36), int64_t(40), int64_t(1) << 62}) {
         std::vector<std::vector<uint8_t>> recv(3), back(3);
         std::vector<RowStream> fwd, rev;
         for (int i = 0; i < 3; ++i) {
@@ -469,6 +474,20 @@ TEST(Dispatch, MessageGroupingMovesTheSameRows) {
         combine_rows(c, plan, rev, direct);
         for (int i = 0; i < 3; ++i)
           EXPECT_EQ(back[i], send[i]) << "rank " << me << " stream " << i << " direct " << direct;
+        // the same combine in chunks of local experts (every rank the same ranges): same rows
+        {
+          const int El = plan.local_experts;
+          std::vector<std::vector<uint8_t>> back2(3);
+          std::vector<RowStream> rev2;
+          for (int i = 0; i < 3; ++i) back2[i].assign(plan.send_rows() * rb[i], 0xDD);
+          for (int i = 0; i < 3; ++i) rev2.push_back({recv[i].data(), back2[i].data(), rb[i]});
+          const int cut1 = El / 3, cut2 = (2 * El) / 3;
+          combine_rows_experts(c, plan, rev2, 0, cut1, direct);
+          combine_rows_experts(c, plan, rev2, cut1, cut2, direct);
+          combine_rows_experts(c, plan, rev2, cut2, El, direct);
+          for (int i = 0; i < 3; ++i) EXPECT_EQ(back2[i], send[i]) << "chunked combine, rank " << me;
+          EXPECT_THROW(combine_rows_experts(c, plan, rev2, 1, 0, direct), Error);
+        }
         if (direct == 0) {
           ref = recv;
           ref_messages = msgs;

@@ -329,6 +329,8 @@ TEST_P(MoeGpuRecipe, OverwrittenGradientsIgnoreOldContents) {
   const Shape& s = kShapes[1];
   const Recipe r = GetParam();
   Data d = make_data(s, s.tokens, 91);
+  ASSERT_TRUE(s.bias);
+  d.bias.back() = -1.0e4f;  // the selection bias starves the last expert: its dW must come out 0
   std::fill(d.dw1.begin(), d.dw1.end(), 0.0f);
   std::fill(d.dw2.begin(), d.dw2.end(), 0.0f);
   std::fill(d.dwr.begin(), d.dwr.end(), 0.0f);
@@ -351,6 +353,9 @@ TEST_P(MoeGpuRecipe, OverwrittenGradientsIgnoreOldContents) {
   }
   for (size_t i = 0; i < orr.size(); ++i) ASSERT_EQ(orr[i], acc.dwr[i]) << "dWr[" << i << "]";
   EXPECT_EQ(dx.get(), acc.dx);
+  EXPECT_EQ(acc.report.routed_rows, l->cast_report().routed_rows);
+  const size_t n1 = o1.size() / s.experts;  // the starved expert's dW1 block: zeros, not NaN
+  for (size_t i = o1.size() - n1; i < o1.size(); ++i) ASSERT_EQ(o1[i], 0.0f) << recipe_name(r) << " dW1[" << i << "]";
 }
 
 TEST_P(MoeGpuRecipe, SteadyStateAllocatesNothingAndSyncsOncePerForward) {

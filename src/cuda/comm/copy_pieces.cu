@@ -77,12 +77,16 @@ __global__ void __launch_bounds__(kThreads) copy_pieces_kernel(const __grid_cons
 }  // namespace
 
 void copy_pieces(const std::vector<CopyPiece>& pieces, cudaStream_t stream) {
+  if (pieces.empty()) return;
+  int dev = 0, sms = 132;
+  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   PieceBatch b;
   b.n = 0;
   b.units = 0;
   auto launch = [&] {
     if (b.n == 0) return;
-    const int64_t grid = std::min<int64_t>(b.units, 132 * 16);
+    const int64_t grid = std::min<int64_t>(b.units, int64_t(sms) * 16);
     copy_pieces_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(b);
     FLOWMOE_LAUNCH_CHECK("comm::copy_pieces_kernel");
     b.n = 0;

@@ -51,6 +51,21 @@ bool ep_dedup_from_env() {
   const char* v = std::getenv("FLOWMOE_EP_DEDUP");
   return !(v && std::string(v) == "0");
 }
+// FLOWMOE_EP_COMBINE_CHUNKS: the forward's GEMM2 runs in this many chunks of local experts, each
+// chunk's rows sent back while the next computes (1: one GEMM2, then one combine). Default 1:
+// measured on two H200s with 4 chunks, the exposed combine drops (V3 flow 2.12 -> 1.34 ms) but the
+// GEMM2 chunks, sharing SMs with NCCL and filling the GEMM pool less, take as much longer
+// (1.90 -> 2.27 ms): bf16 V3 -3.6 %, flow V3 +0.6 %, flow V2 -2 %, flow V2-Lite +5 %.
+constexpr int kMaxCombineChunks = 16;
+int ep_combine_chunks_from_env() {
+  const char* v = std::getenv("FLOWMOE_EP_COMBINE_CHUNKS");
+  if (v == nullptr || *v == '\0') return 1;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  FLOWMOE_CHECK(end != v && *end == '\0' && n >= 1 && n <= kMaxCombineChunks,
+                "FLOWMOE_EP_COMBINE_CHUNKS='" << v << "'; expected 1.." << kMaxCombineChunks);
+  return int(n);
+}
 
 constexpr int kStatusFwd = 0, kStatusFwdAux = 1, kStatusBwd = 2, kStatusBwdAux = 3;
 constexpr int kEventPool = 256;
@@ -208,6 +223,7 @@ class CudaMoeLayer final : public MoeLayer {
     stages_bwd_.clear();
     FLOWMOE_CUDA_CHECK(cudaMemsetAsync(status_ + kStatusBwd, 0, 2 * sizeof(DeviceStatus), stream_));
     grads_accumulate_ = g.accumulate;
+    dx_ready_marked_ = false;  // (a backward that threw may have left it set)
     switch (cfg_.recipe) {
       case Recipe::kBf16: backward_bf16(dy, g); break;
       case Recipe::kBlockwise: backward_blockwise(dy, g); break;
@@ -272,6 +288,10 @@ class CudaMoeLayer final : public MoeLayer {
   void allocate() {
     const int64_t R = R_, Tm = Tm_, H = H_, F = F_, E = E_, El = El_, K = K_, MB = MB_;
     dedup_ = comm_ != nullptr && cfg_.recipe != Recipe::kFp8Naive && ep_dedup_from_env();
+    if (comm_) {  // agreed across ranks by make_cuda_layer
+      direct_bytes_ = ep_direct_bytes();
+      combine_chunks_ = ep_combine_chunks_from_env();
+    }
     const int64_t maxC = std::max(H, 2 * F);
     const Recipe rc = cfg_.recipe;
     const bool pow2 = rc == Recipe::kBlockwise || rc == Recipe::kFlow || rc == Recipe::kFlowFp4;
@@ -463,7 +483,10 @@ class CudaMoeLayer final : public MoeLayer {
     gg_workspace_ = gg_->device_bytes();
     events_.resize(kEventPool);
     for (int i = 0; i < kEventPool; ++i) FLOWMOE_CUDA_CHECK(cudaEventCreate(&events_[i]));
-    if (comm_) FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_dx_, cudaEventDisableTiming));
+    if (comm_) {
+      FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_dx_, cudaEventDisableTiming));
+      for (cudaEvent_t& e : ev_chunk_) FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
     // flow / flow-fp4: the column copies for wgrad (scaling-aware transposes, FP4RowToFP8Col) run
     // on a side stream next to the GEMMs that do not need them (FLOWMOE_LAYER_OVERLAP=0: inline)
     const char* ov = std::getenv("FLOWMOE_LAYER_OVERLAP");
@@ -515,6 +538,10 @@ class CudaMoeLayer final : public MoeLayer {
     events_.clear();
     if (ev_dx_) cudaEventDestroy(ev_dx_);
     ev_dx_ = nullptr;
+    for (cudaEvent_t& e : ev_chunk_) {
+      if (e) cudaEventDestroy(e);
+      e = nullptr;
+    }
     for (void* p : allocs_) cudaFree(p);
     allocs_.clear();
     if (h_counts_) cudaFreeHost(h_counts_);
@@ -738,6 +765,10 @@ class CudaMoeLayer final : public MoeLayer {
                                    "workspaces hold max_rows() = " << R_ << " (a rank passed T > max_tokens?)");
       seg_ = plan_.padded_segments();
       held_ = plan_.recv_rows();
+      // The combines stage up to every padded row (2H + 4 bytes) through the communicator's
+      // scratch: grow it here, at a point where the stream is idle anyway, not inside the
+      // backward's overlap of combine and GEMM1 wgrad (growth waits for the device).
+      comm_->scratch(Mp_ * (2 * H_ + 4) + int64_t(4096) * comm_->world_size());
       std::copy(plan_.padded_offsets.begin(), plan_.padded_offsets.end(), h_loff_);
       FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(d_loff_, h_loff_, sizeof(int32_t) * (El_ + 1),
                                          cudaMemcpyHostToDevice, stream_));
@@ -803,7 +834,7 @@ class CudaMoeLayer final : public MoeLayer {
           pad.push_back({nullptr, static_cast<uint8_t*>(st.recv) + first * st.row_bytes, (end - first) * st.row_bytes});
       }
     cuda::comm::copy_pieces(pad, stream_);
-    ep_exchange([&] { dispatch_rows(*comm_, p, streams); });
+    ep_exchange([&] { dispatch_rows(*comm_, p, streams, direct_bytes_); });
     log_dispatch(pass, name, p);
   }
 
@@ -945,13 +976,45 @@ class CudaMoeLayer final : public MoeLayer {
   }
   // expert output rows o_ [Mp, H] -> y [T, H] (plain sum in slot order; EP: the rows come back
   // to the token's rank in send order first, and the sum runs there, as unpermute does)
+  // GEMM2 (gemm2(e_begin, e_end) computes the expert outputs o_ of local experts [e_begin,
+  // e_end)) and the way back to the tokens. With a communicator and combine_chunks_ > 1, GEMM2 runs
+  // in chunks of El / n experts (the same cuts on every rank: combine_rows_experts is collective);
+  // the host waits for each chunk's rows only and sends them back on the communicator's
+  // high-priority stream while the next chunks compute. The same rows reach the same places, and
+  // one unpermute sums them afterwards: the bits of one GEMM2 and one combine.
+  template <typename Gemm2>
+  void gemm2_then_combine(const char* gemm_stage, Gemm2&& gemm2, bf16_t* y) {
+    const int n = comm_ ? std::min(combine_chunks_, El_) : 1;
+    if (n <= 1) {
+      { auto s = fwd(gemm_stage); gemm2(0, El_); }
+      { auto s = fwd(comm_ ? "combine + unpermute" : "unpermute+unpad"); combine_y(y); }
+      return;
+    }
+    std::vector<int> cut(n + 1);
+    for (int c = 0; c <= n; ++c) cut[c] = int(int64_t(El_) * c / n);
+    for (int c = 0; c < n; ++c) {
+      { auto s = fwd(gemm_stage); gemm2(cut[c], cut[c + 1]); }
+      FLOWMOE_CUDA_CHECK(cudaEventRecord(ev_chunk_[c], stream_));
+    }
+    auto s = fwd("combine (in chunks, overlapping GEMM2) + unpermute");
+    bf16_t* back = reinterpret_cast<bf16_t*>(ep_send_);
+    for (int c = 0; c < n; ++c) {
+      FLOWMOE_CUDA_CHECK(cudaEventSynchronize(ev_chunk_[c]));
+      ++host_syncs_;
+      combine_rows_experts(*comm_, plan_, {{o_, back, 2 * H_}}, cut[c], cut[c + 1], direct_bytes_);
+    }
+    comm_->synchronize();
+    log_combine(MoePass::kForward, "combine expert output rows", "bf16", 2 * H_);
+    unpermute(back, nullptr, H_, routing_, y, stream_);
+  }
+
   void combine_y(bf16_t* y) {
     if (comm_ == nullptr) {
       unpermute_unpad(o_, nullptr, H_, routing_, y, stream_);
       return;
     }
     bf16_t* back = reinterpret_cast<bf16_t*>(ep_send_);
-    ep_exchange([&] { combine_rows(*comm_, plan_, {{o_, back, 2 * H_}}); });
+    ep_exchange([&] { combine_rows(*comm_, plan_, {{o_, back, 2 * H_}}, direct_bytes_); });
     log_combine(MoePass::kForward, "combine expert output rows", "bf16", 2 * H_);
     // the unpadded map addresses the send-order rows that just came back; same kernel and
     // arithmetic as unpermute_unpad (token.h)
@@ -967,10 +1030,10 @@ class CudaMoeLayer final : public MoeLayer {
                       ms<bf16_t>(h1_, Mp_ * 2 * F_), stream_); }
     { auto s = fwd("SwiGLU*prob (bf16)");
       cuda::swiglu(h1_, Mp_, F_, abuf_, st_fwd(), stream_, prow_); }
-    { auto s = fwd("GEMM2 fprop (bf16)");
+    gemm2_then_combine("GEMM2 fprop (bf16)", [&](int e0, int e1) {
       gg_->fprop_bf16(seg_, H_, F_, cs<bf16_t>(abuf_, Mp_ * F_), cs<bf16_t>(w2b_, int64_t(El_) * H_ * F_),
-                      ms<bf16_t>(o_, Mp_ * H_), stream_); }
-    { auto s = fwd(comm_ ? "combine + unpermute" : "unpermute+unpad"); combine_y(y); }
+                      ms<bf16_t>(o_, Mp_ * H_), stream_, e0, e1);
+    }, y);
     save_rows("GEMM1 input x_perm", "bf16 [Mp, H]", Mp_ * H_ * 2, 2.0 * H_);
     save_rows("GEMM1 output h", "bf16 [Mp, 2F]", Mp_ * 2 * F_ * 2, 4.0 * F_);
     save_rows("GEMM2 input a'", "bf16 [Mp, F]", Mp_ * F_ * 2, 2.0 * F_);
@@ -992,10 +1055,12 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = fwd("quantize a' (row + col)");
       quantize_col(abuf_, F_, sb, ac_.codes, ac_.scales, rowA_.codes, rowA_.scales, st_fwd(), stream_); }
     log(MoePass::kForward, CastKind::kQuantize, "quantize a' (row + col, from BF16)", 1, 2, Mp_ * F_);
-    { auto s = fwd("GEMM2 fprop (fp8)");
+    {
       const Fp8Op ao = act_operand(rowA_, F_, st_fwd_aux());
-      gg_->fprop(seg_, H_, F_, ao, w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
-    { auto s = fwd(comm_ ? "combine + unpermute" : "unpermute+unpad"); combine_y(y); }
+      gemm2_then_combine("GEMM2 fprop (fp8)", [&](int e0, int e1) {
+        gg_->fprop(seg_, H_, F_, ao, w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_, e0, e1);
+      }, y);
+    }
     save_rows("GEMM1 input x_perm (wgrad copy)", "fp8 col 128x1 [Mp, H]", col_bytes(H_), fp8_row(H_));
     save_rows("GEMM1 output h", "bf16 [Mp, 2F]", Mp_ * 2 * F_ * 2, 4.0 * F_);
     save_rows("GEMM2 input a' (wgrad copy)", "fp8 col 128x1 [Mp, F]", col_bytes(F_), fp8_row(F_));
@@ -1028,10 +1093,10 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = fwd("quantize a' (row, fp32 scales)");
       naive_quantize_row(abuf_, Mp_, F_, poff(), El_, an_.codes, an_.scales, st_fwd(), stream_); }
     log(MoePass::kForward, CastKind::kQuantize, "quantize a' (row, FP32 scales)", 1, 1, Mp_ * F_);
-    { auto s = fwd("GEMM2 fprop (fp8)");
+    gemm2_then_combine("GEMM2 fprop (fp8)", [&](int e0, int e1) {
       gg_->fprop(seg_, H_, F_, Fp8Op{cs<uint8_t>(an_.codes, Mp_ * F_), cs<float>(an_.scales, Mp_ * F_ / 128)},
-                 w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
-    { auto s = fwd(comm_ ? "combine + unpermute" : "unpermute+unpad"); combine_y(y); }
+                 w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_, e0, e1);
+    }, y);
     save_rows("GEMM1 input x_perm", "fp8 row 1x128 fp32-scale [Mp, H]", Mp_ * H_ + 4 * (H_ / 128) * Mp_,
               fp8_row_f32s(H_));
     save_rows("GEMM1 output h", "bf16 [Mp, 2F]", Mp_ * 2 * F_ * 2, 4.0 * F_);
@@ -1083,10 +1148,12 @@ class CudaMoeLayer final : public MoeLayer {
       mark(kSideA);
     }
     log(MoePass::kForward, CastKind::kConvert, "scaling-aware transpose a' (wgrad copy)", 1, 1, Mp_ * F_);
-    { auto s = fwd("GEMM2 fprop (fp8)");
+    {
       const Fp8Op ao = act_operand(ar, F_, st_fwd_aux());
-      gg_->fprop(seg_, H_, F_, ao, w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
-    { auto s = fwd(comm_ ? "combine + unpermute" : "unpermute+unpad"); combine_y(y); }
+      gemm2_then_combine("GEMM2 fprop (fp8)", [&](int e0, int e1) {
+        gg_->fprop(seg_, H_, F_, ao, w2_op(), ms<bf16_t>(o_, Mp_ * H_), stream_, e0, e1);
+      }, y);
+    }
     join(kSideA);  // a' col ready before anything later on stream_ (the backward) runs
     if (!fp4)
       save_rows("GEMM1 input x_perm", "fp8 row 1x128 [Mp, H]", row_bytes(H_), fp8_row(H_));
@@ -1303,7 +1370,8 @@ class CudaMoeLayer final : public MoeLayer {
       FLOWMOE_CUDA_CHECK(cudaEventSynchronize(ev_dx_));
       ++host_syncs_;
       bf16_t* back = reinterpret_cast<bf16_t*>(ep_send_);
-      combine_rows(*comm_, plan_, {{o_, back, 2 * H_}, {ep_dprow_, ep_send_p_, int64_t(sizeof(float))}});
+      combine_rows(*comm_, plan_, {{o_, back, 2 * H_}, {ep_dprow_, ep_send_p_, int64_t(sizeof(float))}},
+                   direct_bytes_);
       comm_->synchronize();
       log_combine(MoePass::kBackward, "combine dX rows + dprob", "bf16 + fp32 dprob",
                   2 * H_ + int64_t(sizeof(float)));
@@ -1390,6 +1458,9 @@ class CudaMoeLayer final : public MoeLayer {
   bool grads_accumulate_ = true;  // MoeGrads::accumulate of the backward running
   // deduplicated EP dispatch (FLOWMOE_EP_DEDUP, default on; not for fp8-naive): see dd_dispatch
   bool dedup_ = false;
+  int64_t direct_bytes_ = -1;     // dispatch_rows / combine_rows message grouping (read once)
+  int combine_chunks_ = 1;        // the forward's GEMM2 + combine pipeline (gemm2_then_combine)
+  cudaEvent_t ev_chunk_[kMaxCombineChunks] = {};
   int32_t* h_tok_ = nullptr;      // [W] tokens to each rank (pinned)
   int32_t* dd_peer_ids_ = nullptr;
   Routing prt_;                   // this rank's tokens over the W ranks
@@ -1455,12 +1526,14 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                       "aux_loss_alpha (fp32 bits)", "align",
                       "recipe (0 bf16, 1 blockwise, 2 fp8-naive, 3 flow, 4 flow-fp4)",
                       "max_tokens", "transpose_exponent (0 row max, 1 column amax)",
-                      "deduplicated dispatch (FLOWMOE_EP_DEDUP)"},
+                      "deduplicated dispatch (FLOWMOE_EP_DEDUP)", "FLOWMOE_EP_DIRECT_BYTES",
+                      "FLOWMOE_EP_COMBINE_CHUNKS"},
                      {cfg.hidden, cfg.ffn, cfg.num_experts, cfg.topk,
                       static_cast<int64_t>(cfg.router), cfg.router_renormalize ? 1 : 0,
                       bits(cfg.router_scale), bits(cfg.aux_loss_alpha), cfg.align,
                       static_cast<int64_t>(cfg.recipe), cfg.max_tokens,
-                      static_cast<int64_t>(cfg.transpose_exponent), cuda::moe::ep_dedup_from_env() ? 1 : 0});
+                      static_cast<int64_t>(cfg.transpose_exponent), cuda::moe::ep_dedup_from_env() ? 1 : 0,
+                      ep_direct_bytes(), cuda::moe::ep_combine_chunks_from_env()});
   std::unique_ptr<MoeLayer> layer;
   std::exception_ptr mine;
   std::string msg;
