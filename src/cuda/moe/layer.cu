@@ -285,6 +285,24 @@ class CudaMoeLayer final : public MoeLayer {
     return static_cast<T*>(p);
   }
 
+  // Device tables of a routing of up to `tokens` tokens (k = K_) over `experts` experts; tokens
+  // is set per call (0 here). row_src / row_map_unpadded only where asked for.
+  Routing alloc_routing(int64_t tokens, int experts, int align, bool row_src, bool unpadded) {
+    Routing r;
+    r.tokens = 0;
+    r.topk = K_;
+    r.num_experts = experts;
+    r.align = align;
+    r.counts = dalloc<int32_t>(experts);
+    r.offsets = dalloc<int32_t>(experts + 1);
+    r.padded_offsets = dalloc<int32_t>(experts + 1);
+    r.row_map = dalloc<int32_t>(tokens * K_);
+    if (row_src) r.row_src = dalloc<int32_t>(routing_max_rows(tokens, K_, experts, align));
+    if (unpadded) r.row_map_unpadded = dalloc<int32_t>(tokens * K_);
+    r.workspace = dalloc<uint8_t>(int64_t(routing_workspace_bytes(tokens, K_, experts)));
+    return r;
+  }
+
   void allocate() {
     const int64_t R = R_, Tm = Tm_, H = H_, F = F_, E = E_, El = El_, K = K_, MB = MB_;
     dedup_ = comm_ != nullptr && cfg_.recipe != Recipe::kFp8Naive && ep_dedup_from_env();
@@ -304,21 +322,11 @@ class CudaMoeLayer final : public MoeLayer {
     ids_ = dalloc<int32_t>(Tm * K);
     probs_ = dalloc<float>(Tm * K);
     dprobs_ = dalloc<float>(Tm * K);
-    routing_.tokens = 0;
-    routing_.topk = K_;
-    routing_.num_experts = E_;
-    routing_.align = cfg_.align;
-    routing_.counts = dalloc<int32_t>(E);
-    routing_.offsets = dalloc<int32_t>(E + 1);
-    routing_.padded_offsets = dalloc<int32_t>(E + 1);
-    routing_.row_map = dalloc<int32_t>(Tm * K);
-    // inverse row map (coalesced FP8 scale permute); sized like routing_.max_rows(), which with a
-    // communicator counts all E experts: the EP path does not permute locally and needs none
-    if (!comm_) routing_.row_src = dalloc<int32_t>(routing_max_rows(Tm, K_, E_, cfg_.align));
-    // EP: the send order of the dispatch is the unpadded routing (rows by global expert, then
-    // (token, slot)), so the send-side gathers use row_map_unpadded
-    if (comm_) routing_.row_map_unpadded = dalloc<int32_t>(Tm * K);
-    routing_.workspace = dalloc<uint8_t>(int64_t(routing_workspace_bytes(Tm, K_, E_)));
+    // inverse row map (coalesced FP8 scale permute) only without a communicator: the EP path does
+    // not permute its own tokens locally. EP: the send order of the dispatch is the unpadded
+    // routing (rows by global expert, then (token, slot)): the send-side gathers use
+    // row_map_unpadded.
+    routing_ = alloc_routing(Tm, E_, cfg_.align, /*row_src=*/!comm_, /*unpadded=*/comm_ != nullptr);
     if (cfg_.aux_loss_alpha > 0.0f) {
       aux_ws_ = dalloc<uint8_t>(int64_t(router_aux_workspace_bytes(Tm, E_)));
       aux_coef_ = dalloc<float>(E);
@@ -357,14 +365,7 @@ class CudaMoeLayer final : public MoeLayer {
         const int W = comm_->world_size();
         const int64_t Wt = int64_t(W) * Tm;
         dd_peer_ids_ = dalloc<int32_t>(Tm * K);
-        prt_.topk = K_;
-        prt_.num_experts = W;
-        prt_.align = 1;
-        prt_.counts = dalloc<int32_t>(W);
-        prt_.offsets = dalloc<int32_t>(W + 1);
-        prt_.padded_offsets = dalloc<int32_t>(W + 1);
-        prt_.row_map = dalloc<int32_t>(Tm * K);
-        prt_.workspace = dalloc<uint8_t>(int64_t(routing_workspace_bytes(Tm, K_, W)));
+        prt_ = alloc_routing(Tm, W, 1, false, false);
         FLOWMOE_CUDA_CHECK(cudaMallocHost(&h_tok_, sizeof(int32_t) * W));
         dd_send_ids_ = dalloc<int32_t>(Tm * K * K);
         dd_send_p_ = dalloc<float>(Tm * K * K);
@@ -374,15 +375,7 @@ class CudaMoeLayer final : public MoeLayer {
         dd_recv_ids_ = dalloc<int32_t>(Wt * K);
         dd_recv_p_ = dalloc<float>(Wt * K);
         dd_local_ids_ = dalloc<int32_t>(Wt * K);
-        rrt_.topk = K_;
-        rrt_.num_experts = El_;
-        rrt_.align = cfg_.align;
-        rrt_.counts = dalloc<int32_t>(El_);
-        rrt_.offsets = dalloc<int32_t>(El_ + 1);
-        rrt_.padded_offsets = dalloc<int32_t>(El_ + 1);
-        rrt_.row_map = dalloc<int32_t>(Wt * K);
-        rrt_.row_src = dalloc<int32_t>(routing_max_rows(Wt, K_, El_, cfg_.align));
-        rrt_.workspace = dalloc<uint8_t>(int64_t(routing_workspace_bytes(Wt, K_, El_)));
+        rrt_ = alloc_routing(Wt, El_, cfg_.align, true, false);
       }
     }
 
