@@ -515,6 +515,30 @@ TEST(Dispatch, MessageGroupingMovesTheSameRows) {
   }
 }
 
+// The count exchange also carries each rank's tokens per destination rank (the CUDA layer's
+// deduplicated dispatch): recv_tokens[p] is what rank p said it sends here; none given: zeros.
+TEST(Dispatch, PlanCarriesTokensPerRank) {
+  for (int n : kWorlds) {
+    SimWorld world(n, 10.0);
+    const auto errs = world.run([&](Communicator& c) {
+      const int me = c.rank(), E = 2 * n;
+      std::vector<int32_t> counts(E, 1), tok(n);
+      for (int p = 0; p < n; ++p) tok[p] = 10 * me + p;
+      const EpConfig cfg{E, 2, 8, 16, WireFormat::kBf16, true};
+      const DispatchPlan a = plan_dispatch_counts(c, cfg, counts.data(), E, false, tok.data());
+      const DispatchPlan b = plan_dispatch_counts(c, cfg, counts.data(), E, true);
+      for (int p = 0; p < n; ++p) {
+        EXPECT_EQ(a.send_tokens[p], 10 * me + p);
+        EXPECT_EQ(a.recv_tokens[p], 10 * p + me);
+        EXPECT_EQ(b.send_tokens[p], 0);
+        EXPECT_EQ(b.recv_tokens[p], 0);
+        for (int l = 0; l < 2; ++l) EXPECT_EQ(a.recv_counts[p * 2 + l], 1);  // the counts still arrive
+      }
+    });
+    expect_all_ok(errs);
+  }
+}
+
 TEST(Dispatch, DirectBytesFromTheEnvironment) {
   ::unsetenv("FLOWMOE_EP_DIRECT_BYTES");
   EXPECT_EQ(ep_direct_bytes(), kEpDirectBytes);
