@@ -318,6 +318,9 @@ struct LayerTime {
   double fwd = 0, bwd = 0, total = 0, total_max = 0;
   int64_t routed = 0, padded = 0, wire_fwd = 0, wire_bwd = 0;
   std::vector<std::pair<std::string, double>> stages;  // "pass/stage", median ms (--stages)
+  double layer_gib = 0;     // the layer's own device memory (allocated_bytes)
+  double device_gib = 0;    // device memory in use after the timed steps (cudaMemGetInfo: the
+                            // layer, its inputs, weights and gradients, NCCL and its scratch)
 };
 
 // One layer (comm may be null) with `el` local experts of E = el * world experts, T tokens.
@@ -379,6 +382,12 @@ LayerTime run_layer(Communicator* comm, const Cfg& c, Recipe rc, int el, int64_t
   cudaEventDestroy(e1);
   cudaEventDestroy(e2);
   LayerTime r;
+  {
+    size_t free_b = 0, total_b = 0;
+    BCUDA(cudaMemGetInfo(&free_b, &total_b));
+    r.device_gib = double(total_b - free_b) / double(1ull << 30);
+    r.layer_gib = double(cuda::moe::allocated_bytes(layer.get())) / double(1ull << 30);
+  }
   if (o.stages) {  // the layer's own stage events (moe_cuda.h), medians of 3 profiled steps
     cuda::moe::set_profiling(layer.get(), true);
     std::vector<std::vector<double>> acc;
@@ -427,9 +436,9 @@ void bench_layer(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o
                 static_cast<long long>(T));
     std::printf("\n| recipe | EP fwd ms | EP bwd ms | EP fwd+bwd ms (slowest rank) | EP tokens/s per GPU | EP tokens/s "
                 "all GPUs | wire B/token fwd / bwd | 1 GPU share ms (%d exp, T %lld) | EP efficiency | 1 GPU all ms "
-                "(%d exp, T %lld) | EP speed-up |\n",
+                "(%d exp, T %lld) | EP speed-up | layer GiB / GPU in use GiB (rank 0) |\n",
                 El, static_cast<long long>(T), El * W, static_cast<long long>(W * T));
-    std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
     std::fflush(stdout);
   }
   std::string stage_text;
@@ -450,10 +459,10 @@ void bench_layer(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o
         std::snprintf(al, sizeof al, "%.2f", all.total);
         std::snprintf(sp, sizeof sp, "%.2fx", all.total / ep.total_max);
       }
-      std::printf("| %s | %.2f | %.2f | %.2f (%.2f) | %.0f | %.0f | %.0f / %.0f | %s | %s | %s | %s |\n",
+      std::printf("| %s | %.2f | %.2f | %.2f (%.2f) | %.0f | %.0f | %.0f / %.0f | %s | %s | %s | %s | %.2f / %.2f |\n",
                   recipe_name(rc), ep.fwd, ep.bwd, ep.total, ep.total_max, double(T) / (ep.total_max * 1e-3),
                   double(W * T) / (ep.total_max * 1e-3), double(ep.wire_fwd) / double(T),
-                  double(ep.wire_bwd) / double(T), sh, eff, al, sp);
+                  double(ep.wire_bwd) / double(T), sh, eff, al, sp, ep.layer_gib, ep.device_gib);
       std::fflush(stdout);
       if (o.stages) {
         std::ostringstream os;
