@@ -80,8 +80,6 @@ namespace {
 DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
                              int64_t tokens, const std::string& local_error,
                              const int32_t* send_tokens = nullptr);
-DispatchPlan exchange_layouts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
-                              int64_t tokens, const std::vector<int32_t>& msgs);
 }  // namespace
 
 DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
@@ -111,6 +109,10 @@ DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
     FLOWMOE_CHECK(total <= tokens * cfg.topk, "plan_dispatch: " << total << " routed rows for T = "
                                                                 << tokens << ", k = " << cfg.topk
                                                                 << "; expected at most T*k");
+    for (int p = 0; send_tokens && p < world; ++p)
+      FLOWMOE_CHECK(send_tokens[p] >= 0 && send_tokens[p] <= tokens,
+                    "plan_dispatch: send_tokens[" << p << "] = " << send_tokens[p]
+                                                  << "; expected 0.." << tokens << " (T)");
   } catch (const Error& e) {
     local_error = e.what();
   }
@@ -119,69 +121,60 @@ DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
 
 namespace {
 // The count all-to-all and both layouts; cfg agreed on every rank (check_uniform). One
-// alltoall_i32 also agrees on the ranks' local errors: each message to a peer is [flag, El
-// counts], flag 1 (counts 0) from a rank whose own checks failed; that rank throws its own error,
-// every other rank a CommError naming it (as agree_on_local_errors, without a second collective).
+// alltoall_i32 also agrees on the ranks' local errors. The message to each peer p is
+// [flag, El counts, tokens]: flag 1 (and zeros) from a rank whose own checks failed, that rank
+// then throws its own error and every other rank a CommError naming it (as
+// agree_on_local_errors, without a second collective); the El rows this rank routes to p's local
+// experts (send_counts is laid out [p][l], global expert g = p*El + l); the tokens it sends to p
+// in a deduplicated dispatch (0 when not given).
 DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
                              int64_t tokens, const std::string& local_error,
                              const int32_t* send_tokens) {
   const int world = comm.world_size();
-  {
-    // per peer: [flag, El counts, tokens to that peer (deduplicated dispatch; 0 when not given)]
-    const int el = std::max(1, cfg.num_experts / std::max(1, world)), m = el + 2;
-    std::vector<int32_t> out(static_cast<size_t>(world) * m, 0), in(out.size(), 0);
-    for (int p = 0; p < world; ++p) {
-      out[static_cast<size_t>(p) * m] = local_error.empty() ? 0 : 1;
-      if (local_error.empty()) {
-        std::copy(send_counts + static_cast<size_t>(p) * el, send_counts + static_cast<size_t>(p + 1) * el,
-                  out.begin() + static_cast<size_t>(p) * m + 1);
-        out[static_cast<size_t>(p) * m + 1 + el] = send_tokens ? send_tokens[p] : 0;
-      }
-    }
-    comm.alltoall_i32(out.data(), in.data(), m);
-    if (!local_error.empty()) throw Error(__FILE__, __LINE__, local_error);
-    for (int p = 0; p < world; ++p)
-      if (in[static_cast<size_t>(p) * m] != 0)
-        throw CommError(__FILE__, __LINE__,
-                        "plan_dispatch: rank " + std::to_string(p) +
-                            " rejected its input (its own error message says why); rank " +
-                            std::to_string(comm.rank()) + " stops too");
-    DispatchPlan plan = exchange_layouts(comm, cfg, send_counts, tokens, in);
-    plan.send_tokens.assign(world, 0);
-    plan.recv_tokens.assign(world, 0);
-    for (int p = 0; p < world; ++p) {
-      plan.send_tokens[p] = send_tokens ? send_tokens[p] : 0;
-      plan.recv_tokens[p] = in[static_cast<size_t>(p) * m + 1 + el];
-    }
-    return plan;
+  // every rank computes the same El from the agreed cfg (even an invalid one, then rejected)
+  const int El = std::max(1, cfg.num_experts / std::max(1, world)), m = El + 2;
+  std::vector<int32_t> out(static_cast<size_t>(world) * m, 0), in(out.size(), 0);
+  for (int p = 0; p < world; ++p) {
+    int32_t* msg = out.data() + static_cast<size_t>(p) * m;
+    msg[0] = local_error.empty() ? 0 : 1;
+    if (!local_error.empty()) continue;
+    std::copy(send_counts + static_cast<size_t>(p) * El, send_counts + static_cast<size_t>(p + 1) * El, msg + 1);
+    msg[1 + El] = send_tokens ? send_tokens[p] : 0;
   }
-}
+  comm.alltoall_i32(out.data(), in.data(), m);
+  if (!local_error.empty()) throw Error(__FILE__, __LINE__, local_error);
+  for (int p = 0; p < world; ++p)
+    if (in[static_cast<size_t>(p) * m] != 0)
+      throw CommError(__FILE__, __LINE__,
+                      "plan_dispatch: rank " + std::to_string(p) +
+                          " rejected its input (its own error message says why); rank " +
+                          std::to_string(comm.rank()) + " stops too");
 
-DispatchPlan exchange_layouts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
-                              int64_t tokens, const std::vector<int32_t>& msgs) {
-  const int world = comm.world_size();
   DispatchPlan plan;
   plan.rank = comm.rank();
   plan.world = world;
   plan.num_experts = cfg.num_experts;
-  plan.local_experts = cfg.num_experts / world;
+  plan.local_experts = El;
   plan.topk = cfg.topk;
   plan.align = cfg.align;
   plan.hidden = cfg.hidden;
   plan.tokens = tokens;
   plan.format = cfg.format;
   plan.with_probs = cfg.with_probs;
-  const int El = plan.local_experts, n = world * El;
+  const int n = world * El;
   plan.send_counts.assign(send_counts, send_counts + n);
   plan.send_offsets.assign(n + 1, 0);
   for (int g = 0; g < n; ++g) plan.send_offsets[g + 1] = plan.send_offsets[g] + plan.send_counts[g];
-
-  // send_counts is already laid out [p][l] (global expert g = p*El + l): the count all-to-all
-  // delivers recv_counts[p*El + l] = rows rank p routes to this rank's local expert l.
+  // recv_counts[p*El + l] = rows rank p routes to this rank's local expert l
   plan.recv_counts.assign(n, 0);
-  for (int p = 0; p < world; ++p)
-    for (int l = 0; l < El; ++l)
-      plan.recv_counts[p * El + l] = msgs[static_cast<size_t>(p) * (El + 2) + 1 + l];
+  plan.send_tokens.assign(world, 0);
+  plan.recv_tokens.assign(world, 0);
+  for (int p = 0; p < world; ++p) {
+    const int32_t* msg = in.data() + static_cast<size_t>(p) * m;
+    std::copy(msg + 1, msg + 1 + El, plan.recv_counts.begin() + static_cast<size_t>(p) * El);
+    plan.recv_tokens[p] = msg[1 + El];
+    plan.send_tokens[p] = send_tokens ? send_tokens[p] : 0;
+  }
 
   plan.expert_counts.assign(El, 0);
   for (int p = 0; p < world; ++p)

@@ -523,13 +523,13 @@ TEST(Dispatch, PlanCarriesTokensPerRank) {
     const auto errs = world.run([&](Communicator& c) {
       const int me = c.rank(), E = 2 * n;
       std::vector<int32_t> counts(E, 1), tok(n);
-      for (int p = 0; p < n; ++p) tok[p] = 10 * me + p;
+      for (int p = 0; p < n; ++p) tok[p] = (3 * me + p) % (E + 1);  // 0..T tokens to each rank
       const EpConfig cfg{E, 2, 8, 16, WireFormat::kBf16, true};
       const DispatchPlan a = plan_dispatch_counts(c, cfg, counts.data(), E, false, tok.data());
       const DispatchPlan b = plan_dispatch_counts(c, cfg, counts.data(), E, true);
       for (int p = 0; p < n; ++p) {
-        EXPECT_EQ(a.send_tokens[p], 10 * me + p);
-        EXPECT_EQ(a.recv_tokens[p], 10 * p + me);
+        EXPECT_EQ(a.send_tokens[p], (3 * me + p) % (E + 1));
+        EXPECT_EQ(a.recv_tokens[p], (3 * p + me) % (E + 1));
         EXPECT_EQ(b.send_tokens[p], 0);
         EXPECT_EQ(b.recv_tokens[p], 0);
         for (int l = 0; l < 2; ++l) EXPECT_EQ(a.recv_counts[p * 2 + l], 1);  // the counts still arrive
@@ -537,6 +537,14 @@ TEST(Dispatch, PlanCarriesTokensPerRank) {
     });
     expect_all_ok(errs);
   }
+  // a token count outside 0..T on one rank: its own error there, a CommError on the others
+  SimWorld world(2, 10.0);
+  const auto errs = world.run([&](Communicator& c) {
+    std::vector<int32_t> counts(4, 1), tok{1, c.rank() == 1 ? 99 : 1};
+    plan_dispatch_counts(c, {4, 2, 8, 16, WireFormat::kBf16, true}, counts.data(), 4, false, tok.data());
+  });
+  EXPECT_NE(errs[1].find("send_tokens[1] = 99; expected 0..4"), std::string::npos) << errs[1];
+  EXPECT_NE(errs[0].find("rank 1 rejected its input"), std::string::npos) << errs[0];
 }
 
 TEST(Dispatch, DirectBytesFromTheEnvironment) {
