@@ -119,12 +119,19 @@ void check_bf16(Pass p, const Segments& seg, int64_t n, int64_t k, Span<const bf
 struct GroupedGemmOptions {
   static constexpr int kMaxStreams = 16;
   static constexpr int kMaxCandidates = 16;
+  static constexpr int kMaxPoolPriority = 8;
 
   // Concurrency: the per-expert matmuls of one call go round-robin to `streams` streams, the
   // caller's stream and streams - 1 pool streams forked from it and joined back to it with events
   // (the call stays stream-ordered on the caller's stream). Each stream has its own cuBLASLt
   // workspace. 1: every matmul on the caller's stream.
   int streams = 4;
+  // Priority of the matmuls. 0: the pool streams at the default priority, slot 0 the caller's
+  // stream (above). p > 0: `streams` pool streams created p steps above the default priority
+  // (clamped to the device's range) carry every matmul; the caller's stream only forks and joins.
+  // The MoE layer uses 1 when it runs copies on a side stream at the default priority: the block
+  // scheduler then starts pending GEMM blocks first and the copies fill the gaps.
+  int pool_priority = 0;
   size_t workspace_bytes = size_t(32) << 20;  // cuBLASLt workspace per stream
   // Algorithm choice. tune: ask cuBLASLt's heuristic for `candidates` algorithms, time them once per
   // problem key (pass, output kind, the two weight dimensions, a bucket of the token count) on the
@@ -148,7 +155,8 @@ struct GroupedGemmOptions {
   // The behaviour before concurrency and tuning: one stream, the heuristic's first algorithm.
   static GroupedGemmOptions previous();
   // The defaults, then the environment: FLOWMOE_GEMM_TUNE=0|1 sets `tune`, FLOWMOE_GEMM_STREAMS=N
-  // sets `streams` (1..16). Anything else in them throws. This is what GroupedGemm() uses.
+  // sets `streams` (1..16), FLOWMOE_GEMM_PRIORITY=P sets `pool_priority` (0..8). Anything else in
+  // them throws. This is what GroupedGemm() uses.
   static GroupedGemmOptions from_env();
   void validate() const;  // throws flowmoe::Error naming the bad field and the accepted range
 };

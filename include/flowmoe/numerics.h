@@ -162,20 +162,14 @@ FLOWMOE_HD uint8_t ue8m0_from_exp(int e) {
 // clamped to [kScaleExpMin, kScaleExpMax] (never reached above for finite amax).
 template <int P, uint32_t FMAX_FRAC>
 FLOWMOE_HD int scale_exp_for_amax(float amax) {
-  uint32_t a = f32_bits(amax) & 0x7FFFFFFFu;
-  if (a == 0) return kScaleExpMin;
-  int e = static_cast<int>(a >> 23);
-  uint32_t frac = a & 0x7FFFFFu;
-  if (e == 0) {  // subnormal amax: normalise
-    e = 1;
-    while ((frac & 0x800000u) == 0) {
-      frac <<= 1;
-      --e;
-    }
-    frac &= 0x7FFFFFu;
-  }
-  e -= 127;  // amax = 1.frac * 2^e
-  int se = e - P + (frac > FMAX_FRAC ? 1 : 0);
+  // Branch-free: with E the biased exponent field, se = E - 127 - P + (fraction > FMAX_FRAC). A
+  // subnormal or zero amax (E = 0) would need normalising, but its exact exponent is <= -127, so
+  // se <= -127 - P + 1 <= kScaleExpMin for every P >= 1 and the clamp gives kScaleExpMin either
+  // way. The ScaleRule CPU tests check it against a float64 reference (all BF16, random float32
+  // with subnormals, every FMAX * 2^e boundary).
+  static_assert(P >= 1, "the branch-free form needs FMAX >= 2");
+  const uint32_t a = f32_bits(amax) & 0x7FFFFFFFu;
+  const int se = static_cast<int>(a >> 23) - 127 - P + ((a & 0x7FFFFFu) > FMAX_FRAC ? 1 : 0);
   return se < kScaleExpMin ? kScaleExpMin : (se > kScaleExpMax ? kScaleExpMax : se);
 }
 // FP8 tiles (1x128, 128x128): 448 = 1.75 * 2^8.

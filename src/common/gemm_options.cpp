@@ -34,6 +34,15 @@ GroupedGemmOptions GroupedGemmOptions::from_env() {
                                             << " (streams the per-expert matmuls run on)");
     o.streams = static_cast<int>(x);
   }
+  if (const char* v = std::getenv("FLOWMOE_GEMM_PRIORITY")) {
+    char* end = nullptr;
+    errno = 0;
+    const long x = std::strtol(v, &end, 10);
+    FLOWMOE_CHECK(errno == 0 && end != v && *end == '\0' && x >= 0 && x <= kMaxPoolPriority,
+                  "FLOWMOE_GEMM_PRIORITY=\"" << v << "\"; expected an integer 0.." << kMaxPoolPriority
+                                              << " (priority steps of the matmul streams above the default)");
+    o.pool_priority = static_cast<int>(x);
+  }
   o.validate();
   return o;
 }
@@ -41,6 +50,8 @@ GroupedGemmOptions GroupedGemmOptions::from_env() {
 void GroupedGemmOptions::validate() const {
   FLOWMOE_CHECK(streams >= 1 && streams <= kMaxStreams,
                 "GroupedGemm options: streams = " << streams << "; expected 1.." << kMaxStreams);
+  FLOWMOE_CHECK(pool_priority >= 0 && pool_priority <= kMaxPoolPriority,
+                "GroupedGemm options: pool_priority = " << pool_priority << "; expected 0.." << kMaxPoolPriority);
   FLOWMOE_CHECK(candidates >= 1 && candidates <= kMaxCandidates,
                 "GroupedGemm options: candidates = " << candidates << "; expected 1.." << kMaxCandidates);
   FLOWMOE_CHECK(tune_reps >= 1 && tune_reps <= 100,

@@ -560,6 +560,25 @@ TEST(GemmOptions, DefaultsPreviousAndValidation) {
   EXPECT_TRUE(bad([](gemm::GroupedGemmOptions& o) { o.candidates = 0; }, "candidates = 0"));
   EXPECT_TRUE(bad([](gemm::GroupedGemmOptions& o) { o.tune_reps = 0; }, "tune_reps = 0"));
   EXPECT_TRUE(bad([](gemm::GroupedGemmOptions& o) { o.tune_margin = -0.5; }, "tune_margin"));
+  EXPECT_EQ(d.pool_priority, 0);
+  EXPECT_TRUE(bad([](gemm::GroupedGemmOptions& o) { o.pool_priority = -1; }, "pool_priority = -1; expected 0..8"));
+  EXPECT_TRUE(bad([](gemm::GroupedGemmOptions& o) { o.pool_priority = 9; }, "pool_priority = 9"));
+}
+
+TEST(GemmOptions, PriorityFromTheEnvironment) {
+  const char* had = std::getenv("FLOWMOE_GEMM_PRIORITY");
+  const std::string old = had ? had : "";
+  unsetenv("FLOWMOE_GEMM_PRIORITY");
+  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().pool_priority, 0);
+  setenv("FLOWMOE_GEMM_PRIORITY", "2", 1);
+  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().pool_priority, 2);
+  for (const char* v : {"-1", "9", "high", ""}) {
+    setenv("FLOWMOE_GEMM_PRIORITY", v, 1);
+    EXPECT_TRUE(ThrowsMentioning([] { gemm::GroupedGemmOptions::from_env(); },
+                                 {"FLOWMOE_GEMM_PRIORITY", "expected an integer 0..8"}))
+        << v;
+  }
+  if (had) setenv("FLOWMOE_GEMM_PRIORITY", old.c_str(), 1); else unsetenv("FLOWMOE_GEMM_PRIORITY");
 }
 
 TEST(GemmOptions, Environment) {

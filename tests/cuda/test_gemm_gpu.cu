@@ -590,6 +590,16 @@ TEST_P(GemmGpuConcurrency, BitIdenticalToSerialAndAcrossCalls) {
   const Bits u4 = run_passes(gu, p, d, g0, 0);
   EXPECT_TRUE(same_bits(u4, run_passes(g1, p, d, g0, 0))) << "untuned: four streams vs previous()";
   EXPECT_TRUE(same_bits(u4, run_passes(gu, p, d, g0, 0))) << "untuned: repeated";
+  {  // every matmul on raised-priority pool streams (the MoE layer's setting with its side stream)
+    cuda::GroupedGemm::Options hp = untuned;
+    hp.pool_priority = 1;
+    cuda::GroupedGemm gp(hp);
+    EXPECT_TRUE(same_bits(u4, run_passes(gp, p, d, g0, 0))) << "untuned: priority pool vs default pool";
+    EXPECT_EQ(gp.stats().concurrent_calls, ne > 1 ? 6 : 0);
+    gp.set_concurrency(1);
+    EXPECT_TRUE(same_bits(u4, run_passes(gp, p, d, g0, 0))) << "untuned: priority pool, one stream";
+    EXPECT_EQ(gp.device_bytes(), 4 * hp.workspace_bytes);
+  }
   EXPECT_EQ(gu.stats().tunings + g1.stats().tunings, 0);
   EXPECT_EQ(g1.stats().concurrent_calls, 0);
   EXPECT_EQ(g1.device_bytes(), g1.options().workspace_bytes) << "previous(): one workspace";

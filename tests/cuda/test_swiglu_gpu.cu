@@ -52,6 +52,42 @@ struct DBuf {
   std::vector<T> get() const { return get(n); }
 };
 
+// ---- num::f_rcp on the device: every binary32 in [1, 2] ------------------------------------------
+// The device f_rcp is MUFU.RCP plus one FMA Newton step (swiglu_math.h); it must be the correctly
+// rounded reciprocal wherever the SwiGLU code calls it, i.e. equal __frcp_rn and the host's 1.0f / a.
+__global__ void rcp_one_to_two_kernel(float* out, unsigned long long* mismatches) {
+  const uint32_t n = 0x40000000u - 0x3F800000u + 1;
+  unsigned long long bad = 0;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const float a = __uint_as_float(0x3F800000u + i);
+    const float y = num::f_rcp(a);
+    out[i] = y;
+    bad += __float_as_uint(y) != __float_as_uint(__frcp_rn(a));
+  }
+  if (bad) atomicAdd(mismatches, bad);
+}
+
+TEST(SwigluMathGpu, ReciprocalIsCorrectlyRoundedOnOneToTwo) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const uint32_t n = 0x40000000u - 0x3F800000u + 1;
+  DBuf<float> out(n);
+  DBuf<unsigned long long> bad(1);
+  CU(cudaMemset(bad.p, 0, sizeof(unsigned long long)));
+  rcp_one_to_two_kernel<<<1024, 256>>>(out.p, bad.p);
+  CU(cudaGetLastError());
+  CU(cudaDeviceSynchronize());
+  EXPECT_EQ(bad.get()[0], 0u) << "f_rcp differs from __frcp_rn";
+  const std::vector<float> got = out.get();
+  int64_t host_bad = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const float a = num::f32_from_bits(0x3F800000u + i);
+    const float want = 1.0f / a;
+    if (num::f32_bits(got[i]) != num::f32_bits(want) && ++host_bad <= 5)
+      ADD_FAILURE() << "f_rcp(" << a << ") = " << got[i] << ", host 1/a = " << want;
+  }
+  EXPECT_EQ(host_bad, 0);
+}
+
 // ---- data (the same generator as tests/cpu/test_swiglu.cpp) ---------------------------------------
 enum class HDist { kNormal, kHeavy, kWide, kTiny, kNearMax, kNonFinite };
 const char* hdist_name(HDist d) {

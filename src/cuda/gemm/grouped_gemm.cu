@@ -241,7 +241,9 @@ struct GroupedGemm::Impl {
   char* buffer = nullptr;
   size_t buffer_bytes = 0, ws_stride = 0;
   bool scratch_user = false;  // registered with shared_scratch() for this device
-  std::vector<cudaStream_t> pool;   // slots 1 .. streams - 1 (slot 0 is the caller's stream)
+  // pool_priority == 0: slots 1 .. streams - 1 (slot 0 is the caller's stream); > 0: every slot
+  // (pool[i] is slot i), created above the default priority.
+  std::vector<cudaStream_t> pool;
   std::vector<cudaEvent_t> joined;  // one per pool stream
   cudaEvent_t forked = nullptr;
   std::vector<cudaEvent_t> timing;  // start and stop per candidate
@@ -280,15 +282,18 @@ struct GroupedGemm::Impl {
       make_desc(kDescNT, CUBLAS_OP_N, CUBLAS_OP_T, -1, -1);
       pool.reserve(opt.streams);
       joined.reserve(opt.streams);
-      for (int i = 1; i < opt.streams; ++i) {
+      int least = 0, greatest = 0;  // numerically: least >= greatest (lower is more urgent)
+      FLOWMOE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      const int prio = std::max(greatest, least - opt.pool_priority);
+      for (int i = opt.pool_priority > 0 ? 0 : 1; i < opt.streams; ++i) {
         cudaStream_t s = nullptr;
-        FLOWMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        FLOWMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, prio));
         pool.push_back(s);
         cudaEvent_t e = nullptr;
         FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
         joined.push_back(e);
       }
-      if (opt.streams > 1) FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&forked, cudaEventDisableTiming));
+      if (!pool.empty()) FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&forked, cudaEventDisableTiming));
       if (opt.tune) {
         timing.reserve(2 * opt.candidates);
         for (int i = 0; i < 2 * opt.candidates; ++i) {
@@ -645,34 +650,46 @@ struct GroupedGemm::Impl {
   void add_zero_fill(void* p, size_t bytes) { fills.emplace_back(p, bytes); }
 
   // Zero fills on the caller's stream, then the matmuls round-robin over min(active, launches)
-  // slots: slot 0 is the caller's stream, slot i > 0 pool stream i - 1 (forked from the caller's
-  // stream, joined back to it), each with its own workspace.
+  // slots, each with its own workspace. pool_priority == 0: slot 0 is the caller's stream, slot
+  // i > 0 pool stream i - 1 (forked from the caller's stream, joined back to it). pool_priority
+  // > 0: every slot is a pool stream (the caller's stream only forks and joins), so that every
+  // matmul runs above the default priority.
   void launch(cudaStream_t stream, const char* what) {
     for (const auto& f : fills) {
       FLOWMOE_CUDA_CHECK(cudaMemsetAsync(f.first, 0, f.second, stream));
       ++stats.zero_fills;
     }
     const int n = static_cast<int>(launches.size());
+    if (n == 0) return;
     const int lanes = std::max(1, std::min(active, n));
-    if (lanes > 1) {
+    const int first = opt.pool_priority > 0 ? 0 : 1;  // first slot on a pool stream
+    const auto slot_stream = [&](int slot) { return slot < first ? stream : pool[slot - first]; };
+    if (lanes > first) {
       FLOWMOE_CUDA_CHECK(cudaEventRecord(forked, stream));
-      for (int i = 1; i < lanes; ++i) FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(pool[i - 1], forked, 0));
-      ++stats.concurrent_calls;
+      for (int i = first; i < lanes; ++i) FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(slot_stream(i), forked, 0));
+      if (lanes > 1) ++stats.concurrent_calls;
     }
+    const auto join_all = [&](bool checked) {
+      for (int i = first; i < lanes; ++i) {
+        cudaEvent_t e = joined[i - first];
+        if (checked) {
+          FLOWMOE_CUDA_CHECK(cudaEventRecord(e, slot_stream(i)));
+          FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, e, 0));
+        } else if (cudaEventRecord(e, slot_stream(i)) == cudaSuccess) {
+          cudaStreamWaitEvent(stream, e, 0);
+        }
+      }
+    };
     try {
       for (int i = 0; i < n; ++i) {
         const int slot = i % lanes;
-        enqueue(launches[i], slot == 0 ? stream : pool[slot - 1], workspace(slot), what);
+        enqueue(launches[i], slot_stream(slot), workspace(slot), what);
       }
     } catch (...) {
-      for (int i = 1; i < lanes; ++i)  // leave the pool joined (a capture stays well-formed)
-        if (cudaEventRecord(joined[i - 1], pool[i - 1]) == cudaSuccess) cudaStreamWaitEvent(stream, joined[i - 1], 0);
+      join_all(false);  // leave the pool joined (a capture stays well-formed)
       throw;
     }
-    for (int i = 1; i < lanes; ++i) {
-      FLOWMOE_CUDA_CHECK(cudaEventRecord(joined[i - 1], pool[i - 1]));
-      FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, joined[i - 1], 0));
-    }
+    join_all(true);
   }
 
   void enqueue(const Launch& L, cudaStream_t s, void* ws, const char* what) {

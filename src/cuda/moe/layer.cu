@@ -471,8 +471,17 @@ class CudaMoeLayer final : public MoeLayer {
         break;
     }
 
-    // GEMM object: cuBLASLt handle, descriptors and its workspace (allocated once here)
-    gg_.reset(new GroupedGemm());  // options from the defaults and FLOWMOE_GEMM_TUNE / _STREAMS
+    // flow / flow-fp4: the column copies for wgrad (scaling-aware transposes, FP4RowToFP8Col) run
+    // on a side stream next to the GEMMs that do not need them (FLOWMOE_LAYER_OVERLAP=0: inline)
+    const char* ov = std::getenv("FLOWMOE_LAYER_OVERLAP");
+    overlap_ = (rc == Recipe::kFlow || rc == Recipe::kFlowFp4) && !(ov && std::string(ov) == "0");
+    // GEMM object: cuBLASLt handle, descriptors and its workspace (allocated once here); options
+    // from the defaults and FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY. With the side stream, the
+    // matmuls run one priority step above it (unless FLOWMOE_GEMM_PRIORITY says otherwise), so the
+    // copies fill the GEMMs' gaps instead of taking SMs from them.
+    GroupedGemm::Options gopt = GroupedGemm::Options::from_env();
+    if (overlap_ && !std::getenv("FLOWMOE_GEMM_PRIORITY")) gopt.pool_priority = 1;
+    gg_.reset(new GroupedGemm(gopt));
     gg_workspace_ = gg_->device_bytes();
     events_.resize(kEventPool);
     for (int i = 0; i < kEventPool; ++i) FLOWMOE_CUDA_CHECK(cudaEventCreate(&events_[i]));
@@ -480,10 +489,6 @@ class CudaMoeLayer final : public MoeLayer {
       FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_dx_, cudaEventDisableTiming));
       for (cudaEvent_t& e : ev_chunk_) FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
-    // flow / flow-fp4: the column copies for wgrad (scaling-aware transposes, FP4RowToFP8Col) run
-    // on a side stream next to the GEMMs that do not need them (FLOWMOE_LAYER_OVERLAP=0: inline)
-    const char* ov = std::getenv("FLOWMOE_LAYER_OVERLAP");
-    overlap_ = (rc == Recipe::kFlow || rc == Recipe::kFlowFp4) && !(ov && std::string(ov) == "0");
     if (overlap_) {
       FLOWMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
       for (cudaEvent_t& e : side_events_) FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));

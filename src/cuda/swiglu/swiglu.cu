@@ -202,13 +202,20 @@ __device__ __forceinline__ TileCodes quantize_tile8(const uint4& v, unsigned lon
   const int e = e4m3_scale_exp(detail::bf16_bits_to_f32(amax_bits));
   return TileCodes{encode8(v, e, bad), bad ? kUE8M0NaN : ue8m0_from_exp(e)};
 }
-// The same for binary32 values (8 per lane): amax by integer maximum of the magnitude bits
-// (ordered like the values for finite floats; any bits >= 0x7F800000 mean Inf or NaN).
+// max(|x|, |y|) propagating NaN (PTX max.NaN; the absolute values fold into FMNMX's operand
+// modifiers): one instruction per value where integer maxima of masked bits take two.
+__device__ __forceinline__ float absmax_nan(float x, float y) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(fabsf(x)), "f"(fabsf(y)));
+  return r;
+}
+// The same for binary32 values (8 per lane). The lane's amax is a non-negative float or NaN, so
+// its bits order like the values (NaN above Inf) and the 16 lanes combine by integer maximum; any
+// bits >= 0x7F800000 mean Inf or NaN. Finite tiles get exactly the bits of max |a|.
 __device__ __forceinline__ TileCodes quantize_tile8(const float (&a)[8], unsigned long long* nonfinite) {
-  uint32_t mx = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) mx = max(mx, __float_as_uint(a[i]) & 0x7FFFFFFFu);
-  mx = detail::group_max_u(mx, 16);
+  const float m = absmax_nan(absmax_nan(absmax_nan(a[0], a[1]), absmax_nan(a[2], a[3])),
+                             absmax_nan(absmax_nan(a[4], a[5]), absmax_nan(a[6], a[7])));
+  const uint32_t mx = detail::group_max_u(__float_as_uint(m), 16);
   const bool bad = mx >= 0x7F800000u;
   if (__any_sync(0xffffffffu, bad)) {
     int nbad = 0;
