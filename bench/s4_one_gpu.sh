@@ -29,6 +29,8 @@ for what in "${@:-tests bench}"; do
       grep -E "^\| (flow|flow-fp4|blockwise) |PyTorch|MISSED|met" $OUT/bench-ovw.log | cut -c1-220
       # A/B of the GEMM stream priority (the layer's new default with its side stream is 1)
       FLOWMOE_GEMM_PRIORITY=0 step bench-ovw-prio0 200 $B/flowmoe bench --config v3-ep8,v2-lite --tokens 8192 --reps 5 --recipes flow,flow-fp4 --grads overwrite --baseline $OUT/torch.json
-      grep -E "^\| (flow|flow-fp4) " $OUT/bench-ovw-prio0.log | cut -c1-160 ;;
+      grep -E "^\| (flow|flow-fp4) " $OUT/bench-ovw-prio0.log | cut -c1-160
+      FLOWMOE_GEMM_STREAMS=8 step bench-ovw-streams8 200 $B/flowmoe bench --config v2,v2-lite --tokens 8192 --reps 5 --recipes blockwise,flow --grads overwrite --baseline $OUT/torch.json
+      grep -E "^\| (flow|blockwise) " $OUT/bench-ovw-streams8.log | cut -c1-160 ;;
   esac
 done

@@ -3,12 +3,11 @@
 // (src/cpu/token_ref.cpp), so every result equals it bit for bit.
 //
 // permute+pad is a scatter: one warp per (source token, 2 KB chunk of a row part) loads the chunk
-// once and stores it to the rows of the token's k slots; up to T/4 extra warps zero the padding
-// rows, each looping over its share of the E * (A-1) possible padding slots (slot p: expert
-// p / (A-1), row padded_offsets[e] + counts[e] + p % (A-1), if still inside the padded segment).
-// The FP8 scale grid [H/128][ld] is one more "chunk": scattered per token, or, when the routing
-// has its inverse map row_src, gathered per destination row by the same launch. Every
-// destination row in [0, Mp) is written exactly once, so nothing needs to be cleared beforehand.
+// once and stores it to the rows of the token's k slots; extra warps zero the padding rows
+// (slot p of the E * (A-1) possible padding rows: expert p / (A-1), row
+// padded_offsets[e] + counts[e] + p % (A-1), if still inside the padded segment). The FP8 scale
+// grid [H/128][ld] is one more "chunk" per token. Every destination row in [0, Mp) is written
+// exactly once, so nothing needs to be cleared beforehand.
 #include <algorithm>
 #include <climits>
 
@@ -46,17 +45,11 @@ struct ColScales {  // FP8 scale grid: byte (column c, row i) at base[c * ld + i
   uint8_t* dst = nullptr;
   int64_t dst_ld = 0;
   int ncols = 0;
-  // Gathered instead of scattered when set: dst[c][row] = src[c][row_src[row]] (0 for padding
-  // rows) for rows [0, padded_offsets[E]); consecutive threads write consecutive bytes.
-  const int32_t* row_src = nullptr;
-  const int32_t* padded_offsets = nullptr;
-  int E = 0;
 };
 struct PadRows {  // padding rows of the padded segments
   const int32_t* counts = nullptr;
   const int32_t* padded_offsets = nullptr;
   int per_expert = 0;  // A - 1 (0: no padding work)
-  int E = 0;
 };
 struct ScatterArgs {
   Part part[2];
@@ -66,8 +59,7 @@ struct ScatterArgs {
   int64_t tokens = 0;
   int k = 0;
   PadRows pad;
-  int64_t items = 0;      // T + pad_warps
-  int64_t pad_warps = 0;  // warps sharing the E * per_expert padding slots (grid-stride)
+  int64_t items = 0;  // T + E * per_expert
 };
 struct GatherArgs {
   Part part[2];
@@ -144,47 +136,20 @@ __device__ __forceinline__ int64_t pad_row_of(const PadRows& pad, int64_t p) {
   return row < pad.padded_offsets[e + 1] ? row : -1;
 }
 
-// grid (ceil((T + pad_warps) / 8), chunks of part 0 + chunks of part 1 + (FP8 scales ? 1 : 0)):
-// warp w < T moves token w's chunk to its k rows; the pad_warps after it zero padding rows.
+// grid (ceil(items / 8), chunks of part 0 + chunks of part 1 + (FP8 scales ? 1 : 0))
 __global__ void __launch_bounds__(kThreads) scatter_rows_kernel(const ScatterArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const ColScales& c = a.col;  // the FP8 scale grid: the last grid row when present
-  if (c.row_src && blockIdx.y == gridDim.y - 1) {
-    // Gathered through the inverse map, in the same launch as the codes (grid-stride over the
-    // Mp rows; the grid's x extent gives 32 threads per token, so a thread has a row or a few),
-    // row_src read once per row.
-    const int64_t mp = c.padded_offsets[c.E];
-    const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-    for (int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; row < mp; row += step) {
-      const int32_t t = c.row_src[row];
-      for (int cc = 0; cc < c.ncols; ++cc) c.dst[cc * c.dst_ld + row] = t >= 0 ? c.src[cc * c.src_ld + t] : 0;
-    }
-    return;
-  }
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (item >= a.items) return;
-  if (item >= a.tokens) {  // padding: this warp's share of the E * (A - 1) slots, chunk y
-    const int64_t slots = static_cast<int64_t>(a.pad.per_expert) * a.pad.E;
-    for (int64_t p = item - a.tokens; p < slots; p += a.pad_warps) {
-      const int64_t zero_row = pad_row_of(a.pad, p);
-      if (zero_row < 0) continue;
-      int y = blockIdx.y;
-      if (y < a.part[0].chunks) {
-        move_chunk(a.part[0], y, -1, -1, 0, zero_row, lane);
-        continue;
-      }
-      y -= a.part[0].chunks;
-      if (a.nparts > 1 && y < a.part[1].chunks) {
-        move_chunk(a.part[1], y, -1, -1, 0, zero_row, lane);
-        continue;
-      }
-      for (int cc = lane; cc < c.ncols; cc += 32) c.dst[cc * c.dst_ld + zero_row] = 0;
-    }
-    return;
-  }
-  const int64_t src_row = item, zero_row = -1;
+  int64_t src_row = -1, zero_row = -1;
   int32_t my_row = -1;
-  if (lane < a.k) my_row = a.row_map[item * a.k + lane];
+  if (item < a.tokens) {
+    src_row = item;
+    if (lane < a.k) my_row = a.row_map[item * a.k + lane];
+  } else {
+    zero_row = pad_row_of(a.pad, item - a.tokens);
+    if (zero_row < 0) return;
+  }
   int y = blockIdx.y;
   if (y < a.part[0].chunks) {
     move_chunk(a.part[0], y, src_row, my_row, a.k, zero_row, lane);
@@ -193,6 +158,11 @@ __global__ void __launch_bounds__(kThreads) scatter_rows_kernel(const ScatterArg
   y -= a.part[0].chunks;
   if (a.nparts > 1 && y < a.part[1].chunks) {
     move_chunk(a.part[1], y, src_row, my_row, a.k, zero_row, lane);
+    return;
+  }
+  const ColScales& c = a.col;  // the FP8 scale grid
+  if (src_row < 0) {
+    for (int cc = lane; cc < c.ncols; cc += 32) c.dst[cc * c.dst_ld + zero_row] = 0;
     return;
   }
   for (int c0 = 0; c0 < c.ncols; c0 += 32) {
@@ -442,7 +412,6 @@ PadRows pad_rows(const Routing& r) {
   p.counts = r.counts;
   p.padded_offsets = r.padded_offsets;
   p.per_expert = r.align - 1;
-  p.E = r.num_experts;
   return p;
 }
 
@@ -452,12 +421,7 @@ void scatter(ScatterArgs a, const Routing& r, bool padded, cudaStream_t stream, 
   a.tokens = r.tokens;
   a.k = r.topk;
   if (padded) a.pad = pad_rows(r);
-  // Padding warps: at most one per slot, and no more than a quarter of the token warps (most
-  // slots of a large alignment are empty; a warp that loops over a few costs less than the
-  // second wave of CTAs that one warp per slot would launch).
-  const int64_t slots = static_cast<int64_t>(a.pad.E) * a.pad.per_expert;
-  a.pad_warps = std::min<int64_t>(slots, std::max<int64_t>(1, (r.tokens + 3) / 4));
-  a.items = r.tokens + a.pad_warps;
+  a.items = r.tokens + (padded ? static_cast<int64_t>(r.num_experts) * a.pad.per_expert : 0);
   if (r.tokens == 0) return;  // no rows, so no padding either
   const int64_t chunks = a.part[0].chunks + (a.nparts > 1 ? a.part[1].chunks : 0) + (a.col.ncols > 0 ? 1 : 0);
   scatter_rows_kernel<<<dim3(warps_grid(a.items), chunks_grid(chunks)), kThreads, 0, stream>>>(a);
@@ -489,6 +453,19 @@ void permute_bf16_impl(const bf16_t* x, int64_t h, const Routing& r, bf16_t* out
   a.nparts = 1;
   scatter(a, r, padded, stream, what);
 }
+// The FP8 scale grid of permute_pad_fp8 through the inverse map: dst[c][row] = src[c][row_src[row]]
+// (0 for padding rows), rows [0, Mp): consecutive threads write consecutive bytes of a scale row.
+__global__ void __launch_bounds__(kThreads)
+gather_fp8_scales_kernel(const uint8_t* __restrict__ src, int64_t src_ld, const int32_t* __restrict__ row_src,
+                         const int32_t* __restrict__ padded_offsets, int E, uint8_t* __restrict__ dst,
+                         int64_t dst_ld) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (row >= padded_offsets[E]) return;
+  const int64_t c = blockIdx.y;
+  const int32_t t = row_src[row];
+  dst[c * dst_ld + row] = t >= 0 ? src[c * src_ld + t] : 0;
+}
+
 void permute_fp8_impl(const uint8_t* codes, const uint8_t* scales, int64_t h, const Routing& r,
                       uint8_t* out_codes, uint8_t* out_scales, int64_t scale_ld, bool padded,
                       cudaStream_t stream, const char* what) {
@@ -507,12 +484,16 @@ void permute_fp8_impl(const uint8_t* codes, const uint8_t* scales, int64_t h, co
   a.col.dst = out_scales;
   a.col.dst_ld = scale_ld;
   a.col.ncols = static_cast<int>(h / kFp8Block);
-  if (padded && r.row_src != nullptr) {  // gather the scales in the same launch
-    a.col.row_src = r.row_src;
-    a.col.padded_offsets = r.padded_offsets;
-    a.col.E = r.num_experts;
-  }
+  const bool gather_scales = padded && r.row_src != nullptr;
+  if (gather_scales) a.col.ncols = 0;  // the codes only; the scales below
   scatter(a, r, padded, stream, what);
+  if (gather_scales) {
+    const int64_t rows = r.max_rows();
+    const dim3 grid(static_cast<unsigned>((rows + kThreads - 1) / kThreads), static_cast<unsigned>(h / kFp8Block));
+    gather_fp8_scales_kernel<<<grid, kThreads, 0, stream>>>(scales, r.tokens, r.row_src, r.padded_offsets,
+                                                           r.num_experts, out_scales, scale_ld);
+    FLOWMOE_LAUNCH_CHECK(what);
+  }
 }
 void permute_mxfp4_impl(const uint8_t* codes, const uint8_t* scales, int64_t h, const Routing& r,
                         uint8_t* out_codes, uint8_t* out_scales, bool padded, cudaStream_t stream,
