@@ -320,6 +320,33 @@ TEST_P(MoeGpuRecipe, TwoRunsGiveIdenticalBits) {
   }
 }
 
+// The backward's tail (router backward, dWr, dx) on its own stream next to GEMM1 wgrad (the
+// default on one GPU) gives the bits of the serial order (FLOWMOE_LAYER_TAIL_OVERLAP=0), and the
+// caller's stream orders all of it (the outputs are read by copies ordered after that stream).
+TEST_P(MoeGpuRecipe, TailStreamGivesTheSerialBits) {
+  REQUIRE_DEVICE();
+  const Shape& s = kShapes[1];
+  const Recipe r = GetParam();
+  const Data d = make_data(s, s.tokens, 83);
+  DevData dd(d);
+  const char* had = std::getenv("FLOWMOE_LAYER_TAIL_OVERLAP");
+  const std::string old = had ? had : "";
+  setenv("FLOWMOE_LAYER_TAIL_OVERLAP", "0", 1);
+  std::unique_ptr<MoeLayer> serial = make_cuda_layer(make_cfg(s, r), nullptr);
+  setenv("FLOWMOE_LAYER_TAIL_OVERLAP", "1", 1);
+  std::unique_ptr<MoeLayer> tail = make_cuda_layer(make_cfg(s, r), nullptr);
+  setenv("FLOWMOE_LAYER_TAIL_OVERLAP", "on", 1);
+  EXPECT_THROW(make_cuda_layer(make_cfg(s, r), nullptr), Error) << "a bad value is an error";
+  if (had) setenv("FLOWMOE_LAYER_TAIL_OVERLAP", old.c_str(), 1); else unsetenv("FLOWMOE_LAYER_TAIL_OVERLAP");
+  const Outputs a = run_gpu(serial.get(), s, d, dd, s.tokens);
+  const Outputs b = run_gpu(tail.get(), s, d, dd, s.tokens);
+  expect_same_bits(a.y, b.y, "y");
+  expect_same_bits(a.dx, b.dx, "dx");
+  expect_same_bits(a.dw1, b.dw1, "dW1");
+  expect_same_bits(a.dw2, b.dw2, "dW2");
+  expect_same_bits(a.dwr, b.dwr, "dWr");
+}
+
 // MoeGrads::accumulate = false: the gradient buffers' old contents (NaN here) are never read, and
 // the result is the gradient accumulated into zeros (expert wgrads: cuBLASLt beta 0 against beta 1
 // over zeros, possibly another algorithm, so a tight tolerance; dWr: the same kernel after a

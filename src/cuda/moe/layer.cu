@@ -231,7 +231,16 @@ class CudaMoeLayer final : public MoeLayer {
       case Recipe::kFlow:
       case Recipe::kFlowFp4: with_side_drained([&] { backward_flow(dy, g); }); break;
     }
-    backward_router(g, dx);
+    if (tail_) {  // the tail stream joins stream_ even when the tail throws
+      try {
+        backward_router(g, dx);
+      } catch (...) {
+        cudaStreamSynchronize(tail_);
+        throw;
+      }
+    } else {
+      backward_router(g, dx);
+    }
     backward_done_ = true;
   }
 
@@ -485,8 +494,20 @@ class CudaMoeLayer final : public MoeLayer {
     gg_workspace_ = gg_->device_bytes();
     events_.resize(kEventPool);
     for (int i = 0; i < kEventPool; ++i) FLOWMOE_CUDA_CHECK(cudaEventCreate(&events_[i]));
+    // One GPU: the backward's tail (router backward, dWr, dx = unpermute + router path) needs only
+    // the dX rows of GEMM1 dgrad, so it runs on its own stream, above the GEMMs' priority, while
+    // GEMM1 wgrad computes (FLOWMOE_LAYER_TAIL_OVERLAP=0: after it, on the caller's stream).
+    const char* to = std::getenv("FLOWMOE_LAYER_TAIL_OVERLAP");
+    FLOWMOE_CHECK(!to || std::string(to) == "0" || std::string(to) == "1",
+                  "FLOWMOE_LAYER_TAIL_OVERLAP=\"" << to << "\"; expected 0 or 1");
+    if (!comm_ && !(to && std::string(to) == "0")) {
+      int least = 0, greatest = 0;
+      FLOWMOE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      FLOWMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&tail_, cudaStreamNonBlocking, greatest));
+      FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_tail_, cudaEventDisableTiming));
+    }
+    if (comm_ || tail_) FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_dx_, cudaEventDisableTiming));
     if (comm_) {
-      FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_dx_, cudaEventDisableTiming));
       for (cudaEvent_t& e : ev_chunk_) FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
     if (overlap_) {
@@ -536,6 +557,13 @@ class CudaMoeLayer final : public MoeLayer {
     events_.clear();
     if (ev_dx_) cudaEventDestroy(ev_dx_);
     ev_dx_ = nullptr;
+    if (tail_) {
+      cudaStreamSynchronize(tail_);
+      cudaStreamDestroy(tail_);
+      tail_ = nullptr;
+    }
+    if (ev_tail_) cudaEventDestroy(ev_tail_);
+    ev_tail_ = nullptr;
     for (cudaEvent_t& e : ev_chunk_) {
       if (e) cudaEventDestroy(e);
       e = nullptr;
@@ -1345,7 +1373,13 @@ class CudaMoeLayer final : public MoeLayer {
   // backward_router can send the rows while the wgrad (enqueued meanwhile, and touching none of
   // o_, ep_dprow_, ep_send_, ep_send_p_) runs on the GPU.
   void ep_combine_dx_begin() {
-    if (!comm_) return;
+    if (!comm_) {  // one GPU: the tail stream starts here (backward_router)
+      if (tail_) {
+        FLOWMOE_CUDA_CHECK(cudaEventRecord(ev_dx_, stream_));
+        dx_ready_marked_ = true;
+      }
+      return;
+    }
     ep_sum_row_dprobs(dpart_, F_ / 128, Mp_, ep_dprow_, stream_);
     FLOWMOE_CUDA_CHECK(cudaEventRecord(ev_dx_, stream_));
     dx_ready_marked_ = true;
@@ -1356,6 +1390,13 @@ class CudaMoeLayer final : public MoeLayer {
     const RouterConfig rc = cfg_.router_config();
     const bf16_t* rows = o_;                 // dX rows, [Mp, H] padded (one GPU)
     const int32_t* map = routing_.row_map;
+    cudaStream_t rs = stream_;  // the stream of the tail below
+    if (!comm_ && tail_) {     // one GPU: from the dX rows on, next to GEMM1 wgrad
+      FLOWMOE_CHECK(dx_ready_marked_, "MoeLayer::backward: internal error: the recipe did not mark the dX rows");
+      dx_ready_marked_ = false;
+      FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(tail_, ev_dx_, 0));
+      rs = tail_;
+    }
     if (comm_) {
       // combine: the dX rows (BF16) and each row's d loss / d prob (FP32, summed over the F/128
       // partial sums here, in gather_row_dprobs' order) go back to the token's rank in one
@@ -1376,20 +1417,24 @@ class CudaMoeLayer final : public MoeLayer {
       rows = back;
       map = routing_.row_map_unpadded;
     }
-    { auto s = bwd("router backward (dprobs, dlogits)");
+    { auto s = bwd(rs == stream_ ? "router backward (dprobs, dlogits)" : "router backward (dprobs, dlogits; tail stream)", rs);
       if (comm_ == nullptr)
-        gather_row_dprobs(dpart_, F_ / 128, Mp_, routing_.row_map, T_, K_, dprobs_, stream_);
+        gather_row_dprobs(dpart_, F_ / 128, Mp_, routing_.row_map, T_, K_, dprobs_, rs);
       else  // one "tile": the sums that came back (x + nothing = x, canonicalised as on one GPU)
-        gather_row_dprobs(ep_send_p_, 1, plan_.send_rows(), map, T_, K_, dprobs_, stream_);
+        gather_row_dprobs(ep_send_p_, 1, plan_.send_rows(), map, T_, K_, dprobs_, rs);
       router_backward(logits_, T_, rc, ids_, dprobs_, cfg_.aux_loss_alpha > 0.0f ? aux_coef_ : nullptr, 1.0f,
-                      dlogits_, stream_); }
-    if (g.dwr) { auto s = bwd("router dWr");
+                      dlogits_, rs); }
+    if (g.dwr) { auto s = bwd(rs == stream_ ? "router dWr" : "router dWr (tail stream)", rs);
       // overwrite: the kernel adds in a fixed order to what is there, so start from zeros (the
       // CPU layer does the same: 0 + sum, so -0 sums give +0 in both)
-      if (!g.accumulate) FLOWMOE_CUDA_CHECK(cudaMemsetAsync(g.dwr, 0, sizeof(float) * size_t(E_) * H_, stream_));
-      router_dwr(dlogits_, x_, T_, E_, H_, g.dwr, stream_); }
-    { auto s = bwd("unpermute dx + router path");
-      combine_dx(rows, map, T_, K_, dlogits_, wr_, E_, H_, dx, stream_); }
+      if (!g.accumulate) FLOWMOE_CUDA_CHECK(cudaMemsetAsync(g.dwr, 0, sizeof(float) * size_t(E_) * H_, rs));
+      router_dwr(dlogits_, x_, T_, E_, H_, g.dwr, rs); }
+    { auto s = bwd(rs == stream_ ? "unpermute dx + router path" : "unpermute dx + router path (tail stream)", rs);
+      combine_dx(rows, map, T_, K_, dlogits_, wr_, E_, H_, dx, rs); }
+    if (rs != stream_) {  // stream_ (the caller's) orders everything after the tail again
+      FLOWMOE_CUDA_CHECK(cudaEventRecord(ev_tail_, rs));
+      FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_tail_, 0));
+    }
   }
 
   // ---- state -----------------------------------------------------------------------------------
@@ -1472,7 +1517,9 @@ class CudaMoeLayer final : public MoeLayer {
   float* dd_recv_p_ = nullptr;
   int32_t* dd_local_ids_ = nullptr;
   int64_t dd_recv_tokens_ = 0;    // tokens received by the last forward's dispatch
-  cudaEvent_t ev_dx_ = nullptr;  // EP: the dX rows and their dprobs are ready (ep_combine_dx_begin)
+  cudaEvent_t ev_dx_ = nullptr;  // the dX rows (EP: and their dprobs) are ready (ep_combine_dx_begin)
+  cudaStream_t tail_ = nullptr;  // one GPU: the backward's tail next to GEMM1 wgrad (highest priority)
+  cudaEvent_t ev_tail_ = nullptr;
   bool dx_ready_marked_ = false;
   int ev_used_ = 0;
   std::vector<Stage> stages_fwd_, stages_bwd_;
