@@ -35,6 +35,17 @@ for what in "${@:-tests bench}"; do
     moe-tests)
       step gpu-tests-moe 300 $B/flowmoe_gpu_tests --gtest_filter='*Moe*:*Gemm*:*Swiglu*'
       tail -3 $OUT/gpu-tests-moe.log; grep -B2 -A10 Failure $OUT/gpu-tests-moe.log | head -40 ;;
+    final)  # the last one-GPU call: everything quoted in the closing note, in one call
+      step gpu-tests 300 $B/flowmoe_gpu_tests
+      tail -3 $OUT/gpu-tests.log; grep -B2 -A10 Failure $OUT/gpu-tests.log | head -40
+      step bench-swiglu 150 $B/flowmoe_bench_swiglu
+      step bench-token 150 $B/flowmoe_bench_token
+      step torch-kernels 200 python3 bench/torch_kernel_baselines.py --config all --json $OUT/torch-kernels.json
+      grep -E "swiglu|permute|unpermute" $OUT/torch-kernels.log | head -30
+      step torch-layer 200 python3 bench/torch_moe_layer.py --tokens 8192 --reps 5 --json $OUT/torch.json
+      step bench-acc 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --baseline $OUT/torch.json
+      step bench-ovw 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow,flow-fp4 --grads overwrite --baseline $OUT/torch.json --no-breakdown
+      grep -E "^\| (bf16|fp8-naive|flow|flow-fp4|blockwise) |PyTorch|MISSED|met" $OUT/bench-acc.log $OUT/bench-ovw.log | cut -c1-170 ;;
     layer)
       step torch-layer 200 python3 bench/torch_moe_layer.py --tokens 8192 --reps 5 --json $OUT/torch.json
       step bench-ovw 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow,flow-fp4 --grads overwrite --baseline $OUT/torch.json
