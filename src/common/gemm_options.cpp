@@ -17,6 +17,21 @@ GroupedGemmOptions GroupedGemmOptions::previous() {
   return o;
 }
 
+namespace {
+// An integer setting from the environment, when set: lo..hi, anything else (text, a suffix, out of
+// range, empty) throws naming the variable, the value and what is expected.
+void env_int(const char* name, int lo, int hi, const char* meaning, int* out) {
+  const char* v = std::getenv(name);
+  if (!v) return;
+  char* end = nullptr;
+  errno = 0;
+  const long x = std::strtol(v, &end, 10);
+  FLOWMOE_CHECK(errno == 0 && end != v && *end == '\0' && x >= lo && x <= hi,
+                name << "=\"" << v << "\"; expected an integer " << lo << ".." << hi << " (" << meaning << ")");
+  *out = static_cast<int>(x);
+}
+}  // namespace
+
 GroupedGemmOptions GroupedGemmOptions::from_env() {
   GroupedGemmOptions o;
   if (const char* v = std::getenv("FLOWMOE_GEMM_TUNE")) {
@@ -25,24 +40,9 @@ GroupedGemmOptions GroupedGemmOptions::from_env() {
                                          "1 (time the candidates once per problem key)");
     o.tune = v[0] == '1';
   }
-  if (const char* v = std::getenv("FLOWMOE_GEMM_STREAMS")) {
-    char* end = nullptr;
-    errno = 0;
-    const long x = std::strtol(v, &end, 10);
-    FLOWMOE_CHECK(errno == 0 && end != v && *end == '\0' && x >= 1 && x <= kMaxStreams,
-                  "FLOWMOE_GEMM_STREAMS=\"" << v << "\"; expected an integer 1.." << kMaxStreams
-                                            << " (streams the per-expert matmuls run on)");
-    o.streams = static_cast<int>(x);
-  }
-  if (const char* v = std::getenv("FLOWMOE_GEMM_PRIORITY")) {
-    char* end = nullptr;
-    errno = 0;
-    const long x = std::strtol(v, &end, 10);
-    FLOWMOE_CHECK(errno == 0 && end != v && *end == '\0' && x >= 0 && x <= kMaxPoolPriority,
-                  "FLOWMOE_GEMM_PRIORITY=\"" << v << "\"; expected an integer 0.." << kMaxPoolPriority
-                                              << " (priority steps of the matmul streams above the default)");
-    o.pool_priority = static_cast<int>(x);
-  }
+  env_int("FLOWMOE_GEMM_STREAMS", 1, kMaxStreams, "streams the per-expert matmuls run on", &o.streams);
+  env_int("FLOWMOE_GEMM_PRIORITY", 0, kMaxPoolPriority, "priority steps of the matmul streams above the default",
+          &o.pool_priority);
   o.validate();
   return o;
 }
