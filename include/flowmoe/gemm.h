@@ -124,7 +124,7 @@ struct GroupedGemmOptions {
   // Concurrency: the per-expert matmuls of one call go round-robin to `streams` streams, the
   // caller's stream and streams - 1 pool streams forked from it and joined back to it with events
   // (the call stays stream-ordered on the caller's stream). Each stream has its own cuBLASLt
-  // workspace. 1: every matmul on the caller's stream.
+  // workspace. 1: every matmul on the caller's stream (pool_priority > 0: on one pool stream).
   int streams = 4;
   // Priority of the matmuls. 0: the pool streams at the default priority, slot 0 the caller's
   // stream (above). p > 0: `streams` pool streams created p steps above the default priority

@@ -20,8 +20,8 @@
 // non-empty expert's plan (layouts, algorithm) is looked up or made; a new tuning key is timed
 // here, on the caller's stream, before anything of the call is launched. Launch: zero fills on the
 // caller's stream, then the matmuls round-robin over the caller's stream and the pool streams
-// (fork event on the caller's stream, one join event per pool stream), each stream with its own
-// workspace. Experts write disjoint outputs and each matmul is deterministic for a fixed algorithm
+// (pool_priority > 0: over the pool streams only), with a fork event on the caller's stream and
+// one join event per pool stream used, each stream with its own workspace. Experts write disjoint outputs and each matmul is deterministic for a fixed algorithm
 // and workspace size, so the result does not depend on the number of streams.
 #include <cublasLt.h>
 #include <cuda_runtime.h>

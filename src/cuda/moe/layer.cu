@@ -231,11 +231,12 @@ class CudaMoeLayer final : public MoeLayer {
       case Recipe::kFlow:
       case Recipe::kFlowFp4: with_side_drained([&] { backward_flow(dy, g); }); break;
     }
-    if (tail_) {  // the tail stream joins stream_ even when the tail throws
+    if (tail_) {  // the tail stream joins stream_ even when the tail throws (stream-ordered, so
+                  // that a graph capture stays well-formed; errors of the join itself ignored)
       try {
         backward_router(g, dx);
       } catch (...) {
-        cudaStreamSynchronize(tail_);
+        if (cudaEventRecord(ev_tail_, tail_) == cudaSuccess) cudaStreamWaitEvent(stream_, ev_tail_, 0);
         throw;
       }
     } else {
