@@ -2,6 +2,7 @@
 // configuration checks, and the cast / saved-bytes report.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <sstream>
 
 #include "flowmoe/comm.h"
@@ -283,6 +284,30 @@ WireTransfer combine_transfer(MoePass pass, const std::string& name, const std::
     if (q != plan.rank) w.rows += plan.rows_from(q);
   w.bytes = w.rows * row_bytes;
   return w;
+}
+
+void check_uniform_config(Communicator& comm, const char* what, const MoeConfig& cfg,
+                          const std::vector<std::pair<std::string, int64_t>>& extra) {
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return static_cast<int64_t>(u);
+  };
+  std::vector<std::string> names = {"hidden", "ffn", "num_experts", "topk", "router (0 softmax, 1 sigmoid)",
+                                    "router_renormalize", "router_scale (fp32 bits)",
+                                    "aux_loss_alpha (fp32 bits)", "align",
+                                    "recipe (0 bf16, 1 blockwise, 2 fp8-naive, 3 flow, 4 flow-fp4)",
+                                    "max_tokens", "transpose_exponent (0 row max, 1 column amax)"};
+  std::vector<int64_t> values = {cfg.hidden, cfg.ffn, cfg.num_experts, cfg.topk,
+                                 static_cast<int64_t>(cfg.router), cfg.router_renormalize ? 1 : 0,
+                                 bits(cfg.router_scale), bits(cfg.aux_loss_alpha), cfg.align,
+                                 static_cast<int64_t>(cfg.recipe), cfg.max_tokens,
+                                 static_cast<int64_t>(cfg.transpose_exponent)};
+  for (const auto& e : extra) {
+    names.push_back(e.first);
+    values.push_back(e.second);
+  }
+  comm.check_uniform(what, names, values);
 }
 
 }  // namespace ep_detail

@@ -1,10 +1,13 @@
 // Expert-parallel bookkeeping shared by the CPU and CUDA MoE layers (internal; docs/EP.md §5-6):
 // the recipe's wire format, a plan's variant for another format / pass, and the cast report's
-// wire-transfer rows. Defined in src/common/moe_common.cpp.
+// wire-transfer rows, and the configuration check every rank of an EP layer runs. Defined in
+// src/common/moe_common.cpp.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "flowmoe/comm.h"
 #include "flowmoe/moe.h"
@@ -22,6 +25,12 @@ WireTransfer dispatch_transfer(MoePass pass, const std::string& name, const Disp
 // The combine back along `plan` (rows received in the dispatch return), row_bytes each.
 WireTransfer combine_transfer(MoePass pass, const std::string& name, const std::string& format,
                               int64_t row_bytes, const DispatchPlan& plan);
+
+// Collective: every rank must hold the same MoeConfig (the fields that shape the layer, floats
+// compared by their bits) and the same backend settings `extra` (name, value); a mismatch is a
+// CommError on every rank naming the field (Communicator::check_uniform).
+void check_uniform_config(Communicator& comm, const char* what, const MoeConfig& cfg,
+                          const std::vector<std::pair<std::string, int64_t>>& extra = {});
 
 }  // namespace ep_detail
 }  // namespace flowmoe

@@ -1136,42 +1136,14 @@ std::unique_ptr<MoeLayer> make_cpu_layer(const MoeConfig& cfg) {
   // every rank, so that nobody is left waiting in a later collective.
   Communicator& comm = *cfg.comm;
   const char* what = "make_cpu_layer";
-  auto bits = [](float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
-    return static_cast<int64_t>(u);
-  };
-  comm.check_uniform(what,
-                     {"hidden", "ffn", "num_experts", "topk", "router (0 softmax, 1 sigmoid)",
-                      "router_renormalize", "router_scale (fp32 bits)",
-                      "aux_loss_alpha (fp32 bits)", "align",
-                      "recipe (0 bf16, 1 blockwise, 2 fp8-naive, 3 flow, 4 flow-fp4)",
-                      "max_tokens", "transpose_exponent (0 row max, 1 column amax)"},
-                     {cfg.hidden, cfg.ffn, cfg.num_experts, cfg.topk,
-                      static_cast<int64_t>(cfg.router), cfg.router_renormalize ? 1 : 0,
-                      bits(cfg.router_scale), bits(cfg.aux_loss_alpha), cfg.align,
-                      static_cast<int64_t>(cfg.recipe), cfg.max_tokens,
-                      static_cast<int64_t>(cfg.transpose_exponent)});
-  std::exception_ptr mine;
-  std::string msg;
-  try {
+  ep_detail::check_uniform_config(comm, what, cfg);
+  collective_checks(&comm, what, [&] {
     cfg.validate();
     FLOWMOE_CHECK(comm.memory_space() == MemorySpace::kHost,
                   what << ": the CPU layer moves host memory but the communicator ("
                        << comm.backend() << ") moves device memory; expected a host-memory "
                           "communicator such as SimWorld's");
-  } catch (const Error& e) {
-    mine = std::current_exception();
-    msg = e.what();
-  }
-  if (mine) {
-    try {
-      comm.agree_on_local_errors(what, msg);
-    } catch (const Error&) {
-    }
-    std::rethrow_exception(mine);
-  }
-  comm.agree_on_local_errors(what, msg);
+  });
   return std::unique_ptr<MoeLayer>(new CpuMoeLayer(cfg));
 }
 

@@ -1561,47 +1561,19 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
   // allocation, agreed on by every rank, so that nobody is left waiting in a later collective.
   Communicator& comm = *cfg.comm;
   const char* what = "make_cuda_layer";
-  auto bits = [](float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
-    return static_cast<int64_t>(u);
-  };
-  comm.check_uniform(what,
-                     {"hidden", "ffn", "num_experts", "topk", "router (0 softmax, 1 sigmoid)",
-                      "router_renormalize", "router_scale (fp32 bits)",
-                      "aux_loss_alpha (fp32 bits)", "align",
-                      "recipe (0 bf16, 1 blockwise, 2 fp8-naive, 3 flow, 4 flow-fp4)",
-                      "max_tokens", "transpose_exponent (0 row max, 1 column amax)",
-                      "deduplicated dispatch (FLOWMOE_EP_DEDUP)", "FLOWMOE_EP_DIRECT_BYTES",
-                      "FLOWMOE_EP_COMBINE_CHUNKS"},
-                     {cfg.hidden, cfg.ffn, cfg.num_experts, cfg.topk,
-                      static_cast<int64_t>(cfg.router), cfg.router_renormalize ? 1 : 0,
-                      bits(cfg.router_scale), bits(cfg.aux_loss_alpha), cfg.align,
-                      static_cast<int64_t>(cfg.recipe), cfg.max_tokens,
-                      static_cast<int64_t>(cfg.transpose_exponent), cuda::moe::ep_dedup_from_env() ? 1 : 0,
-                      ep_direct_bytes(), cuda::moe::ep_combine_chunks_from_env()});
+  ep_detail::check_uniform_config(comm, what, cfg,
+                                  {{"deduplicated dispatch (FLOWMOE_EP_DEDUP)", cuda::moe::ep_dedup_from_env() ? 1 : 0},
+                                   {"FLOWMOE_EP_DIRECT_BYTES", ep_direct_bytes()},
+                                   {"FLOWMOE_EP_COMBINE_CHUNKS", cuda::moe::ep_combine_chunks_from_env()}});
   std::unique_ptr<MoeLayer> layer;
-  std::exception_ptr mine;
-  std::string msg;
-  try {
+  collective_checks(&comm, what, [&] {
     cfg.validate();
     FLOWMOE_CHECK(comm.memory_space() == MemorySpace::kDevice,
                   what << ": the CUDA layer moves device memory but the communicator ("
                        << comm.backend() << ") moves host memory; expected a device-memory "
                           "communicator (NCCL, or make_device_sim_world's ranks)");
     layer.reset(new cuda::moe::CudaMoeLayer(cfg, stream));
-  } catch (const Error& e) {
-    mine = std::current_exception();
-    msg = e.what();
-  }
-  if (mine) {
-    try {
-      comm.agree_on_local_errors(what, msg);
-    } catch (const Error&) {
-    }
-    std::rethrow_exception(mine);
-  }
-  comm.agree_on_local_errors(what, msg);
+  });
   return layer;
 }
 
