@@ -397,14 +397,20 @@ void gather_row_dprobs(const float* dprow_part, int64_t tiles, int64_t m, const 
 
 float naive_scale(float amax) { return naive_scale_of(amax); }
 
-void naive_quantize_row(const bf16_t* x, int64_t m, int64_t c, const int32_t* d_offsets,
-                        int num_experts, uint8_t* codes, float* scales, DeviceStatus* status,
-                        cudaStream_t stream) {
-  const char* what = "moe::naive_quantize_row";
+// The shape checks of the naive row-wise (de)quantizers: [m, c] with c a positive multiple of 128,
+// and 1..4096 experts when per-expert offsets are given.
+static void check_naive_rows(const char* what, int64_t m, int64_t c, const int32_t* d_offsets, int num_experts) {
   FLOWMOE_CHECK(m >= 0 && c > 0 && c % 128 == 0,
                 what << ": [" << m << ", " << c << "]; expected C a positive multiple of 128");
   FLOWMOE_CHECK(!d_offsets || (num_experts >= 1 && num_experts <= 4096),
                 what << ": " << num_experts << " experts with offsets; expected 1..4096");
+}
+
+void naive_quantize_row(const bf16_t* x, int64_t m, int64_t c, const int32_t* d_offsets,
+                        int num_experts, uint8_t* codes, float* scales, DeviceStatus* status,
+                        cudaStream_t stream) {
+  const char* what = "moe::naive_quantize_row";
+  check_naive_rows(what, m, c, d_offsets, num_experts);
   if (m == 0) return;
   check_ptr(x, "x", what);
   check_ptr(codes, "codes", what);
@@ -419,10 +425,7 @@ void naive_dequantize_row(const uint8_t* codes, const float* scales, int64_t m, 
                           const int32_t* d_offsets, int num_experts, bf16_t* y,
                           cudaStream_t stream) {
   const char* what = "moe::naive_dequantize_row";
-  FLOWMOE_CHECK(m >= 0 && c > 0 && c % 128 == 0,
-                what << ": [" << m << ", " << c << "]; expected C a positive multiple of 128");
-  FLOWMOE_CHECK(!d_offsets || (num_experts >= 1 && num_experts <= 4096),
-                what << ": " << num_experts << " experts with offsets; expected 1..4096");
+  check_naive_rows(what, m, c, d_offsets, num_experts);
   if (m == 0) return;
   check_ptr(codes, "codes", what);
   check_ptr(scales, "scales", what);
