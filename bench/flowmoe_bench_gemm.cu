@@ -5,7 +5,10 @@
 // data (normal, not zeros), one stream.
 //
 //   flowmoe_bench_gemm [--reps N] [--tokens T] [--model V3|V2|V2-Lite] [--experts E] [--no-graph]
-//                      [--streams S] [--compare-only]
+//                      [--streams S] [--compare-only] [--wgrad-kernel-only]
+//
+// The first table: FP8 wgrad by flowmoe's sm_90a kernel against cuBLASLt per expert (128-aligned
+// experts; --wgrad-kernel-only stops after it).
 //
 // First section: the grouped GEMMs as the library now runs them (GroupedGemmOptions from the
 // defaults and FLOWMOE_GEMM_TUNE / FLOWMOE_GEMM_STREAMS, --streams overriding: a pool of streams and
@@ -366,6 +369,52 @@ void bench_layer(cuda::GroupedGemm& gg, const std::string& name, const std::vect
   row(shape, ex, flops, t8, t16, gg8, rel_diff(b.g8, b.g16, E * n * k));
 }
 
+// ---- FP8 wgrad: flowmoe's sm_90a kernel against cuBLASLt per expert ---------------------------------
+// Same operands (128-aligned experts, as permute+pad with alignment 128 lays them out), accumulate
+// (the layer's production mode) and overwrite; the two outputs compared (relative RMS).
+void bench_wgrad_kernel(const std::string& name, const std::vector<int32_t>& counts, int64_t n, int64_t k) {
+  LayerBuffers b(counts, n, k, true);
+  const int64_t m = b.m;
+  const int E = b.E;
+  cuda::GroupedGemm::Options ok = cuda::GroupedGemm::Options::from_env(), ob = ok;
+  ok.wgrad_kernel = true;
+  ob.wgrad_kernel = false;
+  cuda::GroupedGemm kern(ok), blas(ob);
+  const auto dyc = b.op(b.dyc_c, m * n, b.dyc_s, gemm::col_scale_f32_elems(b.seg, n));
+  const auto xc = b.op(b.xc_c, m * k, b.xc_s, gemm::col_scale_f32_elems(b.seg, k));
+  const double flops = 2.0 * m * n * k;
+  for (bool acc : {true, false}) {
+    auto out = [&](float* p) { return acc ? gemm::WgradOut::accumulate(p, E * n * k) : gemm::WgradOut::f32(p, E * n * k); };
+    const Timing tk = time_call([&] { kern.wgrad(b.seg, n, k, dyc, xc, out(b.g8), g_stream); });
+    const Timing tb = time_call([&] { blas.wgrad(b.seg, n, k, dyc, xc, out(b.g16), g_stream); });
+    double diff = -1;
+    if (!acc) diff = rel_diff(b.g8, b.g16, E * n * k);
+    // bytes: both operands once plus the FP32 output written (and read when accumulating)
+    const double bytes = double(m) * (n + k) + double(E) * n * k * 4 * (acc ? 2 : 1);
+    std::printf("| %-22s | %3d | %6lld | %-9s | %8.1f | %6.0f | %8.1f | %6.0f | %5.2fx | %7.1f | %s |\n", name.c_str(), E,
+                (long long)m, acc ? "+= FP32" : "= FP32", tk.us, flops / tk.us * 1e-6, tb.us, flops / tb.us * 1e-6,
+                tb.us / tk.us, bytes / tk.us * 1e-3, diff < 0 ? "-" : std::to_string(diff).c_str());
+  }
+  if (kern.stats().wgrad_kernel_calls == 0) std::printf("(the kernel did not take this problem: cuBLASLt both times)\n");
+}
+void wgrad_kernel_section() {
+  std::printf("\n## FP8 wgrad: flowmoe's sm_90a kernel (one persistent launch) against cuBLASLt per expert\n\n");
+  std::printf("| %-22s | %3s | %6s | %-9s | %8s | %6s | %8s | %6s | %6s | %7s | %s |\n", "shape", "E", "tokens", "output",
+              "kernel us", "TFLOP/s", "cuBLASLt us", "TFLOP/s", "speed-up", "GB/s", "rel RMS vs cuBLASLt");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  const auto v3 = ragged_counts(32, 32 * 2048, 101, 128);     // DeepSeek-V3 EP8: 32 experts x ~2048 rows
+  bench_wgrad_kernel("V3 GEMM1 [4096, 7168]", v3, 4096, 7168);
+  bench_wgrad_kernel("V3 GEMM2 [7168, 2048]", v3, 7168, 2048);
+  const auto v3e32 = ragged_counts(8, 8 * 8192, 103, 128);    // EP32: 8 experts x ~8192 rows
+  bench_wgrad_kernel("V3-EP32 GEMM1", v3e32, 4096, 7168);
+  const auto v2 = ragged_counts(20, 20 * 2432, 104, 128);     // V2 EP8: 20 experts x ~2432 rows
+  bench_wgrad_kernel("V2 GEMM1 [3072, 5120]", v2, 3072, 5120);
+  bench_wgrad_kernel("V2 GEMM2 [5120, 1536]", v2, 5120, 1536);
+  const auto lite = ragged_counts(64, 64 * 768, 102, 128);    // V2-Lite: 64 experts x ~768 rows
+  bench_wgrad_kernel("V2-Lite GEMM1 [2816, 2048]", lite, 2816, 2048);
+  bench_wgrad_kernel("V2-Lite GEMM2 [2048, 1408]", lite, 2048, 1408);
+}
+
 // ---- concurrency + tuning against the previous behaviour -----------------------------------------
 void compare_header() {
   std::printf("| %-40s | %7s | %9s | %7s | %9s | %7s | %8s | %9s | %7s | %9s | %7s | %8s | %9s | %9s | %10s |\n",
@@ -502,7 +551,7 @@ int main(int argc, char** argv) {
   int64_t tokens = 4096;
   std::string only_model;
   int only_e = 0, streams = 0;
-  bool compare_only = false;
+  bool compare_only = false, wgrad_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = std::max(3, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) tokens = std::atoll(argv[++i]);
@@ -511,9 +560,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--no-graph")) g_graph = false;
     else if (!std::strcmp(argv[i], "--streams") && i + 1 < argc) streams = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--compare-only")) compare_only = true;
+    else if (!std::strcmp(argv[i], "--wgrad-kernel-only")) wgrad_only = true;
     else {
       std::printf("usage: %s [--reps N] [--tokens T] [--model V3|V2|V2-Lite] [--experts E] [--no-graph] "
-                  "[--streams S] [--compare-only]\n", argv[0]);
+                  "[--streams S] [--compare-only] [--wgrad-kernel-only]\n", argv[0]);
       return 2;
     }
   }
@@ -534,6 +584,11 @@ int main(int argc, char** argv) {
                 gg.device_bytes() / 1048576.0, cuda::GroupedGemm::tuning_scratch_bytes() / 1048576.0,
                 prev.device_bytes() / 1048576.0);
 
+    wgrad_kernel_section();
+    if (wgrad_only) {
+      cudaStreamDestroy(g_stream);
+      return 0;
+    }
     std::printf("\n## Concurrency + tuning (new) against one stream + heuristic's first (prev), FP8 and BF16\n\n");
     compare_header();
     {

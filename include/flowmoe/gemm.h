@@ -147,6 +147,12 @@ struct GroupedGemmOptions {
   // live tuning objects (allocated by their constructors, used under a lock). A key whose expert
   // output ([N, K] FP32) exceeds this object's value is not timed (the heuristic's first); 0: none.
   size_t tune_scratch_bytes = size_t(128) << 20;
+  // FP8 wgrad with FP32 output (overwrite or accumulate): flowmoe's own sm_90a kernel, one
+  // persistent launch over all experts whose epilogue (TMA reduce-add into the main gradients)
+  // overlaps the next tile's math, when the problem fits it (N, K and every expert's token offset
+  // multiples of 128, at most 256 non-empty experts; docs/GEMM.md "The wgrad kernel"); otherwise,
+  // and with false, cuBLASLt per expert. FLOWMOE_GEMM_WGRAD_KERNEL=0|1.
+  bool wgrad_kernel = true;
   // Share the choices with every GroupedGemm of this process on the same device (same workspace
   // size and candidate count): a key is timed once per process and all objects run the same
   // algorithm for it. false: this object times its own keys.
@@ -275,6 +281,7 @@ class GroupedGemm {
     int64_t cached_plans = 0;       // shapes currently cached
     int64_t zero_fills = 0;         // wgrad outputs of empty experts zeroed (overwrite modes)
     int64_t concurrent_calls = 0;   // calls whose matmuls ran on more than one stream
+    int64_t wgrad_kernel_calls = 0; // FP8 wgrads run by the sm_90a kernel (one launch each)
     int64_t tuned_keys = 0;         // problem keys this object resolved (timed or shared)
     int64_t tunings = 0;            // keys this object timed itself
     int64_t tune_trials = 0;        // trial matmuls run while timing

@@ -14,6 +14,7 @@ GroupedGemmOptions GroupedGemmOptions::previous() {
   GroupedGemmOptions o;
   o.streams = 1;
   o.tune = false;
+  o.wgrad_kernel = false;
   return o;
 }
 
@@ -39,6 +40,12 @@ GroupedGemmOptions GroupedGemmOptions::from_env() {
                   "FLOWMOE_GEMM_TUNE=\"" << v << "\"; expected 0 (the heuristic's first algorithm) or "
                                          "1 (time the candidates once per problem key)");
     o.tune = v[0] == '1';
+  }
+  if (const char* v = std::getenv("FLOWMOE_GEMM_WGRAD_KERNEL")) {
+    FLOWMOE_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0,
+                  "FLOWMOE_GEMM_WGRAD_KERNEL=\"" << v << "\"; expected 0 (cuBLASLt per expert) or 1 "
+                                                 "(flowmoe's sm_90a wgrad kernel where the problem fits it)");
+    o.wgrad_kernel = v[0] == '1';
   }
   env_int("FLOWMOE_GEMM_STREAMS", 1, kMaxStreams, "streams the per-expert matmuls run on", &o.streams);
   env_int("FLOWMOE_GEMM_PRIORITY", 0, kMaxPoolPriority, "priority steps of the matmul streams above the default",

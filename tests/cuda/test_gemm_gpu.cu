@@ -427,7 +427,12 @@ INSTANTIATE_TEST_SUITE_P(
                            {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}},
                       Case{"k1408_partial_blocks", {208, 48}, 256, 1408, {}},
                       Case{"seven_small", {16, 32, 0, 48, 16, 0, 64}, 128, 128, {}},
-                      Case{"dense", {512}, 512, 512, {}}),
+                      Case{"dense", {512}, 512, 512, {}},
+                      // every count a multiple of 128: the FP8 wgrads with FP32 output run flowmoe's
+                      // sm_90a kernel (zero-token experts, a padded one-token expert, K 1408)
+                      Case{"aligned128_empty", {256, 0, 128, 384, 0}, 256, 384, {}},
+                      Case{"aligned128_k1408_one_token", {128, 256}, 384, 1408,
+                           [] { std::vector<int64_t> z; for (int64_t r = 1; r < 128; ++r) z.push_back(r); return z; }()}),
     [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 // BF16 takes any token counts, including a single unpadded token.
@@ -517,6 +522,7 @@ cuda::GroupedGemm::Options own_tuning(int streams) {
   o.streams = streams;
   o.tune = true;
   o.share_tuning = false;  // this object times its own keys (the test needs the first call to tune)
+  o.wgrad_kernel = false;  // the cuBLASLt pool is under test (the sm_90a wgrad kernel: below)
   return o;
 }
 
@@ -605,6 +611,13 @@ TEST_P(GemmGpuConcurrency, BitIdenticalToSerialAndAcrossCalls) {
   EXPECT_EQ(g1.device_bytes(), g1.options().workspace_bytes) << "previous(): one workspace";
   EXPECT_EQ(gg.device_bytes(), 4 * gg.options().workspace_bytes) << "one workspace per stream";
   EXPECT_GE(cuda::GroupedGemm::tuning_scratch_bytes(), gg.options().tune_scratch_bytes) << "gg reserved it";
+  // the sm_90a wgrad kernel (where the experts are 128-aligned): the same bits call after call
+  cuda::GroupedGemm::Options ko = own_tuning(4);
+  ko.wgrad_kernel = true;
+  cuda::GroupedGemm kg(ko);
+  const Bits k1 = run_passes(kg, p, d, g0, 0), k2 = run_passes(kg, p, d, g0, 0);
+  EXPECT_TRUE(same_bits(k1, k2)) << "wgrad kernel, two calls";
+  std::cout << "    [" << c.name << "] wgrad kernel calls: " << kg.stats().wgrad_kernel_calls << "\n";
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "cuda/gemm/wgrad_sm90.h"
 #include "flowmoe/gemm.h"
 
 namespace flowmoe {
@@ -807,6 +808,19 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
   const bool acc = dw.kind == WgradOut::Kind::kF32Accumulate;
   const Op op = dw.kind == WgradOut::Kind::kBf16 ? Op::kF8WgradBf16 : Op::kF8WgradF32;
   const size_t eb = wgrad_elem_bytes(dw);
+  if (impl_->opt.wgrad_kernel &&
+      sm90::wgrad_unsupported(seg, n, k, dw.kind == WgradOut::Kind::kBf16) == nullptr) {
+    // one launch over all experts; empty experts zero-filled first when overwriting
+    for (int e = 0; e < seg.num_segments(); ++e)
+      if (seg.offsets[e + 1] == seg.offsets[e] && !acc) {
+        FLOWMOE_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(dw.data) + int64_t(e) * n * k * eb, 0, n * k * eb, stream));
+        ++impl_->stats.zero_fills;
+      }
+    sm90::wgrad_sm90(seg, n, k, dy_col.codes.data, dy_col.scales.data, x_col.codes.data, x_col.scales.data,
+                     static_cast<float*>(dw.data), acc, stream);
+    ++impl_->stats.wgrad_kernel_calls;
+    return;
+  }
   int64_t block = 0;  // first 128-token block of expert e
   impl_->begin(seg.num_segments());
   for (int e = 0; e < seg.num_segments(); ++e) {

@@ -224,9 +224,13 @@ class CudaMoeLayer final : public MoeLayer {
     FLOWMOE_CUDA_CHECK(cudaMemsetAsync(status_ + kStatusBwd, 0, 2 * sizeof(DeviceStatus), stream_));
     grads_accumulate_ = g.accumulate;
     dx_ready_marked_ = false;  // (a backward that threw may have left it set)
+    // the wgrads next to the dgrads from the second backward on (the first one runs them in
+    // order, so that the GEMMs' one-time algorithm timing is not disturbed by concurrent work)
+    wconc_ = wstream_ != nullptr && backwards_ > 0;
+    ++backwards_;
     switch (cfg_.recipe) {
-      case Recipe::kBf16: backward_bf16(dy, g); break;
-      case Recipe::kBlockwise: backward_blockwise(dy, g); break;
+      case Recipe::kBf16: with_side_drained([&] { backward_bf16(dy, g); }); break;
+      case Recipe::kBlockwise: with_side_drained([&] { backward_blockwise(dy, g); }); break;
       case Recipe::kFp8Naive: backward_naive(dy, g); break;
       case Recipe::kFlow:
       case Recipe::kFlowFp4: with_side_drained([&] { backward_flow(dy, g); }); break;
@@ -274,7 +278,7 @@ class CudaMoeLayer final : public MoeLayer {
   LayerCounters counters() const {
     LayerCounters c;
     c.host_syncs = host_syncs_;
-    c.gemm_matmuls = gg_ ? gg_->stats().matmuls : 0;
+    c.gemm_matmuls = (gg_ ? gg_->stats().matmuls : 0) + (gw_ ? gw_->stats().matmuls : 0);
     return c;
   }
 
@@ -493,6 +497,23 @@ class CudaMoeLayer final : public MoeLayer {
     if (overlap_ && !std::getenv("FLOWMOE_GEMM_PRIORITY")) gopt.pool_priority = 1;
     gg_.reset(new GroupedGemm(gopt));
     gg_workspace_ = gg_->device_bytes();
+    // The wgrads on their own stream next to the dgrads (bf16, blockwise, flow, flow-fp4; not the
+    // fp8-naive baseline): both GEMMs of a pair read what the previous step wrote and write
+    // different outputs, so they can share the GPU; the accumulating wgrads' epilogues (FP32 main
+    // gradients read and written) then overlap the dgrads' math. A second GEMM object (its own
+    // pool streams and workspaces; algorithm choices shared) carries them.
+    // FLOWMOE_LAYER_WGRAD_OVERLAP=1 turns this on; default off: measured on the H200 (fifth
+    // session, cuBLASLt wgrads) it did not pay (V3 EP8 flow 22.8 -> 24.7 ms, V2 10.0 -> 9.7,
+    // V2-Lite 5.65 -> 5.55), and the sm_90a wgrad kernel takes every SM for itself.
+    const char* wo = std::getenv("FLOWMOE_LAYER_WGRAD_OVERLAP");
+    FLOWMOE_CHECK(!wo || std::string(wo) == "0" || std::string(wo) == "1",
+                  "FLOWMOE_LAYER_WGRAD_OVERLAP=\"" << wo << "\"; expected 0 or 1");
+    if (rc != Recipe::kFp8Naive && wo && std::string(wo) == "1") {
+      gw_.reset(new GroupedGemm(gopt));
+      gg_workspace_ += gw_->device_bytes();
+      FLOWMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&wstream_, cudaStreamNonBlocking));
+      for (cudaEvent_t& e : wevents_) FLOWMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
     events_.resize(kEventPool);
     for (int i = 0; i < kEventPool; ++i) FLOWMOE_CUDA_CHECK(cudaEventCreate(&events_[i]));
     // One GPU: the backward's tail (router backward, dWr, dx = unpermute + router path) needs only
@@ -541,12 +562,44 @@ class CudaMoeLayer final : public MoeLayer {
       pass();
     } catch (...) {
       if (side_) cudaStreamSynchronize(side_);
+      if (wstream_) cudaStreamSynchronize(wstream_);
       throw;
     }
   }
 
+  // A dgrad and the wgrad that reads the same gradient. In order (no wgrad stream, or the first
+  // backward): dgrad() on stream_, side event `side` (>= 0) joined, wgrad(*gg_, stream_). With
+  // the wgrad stream: the fork point recorded on stream_, dgrad() enqueued first (it feeds the
+  // next step), then wgrad(*gw_, wstream_) after the fork point and side event `side`, next to
+  // it; stream_ waits for the wgrad stream at the end. dgrad() may record events of its own
+  // (ep_combine_dx_begin): later work on other streams can wait for the dgrad alone.
+  template <class D, class W>
+  void grad_pair(int side, D&& dgrad, W&& wgrad) {
+    if (!wconc_) {
+      dgrad();
+      if (side >= 0) join(side);
+      wgrad(*gg_, stream_);
+      return;
+    }
+    FLOWMOE_CUDA_CHECK(cudaEventRecord(wevents_[0], stream_));
+    dgrad();
+    FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(wstream_, wevents_[0], 0));
+    if (side >= 0 && overlap_) FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(wstream_, side_events_[side], 0));
+    wgrad(*gw_, wstream_);
+    FLOWMOE_CUDA_CHECK(cudaEventRecord(wevents_[1], wstream_));
+    FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(stream_, wevents_[1], 0));
+  }
+
   void release() {
     gg_.reset();
+    gw_.reset();
+    if (wstream_) {
+      cudaStreamSynchronize(wstream_);
+      for (cudaEvent_t e : wevents_)
+        if (e) cudaEventDestroy(e);
+      cudaStreamDestroy(wstream_);
+      wstream_ = nullptr;
+    }
     if (side_) {
       cudaStreamSynchronize(side_);
       for (cudaEvent_t e : side_events_)
@@ -707,8 +760,8 @@ class CudaMoeLayer final : public MoeLayer {
     return Fp8Op{cs<uint8_t>(b.codes, Mp_ * c), cs<float>(act32_, Mp_ * c / 128)};
   }
   // Column-wise UE8M0 operand [C over Mp] -> GEMM-ready FP32 [NB][C] in `buf32`.
-  Fp8Op col_operand(const Fp8Buf& b, int64_t c, float* buf32) {
-    col_scales_to_f32(b.scales, NB_, c, buf32, stream_);
+  Fp8Op col_operand(const Fp8Buf& b, int64_t c, float* buf32, cudaStream_t s = nullptr) {
+    col_scales_to_f32(b.scales, NB_, c, buf32, s ? s : stream_);
     return Fp8Op{cs<uint8_t>(b.codes, c * Mp_), cs<float>(buf32, NB_ * c)};
   }
   Fp8Op w1_op() const {
@@ -1199,22 +1252,30 @@ class CudaMoeLayer final : public MoeLayer {
     bf16_t* dy2 = o_;
     { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");
       move_bf16(dy, dy2, MoePass::kBackward, "dispatch dy"); }
-    { auto s = bwd("GEMM2 dgrad (bf16)");
+    grad_pair(-1, [&] {  // (the pair ends before GEMM1 dgrad overwrites dY in o_)
+      auto s = bwd("GEMM2 dgrad (bf16)");
       gg_->dgrad_bf16(seg_, H_, F_, cs<bf16_t>(dy2, Mp_ * H_), cs<bf16_t>(w2b_, int64_t(El_) * H_ * F_),
-                      ms<bf16_t>(da_, Mp_ * F_), stream_); }
-    if (g.dw2) { auto s = bwd("GEMM2 wgrad (bf16)");
-      gg_->wgrad_bf16(seg_, H_, F_, cs<bf16_t>(dy2, Mp_ * H_), cs<bf16_t>(abuf_, Mp_ * F_),
-                      dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_); }
+                      ms<bf16_t>(da_, Mp_ * F_), stream_);
+    }, [&](GroupedGemm& gg, cudaStream_t ws) {
+      if (!g.dw2) return;
+      auto s = bwd("GEMM2 wgrad (bf16)", ws);
+      gg.wgrad_bf16(seg_, H_, F_, cs<bf16_t>(dy2, Mp_ * H_), cs<bf16_t>(abuf_, Mp_ * F_),
+                    dw_out(g.dw2, int64_t(El_) * H_ * F_), ws);
+    });
     { auto s = bwd("dSwiGLU*prob (bf16)");
       cuda::dswiglu(da_, h1_, Mp_, F_, dh_, st_bwd(), stream_, prow_, dpart_); }
     bf16_t* dxp = o_;
-    { auto s = bwd("GEMM1 dgrad (bf16)");
-      gg_->dgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(dh_, Mp_ * 2 * F_), cs<bf16_t>(w1b_, int64_t(El_) * 2 * F_ * H_),
-                      ms<bf16_t>(dxp, Mp_ * H_), stream_); }
-    ep_combine_dx_begin();
-    if (g.dw1) { auto s = bwd("GEMM1 wgrad (bf16)");
-      gg_->wgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(dh_, Mp_ * 2 * F_), cs<bf16_t>(xp_, Mp_ * H_),
-                      dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
+    grad_pair(-1, [&] {
+      { auto s = bwd("GEMM1 dgrad (bf16)");
+        gg_->dgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(dh_, Mp_ * 2 * F_), cs<bf16_t>(w1b_, int64_t(El_) * 2 * F_ * H_),
+                        ms<bf16_t>(dxp, Mp_ * H_), stream_); }
+      ep_combine_dx_begin();
+    }, [&](GroupedGemm& gg, cudaStream_t ws) {
+      if (!g.dw1) return;
+      auto s = bwd("GEMM1 wgrad (bf16)", ws);
+      gg.wgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(dh_, Mp_ * 2 * F_), cs<bf16_t>(xp_, Mp_ * H_),
+                    dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), ws);
+    });
   }
 
   void backward_blockwise(const bf16_t* dy, const MoeGrads& g) {
@@ -1225,26 +1286,34 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = bwd("quantize dY (row + col)");
       quantize_col(dy2, H_, sb, colA_.codes, colA_.scales, rowA_.codes, rowA_.scales, st_bwd(), stream_); }
     log(MoePass::kBackward, CastKind::kQuantize, "quantize dY (row + col, from BF16)", 1, 2, Mp_ * H_);
-    { auto s = bwd("GEMM2 dgrad (fp8)");
+    grad_pair(-1, [&] {  // (the pair ends before the dh quantize overwrites dY's copies)
+      auto s = bwd("GEMM2 dgrad (fp8)");
       const Fp8Op dyo = act_operand(rowA_, H_, st_bwd_aux());
-      gg_->dgrad(seg_, H_, F_, dyo, w2t_op(), ms<bf16_t>(da_, Mp_ * F_), stream_); }
-    if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
-      const Fp8Op dyc = col_operand(colA_, H_, col32A_);
-      const Fp8Op acc = col_operand(ac_, F_, col32B_);
-      gg_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_); }
+      gg_->dgrad(seg_, H_, F_, dyo, w2t_op(), ms<bf16_t>(da_, Mp_ * F_), stream_);
+    }, [&](GroupedGemm& gg, cudaStream_t ws) {
+      if (!g.dw2) return;
+      auto s = bwd("GEMM2 wgrad (fp8)", ws);
+      const Fp8Op dyc = col_operand(colA_, H_, col32A_, ws);
+      const Fp8Op acc = col_operand(ac_, F_, col32B_, ws);
+      gg.wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(El_) * H_ * F_), ws);
+    });
     { auto s = bwd("dSwiGLU*prob (bf16)");
       cuda::dswiglu(da_, h1_, Mp_, F_, dh_, st_bwd(), stream_, prow_, dpart_); }
     { auto s = bwd("quantize dh (row + col)");
       quantize_col(dh_, 2 * F_, sb, colA_.codes, colA_.scales, rowA_.codes, rowA_.scales, st_bwd(), stream_); }
     log(MoePass::kBackward, CastKind::kQuantize, "quantize dh (row + col, from BF16)", 1, 2, Mp_ * 2 * F_);
-    { auto s = bwd("GEMM1 dgrad (fp8)");
-      const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
-      gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
-    ep_combine_dx_begin();
-    if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
-      const Fp8Op dhc = col_operand(colA_, 2 * F_, col32A_);
-      const Fp8Op xc = col_operand(xc_, H_, col32B_);
-      gg_->wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
+    grad_pair(-1, [&] {
+      { auto s = bwd("GEMM1 dgrad (fp8)");
+        const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
+        gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
+      ep_combine_dx_begin();
+    }, [&](GroupedGemm& gg, cudaStream_t ws) {
+      if (!g.dw1) return;
+      auto s = bwd("GEMM1 wgrad (fp8)", ws);
+      const Fp8Op dhc = col_operand(colA_, 2 * F_, col32A_, ws);
+      const Fp8Op xc = col_operand(xc_, H_, col32B_, ws);
+      gg.wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), ws);
+    });
   }
 
   // fp8-naive column copy: dequantize (row, FP32 scales, expert-packed) -> transpose ->
@@ -1336,14 +1405,19 @@ class CudaMoeLayer final : public MoeLayer {
       mark(kSideB);
     }
     log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose dY (wgrad copy)", 1, 1, Mp_ * H_);
-    { auto s = bwd("GEMM2 dgrad (fp8)");
+    grad_pair(kSideA, [&] {  // the wgrad after dY's column copy (side event A)
+      auto s = bwd("GEMM2 dgrad (fp8)");
       const Fp8Op dyo = act_operand(dyr, H_, st_bwd_aux());
-      gg_->dgrad(seg_, H_, F_, dyo, w2t_op(), ms<bf16_t>(da_, Mp_ * F_), stream_); }
-    join(kSideA);  // dY col ready; also orders the dSwiGLU below after the transpose read dY row
-    if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
-      const Fp8Op dyc = col_operand(colA_, H_, col32A_);
-      const Fp8Op acc = col_operand(ac_, F_, col32B_);
-      gg_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_); }
+      gg_->dgrad(seg_, H_, F_, dyo, w2t_op(), ms<bf16_t>(da_, Mp_ * F_), stream_);
+    }, [&](GroupedGemm& gg, cudaStream_t ws) {
+      if (!g.dw2) return;
+      auto s = bwd("GEMM2 wgrad (fp8)", ws);
+      const Fp8Op dyc = col_operand(colA_, H_, col32A_, ws);
+      const Fp8Op acc = col_operand(ac_, F_, col32B_, ws);
+      gg.wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(El_) * H_ * F_), ws);
+    });
+    // the pair has ended (the dSwiGLU below overwrites dY's row and column copies)
+    join(kSideA);  // (also when there is no wgrad of W2: the transpose read dY row)
     if (!fp4) {
       auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
       dswiglu_quant_fp8h(da_, hr_.codes, hr_.scales, F_, sb, rowA_.codes, rowA_.scales, colA_.codes, colA_.scales,
@@ -1354,19 +1428,23 @@ class CudaMoeLayer final : public MoeLayer {
                          st_bwd(), stream_, prow_, dpart_);
     }
     log(MoePass::kBackward, CastKind::kFused, "dSwiGLU*prob + quantize (dh row + col)", 1, 2, Mp_ * 2 * F_);
-    { auto s = bwd("GEMM1 dgrad (fp8)");
-      const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
-      gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
-    ep_combine_dx_begin();
     if (!fp4)
       log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose x_perm (wgrad copy)", 1, 1, Mp_ * H_);
     else
       log(MoePass::kBackward, CastKind::kConvert, "FP4RowToFP8Col x_perm (wgrad copy)", 1, 1, Mp_ * H_);
-    join(kSideB);  // x_perm col ready (and the side stream idle before the next forward reuses x_perm)
-    if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
-      const Fp8Op dhc = col_operand(colA_, 2 * F_, col32A_);
-      const Fp8Op xc = col_operand(colB_, H_, col32B_);
-      gg_->wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
+    grad_pair(kSideB, [&] {  // the wgrad after x_perm's column copy (side event B)
+      { auto s = bwd("GEMM1 dgrad (fp8)");
+        const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
+        gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
+      ep_combine_dx_begin();
+    }, [&](GroupedGemm& gg, cudaStream_t ws) {
+      if (!g.dw1) return;
+      auto s = bwd("GEMM1 wgrad (fp8)", ws);
+      const Fp8Op dhc = col_operand(colA_, 2 * F_, col32A_, ws);
+      const Fp8Op xc = col_operand(colB_, H_, col32B_, ws);
+      gg.wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), ws);
+    });
+    join(kSideB);  // the side stream idle before the next forward reuses x_perm (also without dW1)
   }
 
   // EP: called by every recipe's backward right after GEMM1 dgrad wrote the dX rows (o_) and
@@ -1459,6 +1537,11 @@ class CudaMoeLayer final : public MoeLayer {
   std::vector<void*> allocs_;
   size_t allocated_ = 0, gg_workspace_ = 0;
   std::unique_ptr<GroupedGemm> gg_;
+  std::unique_ptr<GroupedGemm> gw_;   // the wgrads' GEMM object when they run on wstream_
+  cudaStream_t wstream_ = nullptr;    // the wgrad stream (FLOWMOE_LAYER_WGRAD_OVERLAP=1; never fp8-naive)
+  cudaEvent_t wevents_[2] = {};       // fork, join
+  bool wconc_ = false;                // this backward runs the wgrads on wstream_
+  int64_t backwards_ = 0;             // backward calls so far
   bool have_weights_ = false, have_forward_ = false, backward_done_ = false, has_bias_ = false;
   // per call
   int64_t T_ = 0, Mp_ = 0, routed_ = 0, NB_ = 0;

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Fifth session, one H200: the wgrads on their own stream next to the dgrads (layer.cu grad_pair).
+# Logs under $OUT. Usage (device tool, carry .devbuild): bash bench/s5_one_gpu.sh [mode ...]
+B=.devbuild
+OUT=${OUT:-device-out}
+mkdir -p "$OUT"
+step() { local n=$1 l=$2; shift 2; local t0=$SECONDS; timeout "$l" "$@" > "$OUT/$n.log" 2>&1; echo "$n rc=$? $((SECONDS-t0))s"; }
+rows() { grep -E "^\| (bf16|fp8-naive|flow|flow-fp4|blockwise) |PyTorch|MISSED|met \(|GEMM. (d|w)grad|sum of stages" "$@" | cut -c1-200; }
+for what in "${@:-wg}"; do
+  case $what in
+    tests)
+      step gpu-tests 300 $B/flowmoe_gpu_tests
+      tail -3 $OUT/gpu-tests.log; grep -B2 -A10 Failure $OUT/gpu-tests.log | head -40 ;;
+    moe-tests)
+      step gpu-tests-moe 300 $B/flowmoe_gpu_tests --gtest_filter='*Moe*'
+      tail -3 $OUT/gpu-tests-moe.log; grep -B2 -A10 Failure $OUT/gpu-tests-moe.log | head -40 ;;
+    gemm-tests)
+      step gpu-tests-gemm 200 $B/flowmoe_gpu_tests --gtest_filter='*Gemm*'
+      tail -3 $OUT/gpu-tests-gemm.log; grep -B2 -A10 -E "Failure|error" $OUT/gpu-tests-gemm.log | head -60 ;;
+    wgk)  # the sm_90a wgrad kernel against cuBLASLt per expert
+      step bench-wgrad-kernel 200 $B/flowmoe_bench_gemm --wgrad-kernel-only --reps 10
+      grep -E "^\||error|kernel did not" $OUT/bench-wgrad-kernel.log ;;
+    ncu-wgk)
+      m="sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,gpu__time_duration.sum,sm__cycles_active.avg,smsp__cycles_active.avg"
+      step ncu-wgk 200 ncu --clock-control none -k "regex:wgrad_kernel" -c 2 --metrics "$m" --section WarpStateStats $B/flowmoe_bench_gemm --wgrad-kernel-only --reps 3
+      grep -vE "^==PROF==|^\|" $OUT/ncu-wgk.log | grep -E "wgrad_kernel|gmma|throughput|hit_rate|duration|cycles|Stall|stall|Warp Cycles|Issued" | head -60 ;;
+    torch)
+      step torch-layer 200 python3 bench/torch_moe_layer.py --tokens 8192 --reps 5 --json $OUT/torch.json
+      tail -5 $OUT/torch-layer.log ;;
+    wk)  # A/B: the sm_90a wgrad kernel on (default) and off, accumulate and overwrite, same call
+      step bench-wk1 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --baseline $OUT/torch.json
+      rows $OUT/bench-wk1.log
+      FLOWMOE_GEMM_WGRAD_KERNEL=0 step bench-wk0 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow --baseline $OUT/torch.json --no-breakdown
+      rows $OUT/bench-wk0.log
+      step bench-wk1-ovw 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow,flow-fp4 --grads overwrite --baseline $OUT/torch.json --no-breakdown
+      rows $OUT/bench-wk1-ovw.log ;;
+    wg)  # A/B: wgrad stream on (default) and off, accumulate, same call
+      step bench-wg1 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes bf16,blockwise,flow,flow-fp4 --baseline $OUT/torch.json
+      rows $OUT/bench-wg1.log
+      FLOWMOE_LAYER_WGRAD_OVERLAP=0 step bench-wg0 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow --baseline $OUT/torch.json --no-breakdown
+      rows $OUT/bench-wg0.log ;;
+  esac
+done

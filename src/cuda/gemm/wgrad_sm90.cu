@@ -1,0 +1,381 @@
+// FP8 block-scaled grouped wgrad for sm_90a: one persistent kernel over all experts (TMA loads,
+// WGMMA, FP32 promotion per 128-token block, TMA reduce-add / store epilogue that overlaps the
+// next tile's math). docs/GEMM.md, "The wgrad kernel".
+//
+//   dW_e [N, K] (+)= sum over the 128-token blocks b of expert e of
+//                    (dY_b^T . X_b) * sa[b][n] * sb[b][k]
+// dY and X column-wise: codes [N, M] and [K, M] (tokens contiguous), FP32 scales [NB][N], [NB][K]
+// (the GEMM-ready layouts of gemm.h). Every expert's token count and offset a multiple of 128, so
+// block b of expert e is global block offsets[e] / 128 + b and no block mixes two experts.
+//
+// CTA: 3 warpgroups. Warpgroup 0: one thread issues the TMA loads of a kStages ring (dY tile
+// 128 x 128 tokens, X tile 128 x 128 tokens, 128-byte swizzle). Warpgroups 1 and 2: rows 0-63 and
+// 64-127 of the 128 x 128 output tile; per block four m64n128k32 WGMMAs into a block accumulator,
+// then acc += block * (sa * sb) (exact power-of-two scales: the CPU reference's block order and
+// roundings). Epilogue per warpgroup: the tile into shared memory (128-byte swizzled 64 x 32
+// boxes), then one thread issues TMA reduce-adds (accumulate) or stores into dW and the warpgroup
+// moves on; the buffer is waited for (read) only when the next tile's epilogue needs it.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <sstream>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "cuda/gemm/wgrad_sm90.h"
+#include "flowmoe/error.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace sm90 {
+namespace {
+
+constexpr int kTile = 128;      // output tile rows (N) and columns (K); tokens per block
+constexpr int kStages = 4;
+constexpr int kThreads = 384;
+constexpr int kStageBytes = 2 * kTile * kTile;        // dY tile + X tile, FP8
+constexpr int kEpiBytes = 64 * kTile * 4;             // one warpgroup's half tile, FP32
+constexpr int kScaleBytes = 2 * kTile * 4;            // per stage: the block's dY and X scale slices
+constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes + 2 * kStages * 8 + 1024;
+
+struct Work {
+  int num_work = 0;                  // non-empty experts
+  int tiles_k = 0, tiles_per_expert = 0, total_tiles = 0;
+  int n = 0, k = 0;
+  int accumulate = 0;
+  const float* sa = nullptr;         // [NB][N]
+  const float* sb = nullptr;         // [NB][K]
+  int expert[kMaxWgradExperts];      // expert index of work item w
+  int tok0[kMaxWgradExperts];        // its first token (multiple of 128)
+  int nblk[kMaxWgradExperts];        // its 128-token blocks (>= 1)
+};
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FLOWMOE_SM90A 1
+#endif
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+#ifdef FLOWMOE_SM90A
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "LAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\n"
+      "bra LAB_WAIT;\n"
+      "DONE:\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row core groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  uint64_t d = 0;
+  d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>(1) << 16;             // leading byte offset (unused with this swizzle)
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;     // stride byte offset
+  d |= static_cast<uint64_t>(1) << 62;             // 128-byte swizzle
+  return d;
+}
+
+// d[64] (m64n128 FP32 fragment) = (scale_d ? d : 0) + A(64 x 32) . B(128 x 32)^T, FP8 E4M3.
+__device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+#endif  // FLOWMOE_SM90A
+
+__global__ void __launch_bounds__(kThreads, 1)
+    wgrad_kernel(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x,
+                 const __grid_constant__ CUtensorMap map_dw, const __grid_constant__ Work work) {
+#ifdef FLOWMOE_SM90A
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  float* epi = reinterpret_cast<float*>(smem + kStages * kStageBytes);
+  float* scl = reinterpret_cast<float*>(smem + kStages * kStageBytes + 2 * kEpiBytes);  // [stage][2][128]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes);
+  uint64_t* empty = full + kStages;
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 8);  // the 8 consumer warps
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int tiles_k = work.tiles_k, per_expert = work.tiles_per_expert;
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (t == 0) {
+      uint32_t it = 0;
+      for (int tile = blockIdx.x; tile < work.total_tiles; tile += gridDim.x) {
+        const int w = tile / per_expert, r = tile % per_expert;
+        const int tn = r / tiles_k, tk = r % tiles_k;
+        const int t0 = work.tok0[w], nb = work.nblk[w];
+        for (int b = 0; b < nb; ++b, ++it) {
+          const int s = it % kStages;
+          const uint32_t ph = (it / kStages) & 1;
+          mbar_wait(&empty[s], ph ^ 1);
+          uint8_t* a = smem + s * kStageBytes;
+          const int64_t gb = t0 / kTile + b;  // global 128-token block
+          mbar_expect_tx(&full[s], kStageBytes + kScaleBytes);
+          tma_load_2d(a, &map_dy, &full[s], t0 + b * kTile, tn * kTile);
+          tma_load_2d(a + kTile * kTile, &map_x, &full[s], t0 + b * kTile, tk * kTile);
+          bulk_load(scl + s * 2 * kTile, work.sa + gb * work.n + tn * kTile, kTile * 4, &full[s]);
+          bulk_load(scl + s * 2 * kTile + kTile, work.sb + gb * work.k + tk * kTile, kTile * 4, &full[s]);
+        }
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int ci = wg - 1;                   // rows 64 ci .. 64 ci + 63 of the tile
+  const int warp = t / 32, lane = t % 32;
+  const int r0 = 16 * warp + lane / 4;     // fragment rows r0 and r0 + 8 (of the half tile)
+  const int c0 = 2 * (lane % 4);           // fragment columns 8 j + c0, + 1
+  float* ebuf = epi + ci * (64 * kTile);
+  float acc[64], blk[64];
+  uint32_t it = 0;
+  bool pending = false;                    // a bulk store/reduce from ebuf may still be reading it
+  for (int tile = blockIdx.x; tile < work.total_tiles; tile += gridDim.x) {
+    const int w = tile / per_expert, r = tile % per_expert;
+    const int tn = r / tiles_k, tk = r % tiles_k;
+    const int nb = work.nblk[w];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int b = 0; b < nb; ++b, ++it) {
+      const int s = it % kStages;
+      const uint32_t ph = (it / kStages) & 1;
+      mbar_wait(&full[s], ph);
+      // this block's scales (landed with the tiles): dY's for rows r0, r0 + 8, X's for the columns
+      const float* ss = scl + s * 2 * kTile;
+      const float sa0 = ss[64 * ci + r0], sa1 = ss[64 * ci + r0 + 8];
+      float2 sb[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) sb[j] = *reinterpret_cast<const float2*>(ss + kTile + 8 * j + c0);
+      const uint32_t a_addr = smem_u32(smem + s * kStageBytes) + ci * (64 * kTile);
+      const uint32_t b_addr = smem_u32(smem + s * kStageBytes + kTile * kTile);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_m64n128k32(blk, smem_desc(a_addr + 32 * kk), smem_desc(b_addr + 32 * kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait_all();
+      if (lane == 0) mbar_arrive(&empty[s]);  // (the scales were read before: registers)
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float s00 = sa0 * sb[j].x, s01 = sa0 * sb[j].y, s10 = sa1 * sb[j].x, s11 = sa1 * sb[j].y;
+        acc[4 * j + 0] = fmaf(blk[4 * j + 0], s00, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(blk[4 * j + 1], s01, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(blk[4 * j + 2], s10, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(blk[4 * j + 3], s11, acc[4 * j + 3]);
+      }
+    }
+    // epilogue: the half tile into ebuf as four 64 x 32 boxes, 128-byte swizzled (16-byte chunk
+    // c of row q at c ^ (q % 8)), then bulk reduce-adds / stores issued by thread 0
+    if (pending && t == 0) bulk_wait_read_all();
+    named_sync(1 + ci, 128);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int cc = 8 * j + c0;                 // column in the tile
+      float* box = ebuf + (cc / 32) * (64 * 32);
+      const int byte = (cc % 32) * 4;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int q = r0 + 8 * h;
+        const int off = q * 128 + ((((byte >> 4) ^ (q & 7)) << 4) | (byte & 15));
+        *reinterpret_cast<float2*>(reinterpret_cast<uint8_t*>(box) + off) =
+            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      }
+    }
+    fence_async_smem();
+    named_sync(1 + ci, 128);
+    if (t == 0) {
+      const int e = work.expert[w];
+      const int orow = e * work.n + tn * kTile + 64 * ci;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (work.accumulate)
+          tma_reduce_add_2d(&map_dw, ebuf + q * (64 * 32), tk * kTile + 32 * q, orow);
+        else
+          tma_store_2d(&map_dw, ebuf + q * (64 * 32), tk * kTile + 32 * q, orow);
+      }
+      bulk_commit();
+    }
+    pending = true;
+  }
+  if (t == 0) bulk_wait_all();
+#else
+  __trap();  // built without sm_90a: never a silent wrong answer (the CMake build always has it)
+#endif
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  });
+  FLOWMOE_CHECK(fn != nullptr, "FP8 wgrad kernel: the driver has no cuTensorMapEncodeTiled (CUDA 12+ driver needed)");
+  return fn;
+}
+
+// 2-D map over a row-major [rows, cols] matrix of `elem`-byte elements, box [box_rows, box_cols].
+CUtensorMap make_map(const void* base, CUtensorMapDataType type, int elem, uint64_t rows, uint64_t cols,
+                     uint32_t box_rows, uint32_t box_cols, CUtensorMapSwizzle swizzle, const char* what) {
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cols * elem};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t estr[2] = {1, 1};
+  const CUresult r = encoder()(&m, type, 2, const_cast<void*>(base), dims, strides, box, estr,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FLOWMOE_CHECK(r == CUDA_SUCCESS, "FP8 wgrad kernel: cuTensorMapEncodeTiled failed for " << what << " (error " << int(r)
+                                       << ", [" << rows << ", " << cols << "] box [" << box_rows << ", " << box_cols << "])");
+  return m;
+}
+
+// SMs of the current device; the kernel's shared-memory limit raised once per device.
+int sm_count() {
+  static std::mutex mu;
+  static std::vector<int> sms;  // per device; 0: not yet set up
+  int dev = 0;
+  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  if (int(sms.size()) <= dev) sms.resize(dev + 1, 0);
+  if (sms[dev] == 0) {
+    int n = 0;
+    FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    sms[dev] = n;
+  }
+  return sms[dev];
+}
+
+}  // namespace
+
+const char* wgrad_unsupported(const Segments& seg, int64_t n, int64_t k, bool bf16_out) {
+  if (bf16_out) return "BF16 output (the kernel writes FP32)";
+  if (n % kTile != 0 || k % kTile != 0) return "N or K not a multiple of 128";
+  if (n * seg.num_segments() >= (int64_t(1) << 31) || k >= (int64_t(1) << 31)) return "output too large";
+  if (seg.num_tokens() >= (int64_t(1) << 31)) return "too many tokens";
+  int nonempty = 0;
+  for (int e = 0; e < seg.num_segments(); ++e) {
+    if (seg.offsets[e] % kTile != 0) return "an expert's token offset is not a multiple of 128";
+    nonempty += seg.offsets[e + 1] > seg.offsets[e];
+  }
+  if (seg.num_tokens() % kTile != 0) return "the token count is not a multiple of 128";
+  if (nonempty > kMaxWgradExperts) return "more than 256 non-empty experts";
+  return nullptr;
+}
+
+int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
+                   const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, cudaStream_t stream) {
+  const int64_t m = seg.num_tokens();
+  Work work;
+  work.n = int(n);
+  work.k = int(k);
+  work.accumulate = accumulate ? 1 : 0;
+  work.sa = dy_scales;
+  work.sb = x_scales;
+  for (int e = 0; e < seg.num_segments(); ++e) {
+    const int64_t me = seg.offsets[e + 1] - seg.offsets[e];
+    if (me == 0) continue;
+    work.expert[work.num_work] = e;
+    work.tok0[work.num_work] = int(seg.offsets[e]);
+    work.nblk[work.num_work] = int(me / kTile);
+    ++work.num_work;
+  }
+  work.tiles_k = int(k / kTile);
+  work.tiles_per_expert = int(n / kTile) * work.tiles_k;
+  work.total_tiles = work.num_work * work.tiles_per_expert;
+  if (work.total_tiles == 0) return 0;
+  const CUtensorMap mdy = make_map(dy_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(n), uint64_t(m), kTile, kTile,
+                                   CU_TENSOR_MAP_SWIZZLE_128B, "dY (column-wise codes)");
+  const CUtensorMap mx = make_map(x_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(k), uint64_t(m), kTile, kTile,
+                                  CU_TENSOR_MAP_SWIZZLE_128B, "X (column-wise codes)");
+  const CUtensorMap mdw = make_map(dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(seg.num_segments()) * n,
+                                   uint64_t(k), 64, 32, CU_TENSOR_MAP_SWIZZLE_128B, "dW");
+  const int grid = std::min(work.total_tiles, sm_count());
+  wgrad_kernel<<<grid, kThreads, kSmemBytes, stream>>>(mdy, mx, mdw, work);
+  FLOWMOE_CUDA_CHECK(cudaGetLastError());
+  return 1;
+}
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace flowmoe
