@@ -377,8 +377,8 @@ void bench_wgrad_kernel(const std::string& name, const std::vector<int32_t>& cou
   const int64_t m = b.m;
   const int E = b.E;
   cuda::GroupedGemm::Options ok = cuda::GroupedGemm::Options::from_env(), ob = ok;
-  ok.wgrad_kernel = true;
-  ob.wgrad_kernel = false;
+  ok.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kAlways;
+  ob.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kOff;
   cuda::GroupedGemm kern(ok), blas(ob);
   const auto dyc = b.op(b.dyc_c, m * n, b.dyc_s, gemm::col_scale_f32_elems(b.seg, n));
   const auto xc = b.op(b.xc_c, m * k, b.xc_s, gemm::col_scale_f32_elems(b.seg, k));

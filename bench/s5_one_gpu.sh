@@ -34,6 +34,12 @@ for what in "${@:-wg}"; do
       rows $OUT/bench-wk0.log
       step bench-wk1-ovw 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow,flow-fp4 --grads overwrite --baseline $OUT/torch.json --no-breakdown
       rows $OUT/bench-wk1-ovw.log ;;
+    power)  # SM clock and power while the layer runs (are the FP8 GEMM phases power-bound?)
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active --format=csv -lms 50 > $OUT/power-samples.csv 2>&1 &
+      P=$!
+      step bench-power 200 $B/flowmoe bench --config v3-ep8 --tokens 8192 --reps 20 --recipes fp8-naive,flow --no-breakdown
+      kill $P; sleep 0.2
+      rows $OUT/bench-power.log; head -2 $OUT/power-samples.csv; awk -F, 'NR>1{c[$2]++} END{for(k in c) print k, c[k]}' $OUT/power-samples.csv | sort -k2 -n | tail -8 ;;
     wg)  # A/B: wgrad stream on (default) and off, accumulate, same call
       step bench-wg1 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes bf16,blockwise,flow,flow-fp4 --baseline $OUT/torch.json
       rows $OUT/bench-wg1.log

@@ -149,10 +149,12 @@ struct GroupedGemmOptions {
   size_t tune_scratch_bytes = size_t(128) << 20;
   // FP8 wgrad with FP32 output (overwrite or accumulate): flowmoe's own sm_90a kernel, one
   // persistent launch over all experts whose epilogue (TMA reduce-add into the main gradients)
-  // overlaps the next tile's math, when the problem fits it (N, K and every expert's token offset
-  // multiples of 128, at most 256 non-empty experts; docs/GEMM.md "The wgrad kernel"); otherwise,
-  // and with false, cuBLASLt per expert. FLOWMOE_GEMM_WGRAD_KERNEL=0|1.
-  bool wgrad_kernel = true;
+  // overlaps the next tile's math, or cuBLASLt per expert (docs/GEMM.md "The wgrad kernel").
+  // kAuto: the kernel where the problem fits it (wgrad_kernel_unsupported) and where it measured
+  // at least as fast as cuBLASLt on the H200 (choose_wgrad_kernel); kAlways: wherever it fits;
+  // kOff: cuBLASLt. FLOWMOE_GEMM_WGRAD_KERNEL=0 (off), 1 (auto), 2 (always).
+  enum class WgradKernel : uint8_t { kOff, kAuto, kAlways };
+  WgradKernel wgrad_kernel = WgradKernel::kAuto;
   // Share the choices with every GroupedGemm of this process on the same device (same workspace
   // size and candidate count): a key is timed once per process and all objects run the same
   // algorithm for it. false: this object times its own keys.
@@ -166,6 +168,17 @@ struct GroupedGemmOptions {
   static GroupedGemmOptions from_env();
   void validate() const;  // throws flowmoe::Error naming the bad field and the accepted range
 };
+
+// Why the sm_90a FP8 wgrad kernel cannot take a problem, or null when it can: it needs FP32
+// output, N and K multiples of 128, every expert's token offset and the token total multiples of
+// 128 (permute+pad with alignment 128), at most 256 non-empty experts, sizes below 2^31.
+const char* wgrad_kernel_unsupported(const Segments& seg, int64_t n, int64_t k, bool bf16_out);
+// Whether GroupedGemm::wgrad runs the kernel for this problem under `mode`. kAuto takes it where it
+// measured at least as fast as cuBLASLt per expert on the H200 (fifth session): small experts
+// (at most 1024 tokens each on average), or expert matrices N x K up to 16 Mi elements when
+// accumulating and up to 8 Mi when overwriting; cuBLASLt's mainloop is ahead on larger ones.
+bool choose_wgrad_kernel(GroupedGemmOptions::WgradKernel mode, const Segments& seg, int64_t n, int64_t k,
+                         WgradOut::Kind kind);
 
 // The token bucket of the tuning key: every count up to 128 is one bucket (128); above, half
 // octaves: (128, 192], (192, 256], (256, 384], ... The bucket's upper end is returned.

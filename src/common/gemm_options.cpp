@@ -14,7 +14,7 @@ GroupedGemmOptions GroupedGemmOptions::previous() {
   GroupedGemmOptions o;
   o.streams = 1;
   o.tune = false;
-  o.wgrad_kernel = false;
+  o.wgrad_kernel = WgradKernel::kOff;
   return o;
 }
 
@@ -42,10 +42,11 @@ GroupedGemmOptions GroupedGemmOptions::from_env() {
     o.tune = v[0] == '1';
   }
   if (const char* v = std::getenv("FLOWMOE_GEMM_WGRAD_KERNEL")) {
-    FLOWMOE_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0,
-                  "FLOWMOE_GEMM_WGRAD_KERNEL=\"" << v << "\"; expected 0 (cuBLASLt per expert) or 1 "
-                                                 "(flowmoe's sm_90a wgrad kernel where the problem fits it)");
-    o.wgrad_kernel = v[0] == '1';
+    FLOWMOE_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0,
+                  "FLOWMOE_GEMM_WGRAD_KERNEL=\"" << v << "\"; expected 0 (cuBLASLt per expert), 1 (auto: "
+                                                 "flowmoe's sm_90a wgrad kernel where it fits and measured "
+                                                 "faster) or 2 (the kernel wherever it fits)");
+    o.wgrad_kernel = static_cast<WgradKernel>(v[0] - '0');
   }
   env_int("FLOWMOE_GEMM_STREAMS", 1, kMaxStreams, "streams the per-expert matmuls run on", &o.streams);
   env_int("FLOWMOE_GEMM_PRIORITY", 0, kMaxPoolPriority, "priority steps of the matmul streams above the default",
@@ -65,6 +66,36 @@ void GroupedGemmOptions::validate() const {
                 "GroupedGemm options: tune_reps = " << tune_reps << "; expected 1..100");
   FLOWMOE_CHECK(tune_margin >= 0.0 && tune_margin < 1.0,
                 "GroupedGemm options: tune_margin = " << tune_margin << "; expected 0 <= margin < 1");
+}
+
+const char* wgrad_kernel_unsupported(const Segments& seg, int64_t n, int64_t k, bool bf16_out) {
+  constexpr int64_t kTile = 128, kMaxExperts = 256;
+  if (bf16_out) return "BF16 output (the kernel writes FP32)";
+  if (n <= 0 || k <= 0 || n % kTile != 0 || k % kTile != 0) return "N or K not a multiple of 128";
+  if (n * seg.num_segments() >= (int64_t(1) << 31) || k >= (int64_t(1) << 31)) return "output too large";
+  if (seg.num_tokens() >= (int64_t(1) << 31)) return "too many tokens";
+  if (seg.num_tokens() % kTile != 0) return "the token count is not a multiple of 128";
+  int64_t nonempty = 0;
+  for (int e = 0; e < seg.num_segments(); ++e) {
+    if (seg.offsets[e] % kTile != 0) return "an expert's token offset is not a multiple of 128";
+    nonempty += seg.offsets[e + 1] > seg.offsets[e];
+  }
+  if (nonempty > kMaxExperts) return "more than 256 non-empty experts";
+  return nullptr;
+}
+
+bool choose_wgrad_kernel(GroupedGemmOptions::WgradKernel mode, const Segments& seg, int64_t n, int64_t k,
+                         WgradOut::Kind kind) {
+  using Mode = GroupedGemmOptions::WgradKernel;
+  if (mode == Mode::kOff || wgrad_kernel_unsupported(seg, n, k, kind == WgradOut::Kind::kBf16) != nullptr)
+    return false;
+  if (mode == Mode::kAlways) return true;
+  int64_t nonempty = 0;
+  for (int e = 0; e < seg.num_segments(); ++e) nonempty += seg.offsets[e + 1] > seg.offsets[e];
+  if (nonempty == 0) return true;  // nothing to compute: one zero-fill pass either way
+  if (seg.num_tokens() <= 1024 * nonempty) return true;
+  const int64_t limit = (kind == WgradOut::Kind::kF32Accumulate ? 16 : 8) * (int64_t(1) << 20);
+  return n * k <= limit;
 }
 
 int64_t tune_token_bucket(int64_t tokens) {

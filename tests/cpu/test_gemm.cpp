@@ -581,6 +581,60 @@ TEST(GemmOptions, PriorityFromTheEnvironment) {
   if (had) setenv("FLOWMOE_GEMM_PRIORITY", old.c_str(), 1); else unsetenv("FLOWMOE_GEMM_PRIORITY");
 }
 
+TEST(GemmOptions, WgradKernelFromTheEnvironment) {
+  using Mode = gemm::GroupedGemmOptions::WgradKernel;
+  const char* had = std::getenv("FLOWMOE_GEMM_WGRAD_KERNEL");
+  const std::string old = had ? had : "";
+  unsetenv("FLOWMOE_GEMM_WGRAD_KERNEL");
+  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().wgrad_kernel, Mode::kAuto) << "auto by default";
+  EXPECT_EQ(gemm::GroupedGemmOptions::previous().wgrad_kernel, Mode::kOff) << "the previous behaviour: cuBLASLt";
+  const std::pair<const char*, Mode> ok[] = {{"0", Mode::kOff}, {"1", Mode::kAuto}, {"2", Mode::kAlways}};
+  for (const auto& v : ok) {
+    setenv("FLOWMOE_GEMM_WGRAD_KERNEL", v.first, 1);
+    EXPECT_EQ(gemm::GroupedGemmOptions::from_env().wgrad_kernel, v.second) << v.first;
+  }
+  for (const char* v : {"3", "on", "", "1 "}) {
+    setenv("FLOWMOE_GEMM_WGRAD_KERNEL", v, 1);
+    EXPECT_TRUE(ThrowsMentioning([] { gemm::GroupedGemmOptions::from_env(); },
+                                 {"FLOWMOE_GEMM_WGRAD_KERNEL", "expected 0"}))
+        << v;
+  }
+  if (had) setenv("FLOWMOE_GEMM_WGRAD_KERNEL", old.c_str(), 1); else unsetenv("FLOWMOE_GEMM_WGRAD_KERNEL");
+}
+
+// What the sm_90a wgrad kernel takes (128-aligned experts, N and K multiples of 128, FP32 out,
+// at most 256 non-empty experts) and where the auto mode chooses it over cuBLASLt.
+TEST(GemmOptions, WgradKernelSupportAndChoice) {
+  using Mode = gemm::GroupedGemmOptions::WgradKernel;
+  using Kind = gemm::WgradOut::Kind;
+  const Segments ok = Segments::from_counts({256, 0, 128, 384});
+  EXPECT_EQ(gemm::wgrad_kernel_unsupported(ok, 256, 384, false), nullptr);
+  EXPECT_NE(gemm::wgrad_kernel_unsupported(ok, 256, 384, true), nullptr) << "BF16 output";
+  EXPECT_NE(gemm::wgrad_kernel_unsupported(ok, 192, 384, false), nullptr) << "N % 128";
+  EXPECT_NE(gemm::wgrad_kernel_unsupported(ok, 256, 200, false), nullptr) << "K % 128";
+  EXPECT_NE(gemm::wgrad_kernel_unsupported(Segments::from_counts({144, 112}), 256, 256, false), nullptr)
+      << "an offset that is not a multiple of 128";
+  EXPECT_NE(gemm::wgrad_kernel_unsupported(Segments::from_counts({128, 16}), 256, 256, false), nullptr)
+      << "a token total that is not a multiple of 128";
+  EXPECT_EQ(gemm::wgrad_kernel_unsupported(Segments::from_counts(std::vector<int32_t>(256, 128)), 128, 128, false),
+            nullptr);
+  EXPECT_NE(gemm::wgrad_kernel_unsupported(Segments::from_counts(std::vector<int32_t>(257, 128)), 128, 128, false),
+            nullptr) << "257 non-empty experts";
+  // off / always / unsupported
+  EXPECT_FALSE(gemm::choose_wgrad_kernel(Mode::kOff, ok, 256, 384, Kind::kF32Accumulate));
+  EXPECT_TRUE(gemm::choose_wgrad_kernel(Mode::kAlways, ok, 256, 384, Kind::kF32));
+  EXPECT_FALSE(gemm::choose_wgrad_kernel(Mode::kAlways, ok, 256, 384, Kind::kBf16));
+  // auto: DeepSeek-V3 EP8 GEMM1 (32 experts x 2048 tokens, [4096, 7168]): cuBLASLt; GEMM2
+  // ([7168, 2048], 14 Mi): the kernel when accumulating only; V2-Lite (768 tokens each): the kernel
+  const Segments v3 = Segments::from_counts(std::vector<int32_t>(32, 2048));
+  EXPECT_FALSE(gemm::choose_wgrad_kernel(Mode::kAuto, v3, 4096, 7168, Kind::kF32Accumulate));
+  EXPECT_TRUE(gemm::choose_wgrad_kernel(Mode::kAuto, v3, 7168, 2048, Kind::kF32Accumulate));
+  EXPECT_FALSE(gemm::choose_wgrad_kernel(Mode::kAuto, v3, 7168, 2048, Kind::kF32));
+  const Segments lite = Segments::from_counts(std::vector<int32_t>(64, 768));
+  EXPECT_TRUE(gemm::choose_wgrad_kernel(Mode::kAuto, lite, 2816, 2048, Kind::kF32));
+  EXPECT_TRUE(gemm::choose_wgrad_kernel(Mode::kAuto, lite, 2816, 2048, Kind::kF32Accumulate));
+}
+
 TEST(GemmOptions, Environment) {
   struct Restore {  // leave the environment as found
     std::string tune, streams;

@@ -522,7 +522,8 @@ cuda::GroupedGemm::Options own_tuning(int streams) {
   o.streams = streams;
   o.tune = true;
   o.share_tuning = false;  // this object times its own keys (the test needs the first call to tune)
-  o.wgrad_kernel = false;  // the cuBLASLt pool is under test (the sm_90a wgrad kernel: below)
+  o.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kOff;  // the cuBLASLt pool is under test
+                                                                    // (the sm_90a wgrad kernel: below)
   return o;
 }
 
@@ -613,7 +614,7 @@ TEST_P(GemmGpuConcurrency, BitIdenticalToSerialAndAcrossCalls) {
   EXPECT_GE(cuda::GroupedGemm::tuning_scratch_bytes(), gg.options().tune_scratch_bytes) << "gg reserved it";
   // the sm_90a wgrad kernel (where the experts are 128-aligned): the same bits call after call
   cuda::GroupedGemm::Options ko = own_tuning(4);
-  ko.wgrad_kernel = true;
+  ko.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kAlways;
   cuda::GroupedGemm kg(ko);
   const Bits k1 = run_passes(kg, p, d, g0, 0), k2 = run_passes(kg, p, d, g0, 0);
   EXPECT_TRUE(same_bits(k1, k2)) << "wgrad kernel, two calls";

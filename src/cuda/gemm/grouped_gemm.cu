@@ -808,8 +808,7 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
   const bool acc = dw.kind == WgradOut::Kind::kF32Accumulate;
   const Op op = dw.kind == WgradOut::Kind::kBf16 ? Op::kF8WgradBf16 : Op::kF8WgradF32;
   const size_t eb = wgrad_elem_bytes(dw);
-  if (impl_->opt.wgrad_kernel &&
-      sm90::wgrad_unsupported(seg, n, k, dw.kind == WgradOut::Kind::kBf16) == nullptr) {
+  if (gemm::choose_wgrad_kernel(impl_->opt.wgrad_kernel, seg, n, k, dw.kind)) {
     // one launch over all experts; empty experts zero-filled first when overwriting
     for (int e = 0; e < seg.num_segments(); ++e)
       if (seg.offsets[e + 1] == seg.offsets[e] && !acc) {

@@ -28,6 +28,7 @@
 #include "cuda/common.cuh"
 #include "cuda/gemm/wgrad_sm90.h"
 #include "flowmoe/error.h"
+#include "flowmoe/gemm.h"
 
 namespace flowmoe {
 namespace cuda {
@@ -328,23 +329,10 @@ int sm_count() {
 
 }  // namespace
 
-const char* wgrad_unsupported(const Segments& seg, int64_t n, int64_t k, bool bf16_out) {
-  if (bf16_out) return "BF16 output (the kernel writes FP32)";
-  if (n % kTile != 0 || k % kTile != 0) return "N or K not a multiple of 128";
-  if (n * seg.num_segments() >= (int64_t(1) << 31) || k >= (int64_t(1) << 31)) return "output too large";
-  if (seg.num_tokens() >= (int64_t(1) << 31)) return "too many tokens";
-  int nonempty = 0;
-  for (int e = 0; e < seg.num_segments(); ++e) {
-    if (seg.offsets[e] % kTile != 0) return "an expert's token offset is not a multiple of 128";
-    nonempty += seg.offsets[e + 1] > seg.offsets[e];
-  }
-  if (seg.num_tokens() % kTile != 0) return "the token count is not a multiple of 128";
-  if (nonempty > kMaxWgradExperts) return "more than 256 non-empty experts";
-  return nullptr;
-}
-
 int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
                    const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, cudaStream_t stream) {
+  const char* why = gemm::wgrad_kernel_unsupported(seg, n, k, false);
+  FLOWMOE_CHECK(why == nullptr, "FP8 wgrad kernel: " << why);
   const int64_t m = seg.num_tokens();
   Work work;
   work.n = int(n);

@@ -12,14 +12,10 @@ namespace sm90 {
 
 constexpr int kMaxWgradExperts = 256;
 
-// Why the kernel cannot take this problem (the caller falls back to cuBLASLt), or null.
-// It needs N and K multiples of 128, every expert's token offset and the total a multiple of
-// 128 (permute+pad with alignment 128), at most 256 non-empty experts, FP32 output.
-const char* wgrad_unsupported(const Segments& seg, int64_t n, int64_t k, bool bf16_out);
-
 // dW [E][N][K] FP32 (+)= per expert dY_col_e . X_col_e^T with 1x128 scales along tokens (gemm.h
-// conventions; scales GEMM-ready FP32 [NB][N], [NB][K]). Zero-token experts untouched (the caller
-// zero-fills them when overwriting). One launch on `stream`; returns the number of launches.
+// conventions; scales GEMM-ready FP32 [NB][N], [NB][K]). The problem must pass
+// gemm::wgrad_kernel_unsupported (checked: flowmoe::Error otherwise). Zero-token experts untouched
+// (the caller zero-fills them when overwriting). One launch on `stream`; returns the launches.
 int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
                    const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, cudaStream_t stream);
 
