@@ -40,6 +40,19 @@ for what in "${@:-wg}"; do
       step bench-power 200 $B/flowmoe bench --config v3-ep8 --tokens 8192 --reps 20 --recipes fp8-naive,flow --no-breakdown
       kill $P; sleep 0.2
       rows $OUT/bench-power.log; head -2 $OUT/power-samples.csv; awk -F, 'NR>1{c[$2]++} END{for(k in c) print k, c[k]}' $OUT/power-samples.csv | sort -k2 -n | tail -8 ;;
+    router)
+      step gpu-tests-router 120 $B/flowmoe_gpu_tests --gtest_filter='*Router*'
+      tail -2 $OUT/gpu-tests-router.log; grep -B2 -A8 Failure $OUT/gpu-tests-router.log | head -30
+      step bench-router 150 $B/flowmoe_bench_router --tokens 8192 --variants
+      grep -iE "dwr|===|##" $OUT/bench-router.log | head -50 ;;
+    layer)  # the layer, every recipe, accumulate and overwrite, next to PyTorch (run torch first)
+      step bench-acc 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --baseline $OUT/torch.json
+      rows $OUT/bench-acc.log
+      step bench-ovw 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow,flow-fp4 --grads overwrite --baseline $OUT/torch.json --no-breakdown
+      rows $OUT/bench-ovw.log ;;
+    align16)  # expert alignment 16 (less padding, cuBLASLt wgrads) against the default 128
+      step bench-a16 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow --align 16 --baseline $OUT/torch.json --no-breakdown
+      rows $OUT/bench-a16.log ;;
     wg)  # A/B: wgrad stream on (default) and off, accumulate, same call
       step bench-wg1 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes bf16,blockwise,flow,flow-fp4 --baseline $OUT/torch.json
       rows $OUT/bench-wg1.log

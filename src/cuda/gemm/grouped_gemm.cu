@@ -241,6 +241,7 @@ struct GroupedGemm::Impl {
   // One device buffer: stream slot i's workspace at [i * ws_stride, (i + 1) * ws_stride).
   char* buffer = nullptr;
   size_t buffer_bytes = 0, ws_stride = 0;
+  int* tile_counter = nullptr;  // the sm_90a wgrad kernel's tile counter (one int)
   bool scratch_user = false;  // registered with shared_scratch() for this device
   // pool_priority == 0: slots 1 .. streams - 1 (slot 0 is the caller's stream); > 0: every slot
   // (pool[i] is slot i), created above the default priority.
@@ -268,6 +269,8 @@ struct GroupedGemm::Impl {
       ws_stride = gemm::round_up(static_cast<int64_t>(opt.workspace_bytes), 256);
       buffer_bytes = static_cast<size_t>(opt.streams) * ws_stride;
       if (buffer_bytes) FLOWMOE_CUDA_CHECK(cudaMalloc(&buffer, buffer_bytes));
+      if (opt.wgrad_kernel != Options::WgradKernel::kOff)
+        FLOWMOE_CUDA_CHECK(cudaMalloc(&tile_counter, sizeof(int)));
       if (opt.tune && opt.tune_scratch_bytes) reserve_scratch();
       FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref), "GroupedGemm");
       FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
@@ -352,6 +355,7 @@ struct GroupedGemm::Impl {
       if (d) cublasLtMatmulDescDestroy(d), d = nullptr;
     if (pref) cublasLtMatmulPreferenceDestroy(pref), pref = nullptr;
     if (buffer) cudaFree(buffer), buffer = nullptr;
+    if (tile_counter) cudaFree(tile_counter), tile_counter = nullptr;
     if (handle) cublasLtDestroy(handle), handle = nullptr;
   }
 
@@ -816,7 +820,7 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
         ++impl_->stats.zero_fills;
       }
     sm90::wgrad_sm90(seg, n, k, dy_col.codes.data, dy_col.scales.data, x_col.codes.data, x_col.scales.data,
-                     static_cast<float*>(dw.data), acc, stream);
+                     static_cast<float*>(dw.data), acc, impl_->tile_counter, stream);
     ++impl_->stats.wgrad_kernel_calls;
     return;
   }

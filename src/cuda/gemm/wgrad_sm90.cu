@@ -41,7 +41,9 @@ constexpr int kThreads = 384;
 constexpr int kStageBytes = 2 * kTile * kTile;        // dY tile + X tile, FP8
 constexpr int kEpiBytes = 64 * kTile * 4;             // one warpgroup's half tile, FP32
 constexpr int kScaleBytes = 2 * kTile * 4;            // per stage: the block's dY and X scale slices
-constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes + 2 * kStages * 8 + 1024;
+constexpr int kTileSlots = 2;                         // tile ids handed from the producer to the consumers
+constexpr int kSmemBytes =
+    kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes + 2 * kStages * 8 + 2 * kTileSlots * 8 + 64 + 1024;
 
 struct Work {
   int num_work = 0;                  // non-empty experts
@@ -50,6 +52,7 @@ struct Work {
   int accumulate = 0;
   const float* sa = nullptr;         // [NB][N]
   const float* sb = nullptr;         // [NB][K]
+  int* next_tile = nullptr;          // the tile counter (0 at launch)
   int expert[kMaxWgradExperts];      // expert index of work item w
   int tok0[kMaxWgradExperts];        // its first token (multiple of 128)
   int nblk[kMaxWgradExperts];        // its 128-token blocks (>= 1)
@@ -164,11 +167,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* scl = reinterpret_cast<float*>(smem + kStages * kStageBytes + 2 * kEpiBytes);  // [stage][2][128]
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes);
   uint64_t* empty = full + kStages;
+  uint64_t* tile_full = empty + kStages;     // [kTileSlots]: a tile id is in tile_id[slot]
+  uint64_t* tile_empty = tile_full + kTileSlots;
+  int* tile_id = reinterpret_cast<int*>(tile_empty + kTileSlots);
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 8);  // the 8 consumer warps
+    }
+    for (int s = 0; s < kTileSlots; ++s) {
+      mbar_init(&tile_full[s], 1);
+      mbar_init(&tile_empty[s], 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -177,8 +187,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (t == 0) {
+      // Tiles are taken from a global counter (not a fixed share per CTA): CTAs that start late
+      // (their SM still busy with another stream's kernel) or meet short experts take fewer.
       uint32_t it = 0;
-      for (int tile = blockIdx.x; tile < work.total_tiles; tile += gridDim.x) {
+      for (uint32_t j = 0;; ++j) {
+        const int slot = j % kTileSlots;
+        mbar_wait(&tile_empty[slot], ((j / kTileSlots) & 1) ^ 1);
+        const int tile = atomicAdd(work.next_tile, 1);
+        tile_id[slot] = tile;
+        mbar_arrive(&tile_full[slot]);
+        if (tile >= work.total_tiles) break;
         const int w = tile / per_expert, r = tile % per_expert;
         const int tn = r / tiles_k, tk = r % tiles_k;
         const int t0 = work.tok0[w], nb = work.nblk[w];
@@ -207,7 +225,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[64], blk[64];
   uint32_t it = 0;
   bool pending = false;                    // a bulk store/reduce from ebuf may still be reading it
-  for (int tile = blockIdx.x; tile < work.total_tiles; tile += gridDim.x) {
+  for (uint32_t j = 0;; ++j) {
+    const int slot = j % kTileSlots;
+    mbar_wait(&tile_full[slot], (j / kTileSlots) & 1);
+    const int tile = tile_id[slot];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&tile_empty[slot]);
+    if (tile >= work.total_tiles) break;
     const int w = tile / per_expert, r = tile % per_expert;
     const int tn = r / tiles_k, tk = r % tiles_k;
     const int nb = work.nblk[w];
@@ -330,7 +354,8 @@ int sm_count() {
 }  // namespace
 
 int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
-                   const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, cudaStream_t stream) {
+                   const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, int* tile_counter,
+                   cudaStream_t stream) {
   const char* why = gemm::wgrad_kernel_unsupported(seg, n, k, false);
   FLOWMOE_CHECK(why == nullptr, "FP8 wgrad kernel: " << why);
   const int64_t m = seg.num_tokens();
@@ -340,6 +365,7 @@ int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_
   work.accumulate = accumulate ? 1 : 0;
   work.sa = dy_scales;
   work.sb = x_scales;
+  work.next_tile = tile_counter;
   for (int e = 0; e < seg.num_segments(); ++e) {
     const int64_t me = seg.offsets[e + 1] - seg.offsets[e];
     if (me == 0) continue;
@@ -359,6 +385,7 @@ int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_
   const CUtensorMap mdw = make_map(dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(seg.num_segments()) * n,
                                    uint64_t(k), 64, 32, CU_TENSOR_MAP_SWIZZLE_128B, "dW");
   const int grid = std::min(work.total_tiles, sm_count());
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream));
   wgrad_kernel<<<grid, kThreads, kSmemBytes, stream>>>(mdy, mx, mdw, work);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
   return 1;

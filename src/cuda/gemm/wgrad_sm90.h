@@ -15,9 +15,12 @@ constexpr int kMaxWgradExperts = 256;
 // dW [E][N][K] FP32 (+)= per expert dY_col_e . X_col_e^T with 1x128 scales along tokens (gemm.h
 // conventions; scales GEMM-ready FP32 [NB][N], [NB][K]). The problem must pass
 // gemm::wgrad_kernel_unsupported (checked: flowmoe::Error otherwise). Zero-token experts untouched
-// (the caller zero-fills them when overwriting). One launch on `stream`; returns the launches.
+// (the caller zero-fills them when overwriting). `tile_counter`: one device int of the caller's,
+// not used by another launch at the same time (reset here, stream-ordered). One kernel launch on
+// `stream`; returns the launches.
 int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
-                   const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, cudaStream_t stream);
+                   const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, int* tile_counter,
+                   cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace cuda

@@ -23,6 +23,12 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+int sm_count() {  // of the current device
+  int dev = 0, n = 0;
+  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
 inline unsigned grid_1d(int64_t items, int per_block, int64_t cap = 1 << 20) {
   int64_t g = (items + per_block - 1) / per_block;
   if (g < 1) g = 1;
@@ -346,10 +352,17 @@ void router_dwr(const float* dz, const bf16_t* x, int64_t t, int e, int64_t h, f
   check_ptr(x, "x", what);
   check_ptr(dwr, "dwr", what);
   if (h % 8 == 0 && aligned16(x) && (reinterpret_cast<uintptr_t>(dz) & 3u) == 0) {
-    // <experts per thread, warps along E, warps along H, stages>; tiles BE x BH:
-    if (e <= 8) rg::launch_staged_dwr<1, 4, 1, 4>(dz, x, t, e, h, dwr, stream);         //  8 x 64
-    else if (e <= 16) rg::launch_staged_dwr<2, 4, 1, 4>(dz, x, t, e, h, dwr, stream);   // 16 x 64
-    else rg::launch_staged_dwr<2, 8, 1, 4>(dz, x, t, e, h, dwr, stream);                // 32 x 64
+    // <experts per thread, warps along E, warps along H, stages>; tiles BE x BH: the largest
+    // tile that still gives every SM a CTA (each output's sum runs over all T tokens in one
+    // thread, so the grid is all the parallelism there is; the order, hence the bits, are the
+    // same for every tile). DeepSeek-V2-Lite (E 64, H 2048): 32 x 64 gave 64 CTAs on 132 SMs.
+    const int64_t sms = sm_count();
+    if (e > 16 && rg::DwrTile<2, 8, 1, 4>::blocks(e, h) >= sms)
+      rg::launch_staged_dwr<2, 8, 1, 4>(dz, x, t, e, h, dwr, stream);                   // 32 x 64
+    else if (e > 8 && rg::DwrTile<2, 4, 1, 4>::blocks(e, h) >= sms)
+      rg::launch_staged_dwr<2, 4, 1, 4>(dz, x, t, e, h, dwr, stream);                   // 16 x 64
+    else
+      rg::launch_staged_dwr<1, 4, 1, 4>(dz, x, t, e, h, dwr, stream);                   //  8 x 64
   } else {
     rg::launch_tiled_dwr(dz, x, t, e, h, dwr, stream);  // H % 8 != 0, or unaligned operands
   }
