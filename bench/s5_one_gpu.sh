@@ -53,6 +53,11 @@ for what in "${@:-wg}"; do
     align16)  # expert alignment 16 (less padding, cuBLASLt wgrads) against the default 128
       step bench-a16 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow --align 16 --baseline $OUT/torch.json --no-breakdown
       rows $OUT/bench-a16.log ;;
+    tail)  # A/B of the tail stream now that GEMM1 wgrad may be one persistent kernel
+      step bench-tail1 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow --baseline $OUT/torch.json
+      rows $OUT/bench-tail1.log
+      FLOWMOE_LAYER_TAIL_OVERLAP=0 step bench-tail0 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow --baseline $OUT/torch.json
+      rows $OUT/bench-tail0.log ;;
     wg)  # A/B: wgrad stream on (default) and off, accumulate, same call
       step bench-wg1 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes bf16,blockwise,flow,flow-fp4 --baseline $OUT/torch.json
       rows $OUT/bench-wg1.log
