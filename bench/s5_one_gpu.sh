@@ -58,6 +58,12 @@ for what in "${@:-wg}"; do
       rows $OUT/bench-tail1.log
       FLOWMOE_LAYER_TAIL_OVERLAP=0 step bench-tail0 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow --baseline $OUT/torch.json
       rows $OUT/bench-tail0.log ;;
+    overlap0)  # the flow recipes' side stream off, now that the wgrads may be one persistent kernel
+      FLOWMOE_LAYER_OVERLAP=0 step bench-overlap0 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes flow,flow-fp4 --baseline $OUT/torch.json --no-breakdown
+      rows $OUT/bench-overlap0.log ;;
+    final)  # the last one-GPU call: every GPU test, then the layer next to PyTorch
+      step gpu-tests 300 $B/flowmoe_gpu_tests
+      tail -3 $OUT/gpu-tests.log; grep -B2 -A10 Failure $OUT/gpu-tests.log | head -40 ;;
     wg)  # A/B: wgrad stream on (default) and off, accumulate, same call
       step bench-wg1 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes bf16,blockwise,flow,flow-fp4 --baseline $OUT/torch.json
       rows $OUT/bench-wg1.log

@@ -209,8 +209,8 @@ TEST(RouterGemmGpu, DwrMatchHostLoop) {
   // a partial 64-feature block (H % 64 != 0, H % 8 == 0); E % 4 != 0 (4-byte dz copies)
   run_dwr({37, 20, 136}, 1);
   run_dwr({200, 5, 72}, 2);
-  // dwr takes the largest tile that still gives every SM a CTA: the shapes above use 8 x 64 on
-  // an H200 (132 SMs); these reach 16 x 64 (E 20) and 32 x 64 (E 64)
+  // dwr's tile depends on the grid (kernels.cu, dwr_tile): on an H200 (132 SMs) the shapes above
+  // use mostly 8 x 64; these take 16 x 64 (E 20) and 32 x 64 (E 64)
   run_dwr({37, 20, 4224}, 3);
   run_dwr({37, 64, 4224}, 5);
 }

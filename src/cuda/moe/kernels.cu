@@ -23,6 +23,18 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+// The dWr tile (experts per CTA, 32, 16 or 8) for E experts, H features, `sms` SMs (router_dwr).
+int dwr_tile(int e, int64_t h, int64_t sms) {
+  const int64_t hb = (h + 63) / 64;
+  int best = 32;
+  int64_t best_load = -1;
+  for (int be : {32, 16, 8}) {
+    const int64_t blocks = (e + be - 1) / be * hb;
+    const int64_t load = (blocks + sms - 1) / sms * be;
+    if (best_load < 0 || load < best_load) best = be, best_load = load;
+  }
+  return best;
+}
 int sm_count() {  // of the current device
   int dev = 0, n = 0;
   FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
@@ -352,17 +364,18 @@ void router_dwr(const float* dz, const bf16_t* x, int64_t t, int e, int64_t h, f
   check_ptr(x, "x", what);
   check_ptr(dwr, "dwr", what);
   if (h % 8 == 0 && aligned16(x) && (reinterpret_cast<uintptr_t>(dz) & 3u) == 0) {
-    // <experts per thread, warps along E, warps along H, stages>; tiles BE x BH: the largest
-    // tile that still gives every SM a CTA (each output's sum runs over all T tokens in one
-    // thread, so the grid is all the parallelism there is; the order, hence the bits, are the
-    // same for every tile). DeepSeek-V2-Lite (E 64, H 2048): 32 x 64 gave 64 CTAs on 132 SMs.
-    const int64_t sms = sm_count();
-    if (e > 16 && rg::DwrTile<2, 8, 1, 4>::blocks(e, h) >= sms)
-      rg::launch_staged_dwr<2, 8, 1, 4>(dz, x, t, e, h, dwr, stream);                   // 32 x 64
-    else if (e > 8 && rg::DwrTile<2, 4, 1, 4>::blocks(e, h) >= sms)
-      rg::launch_staged_dwr<2, 4, 1, 4>(dz, x, t, e, h, dwr, stream);                   // 16 x 64
-    else
-      rg::launch_staged_dwr<1, 4, 1, 4>(dz, x, t, e, h, dwr, stream);                   //  8 x 64
+    // <experts per thread, warps along E, warps along H, stages>; tiles BE x 64 with BE 32, 16
+    // or 8. Each output's sum runs over all T tokens in one thread, so a CTA's time is set by BE
+    // (the rows of a tile past E cost as much as real ones) and the step by the busiest SM:
+    // choose the smallest ceil(blocks / SMs) * BE, the larger tile on a tie (more reuse of each
+    // staged x chunk). The order of every sum, hence the bits, is the same for every tile.
+    // Measured on the H200 (flowmoe_bench_router --variants, fifth session): V3 EP8 (E 32) 32 x 64,
+    // V3 EP32 (E 8) 8 x 64, V2 (E 20, H 5120) 8 x 64, V2-Lite (E 64, H 2048) 16 x 64: each the
+    // fastest variant of its shape.
+    const int tile = dwr_tile(e, h, sm_count());
+    if (tile == 32) rg::launch_staged_dwr<2, 8, 1, 4>(dz, x, t, e, h, dwr, stream);
+    else if (tile == 16) rg::launch_staged_dwr<2, 4, 1, 4>(dz, x, t, e, h, dwr, stream);
+    else rg::launch_staged_dwr<1, 4, 1, 4>(dz, x, t, e, h, dwr, stream);
   } else {
     rg::launch_tiled_dwr(dz, x, t, e, h, dwr, stream);  // H % 8 != 0, or unaligned operands
   }
