@@ -1286,7 +1286,22 @@ class CudaMoeLayer final : public MoeLayer {
     { auto s = bwd("quantize dY (row + col)");
       quantize_col(dy2, H_, sb, colA_.codes, colA_.scales, rowA_.codes, rowA_.scales, st_bwd(), stream_); }
     log(MoePass::kBackward, CastKind::kQuantize, "quantize dY (row + col, from BF16)", 1, 2, Mp_ * H_);
-    grad_pair(-1, [&] {  // (the pair ends before the dh quantize overwrites dY's copies)
+    fp8_gemm2_grads(g, -1);  // (it ends before the dh quantize overwrites dY's copies)
+    { auto s = bwd("dSwiGLU*prob (bf16)");
+      cuda::dswiglu(da_, h1_, Mp_, F_, dh_, st_bwd(), stream_, prow_, dpart_); }
+    { auto s = bwd("quantize dh (row + col)");
+      quantize_col(dh_, 2 * F_, sb, colA_.codes, colA_.scales, rowA_.codes, rowA_.scales, st_bwd(), stream_); }
+    log(MoePass::kBackward, CastKind::kQuantize, "quantize dh (row + col, from BF16)", 1, 2, Mp_ * 2 * F_);
+    fp8_gemm1_grads(g, xc_, -1);
+  }
+
+  // The FP8 recipes' backward GEMMs, each dgrad with the wgrad that reads the same gradient
+  // (grad_pair; `side`: the side event the wgrad waits for, or -1). GEMM2: dgrad from dY row-wise
+  // (rowA_) into da_, wgrad from dY's and a''s column copies (colA_, ac_) into dW2. GEMM1: dgrad
+  // from dh row-wise (rowA_) into the dX rows (o_), then ep_combine_dx_begin; wgrad from dh's
+  // column copy (colA_) and x_perm's (`xcol`) into dW1.
+  void fp8_gemm2_grads(const MoeGrads& g, int side) {
+    grad_pair(side, [&] {
       auto s = bwd("GEMM2 dgrad (fp8)");
       const Fp8Op dyo = act_operand(rowA_, H_, st_bwd_aux());
       gg_->dgrad(seg_, H_, F_, dyo, w2t_op(), ms<bf16_t>(da_, Mp_ * F_), stream_);
@@ -1297,12 +1312,9 @@ class CudaMoeLayer final : public MoeLayer {
       const Fp8Op acc = col_operand(ac_, F_, col32B_, ws);
       gg.wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(El_) * H_ * F_), ws);
     });
-    { auto s = bwd("dSwiGLU*prob (bf16)");
-      cuda::dswiglu(da_, h1_, Mp_, F_, dh_, st_bwd(), stream_, prow_, dpart_); }
-    { auto s = bwd("quantize dh (row + col)");
-      quantize_col(dh_, 2 * F_, sb, colA_.codes, colA_.scales, rowA_.codes, rowA_.scales, st_bwd(), stream_); }
-    log(MoePass::kBackward, CastKind::kQuantize, "quantize dh (row + col, from BF16)", 1, 2, Mp_ * 2 * F_);
-    grad_pair(-1, [&] {
+  }
+  void fp8_gemm1_grads(const MoeGrads& g, const Fp8Buf& xcol, int side) {
+    grad_pair(side, [&] {
       { auto s = bwd("GEMM1 dgrad (fp8)");
         const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
         gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
@@ -1311,7 +1323,7 @@ class CudaMoeLayer final : public MoeLayer {
       if (!g.dw1) return;
       auto s = bwd("GEMM1 wgrad (fp8)", ws);
       const Fp8Op dhc = col_operand(colA_, 2 * F_, col32A_, ws);
-      const Fp8Op xc = col_operand(xc_, H_, col32B_, ws);
+      const Fp8Op xc = col_operand(xcol, H_, col32B_, ws);
       gg.wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), ws);
     });
   }
@@ -1405,17 +1417,7 @@ class CudaMoeLayer final : public MoeLayer {
       mark(kSideB);
     }
     log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose dY (wgrad copy)", 1, 1, Mp_ * H_);
-    grad_pair(kSideA, [&] {  // the wgrad after dY's column copy (side event A)
-      auto s = bwd("GEMM2 dgrad (fp8)");
-      const Fp8Op dyo = act_operand(dyr, H_, st_bwd_aux());
-      gg_->dgrad(seg_, H_, F_, dyo, w2t_op(), ms<bf16_t>(da_, Mp_ * F_), stream_);
-    }, [&](GroupedGemm& gg, cudaStream_t ws) {
-      if (!g.dw2) return;
-      auto s = bwd("GEMM2 wgrad (fp8)", ws);
-      const Fp8Op dyc = col_operand(colA_, H_, col32A_, ws);
-      const Fp8Op acc = col_operand(ac_, F_, col32B_, ws);
-      gg.wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(El_) * H_ * F_), ws);
-    });
+    fp8_gemm2_grads(g, kSideA);  // dY row in dyr (= rowA_); the wgrad after dY's column copy
     // the pair has ended (the dSwiGLU below overwrites dY's row and column copies)
     join(kSideA);  // (also when there is no wgrad of W2: the transpose read dY row)
     if (!fp4) {
@@ -1432,18 +1434,7 @@ class CudaMoeLayer final : public MoeLayer {
       log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose x_perm (wgrad copy)", 1, 1, Mp_ * H_);
     else
       log(MoePass::kBackward, CastKind::kConvert, "FP4RowToFP8Col x_perm (wgrad copy)", 1, 1, Mp_ * H_);
-    grad_pair(kSideB, [&] {  // the wgrad after x_perm's column copy (side event B)
-      { auto s = bwd("GEMM1 dgrad (fp8)");
-        const Fp8Op dho = act_operand(rowA_, 2 * F_, st_bwd_aux());
-        gg_->dgrad(seg_, 2 * F_, H_, dho, w1t_op(), ms<bf16_t>(o_, Mp_ * H_), stream_); }
-      ep_combine_dx_begin();
-    }, [&](GroupedGemm& gg, cudaStream_t ws) {
-      if (!g.dw1) return;
-      auto s = bwd("GEMM1 wgrad (fp8)", ws);
-      const Fp8Op dhc = col_operand(colA_, 2 * F_, col32A_, ws);
-      const Fp8Op xc = col_operand(colB_, H_, col32B_, ws);
-      gg.wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), ws);
-    });
+    fp8_gemm1_grads(g, colB_, kSideB);  // the wgrad after x_perm's column copy
     join(kSideB);  // the side stream idle before the next forward reuses x_perm (also without dW1)
   }
 
