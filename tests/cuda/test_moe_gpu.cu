@@ -322,6 +322,29 @@ TEST_P(MoeGpuRecipe, TwoRunsGiveIdenticalBits) {
   }
 }
 
+// Two layers built with an on/off environment setting ("0" and "1"; a third value must be an
+// error), the variable left as found.
+std::pair<std::unique_ptr<MoeLayer>, std::unique_ptr<MoeLayer>> layers_with(const char* var, const Shape& s,
+                                                                             Recipe r) {
+  const char* had = std::getenv(var);
+  const std::string old = had ? had : "";
+  setenv(var, "0", 1);
+  std::unique_ptr<MoeLayer> off = make_cuda_layer(make_cfg(s, r), nullptr);
+  setenv(var, "1", 1);
+  std::unique_ptr<MoeLayer> on = make_cuda_layer(make_cfg(s, r), nullptr);
+  setenv(var, "yes", 1);
+  EXPECT_THROW(make_cuda_layer(make_cfg(s, r), nullptr), Error) << var << ": a bad value is an error";
+  if (had) setenv(var, old.c_str(), 1); else unsetenv(var);
+  return {std::move(off), std::move(on)};
+}
+void expect_same_outputs(const Outputs& a, const Outputs& b) {
+  expect_same_bits(a.y, b.y, "y");
+  expect_same_bits(a.dx, b.dx, "dx");
+  expect_same_bits(a.dw1, b.dw1, "dW1");
+  expect_same_bits(a.dw2, b.dw2, "dW2");
+  expect_same_bits(a.dwr, b.dwr, "dWr");
+}
+
 // The backward's tail (router backward, dWr, dx) on its own stream next to GEMM1 wgrad (the
 // default on one GPU) gives the bits of the serial order (FLOWMOE_LAYER_TAIL_OVERLAP=0), and the
 // caller's stream orders all of it (the outputs are read by copies ordered after that stream).
@@ -331,22 +354,10 @@ TEST_P(MoeGpuRecipe, TailStreamGivesTheSerialBits) {
   const Recipe r = GetParam();
   const Data d = make_data(s, s.tokens, 83);
   DevData dd(d);
-  const char* had = std::getenv("FLOWMOE_LAYER_TAIL_OVERLAP");
-  const std::string old = had ? had : "";
-  setenv("FLOWMOE_LAYER_TAIL_OVERLAP", "0", 1);
-  std::unique_ptr<MoeLayer> serial = make_cuda_layer(make_cfg(s, r), nullptr);
-  setenv("FLOWMOE_LAYER_TAIL_OVERLAP", "1", 1);
-  std::unique_ptr<MoeLayer> tail = make_cuda_layer(make_cfg(s, r), nullptr);
-  setenv("FLOWMOE_LAYER_TAIL_OVERLAP", "on", 1);
-  EXPECT_THROW(make_cuda_layer(make_cfg(s, r), nullptr), Error) << "a bad value is an error";
-  if (had) setenv("FLOWMOE_LAYER_TAIL_OVERLAP", old.c_str(), 1); else unsetenv("FLOWMOE_LAYER_TAIL_OVERLAP");
-  const Outputs a = run_gpu(serial.get(), s, d, dd, s.tokens);
-  const Outputs b = run_gpu(tail.get(), s, d, dd, s.tokens);
-  expect_same_bits(a.y, b.y, "y");
-  expect_same_bits(a.dx, b.dx, "dx");
-  expect_same_bits(a.dw1, b.dw1, "dW1");
-  expect_same_bits(a.dw2, b.dw2, "dW2");
-  expect_same_bits(a.dwr, b.dwr, "dWr");
+  auto layers = layers_with("FLOWMOE_LAYER_TAIL_OVERLAP", s, r);
+  const Outputs a = run_gpu(layers.first.get(), s, d, dd, s.tokens);
+  const Outputs b = run_gpu(layers.second.get(), s, d, dd, s.tokens);
+  expect_same_outputs(a, b);
 }
 
 // The wgrads on their own stream next to the dgrads (FLOWMOE_LAYER_WGRAD_OVERLAP=1, from a layer's
@@ -357,24 +368,12 @@ TEST_P(MoeGpuRecipe, WgradStreamGivesTheSerialBits) {
   const Recipe r = GetParam();
   const Data d = make_data(s, s.tokens, 87);
   DevData dd(d);
-  const char* had = std::getenv("FLOWMOE_LAYER_WGRAD_OVERLAP");
-  const std::string old = had ? had : "";
-  setenv("FLOWMOE_LAYER_WGRAD_OVERLAP", "0", 1);
-  std::unique_ptr<MoeLayer> serial = make_cuda_layer(make_cfg(s, r), nullptr);
-  setenv("FLOWMOE_LAYER_WGRAD_OVERLAP", "1", 1);
-  std::unique_ptr<MoeLayer> conc = make_cuda_layer(make_cfg(s, r), nullptr);
-  setenv("FLOWMOE_LAYER_WGRAD_OVERLAP", "yes", 1);
-  EXPECT_THROW(make_cuda_layer(make_cfg(s, r), nullptr), Error) << "a bad value is an error";
-  if (had) setenv("FLOWMOE_LAYER_WGRAD_OVERLAP", old.c_str(), 1); else unsetenv("FLOWMOE_LAYER_WGRAD_OVERLAP");
+  auto layers = layers_with("FLOWMOE_LAYER_WGRAD_OVERLAP", s, r);
   for (int call = 0; call < 3; ++call) {  // call 0 runs in order in both; 1 and 2 concurrently
-    const Outputs a = run_gpu(serial.get(), s, d, dd, s.tokens);
-    const Outputs b = run_gpu(conc.get(), s, d, dd, s.tokens);
     SCOPED_TRACE("call " + std::to_string(call));
-    expect_same_bits(a.y, b.y, "y");
-    expect_same_bits(a.dx, b.dx, "dx");
-    expect_same_bits(a.dw1, b.dw1, "dW1");
-    expect_same_bits(a.dw2, b.dw2, "dW2");
-    expect_same_bits(a.dwr, b.dwr, "dWr");
+    const Outputs a = run_gpu(layers.first.get(), s, d, dd, s.tokens);
+    const Outputs b = run_gpu(layers.second.get(), s, d, dd, s.tokens);
+    expect_same_outputs(a, b);
   }
 }
 
