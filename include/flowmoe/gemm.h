@@ -171,7 +171,8 @@ struct GroupedGemmOptions {
 
 // Why the sm_90a FP8 wgrad kernel cannot take a problem, or null when it can: it needs FP32
 // output, N and K multiples of 128, every expert's token offset and the token total multiples of
-// 128 (permute+pad with alignment 128), at most 256 non-empty experts, sizes below 2^31.
+// 128 (permute+pad with alignment 128), at most 256 non-empty experts, sizes below 2^31; besides,
+// GroupedGemm::wgrad runs it only on a compute capability 9.0 device with 16-byte aligned operands.
 const char* wgrad_kernel_unsupported(const Segments& seg, int64_t n, int64_t k, bool bf16_out);
 // Whether GroupedGemm::wgrad runs the kernel for this problem under `mode`. kAuto takes it where it
 // measured at least as fast as cuBLASLt per expert on the H200 (fifth session): small experts

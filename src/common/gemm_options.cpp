@@ -81,6 +81,7 @@ const char* wgrad_kernel_unsupported(const Segments& seg, int64_t n, int64_t k, 
     nonempty += seg.offsets[e + 1] > seg.offsets[e];
   }
   if (nonempty > kMaxExperts) return "more than 256 non-empty experts";
+  if (nonempty * (n / kTile) * (k / kTile) >= (int64_t(1) << 31)) return "more than 2^31 output tiles";
   return nullptr;
 }
 

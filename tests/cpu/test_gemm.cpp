@@ -620,6 +620,9 @@ TEST(GemmOptions, WgradKernelSupportAndChoice) {
             nullptr);
   EXPECT_NE(gemm::wgrad_kernel_unsupported(Segments::from_counts(std::vector<int32_t>(257, 128)), 128, 128, false),
             nullptr) << "257 non-empty experts";
+  EXPECT_NE(gemm::wgrad_kernel_unsupported(Segments::from_counts(std::vector<int32_t>(256, 128)), 128 * 4096,
+                                           128 * 2048, false),
+            nullptr) << "2^31 output tiles";
   // off / always / unsupported
   EXPECT_FALSE(gemm::choose_wgrad_kernel(Mode::kOff, ok, 256, 384, Kind::kF32Accumulate));
   EXPECT_TRUE(gemm::choose_wgrad_kernel(Mode::kAlways, ok, 256, 384, Kind::kF32));

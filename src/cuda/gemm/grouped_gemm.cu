@@ -812,16 +812,18 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
   const bool acc = dw.kind == WgradOut::Kind::kF32Accumulate;
   const Op op = dw.kind == WgradOut::Kind::kBf16 ? Op::kF8WgradBf16 : Op::kF8WgradF32;
   const size_t eb = wgrad_elem_bytes(dw);
-  if (gemm::choose_wgrad_kernel(impl_->opt.wgrad_kernel, seg, n, k, dw.kind)) {
-    // one launch over all experts; empty experts zero-filled first when overwriting
-    for (int e = 0; e < seg.num_segments(); ++e)
-      if (seg.offsets[e + 1] == seg.offsets[e] && !acc) {
-        FLOWMOE_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(dw.data) + int64_t(e) * n * k * eb, 0, n * k * eb, stream));
-        ++impl_->stats.zero_fills;
-      }
-    sm90::wgrad_sm90(seg, n, k, dy_col.codes.data, dy_col.scales.data, x_col.codes.data, x_col.scales.data,
-                     static_cast<float*>(dw.data), acc, impl_->tile_counter, stream);
-    ++impl_->stats.wgrad_kernel_calls;
+  // flowmoe's sm_90a kernel (compiled for sm_90a only: a 9.0 device), 16-byte aligned operands
+  const bool aligned = ((reinterpret_cast<uintptr_t>(dy_col.codes.data) | reinterpret_cast<uintptr_t>(dy_col.scales.data) |
+                         reinterpret_cast<uintptr_t>(x_col.codes.data) | reinterpret_cast<uintptr_t>(x_col.scales.data) |
+                         reinterpret_cast<uintptr_t>(dw.data)) & 15u) == 0;
+  if (aligned && impl_->cc_major == 9 && impl_->cc_minor == 0 &&
+      gemm::choose_wgrad_kernel(impl_->opt.wgrad_kernel, seg, n, k, dw.kind)) {
+    // one launch over all experts (empty experts zero-filled there when overwriting)
+    impl_->stats.wgrad_kernel_calls +=
+        sm90::wgrad_sm90(seg, n, k, dy_col.codes.data, dy_col.scales.data, x_col.codes.data, x_col.scales.data,
+                         static_cast<float*>(dw.data), acc, impl_->tile_counter, stream);
+    if (!acc)
+      for (int e = 0; e < seg.num_segments(); ++e) impl_->stats.zero_fills += seg.offsets[e + 1] == seg.offsets[e];
     return;
   }
   int64_t block = 0;  // first 128-token block of expert e

@@ -255,7 +255,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_m64n128k32(blk, smem_desc(a_addr + 32 * kk), smem_desc(b_addr + 32 * kk), kk > 0);
       wgmma_commit();
       wgmma_wait_all();
-      if (lane == 0) mbar_arrive(&empty[s]);  // (the scales were read before: registers)
+      __syncwarp();  // every lane's scale reads (above) before the warp releases the stage
+      if (lane == 0) mbar_arrive(&empty[s]);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const float s00 = sa0 * sb[j].x, s01 = sa0 * sb[j].y, s10 = sa1 * sb[j].x, s11 = sa1 * sb[j].y;
@@ -375,16 +376,26 @@ int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_
     ++work.num_work;
   }
   work.tiles_k = int(k / kTile);
-  work.tiles_per_expert = int(n / kTile) * work.tiles_k;
+  work.tiles_per_expert = int(n / kTile) * work.tiles_k;  // < 2^31 in all: wgrad_kernel_unsupported
   work.total_tiles = work.num_work * work.tiles_per_expert;
-  if (work.total_tiles == 0) return 0;
+  // Everything that can throw (map encoding, the device's shared-memory limit) comes before the
+  // first enqueued operation, so a failed call leaves dW untouched.
+  const int sms = work.total_tiles > 0 ? sm_count() : 0;
+  if (work.total_tiles == 0) {
+    if (!accumulate) FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw, 0, sizeof(float) * seg.num_segments() * n * k, stream));
+    return 0;
+  }
   const CUtensorMap mdy = make_map(dy_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(n), uint64_t(m), kTile, kTile,
                                    CU_TENSOR_MAP_SWIZZLE_128B, "dY (column-wise codes)");
   const CUtensorMap mx = make_map(x_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(k), uint64_t(m), kTile, kTile,
                                   CU_TENSOR_MAP_SWIZZLE_128B, "X (column-wise codes)");
   const CUtensorMap mdw = make_map(dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(seg.num_segments()) * n,
                                    uint64_t(k), 64, 32, CU_TENSOR_MAP_SWIZZLE_128B, "dW");
-  const int grid = std::min(work.total_tiles, sm_count());
+  const int grid = std::min(work.total_tiles, sms);
+  if (!accumulate)  // empty experts' gradients are zero (the kernel writes only the others)
+    for (int e = 0; e < seg.num_segments(); ++e)
+      if (seg.offsets[e + 1] == seg.offsets[e])
+        FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw + int64_t(e) * n * k, 0, sizeof(float) * n * k, stream));
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream));
   wgrad_kernel<<<grid, kThreads, kSmemBytes, stream>>>(mdy, mx, mdw, work);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
