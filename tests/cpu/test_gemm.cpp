@@ -565,9 +565,28 @@ TEST(GemmOptions, DefaultsPreviousAndValidation) {
   EXPECT_TRUE(bad([](gemm::GroupedGemmOptions& o) { o.pool_priority = 9; }, "pool_priority = 9"));
 }
 
+// Leaves one environment variable as the test found it (set or unset), whatever the test does.
+class EnvRestore {
+ public:
+  explicit EnvRestore(const char* name) : name_(name) {
+    const char* v = std::getenv(name);
+    had_ = v != nullptr;
+    if (had_) old_ = v;
+  }
+  ~EnvRestore() {
+    if (had_) setenv(name_, old_.c_str(), 1); else unsetenv(name_);
+  }
+  EnvRestore(const EnvRestore&) = delete;
+  EnvRestore& operator=(const EnvRestore&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
 TEST(GemmOptions, PriorityFromTheEnvironment) {
-  const char* had = std::getenv("FLOWMOE_GEMM_PRIORITY");
-  const std::string old = had ? had : "";
+  const EnvRestore restore("FLOWMOE_GEMM_PRIORITY");
   unsetenv("FLOWMOE_GEMM_PRIORITY");
   EXPECT_EQ(gemm::GroupedGemmOptions::from_env().pool_priority, 0);
   setenv("FLOWMOE_GEMM_PRIORITY", "2", 1);
@@ -578,13 +597,11 @@ TEST(GemmOptions, PriorityFromTheEnvironment) {
                                  {"FLOWMOE_GEMM_PRIORITY", "expected an integer 0..8"}))
         << v;
   }
-  if (had) setenv("FLOWMOE_GEMM_PRIORITY", old.c_str(), 1); else unsetenv("FLOWMOE_GEMM_PRIORITY");
 }
 
 TEST(GemmOptions, WgradKernelFromTheEnvironment) {
   using Mode = gemm::GroupedGemmOptions::WgradKernel;
-  const char* had = std::getenv("FLOWMOE_GEMM_WGRAD_KERNEL");
-  const std::string old = had ? had : "";
+  const EnvRestore restore("FLOWMOE_GEMM_WGRAD_KERNEL");
   unsetenv("FLOWMOE_GEMM_WGRAD_KERNEL");
   EXPECT_EQ(gemm::GroupedGemmOptions::from_env().wgrad_kernel, Mode::kAuto) << "auto by default";
   EXPECT_EQ(gemm::GroupedGemmOptions::previous().wgrad_kernel, Mode::kOff) << "the previous behaviour: cuBLASLt";
@@ -599,7 +616,6 @@ TEST(GemmOptions, WgradKernelFromTheEnvironment) {
                                  {"FLOWMOE_GEMM_WGRAD_KERNEL", "expected 0"}))
         << v;
   }
-  if (had) setenv("FLOWMOE_GEMM_WGRAD_KERNEL", old.c_str(), 1); else unsetenv("FLOWMOE_GEMM_WGRAD_KERNEL");
 }
 
 // What the sm_90a wgrad kernel takes (128-aligned experts, N and K multiples of 128, FP32 out,
@@ -639,20 +655,7 @@ TEST(GemmOptions, WgradKernelSupportAndChoice) {
 }
 
 TEST(GemmOptions, Environment) {
-  struct Restore {  // leave the environment as found
-    std::string tune, streams;
-    bool had_tune, had_streams;
-    Restore() {
-      const char* t = std::getenv("FLOWMOE_GEMM_TUNE");
-      const char* s = std::getenv("FLOWMOE_GEMM_STREAMS");
-      had_tune = t, had_streams = s;
-      tune = t ? t : "", streams = s ? s : "";
-    }
-    ~Restore() {
-      if (had_tune) setenv("FLOWMOE_GEMM_TUNE", tune.c_str(), 1); else unsetenv("FLOWMOE_GEMM_TUNE");
-      if (had_streams) setenv("FLOWMOE_GEMM_STREAMS", streams.c_str(), 1); else unsetenv("FLOWMOE_GEMM_STREAMS");
-    }
-  } restore;
+  const EnvRestore restore_tune("FLOWMOE_GEMM_TUNE"), restore_streams("FLOWMOE_GEMM_STREAMS");
   unsetenv("FLOWMOE_GEMM_TUNE");
   unsetenv("FLOWMOE_GEMM_STREAMS");
   EXPECT_TRUE(gemm::GroupedGemmOptions::from_env().tune);
