@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Sixth session, one H200: the wgrad kernel's 2 x 2 / 2 x 1 clusters (TMA multicast of the operand
+# tiles). Logs under $OUT. Usage (device tool, carry .devbuild): bash bench/s6_one_gpu.sh [mode ...]
+B=.devbuild
+OUT=${OUT:-device-out}
+mkdir -p "$OUT"
+step() { local n=$1 l=$2; shift 2; local t0=$SECONDS; timeout "$l" "$@" > "$OUT/$n.log" 2>&1; echo "$n rc=$? $((SECONDS-t0))s"; }
+rows() { grep -E "^\| (bf16|fp8-naive|flow|flow-fp4|blockwise) |PyTorch|MISSED|met \(|GEMM. (d|w)grad|sum of stages" "$@" | cut -c1-200; }
+for what in "${@:-wgk}"; do
+  case $what in
+    tests)
+      step gpu-tests 400 $B/flowmoe_gpu_tests
+      tail -3 $OUT/gpu-tests.log; grep -B2 -A10 Failure $OUT/gpu-tests.log | head -40 ;;
+    gemm-tests)
+      step gpu-tests-gemm 200 $B/flowmoe_gpu_tests --gtest_filter='*Gemm*'
+      tail -3 $OUT/gpu-tests-gemm.log; grep -B2 -A10 -E "Failure|error" $OUT/gpu-tests-gemm.log | head -60 ;;
+    moe-tests)
+      step gpu-tests-moe 300 $B/flowmoe_gpu_tests --gtest_filter='*Moe*'
+      tail -3 $OUT/gpu-tests-moe.log; grep -B2 -A10 Failure $OUT/gpu-tests-moe.log | head -40 ;;
+    wgk)  # the sm_90a wgrad kernel (cluster caps 1, 2, 4) against cuBLASLt per expert
+      step bench-wgrad-kernel 240 $B/flowmoe_bench_gemm --wgrad-kernel-only --reps 10
+      grep -E "^\||error|kernel did not" $OUT/bench-wgrad-kernel.log ;;
+    torch)
+      step torch-layer 200 python3 bench/torch_moe_layer.py --tokens 8192 --reps 5 --json $OUT/torch.json
+      tail -5 $OUT/torch-layer.log ;;
+    layer)  # the layer, every recipe, accumulate and overwrite, next to PyTorch (run torch first)
+      step bench-acc 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --baseline $OUT/torch.json
+      rows $OUT/bench-acc.log
+      step bench-ovw 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow,flow-fp4 --grads overwrite --baseline $OUT/torch.json --no-breakdown
+      rows $OUT/bench-ovw.log ;;
+    wk0)  # A/B: the wgrad kernel off (cuBLASLt per expert), same call
+      FLOWMOE_GEMM_WGRAD_KERNEL=0 step bench-wk0 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow --baseline $OUT/torch.json --no-breakdown
+      rows $OUT/bench-wk0.log ;;
+    power)  # SM clock and power while the layer runs
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active --format=csv -lms 50 > $OUT/power-samples.csv 2>&1 &
+      P=$!
+      step bench-power 200 $B/flowmoe bench --config v3-ep8 --tokens 8192 --reps 20 --recipes blockwise,flow --no-breakdown
+      kill $P; sleep 0.2
+      rows $OUT/bench-power.log; awk -F, 'NR>1{c[$2]++} END{for(k in c) print k, c[k]}' $OUT/power-samples.csv | sort -k2 -n | tail -8 ;;
+    *) echo "unknown mode $what" ;;
+  esac
+done
