@@ -31,7 +31,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -377,56 +376,32 @@ void bench_wgrad_kernel(const std::string& name, const std::vector<int32_t>& cou
   LayerBuffers b(counts, n, k, true);
   const int64_t m = b.m;
   const int E = b.E;
-  cuda::GroupedGemm::Options ob = cuda::GroupedGemm::Options::from_env();
+  cuda::GroupedGemm::Options ok = cuda::GroupedGemm::Options::from_env(), ob = ok;
+  ok.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kAlways;
   ob.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kOff;
-  cuda::GroupedGemm blas(ob);
-  constexpr int kCaps[3] = {1, 2, 4};  // most CTAs per cluster (multicast of the operand tiles)
-  std::vector<std::unique_ptr<cuda::GroupedGemm>> kern;
-  for (int cap : kCaps) {
-    cuda::GroupedGemm::Options ok = ob;
-    ok.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kAlways;
-    ok.wgrad_cluster = cap;
-    kern.push_back(std::make_unique<cuda::GroupedGemm>(ok));
-  }
+  cuda::GroupedGemm kern(ok), blas(ob);
   const auto dyc = b.op(b.dyc_c, m * n, b.dyc_s, gemm::col_scale_f32_elems(b.seg, n));
   const auto xc = b.op(b.xc_c, m * k, b.xc_s, gemm::col_scale_f32_elems(b.seg, k));
-  float* other = dalloc<float>(E * n * k);  // the cap-1 kernel's overwrite output, for the bit comparison
   const double flops = 2.0 * m * n * k;
   for (bool acc : {true, false}) {
     auto out = [&](float* p) { return acc ? gemm::WgradOut::accumulate(p, E * n * k) : gemm::WgradOut::f32(p, E * n * k); };
-    Timing tk[3];
-    for (int c = 0; c < 3; ++c) tk[c] = time_call([&] { kern[c]->wgrad(b.seg, n, k, dyc, xc, out(b.g8), g_stream); });
+    const Timing tk = time_call([&] { kern.wgrad(b.seg, n, k, dyc, xc, out(b.g8), g_stream); });
     const Timing tb = time_call([&] { blas.wgrad(b.seg, n, k, dyc, xc, out(b.g16), g_stream); });
-    double diff = -1, same = -1;
-    if (!acc) {  // b.g8 holds the cap-4 kernel's output, b.g16 cuBLASLt's
-      diff = rel_diff(b.g8, b.g16, E * n * k);
-      kern[0]->wgrad(b.seg, n, k, dyc, xc, out(other), g_stream);
-      same = rel_diff(b.g8, other, E * n * k);
-    }
-    int best = 0;
-    for (int c = 1; c < 3; ++c) best = tk[c].us < tk[best].us ? c : best;
+    double diff = -1;
+    if (!acc) diff = rel_diff(b.g8, b.g16, E * n * k);
     // bytes: both operands once plus the FP32 output written (and read when accumulating)
     const double bytes = double(m) * (n + k) + double(E) * n * k * 4 * (acc ? 2 : 1);
-    std::printf("| %-22s | %3d | %6lld | %-7s |", name.c_str(), E, (long long)m, acc ? "+= FP32" : "= FP32");
-    for (int c = 0; c < 3; ++c) std::printf(" %7.1f %5.0f |", tk[c].us, flops / tk[c].us * 1e-6);
-    std::printf(" %7.1f %5.0f | %5.2fx (%d) | %5.2fx | %7.1f | %s | %s |\n", tb.us, flops / tb.us * 1e-6,
-                tb.us / tk[best].us, kCaps[best], tk[0].us / tk[2].us, bytes / tk[2].us * 1e-3,
-                diff < 0 ? "-" : std::to_string(diff).c_str(), same < 0 ? "-" : (same == 0.0 ? "same" : "DIFFER"));
+    std::printf("| %-22s | %3d | %6lld | %-9s | %8.1f | %6.0f | %8.1f | %6.0f | %5.2fx | %7.1f | %s |\n", name.c_str(), E,
+                (long long)m, acc ? "+= FP32" : "= FP32", tk.us, flops / tk.us * 1e-6, tb.us, flops / tb.us * 1e-6,
+                tb.us / tk.us, bytes / tk.us * 1e-3, diff < 0 ? "-" : std::to_string(diff).c_str());
   }
-  for (auto& g : kern)
-    if (g->stats().wgrad_kernel_calls == 0) std::printf("(the kernel did not take this problem: cuBLASLt both times)\n");
-  cudaFree(other);
+  if (kern.stats().wgrad_kernel_calls == 0) std::printf("(the kernel did not take this problem: cuBLASLt both times)\n");
 }
 void wgrad_kernel_section() {
   std::printf("\n## FP8 wgrad: flowmoe's sm_90a kernel (one persistent launch) against cuBLASLt per expert\n\n");
-  std::printf("Kernel columns: us and TFLOP/s with at most 1, 2 or 4 CTAs per cluster (operand tiles shared by TMA\n"
-              "multicast; the shape each cap gives: gemm::wgrad_cluster_shape). 'best vs cuBLASLt' names the cap;\n"
-              "'4 vs 1': the 4-cap kernel's speed-up over the unclustered one; GB/s: operands + FP32 output at cap 4;\n"
-              "bits: the cap-4 output against the cap-1 output (overwrite).\n\n");
-  std::printf("| %-22s | %3s | %6s | %-7s | %13s | %13s | %13s | %13s | %10s | %6s | %7s | %s | %s |\n", "shape", "E", "tokens",
-              "output", "cap 1 us TF/s", "cap 2", "cap 4", "cuBLASLt", "best vs cuBLASLt", "4 vs 1", "GB/s",
-              "rel RMS (cap 4) vs cuBLASLt", "bits");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| %-22s | %3s | %6s | %-9s | %8s | %6s | %8s | %6s | %6s | %7s | %s |\n", "shape", "E", "tokens", "output",
+              "kernel us", "TFLOP/s", "cuBLASLt us", "TFLOP/s", "speed-up", "GB/s", "rel RMS vs cuBLASLt");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
   const auto v3 = ragged_counts(32, 32 * 2048, 101, 128);     // DeepSeek-V3 EP8: 32 experts x ~2048 rows
   bench_wgrad_kernel("V3 GEMM1 [4096, 7168]", v3, 4096, 7168);
   bench_wgrad_kernel("V3 GEMM2 [7168, 2048]", v3, 7168, 2048);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sixth session, one H200: the wgrad kernel's 2 x 2 / 2 x 1 clusters (TMA multicast of the operand
-# tiles). Logs under $OUT. Usage (device tool, carry .devbuild): bash bench/s6_one_gpu.sh [mode ...]
+# Sixth session, one H200: GPU tests, the wgrad kernel against cuBLASLt, the layer next to PyTorch,
+# Nsight Compute on the wgrad kernel. Logs under $OUT. Usage (device tool, carry .devbuild): bash bench/s6_one_gpu.sh [mode ...]
 B=.devbuild
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -17,7 +17,7 @@ for what in "${@:-wgk}"; do
     moe-tests)
       step gpu-tests-moe 300 $B/flowmoe_gpu_tests --gtest_filter='*Moe*'
       tail -3 $OUT/gpu-tests-moe.log; grep -B2 -A10 Failure $OUT/gpu-tests-moe.log | head -40 ;;
-    wgk)  # the sm_90a wgrad kernel (cluster caps 1, 2, 4) against cuBLASLt per expert
+    wgk)  # the sm_90a wgrad kernel against cuBLASLt per expert
       step bench-wgrad-kernel 240 $B/flowmoe_bench_gemm --wgrad-kernel-only --reps 10
       grep -E "^\||error|kernel did not" $OUT/bench-wgrad-kernel.log ;;
     torch)
@@ -37,6 +37,10 @@ for what in "${@:-wgk}"; do
       step bench-power 200 $B/flowmoe bench --config v3-ep8 --tokens 8192 --reps 20 --recipes blockwise,flow --no-breakdown
       kill $P; sleep 0.2
       rows $OUT/bench-power.log; awk -F, 'NR>1{c[$2]++} END{for(k in c) print k, c[k]}' $OUT/power-samples.csv | sort -k2 -n | tail -8 ;;
+    ncu-wgk)  # what limits the wgrad kernel: tensor pipe, shared-memory banks, L2, DRAM
+      m="sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second"
+      step ncu-wgk 200 ncu --clock-control none -k "regex:wgrad_kernel" -c 2 --metrics "$m" $B/flowmoe_bench_gemm --wgrad-kernel-only --reps 3
+      grep -vE "^==PROF==|^\|" $OUT/ncu-wgk.log | grep -E "wgrad_kernel|gmma|bank|throughput|duration|per_second" | head -40 ;;
     *) echo "unknown mode $what" ;;
   esac
 done

@@ -155,10 +155,6 @@ struct GroupedGemmOptions {
   // kOff: cuBLASLt. FLOWMOE_GEMM_WGRAD_KERNEL=0 (off), 1 (auto), 2 (always).
   enum class WgradKernel : uint8_t { kOff, kAuto, kAlways };
   WgradKernel wgrad_kernel = WgradKernel::kAuto;
-  // The kernel's clusters: at most this many CTAs (1, 2 or 4) compute neighbouring output tiles
-  // together and share their operand tiles by TMA multicast (fewer bytes read from L2 per FLOP;
-  // wgrad_cluster_shape). Same bits for every value. FLOWMOE_GEMM_WGRAD_CLUSTER=1|2|4.
-  int wgrad_cluster = 4;
   // Share the choices with every GroupedGemm of this process on the same device (same workspace
   // size and candidate count): a key is timed once per process and all objects run the same
   // algorithm for it. false: this object times its own keys.
@@ -167,8 +163,7 @@ struct GroupedGemmOptions {
   // The behaviour before concurrency and tuning: one stream, the heuristic's first algorithm.
   static GroupedGemmOptions previous();
   // The defaults, then the environment: FLOWMOE_GEMM_TUNE=0|1 sets `tune`, FLOWMOE_GEMM_STREAMS=N
-  // sets `streams` (1..16), FLOWMOE_GEMM_PRIORITY=P sets `pool_priority` (0..8),
-  // FLOWMOE_GEMM_WGRAD_KERNEL and FLOWMOE_GEMM_WGRAD_CLUSTER the two wgrad-kernel fields. Anything else in
+  // sets `streams` (1..16), FLOWMOE_GEMM_PRIORITY=P sets `pool_priority` (0..8). Anything else in
   // them throws. This is what GroupedGemm() uses.
   static GroupedGemmOptions from_env();
   void validate() const;  // throws flowmoe::Error naming the bad field and the accepted range
@@ -185,11 +180,6 @@ const char* wgrad_kernel_unsupported(const Segments& seg, int64_t n, int64_t k, 
 // accumulating and up to 8 Mi when overwriting; cuBLASLt's mainloop is ahead on larger ones.
 bool choose_wgrad_kernel(GroupedGemmOptions::WgradKernel mode, const Segments& seg, int64_t n, int64_t k,
                          WgradOut::Kind kind);
-// The wgrad kernel's cluster for an [N, K] output under a cap of `max_ctas` (1, 2 or 4): *cn CTAs
-// along N (sharing an X tile) by *ck along K (sharing a dY tile), each 2 where the 128-wide tile
-// count of that side is even and the cap allows it; under a cap of 2 the pair goes along K when
-// it can. Throws flowmoe::Error for another cap.
-void wgrad_cluster_shape(int64_t n, int64_t k, int max_ctas, int* cn, int* ck);
 
 // The token bucket of the tuning key: every count up to 128 is one bucket (128); above, half
 // octaves: (128, 192], (192, 256], (256, 384], ... The bucket's upper end is returned.

@@ -48,12 +48,6 @@ GroupedGemmOptions GroupedGemmOptions::from_env() {
                                                  "faster) or 2 (the kernel wherever it fits)");
     o.wgrad_kernel = static_cast<WgradKernel>(v[0] - '0');
   }
-  if (const char* v = std::getenv("FLOWMOE_GEMM_WGRAD_CLUSTER")) {
-    FLOWMOE_CHECK(std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0 || std::strcmp(v, "4") == 0,
-                  "FLOWMOE_GEMM_WGRAD_CLUSTER=\"" << v << "\"; expected 1, 2 or 4 (the most CTAs of the "
-                                                  "wgrad kernel that share operand tiles by multicast)");
-    o.wgrad_cluster = v[0] - '0';
-  }
   env_int("FLOWMOE_GEMM_STREAMS", 1, kMaxStreams, "streams the per-expert matmuls run on", &o.streams);
   env_int("FLOWMOE_GEMM_PRIORITY", 0, kMaxPoolPriority, "priority steps of the matmul streams above the default",
           &o.pool_priority);
@@ -70,8 +64,6 @@ void GroupedGemmOptions::validate() const {
                 "GroupedGemm options: candidates = " << candidates << "; expected 1.." << kMaxCandidates);
   FLOWMOE_CHECK(tune_reps >= 1 && tune_reps <= 100,
                 "GroupedGemm options: tune_reps = " << tune_reps << "; expected 1..100");
-  FLOWMOE_CHECK(wgrad_cluster == 1 || wgrad_cluster == 2 || wgrad_cluster == 4,
-                "GroupedGemm options: wgrad_cluster = " << wgrad_cluster << "; expected 1, 2 or 4");
   FLOWMOE_CHECK(tune_margin >= 0.0 && tune_margin < 1.0,
                 "GroupedGemm options: tune_margin = " << tune_margin << "; expected 0 <= margin < 1");
 }
@@ -105,24 +97,6 @@ bool choose_wgrad_kernel(GroupedGemmOptions::WgradKernel mode, const Segments& s
   if (seg.num_tokens() <= 1024 * nonempty) return true;
   const int64_t limit = (kind == WgradOut::Kind::kF32Accumulate ? 16 : 8) * (int64_t(1) << 20);
   return n * k <= limit;
-}
-
-void wgrad_cluster_shape(int64_t n, int64_t k, int max_ctas, int* cn, int* ck) {
-  FLOWMOE_CHECK(max_ctas == 1 || max_ctas == 2 || max_ctas == 4,
-                "wgrad cluster: at most " << max_ctas << " CTAs; expected 1, 2 or 4");
-  const bool even_n = n > 0 && n % 256 == 0, even_k = k > 0 && k % 256 == 0;  // even 128-wide tile counts
-  *cn = 1;
-  *ck = 1;
-  if (max_ctas == 1) return;
-  if (max_ctas == 4) {
-    *cn = even_n ? 2 : 1;
-    *ck = even_k ? 2 : 1;
-    return;
-  }
-  if (even_k)
-    *ck = 2;
-  else if (even_n)
-    *cn = 2;
 }
 
 int64_t tune_token_bucket(int64_t tokens) {

@@ -618,50 +618,6 @@ TEST(GemmOptions, WgradKernelFromTheEnvironment) {
   }
 }
 
-TEST(GemmOptions, WgradClusterFromTheEnvironment) {
-  const EnvRestore restore("FLOWMOE_GEMM_WGRAD_CLUSTER");
-  unsetenv("FLOWMOE_GEMM_WGRAD_CLUSTER");
-  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().wgrad_cluster, 4) << "2 x 2 clusters where they fit, by default";
-  for (int v : {1, 2, 4}) {
-    setenv("FLOWMOE_GEMM_WGRAD_CLUSTER", std::to_string(v).c_str(), 1);
-    EXPECT_EQ(gemm::GroupedGemmOptions::from_env().wgrad_cluster, v);
-  }
-  for (const char* v : {"0", "3", "8", "two", ""}) {
-    setenv("FLOWMOE_GEMM_WGRAD_CLUSTER", v, 1);
-    EXPECT_TRUE(ThrowsMentioning([] { gemm::GroupedGemmOptions::from_env(); },
-                                 {"FLOWMOE_GEMM_WGRAD_CLUSTER", "expected 1, 2 or 4"}))
-        << v;
-  }
-  gemm::GroupedGemmOptions o;
-  o.wgrad_cluster = 3;
-  EXPECT_TRUE(ThrowsMentioning([&] { o.validate(); }, {"wgrad_cluster = 3", "expected 1, 2 or 4"}));
-}
-
-// The cluster: 2 along a side whose 128-wide tile count is even, within the cap; a pair goes
-// along K first.
-TEST(GemmOptions, WgradClusterShape) {
-  struct Want { int64_t n, k; int cap, cn, ck; };
-  const Want cases[] = {
-      {4096, 7168, 4, 2, 2},  // V3 GEMM1: 32 x 56 tiles
-      {7168, 2048, 4, 2, 2},  // V3 GEMM2
-      {2048, 1408, 4, 2, 1},  // V2-Lite GEMM2: K has 11 tiles
-      {384, 256, 4, 1, 2},    // 3 x 2 tiles
-      {384, 1408, 4, 1, 1},   // 3 x 11 tiles
-      {4096, 7168, 2, 1, 2},  // a pair: along K
-      {2048, 1408, 2, 2, 1},  // ... along N when K's count is odd
-      {384, 1408, 2, 1, 1},
-      {4096, 7168, 1, 1, 1},  // clusters off
-  };
-  for (const Want& w : cases) {
-    int cn = 0, ck = 0;
-    gemm::wgrad_cluster_shape(w.n, w.k, w.cap, &cn, &ck);
-    EXPECT_EQ(cn, w.cn) << w.n << " x " << w.k << " cap " << w.cap;
-    EXPECT_EQ(ck, w.ck) << w.n << " x " << w.k << " cap " << w.cap;
-  }
-  int cn = 0, ck = 0;
-  EXPECT_TRUE(ThrowsMentioning([&] { gemm::wgrad_cluster_shape(256, 256, 8, &cn, &ck); }, {"8 CTAs", "expected 1, 2 or 4"}));
-}
-
 // What the sm_90a wgrad kernel takes (128-aligned experts, N and K multiples of 128, FP32 out,
 // at most 256 non-empty experts) and where the auto mode chooses it over cuBLASLt.
 TEST(GemmOptions, WgradKernelSupportAndChoice) {

@@ -821,7 +821,7 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
     // one launch over all experts (empty experts zero-filled there when overwriting)
     impl_->stats.wgrad_kernel_calls +=
         sm90::wgrad_sm90(seg, n, k, dy_col.codes.data, dy_col.scales.data, x_col.codes.data, x_col.scales.data,
-                         static_cast<float*>(dw.data), acc, impl_->opt.wgrad_cluster, impl_->tile_counter, stream);
+                         static_cast<float*>(dw.data), acc, impl_->tile_counter, stream);
     if (!acc)
       for (int e = 0; e < seg.num_segments(); ++e) impl_->stats.zero_fills += seg.offsets[e + 1] == seg.offsets[e];
     return;

@@ -15,20 +15,11 @@
 // roundings). Epilogue per warpgroup: the tile into shared memory (128-byte swizzled 64 x 32
 // boxes), then one thread issues TMA reduce-adds (accumulate) or stores into dW and the warpgroup
 // moves on; the buffer is waited for (read) only when the next tile's epilogue needs it.
-//
-// Clusters of CN x CK CTAs (1x1, 2x1, 1x2, 2x2) take CN x CK neighbouring output tiles together:
-// the CTAs of one tile row share its dY tile, those of one tile column its X tile, so each CTA
-// loads 1/CK of its dY tile and 1/CN of its X tile and multicasts the slice to the CTAs that share
-// it (TMA .multicast::cluster): a 2x2 cluster reads half the operand bytes from L2 per FLOP. A stage
-// is refilled only when the consumers of every CTA of the cluster have released it (each consumer
-// warp arrives on the empty barrier of every CTA); rank 0 takes the cluster's tiles from the global
-// counter and hands each id to every CTA (distributed shared memory + remote mbarrier arrive).
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <mutex>
 #include <sstream>
@@ -56,7 +47,7 @@ constexpr int kSmemBytes =
 
 struct Work {
   int num_work = 0;                  // non-empty experts
-  int tiles_k = 0, tiles_per_expert = 0, total_tiles = 0;  // cluster tiles (CN x CK output tiles)
+  int tiles_k = 0, tiles_per_expert = 0, total_tiles = 0;
   int n = 0, k = 0;
   int accumulate = 0;
   const float* sa = nullptr;         // [NB][N]
@@ -86,18 +77,6 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
-// An arrive by the threads with `pred` set, predicated rather than branched around (no divergent
-// path between a warpgroup's WGMMAs in flight and their wait).
-__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %1, 0;\n"
-      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(int(pred))
-      : "memory");
-}
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"
@@ -109,65 +88,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "DONE:\n"
       "}\n" ::"r"(smem_u32(bar)),
       "r"(parity)
-      : "memory");
-}
-// The same wait with cluster-scope acquire: for barriers that other CTAs of the cluster arrive on
-// after writing into this CTA's shared memory (the tile id) or after reading a stage it refills.
-__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "LAB_WAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra DONE;\n"
-      "bra LAB_WAIT;\n"
-      "DONE:\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-// The address of this CTA's shared variable `p` in CTA `rank` of the cluster.
-__device__ __forceinline__ uint32_t peer_addr(const void* p, uint32_t rank) {
-  uint32_t a;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
-  return a;
-}
-// Arrive on CTA `rank`'s copy of `bar` (CTA-scope release, as for a local arrive: what it orders
-// is this warp's reads of shared memory before the peer refills or rewrites it; a cluster-scope
-// release would put a MEMBAR.GPU, which waits for the warp's outstanding reduce-adds, in the loop).
-__device__ __forceinline__ void mbar_arrive_peer(uint64_t* bar, uint32_t rank) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(peer_addr(bar, rank)) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_peer_if(uint64_t* bar, uint32_t rank, bool pred) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %1, 0;\n"
-      "@p mbarrier.arrive.shared::cluster.b64 _, [%0];\n"
-      "}\n" ::"r"(peer_addr(bar, rank)),
-      "r"(int(pred))
-      : "memory");
-}
-// Orders this thread's earlier stores into peers' shared memory (the tile id) before its later
-// arrives (once per tile).
-__device__ __forceinline__ void fence_cluster() { asm volatile("fence.acq_rel.cluster;" ::: "memory"); }
-__device__ __forceinline__ void st_peer(int* p, uint32_t rank, int v) {
-  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(peer_addr(p, rank)), "r"(v) : "memory");
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
-                                                      uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
-      "%4}], [%2], %5;" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(mask)
       : "memory");
 }
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
@@ -205,7 +125,6 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row core groups 1024 bytes apart.
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
@@ -238,14 +157,10 @@ __device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t da, uint64_t
 }
 #endif  // FLOWMOE_SM90A
 
-template <int CN, int CK>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_kernel(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x,
                  const __grid_constant__ CUtensorMap map_dw, const __grid_constant__ Work work) {
 #ifdef FLOWMOE_SM90A
-  constexpr int kC = CN * CK;                 // CTAs per cluster
-  constexpr int kDySlice = kTile / CK;        // dY rows this CTA loads (and multicasts)
-  constexpr int kXSlice = kTile / CN;         // X rows this CTA loads (and multicasts)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   float* epi = reinterpret_cast<float*>(smem + kStages * kStageBytes);
@@ -256,225 +171,135 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* tile_empty = tile_full + kTileSlots;
   int* tile_id = reinterpret_cast<int*>(tile_empty + kTileSlots);
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-  const uint32_t rank = kC > 1 ? cluster_rank() : 0;
-  const int rn = int(rank) / CK, rk = int(rank) % CK;  // this CTA's tile in the cluster's CN x CK
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8 * kC);  // the 8 consumer warps of every CTA of the cluster
+      mbar_init(&empty[s], 8);  // the 8 consumer warps
     }
     for (int s = 0; s < kTileSlots; ++s) {
       mbar_init(&tile_full[s], 1);
-      mbar_init(&tile_empty[s], 8 * kC + (kC - 1));  // on rank 0: every consumer warp, the other producers
+      mbar_init(&tile_empty[s], 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (kC > 1)
-    cluster_sync();  // every CTA's barriers exist before any peer arrives on them or multicasts
-  else
-    __syncthreads();
+  __syncthreads();
   const int tiles_k = work.tiles_k, per_expert = work.tiles_per_expert;
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (t == 0) {
       // Tiles are taken from a global counter (not a fixed share per CTA): CTAs that start late
       // (their SM still busy with another stream's kernel) or meet short experts take fewer.
-      // In a cluster, rank 0 takes the cluster's tile and hands it to every CTA.
       uint32_t it = 0;
-      uint16_t dy_mask = 0, x_mask = 0;  // the CTAs sharing this CTA's dY tile (same rn), X tile (same rk)
-      for (int j = 0; j < CK; ++j) dy_mask |= uint16_t(1u << (rn * CK + j));
-      for (int i = 0; i < CN; ++i) x_mask |= uint16_t(1u << (i * CK + rk));
       for (uint32_t j = 0;; ++j) {
         const int slot = j % kTileSlots;
-        const uint32_t ph = (j / kTileSlots) & 1;
-        int tile;
-        if (rank == 0) {
-          mbar_wait(&tile_empty[slot], ph ^ 1);  // everyone has read the slot's previous id
-          tile = atomicAdd(work.next_tile, 1);
-          if (kC > 1) {
-            for (uint32_t r = 0; r < uint32_t(kC); ++r) st_peer(&tile_id[slot], r, tile);
-            fence_cluster();
-            for (uint32_t r = 0; r < uint32_t(kC); ++r) mbar_arrive_peer(&tile_full[slot], r);
-          } else {
-            tile_id[slot] = tile;
-            mbar_arrive(&tile_full[slot]);
-          }
-        } else {
-          mbar_wait_cluster(&tile_full[slot], ph);
-          tile = tile_id[slot];
-          mbar_arrive_peer(&tile_empty[slot], 0);
-        }
+        mbar_wait(&tile_empty[slot], ((j / kTileSlots) & 1) ^ 1);
+        const int tile = atomicAdd(work.next_tile, 1);
+        tile_id[slot] = tile;
+        mbar_arrive(&tile_full[slot]);
         if (tile >= work.total_tiles) break;
         const int w = tile / per_expert, r = tile % per_expert;
-        const int tn = (r / tiles_k) * CN + rn, tk = (r % tiles_k) * CK + rk;
+        const int tn = r / tiles_k, tk = r % tiles_k;
         const int t0 = work.tok0[w], nb = work.nblk[w];
         for (int b = 0; b < nb; ++b, ++it) {
           const int s = it % kStages;
-          const uint32_t sph = (it / kStages) & 1;
-          mbar_wait(&empty[s], sph ^ 1);  // every CTA this stage's loads write into has released it
+          const uint32_t ph = (it / kStages) & 1;
+          mbar_wait(&empty[s], ph ^ 1);
           uint8_t* a = smem + s * kStageBytes;
           const int64_t gb = t0 / kTile + b;  // global 128-token block
-          const int tok = t0 + b * kTile;
-          // the whole stage lands here: my slices and the peers' multicast ones
           mbar_expect_tx(&full[s], kStageBytes + kScaleBytes);
-          if (CK > 1)
-            tma_load_2d_multicast(a + rk * kDySlice * kTile, &map_dy, &full[s], tok, tn * kTile + rk * kDySlice, dy_mask);
-          else
-            tma_load_2d(a, &map_dy, &full[s], tok, tn * kTile);
-          if (CN > 1)
-            tma_load_2d_multicast(a + kTile * kTile + rn * kXSlice * kTile, &map_x, &full[s], tok,
-                                  tk * kTile + rn * kXSlice, x_mask);
-          else
-            tma_load_2d(a + kTile * kTile, &map_x, &full[s], tok, tk * kTile);
+          tma_load_2d(a, &map_dy, &full[s], t0 + b * kTile, tn * kTile);
+          tma_load_2d(a + kTile * kTile, &map_x, &full[s], t0 + b * kTile, tk * kTile);
           bulk_load(scl + s * 2 * kTile, work.sa + gb * work.n + tn * kTile, kTile * 4, &full[s]);
           bulk_load(scl + s * 2 * kTile + kTile, work.sb + gb * work.k + tk * kTile, kTile * 4, &full[s]);
         }
       }
     }
-  } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-    const int ci = wg - 1;                   // rows 64 ci .. 64 ci + 63 of the tile
-    const int warp = t / 32, lane = t % 32;
-    const int r0 = 16 * warp + lane / 4;     // fragment rows r0 and r0 + 8 (of the half tile)
-    const int c0 = 2 * (lane % 4);           // fragment columns 8 j + c0, + 1
-    float* ebuf = epi + ci * (64 * kTile);
-    float acc[64], blk0[64], blk1[64];
-    uint32_t it = 0;
-    bool pending = false;                    // a bulk store/reduce from ebuf may still be reading it
-    for (uint32_t j = 0;; ++j) {
-      const int slot = j % kTileSlots;
-      if (kC > 1)
-        mbar_wait_cluster(&tile_full[slot], (j / kTileSlots) & 1);
-      else
-        mbar_wait(&tile_full[slot], (j / kTileSlots) & 1);
-      const int tile = tile_id[slot];
-      __syncwarp();
-      if (lane == 0) {
-        if (kC > 1)
-          mbar_arrive_peer(&tile_empty[slot], 0);
-        else
-          mbar_arrive(&tile_empty[slot]);
-      }
-      if (tile >= work.total_tiles) break;
-      const int w = tile / per_expert, r = tile % per_expert;
-      const int tn = (r / tiles_k) * CN + rn, tk = (r % tiles_k) * CK + rk;
-      const int nb = __shfl_sync(0xffffffffu, work.nblk[w], 0);
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-      // Two block accumulators: block b + 1's WGMMAs run while block b is promoted, so the tensor
-      // cores are not idle during this warpgroup's scaling (the other warpgroup is in step).
-      auto wait_full = [&](uint32_t i) { mbar_wait(&full[i % kStages], (i / kStages) & 1); };
-      auto issue = [&](float* d, uint32_t i) {
-        const int st = i % kStages;
-        const uint32_t a_addr = smem_u32(smem + st * kStageBytes) + ci * (64 * kTile);
-        const uint32_t b_addr = smem_u32(smem + st * kStageBytes + kTile * kTile);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_m64n128k32(d, smem_desc(a_addr + 32 * kk), smem_desc(b_addr + 32 * kk), kk > 0);
-        wgmma_commit();
-      };
-      // acc += d * (sa * sb) with the block's scales (landed with its tiles), then the stage is
-      // released: every lane's reads of it (WGMMA operands, scales) come before the arrive
-      auto promote_release = [&](const float* d, uint32_t i) {
-        const int st = i % kStages;
-        const float* ss = scl + st * 2 * kTile;
-        const float sa0 = ss[64 * ci + r0], sa1 = ss[64 * ci + r0 + 8];
-#pragma unroll
-        for (int j2 = 0; j2 < 16; ++j2) {
-          const float2 sb = *reinterpret_cast<const float2*>(ss + kTile + 8 * j2 + c0);
-          const float s00 = sa0 * sb.x, s01 = sa0 * sb.y, s10 = sa1 * sb.x, s11 = sa1 * sb.y;
-          acc[4 * j2 + 0] = fmaf(d[4 * j2 + 0], s00, acc[4 * j2 + 0]);
-          acc[4 * j2 + 1] = fmaf(d[4 * j2 + 1], s01, acc[4 * j2 + 1]);
-          acc[4 * j2 + 2] = fmaf(d[4 * j2 + 2], s10, acc[4 * j2 + 2]);
-          acc[4 * j2 + 3] = fmaf(d[4 * j2 + 3], s11, acc[4 * j2 + 3]);
-        }
-        __syncwarp();
-        if (kC > 1) {
-#pragma unroll
-          for (uint32_t q = 0; q < uint32_t(kC); ++q) mbar_arrive_peer_if(&empty[st], q, lane == 0);
-        } else {
-          mbar_arrive_if(&empty[st], lane == 0);
-        }
-      };
-      // Blocks in groups of four (then a pair, then one), each group straight-line code: a branch
-      // while WGMMAs are in flight makes ptxas serialise them. Within a group the next block's
-      // WGMMAs run during the previous block's promotion; only the group's last is not covered.
-      for (int b = 0; b < nb;) {
-        if (b + 3 < nb) {
-          wait_full(it);
-          issue(blk0, it);
-          wait_full(it + 1);
-          issue(blk1, it + 1);
-          wgmma_wait_1();
-          promote_release(blk0, it);
-          wait_full(it + 2);
-          issue(blk0, it + 2);
-          wgmma_wait_1();
-          promote_release(blk1, it + 1);
-          wait_full(it + 3);
-          issue(blk1, it + 3);
-          wgmma_wait_1();
-          promote_release(blk0, it + 2);
-          wgmma_wait_all();
-          promote_release(blk1, it + 3);
-          b += 4, it += 4;
-        } else if (b + 1 < nb) {
-          wait_full(it);
-          issue(blk0, it);
-          wait_full(it + 1);
-          issue(blk1, it + 1);
-          wgmma_wait_1();
-          promote_release(blk0, it);
-          wgmma_wait_all();
-          promote_release(blk1, it + 1);
-          b += 2, it += 2;
-        } else {
-          wait_full(it);
-          issue(blk0, it);
-          wgmma_wait_all();
-          promote_release(blk0, it);
-          b += 1, it += 1;
-        }
-      }
-      // epilogue: the half tile into ebuf as four 64 x 32 boxes, 128-byte swizzled (16-byte chunk
-      // c of row q at c ^ (q % 8)), then bulk reduce-adds / stores issued by thread 0
-      if (pending && t == 0) bulk_wait_read_all();
-      named_sync(1 + ci, 128);
-#pragma unroll
-      for (int j2 = 0; j2 < 16; ++j2) {
-        const int cc = 8 * j2 + c0;                 // column in the tile
-        float* box = ebuf + (cc / 32) * (64 * 32);
-        const int byte = (cc % 32) * 4;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int q = r0 + 8 * h;
-          const int off = q * 128 + ((((byte >> 4) ^ (q & 7)) << 4) | (byte & 15));
-          *reinterpret_cast<float2*>(reinterpret_cast<uint8_t*>(box) + off) =
-              make_float2(acc[4 * j2 + 2 * h], acc[4 * j2 + 2 * h + 1]);
-        }
-      }
-      fence_async_smem();
-      named_sync(1 + ci, 128);
-      if (t == 0) {
-        const int e = work.expert[w];
-        const int orow = e * work.n + tn * kTile + 64 * ci;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          if (work.accumulate)
-            tma_reduce_add_2d(&map_dw, ebuf + q * (64 * 32), tk * kTile + 32 * q, orow);
-          else
-            tma_store_2d(&map_dw, ebuf + q * (64 * 32), tk * kTile + 32 * q, orow);
-        }
-        bulk_commit();
-      }
-      pending = true;
-    }
-    if (t == 0) bulk_wait_all();
+    return;
   }
-  // No CTA leaves while a peer may still arrive on its barriers or multicast into it.
-  __syncwarp();
-  if (kC > 1) cluster_sync();
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int ci = wg - 1;                   // rows 64 ci .. 64 ci + 63 of the tile
+  const int warp = t / 32, lane = t % 32;
+  const int r0 = 16 * warp + lane / 4;     // fragment rows r0 and r0 + 8 (of the half tile)
+  const int c0 = 2 * (lane % 4);           // fragment columns 8 j + c0, + 1
+  float* ebuf = epi + ci * (64 * kTile);
+  float acc[64], blk[64];
+  uint32_t it = 0;
+  bool pending = false;                    // a bulk store/reduce from ebuf may still be reading it
+  for (uint32_t j = 0;; ++j) {
+    const int slot = j % kTileSlots;
+    mbar_wait(&tile_full[slot], (j / kTileSlots) & 1);
+    const int tile = tile_id[slot];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&tile_empty[slot]);
+    if (tile >= work.total_tiles) break;
+    const int w = tile / per_expert, r = tile % per_expert;
+    const int tn = r / tiles_k, tk = r % tiles_k;
+    const int nb = work.nblk[w];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int b = 0; b < nb; ++b, ++it) {
+      const int s = it % kStages;
+      const uint32_t ph = (it / kStages) & 1;
+      mbar_wait(&full[s], ph);
+      // this block's scales (landed with the tiles): dY's for rows r0, r0 + 8, X's for the columns
+      const float* ss = scl + s * 2 * kTile;
+      const float sa0 = ss[64 * ci + r0], sa1 = ss[64 * ci + r0 + 8];
+      float2 sb[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) sb[j] = *reinterpret_cast<const float2*>(ss + kTile + 8 * j + c0);
+      const uint32_t a_addr = smem_u32(smem + s * kStageBytes) + ci * (64 * kTile);
+      const uint32_t b_addr = smem_u32(smem + s * kStageBytes + kTile * kTile);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_m64n128k32(blk, smem_desc(a_addr + 32 * kk), smem_desc(b_addr + 32 * kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait_all();
+      __syncwarp();  // every lane's scale reads (above) before the warp releases the stage
+      if (lane == 0) mbar_arrive(&empty[s]);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float s00 = sa0 * sb[j].x, s01 = sa0 * sb[j].y, s10 = sa1 * sb[j].x, s11 = sa1 * sb[j].y;
+        acc[4 * j + 0] = fmaf(blk[4 * j + 0], s00, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(blk[4 * j + 1], s01, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(blk[4 * j + 2], s10, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(blk[4 * j + 3], s11, acc[4 * j + 3]);
+      }
+    }
+    // epilogue: the half tile into ebuf as four 64 x 32 boxes, 128-byte swizzled (16-byte chunk
+    // c of row q at c ^ (q % 8)), then bulk reduce-adds / stores issued by thread 0
+    if (pending && t == 0) bulk_wait_read_all();
+    named_sync(1 + ci, 128);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int cc = 8 * j + c0;                 // column in the tile
+      float* box = ebuf + (cc / 32) * (64 * 32);
+      const int byte = (cc % 32) * 4;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int q = r0 + 8 * h;
+        const int off = q * 128 + ((((byte >> 4) ^ (q & 7)) << 4) | (byte & 15));
+        *reinterpret_cast<float2*>(reinterpret_cast<uint8_t*>(box) + off) =
+            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      }
+    }
+    fence_async_smem();
+    named_sync(1 + ci, 128);
+    if (t == 0) {
+      const int e = work.expert[w];
+      const int orow = e * work.n + tn * kTile + 64 * ci;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (work.accumulate)
+          tma_reduce_add_2d(&map_dw, ebuf + q * (64 * 32), tk * kTile + 32 * q, orow);
+        else
+          tma_store_2d(&map_dw, ebuf + q * (64 * 32), tk * kTile + 32 * q, orow);
+      }
+      bulk_commit();
+    }
+    pending = true;
+  }
+  if (t == 0) bulk_wait_all();
 #else
   __trap();  // built without sm_90a: never a silent wrong answer (the CMake build always has it)
 #endif
@@ -510,58 +335,28 @@ CUtensorMap make_map(const void* base, CUtensorMapDataType type, int elem, uint6
   return m;
 }
 
-using KernelFn = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, Work);
-
-KernelFn kernel_for(int cn, int ck) {
-  if (cn == 2 && ck == 2) return wgrad_kernel<2, 2>;
-  if (cn == 2) return wgrad_kernel<2, 1>;
-  if (ck == 2) return wgrad_kernel<1, 2>;
-  return wgrad_kernel<1, 1>;
-}
-
-// How many CTAs of the variant run at once on the current device (clusters x CTAs per cluster),
-// with its shared-memory limit raised first; measured once per device and variant.
-int resident_ctas(int cn, int ck) {
+// SMs of the current device; the kernel's shared-memory limit raised once per device.
+int sm_count() {
   static std::mutex mu;
-  static std::vector<std::array<int, 4>> known;  // per device, per variant; 0: not yet measured
+  static std::vector<int> sms;  // per device; 0: not yet set up
   int dev = 0;
   FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  const int v = (cn - 1) * 2 + (ck - 1);
   std::lock_guard<std::mutex> lock(mu);
-  if (int(known.size()) <= dev) known.resize(dev + 1, std::array<int, 4>{0, 0, 0, 0});
-  int& n = known[dev][v];
-  if (n == 0) {
-    const KernelFn fn = kernel_for(cn, ck);
-    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    if (cn * ck == 1) {
-      FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    } else {
-      cudaLaunchConfig_t cfg{};
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = unsigned(cn * ck);
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.gridDim = dim3(unsigned(cn * ck));
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = kSmemBytes;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      int clusters = 0;
-      FLOWMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, fn, &cfg));
-      n = clusters * cn * ck;
-    }
-    FLOWMOE_CHECK(n > 0, "FP8 wgrad kernel: no " << cn << " x " << ck << " cluster of " << kSmemBytes
-                                                 << "-byte CTAs fits on this device");
+  if (int(sms.size()) <= dev) sms.resize(dev + 1, 0);
+  if (sms[dev] == 0) {
+    int n = 0;
+    FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    sms[dev] = n;
   }
-  return n;
+  return sms[dev];
 }
 
 }  // namespace
 
 int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
-                   const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, int max_cluster,
-                   int* tile_counter, cudaStream_t stream) {
+                   const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, int* tile_counter,
+                   cudaStream_t stream) {
   const char* why = gemm::wgrad_kernel_unsupported(seg, n, k, false);
   FLOWMOE_CHECK(why == nullptr, "FP8 wgrad kernel: " << why);
   const int64_t m = seg.num_tokens();
@@ -580,45 +375,30 @@ int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_
     work.nblk[work.num_work] = int(me / kTile);
     ++work.num_work;
   }
-  int cn = 1, ck = 1;
-  gemm::wgrad_cluster_shape(n, k, max_cluster, &cn, &ck);
-  work.tiles_k = int(k / kTile) / ck;
-  work.tiles_per_expert = int(n / kTile) / cn * work.tiles_k;  // < 2^31 in all: wgrad_kernel_unsupported
+  work.tiles_k = int(k / kTile);
+  work.tiles_per_expert = int(n / kTile) * work.tiles_k;  // < 2^31 in all: wgrad_kernel_unsupported
   work.total_tiles = work.num_work * work.tiles_per_expert;
-  // Everything that can throw (map encoding, the device's shared-memory limit, the cluster
-  // occupancy) comes before the first enqueued operation, so a failed call leaves dW untouched.
-  const int resident = work.total_tiles > 0 ? resident_ctas(cn, ck) : 0;
+  // Everything that can throw (map encoding, the device's shared-memory limit) comes before the
+  // first enqueued operation, so a failed call leaves dW untouched.
+  const int sms = work.total_tiles > 0 ? sm_count() : 0;
   if (work.total_tiles == 0) {
     if (!accumulate) FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw, 0, sizeof(float) * seg.num_segments() * n * k, stream));
     return 0;
   }
-  // each CTA loads 1/ck of its dY tile's rows and 1/cn of its X tile's (the rest comes multicast)
-  const CUtensorMap mdy = make_map(dy_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(n), uint64_t(m), kTile / ck,
-                                   kTile, CU_TENSOR_MAP_SWIZZLE_128B, "dY (column-wise codes)");
-  const CUtensorMap mx = make_map(x_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(k), uint64_t(m), kTile / cn,
-                                  kTile, CU_TENSOR_MAP_SWIZZLE_128B, "X (column-wise codes)");
+  const CUtensorMap mdy = make_map(dy_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(n), uint64_t(m), kTile, kTile,
+                                   CU_TENSOR_MAP_SWIZZLE_128B, "dY (column-wise codes)");
+  const CUtensorMap mx = make_map(x_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(k), uint64_t(m), kTile, kTile,
+                                  CU_TENSOR_MAP_SWIZZLE_128B, "X (column-wise codes)");
   const CUtensorMap mdw = make_map(dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(seg.num_segments()) * n,
                                    uint64_t(k), 64, 32, CU_TENSOR_MAP_SWIZZLE_128B, "dW");
-  const int cs = cn * ck;
-  const int grid = int(std::min<int64_t>(int64_t(work.total_tiles) * cs, resident / cs * cs));
+  const int grid = std::min(work.total_tiles, sms);
   if (!accumulate)  // empty experts' gradients are zero (the kernel writes only the others)
     for (int e = 0; e < seg.num_segments(); ++e)
       if (seg.offsets[e + 1] == seg.offsets[e])
         FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw + int64_t(e) * n * k, 0, sizeof(float) * n * k, stream));
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream));
-  cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(cs);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3(unsigned(grid));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  FLOWMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel_for(cn, ck), mdy, mx, mdw, work));
+  wgrad_kernel<<<grid, kThreads, kSmemBytes, stream>>>(mdy, mx, mdw, work);
+  FLOWMOE_CUDA_CHECK(cudaGetLastError());
   return 1;
 }
 

@@ -19,12 +19,11 @@ constexpr int kMaxWgradExperts = 256;
 // overwriting, untouched when accumulating. `tile_counter`: one device int of the caller's, used
 // by no other launch at the same time (reset here, stream-ordered; two calls overlapping on
 // different streams would share it and skip or repeat tiles). Nothing is enqueued before
-// everything that can throw has run. `max_cluster` (1, 2 or 4) caps the CTAs per cluster that
-// share operand tiles by multicast (gemm::wgrad_cluster_shape picks the shape). One kernel launch
-// on `stream`; returns the launches (0 when every expert is empty).
+// everything that can throw has run. One kernel launch on `stream`; returns the launches (0 when
+// every expert is empty).
 int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
-                   const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, int max_cluster,
-                   int* tile_counter, cudaStream_t stream);
+                   const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, int* tile_counter,
+                   cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace cuda
