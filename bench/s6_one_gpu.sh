@@ -41,6 +41,15 @@ for what in "${@:-wgk}"; do
       m="sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second"
       step ncu-wgk 200 ncu --clock-control none -k "regex:wgrad_kernel" -c 2 --metrics "$m" $B/flowmoe_bench_gemm --wgrad-kernel-only --reps 3
       grep -vE "^==PROF==|^\|" $OUT/ncu-wgk.log | grep -E "wgrad_kernel|gmma|bank|throughput|duration|per_second" | head -40 ;;
+    a16ab)  # alignment 16 against 128 at DeepSeek-V3's shapes, interleaved twice (run-to-run spread)
+      for r in 1 2; do
+        for c in v3-ep8 v3-ep32; do
+          for a in 128 16; do
+            step bench-$c-a$a-r$r 200 $B/flowmoe bench --config $c --tokens 8192 --reps 5 --recipes blockwise,flow --align $a --baseline $OUT/torch.json --no-breakdown
+            echo "$c align $a run $r"; rows $OUT/bench-$c-a$a-r$r.log | grep -E "^\| (blockwise|flow) "
+          done
+        done
+      done ;;
     *) echo "unknown mode $what" ;;
   esac
 done

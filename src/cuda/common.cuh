@@ -31,6 +31,14 @@ namespace detail {
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// Multiprocessors of the current device (an attribute query: cheap, not cached).
+inline int device_sm_count() {
+  int dev = 0, n = 0;
+  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
 __device__ __forceinline__ float warp_max(float v, int width) {
   for (int o = width / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;

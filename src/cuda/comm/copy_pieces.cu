@@ -78,9 +78,7 @@ __global__ void __launch_bounds__(kThreads) copy_pieces_kernel(const __grid_cons
 
 void copy_pieces(const std::vector<CopyPiece>& pieces, cudaStream_t stream) {
   if (pieces.empty()) return;
-  int dev = 0, sms = 132;
-  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int sms = detail::device_sm_count();
   PieceBatch b;
   b.n = 0;
   b.units = 0;

@@ -344,10 +344,8 @@ int sm_count() {
   std::lock_guard<std::mutex> lock(mu);
   if (int(sms.size()) <= dev) sms.resize(dev + 1, 0);
   if (sms[dev] == 0) {
-    int n = 0;
-    FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    sms[dev] = n;
+    sms[dev] = detail::device_sm_count();
   }
   return sms[dev];
 }

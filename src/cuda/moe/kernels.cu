@@ -35,12 +35,6 @@ int dwr_tile(int e, int64_t h, int64_t sms) {
   }
   return best;
 }
-int sm_count() {  // of the current device
-  int dev = 0, n = 0;
-  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  FLOWMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
-}
 inline unsigned grid_1d(int64_t items, int per_block, int64_t cap = 1 << 20) {
   int64_t g = (items + per_block - 1) / per_block;
   if (g < 1) g = 1;
@@ -372,7 +366,7 @@ void router_dwr(const float* dz, const bf16_t* x, int64_t t, int e, int64_t h, f
     // Measured on the H200 (flowmoe_bench_router --variants, fifth session): V3 EP8 (E 32) 32 x 64,
     // V3 EP32 (E 8) 8 x 64, V2 (E 20, H 5120) 8 x 64, V2-Lite (E 64, H 2048) 16 x 64: each the
     // fastest variant of its shape.
-    const int tile = dwr_tile(e, h, sm_count());
+    const int tile = dwr_tile(e, h, detail::device_sm_count());
     if (tile == 32) rg::launch_staged_dwr<2, 8, 1, 4>(dz, x, t, e, h, dwr, stream);
     else if (tile == 16) rg::launch_staged_dwr<2, 4, 1, 4>(dz, x, t, e, h, dwr, stream);
     else rg::launch_staged_dwr<1, 4, 1, 4>(dz, x, t, e, h, dwr, stream);

@@ -1146,22 +1146,35 @@ class CudaMoeLayer final : public MoeLayer {
     save_rows("GEMM2 input a' (wgrad copy)", "fp8 col 128x1 [Mp, F]", col_bytes(F_), fp8_row(F_));
   }
 
-  void forward_naive(bf16_t* y) {
-    { auto s = fwd("quantize x (entry, fp32 scales)");
-      naive_quantize_row(x_, T_, H_, nullptr, E_, ent_.codes, ent32_, st_fwd(), stream_); }
-    log(MoePass::kForward, CastKind::kQuantize, "quantize x (row, FP32 scales, before dispatch)", 1, 1, T_ * H_);
-    bf16_t* xp = o_;
+  // fp8-naive's entry (SPEC §6), forward for x and backward for dy: quantize `in` [T, H] with FP32
+  // scales, move it to the experts (FP8 on the wire with a communicator), dequantize, and lay it
+  // out permuted and padded in `out` [Mp, H] BF16.
+  void naive_entry(MoePass pass, const bf16_t* in, bf16_t* out) {
+    const bool f = pass == MoePass::kForward;
+    { Scope s(this, pass, f ? "quantize x (entry, fp32 scales)" : "quantize dy (entry, fp32 scales)", stream_);
+      naive_quantize_row(in, T_, H_, nullptr, E_, ent_.codes, ent32_, f ? st_fwd() : st_bwd(), stream_); }
+    log(pass, CastKind::kQuantize,
+        f ? "quantize x (row, FP32 scales, before dispatch)" : "quantize dy (row, FP32 scales, before dispatch)", 1, 1,
+        T_ * H_);
+    const char* deq = f ? "dequantize x (after dispatch)" : "dequantize dy (after dispatch)";
     if (comm_ == nullptr) {
-      { auto s = fwd("dequantize x (after dispatch)");
+      { Scope s(this, pass, deq, stream_);
         naive_dequantize_row(ent_.codes, ent32_, T_, H_, nullptr, E_, entb_, stream_); }
-      log(MoePass::kForward, CastKind::kDequantize, "dequantize x (after dispatch)", 1, 1, T_ * H_);
-      { auto s = fwd("permute+pad x (bf16)"); permute_pad_bf16(entb_, H_, routing_, xp, stream_); }
+      log(pass, CastKind::kDequantize, deq, 1, 1, T_ * H_);
+      { Scope s(this, pass, f ? "permute+pad x (bf16)" : "permute+pad dy (bf16)", stream_);
+        permute_pad_bf16(entb_, H_, routing_, out, stream_); }
     } else {
       int64_t n = 0;
-      { auto s = fwd("dispatch x (fp8, fp32 scales) + dequantize");
-        n = move_naive(xp, MoePass::kForward, "dispatch x"); }
-      log(MoePass::kForward, CastKind::kDequantize, "dequantize x (after dispatch)", 1, 1, n);
+      { Scope s(this, pass, f ? "dispatch x (fp8, fp32 scales) + dequantize" : "dispatch dy (fp8, fp32 scales) + dequantize",
+                stream_);
+        n = move_naive(out, pass, f ? "dispatch x" : "dispatch dy"); }
+      log(pass, CastKind::kDequantize, deq, 1, 1, n);
     }
+  }
+
+  void forward_naive(bf16_t* y) {
+    bf16_t* xp = o_;
+    naive_entry(MoePass::kForward, x_, xp);
     { auto s = fwd("quantize x_perm (row, fp32 scales)");
       naive_quantize_row(xp, Mp_, H_, poff(), El_, xn_.codes, xn_.scales, st_fwd(), stream_); }
     log(MoePass::kForward, CastKind::kQuantize, "quantize x_perm (row, FP32 scales)", 1, 1, Mp_ * H_);
@@ -1341,21 +1354,8 @@ class CudaMoeLayer final : public MoeLayer {
   }
 
   void backward_naive(const bf16_t* dy, const MoeGrads& g) {
-    { auto s = bwd("quantize dy (entry, fp32 scales)");
-      naive_quantize_row(dy, T_, H_, nullptr, E_, ent_.codes, ent32_, st_bwd(), stream_); }
-    log(MoePass::kBackward, CastKind::kQuantize, "quantize dy (row, FP32 scales, before dispatch)", 1, 1, T_ * H_);
     bf16_t* dy2 = o_;
-    if (comm_ == nullptr) {
-      { auto s = bwd("dequantize dy (after dispatch)");
-        naive_dequantize_row(ent_.codes, ent32_, T_, H_, nullptr, E_, entb_, stream_); }
-      log(MoePass::kBackward, CastKind::kDequantize, "dequantize dy (after dispatch)", 1, 1, T_ * H_);
-      { auto s = bwd("permute+pad dy (bf16)"); permute_pad_bf16(entb_, H_, routing_, dy2, stream_); }
-    } else {
-      int64_t n = 0;
-      { auto s = bwd("dispatch dy (fp8, fp32 scales) + dequantize");
-        n = move_naive(dy2, MoePass::kBackward, "dispatch dy"); }
-      log(MoePass::kBackward, CastKind::kDequantize, "dequantize dy (after dispatch)", 1, 1, n);
-    }
+    naive_entry(MoePass::kBackward, dy, dy2);
     const F32sBuf dyr{rowA_.codes, act32_};
     { auto s = bwd("quantize dY (row, fp32 scales)");
       naive_quantize_row(dy2, Mp_, H_, poff(), El_, dyr.codes, dyr.scales, st_bwd(), stream_); }
