@@ -50,6 +50,27 @@ for what in "${@:-wgk}"; do
           done
         done
       done ;;
+    ovwtune)  # the v3-ep32 overwrite outlier of --config all runs: default, tuning off, default again
+      for v in 1 0 1b; do
+        FLOWMOE_GEMM_TUNE=${v%b} step bench-ovw-tune$v 240 $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow,flow-fp4 --grads overwrite --baseline ${BASE:-$OUT/torch.json}
+        echo "FLOWMOE_GEMM_TUNE=${v%b}"; grep -E "^## |^\| (blockwise|flow|flow-fp4) \|" $OUT/bench-ovw-tune$v.log | cut -c1-60
+      done ;;
+    nccl)  # TWO GPUs (nvidia-h200-x2): the NCCL tests (payload, EP = 2 layer against one GPU, mismatch, dead rank)
+      export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+      echo "GPUs: $(nvidia-smi -L | wc -l)"
+      step nccl-tests 150 $B/flowmoe_nccl_tests --verbose
+      grep -E "FAIL|SKIPPED|WATCHDOG|PASS |summary|ALL PASSED|FAILED" $OUT/nccl-tests.log | head -40 ;;
+    thermal)  # the layer pair of runs (accumulate, then overwrite) with power, clock and temperature
+      # sampled every 100 ms; each progress line of the bench gets a timestamp to line them up
+      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,temperature.memory,clocks_throttle_reasons.active --format=csv,noheader -lms 100 > $OUT/thermal-samples.csv 2>&1 &
+      P=$!
+      for g in accumulate overwrite; do
+        stdbuf -oL -eL $B/flowmoe bench --config all --tokens 8192 --reps 5 --recipes blockwise,flow,flow-fp4 --grads $g --baseline ${BASE:-$OUT/torch.json} --no-breakdown 2>&1 \
+          | while IFS= read -r l; do echo "$(date +%H:%M:%S.%N | cut -c1-12) $l"; done > $OUT/thermal-$g.log
+        grep -E "running|^[0-9:.]+ \| (blockwise|flow|flow-fp4) \|" $OUT/thermal-$g.log | cut -c1-75
+      done
+      kill $P; sleep 0.2
+      awk -F', ' '{split($1,a," "); t=substr(a[2],1,8); n[t]++; c[t]+=$2; p[t]+=$3; g[t]+=$4; if(!(t in first)){first[t]=1; order[++k]=t}} END{for(i=1;i<=k;i++){t=order[i]; printf "%s sm %4.0f MHz  %5.0f W  gpu %3.0f C\n", t, c[t]/n[t], p[t]/n[t], g[t]/n[t]}}' $OUT/thermal-samples.csv | awk 'NR%2==1' ;;
     *) echo "unknown mode $what" ;;
   esac
 done
