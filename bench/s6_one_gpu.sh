@@ -71,6 +71,19 @@ for what in "${@:-wgk}"; do
       done
       kill $P; sleep 0.2
       awk -F', ' '{split($1,a," "); t=substr(a[2],1,8); n[t]++; c[t]+=$2; p[t]+=$3; g[t]+=$4; if(!(t in first)){first[t]=1; order[++k]=t}} END{for(i=1;i<=k;i++){t=order[i]; printf "%s sm %4.0f MHz  %5.0f W  gpu %3.0f C\n", t, c[t]/n[t], p[t]/n[t], g[t]/n[t]}}' $OUT/thermal-samples.csv | awk 'NR%2==1' ;;
+    ncu-stalls)  # the wgrad kernel's warp states (where its warps wait) and its tensor-pipe metrics
+      ncu --query-metrics 2>/dev/null | grep -iE "gmma|tensor_op" | head -30 > $OUT/ncu-metric-names.txt
+      cat $OUT/ncu-metric-names.txt | cut -c1-100
+      m=$(grep -oE "^sm__[a-z_]*gmma[a-z_]*" $OUT/ncu-metric-names.txt | head -4 | sed 's/$/.avg.pct_of_peak_sustained_active/' | paste -sd,)
+      step ncu-stalls 200 ncu --clock-control none -k "regex:wgrad_kernel" -c 1 --section WarpStateStats --section ComputeWorkloadAnalysis ${m:+--metrics $m} $B/flowmoe_bench_gemm --wgrad-kernel-only --reps 3
+      grep -vE "^==PROF==|^\|" $OUT/ncu-stalls.log | grep -vE "^ *-+ *$" | head -80 ;;
+    ncu-gmma)  # the wgrad kernel against cuBLASLt's kernel: tensor-pipe instructions, shared-memory
+      # wavefronts and bank conflicts of the WGMMA operand reads, where the warps stall
+      ncu --query-metrics 2>/dev/null | awk '{print $1}' | grep -E "^smsp__average_warps_issue_stalled_[a-z_]+_per_issue_active$" > $OUT/stall-names.txt
+      st=$(sed 's/$/.ratio/' $OUT/stall-names.txt | paste -sd,)
+      m="sm__inst_executed_pipe_tensor_op_gmma.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_gmma.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_gmma.sum,sm__cycles_elapsed.avg,gpu__time_duration.sum,smsp__inst_executed.sum${st:+,$st}"
+      FLOWMOE_GEMM_TUNE=0 step ncu-gmma 240 ncu --clock-control none -k "regex:wgrad_kernel|nvjet|xmma|cutlass|gemm" --launch-skip 3 -c 3 --metrics "$m" $B/flowmoe_bench_gemm --wgrad-kernel-only --reps 1
+      grep -vE "^==PROF==|^\|" $OUT/ncu-gmma.log | grep -vE "^ *-+ *$|Section|Metric Name|Warning" | awk '$NF != "0" && $NF != "(!)"' | head -90 ;;
     *) echo "unknown mode $what" ;;
   esac
 done
