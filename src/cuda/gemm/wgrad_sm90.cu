@@ -37,14 +37,13 @@ namespace {
 
 constexpr int kTile = 128;      // output tile rows (N) and columns (K); tokens per block
 constexpr int kStages = 4;
-constexpr int kMathWGs = 4;                           // one per 64 x 64 quadrant of the output tile
-constexpr int kThreads = 128 * (1 + kMathWGs);
+constexpr int kThreads = 384;
 constexpr int kStageBytes = 2 * kTile * kTile;        // dY tile + X tile, FP8
-constexpr int kEpiBytes = 64 * 64 * 4;                // one warpgroup's quadrant, FP32
+constexpr int kEpiBytes = 64 * kTile * 4;             // one warpgroup's half tile, FP32
 constexpr int kScaleBytes = 2 * kTile * 4;            // per stage: the block's dY and X scale slices
 constexpr int kTileSlots = 2;                         // tile ids handed from the producer to the consumers
 constexpr int kSmemBytes =
-    kStages * kStageBytes + kMathWGs * kEpiBytes + kStages * kScaleBytes + 2 * kStages * 8 + 2 * kTileSlots * 8 + 64 + 1024;
+    kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes + 2 * kStages * 8 + 2 * kTileSlots * 8 + 64 + 1024;
 
 struct Work {
   int num_work = 0;                  // non-empty experts
@@ -137,19 +136,23 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   return d;
 }
 
-// d[32] (m64n64 FP32 fragment) = (scale_d ? d : 0) + A(64 x 32) . B(64 x 32)^T, FP8 E4M3.
-__device__ __forceinline__ void wgmma_m64n64k32(float* d, uint64_t da, uint64_t db, int scale_d) {
+// d[64] (m64n128 FP32 fragment) = (scale_d ? d : 0) + A(64 x 32) . B(128 x 32)^T, FP8 E4M3.
+__device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t da, uint64_t db, int scale_d) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
-      "setp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(da), "l"(db), "r"(scale_d));
 }
 #endif  // FLOWMOE_SM90A
@@ -161,9 +164,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   float* epi = reinterpret_cast<float*>(smem + kStages * kStageBytes);
-  float* scl = reinterpret_cast<float*>(smem + kStages * kStageBytes + kMathWGs * kEpiBytes);  // [stage][2][128]
-  uint64_t* full =
-      reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes + kMathWGs * kEpiBytes + kStages * kScaleBytes);
+  float* scl = reinterpret_cast<float*>(smem + kStages * kStageBytes + 2 * kEpiBytes);  // [stage][2][128]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes);
   uint64_t* empty = full + kStages;
   uint64_t* tile_full = empty + kStages;     // [kTileSlots]: a tile id is in tile_id[slot]
   uint64_t* tile_empty = tile_full + kTileSlots;
@@ -172,11 +174,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 4 * kMathWGs);  // every consumer warp
+      mbar_init(&empty[s], 8);  // the 8 consumer warps
     }
     for (int s = 0; s < kTileSlots; ++s) {
       mbar_init(&tile_full[s], 1);
-      mbar_init(&tile_empty[s], 4 * kMathWGs);
+      mbar_init(&tile_empty[s], 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -214,14 +216,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 104;");
-  const int ci = wg - 1;                   // quadrant: rows 64 qr .. 64 qr + 63, columns 64 qc ..
-  const int qr = ci >> 1, qc = ci & 1;
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int ci = wg - 1;                   // rows 64 ci .. 64 ci + 63 of the tile
   const int warp = t / 32, lane = t % 32;
-  const int r0 = 16 * warp + lane / 4;     // fragment rows r0 and r0 + 8 (of the quadrant)
+  const int r0 = 16 * warp + lane / 4;     // fragment rows r0 and r0 + 8 (of the half tile)
   const int c0 = 2 * (lane % 4);           // fragment columns 8 j + c0, + 1
-  float* ebuf = epi + ci * (64 * 64);
-  float acc[32], blk[32];
+  float* ebuf = epi + ci * (64 * kTile);
+  float acc[64], blk[64];
   uint32_t it = 0;
   bool pending = false;                    // a bulk store/reduce from ebuf may still be reading it
   for (uint32_t j = 0;; ++j) {
@@ -235,43 +236,43 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int tn = r / tiles_k, tk = r % tiles_k;
     const int nb = work.nblk[w];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     for (int b = 0; b < nb; ++b, ++it) {
       const int s = it % kStages;
       const uint32_t ph = (it / kStages) & 1;
       mbar_wait(&full[s], ph);
       // this block's scales (landed with the tiles): dY's for rows r0, r0 + 8, X's for the columns
       const float* ss = scl + s * 2 * kTile;
-      const float sa0 = ss[64 * qr + r0], sa1 = ss[64 * qr + r0 + 8];
-      float2 sb[8];
+      const float sa0 = ss[64 * ci + r0], sa1 = ss[64 * ci + r0 + 8];
+      float2 sb[16];
 #pragma unroll
-      for (int j2 = 0; j2 < 8; ++j2) sb[j2] = *reinterpret_cast<const float2*>(ss + kTile + 64 * qc + 8 * j2 + c0);
-      const uint32_t a_addr = smem_u32(smem + s * kStageBytes) + qr * (64 * kTile);
-      const uint32_t b_addr = smem_u32(smem + s * kStageBytes + kTile * kTile) + qc * (64 * kTile);
+      for (int j = 0; j < 16; ++j) sb[j] = *reinterpret_cast<const float2*>(ss + kTile + 8 * j + c0);
+      const uint32_t a_addr = smem_u32(smem + s * kStageBytes) + ci * (64 * kTile);
+      const uint32_t b_addr = smem_u32(smem + s * kStageBytes + kTile * kTile);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_m64n64k32(blk, smem_desc(a_addr + 32 * kk), smem_desc(b_addr + 32 * kk), kk > 0);
+        wgmma_m64n128k32(blk, smem_desc(a_addr + 32 * kk), smem_desc(b_addr + 32 * kk), kk > 0);
       wgmma_commit();
       wgmma_wait_all();
       __syncwarp();  // every lane's scale reads (above) before the warp releases the stage
       if (lane == 0) mbar_arrive(&empty[s]);
 #pragma unroll
-      for (int j2 = 0; j2 < 8; ++j2) {
-        const float s00 = sa0 * sb[j2].x, s01 = sa0 * sb[j2].y, s10 = sa1 * sb[j2].x, s11 = sa1 * sb[j2].y;
-        acc[4 * j2 + 0] = fmaf(blk[4 * j2 + 0], s00, acc[4 * j2 + 0]);
-        acc[4 * j2 + 1] = fmaf(blk[4 * j2 + 1], s01, acc[4 * j2 + 1]);
-        acc[4 * j2 + 2] = fmaf(blk[4 * j2 + 2], s10, acc[4 * j2 + 2]);
-        acc[4 * j2 + 3] = fmaf(blk[4 * j2 + 3], s11, acc[4 * j2 + 3]);
+      for (int j = 0; j < 16; ++j) {
+        const float s00 = sa0 * sb[j].x, s01 = sa0 * sb[j].y, s10 = sa1 * sb[j].x, s11 = sa1 * sb[j].y;
+        acc[4 * j + 0] = fmaf(blk[4 * j + 0], s00, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(blk[4 * j + 1], s01, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(blk[4 * j + 2], s10, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(blk[4 * j + 3], s11, acc[4 * j + 3]);
       }
     }
-    // epilogue: the quadrant into ebuf as two 64 x 32 boxes, 128-byte swizzled (16-byte chunk c
-    // of row q at c ^ (q % 8)), then bulk reduce-adds / stores issued by thread 0
+    // epilogue: the half tile into ebuf as four 64 x 32 boxes, 128-byte swizzled (16-byte chunk
+    // c of row q at c ^ (q % 8)), then bulk reduce-adds / stores issued by thread 0
     if (pending && t == 0) bulk_wait_read_all();
     named_sync(1 + ci, 128);
 #pragma unroll
-    for (int j2 = 0; j2 < 8; ++j2) {
-      const int cc = 8 * j2 + c0;                // column in the quadrant
+    for (int j = 0; j < 16; ++j) {
+      const int cc = 8 * j + c0;                 // column in the tile
       float* box = ebuf + (cc / 32) * (64 * 32);
       const int byte = (cc % 32) * 4;
 #pragma unroll
@@ -279,21 +280,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int q = r0 + 8 * h;
         const int off = q * 128 + ((((byte >> 4) ^ (q & 7)) << 4) | (byte & 15));
         *reinterpret_cast<float2*>(reinterpret_cast<uint8_t*>(box) + off) =
-            make_float2(acc[4 * j2 + 2 * h], acc[4 * j2 + 2 * h + 1]);
+            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
       }
     }
     fence_async_smem();
     named_sync(1 + ci, 128);
     if (t == 0) {
       const int e = work.expert[w];
-      const int orow = e * work.n + tn * kTile + 64 * qr;
+      const int orow = e * work.n + tn * kTile + 64 * ci;
 #pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int col = tk * kTile + 64 * qc + 32 * q;
+      for (int q = 0; q < 4; ++q) {
         if (work.accumulate)
-          tma_reduce_add_2d(&map_dw, ebuf + q * (64 * 32), col, orow);
+          tma_reduce_add_2d(&map_dw, ebuf + q * (64 * 32), tk * kTile + 32 * q, orow);
         else
-          tma_store_2d(&map_dw, ebuf + q * (64 * 32), col, orow);
+          tma_store_2d(&map_dw, ebuf + q * (64 * 32), tk * kTile + 32 * q, orow);
       }
       bulk_commit();
     }
