@@ -2,10 +2,7 @@
 # Fourth session, one H200: the GPU tests, the SwiGLU and token benchmarks, and an Nsight Compute
 # look at the forward SwiGLU kernels (plain and fused; issue-bound or memory-bound?). Logs under $OUT.
 # Usage (device tool, carry .devbuild): bash bench/s4_one_gpu.sh [tests|bench|ncu|layer ...]
-B=.devbuild
-OUT=${OUT:-device-out}
-mkdir -p "$OUT"
-step() { local n=$1 l=$2; shift 2; local t0=$SECONDS; timeout "$l" "$@" > "$OUT/$n.log" 2>&1; echo "$n rc=$? $((SECONDS-t0))s"; }
+source "$(dirname "$0")/session_lib.sh"  # B, OUT, step, rows
 for what in "${@:-tests bench}"; do
   case $what in
     tests)

@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # Sixth session, one H200: GPU tests, the wgrad kernel against cuBLASLt, the layer next to PyTorch,
 # Nsight Compute on the wgrad kernel. Logs under $OUT. Usage (device tool, carry .devbuild): bash bench/s6_one_gpu.sh [mode ...]
-B=.devbuild
-OUT=${OUT:-device-out}
-mkdir -p "$OUT"
-step() { local n=$1 l=$2; shift 2; local t0=$SECONDS; timeout "$l" "$@" > "$OUT/$n.log" 2>&1; echo "$n rc=$? $((SECONDS-t0))s"; }
-rows() { grep -E "^\| (bf16|fp8-naive|flow|flow-fp4|blockwise) |PyTorch|MISSED|met \(|GEMM. (d|w)grad|sum of stages" "$@" | cut -c1-200; }
+source "$(dirname "$0")/session_lib.sh"  # B, OUT, step, rows
 for what in "${@:-wgk}"; do
   case $what in
     tests)
