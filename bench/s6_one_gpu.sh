@@ -80,6 +80,9 @@ for what in "${@:-wgk}"; do
       m="sm__inst_executed_pipe_tensor_op_gmma.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_gmma.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_gmma.sum,sm__cycles_elapsed.avg,gpu__time_duration.sum,smsp__inst_executed.sum${st:+,$st}"
       FLOWMOE_GEMM_TUNE=0 step ncu-gmma 240 ncu --clock-control none -k "regex:wgrad_kernel|nvjet|xmma|cutlass|gemm" --launch-skip 3 -c 3 --metrics "$m" $B/flowmoe_bench_gemm --wgrad-kernel-only --reps 1
       grep -vE "^==PROF==|^\|" $OUT/ncu-gmma.log | grep -vE "^ *-+ *$|Section|Metric Name|Warning" | awk '$NF != "0" && $NF != "(!)"' | head -90 ;;
+    ep-tests)  # the one-GPU expert-parallel suites (simulated ranks) on the first GPU
+      CUDA_VISIBLE_DEVICES=0 step gpu-tests-ep 300 $B/flowmoe_gpu_tests --gtest_filter='*MoeEp*:*Ep*'
+      tail -3 $OUT/gpu-tests-ep.log; grep -B2 -A10 Failure $OUT/gpu-tests-ep.log | head -40 ;;
     *) echo "unknown mode $what" ;;
   esac
 done

@@ -16,6 +16,7 @@
 
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
+#include "flowmoe/token.h"
 
 namespace flowmoe {
 namespace eptest {
@@ -46,6 +47,29 @@ struct Dev {
     cudaMemcpyAsync(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost, s);
     cudaStreamSynchronize(s);
     return h;
+  }
+};
+
+// One rank's device routing tables of its ids [T, k] (cuda::build_routing on stream s; tables
+// left zero when T = 0). row_map_unpadded is what the EP gathers use as the send order.
+struct DeviceRouting {
+  Dev<int32_t> ids, counts, offsets, padded_offsets, row_map, row_map_unpadded;
+  Dev<uint8_t> workspace;
+  DeviceRouting(const int32_t* h_ids, int64_t T, int k, int E, int align, cudaStream_t s)
+      : ids(T * k, s, h_ids), counts(E, s), offsets(E + 1, s), padded_offsets(E + 1, s), row_map(T * k, s),
+        row_map_unpadded(T * k, s), workspace(cuda::routing_workspace_bytes(T, k, E), s) {
+    cuda::Routing rt;
+    rt.tokens = T;
+    rt.topk = k;
+    rt.num_experts = E;
+    rt.align = align;
+    rt.counts = counts.p;
+    rt.offsets = offsets.p;
+    rt.padded_offsets = padded_offsets.p;
+    rt.row_map = row_map.p;
+    rt.row_map_unpadded = row_map_unpadded.p;
+    rt.workspace = workspace.p;
+    if (T > 0) cuda::build_routing(ids.p, rt, nullptr, s);
   }
 };
 

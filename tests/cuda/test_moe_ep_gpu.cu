@@ -264,21 +264,8 @@ TEST(MoeEpGpuDispatch, PayloadLandsWherePlanSays) {
       ec.align = A;
       const DispatchPlan plan = plan_dispatch(comm, ec, ids[me].data(), T);
       // device routing of this rank's ids
-      Dev<int32_t> d_ids(T * kK, s, ids[me].data());
-      Dev<int32_t> counts(kE, s), offs(kE + 1, s), poffs(kE + 1, s), rmap(T * kK, s), rmu(T * kK, s);
-      Dev<uint8_t> ws(cuda::routing_workspace_bytes(T, kK, kE), s);
-      cuda::Routing rt;
-      rt.tokens = T;
-      rt.topk = kK;
-      rt.num_experts = kE;
-      rt.align = A;
-      rt.counts = counts.p;
-      rt.offsets = offs.p;
-      rt.padded_offsets = poffs.p;
-      rt.row_map = rmap.p;
-      rt.row_map_unpadded = rmu.p;
-      rt.workspace = ws.p;
-      cuda::build_routing(d_ids.p, rt, nullptr, s);
+      const DeviceRouting dr(ids[me].data(), T, kK, kE, A, s);
+      const Dev<int32_t>& rmu = dr.row_map_unpadded;
       const std::vector<int32_t> h_rmu = rmu.get(s);
       FLOWMOE_CHECK(h_rmu == plan.send_routing.row_map,
                     "rank " << me << ": device row_map_unpadded differs from the plan's send order");

@@ -144,21 +144,8 @@ void payload_case(Communicator& comm, WireFormat f, int64_t H, int E, int k,
   const int64_t S = plan.send_rows(), Mp = plan.padded_rows();
 
   // device routing of this rank's ids: row_map_unpadded must be the plan's send order
-  Dev<int32_t> d_ids(T * k, s, ids[me].data());
-  Dev<int32_t> counts(E, s), offs(E + 1, s), poffs(E + 1, s), rmap(T * k, s), rmu(T * k, s);
-  Dev<uint8_t> ws(cuda::routing_workspace_bytes(T, k, E), s);
-  cuda::Routing rt;
-  rt.tokens = T;
-  rt.topk = k;
-  rt.num_experts = E;
-  rt.align = A;
-  rt.counts = counts.p;
-  rt.offsets = offs.p;
-  rt.padded_offsets = poffs.p;
-  rt.row_map = rmap.p;
-  rt.row_map_unpadded = rmu.p;
-  rt.workspace = ws.p;
-  if (T > 0) cuda::build_routing(d_ids.p, rt, nullptr, s);
+  const DeviceRouting dr(ids[me].data(), T, k, E, A, s);
+  const Dev<int32_t>& rmu = dr.row_map_unpadded;
   if (T > 0) check(rmu.get(s) == plan.send_routing.row_map, name + ": device row_map_unpadded != plan send order");
 
   // streams: codes rows, scale rows (fp8 variants: gathered from the column layout [nc][T] as
