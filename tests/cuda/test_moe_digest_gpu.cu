@@ -1,0 +1,241 @@
+// The CUDA MoE layer's outputs and gradients pinned by digests: every recipe, on one GPU (two
+// shapes, gradients accumulated and overwritten) and expert-parallel through simulated ranks
+// (make_device_sim_world, 2 ranks). Each case hashes the bits of y, dx, dW1, dW2, dWr, the aux loss
+// and the status counters (FNV-1a 64) and compares them with tests/cuda/data/moe_layer_digests.txt,
+// recorded from the layer before a refactor: a change that is meant to move no bit (a code
+// reorganisation, a new kernel claimed bit-identical) must leave every line equal.
+//
+// A case without a stored line fails. To record the file after a change that is meant to move bits
+// (say why in the commit), run the test with FLOWMOE_DIGEST_RECORD=path: each case then writes its
+// line to `path` (appending) and still fails when a stored line exists and differs.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "flowmoe/comm.h"
+#include "flowmoe/moe.h"
+#include "flowmoe/numerics.h"
+
+#ifndef FLOWMOE_TEST_DATA_DIR
+#error "FLOWMOE_TEST_DATA_DIR must name tests/cuda/data"
+#endif
+
+namespace flowmoe {
+namespace {
+
+bool have_device() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+struct Fnv {
+  uint64_t h = 1469598103934665603ull;
+  void add(const void* p, size_t n) {
+    const unsigned char* b = static_cast<const unsigned char*>(p);
+    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+  template <typename T>
+  void add(const std::vector<T>& v) { add(v.data(), v.size() * sizeof(T)); }
+};
+
+template <typename T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  Dev(size_t count, cudaStream_t s, const T* host = nullptr) : n(count) {
+    const size_t bytes = std::max<size_t>(count, 1) * sizeof(T);
+    if (cudaMalloc(&p, bytes) != cudaSuccess) throw std::runtime_error("cudaMalloc");
+    if (host)
+      cudaMemcpyAsync(p, host, count * sizeof(T), cudaMemcpyHostToDevice, s);
+    else
+      cudaMemsetAsync(p, 0, bytes, s);
+    cudaStreamSynchronize(s);
+  }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  std::vector<T> get(cudaStream_t s) const {
+    std::vector<T> h(n);
+    cudaStreamSynchronize(s);
+    cudaMemcpyAsync(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost, s);
+    cudaStreamSynchronize(s);
+    return h;
+  }
+};
+
+struct Case {
+  const char* name;
+  int64_t hidden, ffn;
+  int experts, topk;
+  RouterScore score;
+  bool renorm;
+  float scale, aux;
+  int align;
+  bool bias;
+  std::vector<int64_t> tokens;  // per rank; one entry = one GPU
+};
+
+const Case kCases[] = {
+    {"a128", 256, 256, 8, 2, RouterScore::kSoftmax, false, 1.0f, 0.01f, 128, false, {300}},
+    {"a16_sigmoid", 384, 128, 6, 3, RouterScore::kSigmoid, true, 2.5f, 0.0f, 16, true, {77}},
+    {"ep2_a32", 256, 128, 8, 2, RouterScore::kSoftmax, false, 1.0f, 0.01f, 32, false, {90, 41}},
+};
+
+std::vector<float> normal(size_t n, float sd, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.0f, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+std::vector<bf16_t> normal_bf16(size_t n, std::mt19937& rng) {
+  const std::vector<float> f = normal(n, 1.0f, rng);
+  std::vector<bf16_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = num::f32_to_bf16(f[i]);
+  return v;
+}
+
+// One rank's forward + backward (experts [e0, e0 + El) of the model); returns its digest text.
+std::string run_rank(const Case& c, Recipe r, bool accumulate, Communicator* comm, int rank) {
+  const int64_t H = c.hidden, F = c.ffn, E = c.experts;
+  const int W = static_cast<int>(c.tokens.size());
+  const int El = c.experts / W;
+  int64_t max_t = 0;
+  for (int64_t t : c.tokens) max_t = std::max(max_t, t);
+  std::mt19937 rng(4242);
+  const std::vector<float> w1 = normal(E * 2 * F * H, 1.0f / std::sqrt(float(H)), rng);
+  const std::vector<float> w2 = normal(E * H * F, 1.0f / std::sqrt(float(F)), rng);
+  const std::vector<float> wr = normal(E * H, 1.0f / std::sqrt(float(H)), rng);
+  const std::vector<float> bias = normal(E, 0.1f, rng);
+  const std::vector<float> g0 = normal(E * 2 * F * H, 0.5f, rng);  // initial gradient buffers
+  std::vector<std::vector<bf16_t>> xs, dys;
+  for (int64_t t : c.tokens) {
+    xs.push_back(normal_bf16(t * H, rng));
+    dys.push_back(normal_bf16(t * H, rng));
+  }
+  const int64_t T = c.tokens[rank];
+
+  MoeConfig cfg;
+  cfg.hidden = H;
+  cfg.ffn = F;
+  cfg.num_experts = c.experts;
+  cfg.topk = c.topk;
+  cfg.router = c.score;
+  cfg.router_renormalize = c.renorm;
+  cfg.router_scale = c.scale;
+  cfg.aux_loss_alpha = c.aux;
+  cfg.align = c.align;
+  cfg.recipe = r;
+  cfg.max_tokens = max_t;
+  cfg.comm = comm;
+
+  cudaStream_t s = nullptr;
+  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) throw std::runtime_error("stream");
+  std::string line;
+  {
+    std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s);
+    const int64_t n1 = int64_t(El) * 2 * F * H, n2 = int64_t(El) * H * F;
+    Dev<float> dw1(n1, s, g0.data()), dw2(n2, s, g0.data() + 7), dwr(E * H, s, g0.data() + 13);
+    Dev<float> d_w1(n1, s, w1.data() + int64_t(rank) * El * 2 * F * H);
+    Dev<float> d_w2(n2, s, w2.data() + int64_t(rank) * El * H * F);
+    Dev<float> d_wr(E * H, s, wr.data()), d_bias(E, s, bias.data());
+    Dev<bf16_t> x(T * H, s, xs[rank].data()), dy(T * H, s, dys[rank].data()), y(T * H, s), dx(T * H, s);
+    layer->set_weights(MoeWeights{d_w1.p, d_w2.p, d_wr.p, c.bias ? d_bias.p : nullptr});
+    MoeGrads g{dw1.p, dw2.p, dwr.p};
+    g.accumulate = accumulate;
+    // two steps: the second forward/backward runs on reused workspaces
+    for (int step = 0; step < 2; ++step) {
+      layer->forward(x.p, T, y.p);
+      layer->backward(dy.p, dx.p, g);
+    }
+    Fnv h;
+    h.add(y.get(s));
+    h.add(dx.get(s));
+    h.add(dw1.get(s));
+    h.add(dw2.get(s));
+    h.add(dwr.get(s));
+    const MoeStatus st = layer->status();
+    h.add(&st.aux_loss, sizeof st.aux_loss);
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%016" PRIx64 " nonfinite=%" PRId64 " underflow=%" PRId64, h.h, st.nonfinite,
+                  st.underflow);
+    line = buf;
+  }
+  cudaStreamDestroy(s);
+  return line;
+}
+
+std::map<std::string, std::string> load_digests() {
+  std::map<std::string, std::string> m;
+  std::ifstream f(std::string(FLOWMOE_TEST_DATA_DIR) + "/moe_layer_digests.txt");
+  std::string l;
+  while (std::getline(f, l)) {
+    if (l.empty() || l[0] == '#') continue;
+    const size_t sp = l.find(' ');
+    if (sp != std::string::npos) m[l.substr(0, sp)] = l.substr(sp + 1);
+  }
+  return m;
+}
+
+class MoeDigest : public ::testing::TestWithParam<std::tuple<int, Recipe, bool>> {};
+
+TEST_P(MoeDigest, OutputsAndGradientsEqualTheStoredBits) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const Case& c = kCases[std::get<0>(GetParam())];
+  const Recipe r = std::get<1>(GetParam());
+  const bool acc = std::get<2>(GetParam());
+  const int W = static_cast<int>(c.tokens.size());
+  std::vector<std::string> lines(W);
+  if (W == 1) {
+    lines[0] = run_rank(c, r, acc, nullptr, 0);
+  } else {
+    std::unique_ptr<SimWorld> world = make_device_sim_world(W, 60.0);
+    const std::vector<std::string> errs =
+        world->run([&](Communicator& comm) { lines[comm.rank()] = run_rank(c, r, acc, &comm, comm.rank()); });
+    for (int i = 0; i < W; ++i) ASSERT_EQ(errs[i], "") << "rank " << i;
+  }
+  const std::map<std::string, std::string> stored = load_digests();
+  const char* record = std::getenv("FLOWMOE_DIGEST_RECORD");
+  for (int i = 0; i < W; ++i) {
+    const std::string key = std::string(c.name) + "/" + recipe_name(r) + (acc ? "/acc" : "/set") + "/rank" +
+                            std::to_string(i);
+    if (record) {
+      std::ofstream out(record, std::ios::app);
+      out << key << " " << lines[i] << "\n";
+    }
+    const auto it = stored.find(key);
+    if (it == stored.end()) {
+      if (!record) ADD_FAILURE() << key << ": no stored digest (got " << lines[i] << ")";
+      continue;
+    }
+    EXPECT_EQ(lines[i], it->second) << key;
+  }
+}
+
+std::string case_label(const ::testing::TestParamInfo<MoeDigest::ParamType>& info) {
+  std::string n = std::string(kCases[std::get<0>(info.param)].name) + "_" + recipe_name(std::get<1>(info.param)) +
+                  (std::get<2>(info.param) ? "_acc" : "_set");
+  for (char& ch : n)
+    if (ch == '-') ch = '_';
+  return n;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllRecipes, MoeDigest,
+                         ::testing::Combine(::testing::Values(0, 1, 2),
+                                            ::testing::Values(Recipe::kBf16, Recipe::kBlockwise, Recipe::kFp8Naive,
+                                                              Recipe::kFlow, Recipe::kFlowFp4),
+                                            ::testing::Bool()),
+                         case_label);
+
+}  // namespace
+}  // namespace flowmoe
