@@ -7,7 +7,8 @@
 //
 // A case without a stored line fails. To record the file after a change that is meant to move bits
 // (say why in the commit), run the test with FLOWMOE_DIGEST_RECORD=path: each case then writes its
-// line to `path` (appending) and still fails when a stored line exists and differs.
+// line to `path` (appending) and still fails when a stored line exists and differs. Where the
+// binary runs outside the build's source tree, FLOWMOE_TEST_DATA_DIR names tests/cuda/data.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -177,7 +178,9 @@ std::string run_rank(const Case& c, Recipe r, bool accumulate, Communicator* com
 
 std::map<std::string, std::string> load_digests() {
   std::map<std::string, std::string> m;
-  std::ifstream f(std::string(FLOWMOE_TEST_DATA_DIR) + "/moe_layer_digests.txt");
+  // the build's source tree, or FLOWMOE_TEST_DATA_DIR where the binary runs elsewhere
+  const char* dir = std::getenv("FLOWMOE_TEST_DATA_DIR");
+  std::ifstream f(std::string(dir ? dir : FLOWMOE_TEST_DATA_DIR) + "/moe_layer_digests.txt");
   std::string l;
   while (std::getline(f, l)) {
     if (l.empty() || l[0] == '#') continue;
