@@ -1,5 +1,6 @@
-// Shared benchmark harness: checked CUDA calls, device allocation, and the median of CUDA-event
-// timings after warm-up (METHOD: events around each call, many repetitions, median).
+// What every kernel benchmark (bench/*.cu) shares: checked CUDA calls (CK: print and exit),
+// device allocation, and the timing harness of bench/timing.h (CUDA events around each call after
+// warm-up, many repetitions, median; the copy ceiling measured in the same run).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +10,8 @@
 #include <cstdlib>
 #include <functional>
 #include <vector>
+
+#include "timing.h"
 
 #define CK(x)                                                                                   \
   do {                                                                                          \
@@ -29,26 +32,10 @@ T* dalloc(size_t n) {
   return p;
 }
 
-// Median time in microseconds of `reps` timed calls fn(rep), after `warmup` untimed calls.
+// Median time in microseconds of `reps` timed calls fn(rep) on the default stream, after `warmup`
+// untimed calls (time_events).
 inline float median_us(const std::function<void(int)>& fn, int reps, int warmup) {
-  for (int i = 0; i < warmup; ++i) fn(i);
-  CK(cudaDeviceSynchronize());
-  std::vector<float> ms(reps);
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventRecord(a));
-    fn(i);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    CK(cudaEventElapsedTime(&ms[i], a, b));
-  }
-  CK(cudaGetLastError());
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return ms[reps / 2] * 1000.0f;
+  return time_events(fn, reps, warmup).us;
 }
 
 }  // namespace bench

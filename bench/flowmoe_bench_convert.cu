@@ -58,8 +58,8 @@ std::vector<int32_t> ragged_counts(int e, int64_t m, uint32_t seed, int align) {
 double g_copy_gbs = 0;
 
 void row(const char* kernel, double bytes, float us, const char* base = nullptr, float base_us = 0) {
-  const double gbs = bytes / (us * 1e3);
-  std::printf("  %-34s %9.1f MB %9.1f us %8.0f GB/s %6.1f%%", kernel, bytes / 1e6, us, gbs, 100.0 * gbs / g_copy_gbs);
+  const double gbs = bench::gb_per_s(bytes, us);
+  std::printf("  %-34s %9.1f MB %9.1f us %8.0f GB/s %6.1f%%", kernel, bytes / 1e6, us, gbs, bench::percent_of(gbs, g_copy_gbs));
   if (base) std::printf("   %-30s %9.1f us  x%.2f", base, base_us, base_us / us);
   std::printf("\n");
 }
@@ -184,16 +184,7 @@ int main(int argc, char** argv) {
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
 
   // ceiling: device-to-device copy of 2 GiB, bytes read + written
-  {
-    const size_t bytes = size_t(2) << 30;
-    char *a = dalloc<char>(bytes), *b = dalloc<char>(bytes);
-    CK(cudaMemset(a, 1, bytes));
-    const float us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
-    g_copy_gbs = 2.0 * bytes / (us * 1e3);
-    std::printf("copy ceiling: cudaMemcpy D2D %.0f MB in %.1f us = %.0f GB/s (read + write)\n", bytes / 1e6, us, g_copy_gbs);
-    cudaFree(a);
-    cudaFree(b);
-  }
+  g_copy_gbs = bench::copy_ceiling_gbs(size_t(2) << 30, g_reps, 3);
   const Config configs[] = {
       {"DeepSeek-V3 EP8", 7168, 256, 8, 8},   {"DeepSeek-V3 EP16", 7168, 256, 8, 16},
       {"DeepSeek-V3 EP32", 7168, 256, 8, 32}, {"DeepSeek-V2 EP8", 5120, 160, 6, 8},

@@ -40,16 +40,9 @@
 #include "flowmoe/gemm.h"
 #include "flowmoe/numerics.h"
 
-using namespace flowmoe;
+#include "bench_util.cuh"
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+using namespace flowmoe;
 
 namespace {
 
@@ -57,12 +50,7 @@ int g_reps = 20;
 bool g_graph = true;
 cudaStream_t g_stream = nullptr;
 
-template <typename T>
-T* dalloc(size_t n) {
-  T* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  return p;
-}
+using bench::dalloc;
 
 // ---- random data -----------------------------------------------------------------------------
 __device__ __forceinline__ uint64_t splitmix(uint64_t z) {
@@ -125,33 +113,10 @@ double rel_diff(const T* a, const T* b, int64_t n) {
 }
 
 // ---- timing ------------------------------------------------------------------------------------
-struct Timing {
-  float us = 0;       // median CUDA-event time
-  float host_us = 0;  // median host enqueue time
-};
+using bench::Timing;  // median event time, host enqueue time
+// g_reps calls timed on g_stream after 3 warm-up calls (which also fill the plan cache).
 Timing time_call(const std::function<void()>& fn) {
-  for (int i = 0; i < 3; ++i) fn();
-  CK(cudaStreamSynchronize(g_stream));
-  std::vector<float> t(g_reps), h(g_reps);
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < g_reps; ++i) {
-    CK(cudaEventRecord(a, g_stream));
-    const auto h0 = std::chrono::steady_clock::now();
-    fn();
-    const auto h1 = std::chrono::steady_clock::now();
-    CK(cudaEventRecord(b, g_stream));
-    CK(cudaEventSynchronize(b));
-    CK(cudaEventElapsedTime(&t[i], a, b));
-    h[i] = std::chrono::duration<float, std::micro>(h1 - h0).count();
-  }
-  CK(cudaGetLastError());
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(t.begin(), t.end());
-  std::sort(h.begin(), h.end());
-  return {t[g_reps / 2] * 1000.f, h[g_reps / 2]};
+  return bench::time_events([&](int) { fn(); }, g_reps, 3, g_stream, /*host_time=*/true);
 }
 // The same launches captured once into a CUDA graph and replayed (< 0: capture not possible).
 float time_graph(const std::function<void()>& fn) {

@@ -63,9 +63,9 @@ void header() {
   std::printf("  %-44s %10s %8s %7s %9s %7s  %s\n", "kernel", "time", "GB/s", "%copy", "TFLOP/s", "%FMA", "vs previous");
 }
 void row(const char* what, float us, double bytes, double fmas, float prev_us) {
-  const double gbs = bytes / (us * 1e3);
+  const double gbs = bench::gb_per_s(bytes, us);
   const double tflops = 2.0 * fmas / (us * 1e6);
-  std::printf("  %-44s %7.1f us %8.0f %6.1f%% %9.2f %6.1f%%", what, us, gbs, 100.0 * gbs / g_copy_gbs, tflops,
+  std::printf("  %-44s %7.1f us %8.0f %6.1f%% %9.2f %6.1f%%", what, us, gbs, bench::percent_of(gbs, g_copy_gbs), tflops,
               100.0 * fmas / (us * 1e-6) / g_fma_per_s);
   if (prev_us > 0) std::printf("  x%.2f", prev_us / us);
   std::printf("\n");
@@ -259,16 +259,8 @@ int main(int argc, char** argv) {
   std::printf("device: %s, %d SMs, SM clock %.0f MHz (FP32 FMA peak %.1f TFLOP/s), L2 %d MB; %d reps (median)\n",
               prop.name, prop.multiProcessorCount, clock_khz / 1e3, 2.0 * g_fma_per_s / 1e12, prop.l2CacheSize >> 20,
               g_reps);
-  {  // the memory floor's bandwidth: device-to-device copy of 1 GiB, bytes read + written
-    const size_t bytes = size_t(1) << 30;
-    char *a = bench::dalloc<char>(bytes), *b = bench::dalloc<char>(bytes);
-    CK(cudaMemset(a, 1, bytes));
-    const float us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
-    g_copy_gbs = 2.0 * bytes / (us * 1e3);
-    std::printf("copy ceiling: cudaMemcpy D2D %.0f MB in %.1f us = %.0f GB/s (read + write)\n", bytes / 1e6, us, g_copy_gbs);
-    cudaFree(a);
-    cudaFree(b);
-  }
+  // the memory floor's bandwidth: device-to-device copy of 1 GiB, bytes read + written
+  g_copy_gbs = bench::copy_ceiling_gbs(size_t(1) << 30, g_reps, 3);
   cublasHandle_t cublas;
   CB(cublasCreate(&cublas));
   CB(cublasSetMathMode(cublas, CUBLAS_DEFAULT_MATH));  // FP32, no TF32

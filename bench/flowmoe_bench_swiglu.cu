@@ -77,8 +77,8 @@ void header() {
 // ratio = baseline_us / us (speed-up) unless `slowdown`: us / baseline_us (time relative to it).
 void line(const char* kernel, double bytes, float us, const char* base = nullptr, float base_us = 0,
           bool slowdown = false, double target = 0) {
-  const double gbs = bytes / (us * 1e3);
-  std::printf("  %-40s %10.1f %10.1f %9.0f %5.1f%%", kernel, bytes / 1e6, us, gbs, 100.0 * gbs / g_copy_gbs);
+  const double gbs = bench::gb_per_s(bytes, us);
+  std::printf("  %-40s %10.1f %10.1f %9.0f %5.1f%%", kernel, bytes / 1e6, us, gbs, bench::percent_of(gbs, g_copy_gbs));
   if (base) {
     const double r = slowdown ? us / base_us : base_us / us;
     std::printf("   %-34s %10.1f %7.2fx", base, base_us, r);
@@ -261,18 +261,8 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB; %d reps (median)\n", prop.name, prop.multiProcessorCount,
               prop.l2CacheSize >> 20, g_reps);
-  {  // ceiling: device-to-device copy of 2 GiB, bytes read + written
-    const size_t bytes = size_t(2) << 30;
-    char* a = dalloc<char>(bytes);
-    char* b = dalloc<char>(bytes);
-    CK(cudaMemset(a, 1, bytes));
-    const float us = median_us([&](int) { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
-    g_copy_gbs = 2.0 * bytes / (us * 1e3);
-    std::printf("copy ceiling: cudaMemcpy D2D %.0f MB in %.1f us = %.0f GB/s (read + write)\n", bytes / 1e6, us,
-                g_copy_gbs);
-    cudaFree(a);
-    cudaFree(b);
-  }
+  // ceiling: device-to-device copy of 2 GiB, bytes read + written
+  g_copy_gbs = bench::copy_ceiling_gbs(size_t(2) << 30, g_reps, 5);
   const Config configs[] = {
       {"DeepSeek-V3", 2048, 32},       // 256 experts / EP8
       {"DeepSeek-V2-Lite", 1408, 8},   // 64 experts / EP8

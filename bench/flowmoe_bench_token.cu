@@ -92,9 +92,9 @@ double copy_gbs_at(double bytes) {
 }
 
 void row(const char* kernel, double bytes, float us, const char* base = nullptr, float base_us = 0) {
-  const double gbs = bytes / (us * 1e3);
-  std::printf("  %-36s %9.1f MB %9.1f us %7.0f GB/s %6.1f%% %6.1f%%", kernel, bytes / 1e6, us, gbs, 100.0 * gbs / g_copy_gbs,
-              100.0 * gbs / copy_gbs_at(bytes));
+  const double gbs = bench::gb_per_s(bytes, us);
+  std::printf("  %-36s %9.1f MB %9.1f us %7.0f GB/s %6.1f%% %6.1f%%", kernel, bytes / 1e6, us, gbs, bench::percent_of(gbs, g_copy_gbs),
+              bench::percent_of(gbs, copy_gbs_at(bytes)));
   if (base) std::printf("   %-44s %9.1f us  x%.2f", base, base_us, base_us / us);
   std::printf("\n");
 }
@@ -369,16 +369,8 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB; %d reps (median)\n", prop.name, prop.multiProcessorCount,
               prop.l2CacheSize >> 20, g_reps);
-  {  // ceiling: device-to-device copy of 2 GiB, bytes read + written
-    const size_t bytes = size_t(2) << 30;
-    char *a = dalloc<char>(bytes), *b = dalloc<char>(bytes);
-    CK(cudaMemset(a, 1, bytes));
-    const float us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
-    g_copy_gbs = 2.0 * bytes / (us * 1e3);
-    std::printf("copy ceiling: cudaMemcpy D2D %.0f MB in %.1f us = %.0f GB/s (read + write)\n", bytes / 1e6, us, g_copy_gbs);
-    cudaFree(a);
-    cudaFree(b);
-  }
+  // ceiling: device-to-device copy of 2 GiB, bytes read + written
+  g_copy_gbs = bench::copy_ceiling_gbs(size_t(2) << 30, g_reps, 3);
   const Config configs[] = {
       // DeepSeek-V3: 256 routed experts, sigmoid + renormalise, x2.5; EP8 -> 32 local experts
       {"DeepSeek-V3", 7168, 256, RouterScore::kSigmoid, true, 2.5f, 32, 8},

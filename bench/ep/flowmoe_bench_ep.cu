@@ -40,6 +40,7 @@
 #include "flowmoe/error.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/token.h"
+#include "timing.h"
 
 namespace flowmoe {
 namespace {
@@ -75,12 +76,7 @@ const Cfg kCfgs[] = {
     {"v2-lite", "DeepSeek-V2-Lite", 2048, 1408, 64, 6, RouterScore::kSoftmax, false, 1.0f},
 };
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::median;
 
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
@@ -124,24 +120,9 @@ double max_over_ranks(Communicator& comm, double ms) {
 // a barrier; returns {median on this rank, max over ranks of the medians}.
 std::pair<double, double> time_op(Communicator& comm, cudaStream_t s, int warmup, int reps,
                                   const std::function<void()>& fn) {
-  cudaEvent_t e0, e1;
-  BCUDA(cudaEventCreate(&e0));
-  BCUDA(cudaEventCreate(&e1));
-  std::vector<double> t;
-  for (int i = 0; i < warmup + reps; ++i) {
-    comm.barrier();
-    BCUDA(cudaEventRecord(e0, s));
-    fn();
-    BCUDA(cudaEventRecord(e1, s));
-    comm.synchronize();
-    BCUDA(cudaEventSynchronize(e1));
-    float ms = 0;
-    BCUDA(cudaEventElapsedTime(&ms, e0, e1));
-    if (i >= warmup) t.push_back(ms);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  const double m = median(t);
+  const bench::PhaseTimes t =
+      bench::time_phases({fn}, warmup, reps, s, [&] { comm.barrier(); }, [&] { comm.synchronize(); });
+  const double m = median(t.ms[0]);
   return {m, max_over_ranks(comm, m)};
 }
 
@@ -356,31 +337,11 @@ LayerTime run_layer(Communicator* comm, const Cfg& c, Recipe rc, int el, int64_t
   std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s);
   layer->set_weights(MoeWeights{w1.p, w2.p, wr.p, nullptr});
   const MoeGrads g{dw1.p, dw2.p, dwr.p};
-  cudaEvent_t e0, e1, e2;
-  BCUDA(cudaEventCreate(&e0));
-  BCUDA(cudaEventCreate(&e1));
-  BCUDA(cudaEventCreate(&e2));
-  std::vector<double> f, b, t;
-  for (int i = 0; i < o.warmup + o.reps; ++i) {
-    if (comm) comm->barrier();
-    BCUDA(cudaEventRecord(e0, s));
-    layer->forward(x.p, T, y.p);
-    BCUDA(cudaEventRecord(e1, s));
-    layer->backward(dy.p, dx.p, g);
-    BCUDA(cudaEventRecord(e2, s));
-    BCUDA(cudaEventSynchronize(e2));
-    float a = 0, bb = 0;
-    BCUDA(cudaEventElapsedTime(&a, e0, e1));
-    BCUDA(cudaEventElapsedTime(&bb, e1, e2));
-    if (i >= o.warmup) {
-      f.push_back(a);
-      b.push_back(bb);
-      t.push_back(double(a) + double(bb));
-    }
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaEventDestroy(e2);
+  const bench::PhaseTimes pt = bench::time_phases(
+      {[&] { layer->forward(x.p, T, y.p); }, [&] { layer->backward(dy.p, dx.p, g); }}, o.warmup, o.reps, s,
+      [&] {
+        if (comm) comm->barrier();
+      });
   LayerTime r;
   {
     size_t free_b = 0, total_b = 0;
@@ -405,9 +366,9 @@ LayerTime run_layer(Communicator* comm, const Cfg& c, Recipe rc, int el, int64_t
     for (size_t j = 0; j < r.stages.size(); ++j) r.stages[j].second = median(acc[j]);
     cuda::moe::set_profiling(layer.get(), false);
   }
-  r.fwd = median(f);
-  r.bwd = median(b);
-  r.total = median(t);
+  r.fwd = median(pt.ms[0]);
+  r.bwd = median(pt.ms[1]);
+  r.total = median(pt.total_ms);
   r.total_max = comm ? max_over_ranks(*comm, r.total) : r.total;
   const CastReport& rep = layer->cast_report();
   r.routed = rep.routed_rows;

@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cuda/device_buffer.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/token.h"
@@ -26,29 +27,7 @@ constexpr int kE = 8, kK = 2;
 
 // Device buffer owned by one rank's thread; copies on that rank's stream.
 template <typename T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  Dev(size_t count, cudaStream_t s, const T* host = nullptr) : n(count) {
-    const size_t bytes = std::max<size_t>(count, 1) * sizeof(T);
-    if (cudaMalloc(&p, bytes) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    if (host)
-      cudaMemcpyAsync(p, host, count * sizeof(T), cudaMemcpyHostToDevice, s);
-    else
-      cudaMemsetAsync(p, 0, bytes, s);
-    cudaStreamSynchronize(s);
-  }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  std::vector<T> get(cudaStream_t s) const {
-    std::vector<T> h(n);
-    cudaStreamSynchronize(s);
-    cudaMemcpyAsync(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost, s);
-    cudaStreamSynchronize(s);
-    return h;
-  }
-};
+using Dev = testutil::StreamBuf<T>;
 
 // One rank's device routing tables of its ids [T, k] (cuda::build_routing on stream s; tables
 // left zero when T = 0). row_map_unpadded is what the EP gathers use as the send order.

@@ -13,31 +13,12 @@
 #include "flowmoe/cuda/convert.h"
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
+#include "cuda/gpu_test_util.h"
 
 namespace flowmoe {
 namespace {
 
-#define CU(x) ASSERT_EQ((x), cudaSuccess) << #x
-
-template <typename T>
-struct DBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit DBuf(size_t count) : n(count) {
-    if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    cudaMemset(p, 0xA5, std::max<size_t>(count, 1) * sizeof(T));  // poison: every byte must be written
-  }
-  DBuf(const std::vector<T>& h) : DBuf(h.size()) {
-    cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~DBuf() { cudaFree(p); }
-  std::vector<T> get(size_t count) const {
-    std::vector<T> h(count);
-    cudaMemcpy(h.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-  std::vector<T> get() const { return get(n); }
-};
+using namespace testutil;  // DBuf, REQUIRE_DEVICE, ASSERT_CUDA_OK, expect_same_bits
 
 enum class Dist { kNormal, kHeavy, kBinades, kSubnormal, kNearMax, kNonFinite };
 const char* dist_name(Dist d) {
@@ -101,9 +82,8 @@ std::vector<int32_t> ragged(int e, int64_t m, uint32_t seed, int align) {
 class ConvertGpu : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "no CUDA device";
-    CU(cudaMalloc(&status_, sizeof(cuda::DeviceStatus)));
+    REQUIRE_DEVICE();
+    ASSERT_CUDA_OK(cudaMalloc(&status_, sizeof(cuda::DeviceStatus)));
     reset();
   }
   void TearDown() override { cudaFree(status_); }
@@ -116,17 +96,6 @@ class ConvertGpu : public ::testing::TestWithParam<Case> {
   }
   cuda::DeviceStatus* status_ = nullptr;
 };
-
-// Compares the first `n` bytes, reporting the first mismatch.
-void expect_bytes(const std::vector<uint8_t>& want, const std::vector<uint8_t>& got, size_t n, const char* what) {
-  ASSERT_GE(got.size(), n);
-  ASSERT_GE(want.size(), n);
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < n; ++i)
-    if (want[i] != got[i] && bad++ == 0) first = i;
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << n << " bytes differ; first at " << first
-                     << " (want 0x" << std::hex << int(want[first]) << ", got 0x" << int(got[first]) << ")";
-}
 
 TEST_P(ConvertGpu, AllConversionsBitExact) {
   const Case& c = GetParam();
@@ -156,8 +125,8 @@ TEST_P(ConvertGpu, AllConversionsBitExact) {
   DBuf<uint8_t> rc(m * k), rs(m * k / 128);
   reset();
   cuda::quantize_row(dx.p, m, k, rc.p, rs.p, status_, 0);
-  expect_bytes(row.codes, rc.get(), m * k, "quantize_row codes");
-  expect_bytes(row.scales, rs.get(), m * k / 128, "quantize_row scales");
+  expect_same_bits(row.codes, rc.get(), m * k, "quantize_row codes");
+  expect_same_bits(row.scales, rs.get(), m * k / 128, "quantize_row scales");
   EXPECT_EQ(status().nonfinite, static_cast<unsigned long long>(st_row.nonfinite));
 
   // ---- column-wise and both
@@ -166,14 +135,14 @@ TEST_P(ConvertGpu, AllConversionsBitExact) {
   DBuf<uint8_t> cc(m * k), cs(maxb * k), rc2(m * k), rs2(m * k / 128);
   reset();
   cuda::quantize_col(dx.p, k, sb, cc.p, cs.p, nullptr, nullptr, status_, 0);
-  expect_bytes(col.codes, cc.get(), m * k, "quantize_col codes");
-  expect_bytes(col.scales, cs.get(), nb * k, "quantize_col scales");
+  expect_same_bits(col.codes, cc.get(), m * k, "quantize_col codes");
+  expect_same_bits(col.scales, cs.get(), nb * k, "quantize_col scales");
   EXPECT_EQ(status().nonfinite, static_cast<unsigned long long>(st_col.nonfinite));
   reset();
   cuda::quantize_col(dx.p, k, sb, cc.p, cs.p, rc2.p, rs2.p, status_, 0);
-  expect_bytes(col.codes, cc.get(), m * k, "quantize_both col codes");
-  expect_bytes(row.codes, rc2.get(), m * k, "quantize_both row codes");
-  expect_bytes(row.scales, rs2.get(), m * k / 128, "quantize_both row scales");
+  expect_same_bits(col.codes, cc.get(), m * k, "quantize_both col codes");
+  expect_same_bits(row.codes, rc2.get(), m * k, "quantize_both row codes");
+  expect_same_bits(row.scales, rs2.get(), m * k / 128, "quantize_both row scales");
   EXPECT_EQ(status().nonfinite, static_cast<unsigned long long>(st_row.nonfinite));
 
   // ---- dequantize row -> bf16
@@ -195,8 +164,8 @@ TEST_P(ConvertGpu, AllConversionsBitExact) {
     DBuf<uint8_t> oc(m * k), os(maxb * k);
     reset();
     cuda::scaling_aware_transpose(rc.p, rs.p, k, sb, oc.p, os.p, status_, 0);
-    expect_bytes(want.codes, oc.get(), m * k, "scaling_aware_transpose codes");
-    expect_bytes(want.scales, os.get(), nb * k, "scaling_aware_transpose scales");
+    expect_same_bits(want.codes, oc.get(), m * k, "scaling_aware_transpose codes");
+    expect_same_bits(want.scales, os.get(), nb * k, "scaling_aware_transpose scales");
     const auto s = status();
     EXPECT_EQ(s.underflow, static_cast<unsigned long long>(st.underflow));
     EXPECT_EQ(s.nonfinite, static_cast<unsigned long long>(st.nonfinite));
@@ -207,8 +176,8 @@ TEST_P(ConvertGpu, AllConversionsBitExact) {
     DBuf<bf16_t> work(2 * m * k);
     reset();
     cuda::naive_col_copy(rc.p, rs.p, k, sb, oc.p, os.p, work.p, status_, 0);
-    expect_bytes(naive.codes, oc.get(), m * k, "naive_col_copy codes");
-    expect_bytes(naive.scales, os.get(), nb * k, "naive_col_copy scales");
+    expect_same_bits(naive.codes, oc.get(), m * k, "naive_col_copy codes");
+    expect_same_bits(naive.scales, os.get(), nb * k, "naive_col_copy scales");
     EXPECT_EQ(status().nonfinite, static_cast<unsigned long long>(stn.nonfinite));
   }
 
@@ -219,8 +188,8 @@ TEST_P(ConvertGpu, AllConversionsBitExact) {
     DBuf<uint8_t> fc(m * k / 2), fs(m * k / 32);
     reset();
     cuda::quantize_mxfp4(dx.p, m, k, fc.p, fs.p, status_, 0);
-    expect_bytes(f4.codes, fc.get(), m * k / 2, "quantize_mxfp4 codes");
-    expect_bytes(f4.scales, fs.get(), m * k / 32, "quantize_mxfp4 scales");
+    expect_same_bits(f4.codes, fc.get(), m * k / 2, "quantize_mxfp4 codes");
+    expect_same_bits(f4.scales, fs.get(), m * k / 32, "quantize_mxfp4 scales");
     EXPECT_EQ(status().nonfinite, static_cast<unsigned long long>(st4.nonfinite));
 
     std::vector<bf16_t> want(m * k);
@@ -237,8 +206,8 @@ TEST_P(ConvertGpu, AllConversionsBitExact) {
     DBuf<uint8_t> oc(m * k), os(std::max<int64_t>(maxb * k, m * k / 128));
     reset();
     cuda::fp4_to_fp8_row(fc.p, fs.p, m, k, oc.p, os.p, status_, 0);
-    expect_bytes(r8.codes, oc.get(), m * k, "fp4_to_fp8_row codes");
-    expect_bytes(r8.scales, os.get(), m * k / 128, "fp4_to_fp8_row scales");
+    expect_same_bits(r8.codes, oc.get(), m * k, "fp4_to_fp8_row codes");
+    expect_same_bits(r8.scales, os.get(), m * k / 128, "fp4_to_fp8_row scales");
     auto s = status();
     EXPECT_EQ(s.underflow, static_cast<unsigned long long>(s1.underflow));
     EXPECT_EQ(s.nonfinite, static_cast<unsigned long long>(s1.nonfinite));
@@ -247,8 +216,8 @@ TEST_P(ConvertGpu, AllConversionsBitExact) {
     const QuantStats s2 = cpu::fp4_to_fp8_col(f4, seg, &c8);
     reset();
     cuda::fp4_to_fp8_col(fc.p, fs.p, k, sb, oc.p, os.p, status_, 0);
-    expect_bytes(c8.codes, oc.get(), m * k, "fp4_to_fp8_col codes");
-    expect_bytes(c8.scales, os.get(), nb * k, "fp4_to_fp8_col scales");
+    expect_same_bits(c8.codes, oc.get(), m * k, "fp4_to_fp8_col codes");
+    expect_same_bits(c8.scales, os.get(), nb * k, "fp4_to_fp8_col scales");
     s = status();
     EXPECT_EQ(s.underflow, static_cast<unsigned long long>(s2.underflow));
     EXPECT_EQ(s.nonfinite, static_cast<unsigned long long>(s2.nonfinite));
@@ -258,8 +227,8 @@ TEST_P(ConvertGpu, AllConversionsBitExact) {
     DBuf<bf16_t> work(2 * m * k);
     reset();
     cuda::fp4_to_fp8_col_stepwise(fc.p, fs.p, k, sb, oc.p, os.p, work.p, status_, 0);
-    expect_bytes(c8s.codes, oc.get(), m * k, "fp4_to_fp8_col_stepwise codes");
-    expect_bytes(c8s.scales, os.get(), nb * k, "fp4_to_fp8_col_stepwise scales");
+    expect_same_bits(c8s.codes, oc.get(), m * k, "fp4_to_fp8_col_stepwise codes");
+    expect_same_bits(c8s.scales, os.get(), nb * k, "fp4_to_fp8_col_stepwise scales");
     EXPECT_EQ(status().nonfinite, static_cast<unsigned long long>(s3.nonfinite));
   }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
@@ -285,8 +254,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, ConvertGpu, ::testing::ValuesIn(cases()),
 
 // ---- weights ------------------------------------------------------------------------------
 TEST(ConvertGpuWeight, QuantizeWeightAndTransposeBitExact) {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_DEVICE();
   for (Dist d : {Dist::kNormal, Dist::kHeavy, Dist::kNonFinite}) {
     const int64_t n = 384, k = 1024;
     const auto w = make_data(n, k, d, 99);
@@ -297,18 +265,17 @@ TEST(ConvertGpuWeight, QuantizeWeightAndTransposeBitExact) {
     DBuf<cuda::DeviceStatus> ds(1);
     cudaMemset(ds.p, 0, sizeof(cuda::DeviceStatus));
     cuda::quantize_weight(dw.p, n, k, c.p, s.p, tc.p, ts.p, ds.p, 0);
-    expect_bytes(q.codes, c.get(), n * k, "weight codes");
-    expect_bytes(q.scales, s.get(), n * k / 16384, "weight scales");
-    expect_bytes(qt.codes, tc.get(), n * k, "weight transposed codes");
-    expect_bytes(qt.scales, ts.get(), n * k / 16384, "weight transposed scales");
+    expect_same_bits(q.codes, c.get(), n * k, "weight codes");
+    expect_same_bits(q.scales, s.get(), n * k / 16384, "weight scales");
+    expect_same_bits(qt.codes, tc.get(), n * k, "weight transposed codes");
+    expect_same_bits(qt.scales, ts.get(), n * k / 16384, "weight transposed scales");
     EXPECT_EQ(ds.get()[0].nonfinite, static_cast<unsigned long long>(st.nonfinite)) << dist_name(d);
   }
 }
 
 // ---- DeepSeek-V3 scale: 32k tokens x 7168 through the headline path --------------------
 TEST(ConvertGpuLarge, DeepSeekV3Scale32kTokens) {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_DEVICE();
   const int64_t m = 32768, k = 7168;
   const auto x = make_data(m, k, Dist::kHeavy, 2024);
   const Segments seg = Segments::from_counts(ragged(32, m, 3, 16));
@@ -327,18 +294,17 @@ TEST(ConvertGpuLarge, DeepSeekV3Scale32kTokens) {
   DBuf<uint8_t> rc(m * k), rs(m * k / 128), cc(m * k), cs(maxb * k);
   cuda::quantize_row(dx.p, m, k, rc.p, rs.p, ds.p, 0);
   cuda::scaling_aware_transpose(rc.p, rs.p, k, sb, cc.p, cs.p, ds.p, 0);
-  expect_bytes(row.codes, rc.get(), m * k, "row codes");
-  expect_bytes(row.scales, rs.get(), m * k / 128, "row scales");
-  expect_bytes(col.codes, cc.get(), m * k, "col codes");
-  expect_bytes(col.scales, cs.get(), seg.num_blocks() * k, "col scales");
+  expect_same_bits(row.codes, rc.get(), m * k, "row codes");
+  expect_same_bits(row.scales, rs.get(), m * k / 128, "row scales");
+  expect_same_bits(col.codes, cc.get(), m * k, "col codes");
+  expect_same_bits(col.scales, cs.get(), seg.num_blocks() * k, "col scales");
   EXPECT_EQ(ds.get()[0].underflow, static_cast<unsigned long long>(st.underflow));
 }
 
 
 // ---- NaN codes under finite scales (e.g. from a file) stay NaN and are counted -----------
 TEST(ConvertGpuNaNCodes, ScalingAwareTransposeCountsNaNCodesUnderFiniteScales) {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_DEVICE();
   const int64_t m = 300, k = 256;
   const auto x = make_data(m, k, Dist::kHeavy, 31);
   QTensor row, want;
@@ -360,8 +326,8 @@ TEST(ConvertGpuNaNCodes, ScalingAwareTransposeCountsNaNCodesUnderFiniteScales) {
   cuda::build_segment_blocks(sb, ds.p, 0);
   DBuf<uint8_t> cc(m * k), cs(maxb * k);
   cuda::scaling_aware_transpose(rc.p, rs.p, k, sb, cc.p, cs.p, ds.p, 0);
-  expect_bytes(want.codes, cc.get(), m * k, "codes with NaN codes");
-  expect_bytes(want.scales, cs.get(), seg.num_blocks() * k, "scales with NaN codes");
+  expect_same_bits(want.codes, cc.get(), m * k, "codes with NaN codes");
+  expect_same_bits(want.scales, cs.get(), seg.num_blocks() * k, "scales with NaN codes");
   const auto s = ds.get()[0];
   EXPECT_EQ(s.nonfinite, 3u);
   EXPECT_EQ(s.underflow, static_cast<unsigned long long>(st.underflow));
@@ -370,8 +336,7 @@ TEST(ConvertGpuNaNCodes, ScalingAwareTransposeCountsNaNCodesUnderFiniteScales) {
 
 // ---- the column-amax transpose (TransposeExponent::kColumnAmax) equals the CPU reference -----
 TEST(ConvertGpuColumnAmax, BitExactAgainstCpuOnSeveralDistributions) {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_DEVICE();
   for (Dist dist : {Dist::kNormal, Dist::kHeavy, Dist::kBinades, Dist::kNonFinite, Dist::kSubnormal}) {
     const int64_t m = 1000, k = 384;
     const auto x = make_data(m, k, dist, 77);
@@ -391,8 +356,8 @@ TEST(ConvertGpuColumnAmax, BitExactAgainstCpuOnSeveralDistributions) {
     cuda::build_segment_blocks(sb, ds.p, 0);
     DBuf<uint8_t> cc(m * k), cs(maxb * k);
     cuda::scaling_aware_transpose(rc.p, rs.p, k, sb, cc.p, cs.p, ds.p, 0, TransposeExponent::kColumnAmax);
-    expect_bytes(want.codes, cc.get(), m * k, (std::string("column-amax codes, ") + dist_name(dist)).c_str());
-    expect_bytes(want.scales, cs.get(), seg.num_blocks() * k, (std::string("column-amax scales, ") + dist_name(dist)).c_str());
+    expect_same_bits(want.codes, cc.get(), m * k, (std::string("column-amax codes, ") + dist_name(dist)).c_str());
+    expect_same_bits(want.scales, cs.get(), seg.num_blocks() * k, (std::string("column-amax scales, ") + dist_name(dist)).c_str());
     const auto s2 = ds.get()[0];
     EXPECT_EQ(s2.underflow, static_cast<unsigned long long>(st.underflow)) << dist_name(dist);
     EXPECT_EQ(s2.nonfinite, static_cast<unsigned long long>(st.nonfinite)) << dist_name(dist);
@@ -401,8 +366,7 @@ TEST(ConvertGpuColumnAmax, BitExactAgainstCpuOnSeveralDistributions) {
 
 // ---- segments and argument errors ---------------------------------------------------------
 TEST(ConvertGpuSegments, MalformedOffsetsAreReportedNotHung) {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_DEVICE();
   const std::vector<int32_t> bad = {0, 50, 20, 100};  // decreasing
   DBuf<int32_t> doff(bad);
   const int64_t maxb = cuda::segment_max_blocks(100, 3);

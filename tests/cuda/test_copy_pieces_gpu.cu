@@ -9,11 +9,12 @@
 #include <vector>
 
 #include "cuda/comm/copy_pieces.h"
+#include "cuda/gpu_test_util.h"
 
 namespace flowmoe {
 namespace {
 
-#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess)
+using namespace testutil;  // ASSERT_CUDA_OK
 
 TEST(CopyPiecesGpu, RandomPiecesLandExactly) {
   for (int npieces : {1, 7, 961, 2500}) {
@@ -37,10 +38,10 @@ TEST(CopyPiecesGpu, RandomPiecesLandExactly) {
     for (auto& b : src) b = uint8_t(rng());
     for (auto& b : dst0) b = uint8_t(rng());
     uint8_t *ds = nullptr, *dd = nullptr;
-    CUDA_OK(cudaMalloc(&ds, src.size()));
-    CUDA_OK(cudaMalloc(&dd, dst0.size()));
-    CUDA_OK(cudaMemcpy(ds, src.data(), src.size(), cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(dd, dst0.data(), dst0.size(), cudaMemcpyHostToDevice));
+    ASSERT_CUDA_OK(cudaMalloc(&ds, src.size()));
+    ASSERT_CUDA_OK(cudaMalloc(&dd, dst0.size()));
+    ASSERT_CUDA_OK(cudaMemcpy(ds, src.data(), src.size(), cudaMemcpyHostToDevice));
+    ASSERT_CUDA_OK(cudaMemcpy(dd, dst0.data(), dst0.size(), cudaMemcpyHostToDevice));
     std::vector<uint8_t> expect = dst0;
     for (int i = 0; i < npieces; ++i) {
       const bool zero = i % 5 == 3;  // every fifth piece a zero fill
@@ -48,9 +49,9 @@ TEST(CopyPiecesGpu, RandomPiecesLandExactly) {
       for (int64_t b = 0; b < len[i]; ++b) expect[dof[i] + b] = zero ? 0 : src[so[i] + b];
     }
     cuda::comm::copy_pieces(host, nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_CUDA_OK(cudaDeviceSynchronize());
     std::vector<uint8_t> got(dst0.size());
-    CUDA_OK(cudaMemcpy(got.data(), dd, got.size(), cudaMemcpyDeviceToHost));
+    ASSERT_CUDA_OK(cudaMemcpy(got.data(), dd, got.size(), cudaMemcpyDeviceToHost));
     int64_t bad = 0;
     for (size_t b = 0; b < got.size(); ++b) bad += got[b] != expect[b];
     EXPECT_EQ(bad, 0) << npieces << " pieces, " << d_at << " bytes";

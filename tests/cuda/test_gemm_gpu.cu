@@ -31,55 +31,21 @@
 #include "flowmoe/error.h"
 #include "flowmoe/gemm.h"
 #include "flowmoe/numerics.h"
+#include "cuda/gpu_test_util.h"
 
 namespace flowmoe {
 namespace {
 
-#define CU(x) ASSERT_EQ((x), cudaSuccess) << #x
+using namespace testutil;  // DBuf, REQUIRE_DEVICE, REQUIRE_SM90, ASSERT_CUDA_OK, same_bits
 
+// GEMM buffers start as NaN (0xFF bytes in BF16 and FP32), so an element left unwritten fails.
 template <typename T>
-struct GBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit GBuf(size_t count) : n(count) {
-    if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    poison();
-  }
-  explicit GBuf(const std::vector<T>& h) : GBuf(h.size()) { put(h); }
-  ~GBuf() { cudaFree(p); }
-  GBuf(const GBuf&) = delete;
-  void poison() { cudaMemset(p, 0xFF, std::max<size_t>(n, 1) * sizeof(T)); }  // NaN in bf16/f32
-  void put(const std::vector<T>& h) { cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    cudaDeviceSynchronize();
-    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-  gemm::Span<T> span() { return {p, static_cast<int64_t>(n)}; }
-  gemm::Span<const T> cspan() const { return {p, static_cast<int64_t>(n)}; }
+struct GBuf : DBuf<T> {
+  explicit GBuf(size_t count) : DBuf<T>(count, 0, 0xFF) {}
+  explicit GBuf(const std::vector<T>& h) : GBuf(h.size()) { this->put(h); }
+  gemm::Span<T> span() { return {this->p, static_cast<int64_t>(this->n)}; }
+  gemm::Span<const T> cspan() const { return {this->p, static_cast<int64_t>(this->n)}; }
 };
-
-bool has_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-bool is_sm90() {
-  int dev = 0, major = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  return major == 9;
-}
-
-#define REQUIRE_GPU()                                        \
-  do {                                                       \
-    if (!has_gpu()) GTEST_SKIP() << "no CUDA device";        \
-  } while (0)
-#define REQUIRE_SM90()                                                                         \
-  do {                                                                                         \
-    REQUIRE_GPU();                                                                             \
-    if (!is_sm90()) GTEST_SKIP() << "FP8 block-scaled cuBLASLt modes need sm_90 (Hopper)";     \
-  } while (0)
 
 std::vector<float> widen(const std::vector<bf16_t>& b) {
   std::vector<float> f(b.size());
@@ -233,15 +199,6 @@ struct Device {
   gemm::Fp8Operand op(const GBuf<uint8_t>& c, const GBuf<float>& s) const { return {c.cspan(), s.cspan()}; }
 };
 
-void expect_bits(const std::vector<float>& want, const std::vector<float>& got, const char* what) {
-  ASSERT_EQ(want.size(), got.size()) << what;
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < want.size(); ++i)
-    if (std::memcmp(&want[i], &got[i], 4) != 0 && bad++ == 0) first = i;
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << want.size() << " differ; first at " << first
-                     << " (want " << want[first] << ", got " << got[first] << ")";
-}
-
 // References and S for the three passes.
 struct Refs {
   std::vector<float> y, dx, dw;
@@ -295,12 +252,12 @@ TEST_P(GemmGpu, Fp8MatchesReferenceWithinTolerance) {
   const Problem p = make_problem(c, false, 1000u + static_cast<uint32_t>(c.n * 7 + c.k));
   Device d(p);
   // the converted scales are the host layouts, bit for bit
-  expect_bits(gemm::act_scales_f32(p.x_row, p.seg), d.xr_s.get(), "x row scales");
-  expect_bits(gemm::act_scales_f32(p.dy_row, p.seg), d.dyr_s.get(), "dy row scales");
-  expect_bits(gemm::col_scales_f32(p.x_col), d.xc_s.get(), "x col scales");
-  expect_bits(gemm::col_scales_f32(p.dy_col), d.dyc_s.get(), "dy col scales");
-  expect_bits(gemm::weight_scales_f32(p.wq), d.w_s.get(), "w scales");
-  expect_bits(gemm::weight_scales_f32(p.wtq), d.wt_s.get(), "wt scales");
+  expect_same_bits(gemm::act_scales_f32(p.x_row, p.seg), d.xr_s.get(), "x row scales");
+  expect_same_bits(gemm::act_scales_f32(p.dy_row, p.seg), d.dyr_s.get(), "dy row scales");
+  expect_same_bits(gemm::col_scales_f32(p.x_col), d.xc_s.get(), "x col scales");
+  expect_same_bits(gemm::col_scales_f32(p.dy_col), d.dyc_s.get(), "dy col scales");
+  expect_same_bits(gemm::weight_scales_f32(p.wq), d.w_s.get(), "w scales");
+  expect_same_bits(gemm::weight_scales_f32(p.wtq), d.wt_s.get(), "wt scales");
 
   const Refs r = fp8_refs(p);
   cuda::GroupedGemm gg;
@@ -357,8 +314,8 @@ TEST_P(GemmGpu, Fp8ExactOnSmallValues) {
   gg.fprop(p.seg, p.n, p.k, d.op(d.xr_c, d.xr_s), d.op(d.w_c, d.w_s), y.span(), 0);
   gg.dgrad(p.seg, p.n, p.k, d.op(d.dyr_c, d.dyr_s), d.op(d.wt_c, d.wt_s), dx.span(), 0);
   gg.wgrad(p.seg, p.n, p.k, d.op(d.dyc_c, d.dyc_s), d.op(d.xc_c, d.xc_s), gemm::WgradOut::f32(dw.p, dw.n), 0);
-  expect_bits(widen(narrow(r.y)), widen(y.get()), "fprop (BF16 of the exact value)");
-  expect_bits(widen(narrow(r.dx)), widen(dx.get()), "dgrad (BF16 of the exact value)");
+  expect_same_bits(widen(narrow(r.y)), widen(y.get()), "fprop (BF16 of the exact value)");
+  expect_same_bits(widen(narrow(r.dx)), widen(dx.get()), "dgrad (BF16 of the exact value)");
   // wgrad's FP32 output shows the tensor cores' in-block accumulator (about 14 significant bits,
   // measured on the H200: errors of one unit in the 14th bit, e.g. 252.984375 -> 252.96875), so
   // it is compared to that precision, relative to S = sum |a||b| (the partial sums' scale; a value
@@ -374,7 +331,7 @@ TEST_P(GemmGpu, Fp8ExactOnSmallValues) {
 }
 
 TEST_P(GemmGpu, Bf16MatchesReferenceWithinTolerance) {
-  REQUIRE_GPU();
+  REQUIRE_DEVICE();
   const Case& c = GetParam();
   const Problem p = make_problem(c, false, 2000u + static_cast<uint32_t>(c.k));
   const int64_t m = p.m, n = p.n, k = p.k;
@@ -437,7 +394,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // BF16 takes any token counts, including a single unpadded token.
 TEST(GemmGpuBf16, UnpaddedTinyExperts) {
-  REQUIRE_GPU();
+  REQUIRE_DEVICE();
   const Segments seg = Segments::from_counts({1, 7, 0, 33});
   const int64_t m = seg.num_tokens(), n = 136, k = 264;
   const auto x = make_data(m, k, 1, false), dy = make_data(m, n, 2, false), w = make_data(4 * n, k, 3, false);
@@ -500,15 +457,7 @@ Bits run_passes(cuda::GroupedGemm& gg, const Problem& p, const Device& d, const 
   return b;
 }
 
-template <typename T>
-::testing::AssertionResult same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes " << a.size() << " vs " << b.size();
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0 && bad++ == 0) first = i;
-  if (bad) return ::testing::AssertionFailure() << bad << " of " << a.size() << " elements differ, first at " << first;
-  return ::testing::AssertionSuccess();
-}
+using testutil::same_bits;  // the element overload, next to this one
 ::testing::AssertionResult same_bits(const Bits& a, const Bits& b) {
   for (auto r : {same_bits(a.y, b.y), same_bits(a.dx, b.dx), same_bits(a.dw16, b.dw16)})
     if (!r) return r << " (bf16 output: y, dx or dw bf16)";
@@ -572,9 +521,9 @@ TEST_P(GemmGpuConcurrency, BitIdenticalToSerialAndAcrossCalls) {
   EXPECT_TRUE(same_bits(first, run_passes(gg, p, d, g0, 0))) << "three streams vs four";
   gg.set_concurrency(4);
   cudaStream_t s = nullptr;
-  CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   EXPECT_TRUE(same_bits(first, run_passes(gg, p, d, g0, s))) << "on a non-blocking caller stream";
-  CU(cudaStreamDestroy(s));
+  ASSERT_CUDA_OK(cudaStreamDestroy(s));
   EXPECT_EQ(gg.stats().tunings, tuned.tunings);
   EXPECT_THROW(gg.set_concurrency(5), Error);
   EXPECT_THROW(gg.set_concurrency(0), Error);
@@ -673,7 +622,7 @@ TEST(GemmGpuTuning, GraphCaptureBeforeAndAfterTuning) {
   const Device d(p);
   cuda::GroupedGemm gg(own_tuning(4));
   cudaStream_t s = nullptr;
-  CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   auto capture = [&](const std::function<void()>& f) {
     cudaGraph_t g = nullptr;
     cudaGraphExec_t x = nullptr;
@@ -689,7 +638,7 @@ TEST(GemmGpuTuning, GraphCaptureBeforeAndAfterTuning) {
   GBuf<bf16_t> y_graph(p.m * p.n), y_eager(p.m * p.n), dx_graph(p.m * p.k), dx_eager(p.m * p.k);
   const auto x8 = d.op(d.xr_c, d.xr_s), w8 = d.op(d.w_c, d.w_s);
   const auto dy8 = d.op(d.dyr_c, d.dyr_s), wt8 = d.op(d.wt_c, d.wt_s);
-  CU(cudaDeviceSynchronize());  // the buffers' poison (legacy stream) before work on `s`
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());  // the buffers' poison (legacy stream) before work on `s`
   // fprop: first met inside the capture
   capture([&] { gg.fprop(p.seg, p.n, p.k, x8, w8, y_graph.span(), s); });
   ASSERT_FALSE(gg.tune_records().empty());
@@ -706,7 +655,7 @@ TEST(GemmGpuTuning, GraphCaptureBeforeAndAfterTuning) {
   capture([&] { gg.dgrad(p.seg, p.n, p.k, dy8, wt8, dx_graph.span(), s); });
   EXPECT_EQ(gg.stats().concurrent_calls, calls + 1) << "the captured call forked the pool";
   EXPECT_TRUE(same_bits(dx_graph.get(), dx_eager.get())) << "graph on the pool vs eager";
-  CU(cudaStreamDestroy(s));
+  ASSERT_CUDA_OK(cudaStreamDestroy(s));
 }
 
 // Accumulation trials need a scratch output; without one the key is not timed, and the gradients
@@ -740,7 +689,7 @@ TEST(GemmGpuTuning, AccumulateWithoutScratchIsNotTimed) {
 
 // ---- conversion kernels ---------------------------------------------------------------------
 TEST(GemmScales, ConversionsMatchHostLayoutsBitForBit) {
-  REQUIRE_GPU();
+  REQUIRE_DEVICE();
   std::mt19937 rng(3);
   auto codes = [&](size_t n) {
     std::vector<uint8_t> v(n);
@@ -763,7 +712,7 @@ TEST(GemmScales, ConversionsMatchHostLayoutsBitForBit) {
     GBuf<int32_t> off(seg.offsets);
     GBuf<float> out(m * c / 128);
     cuda::act_scales_to_f32(in.p, m, c, off.p, seg.num_segments(), out.p, nullptr, 0);
-    expect_bits(gemm::act_scales_f32(row, seg), out.get(), "act scales");
+    expect_same_bits(gemm::act_scales_f32(row, seg), out.get(), "act scales");
   }
   {  // malformed offsets: counted once, nothing written
     const std::vector<int32_t> bad = {0, 20, 10, 40};
@@ -783,7 +732,7 @@ TEST(GemmScales, ConversionsMatchHostLayoutsBitForBit) {
     GBuf<uint8_t> in(col.scales);
     GBuf<float> out(7 * 256);
     cuda::col_scales_to_f32(in.p, 7, 256, out.p, 0);
-    expect_bits(gemm::col_scales_f32(col), out.get(), "col scales");
+    expect_same_bits(gemm::col_scales_f32(col), out.get(), "col scales");
   }
   {
     std::vector<QTensor> w(3);
@@ -799,13 +748,13 @@ TEST(GemmScales, ConversionsMatchHostLayoutsBitForBit) {
     GBuf<uint8_t> in(all);
     GBuf<float> out(gemm::weight_scale_f32_elems(3, 256, 1408));
     cuda::weight_scales_to_f32(in.p, 3, 256, 1408, out.p, 0);
-    expect_bits(gemm::weight_scales_f32(w), out.get(), "weight scales (padded to 12)");
+    expect_same_bits(gemm::weight_scales_f32(w), out.get(), "weight scales (padded to 12)");
   }
 }
 
 // ---- argument errors through the CUDA entry points -----------------------------------------------
 TEST(GemmGpuErrors, RejectedBeforeAnyLaunch) {
-  REQUIRE_GPU();
+  REQUIRE_DEVICE();
   cuda::GroupedGemm gg;
   const Segments seg = Segments::from_counts({16, 1, 32});
   const int64_t m = seg.num_tokens(), n = 256, k = 384;

@@ -27,6 +27,7 @@
 #include "flowmoe/comm.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
+#include "cuda/gpu_test_util.h"
 
 #ifndef FLOWMOE_TEST_DATA_DIR
 #error "FLOWMOE_TEST_DATA_DIR must name tests/cuda/data"
@@ -35,10 +36,7 @@
 namespace flowmoe {
 namespace {
 
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+using namespace testutil;  // REQUIRE_DEVICE, StreamBuf, normal_f32/bf16
 
 struct Fnv {
   uint64_t h = 1469598103934665603ull;
@@ -48,31 +46,6 @@ struct Fnv {
   }
   template <typename T>
   void add(const std::vector<T>& v) { add(v.data(), v.size() * sizeof(T)); }
-};
-
-template <typename T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  Dev(size_t count, cudaStream_t s, const T* host = nullptr) : n(count) {
-    const size_t bytes = std::max<size_t>(count, 1) * sizeof(T);
-    if (cudaMalloc(&p, bytes) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    if (host)
-      cudaMemcpyAsync(p, host, count * sizeof(T), cudaMemcpyHostToDevice, s);
-    else
-      cudaMemsetAsync(p, 0, bytes, s);
-    cudaStreamSynchronize(s);
-  }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  std::vector<T> get(cudaStream_t s) const {
-    std::vector<T> h(n);
-    cudaStreamSynchronize(s);
-    cudaMemcpyAsync(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost, s);
-    cudaStreamSynchronize(s);
-    return h;
-  }
 };
 
 struct Case {
@@ -93,19 +66,6 @@ const Case kCases[] = {
     {"ep2_a32", 256, 128, 8, 2, RouterScore::kSoftmax, false, 1.0f, 0.01f, 32, false, {90, 41}},
 };
 
-std::vector<float> normal(size_t n, float sd, std::mt19937& rng) {
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
-std::vector<bf16_t> normal_bf16(size_t n, std::mt19937& rng) {
-  const std::vector<float> f = normal(n, 1.0f, rng);
-  std::vector<bf16_t> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = num::f32_to_bf16(f[i]);
-  return v;
-}
-
 // One rank's forward + backward (experts [e0, e0 + El) of the model); returns its digest text.
 std::string run_rank(const Case& c, Recipe r, bool accumulate, Communicator* comm, int rank) {
   const int64_t H = c.hidden, F = c.ffn, E = c.experts;
@@ -114,15 +74,15 @@ std::string run_rank(const Case& c, Recipe r, bool accumulate, Communicator* com
   int64_t max_t = 0;
   for (int64_t t : c.tokens) max_t = std::max(max_t, t);
   std::mt19937 rng(4242);
-  const std::vector<float> w1 = normal(E * 2 * F * H, 1.0f / std::sqrt(float(H)), rng);
-  const std::vector<float> w2 = normal(E * H * F, 1.0f / std::sqrt(float(F)), rng);
-  const std::vector<float> wr = normal(E * H, 1.0f / std::sqrt(float(H)), rng);
-  const std::vector<float> bias = normal(E, 0.1f, rng);
-  const std::vector<float> g0 = normal(E * 2 * F * H, 0.5f, rng);  // initial gradient buffers
+  const std::vector<float> w1 = normal_f32(E * 2 * F * H, 1.0f / std::sqrt(float(H)), rng);
+  const std::vector<float> w2 = normal_f32(E * H * F, 1.0f / std::sqrt(float(F)), rng);
+  const std::vector<float> wr = normal_f32(E * H, 1.0f / std::sqrt(float(H)), rng);
+  const std::vector<float> bias = normal_f32(E, 0.1f, rng);
+  const std::vector<float> g0 = normal_f32(E * 2 * F * H, 0.5f, rng);  // initial gradient buffers
   std::vector<std::vector<bf16_t>> xs, dys;
   for (int64_t t : c.tokens) {
-    xs.push_back(normal_bf16(t * H, rng));
-    dys.push_back(normal_bf16(t * H, rng));
+    xs.push_back(normal_bf16(t * H, 1.0f, rng));
+    dys.push_back(normal_bf16(t * H, 1.0f, rng));
   }
   const int64_t T = c.tokens[rank];
 
@@ -146,11 +106,11 @@ std::string run_rank(const Case& c, Recipe r, bool accumulate, Communicator* com
   {
     std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s);
     const int64_t n1 = int64_t(El) * 2 * F * H, n2 = int64_t(El) * H * F;
-    Dev<float> dw1(n1, s, g0.data()), dw2(n2, s, g0.data() + 7), dwr(E * H, s, g0.data() + 13);
-    Dev<float> d_w1(n1, s, w1.data() + int64_t(rank) * El * 2 * F * H);
-    Dev<float> d_w2(n2, s, w2.data() + int64_t(rank) * El * H * F);
-    Dev<float> d_wr(E * H, s, wr.data()), d_bias(E, s, bias.data());
-    Dev<bf16_t> x(T * H, s, xs[rank].data()), dy(T * H, s, dys[rank].data()), y(T * H, s), dx(T * H, s);
+    StreamBuf<float> dw1(n1, s, g0.data()), dw2(n2, s, g0.data() + 7), dwr(E * H, s, g0.data() + 13);
+    StreamBuf<float> d_w1(n1, s, w1.data() + int64_t(rank) * El * 2 * F * H);
+    StreamBuf<float> d_w2(n2, s, w2.data() + int64_t(rank) * El * H * F);
+    StreamBuf<float> d_wr(E * H, s, wr.data()), d_bias(E, s, bias.data());
+    StreamBuf<bf16_t> x(T * H, s, xs[rank].data()), dy(T * H, s, dys[rank].data()), y(T * H, s), dx(T * H, s);
     layer->set_weights(MoeWeights{d_w1.p, d_w2.p, d_wr.p, c.bias ? d_bias.p : nullptr});
     MoeGrads g{dw1.p, dw2.p, dwr.p};
     g.accumulate = accumulate;
@@ -193,7 +153,7 @@ std::map<std::string, std::string> load_digests() {
 class MoeDigest : public ::testing::TestWithParam<std::tuple<int, Recipe, bool>> {};
 
 TEST_P(MoeDigest, OutputsAndGradientsEqualTheStoredBits) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_DEVICE();
   const Case& c = kCases[std::get<0>(GetParam())];
   const Recipe r = std::get<1>(GetParam());
   const bool acc = std::get<2>(GetParam());

@@ -31,20 +31,13 @@
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/token.h"
+#include "cuda/gpu_test_util.h"
 #include "cuda/moe_ep_model.h"
 
 namespace flowmoe {
 namespace {
 
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_DEVICE() \
-  if (!have_device()) GTEST_SKIP() << "no CUDA device"
-
-#define CK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-
+using namespace testutil;  // REQUIRE_DEVICE, rel_rms
 using namespace eptest;  // Dev, Model, make_model, Out, run_gpu_one, kH, kF, kE, kK
 
 Out run_cpu_one(const MoeConfig& cfg, const Model& m, int e0, int n, const bf16_t* x,
@@ -98,21 +91,6 @@ int64_t bit_diff(const std::vector<T>& a, const std::vector<T>& b, size_t off, s
       ++bad;
     }
   return bad;
-}
-
-template <typename T>
-double to_d(T v) { return double(v); }
-template <>
-double to_d<bf16_t>(bf16_t v) { return num::bf16_to_f32(v); }
-template <typename T>
-double rel_rms(const std::vector<T>& got, const std::vector<T>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
-    const double g = to_d(got[i]), w = to_d(want[i]);
-    num += (g - w) * (g - w);
-    den += w * w;
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 std::string case_name(const Model& m, int W) {

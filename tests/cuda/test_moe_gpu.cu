@@ -28,37 +28,12 @@
 #include "flowmoe/error.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
+#include "cuda/gpu_test_util.h"
 
 namespace flowmoe {
 namespace {
 
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_DEVICE() \
-  if (!have_device()) GTEST_SKIP() << "no CUDA device"
-
-template <typename T>
-struct DBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit DBuf(size_t count) : n(count) {
-    if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    cudaMemset(p, 0xA5, std::max<size_t>(count, 1) * sizeof(T));
-  }
-  explicit DBuf(const std::vector<T>& h) : DBuf(h.size()) { put(h); }
-  ~DBuf() { cudaFree(p); }
-  DBuf(const DBuf&) = delete;
-  DBuf& operator=(const DBuf&) = delete;
-  void put(const std::vector<T>& h) { cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    cudaDeviceSynchronize();
-    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
+using namespace testutil;  // DBuf, REQUIRE_DEVICE, normal_f32/bf16, rel_rms, expect_same_bits
 
 struct Shape {
   const char* name;
@@ -105,29 +80,16 @@ struct Data {
   std::vector<float> w1, w2, wr, bias, dw1, dw2, dwr;
   std::vector<bf16_t> x, dy;
 };
-std::vector<float> normal(size_t n, float sd, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
-std::vector<bf16_t> normal_bf16(size_t n, float sd, uint32_t seed) {
-  const std::vector<float> f = normal(n, sd, seed);
-  std::vector<bf16_t> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = num::f32_to_bf16(f[i]);
-  return v;
-}
 Data make_data(const Shape& s, int64_t T, uint32_t seed) {
   const int64_t E = s.experts, H = s.hidden, F = s.ffn;
   Data d;
-  d.w1 = normal(E * 2 * F * H, 1.0f / std::sqrt(float(H)), seed + 1);
-  d.w2 = normal(E * H * F, 1.0f / std::sqrt(float(F)), seed + 2);
-  d.wr = normal(E * H, 1.0f / std::sqrt(float(H)), seed + 3);
-  d.bias = normal(E, 0.1f, seed + 4);
-  d.dw1 = normal(E * 2 * F * H, 0.5f, seed + 5);  // gradients accumulate into these
-  d.dw2 = normal(E * H * F, 0.5f, seed + 6);
-  d.dwr = normal(E * H, 0.5f, seed + 7);
+  d.w1 = normal_f32(E * 2 * F * H, 1.0f / std::sqrt(float(H)), seed + 1);
+  d.w2 = normal_f32(E * H * F, 1.0f / std::sqrt(float(F)), seed + 2);
+  d.wr = normal_f32(E * H, 1.0f / std::sqrt(float(H)), seed + 3);
+  d.bias = normal_f32(E, 0.1f, seed + 4);
+  d.dw1 = normal_f32(E * 2 * F * H, 0.5f, seed + 5);  // gradients accumulate into these
+  d.dw2 = normal_f32(E * H * F, 0.5f, seed + 6);
+  d.dwr = normal_f32(E * H, 0.5f, seed + 7);
   d.x = normal_bf16(T * H, 1.0f, seed + 8);
   d.dy = normal_bf16(T * H, 1.0f, seed + 9);
   return d;
@@ -183,14 +145,6 @@ Outputs run_gpu(MoeLayer* l, const Shape& s, const Data& d, DevData& dd, int64_t
   return o;
 }
 
-double rel_rms(const std::vector<double>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
 std::vector<double> widen(const std::vector<bf16_t>& v) {
   std::vector<double> o(v.size());
   for (size_t i = 0; i < v.size(); ++i) o[i] = num::bf16_to_f32(v[i]);
@@ -206,16 +160,6 @@ bool all_finite(const std::vector<double>& v) {
   for (double x : v)
     if (!std::isfinite(x)) return false;
   return true;
-}
-
-template <typename T>
-void expect_same_bits(const std::vector<T>& a, const std::vector<T>& b, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0 && bad++ == 0) first = i;
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << a.size() << " elements differ between two runs; first at "
-                     << first;
 }
 
 std::vector<Recipe> recipes() { return all_recipes(); }

@@ -27,43 +27,12 @@
 #include "cuda/moe/router_gemm.cuh"
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
+#include "cuda/gpu_test_util.h"
 
 namespace flowmoe {
 namespace {
 
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_DEVICE() \
-  if (!have_device()) GTEST_SKIP() << "no CUDA device"
-#define CU(x) ASSERT_EQ((x), cudaSuccess) << #x
-
-// A device buffer of n elements starting `offset` elements into the allocation (offset 1 makes
-// it unaligned for 16-byte accesses), poisoned with 0xA5 bytes.
-template <typename T>
-struct DBuf {
-  T* base = nullptr;
-  T* p = nullptr;
-  size_t n = 0;
-  DBuf(size_t count, size_t offset = 0) : n(count) {
-    if (cudaMalloc(&base, (count + offset + 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    cudaMemset(base, 0xA5, (count + offset + 1) * sizeof(T));
-    p = base + offset;
-  }
-  DBuf(const std::vector<T>& h, size_t offset = 0) : DBuf(h.size(), offset) {
-    cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~DBuf() { cudaFree(base); }
-  DBuf(const DBuf&) = delete;
-  DBuf& operator=(const DBuf&) = delete;
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    cudaDeviceSynchronize();
-    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
+using namespace testutil;  // DBuf (with an offset), REQUIRE_DEVICE, ASSERT_CUDA_OK
 
 // ---- data: normal values, never zero --------------------------------------------------------------
 std::vector<float> rand_f32(size_t n, uint32_t seed, float stddev) {
@@ -165,7 +134,7 @@ void run_logits(const Case& c, uint32_t seed) {
   DBuf<float> dw(w, (c.unaligned >> 1) & 1);
   DBuf<float> dz(c.t * c.e);
   cuda::moe::router_logits(dx.p, dw.p, c.t, c.e, c.h, dz.p, 0);
-  CU(cudaDeviceSynchronize());
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
   expect_same(dz.get(), host_logits(x, w, c.t, c.e, c.h), c.e, what);
 }
 
@@ -184,7 +153,7 @@ void run_dwr(const Case& c, uint32_t seed) {
   DBuf<float> ddz(dz, (c.unaligned >> 1) & 1);
   DBuf<float> ddwr(dwr);
   cuda::moe::router_dwr(ddz.p, dx.p, c.t, c.e, c.h, ddwr.p, 0);
-  CU(cudaDeviceSynchronize());
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
   host_dwr(dz, x, c.t, c.e, c.h, dwr);
   expect_same(ddwr.get(), dwr, c.h, what);
 }
@@ -255,13 +224,13 @@ TEST(RouterGemmGpu, V3ShapeMatchesPreviousKernels) {
   cuda::moe::fill_normal(w.p, nullptr, int64_t(E) * H, 2, 0.02f, 0);
   cuda::moe::fill_normal(dz.p, nullptr, T * E, 3, 0.1f, 0);
   cuda::moe::fill_normal(dwr_new.p, nullptr, int64_t(E) * H, 4, 1.0f, 0);
-  CU(cudaMemcpy(dwr_old.p, dwr_new.p, size_t(E) * H * 4, cudaMemcpyDeviceToDevice));
+  ASSERT_CUDA_OK(cudaMemcpy(dwr_old.p, dwr_new.p, size_t(E) * H * 4, cudaMemcpyDeviceToDevice));
   cuda::moe::router_logits(x.p, w.p, T, E, H, z_new.p, 0);
   cuda::moe::router_gemm::launch_tiled_logits(x.p, w.p, T, E, H, z_old.p, 0);
   cuda::moe::router_dwr(dz.p, x.p, T, E, H, dwr_new.p, 0);
   cuda::moe::router_gemm::launch_tiled_dwr(dz.p, x.p, T, E, H, dwr_old.p, 0);
-  CU(cudaDeviceSynchronize());
-  CU(cudaGetLastError());
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_CUDA_OK(cudaGetLastError());
   expect_same(z_new.get(), z_old.get(), E, "router_logits V3 vs previous kernel");
   expect_same(dwr_new.get(), dwr_old.get(), H, "router_dwr V3 vs previous kernel");
 }
@@ -310,7 +279,7 @@ void run_combine(const CombineCase& c, uint32_t seed) {
   DBuf<int32_t> dmap(map);
   DBuf<float> ddz(dz), dw(w, c.offset);
   cuda::moe::combine_dx(drows.p, dmap.p, T, c.k, c.router ? ddz.p : nullptr, dw.p, c.e, H, ddx.p, 0);
-  CU(cudaDeviceSynchronize());
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
   const std::vector<bf16_t> got = ddx.get();
   int64_t bad = 0;
   for (size_t i = 0; i < got.size(); ++i)
@@ -349,8 +318,8 @@ TEST(RouterGemmGpu, CombineDxV3ShapeMatchesPreviousKernel) {
   cuda::moe::fill_normal(w.p, nullptr, int64_t(E) * H, 23, 0.02f, 0);
   cuda::moe::combine_dx(rows.p, dmap.p, T, k, dz.p, w.p, E, H, dx_new.p, 0);
   cuda::moe::router_gemm::launch_combine_dx2(rows.p, dmap.p, T, k, dz.p, w.p, E, H, dx_old.p, 0);
-  CU(cudaDeviceSynchronize());
-  CU(cudaGetLastError());
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_CUDA_OK(cudaGetLastError());
   const std::vector<bf16_t> a = dx_new.get(), b = dx_old.get();
   int64_t bad = 0;
   for (size_t i = 0; i < a.size(); ++i) bad += a[i] != b[i];

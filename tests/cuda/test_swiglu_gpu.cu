@@ -19,38 +19,12 @@
 #include "flowmoe/numerics.h"
 #include "flowmoe/swiglu.h"
 #include "flowmoe/swiglu_math.h"
+#include "cuda/gpu_test_util.h"
 
 namespace flowmoe {
 namespace {
 
-#define CU(x) ASSERT_EQ((x), cudaSuccess) << #x
-
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-template <typename T>
-struct DBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit DBuf(size_t count) : n(count) {
-    if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    cudaMemset(p, 0xA5, std::max<size_t>(count, 1) * sizeof(T));  // poison: every byte must be written
-  }
-  explicit DBuf(const std::vector<T>& h) : DBuf(h.size()) {
-    cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~DBuf() { cudaFree(p); }
-  DBuf(const DBuf&) = delete;
-  DBuf& operator=(const DBuf&) = delete;
-  std::vector<T> get(size_t count) const {
-    std::vector<T> h(count);
-    cudaMemcpy(h.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-  std::vector<T> get() const { return get(n); }
-};
+using namespace testutil;  // DBuf, REQUIRE_DEVICE, ASSERT_CUDA_OK, expect_same_bits
 
 // ---- num::f_rcp on the device: every binary32 in [1, 2] ------------------------------------------
 // The device f_rcp is MUFU.RCP plus one FMA Newton step (swiglu_math.h); it must be the correctly
@@ -68,14 +42,14 @@ __global__ void rcp_one_to_two_kernel(float* out, unsigned long long* mismatches
 }
 
 TEST(SwigluMathGpu, ReciprocalIsCorrectlyRoundedOnOneToTwo) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_DEVICE();
   const uint32_t n = 0x40000000u - 0x3F800000u + 1;
   DBuf<float> out(n);
   DBuf<unsigned long long> bad(1);
-  CU(cudaMemset(bad.p, 0, sizeof(unsigned long long)));
+  ASSERT_CUDA_OK(cudaMemset(bad.p, 0, sizeof(unsigned long long)));
   rcp_one_to_two_kernel<<<1024, 256>>>(out.p, bad.p);
-  CU(cudaGetLastError());
-  CU(cudaDeviceSynchronize());
+  ASSERT_CUDA_OK(cudaGetLastError());
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_EQ(bad.get()[0], 0u) << "f_rcp differs from __frcp_rn";
   const std::vector<float> got = out.get();
   int64_t host_bad = 0;
@@ -147,18 +121,6 @@ std::vector<int32_t> ragged(int e, int64_t m, uint32_t seed, int align) {
   return c;
 }
 
-template <typename T>
-void expect_equal(const std::vector<T>& want, const std::vector<T>& got, size_t n, const std::string& what) {
-  ASSERT_GE(want.size(), n) << what;
-  ASSERT_GE(got.size(), n) << what;
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < n; ++i)
-    if (want[i] != got[i] && bad++ == 0) first = i;
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << n << " differ; first at " << first << " (want 0x"
-                     << std::hex << static_cast<unsigned>(want[first]) << ", got 0x"
-                     << static_cast<unsigned>(got[first]) << ")";
-}
-
 struct Case {
   std::string name;
   std::vector<int32_t> counts;
@@ -191,8 +153,8 @@ struct DevSegments {
 class SwigluGpu : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
-    if (!have_device()) GTEST_SKIP() << "no CUDA device";
-    CU(cudaMalloc(&status_, sizeof(cuda::DeviceStatus)));
+    REQUIRE_DEVICE();
+    ASSERT_CUDA_OK(cudaMalloc(&status_, sizeof(cuda::DeviceStatus)));
     reset();
   }
   void TearDown() override {
@@ -227,10 +189,10 @@ TEST_P(SwigluGpu, ForwardBitExact) {
   DBuf<bf16_t> da16(m * f);
   reset();
   cuda::swiglu(dh.p, m, f, da16.p, status_, 0);
-  expect_equal(a16, da16.get(), m * f, "swiglu bf16");
+  expect_same_bits(a16, da16.get(), m * f, "swiglu bf16");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st16.nonfinite));
   cuda::swiglu(dh.p, m, f, da16.p, nullptr, 0);  // no status: nothing counted, same output
-  expect_equal(a16, da16.get(), m * f, "swiglu bf16 (no status)");
+  expect_same_bits(a16, da16.get(), m * f, "swiglu bf16 (no status)");
 
   // ---- fused, row-wise only
   QTensor row, col, hq;
@@ -240,18 +202,18 @@ TEST_P(SwigluGpu, ForwardBitExact) {
   DBuf<uint8_t> rc(m * f), rs(m * f / 128), cc(m * f), cs(maxb * f), hc(2 * m * f), hs(2 * m * f / 128);
   reset();
   cuda::swiglu_quant(dh.p, m, f, rc.p, rs.p, nullptr, nullptr, status_, 0);
-  expect_equal(row.codes, rc.get(), m * f, "swiglu_quant codes");
-  expect_equal(row.scales, rs.get(), m * f / 128, "swiglu_quant scales");
+  expect_same_bits(row.codes, rc.get(), m * f, "swiglu_quant codes");
+  expect_same_bits(row.scales, rs.get(), m * f / 128, "swiglu_quant scales");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st_row.nonfinite));
 
   // ---- fused, row-wise + H saved as FP8
   DBuf<uint8_t> rc2(m * f), rs2(m * f / 128);
   reset();
   cuda::swiglu_quant(dh.p, m, f, rc2.p, rs2.p, hc.p, hs.p, status_, 0);
-  expect_equal(row.codes, rc2.get(), m * f, "swiglu_quant+H codes");
-  expect_equal(row.scales, rs2.get(), m * f / 128, "swiglu_quant+H scales");
-  expect_equal(hq.codes, hc.get(), 2 * m * f, "swiglu_quant H codes");
-  expect_equal(hq.scales, hs.get(), 2 * m * f / 128, "swiglu_quant H scales");
+  expect_same_bits(row.codes, rc2.get(), m * f, "swiglu_quant+H codes");
+  expect_same_bits(row.scales, rs2.get(), m * f / 128, "swiglu_quant+H scales");
+  expect_same_bits(hq.codes, hc.get(), 2 * m * f, "swiglu_quant H codes");
+  expect_same_bits(hq.scales, hs.get(), 2 * m * f / 128, "swiglu_quant H scales");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st_all.nonfinite));
 
   // ---- fused with the column-wise copy, without and with H
@@ -261,13 +223,13 @@ TEST_P(SwigluGpu, ForwardBitExact) {
     cuda::swiglu_quant_col(dh.p, f, ds.sb, rc3.p, rs3.p, cc3.p, cs3.p, with_h ? hc3.p : nullptr,
                            with_h ? hs3.p : nullptr, status_, 0);
     const std::string w = with_h ? " (+H)" : "";
-    expect_equal(row.codes, rc3.get(), m * f, "swiglu_quant_col row codes" + w);
-    expect_equal(row.scales, rs3.get(), m * f / 128, "swiglu_quant_col row scales" + w);
-    expect_equal(col.codes, cc3.get(), m * f, "swiglu_quant_col col codes" + w);
-    expect_equal(col.scales, cs3.get(), nb * f, "swiglu_quant_col col scales" + w);
+    expect_same_bits(row.codes, rc3.get(), m * f, "swiglu_quant_col row codes" + w);
+    expect_same_bits(row.scales, rs3.get(), m * f / 128, "swiglu_quant_col row scales" + w);
+    expect_same_bits(col.codes, cc3.get(), m * f, "swiglu_quant_col col codes" + w);
+    expect_same_bits(col.scales, cs3.get(), nb * f, "swiglu_quant_col col scales" + w);
     if (with_h) {
-      expect_equal(hq.codes, hc3.get(), 2 * m * f, "swiglu_quant_col H codes");
-      expect_equal(hq.scales, hs3.get(), 2 * m * f / 128, "swiglu_quant_col H scales");
+      expect_same_bits(hq.codes, hc3.get(), 2 * m * f, "swiglu_quant_col H codes");
+      expect_same_bits(hq.scales, hs3.get(), 2 * m * f / 128, "swiglu_quant_col H scales");
     }
     const auto s = status();
     EXPECT_EQ(s.nonfinite, static_cast<ull>(st_row.nonfinite + (with_h ? nonfinite_h : 0))) << w;
@@ -278,8 +240,8 @@ TEST_P(SwigluGpu, ForwardBitExact) {
   //      scaling-aware transpose
   reset();
   cuda::scaling_aware_transpose(rc.p, rs.p, f, ds.sb, cc.p, cs.p, status_, 0);
-  expect_equal(col.codes, cc.get(), m * f, "chained transpose codes");
-  expect_equal(col.scales, cs.get(), nb * f, "chained transpose scales");
+  expect_same_bits(col.codes, cc.get(), m * f, "chained transpose codes");
+  expect_same_bits(col.scales, cs.get(), nb * f, "chained transpose scales");
   EXPECT_EQ(status().underflow, static_cast<ull>(st_all.underflow));
 
   if (c.dist == HDist::kNonFinite && m >= 127) EXPECT_GT(st_row.nonfinite, 0);
@@ -304,7 +266,7 @@ TEST_P(SwigluGpu, BackwardBitExact) {
   DBuf<bf16_t> ddh(m * k);
   reset();
   cuda::dswiglu(dda.p, dh_in.p, m, f, ddh.p, status_, 0);
-  expect_equal(dh, ddh.get(), m * k, "dswiglu bf16");
+  expect_same_bits(dh, ddh.get(), m * k, "dswiglu bf16");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st_dh.nonfinite));
 
   // ---- fused
@@ -313,10 +275,10 @@ TEST_P(SwigluGpu, BackwardBitExact) {
   DBuf<uint8_t> rc(m * k), rs(m * k / 128), cc(m * k), cs(maxb * k);
   reset();
   cuda::dswiglu_quant(dda.p, dh_in.p, f, ds.sb, rc.p, rs.p, cc.p, cs.p, status_, 0);
-  expect_equal(row.codes, rc.get(), m * k, "dswiglu_quant row codes");
-  expect_equal(row.scales, rs.get(), m * k / 128, "dswiglu_quant row scales");
-  expect_equal(col.codes, cc.get(), m * k, "dswiglu_quant col codes");
-  expect_equal(col.scales, cs.get(), nb * k, "dswiglu_quant col scales");
+  expect_same_bits(row.codes, rc.get(), m * k, "dswiglu_quant row codes");
+  expect_same_bits(row.scales, rs.get(), m * k / 128, "dswiglu_quant row scales");
+  expect_same_bits(col.codes, cc.get(), m * k, "dswiglu_quant col codes");
+  expect_same_bits(col.scales, cs.get(), nb * k, "dswiglu_quant col scales");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st.nonfinite));
 
   // ---- the unfused sequence: same bits
@@ -325,10 +287,10 @@ TEST_P(SwigluGpu, BackwardBitExact) {
     DBuf<bf16_t> work(m * k);
     reset();
     cuda::dswiglu_quant_unfused(dda.p, dh_in.p, f, ds.sb, rc2.p, rs2.p, cc2.p, cs2.p, work.p, status_, 0);
-    expect_equal(row.codes, rc2.get(), m * k, "unfused row codes");
-    expect_equal(row.scales, rs2.get(), m * k / 128, "unfused row scales");
-    expect_equal(col.codes, cc2.get(), m * k, "unfused col codes");
-    expect_equal(col.scales, cs2.get(), nb * k, "unfused col scales");
+    expect_same_bits(row.codes, rc2.get(), m * k, "unfused row codes");
+    expect_same_bits(row.scales, rs2.get(), m * k / 128, "unfused row scales");
+    expect_same_bits(col.codes, cc2.get(), m * k, "unfused col codes");
+    expect_same_bits(col.scales, cs2.get(), nb * k, "unfused col scales");
     EXPECT_EQ(status().nonfinite, static_cast<ull>(st.nonfinite));
   }
 
@@ -341,10 +303,10 @@ TEST_P(SwigluGpu, BackwardBitExact) {
     DBuf<uint8_t> rc2(m * k), rs2(m * k / 128), cc2(m * k), cs2(maxb * k);
     reset();
     cuda::dswiglu_quant_fp8h(dda.p, hc.p, hs.p, f, ds.sb, rc2.p, rs2.p, cc2.p, cs2.p, status_, 0);
-    expect_equal(row8.codes, rc2.get(), m * k, "dswiglu_quant_fp8h row codes");
-    expect_equal(row8.scales, rs2.get(), m * k / 128, "dswiglu_quant_fp8h row scales");
-    expect_equal(col8.codes, cc2.get(), m * k, "dswiglu_quant_fp8h col codes");
-    expect_equal(col8.scales, cs2.get(), nb * k, "dswiglu_quant_fp8h col scales");
+    expect_same_bits(row8.codes, rc2.get(), m * k, "dswiglu_quant_fp8h row codes");
+    expect_same_bits(row8.scales, rs2.get(), m * k / 128, "dswiglu_quant_fp8h row scales");
+    expect_same_bits(col8.codes, cc2.get(), m * k, "dswiglu_quant_fp8h col codes");
+    expect_same_bits(col8.scales, cs2.get(), nb * k, "dswiglu_quant_fp8h col scales");
     EXPECT_EQ(status().nonfinite, static_cast<ull>(st8.nonfinite));
   }
   if (c.dist == HDist::kNonFinite && m >= 127) EXPECT_GT(st.nonfinite, 0);
@@ -384,7 +346,7 @@ TEST_P(SwigluGpu, ForwardWithProbBitExact) {
   DBuf<bf16_t> da16(m * f);
   reset();
   cuda::swiglu(dh.p, m, f, da16.p, status_, 0, dp.p);
-  expect_equal(a16, da16.get(), m * f, "swiglu*p bf16");
+  expect_same_bits(a16, da16.get(), m * f, "swiglu*p bf16");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st16.nonfinite));
 
   QTensor row, col, hq;
@@ -393,18 +355,18 @@ TEST_P(SwigluGpu, ForwardWithProbBitExact) {
   DBuf<uint8_t> rc(m * f), rs(m * f / 128), hc(2 * m * f), hs(2 * m * f / 128);
   reset();
   cuda::swiglu_quant(dh.p, m, f, rc.p, rs.p, hc.p, hs.p, status_, 0, dp.p);
-  expect_equal(row.codes, rc.get(), m * f, "swiglu_quant*p codes");
-  expect_equal(row.scales, rs.get(), m * f / 128, "swiglu_quant*p scales");
-  expect_equal(hq.codes, hc.get(), 2 * m * f, "swiglu_quant*p H codes");
-  expect_equal(hq.scales, hs.get(), 2 * m * f / 128, "swiglu_quant*p H scales");
+  expect_same_bits(row.codes, rc.get(), m * f, "swiglu_quant*p codes");
+  expect_same_bits(row.scales, rs.get(), m * f / 128, "swiglu_quant*p scales");
+  expect_same_bits(hq.codes, hc.get(), 2 * m * f, "swiglu_quant*p H codes");
+  expect_same_bits(hq.scales, hs.get(), 2 * m * f / 128, "swiglu_quant*p H scales");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st_all.nonfinite));
 
   DBuf<uint8_t> rc3(m * f), rs3(m * f / 128), cc3(m * f), cs3(maxb * f);
   reset();
   cuda::swiglu_quant_col(dh.p, f, ds.sb, rc3.p, rs3.p, cc3.p, cs3.p, nullptr, nullptr, status_, 0, dp.p);
-  expect_equal(row.codes, rc3.get(), m * f, "swiglu_quant_col*p row codes");
-  expect_equal(col.codes, cc3.get(), m * f, "swiglu_quant_col*p col codes");
-  expect_equal(col.scales, cs3.get(), nb * f, "swiglu_quant_col*p col scales");
+  expect_same_bits(row.codes, rc3.get(), m * f, "swiglu_quant_col*p row codes");
+  expect_same_bits(col.codes, cc3.get(), m * f, "swiglu_quant_col*p col codes");
+  expect_same_bits(col.scales, cs3.get(), nb * f, "swiglu_quant_col*p col scales");
   const auto s = status();
   EXPECT_EQ(s.nonfinite, static_cast<ull>(st_row.nonfinite));
   EXPECT_EQ(s.underflow, static_cast<ull>(st_all.underflow));
@@ -439,26 +401,26 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
   DBuf<float> dpart(m * tiles), ddprow(m);
   reset();
   cuda::dswiglu(dda.p, dh_in.p, m, f, ddh.p, status_, 0, dp.p, dpart.p);
-  expect_equal(dh, ddh.get(), m * k, "dswiglu*p bf16");
-  expect_equal(bits(part), bits(dpart.get()), m * tiles, "dswiglu*p dp partial sums");
+  expect_same_bits(dh, ddh.get(), m * k, "dswiglu*p bf16");
+  expect_same_bits(bits(part), bits(dpart.get()), m * tiles, "dswiglu*p dp partial sums");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st_dh.nonfinite));
   cuda::sum_dprow_parts(dpart.p, m, f, ddprow.p, 0);
-  expect_equal(bits(dprow), bits(ddprow.get()), m, "sum_dprow_parts");
+  expect_same_bits(bits(dprow), bits(ddprow.get()), m, "sum_dprow_parts");
 
   // fused, BF16 H and FP8 H
   QTensor row, col;
   std::vector<float> part2(m * tiles);
   const QuantStats st = cpu::dswiglu_quant(da.data(), h.data(), m, f, seg, &row, &col, prow.data(), part2.data());
-  expect_equal(bits(part), bits(part2), m * tiles, "cpu dswiglu_quant*p partial sums");
+  expect_same_bits(bits(part), bits(part2), m * tiles, "cpu dswiglu_quant*p partial sums");
   DBuf<uint8_t> rc(m * k), rs(m * k / 128), cc(m * k), cs(maxb * k);
   DBuf<float> dpart2(m * tiles);
   reset();
   cuda::dswiglu_quant(dda.p, dh_in.p, f, ds.sb, rc.p, rs.p, cc.p, cs.p, status_, 0, dp.p, dpart2.p);
-  expect_equal(row.codes, rc.get(), m * k, "dswiglu_quant*p row codes");
-  expect_equal(row.scales, rs.get(), m * k / 128, "dswiglu_quant*p row scales");
-  expect_equal(col.codes, cc.get(), m * k, "dswiglu_quant*p col codes");
-  expect_equal(col.scales, cs.get(), nb * k, "dswiglu_quant*p col scales");
-  expect_equal(bits(part), bits(dpart2.get()), m * tiles, "dswiglu_quant*p partial sums");
+  expect_same_bits(row.codes, rc.get(), m * k, "dswiglu_quant*p row codes");
+  expect_same_bits(row.scales, rs.get(), m * k / 128, "dswiglu_quant*p row scales");
+  expect_same_bits(col.codes, cc.get(), m * k, "dswiglu_quant*p col codes");
+  expect_same_bits(col.scales, cs.get(), nb * k, "dswiglu_quant*p col scales");
+  expect_same_bits(bits(part), bits(dpart2.get()), m * tiles, "dswiglu_quant*p partial sums");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st.nonfinite));
 
   QTensor hq, row8, col8;
@@ -470,11 +432,11 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
   DBuf<float> dpart8(m * tiles);
   reset();
   cuda::dswiglu_quant_fp8h(dda.p, hc.p, hs.p, f, ds.sb, rc2.p, rs2.p, cc2.p, cs2.p, status_, 0, dp.p, dpart8.p);
-  expect_equal(row8.codes, rc2.get(), m * k, "dswiglu_quant_fp8h*p row codes");
-  expect_equal(row8.scales, rs2.get(), m * k / 128, "dswiglu_quant_fp8h*p row scales");
-  expect_equal(col8.codes, cc2.get(), m * k, "dswiglu_quant_fp8h*p col codes");
-  expect_equal(col8.scales, cs2.get(), nb * k, "dswiglu_quant_fp8h*p col scales");
-  expect_equal(bits(part8), bits(dpart8.get()), m * tiles, "dswiglu_quant_fp8h*p partial sums");
+  expect_same_bits(row8.codes, rc2.get(), m * k, "dswiglu_quant_fp8h*p row codes");
+  expect_same_bits(row8.scales, rs2.get(), m * k / 128, "dswiglu_quant_fp8h*p row scales");
+  expect_same_bits(col8.codes, cc2.get(), m * k, "dswiglu_quant_fp8h*p col codes");
+  expect_same_bits(col8.scales, cs2.get(), nb * k, "dswiglu_quant_fp8h*p col scales");
+  expect_same_bits(bits(part8), bits(dpart8.get()), m * tiles, "dswiglu_quant_fp8h*p partial sums");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st8.nonfinite));
 
   // H saved as MXFP4 (flow-fp4): forward writes it, backward decodes it
@@ -486,10 +448,10 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
     DBuf<uint8_t> ac(m * f), as(m * f / 128), h4c(m * k / 2), h4s(m * k / 32);
     reset();
     cuda::swiglu_quant_h4(dh_in.p, m, f, ac.p, as.p, h4c.p, h4s.p, status_, 0, dp.p);
-    expect_equal(arow.codes, ac.get(), m * f, "swiglu_quant_h4 a' codes");
-    expect_equal(arow.scales, as.get(), m * f / 128, "swiglu_quant_h4 a' scales");
-    expect_equal(h4.codes, h4c.get(), m * k / 2, "swiglu_quant_h4 H MXFP4 codes");
-    expect_equal(h4.scales, h4s.get(), m * k / 32, "swiglu_quant_h4 H MXFP4 scales");
+    expect_same_bits(arow.codes, ac.get(), m * f, "swiglu_quant_h4 a' codes");
+    expect_same_bits(arow.scales, as.get(), m * f / 128, "swiglu_quant_h4 a' scales");
+    expect_same_bits(h4.codes, h4c.get(), m * k / 2, "swiglu_quant_h4 H MXFP4 codes");
+    expect_same_bits(h4.scales, h4s.get(), m * k / 32, "swiglu_quant_h4 H MXFP4 scales");
     EXPECT_EQ(status().nonfinite, static_cast<ull>(sa.nonfinite + sh4.nonfinite));
 
     QTensor row4, col4;
@@ -499,11 +461,11 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
     DBuf<float> dpart4(m * tiles);
     reset();
     cuda::dswiglu_quant_fp4h(dda.p, h4c.p, h4s.p, f, ds.sb, rc4.p, rs4.p, cc4.p, cs4.p, status_, 0, dp.p, dpart4.p);
-    expect_equal(row4.codes, rc4.get(), m * k, "dswiglu_quant_fp4h*p row codes");
-    expect_equal(row4.scales, rs4.get(), m * k / 128, "dswiglu_quant_fp4h*p row scales");
-    expect_equal(col4.codes, cc4.get(), m * k, "dswiglu_quant_fp4h*p col codes");
-    expect_equal(col4.scales, cs4.get(), nb * k, "dswiglu_quant_fp4h*p col scales");
-    expect_equal(bits(part4), bits(dpart4.get()), m * tiles, "dswiglu_quant_fp4h*p partial sums");
+    expect_same_bits(row4.codes, rc4.get(), m * k, "dswiglu_quant_fp4h*p row codes");
+    expect_same_bits(row4.scales, rs4.get(), m * k / 128, "dswiglu_quant_fp4h*p row scales");
+    expect_same_bits(col4.codes, cc4.get(), m * k, "dswiglu_quant_fp4h*p col codes");
+    expect_same_bits(col4.scales, cs4.get(), nb * k, "dswiglu_quant_fp4h*p col scales");
+    expect_same_bits(bits(part4), bits(dpart4.get()), m * tiles, "dswiglu_quant_fp4h*p partial sums");
     EXPECT_EQ(status().nonfinite, static_cast<ull>(st4.nonfinite));
   }
 
@@ -535,7 +497,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, SwigluGpu, ::testing::ValuesIn(cases()),
 
 // Two runs, identical bits (no atomics touch the outputs; counters are exact integers).
 TEST(SwigluGpuDeterminism, TwoRunsIdenticalBits) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_DEVICE();
   const int64_t m = 3000, f = 1408, k = 2 * f;
   const Segments seg = Segments::from_counts(ragged(16, m, 3, 1));
   const auto h = make_bf16(HDist::kHeavy, m, k, 42);
@@ -554,13 +516,13 @@ TEST(SwigluGpuDeterminism, TwoRunsIdenticalBits) {
     const std::vector<uint8_t> now[6] = {rc.get(), cc.get(), cs.get(), brc.get(), bcc.get(), bcs.get()};
     for (int i = 0; i < 6; ++i) {
       if (run == 0) first[i] = now[i];
-      else expect_equal(first[i], now[i], now[i].size(), "run 2 vs run 1, output " + std::to_string(i));
+      else expect_same_bits(first[i], now[i], now[i].size(), "run 2 vs run 1, output " + std::to_string(i));
     }
   }
 }
 
 TEST(SwigluGpuArgs, BadArgumentsThrowClearErrors) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_DEVICE();
   DBuf<bf16_t> x(4096);
   DBuf<uint8_t> c(4096), s(64);
   auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
@@ -590,7 +552,7 @@ TEST(SwigluGpuArgs, BadArgumentsThrowClearErrors) {
 
 // DeepSeek-V3 shape (M = 16384 rows, F = 2048, 32 ragged experts): the headline path.
 TEST(SwigluGpuLarge, DeepSeekV3Shape) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_DEVICE();
   const int64_t m = 16384, f = 2048, k = 2 * f;
   const Segments seg = Segments::from_counts(ragged(32, m, 9, 16));
   const auto h = make_bf16(HDist::kHeavy, m, k, 77);
@@ -605,20 +567,20 @@ TEST(SwigluGpuLarge, DeepSeekV3Shape) {
   const QuantStats sf = cpu::swiglu_quant(h.data(), m, f, &row, &seg, &col, nullptr);
   DBuf<uint8_t> rc(m * f), rs(m * f / 128), cc(m * f), cs(maxb * f);
   cuda::swiglu_quant_col(dh.p, f, ds.sb, rc.p, rs.p, cc.p, cs.p, nullptr, nullptr, st.p, 0);
-  expect_equal(row.codes, rc.get(), m * f, "A row codes");
-  expect_equal(row.scales, rs.get(), m * f / 128, "A row scales");
-  expect_equal(col.codes, cc.get(), m * f, "A col codes");
-  expect_equal(col.scales, cs.get(), nb * f, "A col scales");
+  expect_same_bits(row.codes, rc.get(), m * f, "A row codes");
+  expect_same_bits(row.scales, rs.get(), m * f / 128, "A row scales");
+  expect_same_bits(col.codes, cc.get(), m * f, "A col codes");
+  expect_same_bits(col.scales, cs.get(), nb * f, "A col scales");
   EXPECT_EQ(st.get()[0].underflow, static_cast<ull>(sf.underflow));
 
   QTensor brow, bcol;
   cpu::dswiglu_quant(da.data(), h.data(), m, f, seg, &brow, &bcol);
   DBuf<uint8_t> brc(m * k), brs(m * k / 128), bcc(m * k), bcs(maxb * k);
   cuda::dswiglu_quant(dda.p, dh.p, f, ds.sb, brc.p, brs.p, bcc.p, bcs.p, st.p, 0);
-  expect_equal(brow.codes, brc.get(), m * k, "dH row codes");
-  expect_equal(brow.scales, brs.get(), m * k / 128, "dH row scales");
-  expect_equal(bcol.codes, bcc.get(), m * k, "dH col codes");
-  expect_equal(bcol.scales, bcs.get(), nb * k, "dH col scales");
+  expect_same_bits(brow.codes, brc.get(), m * k, "dH row codes");
+  expect_same_bits(brow.scales, brs.get(), m * k / 128, "dH row scales");
+  expect_same_bits(bcol.codes, bcc.get(), m * k, "dH col codes");
+  expect_same_bits(bcol.scales, bcs.get(), nb * k, "dH col scales");
   EXPECT_EQ(st.get()[0].nonfinite, 0u);
 }
 

@@ -16,59 +16,18 @@
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/token.h"
+#include "cuda/gpu_test_util.h"
 
 namespace flowmoe {
 namespace {
 
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_DEVICE() \
-  if (!have_device()) GTEST_SKIP() << "no CUDA device"
+using namespace testutil;  // DBuf, REQUIRE_DEVICE, expect_same_bits
 
-template <typename T>
-struct DBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit DBuf(size_t count) : n(count) {
-    if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    cudaMemset(p, 0xA5, std::max<size_t>(count, 1) * sizeof(T));  // poison
-  }
-  explicit DBuf(const std::vector<T>& h) : DBuf(h.size()) {
-    cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~DBuf() { cudaFree(p); }
-  DBuf(const DBuf&) = delete;
-  DBuf& operator=(const DBuf&) = delete;
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    cudaDeviceSynchronize();
-    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
 template <typename T>
 std::vector<T> poisoned(size_t n) {
   std::vector<T> v(n);
   std::memset(v.data(), 0xA5, n * sizeof(T));
   return v;
-}
-
-// Compares raw bytes, reporting the count and the first mismatching element.
-template <typename T>
-void expect_same(const std::vector<T>& want, const std::vector<T>& got, const std::string& what) {
-  ASSERT_EQ(want.size(), got.size()) << what;
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < want.size(); ++i)
-    if (std::memcmp(&want[i], &got[i], sizeof(T)) != 0 && bad++ == 0) first = i;
-  if (bad) {
-    uint64_t w = 0, g = 0;
-    std::memcpy(&w, &want[first], sizeof(T));
-    std::memcpy(&g, &got[first], sizeof(T));
-    ADD_FAILURE() << what << ": " << bad << " of " << want.size() << " elements differ; first at " << first
-                  << " (want bits 0x" << std::hex << w << ", got 0x" << g << ")";
-  }
 }
 
 std::vector<int32_t> random_ids(int64_t t, int k, int e, uint32_t seed, int used, double drop, double bad = 0) {
@@ -142,8 +101,8 @@ TEST_P(RouterGpu, ForwardBackwardAuxBitExact) {
   DBuf<cuda::DeviceStatus> st(1);
   cudaMemset(st.p, 0, sizeof(cuda::DeviceStatus));
   cuda::router_forward(dz.p, c.t, cfg, c.bias ? dbias.p : nullptr, dids.p, dprobs_out.p, st.p, 0);
-  expect_same(ids, dids.get(), "router ids");
-  expect_same(probs, dprobs_out.get(), "router probs");
+  expect_same_bits(ids, dids.get(), "router ids");
+  expect_same_bits(probs, dprobs_out.get(), "router probs");
   EXPECT_EQ(st.get()[0].nonfinite, static_cast<unsigned long long>(nf));
 
   // aux loss
@@ -152,8 +111,8 @@ TEST_P(RouterGpu, ForwardBackwardAuxBitExact) {
   DBuf<float> dloss(1), dcoef(c.e);
   DBuf<uint8_t> ws(cuda::router_aux_workspace_bytes(c.t, c.e));
   cuda::router_aux_loss(dz.p, dids.p, c.t, cfg, 0.001f, dloss.p, dcoef.p, ws.p, 0);
-  expect_same(std::vector<float>{loss}, dloss.get(), "aux loss");
-  expect_same(coef, dcoef.get(), "aux coefficients");
+  expect_same_bits(std::vector<float>{loss}, dloss.get(), "aux loss");
+  expect_same_bits(coef, dcoef.get(), "aux coefficients");
 
   // backward, with and without the aux term
   std::vector<float> g(c.t * c.k);
@@ -163,7 +122,7 @@ TEST_P(RouterGpu, ForwardBackwardAuxBitExact) {
     std::vector<float> dl(c.t * c.e);
     cpu::router_backward(z.data(), c.t, cfg, ids.data(), g.data(), aux ? coef.data() : nullptr, 1.5f, dl.data());
     cuda::router_backward(dz.p, c.t, cfg, dids.p, dg.p, aux ? dcoef.p : nullptr, 1.5f, ddl.p, 0);
-    expect_same(dl, ddl.get(), aux ? "dlogits (with aux)" : "dlogits");
+    expect_same_bits(dl, ddl.get(), aux ? "dlogits (with aux)" : "dlogits");
   }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -240,11 +199,11 @@ TEST_P(MoveGpu, RoutingPermuteUnpermuteBitExact) {
   DBuf<cuda::DeviceStatus> st(1);
   cudaMemset(st.p, 0, sizeof(cuda::DeviceStatus));
   cuda::build_routing(d.ids.p, d.r, st.p, 0);
-  expect_same(r.counts, d.counts.get(), "counts");
-  expect_same(r.offsets, d.offsets.get(), "offsets");
-  expect_same(r.padded_offsets, d.poffsets.get(), "padded_offsets");
-  expect_same(r.row_map, d.row_map.get(), "row_map");
-  expect_same(r.row_map_unpadded, d.row_map_u.get(), "row_map_unpadded");
+  expect_same_bits(r.counts, d.counts.get(), "counts");
+  expect_same_bits(r.offsets, d.offsets.get(), "offsets");
+  expect_same_bits(r.padded_offsets, d.poffsets.get(), "padded_offsets");
+  expect_same_bits(r.row_map, d.row_map.get(), "row_map");
+  expect_same_bits(r.row_map_unpadded, d.row_map_u.get(), "row_map_unpadded");
   EXPECT_EQ(st.get()[0].bad_segments, static_cast<unsigned long long>(nbad));
   std::vector<int32_t> hc(c.e);
   EXPECT_EQ(cuda::fetch_routing_counts(d.r, hc.data(), 0), r.padded_rows());
@@ -271,10 +230,10 @@ TEST_P(MoveGpu, RoutingPermuteUnpermuteBitExact) {
     cpu::permute_pad_bf16(x.data(), H, r, want.data());
     DBuf<bf16_t> dx(x), out(R * H), compact(TK * H), out2(R * H);
     cuda::permute_pad_bf16(dx.p, H, d.r, out.p, 0);
-    expect_same(want, out.get(), "permute_pad_bf16");
+    expect_same_bits(want, out.get(), "permute_pad_bf16");
     cuda::permute_bf16(dx.p, H, d.r, compact.p, 0);
     cuda::pad_bf16(compact.p, H, d.r, out2.p, 0);
-    expect_same(want, out2.get(), "permute_bf16 + pad_bf16");
+    expect_same_bits(want, out2.get(), "permute_bf16 + pad_bf16");
   }
   // ---- FP8 (codes + [H/128][R] scales)
   if (H % 128 == 0) {
@@ -284,12 +243,12 @@ TEST_P(MoveGpu, RoutingPermuteUnpermuteBitExact) {
     DBuf<uint8_t> dc(codes), dsc(scales), oc(R * H), os(H / 128 * R), cc(TK * H), cs(H / 128 * TK), oc2(R * H),
         os2(H / 128 * R);
     cuda::permute_pad_fp8(dc.p, dsc.p, H, d.r, oc.p, os.p, R, 0);
-    expect_same(wc, oc.get(), "permute_pad_fp8 codes");
-    expect_same(ws, os.get(), "permute_pad_fp8 scales");
+    expect_same_bits(wc, oc.get(), "permute_pad_fp8 codes");
+    expect_same_bits(ws, os.get(), "permute_pad_fp8 scales");
     cuda::permute_fp8(dc.p, dsc.p, H, d.r, cc.p, cs.p, TK, 0);
     cuda::pad_fp8(cc.p, cs.p, TK, H, d.r, oc2.p, os2.p, R, 0);
-    expect_same(wc, oc2.get(), "permute_fp8 + pad_fp8 codes");
-    expect_same(ws, os2.get(), "permute_fp8 + pad_fp8 scales");
+    expect_same_bits(wc, oc2.get(), "permute_fp8 + pad_fp8 codes");
+    expect_same_bits(ws, os2.get(), "permute_fp8 + pad_fp8 scales");
 
     // with the inverse row map: build_routing fills row_src, permute_pad_fp8 gathers the scales
     std::vector<int32_t> want_src(R, -1);
@@ -299,15 +258,15 @@ TEST_P(MoveGpu, RoutingPermuteUnpermuteBitExact) {
     cuda::Routing r2 = d.r;
     r2.row_src = rs.p;
     cuda::build_routing(d.ids.p, r2, nullptr, 0);
-    expect_same(want_src, rs.get(), "row_src (inverse row map)");
+    expect_same_bits(want_src, rs.get(), "row_src (inverse row map)");
     DBuf<uint8_t> oc3(R * H), os3(std::vector<uint8_t>(ws.size(), 0xA5));
     // rows >= Mp of the scale grid stay untouched, like the CPU's poison
     std::vector<uint8_t> ws3 = ws;
     for (int64_t c = 0; c < H / 128; ++c)
       for (int64_t row = Mp; row < R; ++row) ws3[c * R + row] = 0xA5;
     cuda::permute_pad_fp8(dc.p, dsc.p, H, r2, oc3.p, os3.p, R, 0);
-    expect_same(wc, oc3.get(), "permute_pad_fp8 (row_src) codes");
-    expect_same(ws3, os3.get(), "permute_pad_fp8 (row_src) scales");
+    expect_same_bits(wc, oc3.get(), "permute_pad_fp8 (row_src) codes");
+    expect_same_bits(ws3, os3.get(), "permute_pad_fp8 (row_src) scales");
   }
   // ---- MXFP4 (codes [.., H/2] + scales [..][H/32])
   if (H % 32 == 0) {
@@ -317,12 +276,12 @@ TEST_P(MoveGpu, RoutingPermuteUnpermuteBitExact) {
     DBuf<uint8_t> dc(codes), dsc(scales), oc(R * H / 2), os(R * H / 32), cc(TK * H / 2), cs(TK * H / 32),
         oc2(R * H / 2), os2(R * H / 32);
     cuda::permute_pad_mxfp4(dc.p, dsc.p, H, d.r, oc.p, os.p, 0);
-    expect_same(wc, oc.get(), "permute_pad_mxfp4 codes");
-    expect_same(ws, os.get(), "permute_pad_mxfp4 scales");
+    expect_same_bits(wc, oc.get(), "permute_pad_mxfp4 codes");
+    expect_same_bits(ws, os.get(), "permute_pad_mxfp4 scales");
     cuda::permute_mxfp4(dc.p, dsc.p, H, d.r, cc.p, cs.p, 0);
     cuda::pad_mxfp4(cc.p, cs.p, H, d.r, oc2.p, os2.p, 0);
-    expect_same(wc, oc2.get(), "permute_mxfp4 + pad_mxfp4 codes");
-    expect_same(ws, os2.get(), "permute_mxfp4 + pad_mxfp4 scales");
+    expect_same_bits(wc, oc2.get(), "permute_mxfp4 + pad_mxfp4 codes");
+    expect_same_bits(ws, os2.get(), "permute_mxfp4 + pad_mxfp4 scales");
   }
   // ---- unpermute+unpad (with probs and with weight 1), the baseline, and the backward
   {
@@ -335,10 +294,10 @@ TEST_P(MoveGpu, RoutingPermuteUnpermuteBitExact) {
       std::vector<bf16_t> want(T * H);
       cpu::unpermute_unpad(yr.data(), weighted ? probs.data() : nullptr, H, r, want.data());
       cuda::unpermute_unpad(dyr.p, weighted ? dp.p : nullptr, H, d.r, y.p, 0);
-      expect_same(want, y.get(), weighted ? "unpermute_unpad" : "unpermute_unpad (weight 1)");
+      expect_same_bits(want, y.get(), weighted ? "unpermute_unpad" : "unpermute_unpad (weight 1)");
       cuda::unpad_bf16(dyr.p, H, d.r, compact.p, 0);
       cuda::unpermute(compact.p, weighted ? dp.p : nullptr, H, d.r, y2.p, 0);
-      expect_same(want, y2.get(), "unpad_bf16 + unpermute");
+      expect_same_bits(want, y2.get(), "unpad_bf16 + unpermute");
     }
     const auto dy = bf16s(T * H);
     auto want_rows = poisoned<bf16_t>(R * H);
@@ -347,13 +306,13 @@ TEST_P(MoveGpu, RoutingPermuteUnpermuteBitExact) {
     DBuf<bf16_t> ddy(dy), drows(R * H), crow(TK * H), drows2(R * H);
     DBuf<float> ddp(TK), ddp2(TK);
     cuda::unpermute_unpad_backward(ddy.p, dyr.p, dp.p, H, d.r, drows.p, ddp.p, 0);
-    expect_same(want_rows, drows.get(), "unpermute_unpad_backward dy_rows");
-    expect_same(want_dp, ddp.get(), "unpermute_unpad_backward dprobs");
+    expect_same_bits(want_rows, drows.get(), "unpermute_unpad_backward dy_rows");
+    expect_same_bits(want_dp, ddp.get(), "unpermute_unpad_backward dprobs");
     cuda::unpad_bf16(dyr.p, H, d.r, compact.p, 0);
     cuda::unpermute_backward(ddy.p, compact.p, dp.p, H, d.r, crow.p, ddp2.p, 0);
     cuda::pad_bf16(crow.p, H, d.r, drows2.p, 0);
-    expect_same(want_rows, drows2.get(), "unpermute_backward + pad_bf16 dy_rows");
-    expect_same(want_dp, ddp2.get(), "unpermute_backward dprobs");
+    expect_same_bits(want_rows, drows2.get(), "unpermute_backward + pad_bf16 dy_rows");
+    expect_same_bits(want_dp, ddp2.get(), "unpermute_backward dprobs");
   }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -388,7 +347,7 @@ TEST(TokenGpu, PermuteThenUnpermuteIsIdentityForTop1) {
     DBuf<bf16_t> dx(x), rows(d.r.max_rows() * H), y(T * H);
     cuda::permute_pad_bf16(dx.p, H, d.r, rows.p, 0);
     cuda::unpermute_unpad(rows.p, nullptr, H, d.r, y.p, 0);
-    expect_same(x, y.get(), "permute -> unpermute, align " + std::to_string(align));
+    expect_same_bits(x, y.get(), "permute -> unpermute, align " + std::to_string(align));
   }
 }
 
@@ -422,7 +381,7 @@ TEST(TokenGpu, RoutingIsRepeatable) {
   const auto first = d.row_map.get();
   for (int i = 0; i < 5; ++i) {
     cuda::build_routing(d.ids.p, d.r, nullptr, 0);
-    expect_same(first, d.row_map.get(), "row_map run " + std::to_string(i));
+    expect_same_bits(first, d.row_map.get(), "row_map run " + std::to_string(i));
   }
 }
 

@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/moe/moe_cuda.h"
+#include "timing.h"  // bench/: the benchmarks' timing harness
 #endif
 
 namespace flowmoe {
@@ -161,12 +162,7 @@ struct DevBuf {
   DevBuf& operator=(const DevBuf&) = delete;
 };
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::median;
 
 struct RecipeResult {
   Recipe recipe = Recipe::kBf16;
@@ -184,11 +180,6 @@ struct RecipeResult {
   std::vector<cuda::moe::StageTime> stages;  // medians
   std::string report;
 };
-
-double now_ms() {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 RecipeResult run_recipe(const BenchConfig& bc, Recipe recipe, int64_t T, int align, int reps,
                         int warmup, bool breakdown, cudaStream_t stream, const MoeWeights& w,
@@ -222,37 +213,13 @@ RecipeResult run_recipe(const BenchConfig& bc, Recipe recipe, int64_t T, int ali
   r.layer_gib = double(free0 > free1 ? free0 - free1 : 0) / double(1ull << 30);
   r.layer_alloc_gib = double(cuda::moe::allocated_bytes(layer.get())) / double(1ull << 30);
 
-  cudaEvent_t e0, e1, e2;
-  BENCH_CUDA(cudaEventCreate(&e0));
-  BENCH_CUDA(cudaEventCreate(&e1));
-  BENCH_CUDA(cudaEventCreate(&e2));
-  std::vector<double> f, b, t, h, hb;
-  for (int i = 0; i < reps; ++i) {
-    const double h0 = now_ms();
-    BENCH_CUDA(cudaEventRecord(e0, stream));
-    layer->forward(x, T, y);
-    BENCH_CUDA(cudaEventRecord(e1, stream));
-    const double hb0 = now_ms();
-    layer->backward(dy, dx, g);
-    hb.push_back(now_ms() - hb0);
-    BENCH_CUDA(cudaEventRecord(e2, stream));
-    BENCH_CUDA(cudaEventSynchronize(e2));
-    h.push_back(now_ms() - h0);
-    float a = 0, c = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&a, e0, e1));
-    BENCH_CUDA(cudaEventElapsedTime(&c, e1, e2));
-    f.push_back(a);
-    b.push_back(c);
-    t.push_back(double(a) + double(c));
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaEventDestroy(e2);
-  r.fwd_ms = median(f);
-  r.bwd_ms = median(b);
-  r.total_ms = median(t);
-  r.host_ms = median(h);
-  r.host_bwd_ms = median(hb);
+  const bench::PhaseTimes pt = bench::time_phases(
+      {[&] { layer->forward(x, T, y); }, [&] { layer->backward(dy, dx, g); }}, 0, reps, stream);
+  r.fwd_ms = median(pt.ms[0]);
+  r.bwd_ms = median(pt.ms[1]);
+  r.total_ms = median(pt.total_ms);
+  r.host_ms = median(pt.step_host_ms);
+  r.host_bwd_ms = median(pt.host_ms[1]);
 
   const CastReport& rep = layer->cast_report();
   const MoeStatus st = layer->status();
