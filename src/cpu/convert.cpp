@@ -256,8 +256,10 @@ QuantStats quantize_mxfp4_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
         const uint8_t lo = bad ? kNanCodeE2M1 : quant_e2m1_finite(load(x, base + i), e);
         const uint8_t hi = bad ? kNanCodeE2M1 : quant_e2m1_finite(load(x, base + i + 1), e);
         out->codes[(base + i) / 2] = e2m1_pack(lo, hi);
-        st.flushed += !bad && (((lo & 7) == 0 && load(x, base + i) != 0.0f) +
-                               ((hi & 7) == 0 && load(x, base + i + 1) != 0.0f));
+        if (!bad) {
+          st.flushed += (lo & 7) == 0 && load(x, base + i) != 0.0f;
+          st.flushed += (hi & 7) == 0 && load(x, base + i + 1) != 0.0f;
+        }
       }
     }
   }

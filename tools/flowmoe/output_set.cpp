@@ -67,8 +67,8 @@ void OutputSet::add(const std::string& path, const char* dtype, const std::vecto
   const long name_max = pathconf(dir.c_str(), _PC_NAME_MAX);
   const size_t limit = name_max > 0 ? static_cast<size_t>(name_max) : 255;
   FLOWMOE_CHECK(base_of(path).size() <= limit,
-                path << ": cannot write: the file name is " << base_of(path).size()
-                     << " bytes long, the file system allows " << limit << " (use a shorter prefix)");
+                path << ": cannot write: file name too long (" << base_of(path).size()
+                     << " bytes, the file system allows " << limit << "; use a shorter prefix)");
   if (stat(path.c_str(), &st) == 0)
     FLOWMOE_CHECK(S_ISREG(st.st_mode), path << ": cannot write: it exists and is not a regular file");
 
