@@ -185,9 +185,47 @@ FLOWMOE_HD float div_pow2(float x, int e) {
   return x * exp2i(-e);
 }
 
-// Quantize one value with a tile scale exponent.
+// Quantize one value with a tile scale exponent (the element encoding alone, RNE saturating at
+// the format's largest value; quantizers use the *_finite forms below).
 FLOWMOE_HD uint8_t quant_e4m3(float x, int scale_exp) { return f32_to_e4m3(div_pow2(x, scale_exp)); }
 FLOWMOE_HD uint8_t quant_e2m1(float x, int scale_exp) { return f32_to_e2m1(div_pow2(x, scale_exp)); }
+
+// Decoded saturation: a finite input never decodes to Inf. The scale rule above never clips, but
+// at the top of the binary32 range the RNE of x / 2^e can round up to a code whose value times
+// 2^e is 2^128 (E4M3: amax in [1.9375, 2) * 2^127 gives e = 120 and x / 2^e rounds to 256;
+// MXFP4: amax in [1.75, 2) * 2^127 gives e = 126 and x / 2^e rounds to 4). No other scale helps:
+// RNE of any power-of-two multiple of such x rounds up to the next binade as well. So under the
+// large scales the code saturates at the largest magnitude whose decoded value is finite, as
+// SPEC §1 saturates to the largest finite value. Below the thresholds every code decodes finite
+// and nothing changes. Exhaustive CPU tests: tests/cpu/test_numerics.cpp (DecodedSaturation).
+constexpr int kE4M3SaturateScaleExp = 120;  // 448 * 2^120 > FLT_MAX; 448 * 2^119 is finite
+constexpr int kE2M1SaturateScaleExp = 126;  // 6 * 2^126 > FLT_MAX; 6 * 2^125 is finite
+// Largest E4M3 magnitude code (sign clear) whose value times 2^scale_exp is below 2^128.
+FLOWMOE_HD uint32_t e4m3_max_code_for_scale(int scale_exp) {
+  // the code of 2^(128 - e) is (128 - e + 7) << 3; the one below it is the largest under 2^128
+  return scale_exp < kE4M3SaturateScaleExp ? 0x7Eu : (static_cast<uint32_t>(135 - scale_exp) << 3) - 1u;
+}
+// Largest E2M1 magnitude code whose value times 2^scale_exp is below 2^128 (4 * 2^126 is not).
+FLOWMOE_HD uint32_t e2m1_max_code_for_scale(int scale_exp) {
+  return scale_exp < kE2M1SaturateScaleExp ? 0x7u : static_cast<uint32_t>(2 * (128 - scale_exp) + 1);
+}
+// An E4M3 code of a finite tile with scale exponent e, saturated as above (NaN codes kept).
+FLOWMOE_HD uint8_t e4m3_saturate_for_scale(uint8_t q, int scale_exp) {
+  const uint32_t lim = e4m3_max_code_for_scale(scale_exp), mag = q & 0x7Fu;
+  return (mag > lim && mag != 0x7Fu) ? static_cast<uint8_t>((q & 0x80u) | lim) : q;
+}
+// An E2M1 nibble of a finite block with scale exponent e, saturated as above.
+FLOWMOE_HD uint8_t e2m1_saturate_for_scale(uint8_t n, int scale_exp) {
+  const uint32_t lim = e2m1_max_code_for_scale(scale_exp), mag = n & 0x7u;
+  return mag > lim ? static_cast<uint8_t>((n & 0x8u) | lim) : n;
+}
+// What every quantizer with a power-of-two tile scale writes for one finite element.
+FLOWMOE_HD uint8_t quant_e4m3_finite(float x, int scale_exp) {
+  return e4m3_saturate_for_scale(quant_e4m3(x, scale_exp), scale_exp);
+}
+FLOWMOE_HD uint8_t quant_e2m1_finite(float x, int scale_exp) {
+  return e2m1_saturate_for_scale(quant_e2m1(x, scale_exp), scale_exp);
+}
 
 // Encode v * 2^-shift_down in E4M3 (RNE, into the subnormals where needed), for an exactly
 // representable small value v (|v| <= 448: an E4M3 or E2M1 value) and any shift that keeps

@@ -61,15 +61,24 @@ struct QTensor {
   std::string describe() const;  // e.g. "row-wise 1x128 e4m3 [4096, 7168]"
 };
 
-// What a conversion saw. `nonfinite` counts non-finite input elements (their tiles are marked
-// NaN); `underflow` counts elements whose value could not be kept exactly (rounded into the
-// E4M3 subnormals or to zero) by an exact layout conversion.
+// What a conversion saw (docs/FILES.md defines each counter; the CLI prints them as they are).
+// `nonfinite`: non-finite elements met (their tiles are marked NaN), including those a stepwise
+//   path produced itself (`overflow`).
+// `underflow`: elements whose value an exact layout conversion could not keep (rounded into the
+//   E4M3 subnormals or to zero); the CUDA DeviceStatus counts the same.
+// `flushed` (CPU quantizers): non-zero finite inputs that a quantizer encoded as a zero code.
+// `overflow` (CPU stepwise paths naive_col_copy, fp4_to_fp8_col_stepwise): finite codes whose
+//   decoded value became +-Inf in the BF16 intermediate (also counted in `nonfinite`).
 struct QuantStats {
   int64_t nonfinite = 0;
   int64_t underflow = 0;
+  int64_t flushed = 0;
+  int64_t overflow = 0;
   QuantStats& operator+=(const QuantStats& o) {
     nonfinite += o.nonfinite;
     underflow += o.underflow;
+    flushed += o.flushed;
+    overflow += o.overflow;
     return *this;
   }
 };

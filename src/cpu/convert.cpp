@@ -74,6 +74,14 @@ void for_each_token_block(const Segments& seg, Fn&& fn) {
   }
 }
 
+// Infinities in a decoded BF16 intermediate: codes and scales hold no Inf, so each one is a finite
+// value beyond the range (an overflow of the stepwise paths), never an input Inf.
+int64_t count_bf16_inf(const std::vector<bf16_t>& x) {
+  int64_t n = 0;
+  for (bf16_t h : x) n += (h & 0x7FFFu) == 0x7F80u;
+  return n;
+}
+
 // The largest |value| of a tile over its finite values, and how many were not finite.
 struct TileAmax {
   float amax = 0.0f;
@@ -129,7 +137,10 @@ QuantStats quantize_row_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
       }
       const int e = e4m3_scale_exp(amax);
       out->scales[b * m + r] = ue8m0_from_exp(e);
-      for (int i = 0; i < kFp8Block; ++i) codes[i] = quant_e4m3(load(x, base + i), e);
+      for (int i = 0; i < kFp8Block; ++i) {
+        codes[i] = quant_e4m3_finite(load(x, base + i), e);
+        st.flushed += (codes[i] & 0x7F) == 0 && load(x, base + i) != 0.0f;
+      }
     }
   }
   return st;
@@ -166,7 +177,10 @@ QuantStats quantize_col_impl(const T* x, int64_t m, int64_t k, const Segments& s
       }
       const int e = e4m3_scale_exp(amax);
       out->scales[blk * k + c] = ue8m0_from_exp(e);
-      for (int64_t t = t0; t < t1; ++t) codes[t] = quant_e4m3(load(x, t * k + c), e);
+      for (int64_t t = t0; t < t1; ++t) {
+        codes[t] = quant_e4m3_finite(load(x, t * k + c), e);
+        st.flushed += (codes[t] & 0x7F) == 0 && load(x, t * k + c) != 0.0f;
+      }
     }
   });
   return st;
@@ -203,7 +217,8 @@ QuantStats quantize_weight_impl(const T* w, int64_t n, int64_t k, QTensor* out, 
       out->scales[bn * nbk + bk] = bad ? kUE8M0NaN : ue8m0_from_exp(e);
       for (int64_t r = bn * kFp8Block; r < (bn + 1) * kFp8Block; ++r) {
         for (int64_t c = bk * kFp8Block; c < (bk + 1) * kFp8Block; ++c) {
-          out->codes[r * k + c] = bad ? kNanCodeE4M3 : quant_e4m3(load(w, r * k + c), e);
+          out->codes[r * k + c] = bad ? kNanCodeE4M3 : quant_e4m3_finite(load(w, r * k + c), e);
+          st.flushed += !bad && (out->codes[r * k + c] & 0x7F) == 0 && load(w, r * k + c) != 0.0f;
         }
       }
     }
@@ -238,9 +253,13 @@ QuantStats quantize_mxfp4_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
       const int e = e2m1_scale_exp(amax);
       out->scales[r * (k / kFp4Block) + b] = bad ? kUE8M0NaN : ue8m0_from_exp(e);
       for (int i = 0; i < kFp4Block; i += 2) {
-        const uint8_t lo = bad ? kNanCodeE2M1 : quant_e2m1(load(x, base + i), e);
-        const uint8_t hi = bad ? kNanCodeE2M1 : quant_e2m1(load(x, base + i + 1), e);
+        const uint8_t lo = bad ? kNanCodeE2M1 : quant_e2m1_finite(load(x, base + i), e);
+        const uint8_t hi = bad ? kNanCodeE2M1 : quant_e2m1_finite(load(x, base + i + 1), e);
         out->codes[(base + i) / 2] = e2m1_pack(lo, hi);
+        if (!bad) {
+          st.flushed += (lo & 7) == 0 && load(x, base + i) != 0.0f;
+          st.flushed += (hi & 7) == 0 && load(x, base + i + 1) != 0.0f;
+        }
       }
     }
   }
@@ -347,7 +366,9 @@ QuantStats naive_col_copy(const QTensor& row, const Segments& seg, QTensor* col)
   check_layout(row, Layout::kRow1x128, "naive_col_copy");
   std::vector<bf16_t> x(row.rows * row.cols);
   dequantize(row, x.data());  // FP8 -> BF16 (what users do), exact for in-range values
-  return quantize_col_impl(x.data(), row.rows, row.cols, seg, col);  // transpose + fresh scales
+  QuantStats st = quantize_col_impl(x.data(), row.rows, row.cols, seg, col);  // transpose + fresh scales
+  st.overflow = count_bf16_inf(x);
+  return st;
 }
 
 QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTensor* col,
@@ -504,8 +525,10 @@ QuantStats fp4_to_fp8_col_stepwise(const QTensor& fp4, const Segments& seg, QTen
   check_output(col, "fp4_to_fp8_col_stepwise", &fp4);
   check_layout(fp4, Layout::kMxfp4Row1x32, "fp4_to_fp8_col_stepwise");
   std::vector<bf16_t> x(fp4.rows * fp4.cols);
-  dequantize(fp4, x.data());  // FP4 -> BF16 is exact
-  return quantize_col_impl(x.data(), fp4.rows, fp4.cols, seg, col);
+  dequantize(fp4, x.data());  // FP4 -> BF16 is exact (up to overflow at the largest scales)
+  QuantStats st = quantize_col_impl(x.data(), fp4.rows, fp4.cols, seg, col);
+  st.overflow = count_bf16_inf(x);
+  return st;
 }
 
 }  // namespace cpu

@@ -83,7 +83,7 @@ int64_t quantize_tile(const T* v, uint8_t* codes, uint8_t* scale) {
   }
   const int e = e4m3_scale_exp(amax);
   *scale = ue8m0_from_exp(e);
-  for (int i = 0; i < kT; ++i) codes[i] = quant_e4m3(value(v[i]), e);
+  for (int i = 0; i < kT; ++i) codes[i] = quant_e4m3_finite(value(v[i]), e);
   return 0;
 }
 
@@ -104,7 +104,7 @@ void quantize_col_block(const bf16_t* v, int64_t stride, int64_t n, uint8_t* cod
   }
   const int e = e4m3_scale_exp(amax);
   *scale = ue8m0_from_exp(e);
-  for (int64_t i = 0; i < n; ++i) codes[i] = quant_e4m3(bf16_to_f32(v[i * stride]), e);
+  for (int64_t i = 0; i < n; ++i) codes[i] = quant_e4m3_finite(bf16_to_f32(v[i * stride]), e);
 }
 
 // Gate and up of row t, feature j, as binary32: from BF16, or decoded from row-wise FP8.

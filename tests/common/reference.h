@@ -163,11 +163,21 @@ inline float to_float(double d) {
 // Value that quantizing x with scale 2^e must dequantize to: nearest representable of x / 2^e,
 // times 2^e. Double arithmetic is exact here; the float conversion is exact too (checked by the
 // numerics tests: 4 significant bits at >= 2^-136 always fit binary32).
+// Decoded saturation (docs/NUMERICS.md): a result beyond FLT_MAX becomes the largest code value
+// whose product with 2^e is still finite, with the sign of the result.
+inline double ref_saturate_decoded(double v, int e, double (*value)(uint8_t), unsigned max_code) {
+  if (std::fabs(v) <= FLT_MAX) return v;
+  unsigned c = max_code;
+  while (c > 0 && value(static_cast<uint8_t>(c)) * std::ldexp(1.0, e) > FLT_MAX) --c;
+  return std::copysign(value(static_cast<uint8_t>(c)) * std::ldexp(1.0, e), v);
+}
 inline float ref_quant_e4m3(float x, int e) {
-  return to_float(e4m3_value(ref_encode_e4m3(std::ldexp(static_cast<double>(x), -e))) * std::ldexp(1.0, e));
+  const double v = e4m3_value(ref_encode_e4m3(std::ldexp(static_cast<double>(x), -e))) * std::ldexp(1.0, e);
+  return to_float(ref_saturate_decoded(v, e, e4m3_value, 0x7E));
 }
 inline float ref_quant_e2m1(float x, int e) {
-  return to_float(e2m1_value(ref_encode_e2m1(std::ldexp(static_cast<double>(x), -e))) * std::ldexp(1.0, e));
+  const double v = e2m1_value(ref_encode_e2m1(std::ldexp(static_cast<double>(x), -e))) * std::ldexp(1.0, e);
+  return to_float(ref_saturate_decoded(v, e, e2m1_value, 0x7));
 }
 
 // ---- layouts (tensor.h) ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
 import numpy as np
@@ -424,6 +425,105 @@ def test_errors(tmp, rng):
     check("reads .npy format 2.0", same(np.load(tmp + "/d.npy"), decode_e2m1(np.arange(16))))
 
 
+def raw_npy(path, header, data=b""):
+    """A .npy file with the given header dict text (padded as numpy pads it)."""
+    import struct
+    h = header.encode("latin1")
+    total = (10 + len(h) + 1 + 63) // 64 * 64
+    h = h + b" " * (total - 10 - len(h) - 1) + b"\n"
+    with open(path, "wb") as f:
+        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h + data)
+
+
+def test_robustness(tmp, rng):
+    """Issue 20: hostile shapes, all-or-nothing output sets, finite stays finite, counters."""
+    d = os.path.join(tmp, "rob")
+    os.makedirs(d)
+    # 1. a header-only quantized set of shape [2^40, 0] is refused at once, naming file, shape, limit
+    for suf in ("codes", "scales"):
+        raw_npy(d + "/p.%s.npy" % suf, "{'descr': '|u1', 'fortran_order': False, 'shape': (1099511627776, 0), }")
+    for args in (["fp4-to-fp8", "--to", "row"], ["dequantize", "--layout", "row"], ["transpose", "--method", "aware"]):
+        t0 = time.time()
+        rc, _, err = run(*(args + [d + "/p", d + "/out" + (".npy" if args[0] == "dequantize" else "")]))
+        check("%s of a [2^40, 0] set: exit 1 at once, names file, shape and limit" % args[0],
+              rc == 1 and time.time() - t0 < 5 and "p.codes.npy" in err and "[1099511627776, 0]" in err
+              and "2147483647" in err, err)
+    check("[2^40, 0]: nothing written", not [f for f in os.listdir(d) if f.startswith("out")], os.listdir(d))
+
+    # 2./3. output sets appear whole or not at all; an existing set and the input stay intact
+    x = rand_activation(rng, 130, 256)
+    np.save(d + "/x.npy", x)
+    long_prefix = d + "/" + "a" * 245
+    for lay in ("row", "col", "both", "weight", "mxfp4"):
+        if lay == "weight":
+            np.save(d + "/w.npy", rand_activation(rng, 256, 256))
+        src = d + ("/w.npy" if lay == "weight" else "/x.npy")
+        before = sorted(os.listdir(d))
+        rc, _, err = run("quantize", "--layout", lay, src, long_prefix)
+        check("quantize %s to a 245-character prefix: exit 1, no file left" % lay,
+              rc == 1 and sorted(os.listdir(d)) == before and "too long" in err, err)
+    run_ok("quantize", "--layout", "row", d + "/x.npy", d + "/old")
+    with open(d + "/old.codes.npy", "rb") as f:
+        old_codes = f.read()
+    os.makedirs(d + "/old.segments.npy")  # the third file of the col set cannot be written
+    rc, _, err = run("transpose", "--method", "aware", d + "/old", d + "/old")
+    with open(d + "/old.codes.npy", "rb") as f:
+        kept = f.read() == old_codes
+    check("in-place transpose whose third file fails: exit 1, input set untouched, no temporaries",
+          rc == 1 and kept and not [f for f in os.listdir(d) if f.startswith(".flowmoe")], err)
+    os.rmdir(d + "/old.segments.npy")
+    out = run_ok("transpose", "--method", "aware", d + "/old", d + "/old")
+    check("in-place transpose: the row set is replaced by a col set that reads back",
+          "wrote" in out and run("dequantize", "--layout", "col", d + "/old", d + "/old.npy")[0] == 0)
+
+    # 4. finite input at the top of the float32 range never decodes to Inf, in any layout
+    big = np.full((128, 256), 1.0, np.float32)
+    big[0, :] = np.float32(3.4028235e38)
+    big[1, :] = np.float32(-3.3e38)
+    big[2, :64] = np.float32(2.99e38)
+    np.save(d + "/big.npy", big)
+    for lay, dec in (("row", np_dequant_row), ("col", np_dequant_col), ("weight", np_dequant_weight),
+                     ("mxfp4", np_dequant_mxfp4)):
+        out = run_ok("quantize", "--layout", lay, d + "/big.npy", d + "/big_" + lay)
+        vals = dec(d + "/big_" + lay)
+        check("quantize %s of values up to FLT_MAX: every value finite, nonfinite 0" % lay,
+              bool(np.all(np.isfinite(vals))) and re.search(r"^nonfinite: 0$", out, re.M) is not None)
+    check("row: FLT_MAX decodes to 1.875 * 2^127", np_dequant_row(d + "/big_row")[0, 0] == np.float32(2.0 ** 127 * 1.875))
+    check("mxfp4: FLT_MAX decodes to 1.5 * 2^127", np_dequant_mxfp4(d + "/big_mxfp4")[0, 0] == np.float32(2.0 ** 127 * 1.5))
+
+    # 5. counters: quantize counts flushed elements; the naive path names its BF16 overflow
+    y = np.ones((1, 128), np.float32)
+    y[0, 0] = 448.0
+    y[0, 1:4] = 1e-4  # below 2^-10: zero codes
+    np.save(d + "/y.npy", y)
+    out = run_ok("quantize", "--layout", "row", d + "/y.npy", d + "/y")
+    check("quantize: 'flushed: 3' for three non-zero inputs that became zero codes",
+          re.search(r"^flushed: 3$", out, re.M) is not None and "underflow" not in out, out)
+    codes = np.full((1, 128), 0x38, np.uint8)
+    codes[0, 0] = 0x7E
+    np.save(d + "/h.codes.npy", codes)
+    np.save(d + "/h.scales.npy", np.full((1, 1), 254, np.uint8))
+    rc, _, err = run("transpose", "--method", "naive", d + "/h", d + "/hn")
+    check("naive transpose of 448 * 2^127: exit 1, reports overflow in the BF16 intermediate, not NaN input",
+          rc == 1 and "overflowed" in err and "NaN scale" not in err, err)
+    out = run_ok("transpose", "--method", "naive", "--allow-nonfinite", d + "/h", d + "/hn")
+    check("naive transpose --allow-nonfinite: 'overflow: 1'", re.search(r"^overflow: 1$", out, re.M) is not None, out)
+
+    # minor: strict integers, .npy header tail, long headers cut in messages
+    for bad in ("+130,256", " 130,256", "130, 256"):
+        rc, _, err = run("dequantize", "--layout", "row", "--shape", bad, d + "/old", d + "/o.npy")
+        check("--shape '%s': usage error" % bad, rc == 2 and "not an integer" in err, err)
+    rc, _, err = run("quantize", "--layout", "col", "--segments", "+130", d + "/x.npy", d + "/o")
+    check("--segments '+130': usage error", rc == 2 and "not an integer" in err, err)
+    raw_npy(d + "/tail.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), }x",
+            np.ones(128, np.float32).tobytes())
+    rc, _, err = run("decode", "--format", "bf16", d + "/tail.npy", d + "/o.npy")
+    check(".npy header with bytes after '}': exit 1", rc == 1 and "after the closing" in err, err)
+    raw_npy(d + "/long.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), 'x': '%s'}" % ("y" * 10000))
+    rc, _, err = run("decode", "--format", "bf16", d + "/long.npy", d + "/o.npy")
+    check("a 10 KB header: exit 1, message cut", rc == 1 and len(err) < 1000, "%d bytes" % len(err))
+
+
 def test_numerics():
     out = run_ok("numerics", "--m", "256", "--k", "256", "--experts", "4", "--seed", "7")
     check("numerics: prints all nine paths",
@@ -451,7 +551,7 @@ def main():
     FLOWMOE = os.path.abspath(sys.argv[1])
     rng = np.random.default_rng(1234)
     tests = [test_row, test_bf16_col_segments, test_transpose, test_mxfp4, test_weight, test_cast_decode,
-             test_errors]
+             test_errors, test_robustness]
     with tempfile.TemporaryDirectory() as tmp:
         for t in tests:
             try:

@@ -1,6 +1,7 @@
 // Argument parsing for the `flowmoe` tool.
 #include "cli.h"
 
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <limits>
@@ -70,10 +71,15 @@ void Args::expect_positional(const std::vector<std::string>& names) const {
 }
 
 int64_t parse_int(const std::string& s, const std::string& what, int64_t min_value, int64_t max_value) {
+  // Digits with an optional leading '-' only: strtoll alone would also accept leading white
+  // space and a '+'.
+  const size_t first_digit = !s.empty() && s[0] == '-' ? 1 : 0;
+  if (s.size() <= first_digit || !std::isdigit(static_cast<unsigned char>(s[first_digit])))
+    throw UsageError(what + ": '" + s + "' is not an integer");
   errno = 0;
   char* end = nullptr;
   const long long v = std::strtoll(s.c_str(), &end, 10);
-  if (s.empty() || *end != '\0' || errno == ERANGE)
+  if (*end != '\0' || errno == ERANGE)
     throw UsageError(what + ": '" + s + "' is not an integer");
   if (v < min_value || v > max_value)
     throw UsageError(what + ": " + s + " is out of range [" + std::to_string(min_value) + ", " +

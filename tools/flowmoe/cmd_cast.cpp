@@ -5,7 +5,8 @@
 #include <vector>
 
 #include "cli.h"
-#include "common/npy.h"
+#include "npy.h"
+#include "output_set.h"
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/tensor.h"
@@ -52,17 +53,17 @@ int run_cast(const Args& args) {
   const std::string& out = args.positional()[1];
   const NpyArray a = npy_load(in);
   const std::vector<float> x = load_as_f32(a, in);
+  OutputSet set;
   if (fmt == "bf16") {
     std::vector<bf16_t> y(x.size());
     for (size_t i = 0; i < x.size(); ++i) y[i] = num::f32_to_bf16(x[i]);
-    npy_save(out, kNpyU16, a.shape, y.data());
+    set.add(out, kNpyU16, a.shape, y.data());
   } else {
     std::vector<uint8_t> y(x.size());
     for (size_t i = 0; i < x.size(); ++i) y[i] = fmt == "e4m3" ? num::f32_to_e4m3(x[i]) : num::f32_to_e2m1(x[i]);
-    npy_save(out, kNpyU8, a.shape, y.data());
+    set.add(out, kNpyU8, a.shape, y.data());
   }
-  std::cout << "wrote " << out << " " << (fmt == "bf16" ? npy_dtype_name(kNpyU16) : npy_dtype_name(kNpyU8)) << " "
-            << npy_shape_str(a.shape) << "\n";
+  set.commit();
   return 0;
 }
 
@@ -90,8 +91,9 @@ int run_decode(const Args& args) {
       }
     }
   }
-  npy_save(out, kNpyF32, a.shape, y.data());
-  std::cout << "wrote " << out << " float32 " << npy_shape_str(a.shape) << "\n";
+  OutputSet set;
+  set.add(out, kNpyF32, a.shape, y.data());
+  set.commit();
   return 0;
 }
 

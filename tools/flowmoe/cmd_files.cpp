@@ -1,10 +1,12 @@
 // File subcommands: quantize, dequantize, transpose, fp4-to-fp8 (layouts in docs/FILES.md).
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "cli.h"
-#include "common/npy.h"
+#include "npy.h"
+#include "output_set.h"
 #include "flowmoe/cpu/convert.h"
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
@@ -78,49 +80,60 @@ const char kQuantizeUsage[] =
     "                     0xFF (NaN) and decode to NaN. Without it such input is an error\n"
     "                     (exit 1) and nothing is written.\n"
     "\n"
+    "The files of the output appear together or not at all: on any error (exit 1) no file of\n"
+    "the set is written and an existing set of that name is left as it was.\n"
+    "\n"
     "Prints 'input:', then one 'wrote PATH DTYPE [SHAPE]' line per file, then 'layout:',\n"
-    "'nonfinite: N' and 'underflow: N' lines per tensor. See docs/FILES.md.\n";
+    "'nonfinite: N' and 'flushed: N' (non-zero inputs encoded as zero) lines per tensor.\n"
+    "Inputs at the top of the float32 range saturate so that nothing decodes to Inf.\n"
+    "See docs/FILES.md.\n";
 
 template <typename T>
 int quantize_typed(const T* x, const HpInput& in, const std::string& layout, const std::string& seg_counts,
                    const std::string& prefix) {
   const int64_t m = in.m, k = in.k;
+  OutputSet out;
   if (layout == "row") {
     check_layout_shape(Layout::kRow1x128, m, k, in.path);
     QTensor q;
     const QuantStats st = cpu::quantize_row(x, m, k, &q);
-    save_qtensor(q, prefix);
-    print_stats(q, st);
+    save_qtensor(q, prefix, &out);
+    out.commit();
+    print_stats(q, st, Counted::kQuantize);
   } else if (layout == "col") {
     check_layout_shape(Layout::kCol128x1, m, k, in.path);
     const Segments seg = segments_from_option(seg_counts, m);
     QTensor q;
     const QuantStats st = cpu::quantize_col(x, m, k, seg, &q);
-    save_qtensor(q, prefix);
-    print_stats(q, st);
+    save_qtensor(q, prefix, &out);
+    out.commit();
+    print_stats(q, st, Counted::kQuantize);
   } else if (layout == "both") {
     check_layout_shape(Layout::kRow1x128, m, k, in.path);
     const Segments seg = segments_from_option(seg_counts, m);
     QTensor row, col;
     const QuantStats st_row = cpu::quantize_row(x, m, k, &row);
     const QuantStats st_col = cpu::quantize_col(x, m, k, seg, &col);
-    save_qtensor(row, prefix + ".row");
-    save_qtensor(col, prefix + ".col");
-    print_stats(row, st_row);
-    print_stats(col, st_col);
+    save_qtensor(row, prefix + ".row", &out);
+    save_qtensor(col, prefix + ".col", &out);
+    out.commit();
+    print_stats(row, st_row, Counted::kQuantize);
+    print_stats(col, st_col, Counted::kQuantize);
   } else if (layout == "weight") {
     check_layout_shape(Layout::kWeight128x128, m, k, in.path);
     QTensor w, wt;
     const QuantStats st = cpu::quantize_weight(x, m, k, &w, &wt);
-    save_qtensor(w, prefix);
-    save_qtensor(wt, prefix + ".t");
-    print_stats(w, st);
+    save_qtensor(w, prefix, &out);
+    save_qtensor(wt, prefix + ".t", &out);
+    out.commit();
+    print_stats(w, st, Counted::kQuantize);
   } else {  // mxfp4
     check_layout_shape(Layout::kMxfp4Row1x32, m, k, in.path);
     QTensor q;
     const QuantStats st = cpu::quantize_mxfp4(x, m, k, &q);
-    save_qtensor(q, prefix);
-    print_stats(q, st);
+    save_qtensor(q, prefix, &out);
+    out.commit();
+    print_stats(q, st, Counted::kQuantize);
   }
   return 0;
 }
@@ -169,16 +182,17 @@ int run_dequantize(const Args& args) {
   const QTensor q = load_qtensor(l, args.positional()[0], args.get("shape"), args.get("segments"));
   const std::string& out = args.positional()[1];
   const std::vector<int64_t> shape = {q.rows, q.cols};
+  OutputSet set;
   if (args.flag("bf16")) {
     std::vector<bf16_t> y(static_cast<size_t>(q.rows * q.cols));
     cpu::dequantize(q, y.data());
-    npy_save(out, kNpyU16, shape, y.data());
-    std::cout << "wrote " << out << " " << npy_dtype_name(kNpyU16) << " " << npy_shape_str(shape) << "\n";
+    set.add(out, kNpyU16, shape, y.data());
+    set.commit();
   } else {
     std::vector<float> y(static_cast<size_t>(q.rows * q.cols));
     cpu::dequantize(q, y.data());
-    npy_save(out, kNpyF32, shape, y.data());
-    std::cout << "wrote " << out << " " << npy_dtype_name(kNpyF32) << " " << npy_shape_str(shape) << "\n";
+    set.add(out, kNpyF32, shape, y.data());
+    set.commit();
   }
   std::cout << "layout: " << q.describe() << "\n";
   return 0;
@@ -202,16 +216,27 @@ const char kTransposeUsage[] =
     "  --shape M,K       logical shape; checked against the files (default: inferred)\n"
     "  --segments a,b,c  token counts per expert segment of the output (default: one segment)\n"
     "  --allow-nonfinite  write the result even if the input holds NaN-marked tiles or NaN codes\n"
+    "                    (or, naive, values that overflow the BF16 intermediate)\n"
     "\n"
-    "Prints the 'wrote' lines, then 'layout:', 'nonfinite: N' and 'underflow: N'.\n";
+    "The input set is read completely before anything is written, and the output set appears\n"
+    "whole or not at all, so OUTPREFIX may equal PREFIX (the row set is replaced atomically).\n"
+    "Prints the 'wrote' lines, then 'layout:', 'nonfinite: N' and, for aware, 'underflow: N';\n"
+    "for naive 'overflow: N' and 'flushed: N' (counters defined in docs/FILES.md).\n";
 
-// Non-finite input to a conversion (NaN-marked tiles or NaN codes in the source files) is an
-// error, as for 'quantize': nothing is written unless --allow-nonfinite is given.
+// Non-finite input to a conversion (NaN-marked tiles or NaN codes in the source files), and
+// values a stepwise path's BF16 intermediate overflowed to Inf, are an error as for 'quantize':
+// nothing is written unless --allow-nonfinite is given. The message names what happened.
 void check_conversion_nonfinite(const QuantStats& st, const Args& args, const std::string& what) {
-  FLOWMOE_CHECK(st.nonfinite == 0 || args.flag("allow-nonfinite"),
-                what << ": the input holds " << st.nonfinite
-                     << " non-finite element(s) (NaN scale 0xFF or NaN codes); nothing was written "
-                        "(pass --allow-nonfinite to write the NaN-marked result)");
+  if (st.nonfinite == 0 || args.flag("allow-nonfinite")) return;
+  std::ostringstream os;
+  const int64_t in_input = st.nonfinite - st.overflow;
+  if (in_input > 0) os << "the input holds " << in_input << " non-finite element(s) (NaN scale 0xFF or NaN codes)";
+  if (in_input > 0 && st.overflow > 0) os << ", and ";
+  if (st.overflow > 0)
+    os << st.overflow << " finite element(s) overflowed to Inf in the path's BF16 intermediate (codes x scale "
+       << "beyond the BF16 range, e.g. scale codes near 254)";
+  FLOWMOE_CHECK(false, what << ": " << os.str()
+                            << "; nothing was written (pass --allow-nonfinite to write the NaN-marked result)");
 }
 
 int run_transpose(const Args& args) {
@@ -223,8 +248,10 @@ int run_transpose(const Args& args) {
   const QuantStats st = method == "aware" ? cpu::scaling_aware_transpose(row, seg, &col)
                                           : cpu::naive_col_copy(row, seg, &col);
   check_conversion_nonfinite(st, args, args.positional()[0]);
-  save_qtensor(col, args.positional()[1]);
-  print_stats(col, st);
+  OutputSet out;
+  save_qtensor(col, args.positional()[1], &out);
+  out.commit();
+  print_stats(col, st, method == "aware" ? Counted::kExact : Counted::kStepwise);
   return 0;
 }
 
@@ -242,6 +269,9 @@ const char kFp4ToFp8Usage[] =
     "  col-stepwise  the baseline: FP4 -> BF16, transpose, quantize with fresh scales (same files)\n"
     "The direct conversions are exact while the exponent spread of the combined blocks is <= 14;\n"
     "beyond, values round into the E4M3 subnormals and are counted as 'underflow'.\n"
+    "The input set is read completely first and the output set appears whole or not at all.\n"
+    "Prints the 'wrote' lines, then 'layout:', 'nonfinite: N' and, for row and col,\n"
+    "'underflow: N'; for col-stepwise 'overflow: N' and 'flushed: N' (docs/FILES.md).\n"
     "\n"
     "options:\n"
     "  --to T            row, col or col-stepwise (required)\n"
@@ -264,8 +294,10 @@ int run_fp4_to_fp8(const Args& args) {
     st = to == "col" ? cpu::fp4_to_fp8_col(fp4, seg, &out) : cpu::fp4_to_fp8_col_stepwise(fp4, seg, &out);
   }
   check_conversion_nonfinite(st, args, args.positional()[0]);
-  save_qtensor(out, args.positional()[1]);
-  print_stats(out, st);
+  OutputSet set;
+  save_qtensor(out, args.positional()[1], &set);
+  set.commit();
+  print_stats(out, st, to == "col-stepwise" ? Counted::kStepwise : Counted::kExact);
   return 0;
 }
 

@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "cli.h"
-#include "common/npy.h"
+#include "npy.h"
 #include "flowmoe/error.h"
 
 namespace flowmoe {
@@ -60,7 +60,10 @@ const char* layout_word(Layout l) {
 }
 
 void check_layout_shape(Layout l, int64_t rows, int64_t cols, const std::string& where) {
-  FLOWMOE_CHECK(rows >= 0 && cols >= 0, where << ": negative shape [" << rows << ", " << cols << "]");
+  FLOWMOE_CHECK(rows >= 1 && cols >= 1 && rows <= kMaxDim && cols <= kMaxDim,
+                where << ": shape [M, K] = [" << rows << ", " << cols << "] is "
+                      << (rows < 1 || cols < 1 ? "empty" : "too large")
+                      << "; expected M and K in [1, " << kMaxDim << "]");
   switch (l) {
     case Layout::kRow1x128:
       FLOWMOE_CHECK(cols % kFp8Block == 0, where << ": K = " << cols << " is not a multiple of 128 "
@@ -111,7 +114,7 @@ Segments segments_from_option(const std::string& counts, int64_t m) {
 
 bool file_exists(const std::string& path) { return std::ifstream(path, std::ios::binary).is_open(); }
 
-void save_qtensor(const QTensor& q, const std::string& prefix) {
+void save_qtensor(const QTensor& q, const std::string& prefix, OutputSet* out) {
   const std::vector<int64_t> cs = code_shape(q.layout, q.rows, q.cols);
   const std::vector<int64_t> ss = scale_shape(q.layout, q.rows, q.cols, q.segments);
   // Sanity: the library produced exactly the layout documented in FILES.md.
@@ -121,16 +124,11 @@ void save_qtensor(const QTensor& q, const std::string& prefix) {
   FLOWMOE_CHECK(static_cast<int64_t>(q.scales.size()) == ss[0] * ss[1],
                 "internal: " << q.describe() << " has " << q.scales.size() << " scale bytes, expected "
                              << npy_shape_str(ss));
-  auto save = [](const std::string& path, const char* dtype, const std::vector<int64_t>& shape,
-                 const void* data) {
-    npy_save(path, dtype, shape, data);
-    std::cout << "wrote " << path << " " << npy_dtype_name(dtype) << " " << npy_shape_str(shape) << "\n";
-  };
-  save(prefix + ".codes.npy", kNpyU8, cs, q.codes.data());
-  save(prefix + ".scales.npy", kNpyU8, ss, q.scales.data());
+  out->add(prefix + ".codes.npy", kNpyU8, cs, q.codes.data());
+  out->add(prefix + ".scales.npy", kNpyU8, ss, q.scales.data());
   if (q.layout == Layout::kCol128x1) {
     const std::vector<int32_t>& off = q.segments.offsets;
-    save(prefix + ".segments.npy", kNpyI32, {static_cast<int64_t>(off.size())}, off.data());
+    out->add(prefix + ".segments.npy", kNpyI32, {static_cast<int64_t>(off.size())}, off.data());
   }
 }
 
@@ -148,6 +146,13 @@ QTensor load_qtensor(Layout l, const std::string& prefix, const std::string& sha
                                                   << npy_dtype_name(codes.dtype));
   FLOWMOE_CHECK(codes.shape.size() == 2, codes_path << ": codes must be 2-D, got shape "
                                                     << npy_shape_str(codes.shape));
+  // Before anything loops over or allocates for it: a header may claim any shape when one
+  // dimension is 0 (no data bytes), e.g. [2^40, 0].
+  const bool empty = codes.shape[0] < 1 || codes.shape[1] < 1;
+  FLOWMOE_CHECK(!empty && codes.shape[0] <= kMaxDim && codes.shape[1] <= kMaxDim,
+                codes_path << ": codes have shape " << npy_shape_str(codes.shape) << ", which is "
+                           << (empty ? "empty" : "too large") << "; expected both dimensions in [1, "
+                           << kMaxDim << "]");
   if (!shape.empty()) {
     std::tie(rows, cols) = parse_shape(shape, "--shape");
     check_layout_shape(l, rows, cols, "--shape " + shape);
@@ -202,10 +207,12 @@ QTensor load_qtensor(Layout l, const std::string& prefix, const std::string& sha
   return q;
 }
 
-void print_stats(const QTensor& q, const QuantStats& st) {
+void print_stats(const QTensor& q, const QuantStats& st, Counted c) {
   std::cout << "layout: " << q.describe() << "\n"
-            << "nonfinite: " << st.nonfinite << "\n"
-            << "underflow: " << st.underflow << "\n";
+            << "nonfinite: " << st.nonfinite << "\n";
+  if (c == Counted::kExact) std::cout << "underflow: " << st.underflow << "\n";
+  if (c == Counted::kStepwise) std::cout << "overflow: " << st.overflow << "\n";
+  if (c != Counted::kExact) std::cout << "flushed: " << st.flushed << "\n";
 }
 
 }  // namespace cli

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "flowmoe/tensor.h"
+#include "output_set.h"
 
 namespace flowmoe {
 namespace cli {
@@ -21,8 +22,12 @@ Layout parse_layout(const std::string& s);
 // The command-line spelling of a layout.
 const char* layout_word(Layout l);
 
-// Checks that [rows, cols] is a valid logical shape for the layout (block multiples), naming
-// `where` (a file or option) in the error.
+// The largest M or K a file may describe: token offsets and segment counts are int32.
+constexpr int64_t kMaxDim = 2147483647;
+
+// Checks that [rows, cols] is a valid logical shape for the layout: both in [1, kMaxDim] (an
+// empty or absurd shape is rejected before anything loops over it) and block multiples, naming
+// `where` (a file or option), the shape and the limit in the error.
 void check_layout_shape(Layout l, int64_t rows, int64_t cols, const std::string& where);
 
 // Stored .npy shapes of codes and scales for a logical [rows, cols] tensor.
@@ -32,9 +37,9 @@ std::vector<int64_t> scale_shape(Layout l, int64_t rows, int64_t cols, const Seg
 // Segments from "--segments a,b,c" token counts (must sum to m), or one segment when empty.
 Segments segments_from_option(const std::string& counts, int64_t m);
 
-// Writes PREFIX.codes.npy, PREFIX.scales.npy (and PREFIX.segments.npy for col); prints one
-// "wrote PATH DTYPE [SHAPE]" line per file to stdout.
-void save_qtensor(const QTensor& q, const std::string& prefix);
+// Adds PREFIX.codes.npy, PREFIX.scales.npy (and PREFIX.segments.npy for col) to `out`; they
+// appear, with the rest of the set, when the caller commits it (output_set.h).
+void save_qtensor(const QTensor& q, const std::string& prefix, OutputSet* out);
 
 // Rebuilds a QTensor from PREFIX.*.npy. `shape` is "M,K" or empty (inferred from the codes
 // file); `seg_counts` is the --segments value or empty (col only: then PREFIX.segments.npy is
@@ -44,8 +49,12 @@ QTensor load_qtensor(Layout l, const std::string& prefix, const std::string& sha
 
 bool file_exists(const std::string& path);
 
-// Prints "layout: ...", "nonfinite: N" and "underflow: N" lines to stdout.
-void print_stats(const QTensor& q, const QuantStats& st);
+// Which counters an operation counts (docs/FILES.md defines them): quantize counts `flushed`, the
+// exact conversions `underflow`, the stepwise paths (naive transpose, FP4->FP8 col-stepwise)
+// `overflow` and `flushed`. Every operation counts `nonfinite`.
+enum class Counted { kQuantize, kExact, kStepwise };
+// Prints "layout: ...", "nonfinite: N" and the lines of the counters `c` names to stdout.
+void print_stats(const QTensor& q, const QuantStats& st, Counted c);
 
 }  // namespace cli
 }  // namespace flowmoe

@@ -100,6 +100,7 @@ quantize_mxfp4_kernel(const bf16_t* __restrict__ x, int64_t nchunks, uint32_t* _
       for (int q = 0; q < 4; ++q)
         out |= detail::e2m1x2_bounded(__uint_as_float(w[q] << 16) * inv, __uint_as_float(w[q] & 0xFFFF0000u) * inv)
                << (8 * q);
+      out = detail::e2m1x8_saturate_for_scale(out, e);
     }
     codes[chunk] = out;
     if ((threadIdx.x & 3) == 0) scales[chunk >> 2] = block_bad ? kUE8M0NaN : ue8m0_from_exp(e);

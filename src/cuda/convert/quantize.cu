@@ -27,7 +27,7 @@ __device__ __forceinline__ uint2 encode8(const uint4& v, int e, bool nan_tile) {
     const uint32_t a = w[2 * q], b = w[2 * q + 1];
     const uint32_t lo = detail::e4m3x2(__uint_as_float(a << 16) * inv, __uint_as_float(a & 0xFFFF0000u) * inv);
     const uint32_t hi = detail::e4m3x2(__uint_as_float(b << 16) * inv, __uint_as_float(b & 0xFFFF0000u) * inv);
-    out[q] = lo | (hi << 16);
+    out[q] = detail::e4m3x4_saturate_for_scale(lo | (hi << 16), e);
   }
   return make_uint2(out[0], out[1]);
 }
@@ -177,7 +177,7 @@ quantize_col_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t k,
         const float c = __uint_as_float(static_cast<uint32_t>(s_x[qc_index(t + 1, f)]) << 16) * inv;
         word |= static_cast<uint32_t>(col_bad ? 0x7F7Fu : detail::e4m3x2(a, c)) << (8 * p);
       }
-      w[q] = word;
+      w[q] = col_bad ? word : detail::e4m3x4_saturate_for_scale(word, static_cast<int>(code) - kUE8M0Bias);
     }
     if (vec && t0 + 16 <= n) {
       *reinterpret_cast<uint4*>(dst + t0) = make_uint4(w[0], w[1], w[2], w[3]);
@@ -305,6 +305,7 @@ quantize_transposed_kernel(const bf16_t* __restrict__ xt, int64_t m, int64_t k,
            (static_cast<uint32_t>(detail::e4m3x2(__uint_as_float(static_cast<uint32_t>(h[2]) << 16) * inv,
                                                  __uint_as_float(static_cast<uint32_t>(h[3]) << 16) * inv))
             << 16);
+    word = detail::e4m3x4_saturate_for_scale(word, e);
   }
   uint8_t* dst = codes + kf * m + bs;
   if (vec) {

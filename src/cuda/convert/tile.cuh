@@ -23,6 +23,22 @@ __device__ __forceinline__ uint16_t e4m3x2(float a, float b) {
   return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
 }
 
+// num::e4m3_saturate_for_scale on four packed codes of a finite tile with scale exponent e: the
+// decoded saturation at the top of the binary32 range (a no-op below num::kE4M3SaturateScaleExp).
+__device__ __forceinline__ uint32_t e4m3x4_saturate_for_scale(uint32_t w, int e) {
+  if (e < num::kE4M3SaturateScaleExp) return w;
+  const uint32_t lim = num::e4m3_max_code_for_scale(e) * 0x01010101u;
+  return __vminu4(w & 0x7F7F7F7Fu, lim) | (w & 0x80808080u);
+}
+// num::e2m1_saturate_for_scale on the `count` packed E2M1 nibbles of w (low nibble first).
+__device__ __forceinline__ uint32_t e2m1x8_saturate_for_scale(uint32_t w, int e, int count = 8) {
+  if (e < num::kE2M1SaturateScaleExp) return w;
+  uint32_t out = 0;
+  for (int i = 0; i < count; ++i)
+    out |= static_cast<uint32_t>(num::e2m1_saturate_for_scale(static_cast<uint8_t>((w >> (4 * i)) & 0xFu), e)) << (4 * i);
+  return out;
+}
+
 // Two E2M1 nibbles (a in bits 0-3, b in bits 4-7) of finite a, b with |a|, |b| <= 6: the
 // thresholds of num::e2m1_encode_bounded evaluated on packed halves (one HSET2 per threshold for
 // both values). Exact whenever a and b carry at most 11 significant bits (true for a BF16 value

@@ -175,6 +175,7 @@ __device__ __forceinline__ Fp4Codes quantize_fp4x8(const uint4& v, unsigned long
 #pragma unroll
     for (int q = 0; q < 4; ++q)
       out |= detail::e2m1x2_bounded(bf16_lo(w[q]) * inv, bf16_hi(w[q]) * inv) << (8 * q);
+    out = detail::e2m1x8_saturate_for_scale(out, e);
   }
   return Fp4Codes{out, bad ? kUE8M0NaN : ue8m0_from_exp(e)};
 }
@@ -188,7 +189,8 @@ __device__ __forceinline__ uint2 encode8(const uint4& v, int e, bool nan_tile) {
   uint32_t lo16[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) lo16[q] = detail::e4m3x2(bf16_lo(w[q]) * inv, bf16_hi(w[q]) * inv);
-  return make_uint2(lo16[0] | (lo16[1] << 16), lo16[2] | (lo16[3] << 16));
+  return make_uint2(detail::e4m3x4_saturate_for_scale(lo16[0] | (lo16[1] << 16), e),
+                    detail::e4m3x4_saturate_for_scale(lo16[2] | (lo16[3] << 16), e));
 }
 
 struct TileCodes {
@@ -229,7 +231,9 @@ __device__ __forceinline__ TileCodes quantize_tile8(const float (&a)[8], unsigne
   uint32_t c[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) c[q] = detail::e4m3x2(a[2 * q] * inv, a[2 * q + 1] * inv);
-  return TileCodes{make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16)), ue8m0_from_exp(e)};
+  return TileCodes{make_uint2(detail::e4m3x4_saturate_for_scale(c[0] | (c[1] << 16), e),
+                             detail::e4m3x4_saturate_for_scale(c[2] | (c[3] << 16), e)),
+                   ue8m0_from_exp(e)};
 }
 
 // ---- forward, row-wise: plain BF16 or fused quantize ----------------------------------------------
@@ -692,8 +696,8 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
         x0 |= c0 << (16 * pp);
         x1 |= c1 << (16 * pp);
       }
-      w0[q] = x0;
-      w1[q] = x1;
+      w0[q] = bad0 ? x0 : detail::e4m3x4_saturate_for_scale(x0, static_cast<int>(s0) - 127);
+      w1[q] = bad1 ? x1 : detail::e4m3x4_saturate_for_scale(x1, static_cast<int>(s1) - 127);
     }
     if (vec && t0 + 16 <= n) {
       *reinterpret_cast<uint4*>(dst0 + t0) = make_uint4(w0[0], w0[1], w0[2], w0[3]);

@@ -1,4 +1,4 @@
-// Minimal NumPy .npy file I/O for the command-line tool and the tests.
+// Minimal NumPy .npy file I/O for the command-line tool (its only user).
 //
 // Reads format versions 1.0 and 2.0, writes 1.0 (2.0 only if the header would not fit).
 // Little-endian, C order only. Supported dtypes (as written in the header's 'descr'):

@@ -2,9 +2,10 @@
 //   {'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }
 // which is parsed by a small recursive-descent parser that accepts exactly the value kinds
 // NumPy writes there: quoted strings, True/False and tuples of integers.
-#include "common/npy.h"
+#include "npy.h"
 
 #include <cctype>
+#include <cerrno>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -32,11 +33,13 @@ bool normalise_descr(const std::string& d, std::string* out) {
   return true;
 }
 
-// Text from a file made safe for an error message: non-printable bytes become \xNN.
+// Text from a file made safe for an error message: non-printable bytes become \xNN, and text
+// longer than kPrintMax bytes is cut (a header may be up to 4 GiB long).
+constexpr size_t kPrintMax = 120;
 std::string printable(const std::string& s) {
   static const char hex[] = "0123456789abcdef";
   std::string out;
-  for (unsigned char c : s) {
+  for (unsigned char c : s.substr(0, kPrintMax)) {
     if (std::isprint(c)) {
       out += static_cast<char>(c);
     } else {
@@ -45,6 +48,7 @@ std::string printable(const std::string& s) {
       out += hex[c & 15];
     }
   }
+  if (s.size() > kPrintMax) out += "... (" + std::to_string(s.size()) + " bytes in all)";
   return out;
 }
 
@@ -95,6 +99,9 @@ class HeaderParser {
       break;
     }
     expect('}');
+    // NumPy evaluates the whole header as one Python literal: only whitespace may follow the '}'.
+    skip_ws();
+    if (pos_ != s_.size()) fail("unexpected bytes after the closing '}'");
     FLOWMOE_CHECK(h.has_descr && h.has_order && h.has_shape,
                   path_ << ": malformed .npy header: expected keys 'descr', 'fortran_order' and "
                            "'shape' in "
@@ -251,8 +258,7 @@ NpyArray npy_load(const std::string& path) {
   std::string header(header_len, '\0');
   f.read(&header[0], header_len);
   FLOWMOE_CHECK(static_cast<uint32_t>(f.gcount()) == header_len, path << ": truncated .npy header");
-  while (!header.empty() && (header.back() == '\n' || header.back() == ' ' || header.back() == '\0'))
-    header.pop_back();
+  while (!header.empty() && (header.back() == '\n' || header.back() == ' ')) header.pop_back();
 
   const Header h = HeaderParser(header, path).parse();
   NpyArray a;
@@ -305,7 +311,7 @@ void npy_save(const std::string& path, const std::string& dtype, const std::vect
   dict += '\n';
 
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  FLOWMOE_CHECK(f.is_open(), path << ": cannot open for writing");
+  FLOWMOE_CHECK(f.is_open(), path << ": cannot open for writing (" << std::strerror(errno) << ")");
   f.write(kMagic, kMagicLen);
   const char version[2] = {static_cast<char>(v2 ? 2 : 1), 0};
   f.write(version, 2);
@@ -316,7 +322,7 @@ void npy_save(const std::string& path, const std::string& dtype, const std::vect
     f.write(static_cast<const char*>(data), static_cast<std::streamsize>(n * static_cast<int64_t>(item)));
   }
   f.close();
-  FLOWMOE_CHECK(!f.fail(), path << ": write failed (disk full or not writable?)");
+  FLOWMOE_CHECK(!f.fail(), path << ": write failed (" << std::strerror(errno) << "; disk full?)");
 }
 
 }  // namespace flowmoe
