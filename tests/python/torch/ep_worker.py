@@ -20,18 +20,22 @@ def main():
     rank, world = int(rank), int(world)
     if lib:
         native.set_library_path(lib)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    cuda = case == "values-cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
     results = {}
-    if case == "values":
+    if case in ("values", "values-cuda"):
+        dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
         for recipe in EP_RECIPES:
-            m = ep_module(recipe, ep_group=dist.group.WORLD)
-            x, dy = ep_inputs(rank)
+            m = ep_module(recipe, ep_group=dist.group.WORLD).to(dev)
+            x, dy = (t.to(dev) for t in ep_inputs(rank))
             x.requires_grad_()
             y = m(x)
             y.backward(dy)
-            results[recipe] = dict(y=y.detach(), dx=x.grad, dw1=m.w1.grad, dw2=m.w2.grad, dwr=m.wr.grad,
-                                   wire=m.cast_report()["wire"])
+            results[recipe] = dict(y=y.detach().cpu(), dx=x.grad.cpu(), dw1=m.w1.grad.cpu(),
+                                   dw2=m.w2.grad.cpu(), dwr=m.wr.grad.cpu(), wire=m.cast_report()["wire"])
             m.release()
     elif case == "mismatch":
         # rank 1 asks for another recipe: every rank must get an error, nobody hangs
