@@ -98,17 +98,17 @@ class _MoEFunction(torch.autograd.Function):
                 if not n:
                     bufs.append(None)
                     continue
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p) if accumulate else torch.empty_like(p)
-                else:
-                    g = p.grad
-                    if g.dtype != torch.float32 or g.device != p.device or not g.is_contiguous() \
-                            or g.shape != p.shape:
-                        raise FlowmoeError(
-                            f"flowmoe.torch.MoE: {module._param_name(p)}.grad is {g.dtype} "
-                            f"{tuple(g.shape)} on {g.device} (contiguous: {g.is_contiguous()}); "
-                            f"expected a contiguous float32 tensor like the parameter")
-                bufs.append(p.grad)
+                if p.grad is None:  # attached to the parameter once the layer has filled it
+                    bufs.append(torch.zeros_like(p) if accumulate else torch.empty_like(p))
+                    continue
+                g = p.grad
+                if g.dtype != torch.float32 or g.device != p.device or not g.is_contiguous() \
+                        or g.shape != p.shape:
+                    raise FlowmoeError(
+                        f"flowmoe.torch.MoE: {module._param_name(p)}.grad is {g.dtype} "
+                        f"{tuple(g.shape)} on {g.device} (contiguous: {g.is_contiguous()}); "
+                        f"expected a contiguous float32 tensor like the parameter")
+                bufs.append(g)
         else:
             accumulate = False
             bufs = [torch.empty_like(p) if n else None for p, n in zip(params, need)]
@@ -119,6 +119,9 @@ class _MoEFunction(torch.autograd.Function):
             runner.leave(cur)
         dx_out = dx if ctx.needs_input_grad[2] else None
         if direct:
+            for p, b in zip(params, bufs):
+                if b is not None and p.grad is None:
+                    p.grad = b
             return None, None, dx_out, None, None, None
         return (None, None, dx_out) + tuple(bufs)
 

@@ -346,3 +346,12 @@ def test_import_needs_no_native_library():
                          env={**__import__("os").environ, "PYTHONPATH": ":".join(sys.path)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_bad_existing_grad_raises_and_fresh_grads_appear_only_after_success():
+    m = make("bf16")
+    x, dy = data()
+    m.w2.grad = torch.zeros(E, F, H).transpose(1, 2)  # the right shape, not contiguous
+    with pytest.raises(flowmoe.FlowmoeError, match="w2.grad"):
+        m(x).backward(dy)
+    assert m.w1.grad is None  # nothing attached when the backward did not run
