@@ -184,7 +184,7 @@ class MoE(nn.Module):
         self.local_experts = experts // self.ep_world
 
         # The configuration is checked by the library now (not at the first forward).
-        _native.Layer(self._config(max_tokens or 1)).close()
+        _native.Layer(self._config(1)).close()
 
         E, El, H, F = experts, self.local_experts, hidden, ffn
         self.w1 = nn.Parameter(torch.empty(El, 2 * F, H, dtype=torch.float32, device=device))

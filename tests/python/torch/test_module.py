@@ -355,3 +355,17 @@ def test_bad_existing_grad_raises_and_fresh_grads_appear_only_after_success():
     with pytest.raises(flowmoe.FlowmoeError, match="w2.grad"):
         m(x).backward(dy)
     assert m.w1.grad is None  # nothing attached when the backward did not run
+
+
+def test_torch_compile_runs_the_module_eagerly_between_graph_breaks():
+    m = make("flow")
+    x, dy = data()
+    want = run_module(m, x, dy)
+    m.zero_grad(set_to_none=True)
+    xc = x.clone().requires_grad_()
+    compiled = torch.compile(lambda t: m(t) * 1, backend="eager")
+    y = compiled(xc)
+    y.backward(dy)
+    got = [y.detach(), xc.grad, m.w1.grad, m.w2.grad, m.wr.grad]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
