@@ -1,0 +1,132 @@
+// The C ABI of flowmoe (issue 17): the MoE layer of include/flowmoe/moe.h and the communicators of
+// include/flowmoe/comm.h behind plain C functions, built as the shared library flowmoe_capi
+// (libflowmoe_capi.so). The Python package (python/flowmoe/_native.py) loads it with ctypes, so the
+// library has no Python ABI: one build serves every Python version (docs/PYTHON.md).
+//
+// Conventions:
+//  - Every function returns FLOWMOE_OK (0) or an error code; on an error flowmoe_last_error()
+//    returns the message (the flowmoe::Error text: file:line, what was wrong, what was expected)
+//    of the last failed call of this thread. No C++ exception crosses this interface.
+//  - Pointers to tensors are host pointers for a CPU layer and device pointers for a CUDA layer;
+//    shapes are those of moe.h (x, y, dy, dx [T, H] bf16 bits; W1 [El, 2F, H], W2 [El, H, F],
+//    Wr [E, H], router bias [E], gradients the same, fp32).
+//  - Handles are owned by the caller and released with the matching destroy function. A layer
+//    made with a communicator does not own it: destroy the layer first.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FLOWMOE_CAPI_VERSION 1
+
+enum flowmoe_status_code {
+  FLOWMOE_OK = 0,
+  FLOWMOE_ERROR = 1,           // flowmoe::Error: bad argument, failed precondition, CUDA error
+  FLOWMOE_ERROR_NONFINITE = 2, // flowmoe::NonFiniteError (e.g. non-finite weights)
+  FLOWMOE_ERROR_COMM = 3,      // flowmoe::CommError (timeout, peer failure, mismatch across ranks)
+  FLOWMOE_ERROR_UNSUPPORTED = 4, // not built into this library (CUDA, NCCL)
+};
+
+typedef struct flowmoe_layer flowmoe_layer;
+typedef struct flowmoe_comm flowmoe_comm;
+
+// ---- library ----------------------------------------------------------------------------------
+int flowmoe_capi_version(void);  // FLOWMOE_CAPI_VERSION of the built library
+// Message of the last failed call on this thread ("" if none). Valid until the next failed call.
+const char* flowmoe_last_error(void);
+int flowmoe_has_cuda(void);  // 1 when the CUDA backend is built in
+int flowmoe_has_nccl(void);  // 1 when the NCCL communicator is built in
+// Recipe names, comma-separated ("bf16,blockwise,fp8-naive,flow,flow-fp4").
+const char* flowmoe_recipe_names(void);
+
+// ---- configuration (moe.h MoeConfig) -----------------------------------------------------------
+typedef struct flowmoe_config {
+  int64_t hidden;         // H
+  int64_t ffn;            // F
+  int32_t num_experts;    // E (all experts of the layer)
+  int32_t topk;           // k
+  const char* router;     // "softmax" or "sigmoid"
+  int32_t renormalize;    // 0 / 1
+  float routed_scaling;   // MoeConfig::router_scale
+  float aux_loss_coef;    // MoeConfig::aux_loss_alpha
+  int32_t align;          // A: 16, 32, 64, 128
+  const char* recipe;     // "bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"
+  int64_t max_tokens;     // largest T of a forward call
+  int32_t check_columns;  // MoeConfig::check_columns
+} flowmoe_config;
+
+// ---- layers -----------------------------------------------------------------------------------
+// comm may be null (one rank holding all E experts). CPU: a host-memory communicator
+// (flowmoe_comm_create_host); CUDA: a device-memory one (flowmoe_comm_create_nccl).
+int flowmoe_layer_create_cpu(const flowmoe_config* cfg, flowmoe_comm* comm, flowmoe_layer** out);
+// device: CUDA device index (made current for every call on this layer); stream: a cudaStream_t
+// (null: the legacy default stream) on which everything of the layer is ordered.
+int flowmoe_layer_create_cuda(const flowmoe_config* cfg, flowmoe_comm* comm, int device,
+                              void* stream, flowmoe_layer** out);
+int flowmoe_layer_destroy(flowmoe_layer* layer);  // null is allowed
+const char* flowmoe_layer_backend(const flowmoe_layer* layer);  // "cpu" or "cuda"
+int flowmoe_layer_local_experts(const flowmoe_layer* layer);    // El
+
+// router_bias may be null.
+int flowmoe_layer_set_weights(flowmoe_layer* layer, const float* w1, const float* w2,
+                              const float* wr, const float* router_bias);
+int flowmoe_layer_forward(flowmoe_layer* layer, const uint16_t* x, int64_t tokens, uint16_t* y);
+// Gradient pointers may be null (skipped). accumulate: 1 adds to the buffers, 0 overwrites them
+// (MoeGrads::accumulate).
+int flowmoe_layer_backward(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
+                           float* dw2, float* dwr, int accumulate);
+
+typedef struct flowmoe_layer_status {
+  int64_t nonfinite;  // MoeStatus
+  int64_t underflow;
+  float aux_loss;
+} flowmoe_layer_status;
+int flowmoe_layer_status_get(flowmoe_layer* layer, flowmoe_layer_status* out);
+
+// The cast report (moe.h CastReport) as JSON (as_json 1) or as CastReport::to_string (0). *out
+// points at a string owned by the layer, valid until the next call of this function on it.
+int flowmoe_layer_cast_report(flowmoe_layer* layer, int as_json, const char** out);
+
+// ---- communicators ------------------------------------------------------------------------------
+// One point-to-point transfer (comm.h P2pOp).
+typedef struct flowmoe_p2p {
+  int32_t peer;
+  void* data;
+  int64_t bytes;
+} flowmoe_p2p;
+
+// A host-memory communicator whose transport is supplied by the caller (e.g. Python over
+// torch.distributed with gloo): the CPU layer's expert parallelism across processes. Each callback
+// returns 0 on success; on failure it calls flowmoe_set_callback_error with the reason first and
+// returns non-zero (the communicator then fails with a CommError naming the reason).
+typedef struct flowmoe_host_comm_ops {
+  void* ctx;
+  // Communicator::alltoall_i32: send[p*n + i] to rank p, recv[p*n + i] from rank p.
+  int (*alltoall_i32)(void* ctx, const int32_t* send, int32_t* recv, int32_t n);
+  // Communicator::exchange: every op at once; the k-th send from p to q matches the k-th recv of
+  // q from p (equal sizes); ops to this rank itself are local copies.
+  int (*exchange)(void* ctx, const flowmoe_p2p* sends, int32_t nsends, const flowmoe_p2p* recvs,
+                  int32_t nrecvs);
+  int (*barrier)(void* ctx);
+} flowmoe_host_comm_ops;
+int flowmoe_comm_create_host(int rank, int world_size, const flowmoe_host_comm_ops* ops,
+                             double timeout_s, flowmoe_comm** out);
+void flowmoe_set_callback_error(const char* message);
+
+// NCCL (FLOWMOE_ERROR_UNSUPPORTED when not built in): rank 0 makes the 128-byte unique id, every
+// rank passes it (broadcast by the caller, e.g. torch.distributed) to flowmoe_comm_create_nccl.
+// device: the rank's CUDA device. timeout_s > 0: bound of initialisation and of each wait.
+int flowmoe_nccl_unique_id(uint8_t out[128]);
+int flowmoe_comm_create_nccl(int rank, int world_size, const uint8_t unique_id[128], int device,
+                             double timeout_s, flowmoe_comm** out);
+int flowmoe_comm_destroy(flowmoe_comm* comm);  // null is allowed
+int flowmoe_comm_rank(const flowmoe_comm* comm);
+int flowmoe_comm_world_size(const flowmoe_comm* comm);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif

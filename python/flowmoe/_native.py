@@ -1,0 +1,307 @@
+"""ctypes binding of the C ABI (include/flowmoe/c_api.h) in libflowmoe_capi.so.
+
+Nothing here depends on PyTorch: tensors are passed as raw addresses (host pointers for a CPU
+layer, device pointers for a CUDA layer). ``flowmoe.torch`` builds on this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+from typing import Callable, Optional, Sequence
+
+from ._errors import CommError, FlowmoeError, NonFiniteError
+
+LIBRARY_NAME = "libflowmoe_capi.so"
+CAPI_VERSION = 1
+
+OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED = 0, 1, 2, 3, 4
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_path: Optional[str] = None
+
+
+class Config(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("ffn", ctypes.c_int64),
+        ("num_experts", ctypes.c_int32),
+        ("topk", ctypes.c_int32),
+        ("router", ctypes.c_char_p),
+        ("renormalize", ctypes.c_int32),
+        ("routed_scaling", ctypes.c_float),
+        ("aux_loss_coef", ctypes.c_float),
+        ("align", ctypes.c_int32),
+        ("recipe", ctypes.c_char_p),
+        ("max_tokens", ctypes.c_int64),
+        ("check_columns", ctypes.c_int32),
+    ]
+
+
+class LayerStatus(ctypes.Structure):
+    _fields_ = [("nonfinite", ctypes.c_int64), ("underflow", ctypes.c_int64), ("aux_loss", ctypes.c_float)]
+
+
+class P2p(ctypes.Structure):
+    _fields_ = [("peer", ctypes.c_int32), ("data", ctypes.c_void_p), ("bytes", ctypes.c_int64)]
+
+
+ALLTOALL_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32),
+                               ctypes.POINTER(ctypes.c_int32), ctypes.c_int32)
+EXCHANGE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(P2p), ctypes.c_int32,
+                               ctypes.POINTER(P2p), ctypes.c_int32)
+BARRIER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+class HostCommOps(ctypes.Structure):
+    _fields_ = [("ctx", ctypes.c_void_p), ("alltoall_i32", ALLTOALL_FN), ("exchange", EXCHANGE_FN),
+                ("barrier", BARRIER_FN)]
+
+
+def set_library_path(path: str) -> None:
+    """Use the library at `path` instead of the one installed in the package (e.g. a CMake build
+    tree's build/libflowmoe_capi.so). Must be called before the library is first loaded."""
+    global _path
+    with _lock:
+        if _lib is not None and os.path.realpath(path) != os.path.realpath(_path or ""):
+            raise FlowmoeError(f"flowmoe: the native library is already loaded from {_path}; "
+                               f"set_library_path({path!r}) must come before its first use")
+        _path = path
+
+
+def library_path() -> str:
+    return _path or os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_NAME)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    c_int, vp, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
+    sig = {
+        "flowmoe_capi_version": (c_int, []),
+        "flowmoe_last_error": (ctypes.c_char_p, []),
+        "flowmoe_has_cuda": (c_int, []),
+        "flowmoe_has_nccl": (c_int, []),
+        "flowmoe_recipe_names": (ctypes.c_char_p, []),
+        "flowmoe_layer_create_cpu": (c_int, [ctypes.POINTER(Config), vp, ctypes.POINTER(vp)]),
+        "flowmoe_layer_create_cuda": (c_int, [ctypes.POINTER(Config), vp, c_int, vp, ctypes.POINTER(vp)]),
+        "flowmoe_layer_destroy": (c_int, [vp]),
+        "flowmoe_layer_backend": (ctypes.c_char_p, [vp]),
+        "flowmoe_layer_local_experts": (c_int, [vp]),
+        "flowmoe_layer_set_weights": (c_int, [vp, vp, vp, vp, vp]),
+        "flowmoe_layer_forward": (c_int, [vp, vp, i64, vp]),
+        "flowmoe_layer_backward": (c_int, [vp, vp, vp, vp, vp, vp, c_int]),
+        "flowmoe_layer_status_get": (c_int, [vp, ctypes.POINTER(LayerStatus)]),
+        "flowmoe_layer_cast_report": (c_int, [vp, c_int, ctypes.POINTER(ctypes.c_char_p)]),
+        "flowmoe_set_callback_error": (None, [ctypes.c_char_p]),
+        "flowmoe_comm_create_host": (c_int, [c_int, c_int, ctypes.POINTER(HostCommOps), ctypes.c_double,
+                                             ctypes.POINTER(vp)]),
+        "flowmoe_nccl_unique_id": (c_int, [ctypes.POINTER(ctypes.c_uint8)]),
+        "flowmoe_comm_create_nccl": (c_int, [c_int, c_int, ctypes.POINTER(ctypes.c_uint8), c_int,
+                                             ctypes.c_double, ctypes.POINTER(vp)]),
+        "flowmoe_comm_destroy": (c_int, [vp]),
+        "flowmoe_comm_rank": (c_int, [vp]),
+        "flowmoe_comm_world_size": (c_int, [vp]),
+    }
+    for name, (res, args) in sig.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded native library (loaded on first call). Raises FlowmoeError when it is missing."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        if not os.path.exists(path):
+            raise FlowmoeError(
+                f"flowmoe: the native library {path} is missing; expected the package installed with "
+                "`pip install .` from the repository (or flowmoe._native.set_library_path(<build>/"
+                f"{LIBRARY_NAME}) for a CMake build tree)")
+        try:
+            handle = ctypes.CDLL(path)
+        except OSError as e:
+            raise FlowmoeError(f"flowmoe: cannot load {path}: {e}") from e
+        _declare(handle)
+        version = handle.flowmoe_capi_version()
+        if version != CAPI_VERSION:
+            raise FlowmoeError(f"flowmoe: {path} implements C ABI version {version}; this Python "
+                               f"package expects {CAPI_VERSION} (rebuild the package)")
+        _lib = handle
+        return _lib
+
+
+_ERRORS = {ERROR_NONFINITE: NonFiniteError, ERROR_COMM: CommError}
+
+
+def check(rc: int) -> None:
+    """Raises the Python exception of a failed C call (status rc, message flowmoe_last_error)."""
+    if rc == OK:
+        return
+    msg = lib().flowmoe_last_error().decode("utf-8", "replace")
+    raise _ERRORS.get(rc, FlowmoeError)(msg, rc)
+
+
+def has_cuda() -> bool:
+    return bool(lib().flowmoe_has_cuda())
+
+
+def has_nccl() -> bool:
+    return bool(lib().flowmoe_has_nccl())
+
+
+def recipe_names() -> tuple:
+    return tuple(lib().flowmoe_recipe_names().decode().split(","))
+
+
+def make_config(hidden: int, ffn: int, experts: int, topk: int, router: str, renormalize: bool,
+                routed_scaling: float, aux_loss_coef: float, align: int, recipe: str,
+                max_tokens: int, check_columns: bool = False) -> Config:
+    return Config(int(hidden), int(ffn), int(experts), int(topk), router.encode(), int(bool(renormalize)),
+                  float(routed_scaling), float(aux_loss_coef), int(align), recipe.encode(),
+                  int(max_tokens), int(bool(check_columns)))
+
+
+class Comm:
+    """A flowmoe communicator handle (comm.h). Keeps the objects its callbacks need alive."""
+
+    def __init__(self, handle: int, keepalive=None):
+        self.handle = handle
+        self._keepalive = keepalive
+
+    @property
+    def rank(self) -> int:
+        return lib().flowmoe_comm_rank(self.handle)
+
+    @property
+    def world_size(self) -> int:
+        return lib().flowmoe_comm_world_size(self.handle)
+
+    def close(self) -> None:
+        if self.handle:
+            lib().flowmoe_comm_destroy(self.handle)
+            self.handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def host_comm(rank: int, world_size: int, alltoall_i32: Callable, exchange: Callable,
+              barrier: Callable, timeout_s: float = 300.0) -> Comm:
+    """A host-memory communicator over Python callables (used for the CPU layer across processes):
+    alltoall_i32(send_ptr, recv_ptr, n), exchange(sends, recvs) with lists of (peer, address,
+    bytes), barrier(). An exception in a callable fails the communicator with its text."""
+
+    def guard(fn):
+        def call(*args):
+            try:
+                fn(*args)
+                return 0
+            except BaseException as e:  # the C++ caller turns this into a CommError
+                lib().flowmoe_set_callback_error(f"{type(e).__name__}: {e}".encode("utf-8", "replace"))
+                return 1
+        return call
+
+    def a2a(_ctx, send, recv, n):
+        return guard(alltoall_i32)(ctypes.cast(send, ctypes.c_void_p).value,
+                                   ctypes.cast(recv, ctypes.c_void_p).value, int(n))
+
+    def exch(_ctx, sends, ns, recvs, nr):
+        s = [(sends[i].peer, sends[i].data, sends[i].bytes) for i in range(ns)]
+        r = [(recvs[i].peer, recvs[i].data, recvs[i].bytes) for i in range(nr)]
+        return guard(exchange)(s, r)
+
+    def bar(_ctx):
+        return guard(barrier)()
+
+    ops = HostCommOps(None, ALLTOALL_FN(a2a), EXCHANGE_FN(exch), BARRIER_FN(bar))
+    handle = ctypes.c_void_p()
+    check(lib().flowmoe_comm_create_host(int(rank), int(world_size), ctypes.byref(ops), float(timeout_s),
+                                         ctypes.byref(handle)))
+    return Comm(handle.value, keepalive=ops)
+
+
+def nccl_unique_id() -> bytes:
+    buf = (ctypes.c_uint8 * 128)()
+    check(lib().flowmoe_nccl_unique_id(buf))
+    return bytes(buf)
+
+
+def nccl_comm(rank: int, world_size: int, unique_id: bytes, device: int, timeout_s: float = 120.0) -> Comm:
+    if len(unique_id) != 128:
+        raise ValueError(f"flowmoe: NCCL unique id of {len(unique_id)} bytes; expected 128")
+    buf = (ctypes.c_uint8 * 128).from_buffer_copy(unique_id)
+    handle = ctypes.c_void_p()
+    check(lib().flowmoe_comm_create_nccl(int(rank), int(world_size), buf, int(device), float(timeout_s),
+                                         ctypes.byref(handle)))
+    return Comm(handle.value)
+
+
+class Layer:
+    """A MoE layer handle (moe.h MoeLayer) on raw addresses."""
+
+    def __init__(self, config: Config, comm: Optional[Comm] = None, device: Optional[int] = None,
+                 stream: int = 0):
+        self._comm = comm  # the layer does not own its communicator: keep it alive
+        self.config = config
+        handle = ctypes.c_void_p()
+        comm_h = comm.handle if comm is not None else None
+        if device is None:
+            check(lib().flowmoe_layer_create_cpu(ctypes.byref(config), comm_h, ctypes.byref(handle)))
+        else:
+            check(lib().flowmoe_layer_create_cuda(ctypes.byref(config), comm_h, int(device),
+                                                  ctypes.c_void_p(stream or None), ctypes.byref(handle)))
+        self.handle = handle.value
+        self.device = device
+
+    @property
+    def backend(self) -> str:
+        return lib().flowmoe_layer_backend(self.handle).decode()
+
+    @property
+    def local_experts(self) -> int:
+        return lib().flowmoe_layer_local_experts(self.handle)
+
+    def set_weights(self, w1: int, w2: int, wr: int, router_bias: Optional[int] = None) -> None:
+        check(lib().flowmoe_layer_set_weights(self.handle, w1, w2, wr, router_bias or None))
+
+    def forward(self, x: int, tokens: int, y: int) -> None:
+        check(lib().flowmoe_layer_forward(self.handle, x, int(tokens), y))
+
+    def backward(self, dy: int, dx: int, dw1: Optional[int], dw2: Optional[int], dwr: Optional[int],
+                 accumulate: bool) -> None:
+        check(lib().flowmoe_layer_backward(self.handle, dy, dx, dw1 or None, dw2 or None, dwr or None,
+                                           int(bool(accumulate))))
+
+    def status(self) -> dict:
+        s = LayerStatus()
+        check(lib().flowmoe_layer_status_get(self.handle, ctypes.byref(s)))
+        return {"nonfinite": int(s.nonfinite), "underflow": int(s.underflow), "aux_loss": float(s.aux_loss)}
+
+    def cast_report(self, as_json: bool = True):
+        out = ctypes.c_char_p()
+        check(lib().flowmoe_layer_cast_report(self.handle, int(bool(as_json)), ctypes.byref(out)))
+        text = out.value.decode("utf-8", "replace")
+        return json.loads(text) if as_json else text
+
+    def close(self) -> None:
+        if getattr(self, "handle", None):
+            h, self.handle = self.handle, None
+            check(lib().flowmoe_layer_destroy(h))
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def addresses(items: Sequence) -> list:
+    return [int(a) if a else 0 for a in items]

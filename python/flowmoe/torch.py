@@ -1,0 +1,424 @@
+"""flowmoe.torch.MoE: the flowmoe MoE layer as a PyTorch module (docs/PYTHON.md).
+
+The native library is loaded on first use (constructing a module), so ``import flowmoe.torch``
+works without it. CPU tensors run the CPU backend (the readable reference, small shapes), CUDA
+tensors the CUDA backend (Hopper).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import _native
+from ._errors import FlowmoeError
+
+__all__ = ["MoE", "FlowmoeError"]
+
+_RECIPES = ("bf16", "blockwise", "fp8-naive", "flow", "flow-fp4")
+_ROUTERS = ("softmax", "sigmoid")
+_ALIGNS = (16, 32, 64, 128)
+
+
+def _addr(t: Optional[torch.Tensor]) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+class _Runner:
+    """The native layer of one module on one device and stream, plus the bookkeeping around it:
+    which weights it holds (parameter versions and addresses), which forward it saved."""
+
+    def __init__(self, layer: _native.Layer, device: torch.device, stream, max_tokens: int):
+        self.layer = layer
+        self.device = device
+        self.stream = stream  # torch.cuda.Stream of a CUDA layer, None for CPU
+        self.max_tokens = max_tokens
+        self.weights_key = None
+        self.forward_seq = 0  # number of the latest forward (backward must belong to it)
+
+    # ---- CUDA stream handling: the layer is ordered on self.stream; a different current stream
+    # is joined with events both ways (docs/PYTHON.md).
+    def enter(self):
+        if self.stream is None:
+            return None
+        cur = torch.cuda.current_stream(self.device)
+        if cur != self.stream:
+            self.stream.wait_stream(cur)
+            return cur
+        return None
+
+    def leave(self, cur) -> None:
+        if cur is not None:
+            cur.wait_stream(self.stream)
+
+
+class _MoEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, module: "MoE", runner: _Runner, x: torch.Tensor, w1, w2, wr):
+        tokens = x.shape[0]
+        y = torch.empty_like(x)
+        cur = runner.enter()
+        try:
+            runner.layer.forward(x.data_ptr(), tokens, y.data_ptr())
+        finally:
+            runner.leave(cur)
+        runner.forward_seq += 1
+        ctx.module = module
+        ctx.runner = runner
+        ctx.seq = runner.forward_seq
+        ctx.tokens = tokens
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        module: MoE = ctx.module
+        runner: _Runner = ctx.runner
+        if module._runner is not runner or runner.forward_seq != ctx.seq:
+            raise FlowmoeError(
+                "flowmoe.torch.MoE: backward of an earlier forward; the layer keeps the activations "
+                "of its latest forward only, so run (forward, backward) pairs in order (two forwards "
+                "before one backward, activation checkpointing and a layer rebuilt in between are not "
+                "supported)")
+        dy = dy.to(torch.bfloat16).contiguous()
+        dx = torch.empty_like(dy)
+        params = (module.w1, module.w2, module.wr)
+        need = [p.requires_grad for p in params]
+        direct = module.grad_mode == "direct"
+        if direct:
+            # PyTorch's .grad semantics, done by the layer itself: a missing .grad is created and
+            # overwritten (MoeGrads::accumulate = false, its old contents never read); an existing
+            # one is accumulated into.
+            existing = [p.grad is not None for p, n in zip(params, need) if n]
+            accumulate = any(existing)
+            bufs = []
+            for p, n in zip(params, need):
+                if not n:
+                    bufs.append(None)
+                    continue
+                if p.grad is None:  # attached to the parameter once the layer has filled it
+                    bufs.append(torch.zeros_like(p) if accumulate else torch.empty_like(p))
+                    continue
+                g = p.grad
+                if g.dtype != torch.float32 or g.device != p.device or not g.is_contiguous() \
+                        or g.shape != p.shape:
+                    raise FlowmoeError(
+                        f"flowmoe.torch.MoE: {module._param_name(p)}.grad is {g.dtype} "
+                        f"{tuple(g.shape)} on {g.device} (contiguous: {g.is_contiguous()}); "
+                        f"expected a contiguous float32 tensor like the parameter")
+                bufs.append(g)
+        else:
+            accumulate = False
+            bufs = [torch.empty_like(p) if n else None for p, n in zip(params, need)]
+        cur = runner.enter()
+        try:
+            runner.layer.backward(dy.data_ptr(), dx.data_ptr(), *[_addr(b) for b in bufs], accumulate)
+        finally:
+            runner.leave(cur)
+        dx_out = dx if ctx.needs_input_grad[2] else None
+        if direct:
+            for p, b in zip(params, bufs):
+                if b is not None and p.grad is None:
+                    p.grad = b
+            return None, None, dx_out, None, None, None
+        return (None, None, dx_out) + tuple(bufs)
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts FFN (router, top-k, SwiGLU experts) computed by flowmoe.
+
+    Parameters (FP32 masters): ``w1 [E, 2F, H]`` (rows [0, F) gate, [F, 2F) up), ``w2 [E, H, F]``,
+    ``wr [E, H]`` (router); with ``ep_group`` w1 and w2 hold this rank's E / world local experts.
+    Buffer ``router_bias [E]`` when ``router_bias=True`` (selection only, not differentiated).
+
+    ``forward(x)``: x bf16 (or fp32, converted) ``[T, H]`` or ``[B, S, H]`` -> y of x's shape and
+    dtype. After a forward, ``aux_loss`` is the load-balancing loss (a detached scalar); its
+    gradient is already applied by the layer's backward: do not add it to the loss you
+    differentiate (add ``aux_loss.item()`` only to what you log). See docs/PYTHON.md.
+    """
+
+    def __init__(self, hidden: int, ffn: int, experts: int, topk: int, *, router: str = "softmax",
+                 renormalize: bool = False, routed_scaling: float = 1.0, aux_loss_coef: float = 0.0,
+                 recipe: str = "flow", align: int = 128, max_tokens: Optional[int] = None,
+                 router_bias: bool = False, seed: Optional[int] = None, init_std: Optional[float] = None,
+                 ep_group=None, grad_mode: str = "direct", check_finite: Optional[bool] = None,
+                 check_columns: bool = False, comm_timeout_s: float = 300.0, device=None):
+        super().__init__()
+        for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("topk", topk)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"flowmoe.torch.MoE: {name} = {v!r}; expected a positive int")
+        if recipe not in _RECIPES:
+            raise ValueError(f"flowmoe.torch.MoE: unknown recipe {recipe!r}; expected one of "
+                             f"{', '.join(_RECIPES)}")
+        if router not in _ROUTERS:
+            raise ValueError(f"flowmoe.torch.MoE: router {router!r}; expected 'softmax' or 'sigmoid'")
+        if align not in _ALIGNS:
+            raise ValueError(f"flowmoe.torch.MoE: align {align!r}; expected one of {_ALIGNS}")
+        if grad_mode not in ("direct", "autograd"):
+            raise ValueError(f"flowmoe.torch.MoE: grad_mode {grad_mode!r}; expected 'direct' or 'autograd'")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"flowmoe.torch.MoE: max_tokens {max_tokens!r}; expected None or an int >= 1")
+        self.hidden, self.ffn, self.experts, self.topk = hidden, ffn, experts, topk
+        self.router, self.renormalize, self.routed_scaling = router, bool(renormalize), float(routed_scaling)
+        self.aux_loss_coef, self.recipe, self.align = float(aux_loss_coef), recipe, align
+        self.max_tokens = max_tokens
+        self.grad_mode = grad_mode
+        self.check_finite = check_finite
+        self.check_columns = bool(check_columns)
+        self.comm_timeout_s = float(comm_timeout_s)
+
+        self.ep_group = ep_group
+        self.ep_rank, self.ep_world = 0, 1
+        if ep_group is not None:
+            import torch.distributed as dist
+
+            self.ep_rank, self.ep_world = dist.get_rank(ep_group), dist.get_world_size(ep_group)
+            if experts % self.ep_world:
+                raise ValueError(f"flowmoe.torch.MoE: {experts} experts over {self.ep_world} ranks; "
+                                 "expected a multiple of the ep_group size")
+            if max_tokens is None:
+                raise ValueError("flowmoe.torch.MoE: ep_group needs max_tokens (every rank must build "
+                                 "its layer with the same configuration)")
+        self.local_experts = experts // self.ep_world
+
+        # The configuration is checked by the library now (not at the first forward).
+        _native.Layer(self._config(1)).close()
+
+        E, El, H, F = experts, self.local_experts, hidden, ffn
+        self.w1 = nn.Parameter(torch.empty(El, 2 * F, H, dtype=torch.float32, device=device))
+        self.w2 = nn.Parameter(torch.empty(El, H, F, dtype=torch.float32, device=device))
+        self.wr = nn.Parameter(torch.empty(E, H, dtype=torch.float32, device=device))
+        if router_bias:
+            self.register_buffer("router_bias", torch.zeros(E, dtype=torch.float32, device=device))
+        else:
+            self.router_bias = None
+        self.reset_parameters(seed=seed, init_std=init_std)
+
+        self._runner: Optional[_Runner] = None
+        self._comm = None
+        self._comm_device = None
+        self.weight_updates = 0  # set_weights calls (re-quantizations) so far
+        self._have_forward = False
+
+    # ---- initialisation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, seed: Optional[int] = None, init_std: Optional[float] = None) -> None:
+        """nn.Linear's default per expert (uniform in +-1/sqrt(fan_in)), or normal(0, init_std).
+        Drawn on the CPU for all E experts from torch.Generator(seed) (the global generator when
+        seed is None), then this rank's experts are copied: the same seed gives the same experts
+        on any device and any expert-parallel world size."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(int(seed))
+        E, H, F = self.experts, self.hidden, self.ffn
+
+        def draw(shape, fan_in):
+            t = torch.empty(shape, dtype=torch.float32)
+            if init_std is not None:
+                t.normal_(0.0, float(init_std), generator=gen)
+            else:
+                b = 1.0 / math.sqrt(fan_in)
+                t.uniform_(-b, b, generator=gen)
+            return t
+
+        w1, w2, wr = draw((E, 2 * F, H), H), draw((E, H, F), F), draw((E, H), H)
+        lo, hi = self.ep_rank * self.local_experts, (self.ep_rank + 1) * self.local_experts
+        self.w1.copy_(w1[lo:hi])
+        self.w2.copy_(w2[lo:hi])
+        self.wr.copy_(wr)
+
+    def extra_repr(self) -> str:
+        s = (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.experts}, topk={self.topk}, "
+             f"router={self.router}, recipe={self.recipe}, align={self.align}")
+        if self.ep_world > 1:
+            s += f", ep={self.ep_rank}/{self.ep_world}"
+        return s
+
+    def _param_name(self, p) -> str:
+        for n, q in self.named_parameters():
+            if q is p:
+                return n
+        return "parameter"
+
+    def _config(self, max_tokens: int) -> _native.Config:
+        return _native.make_config(self.hidden, self.ffn, self.experts, self.topk, self.router,
+                                   self.renormalize, self.routed_scaling, self.aux_loss_coef,
+                                   self.align, self.recipe, max_tokens, self.check_columns)
+
+    # ---- the native layer ------------------------------------------------------------------------
+    def _ep_comm(self, device: torch.device):
+        if self.ep_group is None:
+            return None
+        if self._comm is not None and self._comm_device == device:
+            return self._comm
+        from . import _dist
+
+        if device.type == "cuda":
+            self._comm = _dist.nccl_comm_from_group(self.ep_group, device, self.comm_timeout_s)
+        else:
+            self._comm = _dist.host_comm_from_group(self.ep_group, self.comm_timeout_s)
+        self._comm_device = device
+        return self._comm
+
+    def _ensure_runner(self, device: torch.device, tokens: int) -> _Runner:
+        r = self._runner
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        if r is not None and r.device == device and tokens <= r.max_tokens:
+            return r
+        if self.max_tokens is not None and tokens > self.max_tokens:
+            raise ValueError(f"flowmoe.torch.MoE: {tokens} tokens; expected at most max_tokens = "
+                             f"{self.max_tokens}")
+        max_tokens = self.max_tokens or max(tokens, r.max_tokens if r is not None else 0)
+        if r is not None:
+            self._runner = None
+            r.layer.close()
+        comm = self._ep_comm(device)
+        cfg = self._config(max_tokens)
+        if device.type == "cuda":
+            if not _native.has_cuda():
+                raise FlowmoeError("flowmoe.torch.MoE: CUDA tensors but this flowmoe library was built "
+                                   "without the CUDA backend (no nvcc at build time); reinstall the "
+                                   "package where nvcc is found, or run on CPU tensors")
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            with torch.cuda.device(index):
+                layer = _native.Layer(cfg, comm, device=index, stream=stream.cuda_stream)
+        else:
+            layer = _native.Layer(cfg, comm)
+        self._runner = _Runner(layer, device, stream, max_tokens)
+        return self._runner
+
+    def _sync_weights(self, r: _Runner) -> None:
+        """set_weights (BF16 copies and FP8 quantization of the masters) only when a parameter or
+        the router bias changed since the last call: in place (its version counter) or replaced
+        (its address)."""
+        ts = (self.w1, self.w2, self.wr, self.router_bias)
+        key = tuple((t._version, t.data_ptr()) if t is not None else None for t in ts)
+        if key == r.weights_key:
+            return
+        for name, t in zip(("w1", "w2", "wr", "router_bias"), ts):
+            if t is None:
+                continue
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device != r.device:
+                raise FlowmoeError(f"flowmoe.torch.MoE: {name} is {t.dtype} on {t.device} "
+                                   f"(contiguous: {t.is_contiguous()}); expected contiguous float32 "
+                                   f"on {r.device}")
+        cur = r.enter()
+        try:
+            r.layer.set_weights(*[_addr(t) for t in ts])
+        finally:
+            r.leave(cur)
+        r.weights_key = key
+        self.weight_updates += 1
+
+    # ---- forward -----------------------------------------------------------------------------------
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"flowmoe.torch.MoE: input of type {type(x).__name__}; expected a torch.Tensor")
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"flowmoe.torch.MoE: input dtype {x.dtype}; expected torch.bfloat16 "
+                            "(or torch.float32, converted to bfloat16)")
+        if x.dim() not in (2, 3) or x.shape[-1] != self.hidden:
+            raise ValueError(f"flowmoe.torch.MoE: input shape {tuple(x.shape)}; expected [T, {self.hidden}] "
+                             f"or [B, S, {self.hidden}]")
+        if x.numel() == 0:
+            raise ValueError(f"flowmoe.torch.MoE: empty input {tuple(x.shape)}; expected at least one token")
+        if x.device != self.w1.device:
+            raise ValueError(f"flowmoe.torch.MoE: input on {x.device} but the parameters on "
+                             f"{self.w1.device}; expected the same device")
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"flowmoe.torch.MoE: input on {x.device}; expected a CPU or CUDA tensor")
+        if not x.is_contiguous():
+            raise ValueError(f"flowmoe.torch.MoE: input of shape {tuple(x.shape)} with strides "
+                             f"{x.stride()} is not contiguous; expected a contiguous tensor "
+                             "(call .contiguous())")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        xb = x.reshape(-1, self.hidden)
+        if xb.dtype != torch.bfloat16:
+            xb = xb.to(torch.bfloat16)
+        check = self.check_finite if self.check_finite is not None else xb.device.type == "cpu"
+        if check and not bool(torch.isfinite(xb).all()):
+            bad = int((~torch.isfinite(xb)).sum())
+            raise ValueError(f"flowmoe.torch.MoE: the input holds {bad} non-finite value(s) (after "
+                             "conversion to bfloat16); expected finite values")
+        r = self._ensure_runner(xb.device, xb.shape[0])
+        self._sync_weights(r)
+        y = _MoEFunction.apply(self, r, xb, self.w1, self.w2, self.wr)
+        self._have_forward = True
+        return y.reshape(x.shape).to(x.dtype)
+
+    # ---- reports -----------------------------------------------------------------------------------
+    def _layer(self) -> _Runner:
+        if self._runner is None:
+            raise FlowmoeError("flowmoe.torch.MoE: no layer yet; call forward first")
+        return self._runner
+
+    @property
+    def aux_loss(self) -> Optional[torch.Tensor]:
+        """The load-balancing loss of the last forward: a detached float32 scalar on the module's
+        device (None before the first forward). Its gradient is part of the layer's backward.
+        Reading it on CUDA synchronises the layer's stream."""
+        if not self._have_forward or self._runner is None:
+            return None
+        return torch.tensor(self.status()["aux_loss"], dtype=torch.float32, device=self.w1.device)
+
+    def status(self) -> dict:
+        """MoeStatus of the current step: {'nonfinite', 'underflow', 'aux_loss'} (forward resets,
+        backward adds)."""
+        r = self._layer()
+        cur = r.enter()
+        try:
+            return r.layer.status()
+        finally:
+            r.leave(cur)
+
+    def cast_report(self, as_text: bool = False):
+        """The cast report (moe.h CastReport) of the last set_weights / forward / backward: a dict
+        (ops, saved tensors with their bytes, column checks, wire transfers, quantization stats,
+        saved_bytes, saved_bytes_per_token, ...) or, with as_text, the library's table."""
+        r = self._layer()
+        cur = r.enter()
+        try:
+            return r.layer.cast_report(as_json=not as_text)
+        finally:
+            r.leave(cur)
+
+    def saved_bytes(self) -> int:
+        """Bytes the last forward saved for backward (codes + scales, padding rows included)."""
+        return int(self.cast_report()["saved_bytes"])
+
+    def saved_bytes_per_token(self) -> float:
+        return float(self.cast_report()["saved_bytes_per_token"])
+
+    def release(self) -> None:
+        """Frees the native layer (and communicator); the next forward builds them again."""
+        if self._runner is not None:
+            self._runner.layer.close()
+            self._runner = None
+        if self._comm is not None:
+            self._comm.close()
+            self._comm = None
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(device) / .cuda() move the masters; a dtype conversion (.to(torch.bfloat16), .half())
+        # leaves them float32 (the layer needs FP32 masters; convert the input instead). The layer
+        # follows the parameters at the next forward.
+        own = {id(t) for t in (self.w1, self.w2, self.wr, self.router_bias) if t is not None}
+
+        def keep_fp32(t):
+            out = fn(t)
+            if id(t) in own and out.dtype != t.dtype:
+                out = t.to(device=out.device)
+            return out
+
+        return super()._apply(keep_fp32, *args, **kwargs)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_runner"] = None
+        state["_comm"] = None
+        return state

@@ -1,0 +1,320 @@
+// The C ABI (include/flowmoe/c_api.h): handles around MoeLayer and Communicator, every call guarded
+// so that a flowmoe::Error (or any C++ exception) becomes a status code plus a thread-local message.
+#include <cstring>
+#include <exception>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "capi/capi_internal.h"
+#include "flowmoe/error.h"
+
+#if defined(FLOWMOE_HAVE_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+struct flowmoe_comm {
+  std::unique_ptr<flowmoe::Communicator> comm;
+};
+
+struct flowmoe_layer {
+  std::unique_ptr<flowmoe::MoeLayer> layer;
+  int device = -1;  // CUDA device of a CUDA layer (made current for each call), -1 for CPU
+  std::string report;
+};
+
+namespace flowmoe {
+namespace capi {
+
+namespace {
+
+thread_local std::string g_last_error;
+thread_local std::string g_callback_error;
+
+int fail(int code, const std::string& msg) {
+  g_last_error = msg;
+  return code;
+}
+
+// Runs fn, mapping every exception to a status code and the message of flowmoe_last_error().
+template <typename Fn>
+int guarded(const char* what, Fn&& fn) {
+  try {
+    fn();
+    return FLOWMOE_OK;
+  } catch (const NonFiniteError& e) {
+    return fail(FLOWMOE_ERROR_NONFINITE, e.what());
+  } catch (const CommError& e) {
+    return fail(FLOWMOE_ERROR_COMM, e.what());
+  } catch (const Error& e) {
+    return fail(FLOWMOE_ERROR, e.what());
+  } catch (const std::bad_alloc&) {
+    return fail(FLOWMOE_ERROR, std::string(what) + ": out of host memory");
+  } catch (const std::exception& e) {
+    return fail(FLOWMOE_ERROR, std::string(what) + ": " + e.what());
+  } catch (...) {
+    return fail(FLOWMOE_ERROR, std::string(what) + ": unknown C++ exception");
+  }
+}
+
+#define FLOWMOE_CAPI_REQUIRE(cond, msg) FLOWMOE_CHECK(cond, msg)
+
+MoeConfig to_config(const flowmoe_config* c, flowmoe_comm* comm, const char* what) {
+  FLOWMOE_CAPI_REQUIRE(c != nullptr, what << ": null configuration");
+  MoeConfig cfg;
+  cfg.hidden = c->hidden;
+  cfg.ffn = c->ffn;
+  cfg.num_experts = c->num_experts;
+  cfg.topk = c->topk;
+  const std::string router = c->router ? c->router : "softmax";
+  if (router == "softmax") {
+    cfg.router = RouterScore::kSoftmax;
+  } else if (router == "sigmoid") {
+    cfg.router = RouterScore::kSigmoid;
+  } else {
+    FLOWMOE_CHECK(false, what << ": router score '" << router
+                              << "' is unknown; expected 'softmax' or 'sigmoid'");
+  }
+  cfg.router_renormalize = c->renormalize != 0;
+  cfg.router_scale = c->routed_scaling;
+  cfg.aux_loss_alpha = c->aux_loss_coef;
+  cfg.align = c->align;
+  FLOWMOE_CAPI_REQUIRE(c->recipe != nullptr, what << ": null recipe name; expected one of "
+                                                  << flowmoe_recipe_names());
+  cfg.recipe = parse_recipe(c->recipe);
+  cfg.max_tokens = c->max_tokens;
+  cfg.check_columns = c->check_columns != 0;
+  cfg.comm = comm ? comm->comm.get() : nullptr;
+  return cfg;
+}
+
+flowmoe_layer* checked(flowmoe_layer* l, const char* what) {
+  FLOWMOE_CAPI_REQUIRE(l != nullptr && l->layer, what << ": null layer handle");
+#if defined(FLOWMOE_HAVE_CUDA)
+  if (l->device >= 0) {
+    const cudaError_t err = cudaSetDevice(l->device);
+    FLOWMOE_CHECK(err == cudaSuccess, what << ": cudaSetDevice(" << l->device << ") failed: "
+                                           << cudaGetErrorString(err));
+  }
+#endif
+  return l;
+}
+
+}  // namespace
+
+std::string take_callback_error() {
+  std::string s;
+  s.swap(g_callback_error);
+  return s;
+}
+
+}  // namespace capi
+}  // namespace flowmoe
+
+using flowmoe::capi::checked;
+using flowmoe::capi::guarded;
+
+extern "C" {
+
+int flowmoe_capi_version(void) { return FLOWMOE_CAPI_VERSION; }
+const char* flowmoe_last_error(void) { return flowmoe::capi::g_last_error.c_str(); }
+
+int flowmoe_has_cuda(void) {
+#if defined(FLOWMOE_HAVE_CUDA)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int flowmoe_has_nccl(void) {
+#if defined(FLOWMOE_HAVE_NCCL)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+const char* flowmoe_recipe_names(void) {
+  static const std::string names = [] {
+    std::string s;
+    for (flowmoe::Recipe r : flowmoe::all_recipes()) s += (s.empty() ? "" : ",") + std::string(flowmoe::recipe_name(r));
+    return s;
+  }();
+  return names.c_str();
+}
+
+int flowmoe_layer_create_cpu(const flowmoe_config* cfg, flowmoe_comm* comm, flowmoe_layer** out) {
+  const char* what = "flowmoe_layer_create_cpu";
+  return guarded(what, [&] {
+    FLOWMOE_CHECK(out != nullptr, what << ": null output handle");
+    *out = nullptr;
+    std::unique_ptr<flowmoe_layer> h(new flowmoe_layer);
+    h->layer = flowmoe::make_cpu_layer(flowmoe::capi::to_config(cfg, comm, what));
+    *out = h.release();
+  });
+}
+
+int flowmoe_layer_create_cuda(const flowmoe_config* cfg, flowmoe_comm* comm, int device,
+                              void* stream, flowmoe_layer** out) {
+  const char* what = "flowmoe_layer_create_cuda";
+#if defined(FLOWMOE_HAVE_CUDA)
+  return guarded(what, [&] {
+    FLOWMOE_CHECK(out != nullptr, what << ": null output handle");
+    *out = nullptr;
+    FLOWMOE_CHECK(device >= 0, what << ": device " << device << "; expected a CUDA device index >= 0");
+    const flowmoe::MoeConfig c = flowmoe::capi::to_config(cfg, comm, what);
+    const cudaError_t err = cudaSetDevice(device);
+    FLOWMOE_CHECK(err == cudaSuccess,
+                  what << ": cudaSetDevice(" << device << ") failed: " << cudaGetErrorString(err));
+    std::unique_ptr<flowmoe_layer> h(new flowmoe_layer);
+    h->device = device;
+    h->layer = flowmoe::make_cuda_layer(c, static_cast<cudaStream_t>(stream));
+    *out = h.release();
+  });
+#else
+  (void)cfg, (void)comm, (void)device, (void)stream;
+  if (out) *out = nullptr;
+  return flowmoe::capi::fail(FLOWMOE_ERROR_UNSUPPORTED,
+                             std::string(what) + ": this flowmoe library was built without the "
+                                                 "CUDA backend (no nvcc at build time); expected "
+                                                 "a CUDA build for CUDA tensors");
+#endif
+}
+
+int flowmoe_layer_destroy(flowmoe_layer* layer) {
+  return guarded("flowmoe_layer_destroy", [&] {
+    if (layer && layer->device >= 0) checked(layer, "flowmoe_layer_destroy");
+    delete layer;
+  });
+}
+
+const char* flowmoe_layer_backend(const flowmoe_layer* layer) {
+  return layer && layer->layer ? layer->layer->backend() : "";
+}
+
+int flowmoe_layer_local_experts(const flowmoe_layer* layer) {
+  return layer && layer->layer ? layer->layer->config().num_local_experts() : 0;
+}
+
+int flowmoe_layer_set_weights(flowmoe_layer* layer, const float* w1, const float* w2,
+                              const float* wr, const float* router_bias) {
+  return guarded("flowmoe_layer_set_weights", [&] {
+    flowmoe::MoeWeights w;
+    w.w1 = w1;
+    w.w2 = w2;
+    w.wr = wr;
+    w.router_bias = router_bias;
+    checked(layer, "flowmoe_layer_set_weights")->layer->set_weights(w);
+  });
+}
+
+int flowmoe_layer_forward(flowmoe_layer* layer, const uint16_t* x, int64_t tokens, uint16_t* y) {
+  return guarded("flowmoe_layer_forward", [&] {
+    checked(layer, "flowmoe_layer_forward")->layer->forward(x, tokens, y);
+  });
+}
+
+int flowmoe_layer_backward(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
+                           float* dw2, float* dwr, int accumulate) {
+  return guarded("flowmoe_layer_backward", [&] {
+    flowmoe::MoeGrads g;
+    g.dw1 = dw1;
+    g.dw2 = dw2;
+    g.dwr = dwr;
+    g.accumulate = accumulate != 0;
+    checked(layer, "flowmoe_layer_backward")->layer->backward(dy, dx, g);
+  });
+}
+
+int flowmoe_layer_status_get(flowmoe_layer* layer, flowmoe_layer_status* out) {
+  return guarded("flowmoe_layer_status_get", [&] {
+    FLOWMOE_CHECK(out != nullptr, "flowmoe_layer_status_get: null output");
+    const flowmoe::MoeStatus s = checked(layer, "flowmoe_layer_status_get")->layer->status();
+    out->nonfinite = s.nonfinite;
+    out->underflow = s.underflow;
+    out->aux_loss = s.aux_loss;
+  });
+}
+
+int flowmoe_layer_cast_report(flowmoe_layer* layer, int as_json, const char** out) {
+  return guarded("flowmoe_layer_cast_report", [&] {
+    FLOWMOE_CHECK(out != nullptr, "flowmoe_layer_cast_report: null output");
+    *out = "";
+    flowmoe_layer* l = checked(layer, "flowmoe_layer_cast_report");
+    const flowmoe::CastReport& r = l->layer->cast_report();
+    l->report = as_json ? flowmoe::capi::cast_report_json(r) : r.to_string();
+    *out = l->report.c_str();
+  });
+}
+
+void flowmoe_set_callback_error(const char* message) {
+  flowmoe::capi::g_callback_error = message ? message : "";
+}
+
+int flowmoe_comm_create_host(int rank, int world_size, const flowmoe_host_comm_ops* ops,
+                             double timeout_s, flowmoe_comm** out) {
+  const char* what = "flowmoe_comm_create_host";
+  return guarded(what, [&] {
+    FLOWMOE_CHECK(out != nullptr && ops != nullptr, what << ": null argument");
+    *out = nullptr;
+    std::unique_ptr<flowmoe_comm> h(new flowmoe_comm);
+    h->comm = flowmoe::capi::make_host_callback_comm(rank, world_size, *ops, timeout_s);
+    *out = h.release();
+  });
+}
+
+int flowmoe_nccl_unique_id(uint8_t out[128]) {
+#if defined(FLOWMOE_HAVE_NCCL)
+  return guarded("flowmoe_nccl_unique_id", [&] {
+    FLOWMOE_CHECK(out != nullptr, "flowmoe_nccl_unique_id: null output");
+    const std::vector<uint8_t> id = flowmoe::nccl_unique_id();
+    FLOWMOE_CHECK(id.size() == 128, "flowmoe_nccl_unique_id: " << id.size()
+                                                               << " bytes; expected 128");
+    std::memcpy(out, id.data(), 128);
+  });
+#else
+  (void)out;
+  return flowmoe::capi::fail(FLOWMOE_ERROR_UNSUPPORTED,
+                             "flowmoe_nccl_unique_id: this flowmoe library was built without NCCL; "
+                             "expected a CUDA build with NCCL for expert parallelism on GPUs");
+#endif
+}
+
+int flowmoe_comm_create_nccl(int rank, int world_size, const uint8_t unique_id[128], int device,
+                             double timeout_s, flowmoe_comm** out) {
+  const char* what = "flowmoe_comm_create_nccl";
+#if defined(FLOWMOE_HAVE_NCCL)
+  return guarded(what, [&] {
+    FLOWMOE_CHECK(out != nullptr && unique_id != nullptr, what << ": null argument");
+    *out = nullptr;
+    flowmoe::NcclCommOptions opt;
+    opt.device = device;
+    if (timeout_s > 0) opt.timeout_s = timeout_s;
+    std::unique_ptr<flowmoe_comm> h(new flowmoe_comm);
+    h->comm = flowmoe::make_nccl_comm(rank, world_size,
+                                      std::vector<uint8_t>(unique_id, unique_id + 128), opt);
+    *out = h.release();
+  });
+#else
+  (void)rank, (void)world_size, (void)unique_id, (void)device, (void)timeout_s;
+  if (out) *out = nullptr;
+  return flowmoe::capi::fail(FLOWMOE_ERROR_UNSUPPORTED,
+                             std::string(what) + ": this flowmoe library was built without NCCL; "
+                                                 "expected a CUDA build with NCCL");
+#endif
+}
+
+int flowmoe_comm_destroy(flowmoe_comm* comm) {
+  return guarded("flowmoe_comm_destroy", [&] { delete comm; });
+}
+
+int flowmoe_comm_rank(const flowmoe_comm* comm) {
+  return comm && comm->comm ? comm->comm->rank() : -1;
+}
+
+int flowmoe_comm_world_size(const flowmoe_comm* comm) {
+  return comm && comm->comm ? comm->comm->world_size() : 0;
+}
+
+}  // extern "C"

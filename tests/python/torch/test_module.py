@@ -1,0 +1,371 @@
+"""flowmoe.torch.MoE on the CPU backend: values, gradients, .grad semantics, re-quantization, errors.
+
+Each recipe's forward and gradients equal the C++ CPU layer called through the C ABI bit for bit,
+and a float64 PyTorch reference of the same function within the recipe's precision; finite
+differences check the gradients of the module itself.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flowmoe
+import flowmoe._native as native
+from flowmoe.torch import MoE
+
+from reference import moe_reference
+
+H, F, E, K = 128, 128, 4, 2
+RECIPES = ("bf16", "blockwise", "fp8-naive", "flow", "flow-fp4")
+
+
+def make(recipe="bf16", **kw):
+    kw.setdefault("seed", 1)
+    return MoE(H, F, kw.pop("experts", E), kw.pop("topk", K), recipe=recipe, **kw)
+
+
+def data(T=24, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = (scale * torch.randn(T, H, generator=g)).bfloat16()
+    dy = torch.randn(T, H, generator=g).bfloat16()
+    return x, dy
+
+
+def run_module(m, x, dy):
+    x = x.clone().requires_grad_()
+    y = m(x)
+    y.backward(dy)
+    return y.detach(), x.grad, m.w1.grad.clone(), m.w2.grad.clone(), m.wr.grad.clone()
+
+
+def run_capi(m, x, dy, accumulate=False, fill=float("nan")):
+    """The C++ CPU layer through the C ABI on the module's weights (no module code involved)."""
+    layer = native.Layer(m._config(x.shape[0]))
+    w1, w2, wr = m.w1.detach(), m.w2.detach(), m.wr.detach()
+    bias = m.router_bias
+    layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr(), bias.data_ptr() if bias is not None else 0)
+    y = torch.empty_like(x)
+    layer.forward(x.data_ptr(), x.shape[0], y.data_ptr())
+    dx = torch.empty_like(x)
+    gs = [torch.full_like(w, fill) for w in (w1, w2, wr)]
+    layer.backward(dy.data_ptr(), dx.data_ptr(), *[g.data_ptr() for g in gs], accumulate)
+    status = layer.status()
+    layer.close()
+    return (y, dx, *gs), status
+
+
+def rel_err(a, b):
+    """||a - b|| / ||b|| (the error norm relative to the reference's norm)."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ---- equal to the C++ layer ----------------------------------------------------------------------
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("router,renorm,bias", [("softmax", False, False), ("sigmoid", True, True)])
+def test_module_equals_cpp_layer_bitwise(recipe, router, renorm, bias):
+    m = make(recipe, router=router, renormalize=renorm, routed_scaling=1.5, aux_loss_coef=0.01,
+             router_bias=bias, align=16)
+    if bias:
+        with torch.no_grad():
+            m.router_bias.copy_(torch.linspace(-0.1, 0.1, E))
+    x, dy = data(T=40)
+    got = run_module(m, x, dy)
+    want, status = run_capi(m, x, dy)
+    for name, a, b in zip(("y", "dx", "dw1", "dw2", "dwr"), got, want):
+        assert torch.equal(a, b), f"{recipe}: {name} differs from the C++ layer"
+    assert m.status() == status
+    assert m.aux_loss.item() == pytest.approx(status["aux_loss"], rel=0, abs=0)
+    assert status["aux_loss"] > 0
+
+
+# ---- equal to a float64 reference within the recipe's precision ----------------------------------
+# Relative error norms measured at these shapes: bf16 ~0.005, the FP8 recipes ~0.07 (E4M3: 3
+# mantissa bits), flow-fp4 ~0.2-0.3 (E2M1 entry). A broken gradient is off by O(1).
+TOL = {"bf16": 0.012, "blockwise": 0.1, "fp8-naive": 0.1, "flow": 0.1, "flow-fp4": 0.45}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_module_matches_float64_reference(recipe):
+    kw = dict(router="softmax", renormalize=True, routed_scaling=1.0, aux_loss_coef=0.05)
+    m = make(recipe, **kw)
+    x, dy = data(T=32, seed=3)
+    y, dx, dw1, dw2, dwr = run_module(m, x, dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x.float(), m.w1, m.w2, m.wr)]
+    yr, aux, _ = moe_reference(leaves[0], *leaves[1:], topk=K, **kw)
+    ((yr * dy.double()).sum() + aux).backward()
+    tol = TOL[recipe]
+    for name, a, b in zip(("y", "dx", "dw1", "dw2", "dwr"), (y, dx, dw1, dw2, dwr),
+                          [yr.detach()] + [t.grad for t in leaves]):
+        assert rel_err(a, b) < tol, f"{recipe}: {name} relative error {rel_err(a, b):.4f} >= {tol}"
+    assert m.aux_loss.item() == pytest.approx(float(aux.detach()), rel=1e-4)
+
+
+# ---- finite differences of the module itself ------------------------------------------------------
+def test_gradients_match_finite_differences():
+    # all experts selected (k = E): the function is smooth, no routing decision flips
+    m = make("bf16", topk=E, aux_loss_coef=0.1)
+    x, dy = data(T=16, seed=5)
+    _, dx, dw1, dw2, dwr = run_module(m, x, dy)
+
+    def loss(xv):
+        with torch.no_grad():
+            y = m(xv)
+            return float((y.double() * dy.double()).sum()) + float(m.aux_loss)
+
+    g = torch.Generator().manual_seed(11)
+    for name, grad in (("x", dx), ("w1", dw1), ("w2", dw2), ("wr", dwr)):
+        base = x.float() if name == "x" else getattr(m, name).detach().clone()
+        # half along the gradient (a signal far above the BF16 rounding of y), half random (so a
+        # gradient pointing elsewhere is caught too); a 5% step
+        r = torch.randn(base.shape, generator=g)
+        d = grad.float() / grad.float().norm() + r / r.norm()
+        d *= 0.05 * base.abs().mean() / d.abs().mean()
+        if name == "x":
+            # the steps the BF16 input actually takes up and down (rounded, so not equal)
+            up, down = (base + d).bfloat16(), (base - d).bfloat16()
+            lp, lm = loss(up), loss(down)
+            d = (up.double() - down.double()) / 2
+        else:
+            p = getattr(m, name)
+            with torch.no_grad():
+                p.copy_(base + d)
+            lp = loss(x)
+            with torch.no_grad():
+                p.copy_(base - d)
+            lm = loss(x)
+            with torch.no_grad():
+                p.copy_(base)
+        fd = (lp - lm) / 2
+        analytic = float((grad.double() * d.double()).sum())
+        assert abs(fd - analytic) <= 0.015 * abs(analytic) + 1e-6, f"{name}: FD {fd} vs analytic {analytic}"
+
+
+# ---- .grad semantics and micro-batches ------------------------------------------------------------
+def test_grad_none_is_overwritten_and_existing_grad_accumulates():
+    m = make("flow")
+    x1, dy1 = data(T=24, seed=1)
+    x2, dy2 = data(T=20, seed=2)
+    (_, _, *g1), _ = run_capi(m, x1, dy1)
+    (_, _, *g2), _ = run_capi(m, x2, dy2)
+    assert m.w1.grad is None
+    m(x1).backward(dy1)  # .grad None: created and overwritten
+    for p, g in zip((m.w1, m.w2, m.wr), g1):
+        assert torch.equal(p.grad, g)
+    m(x2).backward(dy2)  # .grad exists: accumulated
+    for p, a, b in zip((m.w1, m.w2, m.wr), g1, g2):
+        torch.testing.assert_close(p.grad, a + b, rtol=1e-6, atol=1e-6)
+    # the router gradient is added as one sum per element: exactly a + b
+    assert torch.equal(m.wr.grad, g1[2] + g2[2])
+
+
+def test_zeroed_grad_accumulates_to_the_same_bits():
+    m = make("blockwise")
+    x, dy = data()
+    m(x).backward(dy)
+    first = [p.grad.clone() for p in (m.w1, m.w2, m.wr)]
+    m.zero_grad(set_to_none=False)
+    m(x).backward(dy)
+    for p, g in zip((m.w1, m.w2, m.wr), first):
+        assert torch.equal(p.grad, g)
+
+
+def test_autograd_grad_mode_gives_the_same_gradients():
+    x, dy = data()
+    a, b = make("flow"), make("flow", grad_mode="autograd")
+    for _ in range(2):  # second round accumulates through autograd / through the layer
+        ga, gb = run_module(a, x, dy), run_module(b, x, dy)
+        for u, v in zip(ga, gb):
+            torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
+
+
+def test_frozen_router_gets_no_gradient():
+    m = make("bf16")
+    m.wr.requires_grad_(False)
+    x, dy = data()
+    m(x).backward(dy)
+    assert m.wr.grad is None and m.w1.grad is not None
+
+
+def test_batched_input_and_fp32_input():
+    m = make("flow")
+    x, dy = data(T=24)
+    y2 = m(x)
+    y3 = m(x.reshape(2, 12, H))
+    assert y3.shape == (2, 12, H) and torch.equal(y3.reshape(24, H), y2)
+    xf = x.float().requires_grad_()
+    yf = m(xf)
+    assert yf.dtype == torch.float32 and torch.equal(yf, y2.float())
+    yf.backward(dy.float())
+    assert xf.grad.dtype == torch.float32
+
+
+def test_backward_of_an_older_forward_is_refused():
+    m = make("bf16")
+    x, dy = data()
+    y1 = m(x)
+    m(x)
+    with pytest.raises(flowmoe.FlowmoeError, match="latest forward"):
+        y1.backward(dy)
+
+
+# ---- re-quantization only after a change -----------------------------------------------------------
+def test_weights_requantized_only_after_a_change():
+    m = make("flow", router_bias=True)
+    x, dy = data()
+    y0 = m(x)
+    m(x)
+    assert m.weight_updates == 1
+    m(x).backward(dy)
+    assert m.weight_updates == 1  # backward and .grad writes do not touch the weights
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    opt.step()
+    y1 = m(x)
+    assert m.weight_updates == 2
+    assert not torch.equal(y1, y0)
+    fresh = make("flow", router_bias=True)
+    fresh.load_state_dict(m.state_dict())
+    assert torch.equal(fresh(x), y1)  # the forward after the step used the new weights
+    with torch.no_grad():
+        m.router_bias.add_(0.5)  # aux-loss-free balancing updates the bias in place
+    m(x)
+    assert m.weight_updates == 3
+    m.w2.data = m.w2.data.clone()  # replaced storage: new address
+    m(x)
+    assert m.weight_updates == 4
+
+
+def test_seeded_init_is_reproducible_and_standard():
+    a, b = make("bf16", seed=7), make("bf16", seed=7)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    c = make("bf16", seed=8)
+    assert not torch.equal(a.w1, c.w1)
+    bound = 1 / math.sqrt(H)
+    assert a.w1.abs().max() <= bound and a.w1.abs().max() > 0.9 * bound
+    d = make("bf16", seed=7, init_std=0.02)
+    assert abs(float(d.w1.std()) - 0.02) < 0.002
+
+
+def test_reports_are_reachable():
+    m = make("flow", check_columns=True)
+    x, dy = data()
+    m(x).backward(dy)
+    rep = m.cast_report()
+    assert rep["recipe"] == "flow" and rep["tokens"] == 24
+    assert rep["saved_bytes"] == sum(s["bytes"] for s in rep["saved"]) > 0
+    assert m.saved_bytes() == rep["saved_bytes"]
+    assert m.saved_bytes_per_token() == pytest.approx(rep["saved_bytes"] / 24)
+    passes = {op["pass"] for op in rep["ops"]}
+    assert {"weights", "forward", "backward"} <= passes
+    assert rep["columns"] and all(c["elements"] > 0 and c["differ"] >= 0 for c in rep["columns"])
+    assert "recipe flow" in m.cast_report(as_text=True)
+    st = m.status()
+    assert set(st) == {"nonfinite", "underflow", "aux_loss"} and st["nonfinite"] == 0
+
+
+def test_max_tokens_grows_unless_fixed():
+    m = make("bf16")
+    m(data(T=8)[0])
+    m(data(T=30)[0])  # rebuilt for 30 tokens
+    assert m._runner.max_tokens == 30
+    fixed = make("bf16", max_tokens=16)
+    with pytest.raises(ValueError, match="max_tokens"):
+        fixed(data(T=17)[0])
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+def test_bad_configuration_raises_library_message():
+    with pytest.raises(ValueError, match="unknown recipe 'fp3'"):
+        make("fp3")
+    with pytest.raises(flowmoe.FlowmoeError, match="hidden H = 100"):
+        MoE(100, F, E, K)
+    with pytest.raises(flowmoe.FlowmoeError, match="top_k|topk"):
+        MoE(H, F, E, E + 1)
+    with pytest.raises(ValueError, match="router"):
+        make("bf16", router="relu")
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (lambda x: x.half(), TypeError, "dtype"),
+    (lambda x: x.int(), TypeError, "dtype"),
+    (lambda x: x[:, :64], ValueError, "shape"),
+    (lambda x: x.reshape(2, 2, 6, H), ValueError, "shape"),
+    (lambda x: x.reshape(2, 12, H).transpose(0, 1), ValueError, "contiguous"),
+    (lambda x: x[:0], ValueError, "empty"),
+    (lambda x: torch.where(torch.arange(x.shape[0])[:, None] == 3, float("nan"), x.float()),
+     ValueError, "non-finite"),
+    (lambda x: torch.where(torch.arange(x.shape[0])[:, None] == 1, float("inf"), x.float()).bfloat16(),
+     ValueError, "non-finite"),
+    (lambda x: x.to("meta"), ValueError, "device"),
+])
+def test_bad_input_raises(bad, exc, match):
+    m = make("flow")
+    x, _ = data()
+    with pytest.raises(exc, match=match):
+        m(bad(x))
+
+
+def test_non_finite_weights_raise_library_error():
+    m = make("flow")
+    with torch.no_grad():
+        m.w2[0, 3, 5] = float("inf")
+    with pytest.raises(flowmoe.NonFiniteError, match="non-finite"):
+        m(data()[0])
+
+
+def test_capi_errors_are_exceptions_not_crashes():
+    m = make("bf16")
+    layer = native.Layer(m._config(8))
+    x, _ = data(T=8)
+    y = torch.empty_like(x)
+    with pytest.raises(flowmoe.FlowmoeError, match="set_weights first"):
+        layer.forward(x.data_ptr(), 8, y.data_ptr())
+    w = [t.detach() for t in (m.w1, m.w2, m.wr)]
+    layer.set_weights(*[t.data_ptr() for t in w])
+    with pytest.raises(flowmoe.FlowmoeError, match="max_tokens"):
+        layer.forward(x.data_ptr(), 9, y.data_ptr())
+    with pytest.raises(flowmoe.FlowmoeError, match="non-null"):
+        layer.forward(0, 8, y.data_ptr())
+    with pytest.raises(flowmoe.FlowmoeError, match="call forward first"):
+        layer.backward(x.data_ptr(), y.data_ptr(), 0, 0, 0, False)
+    with pytest.raises(flowmoe.FlowmoeError, match="without the CUDA backend|CUDA"):
+        if native.has_cuda():
+            raise flowmoe.FlowmoeError("CUDA built in: nothing to refuse")
+        native.Layer(m._config(8), device=0)
+    layer.close()
+
+
+def test_import_needs_no_native_library():
+    import subprocess
+    import sys
+
+    code = ("import flowmoe, flowmoe._native as n; n.set_library_path('/nonexistent/lib.so'); "
+            "import flowmoe.torch; print(flowmoe.native_available())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": ":".join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_bad_existing_grad_raises_and_fresh_grads_appear_only_after_success():
+    m = make("bf16")
+    x, dy = data()
+    m.w2.grad = torch.zeros(E, F, H).transpose(1, 2)  # the right shape, not contiguous
+    with pytest.raises(flowmoe.FlowmoeError, match="w2.grad"):
+        m(x).backward(dy)
+    assert m.w1.grad is None  # nothing attached when the backward did not run
+
+
+def test_torch_compile_runs_the_module_eagerly_between_graph_breaks():
+    m = make("flow")
+    x, dy = data()
+    want = run_module(m, x, dy)
+    m.zero_grad(set_to_none=True)
+    xc = x.clone().requires_grad_()
+    compiled = torch.compile(lambda t: m(t) * 1, backend="eager")
+    y = compiled(xc)
+    y.backward(dy)
+    got = [y.detach(), xc.grad, m.w1.grad, m.w2.grad, m.wr.grad]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
