@@ -27,7 +27,14 @@ BASE = "bf16"
 
 def sort_key(name):
     recipe = name.split("-seed")[0]
-    return (ORDER.index(recipe) if recipe in ORDER else len(ORDER), name)
+    return ("-seed" in name, ORDER.index(recipe) if recipe in ORDER else len(ORDER), name)
+
+
+def colors(runs):
+    """One colour per run, the same in both figures."""
+    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:gray",
+               "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
+    return {name: palette[i % len(palette)] for i, name in enumerate(runs)}
 
 
 def load_runs(out):
@@ -86,7 +93,7 @@ def table(runs):
     m = first["model"]
     note = (f"\nModel: {m['layers']} layers, H {m['hidden']}, {m['heads']} heads, {m['experts']} experts of "
             f"F {m['ffn']}, top-{m['topk']} {m['router']}, aux {m['aux_loss_coef']}; "
-            f"{first['params_total'] / 1e6:.0f}M parameters ({first['params_active'] / 1e6:.0f}M active); "
+            f"{first['params_total'] / 1e6:.1f}M parameters ({first['params_active'] / 1e6:.1f}M active per token); "
             f"{first['hyper']['steps']} steps of {first['tokens_per_step']} tokens; data {first['data']['description']}; "
             f"{first.get('device', '?')}, torch {first.get('torch', '?')}. Validation loss in nats per byte "
             f"(mean over {first['hyper']['val_batches']} fixed batches of the held-out works).\n")
@@ -101,13 +108,14 @@ def plot(runs, out, smooth):
     except ImportError:
         print("plot.py: matplotlib is not installed; figures not drawn (pip install matplotlib)", file=sys.stderr)
         return []
+    col = colors(runs)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
     for name, r in runs.items():
         tl = r["train_loss"]
         style = "--" if "-seed" in name else "-"
-        a1.plot(range(1, len(tl) + 1), moving_average(tl, smooth), style, label=name, lw=1.2)
+        a1.plot(range(1, len(tl) + 1), moving_average(tl, smooth), style, color=col[name], label=name, lw=1.2)
         vs, vl = zip(*r["val"]) if r["val"] else ((), ())
-        a2.plot(vs, vl, style, marker=".", label=name, lw=1.2)
+        a2.plot(vs, vl, style, marker=".", color=col[name], label=name, lw=1.2)
     a1.set(title=f"train loss (moving average of {smooth} steps)", xlabel="step", ylabel="loss (nats/byte)")
     a2.set(title="validation loss (held-out works)", xlabel="step", ylabel="loss (nats/byte)")
     for a in (a1, a2):
@@ -132,18 +140,18 @@ def plot(runs, out, smooth):
             style = "--" if "-seed" in name else "-"
             t = moving_average(r["train_loss"], smooth)
             n = min(len(t), len(bt))
-            start = min(n - 1, 200)  # the first steps' differences dwarf the rest
+            start = min(200, n // 10)  # the first steps' differences dwarf the rest
             a1.plot(range(start + 1, n + 1), [100 * (t[i] - bt[i]) / bt[i] for i in range(start, n)], style,
-                    label=name, lw=1.2)
+                    color=col[name], label=name, lw=1.2)
             pts = [(s, 100 * (v - bv[s]) / bv[s]) for s, v in r["val"] if s in bv]
             if pts:
-                a2.plot(*zip(*pts), style, marker=".", label=name, lw=1.2)
+                a2.plot(*zip(*pts), style, marker=".", color=col[name], label=name, lw=1.2)
         a1.set(title=f"train loss vs bf16 (moving average of {smooth}), %", xlabel="step", ylabel="Δ loss %")
         a2.set(title="validation loss vs bf16, %", xlabel="step", ylabel="Δ loss %")
         for a in (a1, a2):
             a.axhline(0, color="k", lw=0.8)
-            for y, c in ((0.3, "tab:green"), (0.6, "tab:orange")):
-                a.axhline(y, color=c, lw=0.8, ls=":")
+            for y, c, what in ((0.3, "k", "flow target +0.3%"), (0.6, "0.5", "flow-fp4 target +0.6%")):
+                a.axhline(y, color=c, lw=0.8, ls=":", label=what)
             a.grid(alpha=0.3)
             a.legend()
         fig.tight_layout()

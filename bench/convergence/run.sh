@@ -19,7 +19,7 @@
 # Size (the `small` configuration of flowmoe.train): 8 layers, H 768, 6 heads of 128, 16 experts
 # of F 512, top-2 softmax, aux loss 0.01, sequences of 512 bytes, 8 per step (4096 tokens),
 # 2000 steps (8.2M tokens, 1.8 epochs of the 4.5 MB training split), AdamW lr 6e-4, 100 warm-up
-# steps, cosine to 6e-5. 174M parameters, 38M active per token; about 1 TFLOP per step. Why:
+# steps, cosine to 6e-5. 170M parameters, 38M active per token; about 1 TFLOP per step. Why:
 # every block is an MoE with the layer's real structure (16 experts, 512 routed rows each per
 # step, every expert segment at least one 128-row block), H and F multiples of 128 as the layer
 # requires, deep enough (8) that quantization error compounds through the residual stream, and

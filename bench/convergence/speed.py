@@ -61,8 +61,8 @@ def measure(name, impl, recipe, cfg, batch, warmup, reps, device, seed):
     times, losses = [], []
     for i in range(warmup + reps):
         t0 = time.perf_counter()
-        loss, _, ok = train_step(model, opt, x, y, clip=1.0)
-        losses.append(float(loss))
+        loss, _, ok = train_step(model, opt, x, y, clip=1.0, autocast_dtype=torch.bfloat16 if cuda else None)
+        losses.append(float(loss.detach()))
         if cuda:
             torch.cuda.synchronize(device)
         if i >= warmup:

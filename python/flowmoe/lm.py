@@ -150,8 +150,8 @@ def make_moe(cfg, impl, recipe, max_tokens, device, seed):
         try:
             from flowmoe.torch import MoE
         except ImportError as err:
-            raise RuntimeError("flowmoe.torch is not importable (build and install the package: "
-                               "`pip install .`), or train with --moe torch") from err
+            raise ImportError(f"flowmoe.torch is not importable ({err}); build and install the package "
+                              f"(`pip install .`), or train with --moe torch") from err
         return MoE(cfg.hidden, cfg.ffn, cfg.experts, cfg.topk, recipe=recipe, **kw)
     raise ValueError(f"unknown MoE implementation {impl!r}; expected one of {MOE_IMPLS}")
 

@@ -93,10 +93,11 @@ class ReferenceMoE(torch.nn.Module):
         return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.experts}, topk={self.topk}, "
                 f"router={self.router}, renormalize={self.renormalize}, aux_loss_coef={self.aux_loss_coef}")
 
-    def _gemm_mode(self, device):
+    def _gemm_mode(self, xs):
         if self.gemm != "auto":
             return self.gemm
-        return "grouped" if device.type == "cuda" and hasattr(torch, "_grouped_mm") else "loop"
+        grouped = xs.device.type == "cuda" and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        return "grouped" if grouped else "loop"
 
     def route(self, x):
         """x [T, H] -> probs [T, k] fp32, ids [T, k] int64, scores [T, E] fp32 (for the aux loss)."""
@@ -121,7 +122,7 @@ class ReferenceMoE(torch.nn.Module):
         """xs [M, H] bf16 rows grouped by expert (counts [E]), w [M, 1] their probabilities."""
         w1 = self.w1.to(xs.dtype)
         w2 = self.w2.to(xs.dtype)
-        if self._gemm_mode(xs.device) == "grouped":
+        if self._gemm_mode(xs) == "grouped":
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             h = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)         # [M, 2F]
             gate, up = h.chunk(2, dim=-1)

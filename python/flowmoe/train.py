@@ -352,7 +352,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         run(args)
-    except FileNotFoundError as err:  # no corpus: say what to install or pass
+    except (FileNotFoundError, ImportError) as err:  # no corpus / no native layer: say what to do
         print(f"flowmoe.train: error: {err}", file=sys.stderr)
         return 2
     return 0
