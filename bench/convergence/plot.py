@@ -63,31 +63,33 @@ def delta_pct(a, b):
     return None if a is None or b is None else 100.0 * (a - b) / b
 
 
-def saved_per_layer(r):
+def saved_per_layer(r, key="per_layer"):
+    """Mean over the MoE layers of the saved activation bytes per token (key "per_layer": as
+    allocated, padding rows included; "unpadded_per_layer": routed rows only)."""
     s = r.get("saved_bytes_per_token")
     if not s:
         return None
-    vals = [v for v in s.get("per_layer", []) if v is not None]
+    vals = [v for v in s.get(key) or [] if v is not None]
     return sum(vals) / len(vals) if vals else None
 
 
 def table(runs):
     base = runs.get(BASE, {}).get("final_val_loss")
-    rows = ["| run | final val loss | Δ vs bf16 | tokens/s | peak memory GiB | saved B/token per MoE layer "
+    rows = ["| run | final val loss | Δ vs bf16 | tokens/s | peak memory GiB | saved B/token per MoE layer (unpadded) "
             "| nonfinite | underflow | skipped steps |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in runs.items():
         v = r.get("final_val_loss")
         d = delta_pct(v, base)
         mem = r.get("peak_memory_bytes")
-        sv = saved_per_layer(r)
+        sv, su = saved_per_layer(r), saved_per_layer(r, "unpadded_per_layer")
         rows.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
             name,
             f"{v:.4f}" if v is not None else "—",
             "—" if d is None or name == BASE else f"{d:+.2f}%",
             f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "—",
             f"{mem / 2**30:.2f}" if mem else "—",
-            f"{sv:,.0f}" if sv is not None else "—",
+            "—" if sv is None else f"{sv:,.0f}" + ("" if su is None else f" ({su:,.0f})"),
             r.get("nonfinite", "—"), r.get("underflow", "—"), r.get("skipped_steps", "—")))
     first = next(iter(runs.values()))
     m = first["model"]

@@ -207,8 +207,3 @@ class MoELM(torch.nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
-
-    def aux_loss(self):
-        """Sum over the layers of the last forward's aux losses (detached; for logging)."""
-        vals = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
-        return float(sum(float(v) for v in vals)) if vals else 0.0

@@ -152,11 +152,16 @@ def _field(obj, name):
 
 
 def moe_counters(model):
-    """[(nonfinite, underflow)] of each MoE layer for the last forward + backward."""
+    """[(nonfinite, underflow, aux loss)] of each MoE layer for the last forward + backward, from
+    one status() call per layer."""
     out = []
     for m in model.moe_layers():
         st = m.status() if hasattr(m, "status") else None
-        out.append((int(_field(st, "nonfinite") or 0), int(_field(st, "underflow") or 0)))
+        aux = _field(st, "aux_loss")
+        if aux is None:
+            aux = m.aux_loss
+        out.append((int(_field(st, "nonfinite") or 0), int(_field(st, "underflow") or 0),
+                    float(aux) if aux is not None else 0.0))
     return out
 
 
@@ -183,7 +188,7 @@ def train_step(model, opt, tokens, targets, clip, autocast_dtype=torch.bfloat16)
     loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-    ok = bool(torch.isfinite(loss).item()) and bool(torch.isfinite(norm).item())
+    ok = bool((torch.isfinite(loss) & torch.isfinite(norm)).item())  # one synchronisation
     if ok:
         opt.step()
     return loss, norm, ok
@@ -272,11 +277,12 @@ def run(args):
         if cuda:
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
-        for i, (nf, uf) in enumerate(moe_counters(model)):
+        counters = moe_counters(model)
+        for i, (nf, uf, _) in enumerate(counters):
             state["nonfinite"][i] += nf
             state["underflow"][i] += uf
         state["train_loss"].append(loss_v)
-        state["aux_loss"].append(model.aux_loss())
+        state["aux_loss"].append(sum(c[2] for c in counters))
         state["step_times"].append(dt)
         state["skipped"] += 0 if ok else 1
         state["step"] = step + 1

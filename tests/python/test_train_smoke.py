@@ -101,7 +101,7 @@ class TrainSmoke(unittest.TestCase):
     def test_flowmoe_recipes_learn(self):
         for recipe in ("bf16", "flow"):
             with self.subTest(recipe=recipe):
-                r = tiny_run("--moe", "flowmoe", "--recipe", recipe, "--seed", "2")
+                r = tiny_run("--moe", "flowmoe", "--recipe", recipe, "--seed", "2", steps=16)
                 self.check_learns(r)
                 self.assertEqual(r["nonfinite"], 0)
 
