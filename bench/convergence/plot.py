@@ -73,8 +73,21 @@ def saved_per_layer(r, key="per_layer"):
     return sum(vals) / len(vals) if vals else None
 
 
+def comparable(r, ref):
+    """Why run r is not the same experiment as ref (model, schedule, batch, data), or None."""
+    def key(x):
+        return (x.get("model"), {k: v for k, v in x.get("hyper", {}).items()}, x.get("tokens_per_step"),
+                x.get("data", {}).get("description"))
+    if key(r) != key(ref):
+        return "different configuration"
+    if not r.get("complete", True):
+        return f"incomplete: {len(r.get('train_loss', []))} steps"
+    return None
+
+
 def table(runs):
     base = runs.get(BASE, {}).get("final_val_loss")
+    ref = runs.get(BASE) or next(iter(runs.values()))
     rows = ["| run | final val loss | Δ vs bf16 | tokens/s | peak memory GiB | saved B/token per MoE layer (unpadded) "
             "| nonfinite | underflow | skipped steps |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -83,8 +96,9 @@ def table(runs):
         d = delta_pct(v, base)
         mem = r.get("peak_memory_bytes")
         sv, su = saved_per_layer(r), saved_per_layer(r, "unpadded_per_layer")
+        why = comparable(r, ref)
         rows.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
-            name,
+            name if why is None else f"{name} ({why})",
             f"{v:.4f}" if v is not None else "—",
             "—" if d is None or name == BASE else f"{d:+.2f}%",
             f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "—",

@@ -110,6 +110,13 @@ class Attention(torch.nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, s, h))
 
 
+def _autocast_enabled(device_type):
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # PyTorch < 2.4: no device argument
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
 class MoEFFN(torch.nn.Module):
     """Runs an MoE layer with autocast off on BF16 input (flowmoe's layer always; the reference
     under autocast) or FP32 input (the reference without autocast: the CPU configuration)."""
@@ -119,7 +126,7 @@ class MoEFFN(torch.nn.Module):
         self.moe = moe
 
     def forward(self, x):
-        bf16 = not isinstance(self.moe, ReferenceMoE) or torch.is_autocast_enabled(x.device.type)
+        bf16 = not isinstance(self.moe, ReferenceMoE) or _autocast_enabled(x.device.type)
         with torch.autocast(device_type=x.device.type, enabled=False):
             return self.moe(x.to(torch.bfloat16 if bf16 else torch.float32))
 
