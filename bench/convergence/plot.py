@@ -76,8 +76,9 @@ def saved_per_layer(r, key="per_layer"):
 def comparable(r, ref):
     """Why run r is not the same experiment as ref (model, schedule, batch, data), or None."""
     def key(x):
-        return (x.get("model"), {k: v for k, v in x.get("hyper", {}).items()}, x.get("tokens_per_step"),
-                x.get("data", {}).get("description"))
+        d = x.get("data", {})
+        return (x.get("model"), x.get("hyper"), x.get("tokens_per_step"), x.get("precision"),
+                d.get("train_bytes"), d.get("val_bytes"))
     if key(r) != key(ref):
         return "different configuration"
     if not r.get("complete", True):

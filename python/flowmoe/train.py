@@ -305,7 +305,7 @@ def run(args):
     if state["step"] < args.steps:
         log(f"# stopped after step {state['step']} of {args.steps} (--stop-after); continue with --resume")
 
-    times = state["step_times"][args.timing_warmup:] or state["step_times"]
+    times = state["step_times"][args.timing_warmup:] or state["step_times"] or [float("nan")]
     result = {
         "name": args.name,
         "moe": args.moe,
@@ -326,7 +326,7 @@ def run(args):
         "aux_loss": state["aux_loss"],
         "val": state["val"],
         "final_val_loss": state["val"][-1][1] if state["val"] and state["step"] == args.steps else None,
-        "final_train_loss_mean100": statistics.mean(state["train_loss"][-100:]),
+        "final_train_loss_mean100": statistics.mean(state["train_loss"][-100:]) if state["train_loss"] else None,
         "tokens_per_s": tokens_per_step / statistics.median(times),
         "tokens_per_s_mean": tokens_per_step * len(times) / sum(times),
         "step_ms_median": 1e3 * statistics.median(times),
