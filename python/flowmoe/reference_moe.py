@@ -164,7 +164,7 @@ class ReferenceMoE(torch.nn.Module):
                 y = _AddAuxGradient.apply(y, aux)
         else:
             self.aux_loss = torch.zeros((), device=x2.device)
-        return y.reshape(shape)
+        return y.reshape(shape).to(x.dtype)
 
     # The same introspection calls as flowmoe.torch.MoE, with what a plain layer can say.
     def status(self):
