@@ -155,10 +155,14 @@ def make_moe(cfg, impl, recipe, max_tokens, device, seed):
         return ReferenceMoE(cfg.hidden, cfg.ffn, cfg.experts, cfg.topk, recipe="bf16", **kw)
     if impl == "flowmoe":
         try:
+            import flowmoe
             from flowmoe.torch import MoE
         except ImportError as err:
             raise ImportError(f"flowmoe.torch is not importable ({err}); build and install the package "
                               f"(`pip install .`), or train with --moe torch") from err
+        if hasattr(flowmoe, "native_available") and not flowmoe.native_available():
+            raise ImportError("flowmoe's native library is not built or not found; install the package "
+                              "with `pip install .`, or train with --moe torch")
         return MoE(cfg.hidden, cfg.ffn, cfg.experts, cfg.topk, recipe=recipe, **kw)
     raise ValueError(f"unknown MoE implementation {impl!r}; expected one of {MOE_IMPLS}")
 

@@ -33,9 +33,11 @@ except ImportError:
 
 
 def have_flowmoe_torch():
+    """flowmoe.torch imports and its native library loads (the package imports it lazily)."""
     try:
+        import flowmoe
         import flowmoe.torch  # noqa: F401
-        return True
+        return flowmoe.native_available() if hasattr(flowmoe, "native_available") else True
     except Exception:  # not built / not installed
         return False
 
