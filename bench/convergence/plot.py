@@ -89,13 +89,13 @@ def comparable(r, ref):
 def table(runs):
     base = runs.get(BASE, {}).get("final_val_loss")
     ref = runs.get(BASE) or next(iter(runs.values()))
-    rows = ["| run | final val loss | Δ vs bf16 | tokens/s | peak memory GiB | saved B/token per MoE layer (unpadded) "
+    rows = ["| run | final val loss | Δ vs bf16 | tokens/s | peak memory GiB (device used) | saved B/token per MoE layer (unpadded) "
             "| nonfinite | underflow | skipped steps |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in runs.items():
         v = r.get("final_val_loss")
         d = delta_pct(v, base)
-        mem = r.get("peak_memory_bytes")
+        mem, used = r.get("peak_memory_bytes"), r.get("device_memory_used_bytes")
         sv, su = saved_per_layer(r), saved_per_layer(r, "unpadded_per_layer")
         why = comparable(r, ref)
         rows.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
@@ -103,7 +103,7 @@ def table(runs):
             f"{v:.4f}" if v is not None else "—",
             "—" if d is None or name == BASE else f"{d:+.2f}%",
             f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "—",
-            f"{mem / 2**30:.2f}" if mem else "—",
+            ("—" if not mem else f"{mem / 2**30:.2f}") + ("" if not used else f" ({used / 2**30:.2f})"),
             "—" if sv is None else f"{sv:,.0f}" + ("" if su is None else f" ({su:,.0f})"),
             r.get("nonfinite", "—"), r.get("underflow", "—"), r.get("skipped_steps", "—")))
     first = next(iter(runs.values()))

@@ -34,7 +34,7 @@ except ImportError:
 import torch
 
 from flowmoe.lm import LMConfig, MoELM
-from flowmoe.train import train_step
+from flowmoe.train import device_used_bytes, train_step
 
 V2_LITE = dict(layers=4, hidden=2048, heads=16, ffn=1408, experts=64, topk=6, seq_len=2048)
 TINY = dict(layers=2, hidden=128, heads=2, ffn=128, experts=4, topk=2, seq_len=64)
@@ -74,9 +74,13 @@ def measure(name, impl, recipe, cfg, batch, warmup, reps, device, seed):
         "step_ms_min": 1e3 * min(times),
         "tokens_per_s": tokens_per_step / step,
         "model_tflops": cfg.train_flops_per_token() * tokens_per_step / step / 1e12,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,  # PyTorch's allocator
+        "device_memory_used_bytes": device_used_bytes(device),  # + native workspaces, context
         "first_loss": losses[0], "last_loss": losses[-1],
     }
+    for m in model.moe_layers():  # free flowmoe's native workspaces before the next model
+        if hasattr(m, "release"):
+            m.release()
     del model, opt, data, x, y
     gc.collect()
     if cuda:
@@ -115,13 +119,15 @@ def main(argv=None):
         results.append(r)
         print(f"# {name}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s", flush=True)
     base = next((r for r in results if r["name"] == "torch-bf16"), None)
-    print("| model | step ms | tokens/s | model TFLOP/s | peak GiB | vs PyTorch BF16 MoE |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| model | step ms | tokens/s | model TFLOP/s | peak GiB (PyTorch) | device used GiB | vs PyTorch BF16 MoE |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         r["speedup_vs_torch"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
         mem = r["peak_memory_bytes"]
+        used = r["device_memory_used_bytes"]
         print(f"| {r['name']} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['model_tflops']:.0f} | "
-              f"{mem / 2**30 if mem else 0:.2f} | {r['speedup_vs_torch'] or 0:.2f}× |")
+              f"{mem / 2**30 if mem else 0:.2f} | {used / 2**30 if used else 0:.2f} | "
+              f"{r['speedup_vs_torch'] or 0:.2f}× |")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

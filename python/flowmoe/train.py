@@ -206,6 +206,14 @@ def evaluate(model, batches, autocast_dtype=torch.bfloat16):
     return total / len(batches)
 
 
+def device_used_bytes(device):
+    """Used memory of the device (total - free: every allocation, native ones included), or None."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
 def fmt_time(s):
     s = int(max(0, s))
     return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -332,7 +340,11 @@ def run(args):
         "step_ms_median": 1e3 * statistics.median(times),
         "train_seconds": sum(state["step_times"]),
         "wall_seconds": time.perf_counter() - t_start,
+        # PyTorch's allocator only: flowmoe's layers allocate their workspaces natively, which
+        # device_memory_used_bytes (the device's used memory at the end, all of this process's
+        # allocations and the CUDA context; other processes too, if any) includes.
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "device_memory_used_bytes": device_used_bytes(device),
         "saved_bytes_per_token": saved,
         "nonfinite_per_layer": state["nonfinite"],
         "underflow_per_layer": state["underflow"],
@@ -344,7 +356,8 @@ def run(args):
     }
     fv = result["final_val_loss"]
     log(f"# done: final validation loss {'—' if fv is None else f'{fv:.4f}'}, {result['tokens_per_s']:,.0f} tok/s, "
-        f"peak {result['peak_memory_bytes'] / 2**30 if cuda else 0:.2f} GiB, {result['skipped_steps']} skipped steps, "
+        f"peak {result['peak_memory_bytes'] / 2**30 if cuda else 0:.2f} GiB (PyTorch allocator), device used "
+        f"{(result['device_memory_used_bytes'] or 0) / 2**30:.2f} GiB, {result['skipped_steps']} skipped steps, "
         f"nonfinite {result['nonfinite']}, underflow {result['underflow']}")
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
