@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Merge the convergence runs and draw the figures and the table of docs/CONVERGENCE.md.
+
+    python3 bench/convergence/plot.py [--out docs/convergence]
+
+Reads every <out>/runs/*.json written by `python -m flowmoe.train --json` (bench/convergence/run.sh)
+and writes:
+    <out>/results.json   all runs (configuration, curves, figures), keyed by run name
+    <out>/curves.png     train loss (moving average) and validation loss of every run
+    <out>/delta.png      each run's difference to bf16 (seed 0) in %, with bf16's second seed as
+                         the seed-to-seed spread
+    <out>/table.md       final validation loss, delta vs bf16 in %, tokens/s, peak memory, saved
+                         activation bytes per token (per MoE layer), nonfinite / underflow counts,
+                         skipped steps
+The figures need matplotlib; without it the JSON and the table are still written.
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+ORDER = ["bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"]
+BASE = "bf16"
+
+
+def sort_key(name):
+    recipe = name.split("-seed")[0]
+    return ("-seed" in name, ORDER.index(recipe) if recipe in ORDER else len(ORDER), name)
+
+
+def colors(runs):
+    """One colour per run, the same in both figures."""
+    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:gray",
+               "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
+    return {name: palette[i % len(palette)] for i, name in enumerate(runs)}
+
+
+def load_runs(out):
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(out, "runs", "*.json"))):
+        with open(path) as f:
+            r = json.load(f)
+        runs[r.get("name") or os.path.splitext(os.path.basename(path))[0]] = r
+    if not runs and os.path.isfile(os.path.join(out, "results.json")):
+        with open(os.path.join(out, "results.json")) as f:
+            runs = json.load(f)["runs"]
+    return dict(sorted(runs.items(), key=lambda kv: sort_key(kv[0])))
+
+
+def moving_average(xs, n):
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= n:
+            acc -= xs[i - n]
+        out.append(acc / min(i + 1, n))
+    return out
+
+
+def delta_pct(a, b):
+    return None if a is None or b is None else 100.0 * (a - b) / b
+
+
+def saved_per_layer(r, key="per_layer"):
+    """Mean over the MoE layers of the saved activation bytes per token (key "per_layer": as
+    allocated, padding rows included; "unpadded_per_layer": routed rows only)."""
+    s = r.get("saved_bytes_per_token")
+    if not s:
+        return None
+    vals = [v for v in s.get(key) or [] if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def comparable(r, ref):
+    """Why run r is not the same experiment as ref (model, schedule, batch, data), or None."""
+    def key(x):
+        d = x.get("data", {})
+        return (x.get("model"), x.get("hyper"), x.get("tokens_per_step"), x.get("precision"),
+                d.get("train_bytes"), d.get("val_bytes"))
+    if key(r) != key(ref):
+        return "different configuration"
+    if not r.get("complete", True):
+        return f"incomplete: {len(r.get('train_loss', []))} steps"
+    return None
+
+
+def table(runs):
+    base = runs.get(BASE, {}).get("final_val_loss")
+    ref = runs.get(BASE) or next(iter(runs.values()))
+    rows = ["| run | final val loss | Δ vs bf16 | tokens/s | peak memory GiB (device used) | saved B/token per MoE layer (unpadded) "
+            "| nonfinite | underflow | skipped steps |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in runs.items():
+        v = r.get("final_val_loss")
+        d = delta_pct(v, base)
+        mem, used = r.get("peak_memory_bytes"), r.get("device_memory_used_bytes")
+        sv, su = saved_per_layer(r), saved_per_layer(r, "unpadded_per_layer")
+        why = comparable(r, ref)
+        rows.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+            name if why is None else f"{name} ({why})",
+            f"{v:.4f}" if v is not None else "—",
+            "—" if d is None or name == BASE else f"{d:+.2f}%",
+            f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "—",
+            ("—" if not mem else f"{mem / 2**30:.2f}") + ("" if not used else f" ({used / 2**30:.2f})"),
+            "—" if sv is None else f"{sv:,.0f}" + ("" if su is None else f" ({su:,.0f})"),
+            r.get("nonfinite", "—"), r.get("underflow", "—"), r.get("skipped_steps", "—")))
+    first = next(iter(runs.values()))
+    m = first["model"]
+    note = (f"\nModel: {m['layers']} layers, H {m['hidden']}, {m['heads']} heads, {m['experts']} experts of "
+            f"F {m['ffn']}, top-{m['topk']} {m['router']}, aux {m['aux_loss_coef']}; "
+            f"{first['params_total'] / 1e6:.1f}M parameters ({first['params_active'] / 1e6:.1f}M active per token); "
+            f"{first['hyper']['steps']} steps of {first['tokens_per_step']} tokens; data {first['data']['description']}; "
+            f"{first.get('device', '?')}, torch {first.get('torch', '?')}. Validation loss in nats per byte "
+            f"(mean over {first['hyper']['val_batches']} fixed batches of the held-out works).\n")
+    return "\n".join(rows) + "\n" + note
+
+
+def plot(runs, out, smooth):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot.py: matplotlib is not installed; figures not drawn (pip install matplotlib)", file=sys.stderr)
+        return []
+    col = colors(runs)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, r in runs.items():
+        tl = r["train_loss"]
+        style = "--" if "-seed" in name else "-"
+        a1.plot(range(1, len(tl) + 1), moving_average(tl, smooth), style, color=col[name], label=name, lw=1.2)
+        vs, vl = zip(*r["val"]) if r["val"] else ((), ())
+        a2.plot(vs, vl, style, marker=".", color=col[name], label=name, lw=1.2)
+    a1.set(title=f"train loss (moving average of {smooth} steps)", xlabel="step", ylabel="loss (nats/byte)")
+    a2.set(title="validation loss (held-out works)", xlabel="step", ylabel="loss (nats/byte)")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        a.legend()
+        lows = [min(r["train_loss"]) for r in runs.values()]
+        a.set_ylim(min(lows) * 0.95, min(lows) * 2.0)
+    fig.tight_layout()
+    curves = os.path.join(out, "curves.png")
+    fig.savefig(curves, dpi=120)
+    plt.close(fig)
+
+    files = [curves]
+    if BASE in runs:
+        b = runs[BASE]
+        bt = moving_average(b["train_loss"], smooth)
+        bv = dict((s, v) for s, v in b["val"])
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+        for name, r in runs.items():
+            if name == BASE:
+                continue
+            style = "--" if "-seed" in name else "-"
+            t = moving_average(r["train_loss"], smooth)
+            n = min(len(t), len(bt))
+            start = min(200, n // 10)  # the first steps' differences dwarf the rest
+            a1.plot(range(start + 1, n + 1), [100 * (t[i] - bt[i]) / bt[i] for i in range(start, n)], style,
+                    color=col[name], label=name, lw=1.2)
+            pts = [(s, 100 * (v - bv[s]) / bv[s]) for s, v in r["val"] if s in bv]
+            if pts:
+                a2.plot(*zip(*pts), style, marker=".", color=col[name], label=name, lw=1.2)
+        a1.set(title=f"train loss vs bf16 (moving average of {smooth}), %", xlabel="step", ylabel="Δ loss %")
+        a2.set(title="validation loss vs bf16, %", xlabel="step", ylabel="Δ loss %")
+        for a in (a1, a2):
+            a.axhline(0, color="k", lw=0.8)
+            for y, c, what in ((0.3, "k", "flow target +0.3%"), (0.6, "0.5", "flow-fp4 target +0.6%")):
+                a.axhline(y, color=c, lw=0.8, ls=":", label=what)
+            a.grid(alpha=0.3)
+            a.legend()
+        fig.tight_layout()
+        delta = os.path.join(out, "delta.png")
+        fig.savefig(delta, dpi=120)
+        plt.close(fig)
+        files.append(delta)
+    return files
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="docs/convergence")
+    ap.add_argument("--smooth", type=int, default=50, help="moving-average window of the train curves")
+    args = ap.parse_args(argv)
+    runs = load_runs(args.out)
+    if not runs:
+        print(f"plot.py: no runs under {args.out}/runs and no {args.out}/results.json", file=sys.stderr)
+        return 1
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"runs": runs}, f)
+    md = table(runs)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(md)
+    print(md)
+    for p in plot(runs, args.out, args.smooth):
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
