@@ -58,7 +58,7 @@ const char kBenchUsage[] =
     "                 baseline does, which starts every step from grad = None)\n"
     "  --exponent R   flow and flow-fp4: the exponent of the column-wise blocks made by the\n"
     "                 scaling-aware transpose and FP4RowToFP8Col (MoeConfig::transpose_exponent):\n"
-    "                 row-max (default) or column-amax (docs/NUMERICS.md)\n"
+    "                 row-max or column-amax (default: MoeConfig's, row-max; docs/NUMERICS.md)\n"
     "  --json FILE    also write the results as JSON\n"
     "  --baseline F   JSON written by `python3 bench/torch_moe_layer.py --json F`: adds the\n"
     "                 PyTorch layer's tokens/s and the ratio of each recipe to it\n"
@@ -345,9 +345,13 @@ int run_bench(const Args& args) {
     throw UsageError("--grads: '" + grads + "' is not one of accumulate|overwrite");
   std::vector<Baseline> baseline;
   if (args.has("baseline")) baseline = load_baseline(args.get("baseline"));
-  const std::string exponent = args.get("exponent", "row-max");
-  if (exponent != "row-max" && exponent != "column-amax")
-    throw UsageError("--exponent: '" + exponent + "' is not one of row-max|column-amax");
+  TransposeExponent exponent = MoeConfig().transpose_exponent;
+  if (args.has("exponent")) {
+    const std::string e = args.get("exponent");
+    if (e != "row-max" && e != "column-amax")
+      throw UsageError("--exponent: '" + e + "' is not one of row-max|column-amax");
+    exponent = e == "column-amax" ? TransposeExponent::kColumnAmax : TransposeExponent::kRowMax;
+  }
 
   // ---- device ----
   int ndev = 0;
@@ -370,7 +374,8 @@ int run_bench(const Args& args) {
               prop.name, prop.multiProcessorCount, double(prop.totalGlobalMem) / double(1ull << 30),
               static_cast<long long>(T), align, warmup, reps,
               grads == "accumulate" ? "accumulated (dW +=)" : "overwritten (dW =)");
-  std::printf("transpose exponent (flow, flow-fp4): %s\n", exponent.c_str());
+  std::printf("transpose exponent (flow, flow-fp4): %s\n",
+              exponent == TransposeExponent::kColumnAmax ? "column-amax" : "row-max");
 
   std::ostringstream json;
   json << "[";
@@ -411,8 +416,7 @@ int run_bench(const Args& args) {
     for (Recipe rc : recipes) {
       std::fprintf(stderr, "  running %s / %s ...\n", bc->name, recipe_name(rc));
       results.push_back(run_recipe(*bc, rc, T, align, reps, warmup, breakdown, stream, w, g, x.p, dy.p, y.p, dx.p,
-                                   exponent == "column-amax" ? TransposeExponent::kColumnAmax
-                                                             : TransposeExponent::kRowMax));
+                                   exponent));
     }
     const RecipeResult* r_bf16 = nullptr;
     const RecipeResult* r_block = nullptr;
