@@ -501,14 +501,14 @@ QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col,
         for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
         continue;
       }
-      const int sc = mode == TransposeExponent::kColumnAmax
-                         ? column_amax_scale_code(t0, t1,
-                                                  [&](int64_t t, float* v, int* e) {
-                                                    *v = e2m1_to_f32(e2m1_get(fp4.codes.data(), t * k + c));
-                                                    *e = fp4.scales[t * ng + g];
-                                                    return true;
-                                                  })
-                         : fp8_scale_code_from_fp4_max(cmax);
+      int sc = fp8_scale_code_from_fp4_max(cmax);
+      if (mode == TransposeExponent::kColumnAmax) {
+        sc = column_amax_scale_code(t0, t1, [&](int64_t t, float* v, int* e) {
+          *v = e2m1_to_f32(e2m1_get(fp4.codes.data(), t * k + c));
+          *e = fp4.scales[t * ng + g];
+          return true;
+        });
+      }
       col->scales[blk * k + c] = static_cast<uint8_t>(sc);
       for (int64_t t = t0; t < t1; ++t) {
         const float p = e2m1_to_f32(e2m1_get(fp4.codes.data(), t * k + c));

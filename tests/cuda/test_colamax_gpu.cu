@@ -214,7 +214,7 @@ std::vector<Case> cases() {
     v.push_back({"aligned16_" + n, 2048, 512, ragged(8, 2048, 7, 16), d});
   }
   v.push_back({"v2lite_like_64_experts_outlier_token", 4096, 2048, ragged(64, 4096, 11, 1), Dist::kOutlierToken});
-  v.push_back({"v3_like_aligned128_heavy", 8192, 7168, ragged(32, 8192, 5, 128), Dist::kHeavy});
+  v.push_back({"v3_like_k7168_aligned128_heavy", 4096, 7168, ragged(32, 4096, 5, 128), Dist::kHeavy});
   return v;
 }
 

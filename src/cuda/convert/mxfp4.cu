@@ -279,7 +279,7 @@ __device__ __forceinline__ uint32_t e2m1x4_to_e4m3_colamax(uint32_t y, uint32_t 
 // One CTA per (128-token block, 128-feature tile), laid out like K9: pass 1 folds the values
 // into per-feature amax keys (reduced over the CTA), pass 2 encodes each value under its
 // column's target exponent.
-__global__ void __launch_bounds__(kThreads, 6)
+__global__ void __launch_bounds__(kThreads, 5)
 fp4_to_fp8_col_colamax_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __restrict__ fp4_scales,
                               int64_t m, int64_t k, const int32_t* __restrict__ bstart,
                               const int32_t* __restrict__ bend, uint8_t* __restrict__ col_codes,
@@ -343,12 +343,10 @@ fp4_to_fp8_col_colamax_kernel(const uint8_t* __restrict__ fp4_codes, const uint8
         v = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
       } else {
         const int e = static_cast<int>((s_e[row] >> (8 * j)) & 0xFFu);
-        const bool near = ct.tmax - e <= 15 && ct.tmin - e >= -15;
-        const uint32_t base = near ? 0x01010101u * static_cast<uint32_t>(16 + e - ct.tmin) : 0u;
         uint32_t out[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q)
-          out[q] = e2m1x4_to_e4m3_colamax(e2m1x4_bytes(in[i], q), near ? base - ct.rel[q] : 0u, ct.t[q], e, lost);
+          out[q] = e2m1x4_to_e4m3_colamax(e2m1x4_bytes(in[i], q), ct.shift_bytes(q, e), ct.t[q], e, lost);
         v = make_uint4(out[0], out[1], out[2], out[3]);
       }
     }

@@ -182,10 +182,17 @@ __device__ __forceinline__ int column_max_key(uint32_t (&key)[kKeyWords], uint32
 }
 
 // The 16 target scale codes of a thread's chunk (s_target[16 * chunk ..], 16-byte aligned), as
-// four words and as offsets above their minimum (bytes in [0, 254 - tmin], no borrow).
+// four words, with their minimum and maximum.
 struct ChunkTargets {
-  uint32_t t[4], rel[4];
+  uint32_t t[4];
   int tmin, tmax;
+  // Per byte 16 - (target - e) for a row of scale code e whose shifts all lie in [-15, 15]
+  // (then in [1, 31], computed without borrows), else 0 (every byte takes the slow path).
+  __device__ __forceinline__ uint32_t shift_bytes(int q, int e) const {
+    if (tmax - e > 15 || tmin - e < -15) return 0u;
+    const uint32_t tminw = 0x01010101u * static_cast<uint32_t>(tmin);
+    return 0x01010101u * static_cast<uint32_t>(16 + e - tmin) - (t[q] - tminw);
+  }
 };
 __device__ __forceinline__ ChunkTargets load_chunk_targets(const uint8_t* s_target, int chunk) {
   ChunkTargets c;
@@ -196,10 +203,8 @@ __device__ __forceinline__ ChunkTargets load_chunk_targets(const uint8_t* s_targ
   c.t[3] = v.w;
   const uint32_t mn = __vminu4(__vminu4(v.x, v.y), __vminu4(v.z, v.w));
   const uint32_t mx = __vmaxu4(__vmaxu4(v.x, v.y), __vmaxu4(v.z, v.w));
-  c.tmin = min(min(mn & 0xFF, (mn >> 8) & 0xFF), min((mn >> 16) & 0xFF, mn >> 24));
-  c.tmax = max(max(mx & 0xFF, (mx >> 8) & 0xFF), max((mx >> 16) & 0xFF, mx >> 24));
-#pragma unroll
-  for (int q = 0; q < 4; ++q) c.rel[q] = c.t[q] - 0x01010101u * static_cast<uint32_t>(c.tmin);
+  c.tmin = static_cast<int>(min(min(mn & 0xFF, (mn >> 8) & 0xFF), min((mn >> 16) & 0xFF, mn >> 24)));
+  c.tmax = static_cast<int>(max(max(mx & 0xFF, (mx >> 8) & 0xFF), max((mx >> 16) & 0xFF, mx >> 24)));
   return c;
 }
 

@@ -255,12 +255,10 @@ aware_transpose_colamax_kernel(const uint8_t* __restrict__ row_codes, const uint
       uint4 w = v[i];
       if (row < n) {
         const int e = s_e[row];
-        const bool near = ct.tmax - e <= 15 && ct.tmin - e >= -15;
-        const uint32_t base = near ? 0x01010101u * static_cast<uint32_t>(16 + e - ct.tmin) : 0u;
-        w.x = colamax_rescale4(w.x, near ? base - ct.rel[0] : 0u, ct.t[0], e, lost, nan_codes);
-        w.y = colamax_rescale4(w.y, near ? base - ct.rel[1] : 0u, ct.t[1], e, lost, nan_codes);
-        w.z = colamax_rescale4(w.z, near ? base - ct.rel[2] : 0u, ct.t[2], e, lost, nan_codes);
-        w.w = colamax_rescale4(w.w, near ? base - ct.rel[3] : 0u, ct.t[3], e, lost, nan_codes);
+        w.x = colamax_rescale4(w.x, ct.shift_bytes(0, e), ct.t[0], e, lost, nan_codes);
+        w.y = colamax_rescale4(w.y, ct.shift_bytes(1, e), ct.t[1], e, lost, nan_codes);
+        w.z = colamax_rescale4(w.z, ct.shift_bytes(2, e), ct.t[2], e, lost, nan_codes);
+        w.w = colamax_rescale4(w.w, ct.shift_bytes(3, e), ct.t[3], e, lost, nan_codes);
       }
       *reinterpret_cast<uint4*>(&s_q[detail::swz_chunk(row, ch)]) = w;
     }
