@@ -125,9 +125,15 @@ void bench_config(const Config& c, int64_t tokens_per_gpu) {
   const float t_qt = time_us([&](int r) { cuda::quantize_transposed(r & 1 ? x[1] : x[0], k, sb, oc, os, st, 0); });
   const float t_naive = time_us([&](int r) { cuda::naive_col_copy(rc[r & 1], rs[r & 1], k, sb, oc, os, work, st, 0); });
   const float t_aware = time_us([&](int r) { cuda::scaling_aware_transpose(rc[r & 1], rs[r & 1], k, sb, oc, os, st, 0); });
+  const float t_aware_ca = time_us([&](int r) {
+    cuda::scaling_aware_transpose(rc[r & 1], rs[r & 1], k, sb, oc, os, st, 0, TransposeExponent::kColumnAmax);
+  });
   const float t_q4 = time_us([&](int r) { cuda::quantize_mxfp4(x[r & 1], m, k, fc[r & 1], fs[r & 1], st, 0); });
   const float t_f4r = time_us([&](int r) { cuda::fp4_to_fp8_row(fc[r & 1], fs[r & 1], m, k, oc2, os2, st, 0); });
   const float t_f4c = time_us([&](int r) { cuda::fp4_to_fp8_col(fc[r & 1], fs[r & 1], k, sb, oc, os, st, 0); });
+  const float t_f4c_ca = time_us([&](int r) {
+    cuda::fp4_to_fp8_col(fc[r & 1], fs[r & 1], k, sb, oc, os, st, 0, TransposeExponent::kColumnAmax);
+  });
   const float t_deq4 = time_us([&](int r) { cuda::dequantize_mxfp4(fc[r & 1], fs[r & 1], m, k, work, 0); });
   const float t_step = time_us([&](int r) { cuda::fp4_to_fp8_col_stepwise(fc[r & 1], fs[r & 1], k, sb, oc, os, work, st, 0); });
   const float t_segs = time_us([&](int) { cuda::build_segment_blocks(sb, st, 0); });
@@ -147,11 +153,15 @@ void bench_config(const Config& c, int64_t tokens_per_gpu) {
   row("transpose_bf16 (baseline step)", b_tr, t_tr);
   row("quantize_transposed (baseline step)", b_qt, t_qt);
   row("scaling_aware_transpose", b_aware, t_aware, "naive DQ -> T -> Q (3 kernels)", t_naive);
+  row("  column-amax exponent", b_aware, t_aware_ca, "naive DQ -> T -> Q (3 kernels)", t_naive);
   row("quantize_mxfp4 (BF16ToFP4Row)", b_q4, t_q4);
   row("fp4_to_fp8_row (FP4RowToFP8Row)", b_f4to8, t_f4r, "FP4 -> BF16 (dequantize)", t_deq4);
   row("fp4_to_fp8_col (FP4RowToFP8Col)", b_f4to8, t_f4c, "FP4 -> BF16 -> T -> Q (3 kern.)", t_step);
+  row("  column-amax exponent", b_f4to8, t_f4c_ca, "FP4 -> BF16 -> T -> Q (3 kern.)", t_step);
   row("dequantize_mxfp4 (FP4->BF16)", b_deq4, t_deq4);
   std::printf("  %-34s %22.1f us (once per layer pass; %d segments)\n", "build_segment_blocks", t_segs, E);
+  std::printf("  column-amax / row-max time: scaling_aware_transpose x%.3f, fp4_to_fp8_col x%.3f\n",
+              t_aware_ca / t_aware, t_f4c_ca / t_f4c);
 
   for (int i = 0; i < 2; ++i) {
     cudaFree(x[i]); cudaFree(rc[i]); cudaFree(rs[i]); cudaFree(fc[i]); cudaFree(fs[i]);
@@ -186,7 +196,8 @@ int main(int argc, char** argv) {
   // ceiling: device-to-device copy of 2 GiB, bytes read + written
   g_copy_gbs = bench::copy_ceiling_gbs(size_t(2) << 30, g_reps, 3);
   const Config configs[] = {
-      {"DeepSeek-V3 EP8", 7168, 256, 8, 8},   {"DeepSeek-V3 EP16", 7168, 256, 8, 16},
+      {"DeepSeek-V3 EP8", 7168, 256, 8, 8},   {"DeepSeek-V3 EP8 K=F", 2048, 256, 8, 8},
+      {"DeepSeek-V3 EP16", 7168, 256, 8, 16},
       {"DeepSeek-V3 EP32", 7168, 256, 8, 32}, {"DeepSeek-V2 EP8", 5120, 160, 6, 8},
       {"DeepSeek-V2 EP16", 5120, 160, 6, 16}, {"DeepSeek-V2 EP32", 5120, 160, 6, 32},
       {"DeepSeek-V2-Lite EP8", 2048, 64, 6, 8}, {"DeepSeek-V2-Lite EP16", 2048, 64, 6, 16},

@@ -111,10 +111,10 @@ struct MoeConfig {
   // Also compare every column-wise wgrad operand with the row-wise tensor of the same values
   // (costs a dequantize of both; for tests and the numerics report). See ColumnCheck.
   bool check_columns = false;
-  // flow / flow-fp4: the exponent of each column-wise block made by the scaling-aware transpose.
-  // kRowMax is SPEC §4; kColumnAmax takes the block's own amax (bit-identical to the naive
-  // power-of-two path, far less underflow on outlier tokens; cpu/convert.h). CPU backend only so
-  // far: the CUDA backend rejects kColumnAmax with an error.
+  // flow / flow-fp4: the exponent of each column-wise block made by the scaling-aware transpose
+  // and by FP4RowToFP8Col. kRowMax is SPEC §4; kColumnAmax takes the block's own amax
+  // (bit-identical to the naive power-of-two path, far less underflow on outlier tokens;
+  // cpu/convert.h, docs/NUMERICS.md). Both backends.
   cpu::TransposeExponent transpose_exponent = cpu::TransposeExponent::kRowMax;
 
   // Throws flowmoe::Error naming the field, its value and what is expected.

@@ -262,6 +262,37 @@ FLOWMOE_HD uint8_t e4m3_rescale(uint8_t q, int shift_down, bool* lost) {
 // P * 2^(6 - Δ_j) in the FP8 tile, exact for Δ_j <= 14.
 FLOWMOE_HD int fp8_scale_code_from_fp4_max(int cmax) { return cmax > 6 ? cmax - 6 : 0; }
 
+// Column-amax exponent (TransposeExponent::kColumnAmax) from integer keys, for the kernels: a key
+// orders the values v * 2^(e - 127) of codes under scale codes e (0 = no value: a zero or NaN
+// code), so the block's target scale code follows from the maximum key alone. Proven equal to
+// the CPU reference's amax rule by tests/cpu/test_transpose_exponent.cpp.
+// E4M3: a normal code is (1 + m/8) * 2^(ef - 7), key 8 * (e + ef) + m + 24 = 8e + 24 + magnitude;
+// a subnormal m * 2^-9 is renormalised (m = 1..7 -> 2^-9, 2^-8, 1.5*2^-8, 2^-7, 1.25*2^-7, ...).
+// The scale code is then ceil(log2(amax / 448)) + 127: the binade minus 8, plus 1 for a
+// mantissa 1.875 (> 1.75).
+FLOWMOE_HD int e4m3_amax_key(uint8_t q, int e) {
+  const int mag = q & 0x7F;
+  if (mag == 0 || mag == 0x7F) return 0;
+  if (mag >= 8) return 8 * e + 24 + mag;
+  return 8 * e + 24 + (mag < 4 ? (mag == 1 ? -16 : mag == 2 ? -8 : -4) : 2 * (mag - 4));
+}
+FLOWMOE_HD int scale_code_from_e4m3_amax_key(int key) {
+  if (key == 0) return 0;
+  const int c = (key >> 3) - 18 + ((key & 7) == 7 ? 1 : 0);
+  return c < 0 ? 0 : (c > 254 ? 254 : c);
+}
+// E2M1: magnitude 1..7 is 0.5, 1, 1.5, 2, 3, 4, 6, binade (mag >> 1) - 1 and mantissa <= 1.5,
+// so the scale code is e + binade - 8; key e + (mag >> 1) + 1.
+FLOWMOE_HD int e2m1_amax_key(uint8_t nibble, int e) {
+  const int mag = nibble & 7;
+  return mag == 0 ? 0 : e + (mag >> 1) + 1;
+}
+FLOWMOE_HD int scale_code_from_e2m1_amax_key(int key) {
+  if (key == 0) return 0;
+  const int c = key - 10;
+  return c < 0 ? 0 : (c > 254 ? 254 : c);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Dequantization of one element: code value times scale, exact in binary32. A NaN code or a NaN
 // scale gives the canonical quiet NaN (0x7FC00000), so NaN bits never depend on the hardware.

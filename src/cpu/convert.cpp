@@ -106,6 +106,33 @@ struct MaxScaleCode {
   }
 };
 
+// The column-amax target exponent (TransposeExponent::kColumnAmax) of one column block whose
+// elements are v * 2^(e - 127): a small exact value v (an E4M3 or E2M1 value) under the scale
+// code e. element(t, &v, &e) gives token t's element and returns false for one to skip (a NaN
+// code). The result is the scale code of the fresh power-of-two scale of the block's amax,
+// 2^ceil(log2(amax / 448)), clamped to [0, 254]; an all-zero block gets 0 (the smallest scale).
+// The amax is taken relative to 2^(r - 127), r the largest scale code among the non-zero values:
+// the maximum is then >= 2^-9, an exact binary32 value, and values more than 160 binades below
+// r cannot hold it.
+template <typename Element>
+int column_amax_scale_code(int64_t t0, int64_t t1, Element&& element) {
+  int r = -1;
+  for (int64_t t = t0; t < t1; ++t) {
+    float v;
+    int e;
+    if (element(t, &v, &e) && v != 0.0f) r = std::max(r, e);
+  }
+  if (r < 0) return 0;
+  float amax_rel = 0.0f;
+  for (int64_t t = t0; t < t1; ++t) {
+    float v;
+    int e;
+    if (!element(t, &v, &e) || e - r < -160) continue;
+    amax_rel = std::max(amax_rel, f32_abs(v) * exp2i(std::max(e - r, -149)));
+  }
+  return std::min(std::max(r + e4m3_scale_exp(amax_rel), 0), 254);
+}
+
 // ---- FP8 row-wise -----------------------------------------------------------------------------
 template <typename T>
 QuantStats quantize_row_impl(const T* x, int64_t m, int64_t k, QTensor* out) {
@@ -401,26 +428,12 @@ QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTen
       }
       int target = cmax;
       if (mode == TransposeExponent::kColumnAmax) {
-        // amax of the column block relative to 2^(r - 127), r = the largest exponent among the
-        // non-zero finite codes: the maximum is then >= 2^-9, an exact binary32 value, and tokens
-        // more than 160 binades below r cannot hold it.
-        int r = -1;
-        for (int64_t t = t0; t < t1; ++t) {
+        target = column_amax_scale_code(t0, t1, [&](int64_t t, float* v, int* e) {
           const uint8_t q = row.codes[t * k + c];
-          if ((q & 0x7F) != 0 && !e4m3_is_nan(q)) r = std::max<int>(r, rs[t]);
-        }
-        if (r < 0) {
-          target = 0;  // all-zero column block: the smallest scale
-        } else {
-          float amax_rel = 0.0f;
-          for (int64_t t = t0; t < t1; ++t) {
-            const uint8_t q = row.codes[t * k + c];
-            if (e4m3_is_nan(q) || rs[t] - r < -160) continue;
-            amax_rel =
-                std::max(amax_rel, f32_abs(e4m3_to_f32(q)) * exp2i(std::max(rs[t] - r, -149)));
-          }
-          target = std::min(std::max(r + e4m3_scale_exp(amax_rel), 0), 254);
-        }
+          *v = e4m3_to_f32(q);
+          *e = rs[t];
+          return !e4m3_is_nan(q);
+        });
       }
       col->scales[blk * k + c] = static_cast<uint8_t>(target);
       for (int64_t t = t0; t < t1; ++t) {
@@ -480,7 +493,8 @@ QuantStats fp4_to_fp8_row(const QTensor& fp4, QTensor* row) {
   return st;
 }
 
-QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col) {
+QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col,
+                          TransposeExponent mode) {
   check_output(col, "fp4_to_fp8_col", &fp4);
   check_layout(fp4, Layout::kMxfp4Row1x32, "fp4_to_fp8_col");
   const int64_t m = fp4.rows, k = fp4.cols, ng = k / kFp4Block;
@@ -508,12 +522,22 @@ QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col)
         for (int64_t t = t0; t < t1; ++t) codes[t] = kNanCodeE4M3;
         continue;
       }
-      const int sc = fp8_scale_code_from_fp4_max(cmax);
+      int sc = fp8_scale_code_from_fp4_max(cmax);
+      if (mode == TransposeExponent::kColumnAmax) {
+        sc = column_amax_scale_code(t0, t1, [&](int64_t t, float* v, int* e) {
+          *v = e2m1_to_f32(e2m1_get(fp4.codes.data(), t * k + c));
+          *e = fp4.scales[t * ng + g];
+          return true;
+        });
+      }
       col->scales[blk * k + c] = static_cast<uint8_t>(sc);
       for (int64_t t = t0; t < t1; ++t) {
         const float p = e2m1_to_f32(e2m1_get(fp4.codes.data(), t * k + c));
         bool lost = false;
-        codes[t] = e4m3_encode_shifted(p, sc - fp4.scales[t * ng + g], &lost);
+        // A zero keeps its sign; under kColumnAmax its shift may be far upwards (its token's
+        // block exponent can lie far above the column's amax), so it is not shifted at all.
+        codes[t] = p == 0.0f ? static_cast<uint8_t>((f32_bits(p) >> 24) & 0x80u)
+                             : e4m3_encode_shifted(p, sc - fp4.scales[t * ng + g], &lost);
         st.underflow += lost;
       }
     }

@@ -1023,7 +1023,7 @@ class CpuMoeLayer final : public MoeLayer {
       tx = cpu::scaling_aware_transpose(xp_row_, seg_, &xpc, cfg_.transpose_exponent);
       log.add(CastKind::kConvert, "scaling-aware transpose x_perm (wgrad copy)", 1, Mp_ * H_);
     } else {
-      tx = cpu::fp4_to_fp8_col(xp_fp4_, seg_, &xpc);
+      tx = cpu::fp4_to_fp8_col(xp_fp4_, seg_, &xpc, cfg_.transpose_exponent);
       log.add(CastKind::kConvert, "FP4RowToFP8Col x_perm (wgrad copy)", 1, Mp_ * H_);
     }
     *st += tx;

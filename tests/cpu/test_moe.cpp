@@ -468,6 +468,7 @@ TEST(MoeLayer, ColumnAmaxExponentCutsFlowUnderflow) {
     for (int64_t h = 0; h < cfg.hidden; ++h)
       p.x[t * cfg.hidden + h] = num::f32_to_bf16(num::bf16_to_f32(p.x[t * cfg.hidden + h]) * 300.0f);
   const Result b = run_layer(p, Recipe::kBf16);
+  p.cfg.transpose_exponent = flowmoe::cpu::TransposeExponent::kRowMax;  // whatever the default
   const Result rowmax = run_layer(p, Recipe::kFlow, /*check_columns=*/true);
   p.cfg.transpose_exponent = flowmoe::cpu::TransposeExponent::kColumnAmax;
   const Result tight = run_layer(p, Recipe::kFlow, /*check_columns=*/true);

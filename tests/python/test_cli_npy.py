@@ -301,6 +301,37 @@ def test_mxfp4(tmp, rng):
             check("fp4-to-fp8 %s: exact except <= underflow (%d differ, %d reported)" % (to, d, u), d <= u)
 
 
+def test_exponent(tmp, rng):
+    """--exponent column-amax: the aware transpose equals the naive path's files, FP4RowToFP8Col
+    the stepwise path's, each changing only what it counts as underflow."""
+    m, k = 300, 256
+    x = rand_activation(rng, m, k)
+    x[5::128] *= 2.0 ** 20  # one outlier token per 128-token block
+    np.save(tmp + "/e.npy", x)
+    run_ok("quantize", "--layout", "row", tmp + "/e.npy", tmp + "/er")
+    run_ok("quantize", "--layout", "mxfp4", tmp + "/e.npy", tmp + "/ef")
+    same_files = lambda a, b: all(same(np.load("%s.%s.npy" % (a, f)), np.load("%s.%s.npy" % (b, f)))
+                                  for f in ("codes", "scales"))
+    seg = ["--segments", "100,0,1,199"]
+    u_ca = underflow_of(run_ok("transpose", "--method", "aware", "--exponent", "column-amax", *(seg + [tmp + "/er", tmp + "/eca"])))
+    u_rm = underflow_of(run_ok("transpose", "--method", "aware", "--exponent", "row-max", *(seg + [tmp + "/er", tmp + "/erm"])))
+    run_ok("transpose", "--method", "naive", *(seg + [tmp + "/er", tmp + "/en"]))
+    check("transpose --exponent column-amax == --method naive", same_files(tmp + "/eca", tmp + "/en"))
+    d = ndiff(np_dequant_col(tmp + "/eca"), np_dequant_row(tmp + "/er"))
+    check("transpose column-amax: changed == underflow (%d, %d), <= row-max's %d" % (d, u_ca, u_rm),
+          d == u_ca and u_ca <= u_rm)
+    u4 = underflow_of(run_ok("fp4-to-fp8", "--to", "col", "--exponent", "column-amax", *(seg + [tmp + "/ef", tmp + "/e4ca"])))
+    run_ok("fp4-to-fp8", "--to", "col-stepwise", *(seg + [tmp + "/ef", tmp + "/e4s"]))
+    check("fp4-to-fp8 --to col --exponent column-amax == col-stepwise", same_files(tmp + "/e4ca", tmp + "/e4s"))
+    d4 = ndiff(np_dequant_col(tmp + "/e4ca"), np_dequant_mxfp4(tmp + "/ef"))
+    check("fp4-to-fp8 column-amax: changed == underflow (%d, %d)" % (d4, u4), d4 == u4)
+    for args in (["transpose", "--method", "naive", "--exponent", "column-amax", tmp + "/er", tmp + "/z"],
+                 ["fp4-to-fp8", "--to", "row", "--exponent", "column-amax", tmp + "/ef", tmp + "/z"],
+                 ["transpose", "--method", "aware", "--exponent", "col-amax", tmp + "/er", tmp + "/z"]):
+        rc, out, err = run(*args)
+        check("usage error: %s" % " ".join(args[:5]), rc == 2 and "--exponent" in err, "rc=%d %s" % (rc, err))
+
+
 def test_weight(tmp, rng):
     n, k = 256, 384
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
@@ -551,7 +582,7 @@ def main():
     FLOWMOE = os.path.abspath(sys.argv[1])
     rng = np.random.default_rng(1234)
     tests = [test_row, test_bf16_col_segments, test_transpose, test_mxfp4, test_weight, test_cast_decode,
-             test_errors, test_robustness]
+             test_errors, test_robustness, test_exponent]
     with tempfile.TemporaryDirectory() as tmp:
         for t in tests:
             try:

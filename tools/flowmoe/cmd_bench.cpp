@@ -32,6 +32,7 @@ const char kBenchUsage[] =
     "usage: flowmoe bench [--config NAME[,NAME...]|all] [--tokens T] [--recipes R[,R...]]\n"
     "                     [--reps N] [--warmup N] [--align A] [--no-breakdown]\n"
     "                     [--grads accumulate|overwrite] [--json FILE] [--baseline FILE]\n"
+    "                     [--exponent row-max|column-amax]\n"
     "\n"
     "Runs the MoE layer forward + backward on the GPU for every recipe in one run and prints,\n"
     "per recipe: time of forward, backward and both (medians of CUDA-event timings), tokens/s,\n"
@@ -56,6 +57,9 @@ const char kBenchUsage[] =
     "  --grads G      accumulate (default: dW += into FP32 main gradients) or overwrite (dW =,\n"
     "                 the old values never read: MoeGrads::accumulate = false; what the PyTorch\n"
     "                 baseline does, which starts every step from grad = None)\n"
+    "  --exponent R   flow and flow-fp4: the exponent of the column-wise blocks made by the\n"
+    "                 scaling-aware transpose and FP4RowToFP8Col (MoeConfig::transpose_exponent):\n"
+    "                 row-max or column-amax (default: MoeConfig's, row-max; docs/NUMERICS.md)\n"
     "  --json FILE    also write the results as JSON\n"
     "  --baseline F   JSON written by `python3 bench/torch_moe_layer.py --json F`: adds the\n"
     "                 PyTorch layer's tokens/s and the ratio of each recipe to it\n"
@@ -183,7 +187,8 @@ struct RecipeResult {
 
 RecipeResult run_recipe(const BenchConfig& bc, Recipe recipe, int64_t T, int align, int reps,
                         int warmup, bool breakdown, cudaStream_t stream, const MoeWeights& w,
-                        const MoeGrads& g, const bf16_t* x, const bf16_t* dy, bf16_t* y, bf16_t* dx) {
+                        const MoeGrads& g, const bf16_t* x, const bf16_t* dy, bf16_t* y, bf16_t* dx,
+                        TransposeExponent exponent) {
   MoeConfig cfg;
   cfg.hidden = bc.hidden;
   cfg.ffn = bc.ffn;
@@ -195,6 +200,7 @@ RecipeResult run_recipe(const BenchConfig& bc, Recipe recipe, int64_t T, int ali
   cfg.align = align;
   cfg.recipe = recipe;
   cfg.max_tokens = T;
+  cfg.transpose_exponent = exponent;
 
   RecipeResult r;
   r.recipe = recipe;
@@ -306,6 +312,13 @@ int run_bench(const Args& args) {
     throw UsageError("--grads: '" + grads + "' is not one of accumulate|overwrite");
   std::vector<Baseline> baseline;
   if (args.has("baseline")) baseline = load_baseline(args.get("baseline"));
+  TransposeExponent exponent = MoeConfig().transpose_exponent;
+  if (args.has("exponent")) {
+    const std::string e = args.get("exponent");
+    if (e != "row-max" && e != "column-amax")
+      throw UsageError("--exponent: '" + e + "' is not one of row-max|column-amax");
+    exponent = e == "column-amax" ? TransposeExponent::kColumnAmax : TransposeExponent::kRowMax;
+  }
 
   // ---- device ----
   int ndev = 0;
@@ -328,6 +341,8 @@ int run_bench(const Args& args) {
               prop.name, prop.multiProcessorCount, double(prop.totalGlobalMem) / double(1ull << 30),
               static_cast<long long>(T), align, warmup, reps,
               grads == "accumulate" ? "accumulated (dW +=)" : "overwritten (dW =)");
+  std::printf("transpose exponent (flow, flow-fp4): %s\n",
+              exponent == TransposeExponent::kColumnAmax ? "column-amax" : "row-max");
 
   std::ostringstream json;
   json << "[";
@@ -367,7 +382,8 @@ int run_bench(const Args& args) {
     std::vector<RecipeResult> results;
     for (Recipe rc : recipes) {
       std::fprintf(stderr, "  running %s / %s ...\n", bc->name, recipe_name(rc));
-      results.push_back(run_recipe(*bc, rc, T, align, reps, warmup, breakdown, stream, w, g, x.p, dy.p, y.p, dx.p));
+      results.push_back(run_recipe(*bc, rc, T, align, reps, warmup, breakdown, stream, w, g, x.p, dy.p, y.p, dx.p,
+                                   exponent));
     }
     const RecipeResult* r_bf16 = nullptr;
     const RecipeResult* r_block = nullptr;
@@ -521,7 +537,8 @@ Command bench_command() {
   return {"bench", "MoE layer forward+backward on the GPU, every recipe (tokens/s, TFLOP/s, memory)",
           kBenchUsage,
           {{"config", true}, {"tokens", true}, {"recipes", true}, {"reps", true}, {"warmup", true},
-           {"align", true}, {"no-breakdown", false}, {"grads", true}, {"json", true}, {"baseline", true}},
+           {"align", true}, {"no-breakdown", false}, {"grads", true}, {"json", true}, {"baseline", true},
+           {"exponent", true}},
           run_bench};
 }
 

@@ -201,8 +201,8 @@ int run_dequantize(const Args& args) {
 // ---- transpose -----------------------------------------------------------------------------
 
 const char kTransposeUsage[] =
-    "usage: flowmoe transpose --method aware|naive [--shape M,K] [--segments a,b,...]\n"
-    "                         PREFIX OUTPREFIX\n"
+    "usage: flowmoe transpose --method aware|naive [--exponent row-max|column-amax]\n"
+    "                         [--shape M,K] [--segments a,b,...] PREFIX OUTPREFIX\n"
     "\n"
     "Converts a row-wise FP8 tensor (PREFIX.codes.npy [M, K], PREFIX.scales.npy [K/128, M]) to\n"
     "column-wise FP8 and writes OUTPREFIX.codes.npy [K, M], OUTPREFIX.scales.npy [NB, K] and\n"
@@ -213,6 +213,9 @@ const char kTransposeUsage[] =
     "\n"
     "options:\n"
     "  --method M        aware or naive (required)\n"
+    "  --exponent R      aware only: the exponent of each column block (docs/NUMERICS.md):\n"
+    "                    row-max (default, SPEC 4: the largest row exponent of the block) or\n"
+    "                    column-amax (the block's own amax: equals naive bit for bit, one pass)\n"
     "  --shape M,K       logical shape; checked against the files (default: inferred)\n"
     "  --segments a,b,c  token counts per expert segment of the output (default: one segment)\n"
     "  --allow-nonfinite  write the result even if the input holds NaN-marked tiles or NaN codes\n"
@@ -239,13 +242,23 @@ void check_conversion_nonfinite(const QuantStats& st, const Args& args, const st
                             << "; nothing was written (pass --allow-nonfinite to write the NaN-marked result)");
 }
 
+// --exponent row-max|column-amax (default row-max); `applies` says whether the chosen conversion
+// has such an exponent.
+TransposeExponent parse_exponent(const Args& args, bool applies, const char* where) {
+  if (!args.has("exponent")) return TransposeExponent::kRowMax;
+  if (!applies) throw UsageError(std::string("--exponent applies to ") + where + " only");
+  const std::string e = parse_choice(args.get("exponent"), "--exponent", {"row-max", "column-amax"});
+  return e == "column-amax" ? TransposeExponent::kColumnAmax : TransposeExponent::kRowMax;
+}
+
 int run_transpose(const Args& args) {
   args.expect_positional({"PREFIX", "OUTPREFIX"});
   const std::string method = parse_choice(args.require("method"), "--method", {"aware", "naive"});
+  const TransposeExponent exponent = parse_exponent(args, method == "aware", "--method aware");
   const QTensor row = load_qtensor(Layout::kRow1x128, args.positional()[0], args.get("shape"), "");
   const Segments seg = segments_from_option(args.get("segments"), row.rows);
   QTensor col;
-  const QuantStats st = method == "aware" ? cpu::scaling_aware_transpose(row, seg, &col)
+  const QuantStats st = method == "aware" ? cpu::scaling_aware_transpose(row, seg, &col, exponent)
                                           : cpu::naive_col_copy(row, seg, &col);
   check_conversion_nonfinite(st, args, args.positional()[0]);
   OutputSet out;
@@ -258,8 +271,8 @@ int run_transpose(const Args& args) {
 // ---- fp4-to-fp8 ----------------------------------------------------------------------------
 
 const char kFp4ToFp8Usage[] =
-    "usage: flowmoe fp4-to-fp8 --to row|col|col-stepwise [--shape M,K] [--segments a,b,...]\n"
-    "                          PREFIX OUTPREFIX\n"
+    "usage: flowmoe fp4-to-fp8 --to row|col|col-stepwise [--exponent row-max|column-amax]\n"
+    "                          [--shape M,K] [--segments a,b,...] PREFIX OUTPREFIX\n"
     "\n"
     "Converts an MXFP4 tensor (PREFIX.codes.npy [M, K/2], PREFIX.scales.npy [M, K/32]) to FP8:\n"
     "  row           FP4RowToFP8Row: OUTPREFIX.codes.npy [M, K], OUTPREFIX.scales.npy [K/128, M]\n"
@@ -275,6 +288,9 @@ const char kFp4ToFp8Usage[] =
     "\n"
     "options:\n"
     "  --to T            row, col or col-stepwise (required)\n"
+    "  --exponent R      col only: the exponent of each column block: row-max (default, the\n"
+    "                    largest block exponent - 6) or column-amax (the block's own amax: equals\n"
+    "                    col-stepwise bit for bit, one pass)\n"
     "  --shape M,K       logical shape; checked against the files (default: inferred)\n"
     "  --segments a,b,c  col and col-stepwise only: token counts per expert segment\n"
     "  --allow-nonfinite  write the result even if the input holds NaN-marked blocks\n";
@@ -283,6 +299,7 @@ int run_fp4_to_fp8(const Args& args) {
   args.expect_positional({"PREFIX", "OUTPREFIX"});
   const std::string to = parse_choice(args.require("to"), "--to", {"row", "col", "col-stepwise"});
   if (to == "row" && args.has("segments")) throw UsageError("--segments applies to --to col and col-stepwise only");
+  const TransposeExponent exponent = parse_exponent(args, to == "col", "--to col");
   const QTensor fp4 = load_qtensor(Layout::kMxfp4Row1x32, args.positional()[0], args.get("shape"), "");
   QTensor out;
   QuantStats st;
@@ -291,7 +308,7 @@ int run_fp4_to_fp8(const Args& args) {
     st = cpu::fp4_to_fp8_row(fp4, &out);
   } else {
     const Segments seg = segments_from_option(args.get("segments"), fp4.rows);
-    st = to == "col" ? cpu::fp4_to_fp8_col(fp4, seg, &out) : cpu::fp4_to_fp8_col_stepwise(fp4, seg, &out);
+    st = to == "col" ? cpu::fp4_to_fp8_col(fp4, seg, &out, exponent) : cpu::fp4_to_fp8_col_stepwise(fp4, seg, &out);
   }
   check_conversion_nonfinite(st, args, args.positional()[0]);
   OutputSet set;
@@ -320,14 +337,14 @@ Command dequantize_command() {
 Command transpose_command() {
   return {"transpose", "row-wise FP8 -> column-wise FP8 (scaling-aware or naive)",
           kTransposeUsage,
-          {{"method", true}, {"shape", true}, {"segments", true}, {"allow-nonfinite", false}},
+          {{"method", true}, {"exponent", true}, {"shape", true}, {"segments", true}, {"allow-nonfinite", false}},
           run_transpose};
 }
 
 Command fp4_to_fp8_command() {
   return {"fp4-to-fp8", "MXFP4 -> FP8 row-wise or column-wise (direct or stepwise)",
           kFp4ToFp8Usage,
-          {{"to", true}, {"shape", true}, {"segments", true}, {"allow-nonfinite", false}},
+          {{"to", true}, {"exponent", true}, {"shape", true}, {"segments", true}, {"allow-nonfinite", false}},
           run_fp4_to_fp8};
 }
 

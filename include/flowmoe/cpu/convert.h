@@ -64,8 +64,14 @@ QuantStats quantize_mxfp4(const bf16_t* x, int64_t m, int64_t k, QTensor* out);
 // K must be a multiple of 128.
 QuantStats fp4_to_fp8_row(const QTensor& fp4, QTensor* row);
 // FP4RowToFP8Col: MXFP4 row-wise [M, K] -> FP8 column-wise [K, M] in one pass; per (feature,
-// token block) exponent max_t(e_t) - 6. Same exactness as above.
-QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col);
+// token block) exponent by `mode`:
+//   kRowMax      max_t(e_t) - 6 over the block's MXFP4 scales (>= code 0). Same exactness as above.
+//   kColumnAmax  the fresh power-of-two scale of the column block's own amax, as for the FP8
+//                transpose: equals fp4_to_fp8_col_stepwise bit for bit (where the dequantized
+//                values are finite), never above the kRowMax exponent, so it underflows only
+//                what the stepwise path loses.
+QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col,
+                          TransposeExponent mode = TransposeExponent::kRowMax);
 // The stepwise baseline: FP4 -> BF16 (exact), transpose, quantize with fresh scales.
 QuantStats fp4_to_fp8_col_stepwise(const QTensor& fp4, const Segments& seg, QTensor* col);
 

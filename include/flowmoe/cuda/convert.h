@@ -77,8 +77,8 @@ void quantize_transposed(const bf16_t* xt, int64_t k, const SegmentBlocks& sb, u
 
 // ---- FP8 row-wise -> column-wise ----------------------------------------------------------------
 // Scaling-aware transpose: row-wise [M, K] -> column-wise [K, M] by exponent shifts only.
-// `mode` as in cpu::scaling_aware_transpose: kRowMax (SPEC §4, the tuned kernel) or kColumnAmax
-// (each column block's own amax; a separate, untuned kernel).
+// `mode` as in cpu::scaling_aware_transpose: kRowMax (SPEC §4) or kColumnAmax (each column
+// block's own amax, taken from the codes in the same pass).
 void scaling_aware_transpose(const uint8_t* row_codes, const uint8_t* row_scales, int64_t k,
                              const SegmentBlocks& sb, uint8_t* col_codes, uint8_t* col_scales,
                              DeviceStatus* status, cudaStream_t stream,
@@ -96,10 +96,12 @@ void quantize_mxfp4(const bf16_t* x, int64_t m, int64_t k, uint8_t* codes, uint8
 // FP4RowToFP8Row: MXFP4 [M, K] -> row-wise FP8 codes [M, K], scales [K/128][M]. K % 128 == 0.
 void fp4_to_fp8_row(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t m, int64_t k,
                     uint8_t* codes, uint8_t* scales, DeviceStatus* status, cudaStream_t stream);
-// FP4RowToFP8Col: MXFP4 [M, K] -> column-wise FP8 [K, M] in one pass. K % 128 == 0.
+// FP4RowToFP8Col: MXFP4 [M, K] -> column-wise FP8 [K, M] in one pass. K % 128 == 0. `mode` as in
+// cpu::fp4_to_fp8_col (the exponent of each column block).
 void fp4_to_fp8_col(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t k,
                     const SegmentBlocks& sb, uint8_t* col_codes, uint8_t* col_scales,
-                    DeviceStatus* status, cudaStream_t stream);
+                    DeviceStatus* status, cudaStream_t stream,
+                    TransposeExponent mode = TransposeExponent::kRowMax);
 // The stepwise baseline: FP4 -> BF16, transpose, quantize. `work` holds 2*M*K bf16.
 void fp4_to_fp8_col_stepwise(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t k,
                              const SegmentBlocks& sb, uint8_t* col_codes, uint8_t* col_scales,

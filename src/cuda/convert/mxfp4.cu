@@ -1,5 +1,5 @@
 // MXFP4: BF16ToFP4Row, FP4RowToFP8Row, FP4RowToFP8Col (fused dequantize + transpose +
-// requantize) and the stepwise FP4 -> BF16 -> transpose -> quantize baseline.
+// requantize; row-max or column-amax exponent) and the stepwise FP4 -> BF16 -> transpose -> quantize baseline.
 #include "cuda/convert/tile.cuh"
 #include "flowmoe/cuda/convert.h"
 
@@ -221,6 +221,147 @@ fp4_to_fp8_col_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __re
   detail::store_col_tile_swz(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
 }
 
+// ---- K9 with the column-amax exponent (TransposeExponent::kColumnAmax) --------------------------
+// Four packed e2m1 values (16 bits) -> one per byte (bits 0-2 magnitude, bit 3 sign).
+__device__ __forceinline__ uint32_t e2m1x4_bytes(uint2 in, int q) {
+  const uint32_t x = ((q < 2 ? in.x : in.y) >> (16 * (q & 1))) & 0xFFFFu;
+  const uint32_t y = (x & 0xFFu) | ((x & 0xFF00u) << 8);
+  return (y & 0x000F000Fu) | ((y & 0x00F000F0u) << 4);
+}
+
+// Column-amax keys (num::e2m1_amax_key: e + (mag >> 1) + 1, 0 for a zero) of the 4 values of y
+// under group scale code e, folded into the lane maxima (bytes 0 and 2 in even, 1 and 3 in odd).
+__device__ __forceinline__ void e2m1_keys4(uint32_t y, int e, uint32_t& even, uint32_t& odd) {
+  const uint32_t mag = y & 0x07070707u;
+  const uint32_t nz = ((mag + 0x7F7F7F7Fu) >> 7) & 0x01010101u;  // 1 per non-zero magnitude
+  const uint32_t key = ((mag >> 1) & 0x03030303u) + nz;
+  const uint32_t ue = static_cast<uint32_t>(e);
+  even = __vmaxu2(even, (key & 0x00FF00FFu) + ue * (nz & 0x00FF00FFu));
+  odd = __vmaxu2(odd, ((key >> 8) & 0x00FF00FFu) + ue * ((nz >> 8) & 0x00FF00FFu));
+}
+
+// The 4 values of y under group scale code e -> E4M3 codes under the target codes t4 (one per
+// byte), as cpu::fp4_to_fp8_col does: zeros keep their sign, others RNE(P * 2^(e - t)).
+__device__ __noinline__ uint2 e2m1x4_colamax_slow(uint32_t y, uint32_t t4, int e) {
+  uint32_t out = 0;
+  int lost = 0;
+  for (int p = 0; p < 4; ++p) {
+    const uint8_t nib = static_cast<uint8_t>((y >> (8 * p)) & 0xFu);
+    uint32_t c = (nib & 8u) << 4;
+    if (nib & 7u) {
+      bool l = false;
+      c = e4m3_encode_shifted(e2m1_to_f32(nib), static_cast<int>((t4 >> (8 * p)) & 0xFF) - e, &l);
+      lost += l;
+    }
+    out |= c << (8 * p);
+  }
+  return make_uint2(out, static_cast<uint32_t>(lost));
+}
+// Fast path: dd holds 16 - (t - e) per byte (in [1, 31]; 0 when the row's shifts leave
+// [-15, 15]). A non-zero value P = (1 + h/2) * 2^(E2 - 1) (E2 = mag >> 1; mag 1 is 0.5 = 2^-1)
+// encodes to exponent field E2 + 6 - (t - e) = x - 10 with x = E2 + dd, mantissa 4h (0 for mag 1):
+// exact where that field is >= 1 (x >= 11). The column's amax keeps it <= 15.
+__device__ __forceinline__ uint32_t e2m1x4_to_e4m3_colamax(uint32_t y, uint32_t dd, uint32_t t4, int e, int& lost) {
+  const uint32_t mag = y & 0x07070707u;
+  const uint32_t e2 = (mag >> 1) & 0x03030303u;
+  const uint32_t nz = (mag + 0x7F7F7F7Fu) & 0x80808080u;  // bit 7 set per non-zero magnitude
+  const uint32_t x = e2 + dd;                             // bytes <= 34: no carries below
+  if ((((x + 0x75757575u) | ~nz) & 0x80808080u) == 0x80808080u) {
+    const uint32_t nzb = (nz >> 7) * 0xFFu;
+    const uint32_t xe = (x & nzb) | (0x0A0A0A0Au & ~nzb);            // zeros: field 0
+    const uint32_t e2nz = ((e2 + 0x7F7F7F7Fu) >> 7) & 0x01010101u;  // 1 where E2 >= 1
+    return ((xe - 0x0A0A0A0Au) << 3) | ((mag & e2nz) << 2) | ((y & 0x08080808u) << 4);
+  }
+  const uint2 r = e2m1x4_colamax_slow(y, t4, e);
+  lost += static_cast<int>(r.y);
+  return r.x;
+}
+
+// One CTA per (128-token block, 128-feature tile), laid out like K9: pass 1 folds the values
+// into per-feature amax keys (reduced over the CTA), pass 2 encodes each value under its
+// column's target exponent.
+__global__ void __launch_bounds__(kThreads, 5)
+fp4_to_fp8_col_colamax_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __restrict__ fp4_scales,
+                              int64_t m, int64_t k, const int32_t* __restrict__ bstart,
+                              const int32_t* __restrict__ bend, uint8_t* __restrict__ col_codes,
+                              uint8_t* __restrict__ col_scales, DeviceStatus* status) {
+  __shared__ __align__(16) uint8_t s_q[detail::kSwzBytes];
+  __shared__ __align__(16) uint8_t s_target[kTile];
+  __shared__ uint32_t s_e[kTile];  // the 4 group exponents of each token
+  __shared__ uint32_t s_key[(kThreads / 32) * 8 * detail::kKeyWords];
+  __shared__ int s_wbad[kTile / 32][4];
+  int64_t b, kt;
+  detail::tile_coords(b, kt);
+  const int bs = bstart[b];
+  if (bs < 0) return;
+  const int n = bend[b] - bs;
+  const int tid = threadIdx.x, part = tid & 7, j = part >> 1;
+  uint2 in[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = i * (kThreads / 8) + (tid >> 3);
+    in[i] = row < n ? __ldg(reinterpret_cast<const uint2*>(fp4_codes + (bs + row) * (k / 2) + kt * 64) + part)
+                    : make_uint2(0, 0);
+  }
+  if (tid < kTile) {
+    const uint32_t es = tid < n ? *reinterpret_cast<const uint32_t*>(fp4_scales + (bs + tid) * (k / 32) + kt * 4) : 0u;
+    s_e[tid] = es;
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const unsigned wbad = __reduce_add_sync(0xffffffffu, ((es >> (8 * g)) & 0xFFu) == kUE8M0NaN ? 1u : 0u);
+      if ((tid & 31) == 0) s_wbad[tid >> 5][g] = static_cast<int>(wbad);
+    }
+  }
+  __syncthreads();
+  const auto group_bad = [&](int g) { return s_wbad[0][g] + s_wbad[1][g] + s_wbad[2][g] + s_wbad[3][g]; };
+  const bool bad = group_bad(j) != 0;  // a NaN group scale: the group's 32 column blocks are NaN
+
+  uint32_t key[detail::kKeyWords] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = i * (kThreads / 8) + (tid >> 3);
+    if (row >= n || bad) continue;
+    const int e = static_cast<int>((s_e[row] >> (8 * j)) & 0xFFu);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) e2m1_keys4(e2m1x4_bytes(in[i], q), e, key[2 * q], key[2 * q + 1]);
+  }
+  const int best = detail::column_max_key(key, s_key);
+  if (tid < kTile) {
+    const bool tile_bad = group_bad(tid >> 5) != 0;
+    const uint8_t t = static_cast<uint8_t>(scale_code_from_e2m1_amax_key(best));
+    s_target[tid] = tile_bad ? 0 : t;
+    col_scales[b * k + kt * kTile + tid] = tile_bad ? kUE8M0NaN : t;
+  }
+  __syncthreads();
+  const detail::ChunkTargets ct = detail::load_chunk_targets(s_target, part);
+  int lost = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = i * (kThreads / 8) + (tid >> 3);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < n) {
+      if (bad) {
+        v = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+      } else {
+        const int e = static_cast<int>((s_e[row] >> (8 * j)) & 0xFFu);
+        uint32_t out[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          out[q] = e2m1x4_to_e4m3_colamax(e2m1x4_bytes(in[i], q), ct.shift_bytes(q, e), ct.t[q], e, lost);
+        v = make_uint4(out[0], out[1], out[2], out[3]);
+      }
+    }
+    *reinterpret_cast<uint4*>(&s_q[detail::swz_chunk(row, part)]) = v;
+  }
+  detail::warp_count(status ? &status->underflow : nullptr, lost);
+  if (tid == 0 && status) {
+    const int nbad = group_bad(0) + group_bad(1) + group_bad(2) + group_bad(3);
+    if (nbad) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(nbad) * 32);
+  }
+  __syncthreads();
+  detail::store_col_tile_swz(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
+}
+
 // ---- K10: MXFP4 -> bf16 (exact), 16 values per thread. For scale codes >= 2 every value is a
 // bf16 normal whose bits follow from the nibble directly (up to code 252); other codes (bf16
 // subnormals) and NaN scales go through the numerics core.
@@ -294,7 +435,7 @@ void fp4_to_fp8_row(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t
 
 void fp4_to_fp8_col(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t k,
                     const SegmentBlocks& sb, uint8_t* col_codes, uint8_t* col_scales,
-                    DeviceStatus* status, cudaStream_t stream) {
+                    DeviceStatus* status, cudaStream_t stream, TransposeExponent mode) {
   const char* what = "cuda::fp4_to_fp8_col";
   check_k(k, kTile, what);
   check_blocks(sb, what);
@@ -305,6 +446,12 @@ void fp4_to_fp8_col(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t
   check_aligned(col_codes, "col_codes", what);
   FLOWMOE_CHECK(col_scales, what << ": col_scales is null");
   const dim3 grid = tile_grid(sb.max_blocks, k / kTile);
+  if (mode == TransposeExponent::kColumnAmax) {
+    fp4_to_fp8_col_colamax_kernel<<<grid, kThreads, 0, stream>>>(
+        fp4_codes, fp4_scales, sb.m, k, sb.block_start, sb.block_end, col_codes, col_scales, status);
+    FLOWMOE_LAUNCH_CHECK(what);
+    return;
+  }
   fp4_to_fp8_col_kernel<<<grid, kThreads, 0, stream>>>(fp4_codes, fp4_scales, sb.m, k, sb.block_start,
                                                        sb.block_end, col_codes, col_scales, status,
                                                        shift_table());

@@ -168,6 +168,62 @@ __device__ __forceinline__ void store_col_tile_swz(const uint8_t* s_tile, int n,
   }
 }
 
+// ---- column-amax keys (TransposeExponent::kColumnAmax) ------------------------------------------
+// The tile kernels give thread t the 16 features of chunk t % 8 (16 * (t % 8) .. + 15) of 4 rows.
+// Its column-amax keys (numerics.h: e4m3_amax_key, e2m1_amax_key) are 8 words of two 16-bit lanes:
+// word 2q + (p & 1), lane p >> 1 holds feature 16 * (t % 8) + 4q + p. Returns, in thread
+// f < kTile, the largest key of feature f over the CTA (0 elsewhere). Every thread of the CTA
+// must call it (warp shuffles and one __syncthreads); s_key holds (kThreads / 32) * 64 words.
+constexpr int kKeyWords = 8;
+__device__ __forceinline__ int column_max_key(uint32_t (&key)[kKeyWords], uint32_t* s_key) {
+#pragma unroll
+  for (int w = 0; w < kKeyWords; ++w) {  // lanes l, l ^ 8, l ^ 16, l ^ 24 hold the same chunk
+    key[w] = __vmaxu2(key[w], __shfl_xor_sync(0xffffffffu, key[w], 8));
+    key[w] = __vmaxu2(key[w], __shfl_xor_sync(0xffffffffu, key[w], 16));
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane < 8) {
+#pragma unroll
+    for (int w = 0; w < kKeyWords; ++w) s_key[(warp * 8 + lane) * kKeyWords + w] = key[w];
+  }
+  __syncthreads();
+  int best = 0;
+  if (threadIdx.x < kTile) {
+    const int f = threadIdx.x, ch = f >> 4, q = (f >> 2) & 3, p = f & 3;
+    const int w = 2 * q + (p & 1), sh = 16 * (p >> 1);
+    for (int wp = 0; wp < kThreads / 32; ++wp)
+      best = max(best, static_cast<int>((s_key[(wp * 8 + ch) * kKeyWords + w] >> sh) & 0xFFFFu));
+  }
+  return best;
+}
+
+// The 16 target scale codes of a thread's chunk (s_target[16 * chunk ..], 16-byte aligned), as
+// four words, with their minimum and maximum.
+struct ChunkTargets {
+  uint32_t t[4];
+  int tmin, tmax;
+  // Per byte 16 - (target - e) for a row of scale code e whose shifts all lie in [-15, 15]
+  // (then in [1, 31], computed without borrows), else 0 (every byte takes the slow path).
+  __device__ __forceinline__ uint32_t shift_bytes(int q, int e) const {
+    if (tmax - e > 15 || tmin - e < -15) return 0u;
+    const uint32_t tminw = 0x01010101u * static_cast<uint32_t>(tmin);
+    return 0x01010101u * static_cast<uint32_t>(16 + e - tmin) - (t[q] - tminw);
+  }
+};
+__device__ __forceinline__ ChunkTargets load_chunk_targets(const uint8_t* s_target, int chunk) {
+  ChunkTargets c;
+  const uint4 v = *reinterpret_cast<const uint4*>(s_target + 16 * chunk);
+  c.t[0] = v.x;
+  c.t[1] = v.y;
+  c.t[2] = v.z;
+  c.t[3] = v.w;
+  const uint32_t mn = __vminu4(__vminu4(v.x, v.y), __vminu4(v.z, v.w));
+  const uint32_t mx = __vmaxu4(__vmaxu4(v.x, v.y), __vmaxu4(v.z, v.w));
+  c.tmin = static_cast<int>(min(min(mn & 0xFF, (mn >> 8) & 0xFF), min((mn >> 16) & 0xFF, mn >> 24)));
+  c.tmax = static_cast<int>(max(max(mx & 0xFF, (mx >> 8) & 0xFF), max((mx >> 16) & 0xFF, mx >> 24)));
+  return c;
+}
+
 // ---- host-side argument checks shared by the launchers -------------------------------------
 namespace host {
 inline void check_aligned(const void* p, const char* name, const char* what) {

@@ -9,7 +9,6 @@ namespace {
 
 using namespace flowmoe::num;
 using namespace detail::host;
-using detail::kBytePitch;
 using detail::kThreads;
 using detail::kTile;
 
@@ -116,93 +115,158 @@ scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint
 }
 
 
-// The column-amax variant: each (feature, token block) exponent is the fresh power-of-two scale of
-// that column's own amax, computed from the FP8 codes exactly as cpu::scaling_aware_transpose
-// (kColumnAmax) does, then every code is re-encoded by an up- or down-shift. One CTA per tile;
-// written for clarity (byte-wise re-encode), not tuned.
-__global__ void __launch_bounds__(kThreads)
+// ---- the column-amax variant (TransposeExponent::kColumnAmax) ----------------------------------
+// Every byte of w a normal, non-NaN code: exponent field >= 1 and magnitude != 0x7F.
+__device__ __forceinline__ bool all_normal4(uint32_t w) {
+  const uint32_t mag = w & 0x7F7F7F7Fu;
+  const uint32_t ef = (mag >> 3) & 0x0F0F0F0Fu;
+  return ((ef + 0x7F7F7F7Fu) & ((mag ^ 0x7F7F7F7Fu) + 0x7F7F7F7Fu) & 0x80808080u) == 0x80808080u;
+}
+
+// Column-amax keys (num::e4m3_amax_key) of the 4 codes of w under row scale code e: bytes 0 and 2
+// in the lanes of .x, bytes 1 and 3 in those of .y. Zeros, subnormals and NaN codes go byte by
+// byte; normal codes have key 8e + 24 + magnitude, added on packed halves.
+__device__ __noinline__ uint2 e4m3_keys4_slow(uint32_t w, int e) {
+  uint32_t k[4];
+  for (int p = 0; p < 4; ++p) k[p] = static_cast<uint32_t>(e4m3_amax_key(static_cast<uint8_t>(w >> (8 * p)), e));
+  return make_uint2(k[0] | (k[2] << 16), k[1] | (k[3] << 16));
+}
+__device__ __forceinline__ void e4m3_keys4(uint32_t w, int e, uint32_t& even, uint32_t& odd) {
+  uint2 k;
+  if (all_normal4(w)) {
+    const uint32_t base = (8u * static_cast<uint32_t>(e) + 24u) * 0x00010001u;
+    const uint32_t mag = w & 0x7F7F7F7Fu;
+    k = make_uint2((mag & 0x00FF00FFu) + base, ((mag >> 8) & 0x00FF00FFu) + base);
+  } else {
+    k = e4m3_keys4_slow(w, e);
+  }
+  even = __vmaxu2(even, k.x);
+  odd = __vmaxu2(odd, k.y);
+}
+
+// Re-encodes the 4 codes of w from row scale code e to the target codes t4 (one per byte), as
+// cpu::scaling_aware_transpose does: NaN codes and zeros unchanged, others RNE(q * 2^(e - t)).
+struct Rescaled4 {
+  uint32_t w;
+  int lost, nan;
+};
+__device__ __noinline__ Rescaled4 colamax_rescale4_slow(uint32_t w, uint32_t t4, int e) {
+  Rescaled4 r{0u, 0, 0};
+  for (int p = 0; p < 4; ++p) {
+    uint8_t q = static_cast<uint8_t>(w >> (8 * p));
+    if (e4m3_is_nan(q)) {
+      ++r.nan;
+    } else if ((q & 0x7F) != 0) {
+      bool l = false;
+      q = e4m3_encode_shifted(e4m3_to_f32(q), static_cast<int>((t4 >> (8 * p)) & 0xFF) - e, &l);
+      r.lost += l;
+    }
+    r.w |= static_cast<uint32_t>(q) << (8 * p);
+  }
+  return r;
+}
+// Fast path: dd holds 16 - (t - e) per byte (in [1, 31]; 0 when the row's shifts leave
+// [-15, 15]). Where every code is normal and not NaN and every new exponent field ef - (t - e)
+// lies in [1, 15], the shift only replaces the exponent fields (x = new field + 16, 17..31); a
+// column's amax bounds every value, so no field leaves the top.
+__device__ __forceinline__ uint32_t colamax_rescale4(uint32_t w, uint32_t dd, uint32_t t4, int e, int& lost,
+                                                     int& nan) {
+  const uint32_t mag = w & 0x7F7F7F7Fu;
+  const uint32_t ef = (mag >> 3) & 0x0F0F0F0Fu;
+  const uint32_t x = ef + dd;  // bytes <= 46: no carries below
+  const uint32_t ok = (x + 0x6F6F6F6Fu) & ~(x + 0x60606060u) & (ef + 0x7F7F7F7Fu) &
+                      ((mag ^ 0x7F7F7F7Fu) + 0x7F7F7F7Fu);  // x >= 17, x <= 31, ef >= 1, not NaN
+  if ((ok & 0x80808080u) == 0x80808080u) return (w & 0x87878787u) | ((x - 0x10101010u) << 3);
+  const Rescaled4 r = colamax_rescale4_slow(w, t4, e);
+  lost += r.lost;
+  nan += r.nan;
+  return r.w;
+}
+
+// One CTA per (128-token block, 128-feature tile), laid out like the row-max kernel: each thread
+// holds 16 features of 4 rows. Pass 1 folds the codes into per-feature amax keys (reduced over the
+// CTA, detail::column_max_key); pass 2 re-encodes each code under its column's target exponent.
+__global__ void __launch_bounds__(kThreads, 5)
 aware_transpose_colamax_kernel(const uint8_t* __restrict__ row_codes, const uint8_t* __restrict__ row_scales,
                                int64_t m, int64_t k, const int32_t* __restrict__ bstart,
                                const int32_t* __restrict__ bend, uint8_t* __restrict__ col_codes,
                                uint8_t* __restrict__ col_scales, DeviceStatus* status) {
-  __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
-  __shared__ uint8_t s_e[kTile], s_target[kTile];
-  __shared__ int s_bad;
+  __shared__ __align__(16) uint8_t s_q[detail::kSwzBytes];
+  __shared__ __align__(16) uint8_t s_target[kTile];
+  __shared__ uint8_t s_e[kTile];
+  __shared__ uint32_t s_key[(kThreads / 32) * 8 * detail::kKeyWords];
+  __shared__ int s_wbad[kTile / 32];
   int64_t b, kt;
   detail::tile_coords(b, kt);
   const int bs = bstart[b];
   if (bs < 0) return;
   const int n = bend[b] - bs;
-  const int tid = threadIdx.x;
-  if (tid == 0) s_bad = 0;
-  __syncthreads();
-  for (int i = 0; i < 4; ++i) {  // raw codes into the byte tile
-    const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
-    const uint4 v = row < n ? __ldg(reinterpret_cast<const uint4*>(row_codes + (bs + row) * k + kt * kTile) + ch)
-                            : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + ch * 16]) = v;
+  const int tid = threadIdx.x, ch = tid & 7;
+
+  uint4 v[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = i * (kThreads / 8) + (tid >> 3);
+    v[i] = row < n ? __ldg(reinterpret_cast<const uint4*>(row_codes + (bs + row) * k + kt * kTile) + ch)
+                   : make_uint4(0, 0, 0, 0);
   }
   if (tid < kTile) {
-    const uint8_t e = tid < n ? row_scales[kt * m + bs + tid] : 0;
-    s_e[tid] = e;
-    if (tid < n && e == kUE8M0NaN) atomicAdd(&s_bad, 1);
+    const uint32_t e = tid < n ? row_scales[kt * m + bs + tid] : 0u;
+    s_e[tid] = static_cast<uint8_t>(e);
+    const unsigned wbad = __reduce_add_sync(0xffffffffu, e == kUE8M0NaN ? 1u : 0u);
+    if ((tid & 31) == 0) s_wbad[tid >> 5] = static_cast<int>(wbad);
   }
   __syncthreads();
-  const int nbad = s_bad;
+  const int nbad = s_wbad[0] + s_wbad[1] + s_wbad[2] + s_wbad[3];
+
   if (nbad) {  // a NaN-marked row tile: the whole column block is NaN, as in the row-max kernel
+#pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
-      if (row < n)
-        *reinterpret_cast<uint4*>(&s_q[row * kBytePitch + ch * 16]) =
-            make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+      const int row = i * (kThreads / 8) + (tid >> 3);
+      *reinterpret_cast<uint4*>(&s_q[detail::swz_chunk(row, ch)]) =
+          make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
     }
     if (tid < kTile) col_scales[b * k + kt * kTile + tid] = kUE8M0NaN;
     if (tid == 0 && status) atomicAdd(&status->nonfinite, static_cast<unsigned long long>(nbad) * kTile);
   } else {
-    if (tid < kTile) {  // one thread per feature: the column block's exponent
-      const int f = tid;
-      int r = -1;
-      for (int t = 0; t < n; ++t) {
-        const uint8_t q = s_q[t * kBytePitch + f];
-        if ((q & 0x7F) != 0 && !e4m3_is_nan(q)) r = max(r, static_cast<int>(s_e[t]));
-      }
-      int target = 0;
-      if (r >= 0) {
-        float amax_rel = 0.0f;
-        for (int t = 0; t < n; ++t) {
-          const uint8_t q = s_q[t * kBytePitch + f];
-          const int rel = static_cast<int>(s_e[t]) - r;
-          if (e4m3_is_nan(q) || rel < -160) continue;
-          amax_rel = fmaxf(amax_rel, f32_abs(e4m3_to_f32(q)) * exp2i(max(rel, -149)));
-        }
-        target = min(max(r + e4m3_scale_exp(amax_rel), 0), 254);
-      }
-      s_target[f] = static_cast<uint8_t>(target);
-      col_scales[b * k + kt * kTile + f] = static_cast<uint8_t>(target);
+    uint32_t key[detail::kKeyWords] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = i * (kThreads / 8) + (tid >> 3);
+      if (row >= n) continue;
+      const int e = s_e[row];
+      e4m3_keys4(v[i].x, e, key[0], key[1]);
+      e4m3_keys4(v[i].y, e, key[2], key[3]);
+      e4m3_keys4(v[i].z, e, key[4], key[5]);
+      e4m3_keys4(v[i].w, e, key[6], key[7]);
+    }
+    const int best = detail::column_max_key(key, s_key);
+    if (tid < kTile) {
+      const uint8_t t = static_cast<uint8_t>(scale_code_from_e4m3_amax_key(best));
+      s_target[tid] = t;
+      col_scales[b * k + kt * kTile + tid] = t;
     }
     __syncthreads();
+    const detail::ChunkTargets ct = detail::load_chunk_targets(s_target, ch);
     int lost = 0, nan_codes = 0;
-    for (int i = 0; i < 4; ++i) {  // re-encode in place: this thread's 16-code chunks
-      const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
-      if (row >= n) continue;
-      uint8_t* p = &s_q[row * kBytePitch + ch * 16];
-      for (int j = 0; j < 16; ++j) {
-        const uint8_t q = p[j];
-        if (e4m3_is_nan(q)) {
-          ++nan_codes;
-          continue;
-        }
-        if ((q & 0x7F) == 0) continue;  // zeros keep their sign
-        bool l = false;
-        p[j] = e4m3_encode_shifted(e4m3_to_f32(q), static_cast<int>(s_target[ch * 16 + j]) - s_e[row], &l);
-        lost += l;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = i * (kThreads / 8) + (tid >> 3);
+      uint4 w = v[i];
+      if (row < n) {
+        const int e = s_e[row];
+        w.x = colamax_rescale4(w.x, ct.shift_bytes(0, e), ct.t[0], e, lost, nan_codes);
+        w.y = colamax_rescale4(w.y, ct.shift_bytes(1, e), ct.t[1], e, lost, nan_codes);
+        w.z = colamax_rescale4(w.z, ct.shift_bytes(2, e), ct.t[2], e, lost, nan_codes);
+        w.w = colamax_rescale4(w.w, ct.shift_bytes(3, e), ct.t[3], e, lost, nan_codes);
       }
+      *reinterpret_cast<uint4*>(&s_q[detail::swz_chunk(row, ch)]) = w;
     }
     detail::warp_count(status ? &status->underflow : nullptr, lost);
     detail::warp_count(status ? &status->nonfinite : nullptr, nan_codes);
   }
   __syncthreads();
-  detail::store_col_tile(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
+  detail::store_col_tile_swz(s_q, n, col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
 }
 
 }  // namespace

@@ -1412,7 +1412,8 @@ class CudaMoeLayer final : public MoeLayer {
                                 cfg_.transpose_exponent);
       } else {
         auto s = bwd(overlap_ ? "FP4RowToFP8Col x_perm (side stream)" : "FP4RowToFP8Col x_perm", ts);
-        fp4_to_fp8_col(x4c_, x4s_, H_, sb, colB_.codes, colB_.scales, st_bwd(), ts);
+        fp4_to_fp8_col(x4c_, x4s_, H_, sb, colB_.codes, colB_.scales, st_bwd(), ts,
+                       cfg_.transpose_exponent);
       }
       mark(kSideB);
     }
