@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "cuda/moe/kernels.cuh"
-#include "cuda/moe/moe_cuda.h"
+#include "flowmoe/cuda/moe_debug.h"
 #include "flowmoe/comm.h"
 #include "flowmoe/cuda/convert.h"
 #include "flowmoe/error.h"
@@ -323,6 +323,26 @@ struct LayerTime {
                             // layer, its inputs, weights and gradients, NCCL and its scratch)
 };
 
+// The CUDA layer's options from the environment (the library reads none; README "Runtime
+// settings"): FLOWMOE_LAYER_OVERLAP=0 (no side stream), FLOWMOE_LAYER_TAIL_OVERLAP=0|1 (tail
+// stream), FLOWMOE_EP_DEDUP=0 (every (token, expert) row travels), FLOWMOE_GEMM_TUNE / _STREAMS /
+// _PRIORITY / _WGRAD_KERNEL (the GEMM options; a set priority overrides the layer's choice).
+CudaLayerOptions layer_options_from_env() {
+  CudaLayerOptions o;
+  auto flag = [](const char* name, bool* out) {
+    const char* v = std::getenv(name);
+    if (!v) return;
+    FLOWMOE_CHECK(std::string(v) == "0" || std::string(v) == "1", name << "=\"" << v << "\"; expected 0 or 1");
+    *out = v[0] == '1';
+  };
+  flag("FLOWMOE_LAYER_OVERLAP", &o.side_stream);
+  flag("FLOWMOE_LAYER_TAIL_OVERLAP", &o.tail_stream);
+  flag("FLOWMOE_EP_DEDUP", &o.ep_dedup);
+  o.gemm = gemm::GroupedGemmOptions::from_env();
+  if (std::getenv("FLOWMOE_GEMM_PRIORITY")) o.gemm_pool_priority = o.gemm.pool_priority;
+  return o;
+}
+
 // One layer (comm may be null) with `el` local experts of E = el * world experts, T tokens.
 LayerTime run_layer(Communicator* comm, const Cfg& c, Recipe rc, int el, int64_t T, const Opts& o,
                     cudaStream_t s, int seed_rank) {
@@ -353,7 +373,7 @@ LayerTime run_layer(Communicator* comm, const Cfg& c, Recipe rc, int el, int64_t
   BCUDA(cudaMemsetAsync(dw2.p, 0, sizeof(float) * el * H * F, s));
   BCUDA(cudaMemsetAsync(dwr.p, 0, sizeof(float) * E * H, s));
   BCUDA(cudaStreamSynchronize(s));
-  std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s);
+  std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s, layer_options_from_env());
   layer->set_weights(MoeWeights{w1.p, w2.p, wr.p, nullptr});
   const MoeGrads g{dw1.p, dw2.p, dwr.p};
   cudaEvent_t e0, e1, e2;

@@ -289,9 +289,34 @@ std::unique_ptr<MoeLayer> make_cpu_layer(const MoeConfig& cfg);
 // ---- CUDA backend (src/cuda/moe/): declared when the CUDA backend is built (linking flowmoe_cuda
 // defines FLOWMOE_HAVE_CUDA), like the other CUDA declarations of the public headers.
 #if defined(FLOWMOE_HAVE_CUDA)
+#include "flowmoe/gemm.h"
 typedef struct CUstream_st* cudaStream_t;  // the CUDA runtime's typedef, as in gemm.h
 namespace flowmoe {
+// How the CUDA layer runs: streams and message layout. No option changes an output bit (the GPU
+// tests compare each choice with the default). The library reads no environment variable; the
+// CLI, the benches and the tests map their flags and variables to these fields.
+struct CudaLayerOptions {
+  // flow / flow-fp4: the wgrad column copies (scaling-aware transposes, FP4RowToFP8Col) run on a
+  // side stream next to the GEMMs that do not need them; false: inline on the layer's stream.
+  bool side_stream = true;
+  // One GPU: the backward's tail (router backward, dWr, dx = unpermute + router path) runs on its
+  // own highest-priority stream next to GEMM1 wgrad; false: after it, on the layer's stream.
+  bool tail_stream = true;
+  // Expert parallelism (MoeConfig::comm): the deduplicated dispatch, each token sent once to each
+  // rank holding one of its experts (not used by fp8-naive); false: every (token, expert) row
+  // travels, as in the CPU layer's exchange. Every rank must pass the same value (make_cuda_layer
+  // checks it collectively).
+  bool ep_dedup = true;
+  // The grouped GEMMs' options (gemm.h).
+  gemm::GroupedGemmOptions gemm;
+  // Priority steps of the matmul streams above the default (0..gemm::kMaxPoolPriority). -1: the
+  // layer's choice, 1 with the side stream (the copies fill the GEMMs' gaps instead of taking SMs
+  // from them) and gemm.pool_priority without it.
+  int gemm_pool_priority = -1;
+};
 // Device pointers for x, y, dy, dx, weights and gradients; everything is ordered on `stream`.
-std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t stream);
+// Validates cfg and options; throws flowmoe::Error.
+std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t stream,
+                                          const CudaLayerOptions& options = CudaLayerOptions());
 }  // namespace flowmoe
 #endif
