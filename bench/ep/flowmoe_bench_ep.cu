@@ -9,7 +9,7 @@
 //   1. dispatch and combine per wire format (bf16, fp8 = flow's UE8M0 1x128, fp8-fp32scale =
 //      fp8-naive's, mxfp4): the NCCL exchange alone, the whole dispatch (send-order gather +
 //      exchange + receiver relayout) and the dispatch with the entry quantization the format needs
-//      (fp8: quantize_row; fp8-fp32scale: naive_quantize_row before and naive_dequantize_row of the
+//      (fp8: quantize_row; fp8-fp32scale: quantize_row_fp32_scale before and dequantize_row_fp32_scale of the
 //      received rows after; mxfp4: quantize_mxfp4); combine: exchange alone and exchange +
 //      unpermute (the sum over slots). Times are medians of CUDA events on the communicator's
 //      stream, each repetition after a barrier; GB/s = bytes this rank sends to other ranks / time.
@@ -215,7 +215,7 @@ void bench_comm(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o)
   };
   const F formats[] = {{WireFormat::kBf16, nullptr},
                        {WireFormat::kFp8, "quantize_row (1x128 UE8M0)"},
-                       {WireFormat::kFp8Fp32Scale, "naive_quantize_row + dequantize received"},
+                       {WireFormat::kFp8Fp32Scale, "quantize_row_fp32_scale + dequantize received"},
                        {WireFormat::kMxfp4, "quantize_mxfp4 (1x32)"}};
   for (const F& fm : formats) {
     const WireFormat f = fm.f;
@@ -247,7 +247,7 @@ void bench_comm(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o)
     auto quantize = [&] {
       if (f == WireFormat::kFp8) cuda::quantize_row(x.p, T, H, q_codes.p, q_sc.p, nullptr, s);
       if (f == WireFormat::kFp8Fp32Scale)
-        cuda::moe::naive_quantize_row(x.p, T, H, nullptr, E, q_codes.p, reinterpret_cast<float*>(q_sc.p), nullptr, s);
+        cuda::quantize_row_fp32_scale(x.p, T, H, nullptr, E, q_codes.p, reinterpret_cast<float*>(q_sc.p), nullptr, s);
       if (f == WireFormat::kMxfp4) cuda::quantize_mxfp4(x.p, T, H, q_codes.p, q_sc.p, nullptr, s);
     };
     auto after = [&](bool with_quant) {
@@ -255,7 +255,7 @@ void bench_comm(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o)
       if (f == WireFormat::kFp8Fp32Scale) {
         cuda::moe::ep_transpose_scales(recv_sc.p, Mp, nc, 4, relaid.p, Mp, s);
         if (with_quant)
-          cuda::moe::naive_dequantize_row(recv.p, reinterpret_cast<const float*>(relaid.p), Mp, H, nullptr, El,
+          cuda::dequantize_row_fp32_scale(recv.p, reinterpret_cast<const float*>(relaid.p), Mp, H, nullptr, El,
                                           deq.p, s);
       }
     };

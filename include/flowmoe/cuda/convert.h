@@ -105,5 +105,32 @@ void fp4_to_fp8_col_stepwise(const uint8_t* fp4_codes, const uint8_t* fp4_scales
                              const SegmentBlocks& sb, uint8_t* col_codes, uint8_t* col_scales,
                              bf16_t* work, DeviceStatus* status, cudaStream_t stream);
 
+// ---- FP32-scale mode (the fp8-naive recipe, SPEC §6): E4M3 with FP32 scales s = amax / 448 ----
+// Scale rule of a tile with largest finite magnitude amax: s = amax / 448 (FP32 division, RNE),
+// s = 1 for an all-zero tile; q = RNE_E4M3(x / s); decoded value e4m3(q) * s. A tile holding a
+// non-finite value gets s = NaN and codes 0x7F (counted in status->nonfinite). Kernels:
+// src/cuda/convert/fp32_scale.cu.
+float fp32_scale(float amax);  // host copy of the rule, for tests
+// x [M, C] bf16 -> codes [M, C]; FP32 scales, GEMM-ready: with d_offsets [E+1] (device, offsets[E]
+// == M) expert-packed (gemm.h), without (null) the plain [C/128][M] grid. C % 128 == 0.
+void quantize_row_fp32_scale(const bf16_t* x, int64_t m, int64_t c, const int32_t* d_offsets,
+                             int num_experts, uint8_t* codes, float* scales, DeviceStatus* status,
+                             cudaStream_t stream);
+// The inverse: codes [M, C] + FP32 scales (same two layouts) -> y [M, C] bf16 (RNE).
+void dequantize_row_fp32_scale(const uint8_t* codes, const float* scales, int64_t m, int64_t c,
+                               const int32_t* d_offsets, int num_experts, bf16_t* y,
+                               cudaStream_t stream);
+// xt [C, M] bf16 (already transposed) -> column-wise codes [C, M] and FP32 scales [max_blocks][C]
+// over the segments' 128-token blocks (GEMM-ready for wgrad).
+void quantize_transposed_fp32_scale(const bf16_t* xt, int64_t c, const SegmentBlocks& sb,
+                                    uint8_t* codes, float* scales, DeviceStatus* status,
+                                    cudaStream_t stream);
+// E weights w [E][N][K] bf16 -> codes [E][N][K], GEMM-ready FP32 block scales
+// [E][N/128][round_up(K/128, 4)], and the exact transpose: t_codes [E][K][N], t_scales
+// [E][K/128][round_up(N/128, 4)] (padding entries 0).
+void quantize_weights_fp32_scale(const bf16_t* w, int num_experts, int64_t n, int64_t k,
+                                 uint8_t* codes, float* scales, uint8_t* t_codes, float* t_scales,
+                                 DeviceStatus* status, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace flowmoe

@@ -106,10 +106,10 @@ void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QuantView& x_perm_co
 void CudaMoeLayer::naive_col(const QuantView& row, int64_t c, const QuantView& col, const std::string& what) {
   ExpertBuffers& b = ws_.expert;
   const SegmentBlocks sb = blocks();
-  naive_dequantize_row(row.codes, row.f32(), Mp_, c, segment_offsets(), El_, b.naive_dequantized, stream_);
+  dequantize_row_fp32_scale(row.codes, row.f32(), Mp_, c, segment_offsets(), El_, b.naive_dequantized, stream_);
   log(MoePass::kBackward, CastKind::kDequantize, "dequantize " + what + " (for its column copy)", 1, 1, Mp_ * c);
   transpose_bf16(b.naive_dequantized, Mp_, c, b.naive_transposed, stream_);
-  naive_quantize_transposed(b.naive_transposed, c, sb, col.codes, col.f32(), st_bwd(), stream_);
+  quantize_transposed_fp32_scale(b.naive_transposed, c, sb, col.codes, col.f32(), st_bwd(), stream_);
   log(MoePass::kBackward, CastKind::kQuantize, "quantize " + what + " col (transposed, FP32 scales)", 1, 1, Mp_ * c);
 }
 
@@ -118,7 +118,7 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   const WeightBuffers& w = ws_.weights;
   naive_entry(MoePass::kBackward, dy, b.dy_rows);
   { auto s = bwd("quantize dY (row, fp32 scales)");
-    naive_quantize_row(b.dy_rows, Mp_, H_, segment_offsets(), El_, b.dy_row_f32.codes, b.dy_row_f32.f32(), st_bwd(),
+    quantize_row_fp32_scale(b.dy_rows, Mp_, H_, segment_offsets(), El_, b.dy_row_f32.codes, b.dy_row_f32.f32(), st_bwd(),
                        stream_); }
   log(MoePass::kBackward, CastKind::kQuantize, "quantize dY (row, FP32 scales)", 1, 1, Mp_ * H_);
   { auto s = bwd("DQ->T->Q dY"); naive_col(b.dy_row_f32, H_, b.dy_col_f32, "dY"); }
@@ -132,7 +132,7 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   { auto s = bwd("dSwiGLU*prob (bf16)");
     cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials); }
   { auto s = bwd("quantize dh (row, fp32 scales)");
-    naive_quantize_row(b.dh, Mp_, 2 * F_, segment_offsets(), El_, b.dh_row_f32.codes, b.dh_row_f32.f32(), st_bwd(),
+    quantize_row_fp32_scale(b.dh, Mp_, 2 * F_, segment_offsets(), El_, b.dh_row_f32.codes, b.dh_row_f32.f32(), st_bwd(),
                        stream_); }
   log(MoePass::kBackward, CastKind::kQuantize, "quantize dh (row, FP32 scales)", 1, 1, Mp_ * 2 * F_);
   { auto s = bwd("DQ->T->Q dh"); naive_col(b.dh_row_f32, 2 * F_, b.dh_col_f32, "dh"); }

@@ -212,7 +212,7 @@ int64_t CudaMoeLayer::move_naive(bf16_t* out, MoePass pass, const char* name) {
   ep_dispatch(pass, name, WireFormat::kFp8Fp32Scale,
               {{ep.send_rows, recv.codes, H_}, {ep.send_scales, ep.recv_scales, 4 * nc}});
   ep_transpose_scales(ep.recv_scales, Mp_, nc, 4, recv.f32(), Mp_, stream_);
-  naive_dequantize_row(recv.codes, recv.f32(), Mp_, H_, nullptr, El_, out, stream_);
+  dequantize_row_fp32_scale(recv.codes, recv.f32(), Mp_, H_, nullptr, El_, out, stream_);
   return held_ * H_;
 }
 

@@ -112,7 +112,7 @@ void CudaMoeLayer::naive_entry(MoePass pass, const bf16_t* in, bf16_t* out) {
   ExpertBuffers& b = ws_.expert;
   const bool f = pass == MoePass::kForward;
   { auto s = stage(pass, f ? "quantize x (entry, fp32 scales)" : "quantize dy (entry, fp32 scales)");
-    naive_quantize_row(in, T_, H_, nullptr, E_, b.entry_f32.codes, b.entry_f32.f32(), f ? st_fwd() : st_bwd(),
+    quantize_row_fp32_scale(in, T_, H_, nullptr, E_, b.entry_f32.codes, b.entry_f32.f32(), f ? st_fwd() : st_bwd(),
                        stream_); }
   log(pass, CastKind::kQuantize,
       f ? "quantize x (row, FP32 scales, before dispatch)" : "quantize dy (row, FP32 scales, before dispatch)", 1, 1,
@@ -120,7 +120,7 @@ void CudaMoeLayer::naive_entry(MoePass pass, const bf16_t* in, bf16_t* out) {
   const char* deq = f ? "dequantize x (after dispatch)" : "dequantize dy (after dispatch)";
   if (comm_ == nullptr) {
     { auto s = stage(pass, deq);
-      naive_dequantize_row(b.entry_f32.codes, b.entry_f32.f32(), T_, H_, nullptr, E_, b.entry_dequantized, stream_); }
+      dequantize_row_fp32_scale(b.entry_f32.codes, b.entry_f32.f32(), T_, H_, nullptr, E_, b.entry_dequantized, stream_); }
     log(pass, CastKind::kDequantize, deq, 1, 1, T_ * H_);
     { auto s = stage(pass, f ? "permute+pad x (bf16)" : "permute+pad dy (bf16)");
       permute_pad_bf16(b.entry_dequantized, H_, ws_.routing.tokens, out, stream_); }
@@ -138,7 +138,7 @@ void CudaMoeLayer::forward_naive(bf16_t* y) {
   bf16_t* xp = b.x_perm_staging;
   naive_entry(MoePass::kForward, ws_.routing.x, xp);
   { auto s = fwd("quantize x_perm (row, fp32 scales)");
-    naive_quantize_row(xp, Mp_, H_, segment_offsets(), El_, b.x_perm_f32.codes, b.x_perm_f32.f32(), st_fwd(), stream_); }
+    quantize_row_fp32_scale(xp, Mp_, H_, segment_offsets(), El_, b.x_perm_f32.codes, b.x_perm_f32.f32(), st_fwd(), stream_); }
   log(MoePass::kForward, CastKind::kQuantize, "quantize x_perm (row, FP32 scales)", 1, 1, Mp_ * H_);
   { auto s = fwd("GEMM1 fprop (fp8)");
     gemm_->fprop(seg_, 2 * F_, H_, f32_row_operand(b.x_perm_f32, H_), weight_operand(w.w1, 2 * F_, H_),
@@ -146,7 +146,7 @@ void CudaMoeLayer::forward_naive(bf16_t* y) {
   { auto s = fwd("SwiGLU*prob (bf16)");
     cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob); }
   { auto s = fwd("quantize a' (row, fp32 scales)");
-    naive_quantize_row(b.a, Mp_, F_, segment_offsets(), El_, b.a_f32.codes, b.a_f32.f32(), st_fwd(), stream_); }
+    quantize_row_fp32_scale(b.a, Mp_, F_, segment_offsets(), El_, b.a_f32.codes, b.a_f32.f32(), st_fwd(), stream_); }
   log(MoePass::kForward, CastKind::kQuantize, "quantize a' (row, FP32 scales)", 1, 1, Mp_ * F_);
   gemm2_then_combine("GEMM2 fprop (fp8)", [&] {
     gemm_->fprop(seg_, H_, F_, f32_row_operand(b.a_f32, F_), weight_operand(w.w2, H_, F_),

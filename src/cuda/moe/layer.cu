@@ -124,9 +124,9 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
     log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W1 (128x128 + exact transpose)", El_, 2 * El_, n1);
     log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W2 (128x128 + exact transpose)", El_, 2 * El_, n2);
   } else if (rc == Recipe::kFp8Naive) {
-    naive_quantize_weights(wb.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), wb.w1t.codes, wb.w1t.f32(),
+    quantize_weights_fp32_scale(wb.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), wb.w1t.codes, wb.w1t.f32(),
                            wstatus, stream_);
-    naive_quantize_weights(wb.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), wb.w2t.codes, wb.w2t.f32(),
+    quantize_weights_fp32_scale(wb.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), wb.w2t.codes, wb.w2t.f32(),
                            wstatus, stream_);
     log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W1 (128x128 FP32 scales + exact transpose)", 1, 2,
         n1);
