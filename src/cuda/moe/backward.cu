@@ -85,7 +85,7 @@ void CudaMoeLayer::fp8_gemm2_grads(const MoeGrads& g, int side) {
 }
 // GEMM1: dgrad from dh row-wise into the dX rows, then mark_dx_rows_ready; wgrad from dh's column
 // copy and x_perm's (`x_perm_col`) into dW1.
-void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QuantView& x_perm_col, int side) {
+void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& x_perm_col, int side) {
   ExpertBuffers& b = ws_.expert;
   { auto s = bwd("GEMM1 dgrad (fp8)");
     const Fp8Op dho = act_operand(b.dh_row, 2 * F_, st_bwd_aux());
@@ -103,7 +103,7 @@ void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QuantView& x_perm_co
 // ---- fp8-naive -----------------------------------------------------------------------------------
 // Column copy: dequantize (row, FP32 scales, expert-packed) -> transpose -> quantize column-wise
 // with fresh FP32 scales into `col`.
-void CudaMoeLayer::naive_col(const QuantView& row, int64_t c, const QuantView& col, const std::string& what) {
+void CudaMoeLayer::naive_col(const QTensorView& row, int64_t c, const QTensorView& col, const std::string& what) {
   ExpertBuffers& b = ws_.expert;
   const SegmentBlocks sb = blocks();
   dequantize_row_fp32_scale(row.codes, row.f32(), Mp_, c, segment_offsets(), El_, b.naive_dequantized, stream_);
@@ -181,7 +181,7 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
   fp8_gemm2_grads(g, LayerStreams::kSideA);  // the wgrad after dY's column copy
   // the dSwiGLU below overwrites dY's row and column copies
   streams_.join(LayerStreams::kSideA);  // (also when there is no wgrad of W2: the transpose read dY row)
-  const QuantView& hs = b.h_saved;
+  const QTensorView& hs = b.h_saved;
   if (!fp4) {
     auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
     dswiglu_quant_fp8h(b.da, hs.codes, hs.ue8m0(), F_, sb, b.dh_row.codes, b.dh_row.ue8m0(), b.dh_col.codes,

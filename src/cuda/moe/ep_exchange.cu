@@ -146,7 +146,7 @@ void CudaMoeLayer::move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, cons
 // FP8 row-wise token rows (codes [T, H], scales [H/128][T]) -> rows: codes [Mp, H], scales
 // [H/128][Mp]. EP wire format fp8: codes + UE8M0 scales row-major [rows][H/128] next to them; the
 // receiver transposes the scales (as the CPU's ep_dispatch_fp8).
-void CudaMoeLayer::move_fp8(const QuantView& tok, const QuantView& rows, MoePass pass, const char* name) {
+void CudaMoeLayer::move_fp8(const QTensorView& tok, const QTensorView& rows, MoePass pass, const char* name) {
   const Routing& routing = ws_.routing.tokens;
   EpBuffers& ep = ws_.ep;
   if (comm_ == nullptr) {
@@ -173,7 +173,7 @@ void CudaMoeLayer::move_fp8(const QuantView& tok, const QuantView& rows, MoePass
 
 // MXFP4 token rows (codes [T, H/2], scales [T][H/32]) -> rows [Mp, H/2] + [Mp][H/32] (the wire
 // layout is the final layout). Forward only.
-void CudaMoeLayer::move_mxfp4(const QuantView& tok, const QuantView& rows) {
+void CudaMoeLayer::move_mxfp4(const QTensorView& tok, const QTensorView& rows) {
   const Routing& routing = ws_.routing.tokens;
   EpBuffers& ep = ws_.ep;
   if (comm_ == nullptr) {
@@ -204,8 +204,8 @@ void CudaMoeLayer::move_mxfp4(const QuantView& tok, const QuantView& rows) {
 int64_t CudaMoeLayer::move_naive(bf16_t* out, MoePass pass, const char* name) {
   const Routing& routing = ws_.routing.tokens;
   EpBuffers& ep = ws_.ep;
-  const QuantView& entry = ws_.expert.entry_f32;
-  const QuantView& recv = ws_.expert.x_recv_f32;
+  const QTensorView& entry = ws_.expert.entry_f32;
+  const QTensorView& recv = ws_.expert.x_recv_f32;
   const int64_t nc = H_ / 128;
   ep_gather_rows(entry.codes, H_, false, routing.row_map_unpadded, T_, K_, ep.send_rows, stream_);
   ep_gather_col_scales(entry.f32(), nc, 4, routing.row_map_unpadded, T_, K_, ep.send_scales, stream_);

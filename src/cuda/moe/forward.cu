@@ -20,25 +20,25 @@ gemm::Span<T> ms(T* p, int64_t n) { return {p, n}; }
 }  // namespace
 
 // Row-wise UE8M0 operand [Mp, C] -> GEMM-ready (expert-packed FP32 scales in gemm_row_scales).
-gemm::Fp8Operand CudaMoeLayer::act_operand(const QuantView& rows, int64_t c, DeviceStatus* st) {
+gemm::Fp8Operand CudaMoeLayer::act_operand(const QTensorView& rows, int64_t c, DeviceStatus* st) {
   float* f32 = ws_.expert.gemm_row_scales;
   act_scales_to_f32(rows.ue8m0(), Mp_, c, segment_offsets(), El_, f32, st, stream_);
   return Fp8Op{cs<uint8_t>(rows.codes, Mp_ * c), cs<float>(f32, Mp_ * c / 128)};
 }
 // Column-wise UE8M0 operand [C over Mp] -> GEMM-ready FP32 [blocks][C] in `scales_f32`.
-gemm::Fp8Operand CudaMoeLayer::col_operand(const QuantView& col, int64_t c, float* scales_f32, cudaStream_t s) {
+gemm::Fp8Operand CudaMoeLayer::col_operand(const QTensorView& col, int64_t c, float* scales_f32, cudaStream_t s) {
   col_scales_to_f32(col.ue8m0(), blocks_, c, scales_f32, s);
   return Fp8Op{cs<uint8_t>(col.codes, c * Mp_), cs<float>(scales_f32, blocks_ * c)};
 }
 // fp8-naive operands: FP32 scales already GEMM-ready.
-gemm::Fp8Operand CudaMoeLayer::f32_row_operand(const QuantView& rows, int64_t c) const {
+gemm::Fp8Operand CudaMoeLayer::f32_row_operand(const QTensorView& rows, int64_t c) const {
   return Fp8Op{cs<uint8_t>(rows.codes, Mp_ * c), cs<float>(rows.f32(), Mp_ * c / 128)};
 }
-gemm::Fp8Operand CudaMoeLayer::f32_col_operand(const QuantView& col, int64_t c) const {
+gemm::Fp8Operand CudaMoeLayer::f32_col_operand(const QTensorView& col, int64_t c) const {
   return Fp8Op{cs<uint8_t>(col.codes, c * Mp_), cs<float>(col.f32(), blocks_ * c)};
 }
 // El expert weights [N, K] (or their transposes).
-gemm::Fp8Operand CudaMoeLayer::weight_operand(const QuantView& w, int64_t n, int64_t k) const {
+gemm::Fp8Operand CudaMoeLayer::weight_operand(const QTensorView& w, int64_t n, int64_t k) const {
   return Fp8Op{cs<uint8_t>(w.codes, int64_t(El_) * n * k), cs<float>(w.f32(), gemm::weight_scale_f32_elems(El_, n, k))};
 }
 // MoeGrads::accumulate: beta = 1 into the gradients, or beta = 0 (the old values never read)
@@ -80,7 +80,7 @@ void CudaMoeLayer::forward_blockwise(bf16_t* y) {
   bf16_t* xp = b.x_perm_staging;
   { auto s = fwd(comm_ ? "dispatch x (bf16)" : "permute+pad x (bf16)");
     move_bf16(ws_.routing.x, xp, MoePass::kForward, "dispatch x"); }
-  const QuantView& x_row = b.x_perm_fp8;
+  const QTensorView& x_row = b.x_perm_fp8;
   { auto s = fwd("quantize x_perm (row + col)");
     quantize_col(xp, H_, sb, b.x_perm_col.codes, b.x_perm_col.ue8m0(), x_row.codes, x_row.ue8m0(), st_fwd(),
                  stream_); }
@@ -165,7 +165,7 @@ void CudaMoeLayer::forward_flow(bf16_t* y) {
   const WeightBuffers& w = ws_.weights;
   const bool fp4 = cfg_.recipe == Recipe::kFlowFp4;
   const SegmentBlocks sb = blocks();
-  QuantView x_in;  // GEMM1's input, row-wise FP8 [Mp, H]
+  QTensorView x_in;  // GEMM1's input, row-wise FP8 [Mp, H]
   if (!fp4) {
     { auto s = fwd("quantize x (entry)");
       quantize_row(ws_.routing.x, T_, H_, b.entry_fp8.codes, b.entry_fp8.ue8m0(), st_fwd(), stream_); }
@@ -187,8 +187,8 @@ void CudaMoeLayer::forward_flow(bf16_t* y) {
   { auto s = fwd("GEMM1 fprop (fp8)");
     const Fp8Op xo = act_operand(x_in, H_, st_fwd_aux());
     gemm_->fprop(seg_, 2 * F_, H_, xo, weight_operand(w.w1, 2 * F_, H_), ms<bf16_t>(b.h, Mp_ * 2 * F_), stream_); }
-  const QuantView& ar = b.a_row;  // (flow-fp4: its storage held GEMM1's input, consumed by now)
-  const QuantView& hs = b.h_saved;
+  const QTensorView& ar = b.a_row;  // (flow-fp4: its storage held GEMM1's input, consumed by now)
+  const QTensorView& hs = b.h_saved;
   if (!fp4) {
     auto s = fwd("SwiGLU*prob + quantize (a' row, h row)");
     cuda::swiglu_quant(b.h, Mp_, F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), st_fwd(), stream_,

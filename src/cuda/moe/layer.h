@@ -29,7 +29,7 @@
 
 #include "common/moe_ep.h"
 #include "cuda/moe/kernels.cuh"
-#include "cuda/moe/quant_view.h"
+#include "flowmoe/cuda/qtensor_view.h"
 #include "cuda/moe/streams.h"
 #include "cuda/moe/workspace.h"
 #include "flowmoe/comm.h"
@@ -81,8 +81,8 @@ class CudaMoeLayer final : public MoeLayer {
   void ep_dispatch(MoePass pass, const char* name, WireFormat f, std::vector<RowStream> streams);
   void dedup_exchange(MoePass pass, const char* name, const std::string& format, std::vector<RowStream> streams);
   void move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name);
-  void move_fp8(const QuantView& tok, const QuantView& rows, MoePass pass, const char* name);
-  void move_mxfp4(const QuantView& tok, const QuantView& rows);
+  void move_fp8(const QTensorView& tok, const QTensorView& rows, MoePass pass, const char* name);
+  void move_mxfp4(const QTensorView& tok, const QTensorView& rows);
   int64_t move_naive(bf16_t* out, MoePass pass, const char* name);
   void combine_y(bf16_t* y);
   void mark_dx_rows_ready();  // after GEMM1 dgrad: the tail (one GPU) or the EP combine may start
@@ -102,16 +102,16 @@ class CudaMoeLayer final : public MoeLayer {
   void backward_naive(const bf16_t* dy, const MoeGrads& g);
   void backward_flow(const bf16_t* dy, const MoeGrads& g);
   void fp8_gemm2_grads(const MoeGrads& g, int side);
-  void fp8_gemm1_grads(const MoeGrads& g, const QuantView& x_perm_col, int side);
-  void naive_col(const QuantView& row, int64_t c, const QuantView& col, const std::string& what);
+  void fp8_gemm1_grads(const MoeGrads& g, const QTensorView& x_perm_col, int side);
+  void naive_col(const QTensorView& row, int64_t c, const QTensorView& col, const std::string& what);
   void backward_tail(const MoeGrads& g, bf16_t* dx);
 
   // ---- GEMM operands --------------------------------------------------------------------------
-  Fp8Op act_operand(const QuantView& rows, int64_t c, DeviceStatus* st);
-  Fp8Op col_operand(const QuantView& col, int64_t c, float* scales_f32, cudaStream_t s);
-  Fp8Op f32_row_operand(const QuantView& rows, int64_t c) const;
-  Fp8Op f32_col_operand(const QuantView& col, int64_t c) const;
-  Fp8Op weight_operand(const QuantView& w, int64_t n, int64_t k) const;
+  Fp8Op act_operand(const QTensorView& rows, int64_t c, DeviceStatus* st);
+  Fp8Op col_operand(const QTensorView& col, int64_t c, float* scales_f32, cudaStream_t s);
+  Fp8Op f32_row_operand(const QTensorView& rows, int64_t c) const;
+  Fp8Op f32_col_operand(const QTensorView& col, int64_t c) const;
+  Fp8Op weight_operand(const QTensorView& w, int64_t n, int64_t k) const;
   gemm::WgradOut dw_out(float* p, int64_t n) const;
 
   // ---- report (report.cu) ----------------------------------------------------------------------

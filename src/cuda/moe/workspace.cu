@@ -60,17 +60,6 @@ Routing alloc_routing(DeviceArena& a, int64_t tokens, int topk, int experts, int
   return r;
 }
 
-QuantView view(uint8_t* codes, void* scales, QuantFormat f, QuantLayout l, int64_t rows, int64_t cols) {
-  QuantView v;
-  v.codes = codes;
-  v.scales = scales;
-  v.format = f;
-  v.layout = l;
-  v.rows = rows;
-  v.cols = cols;
-  return v;
-}
-
 }  // namespace
 
 void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup) {
@@ -82,8 +71,6 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup) {
   const bool pow2 = rc == Recipe::kBlockwise || rc == Recipe::kFlow || rc == Recipe::kFlowFp4;
   const bool fp8 = rc != Recipe::kBf16;
   Communicator* comm = cfg.comm;
-  using QF = QuantFormat;
-  using QL = QuantLayout;
 
   RoutingBuffers& r = routing;
   r.x = a.device<bf16_t>(Tm * H);
@@ -148,10 +135,10 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup) {
   w.w1_bf16 = a.device<bf16_t>(El * 2 * F * H);
   w.w2_bf16 = a.device<bf16_t>(El * H * F);
   if (fp8) {
-    w.w1 = view(a.device<uint8_t>(El * 2 * F * H), nullptr, QF::kFp8Fp32, QL::kWeight, El * 2 * F, H);
-    w.w1t = view(a.device<uint8_t>(El * 2 * F * H), nullptr, QF::kFp8Fp32, QL::kWeight, El * H, 2 * F);
-    w.w2 = view(a.device<uint8_t>(El * H * F), nullptr, QF::kFp8Fp32, QL::kWeight, El * H, F);
-    w.w2t = view(a.device<uint8_t>(El * H * F), nullptr, QF::kFp8Fp32, QL::kWeight, El * F, H);
+    w.w1 = weight_128x128_f32(a.device<uint8_t>(El * 2 * F * H), nullptr, int(El), 2 * F, H);
+    w.w1t = weight_128x128_f32(a.device<uint8_t>(El * 2 * F * H), nullptr, int(El), H, 2 * F);
+    w.w2 = weight_128x128_f32(a.device<uint8_t>(El * H * F), nullptr, int(El), H, F);
+    w.w2t = weight_128x128_f32(a.device<uint8_t>(El * H * F), nullptr, int(El), F, H);
     w.w1.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), 2 * F, H));
     w.w1t.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), H, 2 * F));
     w.w2.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), H, F));
@@ -180,57 +167,54 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup) {
   else
     x.dh = a.device<bf16_t>(R * 2 * F);
   if (fp8) {
-    const QuantView row = view(a.device<uint8_t>(R * maxC), a.device<uint8_t>((maxC / 128) * R), QF::kFp8Ue8m0,
-                               QL::kRow, R, maxC);
+    const QTensorView row = row_1x128(a.device<uint8_t>(R * maxC), a.device<uint8_t>((maxC / 128) * R), R, maxC);
     x.x_perm_fp8 = x.a_row = x.dy_row = x.dh_row = row;
-    const QuantView grad_col = view(a.device<uint8_t>(maxC * R), a.device<uint8_t>(MB * maxC), QF::kFp8Ue8m0,
-                                    QL::kColumn, R, maxC);
+    const QTensorView grad_col = col_128x1(a.device<uint8_t>(maxC * R), a.device<uint8_t>(MB * maxC), R, maxC, MB);
     x.dy_col = x.dh_col = grad_col;
-    x.x_perm_col_flow = view(a.device<uint8_t>(maxC * R), a.device<uint8_t>(MB * maxC), QF::kFp8Ue8m0,
-                             QL::kColumn, R, maxC);
+    x.x_perm_col_flow = col_128x1(a.device<uint8_t>(maxC * R), a.device<uint8_t>(MB * maxC), R, maxC, MB);
     x.gemm_row_scales = a.device<float>(R * maxC / 128);
     x.grad_col_scales = a.device<float>(MB * maxC);
     x.input_col_scales = a.device<float>(MB * maxC);
     x.dy_row_f32 = x.dh_row_f32 = x.x_recv_f32 =
-        view(row.codes, x.gemm_row_scales, QF::kFp8Fp32, QL::kRow, R, maxC);
-    x.dy_col_f32 = x.dh_col_f32 = view(grad_col.codes, x.grad_col_scales, QF::kFp8Fp32, QL::kColumn, R, maxC);
+        row_1x128_f32(row.codes, x.gemm_row_scales, R, maxC);
+    x.dy_col_f32 = x.dh_col_f32 = col_128x1_f32(grad_col.codes, x.grad_col_scales, R, maxC, MB);
     x.a_col_f32 = x.x_perm_col_f32 =
-        view(x.x_perm_col_flow.codes, x.input_col_scales, QF::kFp8Fp32, QL::kColumn, R, maxC);
+        col_128x1_f32(x.x_perm_col_flow.codes, x.input_col_scales, R, maxC, MB);
   }
   switch (rc) {
     case Recipe::kBf16: break;
     case Recipe::kBlockwise:
-      x.x_perm_col = view(a.device<uint8_t>(H * R), a.device<uint8_t>(MB * H), QF::kFp8Ue8m0, QL::kColumn, R, H);
-      x.a_col = view(a.device<uint8_t>(F * R), a.device<uint8_t>(MB * F), QF::kFp8Ue8m0, QL::kColumn, R, F);
+      x.x_perm_col = col_128x1(a.device<uint8_t>(H * R), a.device<uint8_t>(MB * H), R, H, MB);
+      x.a_col = col_128x1(a.device<uint8_t>(F * R), a.device<uint8_t>(MB * F), R, F, MB);
       break;
     case Recipe::kFp8Naive:
-      x.entry_f32 = view(a.device<uint8_t>(Tm * H), a.device<float>(Tm * H / 128), QF::kFp8Fp32, QL::kRow, Tm, H);
+      x.entry_f32 = row_1x128_f32(a.device<uint8_t>(Tm * H), a.device<float>(Tm * H / 128), Tm, H);
       x.entry_dequantized = a.device<bf16_t>(Tm * H);
-      x.x_perm_f32 = view(a.device<uint8_t>(R * H), a.device<float>(R * H / 128), QF::kFp8Fp32, QL::kRow, R, H);
-      x.a_f32 = view(a.device<uint8_t>(R * F), a.device<float>(R * F / 128), QF::kFp8Fp32, QL::kRow, R, F);
+      x.x_perm_f32 = row_1x128_f32(a.device<uint8_t>(R * H), a.device<float>(R * H / 128), R, H);
+      x.a_f32 = row_1x128_f32(a.device<uint8_t>(R * F), a.device<float>(R * F / 128), R, F);
       x.naive_dequantized = a.device<bf16_t>(R * maxC);
       x.naive_transposed = a.device<bf16_t>(R * maxC);
       break;
     case Recipe::kFlow:
     case Recipe::kFlowFp4: {
       uint8_t* entry_codes = a.device<uint8_t>(Tm * H);
-      x.entry_fp8 = view(entry_codes, a.device<uint8_t>((H / 128) * Tm), QF::kFp8Ue8m0, QL::kRow, Tm, H);
+      x.entry_fp8 = row_1x128(entry_codes, a.device<uint8_t>((H / 128) * Tm), Tm, H);
       if (rc == Recipe::kFlow) {  // h saved row-wise FP8
         uint8_t* codes = a.device<uint8_t>(R * 2 * F);
-        x.h_saved = view(codes, a.device<uint8_t>((2 * F / 128) * R), QF::kFp8Ue8m0, QL::kRow, R, 2 * F);
+        x.h_saved = row_1x128(codes, a.device<uint8_t>((2 * F / 128) * R), R, 2 * F);
       } else {  // flow-fp4: h saved as MXFP4 [R, 2F/2] + [R][2F/32]
         uint8_t* codes = a.device<uint8_t>(R * F);
-        x.h_saved = view(codes, a.device<uint8_t>(R * (2 * F / 32)), QF::kMxfp4, QL::kRow32, R, 2 * F);
+        x.h_saved = mxfp4_1x32(codes, a.device<uint8_t>(R * (2 * F / 32)), R, 2 * F);
       }
-      x.a_col = view(a.device<uint8_t>(F * R), a.device<uint8_t>(MB * F), QF::kFp8Ue8m0, QL::kColumn, R, F);
+      x.a_col = col_128x1(a.device<uint8_t>(F * R), a.device<uint8_t>(MB * F), R, F, MB);
       if (rc == Recipe::kFlow) {
         uint8_t* codes = a.device<uint8_t>(R * H);
-        x.x_perm_row = view(codes, a.device<uint8_t>((H / 128) * R), QF::kFp8Ue8m0, QL::kRow, R, H);
+        x.x_perm_row = row_1x128(codes, a.device<uint8_t>((H / 128) * R), R, H);
       } else {
         uint8_t* codes = a.device<uint8_t>(Tm * H / 2);
-        x.entry_mxfp4 = view(codes, a.device<uint8_t>(Tm * H / 32), QF::kMxfp4, QL::kRow32, Tm, H);
+        x.entry_mxfp4 = mxfp4_1x32(codes, a.device<uint8_t>(Tm * H / 32), Tm, H);
         uint8_t* xcodes = a.device<uint8_t>(R * H / 2);
-        x.x_perm_mxfp4 = view(xcodes, a.device<uint8_t>(R * H / 32), QF::kMxfp4, QL::kRow32, R, H);
+        x.x_perm_mxfp4 = mxfp4_1x32(xcodes, a.device<uint8_t>(R * H / 32), R, H);
       }
       break;
     }

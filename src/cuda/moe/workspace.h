@@ -1,16 +1,16 @@
 // The CUDA layer's device memory: every buffer allocated once, at construction, for cfg.max_tokens
 // (Tm), with rows sized by the host-side bound R = cfg.max_rows() (scale grids and column copies
 // use the real padded row count Mp of a pass as their leading dimension inside them). Forward and
-// backward allocate nothing. Each field is a named view; where one allocation holds different
-// tensors at different points of a step, each tensor has its own view (same address) and the
-// comment says when it is live.
+// backward allocate nothing. Each field is a named view (quantized tensors:
+// flowmoe/cuda/qtensor_view.h); where one allocation holds different tensors at different points
+// of a step, each tensor has its own view (same address) and the comment says when it is live.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
-#include "cuda/moe/quant_view.h"
+#include "flowmoe/cuda/qtensor_view.h"
 #include "flowmoe/cuda/convert.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/token.h"
@@ -77,7 +77,7 @@ struct WeightBuffers {
   bf16_t* w1_bf16 = nullptr;      // [El, 2F, H]
   bf16_t* w2_bf16 = nullptr;      // [El, H, F]
   // FP8 recipes: codes + GEMM-ready FP32 128x128 block scales, and the exact transposes (dgrad)
-  QuantView w1, w1t, w2, w2t;
+  QTensorView w1, w1t, w2, w2t;
   // power-of-two recipes: the UE8M0 block scales quantize_weight writes, [El][N/128][K/128],
   // converted into w*.scales
   uint8_t *w1_ue8m0 = nullptr, *w1t_ue8m0 = nullptr, *w2_ue8m0 = nullptr, *w2t_ue8m0 = nullptr;
@@ -99,36 +99,36 @@ struct ExpertBuffers {
   bf16_t* dh = nullptr;              // [R, 2F] (flow: the allocation of `h`, scratch there)
 
   // FP8 recipes: one row-wise UE8M0 operand [R, max(H, 2F)], four tensors never live at once:
-  QuantView x_perm_fp8;  // forward: x_perm row-wise, GEMM1's input (blockwise: quantized from
+  QTensorView x_perm_fp8;  // forward: x_perm row-wise, GEMM1's input (blockwise: quantized from
                          // BF16; flow-fp4: converted from MXFP4)
-  QuantView a_row;       // forward: a' row-wise (GEMM2's input)
-  QuantView dy_row;      // backward: dY row-wise (GEMM2 dgrad)
-  QuantView dh_row;      // backward: dh row-wise (GEMM1 dgrad)
+  QTensorView a_row;       // forward: a' row-wise (GEMM2's input)
+  QTensorView dy_row;      // backward: dY row-wise (GEMM2 dgrad)
+  QTensorView dh_row;      // backward: dh row-wise (GEMM1 dgrad)
   // fp8-naive, the same codes with FP32 scales in `gemm_row_scales`:
-  QuantView dy_row_f32, dh_row_f32;
-  QuantView x_recv_f32;  // EP forward / backward entry: the received FP8 rows and their scales
+  QTensorView dy_row_f32, dh_row_f32;
+  QTensorView x_recv_f32;  // EP forward / backward entry: the received FP8 rows and their scales
   float* gemm_row_scales = nullptr;  // [max(H, 2F)/128][R] GEMM-ready FP32 scales of the row operand
   // column copies for wgrad [max(H, 2F) over R], with their GEMM-ready FP32 scales
-  QuantView dy_col, dh_col;          // one allocation: dY's copy, then dh's
-  QuantView x_perm_col_flow;         // flow / flow-fp4: x_perm's copy (made in backward)
-  QuantView dy_col_f32, dh_col_f32;  // fp8-naive: dY's, then dh's (codes of dy_col)
-  QuantView a_col_f32, x_perm_col_f32;  // fp8-naive: a''s, then x_perm's (codes of x_perm_col_flow)
+  QTensorView dy_col, dh_col;          // one allocation: dY's copy, then dh's
+  QTensorView x_perm_col_flow;         // flow / flow-fp4: x_perm's copy (made in backward)
+  QTensorView dy_col_f32, dh_col_f32;  // fp8-naive: dY's, then dh's (codes of dy_col)
+  QTensorView a_col_f32, x_perm_col_f32;  // fp8-naive: a''s, then x_perm's (codes of x_perm_col_flow)
   float* grad_col_scales = nullptr;  // [blocks][max(H, 2F)] FP32 scales of dy_col / dh_col
   float* input_col_scales = nullptr; // the same for the wgrad's other operand
 
   // saved by the forward, per recipe
-  QuantView x_perm_col;   // blockwise: x_perm column-wise [H over R]
-  QuantView a_col;        // blockwise, flow, flow-fp4: a' column-wise [F over R]
-  QuantView x_perm_row;   // flow: x_perm row-wise FP8 [R, H]
-  QuantView x_perm_mxfp4; // flow-fp4: x_perm MXFP4 [R, H]
-  QuantView h_saved;      // flow: h row-wise FP8 [R, 2F]; flow-fp4: h MXFP4
-  QuantView x_perm_f32;   // fp8-naive: x_perm row-wise, FP32 scales (expert-packed)
-  QuantView a_f32;        // fp8-naive: a' row-wise, FP32 scales (expert-packed)
+  QTensorView x_perm_col;   // blockwise: x_perm column-wise [H over R]
+  QTensorView a_col;        // blockwise, flow, flow-fp4: a' column-wise [F over R]
+  QTensorView x_perm_row;   // flow: x_perm row-wise FP8 [R, H]
+  QTensorView x_perm_mxfp4; // flow-fp4: x_perm MXFP4 [R, H]
+  QTensorView h_saved;      // flow: h row-wise FP8 [R, 2F]; flow-fp4: h MXFP4
+  QTensorView x_perm_f32;   // fp8-naive: x_perm row-wise, FP32 scales (expert-packed)
+  QTensorView a_f32;        // fp8-naive: a' row-wise, FP32 scales (expert-packed)
 
   // entry quantization of the token rows [Tm, H] (x in forward, dy in backward)
-  QuantView entry_fp8;    // flow, flow-fp4 (flow-fp4: dy only)
-  QuantView entry_mxfp4;  // flow-fp4: x
-  QuantView entry_f32;    // fp8-naive
+  QTensorView entry_fp8;    // flow, flow-fp4 (flow-fp4: dy only)
+  QTensorView entry_mxfp4;  // flow-fp4: x
+  QTensorView entry_f32;    // fp8-naive
   bf16_t* entry_dequantized = nullptr;  // fp8-naive, one GPU: [Tm, H]
   // fp8-naive column copies (DQ -> T -> Q): the dequantized rows and their transpose
   bf16_t* naive_dequantized = nullptr;  // [R, max(H, 2F)]
