@@ -17,12 +17,6 @@
 namespace flowmoe {
 namespace cuda {
 namespace moe {
-namespace {
-template <typename T>
-gemm::Span<const T> cs(const T* p, int64_t n) { return {p, n}; }
-template <typename T>
-gemm::Span<T> ms(T* p, int64_t n) { return {p, n}; }
-}  // namespace
 
 // ---- bf16 ----------------------------------------------------------------------------------------
 void CudaMoeLayer::backward_bf16(const bf16_t* dy, const MoeGrads& g) {

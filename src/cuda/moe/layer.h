@@ -11,6 +11,7 @@
 //   forward.cu      forward per recipe (forward_bf16, forward_blockwise, forward_naive, forward_flow)
 //   backward.cu     backward per recipe: GEMM2 / GEMM1 dgrad + wgrad (backward_*, fp8_gemm*_grads)
 //   backward_tail.cu the common tail: dprobs, router backward, dWr, dx (tail stream / EP combine)
+//   operands.cu     the workspace's FP8 tensors and the weights as GEMM operands
 //   report.cu       the cast report, saved tensors, status counters, stage times
 //
 // Synchronisation: one per forward (the per-expert padded counts, which the grouped GEMM's
@@ -42,6 +43,12 @@
 namespace flowmoe {
 namespace cuda {
 namespace moe {
+
+// GEMM spans of n elements: read-only (cs) and written (ms).
+template <typename T>
+gemm::Span<const T> cs(const T* p, int64_t n) { return {p, n}; }
+template <typename T>
+gemm::Span<T> ms(T* p, int64_t n) { return {p, n}; }
 
 class CudaMoeLayer final : public MoeLayer {
  public:
@@ -106,7 +113,7 @@ class CudaMoeLayer final : public MoeLayer {
   void naive_col(const QTensorView& row, int64_t c, const QTensorView& col, const std::string& what);
   void backward_tail(const MoeGrads& g, bf16_t* dx);
 
-  // ---- GEMM operands --------------------------------------------------------------------------
+  // ---- GEMM operands (operands.cu) -------------------------------------------------------------
   Fp8Op act_operand(const QTensorView& rows, int64_t c, DeviceStatus* st);
   Fp8Op col_operand(const QTensorView& col, int64_t c, float* scales_f32, cudaStream_t s);
   Fp8Op f32_row_operand(const QTensorView& rows, int64_t c) const;
