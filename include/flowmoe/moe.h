@@ -53,37 +53,17 @@
 #include <string>
 #include <vector>
 
-#include "flowmoe/cpu/convert.h"
+#include "flowmoe/recipe.h"
 #include "flowmoe/tensor.h"
 #include "flowmoe/token.h"
 
 namespace flowmoe {
 
-// ---- recipes (SPEC §6) ----------------------------------------------------------------------
-enum class Recipe : uint8_t {
-  kBf16,       // "bf16":      BF16 operands, FP32 accumulation. The reference.
-  kBlockwise,  // "blockwise": BF16 dataflow; each grouped linear quantizes its BF16 input (row and
-               //              column copies from BF16, power-of-two scales), FP8 GEMM, BF16 out.
-  kFp8Naive,   // "fp8-naive": DeepSeek-V3-style operator substitution with FP32 scales (amax/448):
-               //              quantize before / dequantize after each FP8 op, column copies by
-               //              dequantize -> transpose -> quantize (double quantization).
-  kFlow,       // "flow":      FP8-Flow-MoE: x and dy quantized once at the entry, FP8 permute,
-               //              fused SwiGLU+quant and dSwiGLU+quant, column copies by the
-               //              scaling-aware transpose, activations saved in FP8.
-  kFlowFp4,    // "flow-fp4":  flow with an MXFP4 entry: FP4 permute, FP4 saved GEMM1 input,
-               //              FP4RowToFP8Row for GEMM1, FP4RowToFP8Col for its wgrad; backward FP8.
-};
-const char* recipe_name(Recipe r);  // "bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"
-// Parses a name above (case-sensitive); throws flowmoe::Error listing the valid names otherwise.
-Recipe parse_recipe(const std::string& name);
-bool try_parse_recipe(const std::string& name, Recipe* out);  // false for an unknown name
-const std::vector<Recipe>& all_recipes();                     // in the order of the enum
-bool recipe_uses_fp8(Recipe r);                               // every recipe but bf16
+// Recipes (Recipe, recipe_name, parse_recipe, all_recipes, recipe_uses_fp8) and the recipe table
+// (what each recipe moves, saves and converts, and the report names): flowmoe/recipe.h.
 
-// ---- expert parallelism (next issue) ------------------------------------------------------------
-// Dispatch/combine over ranks. Only declared here: a null communicator means a single rank that
-// holds all E experts. The expert-parallel version adds an implementation and nothing else changes
-// in this interface (weights and weight gradients then cover the El local experts).
+// Expert parallelism over a communicator (comm.h; see the top of this file). A null communicator
+// means a single rank that holds all E experts.
 class Communicator;
 
 // ---- configuration ----------------------------------------------------------------------------
@@ -113,9 +93,9 @@ struct MoeConfig {
   bool check_columns = false;
   // flow / flow-fp4: the exponent of each column-wise block made by the scaling-aware transpose.
   // kRowMax is SPEC §4; kColumnAmax takes the block's own amax (bit-identical to the naive
-  // power-of-two path, far less underflow on outlier tokens; cpu/convert.h). CPU backend only so
-  // far: the CUDA backend rejects kColumnAmax with an error.
-  cpu::TransposeExponent transpose_exponent = cpu::TransposeExponent::kRowMax;
+  // power-of-two path, far less underflow on outlier tokens; tensor.h, cpu/convert.h). CPU backend
+  // only so far: the CUDA backend rejects kColumnAmax with an error.
+  TransposeExponent transpose_exponent = TransposeExponent::kRowMax;
 
   // Throws flowmoe::Error naming the field, its value and what is expected.
   void validate() const;
@@ -153,19 +133,7 @@ struct MoeGrads {
   bool accumulate = true;
 };
 
-// ---- accounting -----------------------------------------------------------------------------
-enum class CastKind : uint8_t {
-  kQuantize,    // standalone kernel: BF16/FP32 -> FP8 or MXFP4 (one launch, any number of layouts)
-  kDequantize,  // standalone kernel: FP8 or MXFP4 -> BF16/FP32
-  kFused,       // a quantization fused into another operator (SwiGLU+quant, dSwiGLU+quant)
-  kConvert,     // exact conversion inside the quantized domain, no value rounded except counted
-                // underflow (scaling-aware transpose, FP4RowToFP8Row, FP4RowToFP8Col)
-};
-const char* cast_kind_name(CastKind k);  // "quantize", "dequantize", "fused", "convert"
-
-enum class MoePass : uint8_t { kForward, kBackward, kWeightUpdate };
-const char* moe_pass_name(MoePass p);  // "forward", "backward", "weights"
-
+// ---- accounting (CastKind, MoePass and the report names: flowmoe/recipe.h) -------------------
 // One operator as executed: counted when the code runs it, never from a table.
 struct CastOp {
   MoePass pass = MoePass::kForward;

@@ -74,8 +74,12 @@ struct QuantStats {
   }
 };
 
-// How the scaling-aware transpose picks each (feature, token block) exponent (cpu/convert.h).
+// How the scaling-aware transpose picks each (feature, token block) exponent (cpu/convert.h):
+// an option of the conversion, shared by the CPU reference, the CUDA launchers and MoeConfig.
 enum class TransposeExponent : uint8_t { kRowMax, kColumnAmax };
+namespace cpu {
+using flowmoe::TransposeExponent;  // cpu::TransposeExponent, where the CPU reference defines it
+}  // namespace cpu
 
 // Throws flowmoe::NonFiniteError naming `what` when stats.nonfinite > 0.
 void throw_if_nonfinite(const QuantStats& stats, const char* what);
