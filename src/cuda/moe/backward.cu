@@ -23,7 +23,7 @@ void CudaMoeLayer::backward_bf16(const bf16_t* dy, const MoeGrads& g) {
   ExpertBuffers& b = ws_.expert;
   const WeightBuffers& w = ws_.weights;
   { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");
-    move_bf16(dy, b.dy_rows, MoePass::kBackward, "dispatch dy"); }
+    move_bf16(dy, b.dy_rows, MoePass::kBackward, report_names::kDispatchDy); }
   { auto s = bwd("GEMM2 dgrad (bf16)");
     gemm_->dgrad_bf16(seg_, H_, F_, cs<bf16_t>(b.dy_rows, Mp_ * H_), cs<bf16_t>(w.w2_bf16, int64_t(El_) * H_ * F_),
                       ms<bf16_t>(b.da, Mp_ * F_), stream_); }
@@ -47,18 +47,18 @@ void CudaMoeLayer::backward_blockwise(const bf16_t* dy, const MoeGrads& g) {
   ExpertBuffers& b = ws_.expert;
   const SegmentBlocks sb = blocks();
   { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");
-    move_bf16(dy, b.dy_rows, MoePass::kBackward, "dispatch dy"); }
+    move_bf16(dy, b.dy_rows, MoePass::kBackward, report_names::kDispatchDy); }
   { auto s = bwd("quantize dY (row + col)");
     quantize_col(b.dy_rows, H_, sb, b.dy_col.codes, b.dy_col.ue8m0(), b.dy_row.codes, b.dy_row.ue8m0(), st_bwd(),
                  stream_); }
-  log(MoePass::kBackward, CastKind::kQuantize, "quantize dY (row + col, from BF16)", 1, 2, Mp_ * H_);
+  log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYBoth, 1, 2, Mp_ * H_);
   fp8_gemm2_grads(g, -1);  // (it ends before the dh quantize overwrites dY's copies)
   { auto s = bwd("dSwiGLU*prob (bf16)");
     cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials); }
   { auto s = bwd("quantize dh (row + col)");
     quantize_col(b.dh, 2 * F_, sb, b.dh_col.codes, b.dh_col.ue8m0(), b.dh_row.codes, b.dh_row.ue8m0(), st_bwd(),
                  stream_); }
-  log(MoePass::kBackward, CastKind::kQuantize, "quantize dh (row + col, from BF16)", 1, 2, Mp_ * 2 * F_);
+  log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhBoth, 1, 2, Mp_ * 2 * F_);
   fp8_gemm1_grads(g, b.x_perm_col, -1);
 }
 
@@ -97,14 +97,14 @@ void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& x_perm_
 // ---- fp8-naive -----------------------------------------------------------------------------------
 // Column copy: dequantize (row, FP32 scales, expert-packed) -> transpose -> quantize column-wise
 // with fresh FP32 scales into `col`.
-void CudaMoeLayer::naive_col(const QTensorView& row, int64_t c, const QTensorView& col, const std::string& what) {
+void CudaMoeLayer::naive_col(const QTensorView& row, int64_t c, const QTensorView& col, WgradOperand what) {
   ExpertBuffers& b = ws_.expert;
   const SegmentBlocks sb = blocks();
   dequantize_row_fp32_scale(row.codes, row.f32(), Mp_, c, segment_offsets(), El_, b.naive_dequantized, stream_);
-  log(MoePass::kBackward, CastKind::kDequantize, "dequantize " + what + " (for its column copy)", 1, 1, Mp_ * c);
+  log(MoePass::kBackward, CastKind::kDequantize, dq_t_q_dequantize_name(what), 1, 1, Mp_ * c);
   transpose_bf16(b.naive_dequantized, Mp_, c, b.naive_transposed, stream_);
   quantize_transposed_fp32_scale(b.naive_transposed, c, sb, col.codes, col.f32(), st_bwd(), stream_);
-  log(MoePass::kBackward, CastKind::kQuantize, "quantize " + what + " col (transposed, FP32 scales)", 1, 1, Mp_ * c);
+  log(MoePass::kBackward, CastKind::kQuantize, dq_t_q_quantize_name(what), 1, 1, Mp_ * c);
 }
 
 void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
@@ -114,12 +114,12 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   { auto s = bwd("quantize dY (row, fp32 scales)");
     quantize_row_fp32_scale(b.dy_rows, Mp_, H_, segment_offsets(), El_, b.dy_row_f32.codes, b.dy_row_f32.f32(), st_bwd(),
                        stream_); }
-  log(MoePass::kBackward, CastKind::kQuantize, "quantize dY (row, FP32 scales)", 1, 1, Mp_ * H_);
-  { auto s = bwd("DQ->T->Q dY"); naive_col(b.dy_row_f32, H_, b.dy_col_f32, "dY"); }
+  log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYFp32Scale, 1, 1, Mp_ * H_);
+  { auto s = bwd("DQ->T->Q dY"); naive_col(b.dy_row_f32, H_, b.dy_col_f32, WgradOperand::kGemm2Grad); }
   { auto s = bwd("GEMM2 dgrad (fp8)");
     gemm_->dgrad(seg_, H_, F_, f32_row_operand(b.dy_row_f32, H_), weight_operand(w.w2t, F_, H_),
                  ms<bf16_t>(b.da, Mp_ * F_), stream_); }
-  { auto s = bwd("DQ->T->Q a'"); naive_col(b.a_f32, F_, b.a_col_f32, "a'"); }
+  { auto s = bwd("DQ->T->Q a'"); naive_col(b.a_f32, F_, b.a_col_f32, WgradOperand::kGemm2Input); }
   if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
     gemm_->wgrad(seg_, H_, F_, f32_col_operand(b.dy_col_f32, H_), f32_col_operand(b.a_col_f32, F_),
                  dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_); }
@@ -128,13 +128,13 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   { auto s = bwd("quantize dh (row, fp32 scales)");
     quantize_row_fp32_scale(b.dh, Mp_, 2 * F_, segment_offsets(), El_, b.dh_row_f32.codes, b.dh_row_f32.f32(), st_bwd(),
                        stream_); }
-  log(MoePass::kBackward, CastKind::kQuantize, "quantize dh (row, FP32 scales)", 1, 1, Mp_ * 2 * F_);
-  { auto s = bwd("DQ->T->Q dh"); naive_col(b.dh_row_f32, 2 * F_, b.dh_col_f32, "dh"); }
+  log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhFp32Scale, 1, 1, Mp_ * 2 * F_);
+  { auto s = bwd("DQ->T->Q dh"); naive_col(b.dh_row_f32, 2 * F_, b.dh_col_f32, WgradOperand::kGemm1Grad); }
   { auto s = bwd("GEMM1 dgrad (fp8)");
     gemm_->dgrad(seg_, 2 * F_, H_, f32_row_operand(b.dh_row_f32, 2 * F_), weight_operand(w.w1t, H_, 2 * F_),
                  ms<bf16_t>(b.dx_rows, Mp_ * H_), stream_); }
   mark_dx_rows_ready();
-  { auto s = bwd("DQ->T->Q x_perm"); naive_col(b.x_perm_f32, H_, b.x_perm_col_f32, "x_perm"); }
+  { auto s = bwd("DQ->T->Q x_perm"); naive_col(b.x_perm_f32, H_, b.x_perm_col_f32, WgradOperand::kGemm1Input); }
   if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
     gemm_->wgrad(seg_, 2 * F_, H_, f32_col_operand(b.dh_col_f32, 2 * F_), f32_col_operand(b.x_perm_col_f32, H_),
                  dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
@@ -143,14 +143,15 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
 // ---- flow, flow-fp4 ------------------------------------------------------------------------------
 void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
   ExpertBuffers& b = ws_.expert;
-  const bool fp4 = cfg_.recipe == Recipe::kFlowFp4;
+  const RecipeSpec& spec = recipe_spec(cfg_.recipe);
+  const bool fp4 = spec.entry == TensorFormat::kMxfp4Row;
   const bool side = streams_.side_on();
   const SegmentBlocks sb = blocks();
   { auto s = bwd("quantize dy (entry)");
     quantize_row(dy, T_, H_, b.entry_fp8.codes, b.entry_fp8.ue8m0(), st_bwd(), stream_); }
-  log(MoePass::kBackward, CastKind::kQuantize, "quantize dy (row 1x128, entry)", 1, 1, T_ * H_);
+  log(MoePass::kBackward, CastKind::kQuantize, spec.quantize_dy_entry, 1, 1, T_ * H_);
   { auto s = bwd(comm_ ? "dispatch dy (fp8)" : "permute+pad dy (fp8)");
-    move_fp8(b.entry_fp8, b.dy_row, MoePass::kBackward, "dispatch dy"); }
+    move_fp8(b.entry_fp8, b.dy_row, MoePass::kBackward, report_names::kDispatchDy); }
   {  // the wgrad copies on the side stream: dY's next to GEMM2 dgrad (both read dY row-wise),
      // then x_perm's next to everything up to GEMM1 wgrad (its buffer is free until then)
     cudaStream_t ts = streams_.fork();
@@ -171,7 +172,7 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
     }
     streams_.mark(LayerStreams::kSideB);
   }
-  log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose dY (wgrad copy)", 1, 1, Mp_ * H_);
+  log(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm2Grad).op, 1, 1, Mp_ * H_);
   fp8_gemm2_grads(g, LayerStreams::kSideA);  // the wgrad after dY's column copy
   // the dSwiGLU below overwrites dY's row and column copies
   streams_.join(LayerStreams::kSideA);  // (also when there is no wgrad of W2: the transpose read dY row)
@@ -185,11 +186,8 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
     dswiglu_quant_fp4h(b.da, hs.codes, hs.ue8m0(), F_, sb, b.dh_row.codes, b.dh_row.ue8m0(), b.dh_col.codes,
                        b.dh_col.ue8m0(), st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials);
   }
-  log(MoePass::kBackward, CastKind::kFused, "dSwiGLU*prob + quantize (dh row + col)", 1, 2, Mp_ * 2 * F_);
-  if (!fp4)
-    log(MoePass::kBackward, CastKind::kConvert, "scaling-aware transpose x_perm (wgrad copy)", 1, 1, Mp_ * H_);
-  else
-    log(MoePass::kBackward, CastKind::kConvert, "FP4RowToFP8Col x_perm (wgrad copy)", 1, 1, Mp_ * H_);
+  log(MoePass::kBackward, CastKind::kFused, report_names::kDswigluQuantRowCol, 1, 2, Mp_ * 2 * F_);
+  log(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, Mp_ * H_);
   fp8_gemm1_grads(g, b.x_perm_col_flow, LayerStreams::kSideB);  // the wgrad after x_perm's column copy
   streams_.join(LayerStreams::kSideB);  // the side stream idle before the next forward reuses x_perm
 }

@@ -39,7 +39,8 @@ void CudaMoeLayer::backward_tail(const MoeGrads& g, bf16_t* dx) {
                  {{rows, ep.combined_rows, 2 * H_}, {ep.row_dprob, ep.combined_dprobs, int64_t(sizeof(float))}},
                  direct_bytes_);
     comm_->synchronize();
-    log_combine(MoePass::kBackward, "combine dX rows + dprob", "bf16 + fp32 dprob", 2 * H_ + int64_t(sizeof(float)));
+    log_combine(MoePass::kBackward, report_names::kCombineDx, report_names::kCombineDxFormat,
+                2 * H_ + int64_t(sizeof(float)));
     rows = ep.combined_rows;
     map = r.tokens.row_map_unpadded;
   }

@@ -183,7 +183,7 @@ void CudaMoeLayer::move_mxfp4(const QTensorView& tok, const QTensorView& rows) {
   if (dedup_) {
     ep_gather_rows(tok.codes, H_ / 2, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_rows, stream_);
     ep_gather_rows(tok.ue8m0(), H_ / 32, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_scales, stream_);
-    dedup_exchange(MoePass::kForward, "dispatch x", "mxfp4 + ue8m0 1x32 scales",
+    dedup_exchange(MoePass::kForward, report_names::kDispatchX, "mxfp4 + ue8m0 1x32 scales",
                    {{ep.send_rows, ep.recv_tokens, H_ / 2}, {ep.send_scales, ep.recv_token_scales, H_ / 32}});
     permute_pad_mxfp4(ep.recv_tokens, ep.recv_token_scales, H_, ep.received_tokens, rows.codes, rows.ue8m0(),
                       stream_);
@@ -191,7 +191,7 @@ void CudaMoeLayer::move_mxfp4(const QTensorView& tok, const QTensorView& rows) {
   }
   ep_gather_rows(tok.codes, H_ / 2, false, routing.row_map_unpadded, T_, K_, ep.send_rows, stream_);
   ep_gather_rows(tok.ue8m0(), H_ / 32, false, routing.row_map_unpadded, T_, K_, ep.send_scales, stream_);
-  ep_dispatch(MoePass::kForward, "dispatch x", WireFormat::kMxfp4,
+  ep_dispatch(MoePass::kForward, report_names::kDispatchX, WireFormat::kMxfp4,
               {{ep.send_rows, rows.codes, H_ / 2}, {ep.send_scales, rows.scales, H_ / 32}});
 }
 
@@ -227,7 +227,7 @@ void CudaMoeLayer::combine_y(bf16_t* y) {
   }
   bf16_t* back = ws_.ep.combined_rows;
   ep_exchange([&] { combine_rows(*comm_, plan_, {{rows, back, 2 * H_}}, direct_bytes_); });
-  log_combine(MoePass::kForward, "combine expert output rows", "bf16", 2 * H_);
+  log_combine(MoePass::kForward, report_names::kCombineOutput, report_names::kCombineOutputFormat, 2 * H_);
   // the unpadded map addresses the send-order rows that just came back; same kernel and
   // arithmetic as unpermute_unpad (token.h)
   unpermute(back, nullptr, H_, routing, y, stream_);

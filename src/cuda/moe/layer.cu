@@ -107,8 +107,8 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
                              " non-finite value(s); expected finite W1, W2 and Wr");
 
   drop_ops(&rep_, MoePass::kWeightUpdate);
-  const Recipe rc = cfg_.recipe;
-  if (rc == Recipe::kBlockwise || rc == Recipe::kFlow || rc == Recipe::kFlowFp4) {
+  const RecipeSpec& spec = recipe_spec(cfg_.recipe);
+  if (spec.weights == WeightCopy::kFp8Block) {
     const int64_t s1 = (2 * F_ / 128) * (H_ / 128), s2 = (H_ / 128) * (F_ / 128);
     for (int e = 0; e < El_; ++e) {
       quantize_weight(wb.w1_bf16 + e * 2 * F_ * H_, 2 * F_, H_, wb.w1.codes + e * 2 * F_ * H_,
@@ -121,17 +121,15 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
     weight_scales_to_f32(wb.w1t_ue8m0, El_, H_, 2 * F_, wb.w1t.f32(), stream_);
     weight_scales_to_f32(wb.w2_ue8m0, El_, H_, F_, wb.w2.f32(), stream_);
     weight_scales_to_f32(wb.w2t_ue8m0, El_, F_, H_, wb.w2t.f32(), stream_);
-    log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W1 (128x128 + exact transpose)", El_, 2 * El_, n1);
-    log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W2 (128x128 + exact transpose)", El_, 2 * El_, n2);
-  } else if (rc == Recipe::kFp8Naive) {
+    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, El_, 2 * El_, n1);
+    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, El_, 2 * El_, n2);
+  } else if (spec.weights == WeightCopy::kFp8BlockFp32Scale) {
     quantize_weights_fp32_scale(wb.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), wb.w1t.codes, wb.w1t.f32(),
                            wstatus, stream_);
     quantize_weights_fp32_scale(wb.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), wb.w2t.codes, wb.w2t.f32(),
                            wstatus, stream_);
-    log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W1 (128x128 FP32 scales + exact transpose)", 1, 2,
-        n1);
-    log(MoePass::kWeightUpdate, CastKind::kQuantize, "quantize W2 (128x128 FP32 scales + exact transpose)", 1, 2,
-        n2);
+    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2, n1);
+    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2, n2);
   }
   have_weights_ = true;
   have_forward_ = false;
@@ -166,9 +164,11 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
     case Recipe::kFlow:
     case Recipe::kFlowFp4: streams_.with_side_drained([&] { forward_flow(y); }); break;
   }
-  save_tokens("router input x", "bf16 [T, H]", T_ * H_ * 2);
-  save_tokens("router logits", "fp32 [T, E]", T_ * E_ * 4);
-  save_tokens("expert ids + probs + row map", "int32/fp32/int32 [T, k]", T_ * K_ * 12);
+  save_expert_activations();
+  namespace rn = report_names;
+  save_tokens(rn::kSavedRouterInput, rn::kSavedRouterInputFormat, T_ * H_ * 2);
+  save_tokens(rn::kSavedRouterLogits, rn::kSavedRouterLogitsFormat, T_ * E_ * 4);
+  save_tokens(rn::kSavedRouting, rn::kSavedRoutingFormat, T_ * K_ * 12);
   have_forward_ = true;
 }
 

@@ -38,6 +38,7 @@
 #include "flowmoe/cuda/moe_debug.h"
 #include "flowmoe/gemm.h"
 #include "flowmoe/moe.h"
+#include "flowmoe/recipe.h"
 #include "flowmoe/token.h"
 
 namespace flowmoe {
@@ -110,7 +111,7 @@ class CudaMoeLayer final : public MoeLayer {
   void backward_flow(const bf16_t* dy, const MoeGrads& g);
   void fp8_gemm2_grads(const MoeGrads& g, int side);
   void fp8_gemm1_grads(const MoeGrads& g, const QTensorView& x_perm_col, int side);
-  void naive_col(const QTensorView& row, int64_t c, const QTensorView& col, const std::string& what);
+  void naive_col(const QTensorView& row, int64_t c, const QTensorView& col, WgradOperand what);
   void backward_tail(const MoeGrads& g, bf16_t* dx);
 
   // ---- GEMM operands (operands.cu) -------------------------------------------------------------
@@ -125,6 +126,8 @@ class CudaMoeLayer final : public MoeLayer {
   void log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t elements);
   void save_rows(const std::string& name, const std::string& format, int64_t bytes, double per_row);
   void save_tokens(const std::string& name, const std::string& format, int64_t bytes);
+  void save_expert_activations();  // the recipe's three saved tensors (recipe.h SavedSpec)
+  int64_t saved_bytes(TensorFormat f, int64_t cols) const;
   void read_status() const;
   static double fp8_row(int64_t c) { return double(c) + double(c) / 128; }
   static double fp8_row_f32s(int64_t c) { return double(c) + 4.0 * double(c) / 128; }

@@ -38,6 +38,26 @@ void CudaMoeLayer::save_rows(const std::string& name, const std::string& format,
   rep_.saved.push_back(s);
 }
 
+// Bytes of a saved [Mp, cols] tensor in format f (column-wise: the scales of the real 128-row blocks).
+int64_t CudaMoeLayer::saved_bytes(TensorFormat f, int64_t cols) const {
+  switch (f) {
+    case TensorFormat::kBf16: return Mp_ * cols * 2;
+    case TensorFormat::kFp8Row: return row_bytes(cols);
+    case TensorFormat::kFp8Col: return col_bytes(cols);
+    case TensorFormat::kFp8RowFp32Scale: return Mp_ * cols + 4 * (cols / 128) * Mp_;
+    case TensorFormat::kMxfp4Row: return Mp_ * cols / 2 + Mp_ * cols / 32;
+  }
+  return 0;
+}
+
+void CudaMoeLayer::save_expert_activations() {
+  const RecipeSpec& spec = recipe_spec(cfg_.recipe);
+  for (const SavedSpec* s : {&spec.gemm1_input, &spec.gemm1_output, &spec.gemm2_input}) {
+    const int64_t cols = s->width == LayerWidth::kH ? H_ : s->width == LayerWidth::k2F ? 2 * F_ : F_;
+    save_rows(s->name, s->format_string(), saved_bytes(s->format, cols), s->row_bytes(H_, F_));
+  }
+}
+
 void CudaMoeLayer::save_tokens(const std::string& name, const std::string& format, int64_t bytes) {
   SavedTensor s;
   s.name = name;

@@ -7,6 +7,7 @@
 #include "cuda/moe/workspace.h"
 #include "flowmoe/comm.h"
 #include "flowmoe/gemm.h"
+#include "flowmoe/recipe.h"
 
 namespace flowmoe {
 namespace cuda {
@@ -68,8 +69,9 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup) {
   const int64_t MB = segment_max_blocks(R, int(El));
   const int64_t maxC = std::max(H, 2 * F);
   const Recipe rc = cfg.recipe;
-  const bool pow2 = rc == Recipe::kBlockwise || rc == Recipe::kFlow || rc == Recipe::kFlowFp4;
-  const bool fp8 = rc != Recipe::kBf16;
+  const RecipeSpec& spec = recipe_spec(rc);
+  const bool pow2 = spec.weights == WeightCopy::kFp8Block;  // UE8M0 block scales before conversion
+  const bool fp8 = spec.uses_fp8();
   Communicator* comm = cfg.comm;
 
   RoutingBuffers& r = routing;
