@@ -159,7 +159,7 @@ struct GroupedGemmOptions {
   // overlaps the next tile's math, or cuBLASLt per expert (docs/GEMM.md "The wgrad kernel").
   // kAuto: the kernel where the problem fits it (wgrad_kernel_unsupported) and where it measured
   // at least as fast as cuBLASLt on the H200 (choose_wgrad_kernel); kAlways: wherever it fits;
-  // kOff: cuBLASLt. FLOWMOE_GEMM_WGRAD_KERNEL=0 (off), 1 (auto), 2 (always).
+  // kOff: cuBLASLt. Setting FLOWMOE_GEMM_WGRAD_KERNEL=0 (off), 1 (auto), 2 (always).
   enum class WgradKernel : uint8_t { kOff, kAuto, kAlways };
   WgradKernel wgrad_kernel = WgradKernel::kAuto;
   // Share the choices with every GroupedGemm of this process on the same device (same workspace
@@ -169,10 +169,13 @@ struct GroupedGemmOptions {
 
   // The behaviour before concurrency and tuning: one stream, the heuristic's first algorithm.
   static GroupedGemmOptions previous();
-  // The defaults, then the environment: FLOWMOE_GEMM_TUNE=0|1 sets `tune`, FLOWMOE_GEMM_STREAMS=N
-  // sets `streams` (1..16), FLOWMOE_GEMM_PRIORITY=P sets `pool_priority` (0..8). Anything else in
-  // them throws. This is what GroupedGemm() uses.
-  static GroupedGemmOptions from_env();
+  // `base` (the defaults unless given), then the named settings (flowmoe/settings.h; programs pass
+  // env_lookup(), the library never reads the environment): FLOWMOE_GEMM_TUNE=0|1 sets `tune`,
+  // FLOWMOE_GEMM_STREAMS=N sets `streams` (1..16), FLOWMOE_GEMM_PRIORITY=P sets `pool_priority`
+  // (0..8), FLOWMOE_GEMM_WGRAD_KERNEL=0|1|2 sets `wgrad_kernel`. Anything else in them throws.
+  static GroupedGemmOptions from_settings(const SettingLookup& lookup,
+                                          const GroupedGemmOptions& base);
+  static GroupedGemmOptions from_settings(const SettingLookup& lookup);
   void validate() const;  // throws flowmoe::Error naming the bad field and the accepted range
 };
 
@@ -261,7 +264,7 @@ class GroupedGemm {
  public:
   using Options = gemm::GroupedGemmOptions;
   static constexpr size_t kDefaultWorkspace = size_t(32) << 20;
-  GroupedGemm();  // Options::from_env()
+  GroupedGemm();  // the default Options (the library reads no environment)
   explicit GroupedGemm(const Options& options);
   ~GroupedGemm();
   GroupedGemm(const GroupedGemm&) = delete;

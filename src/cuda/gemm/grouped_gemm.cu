@@ -718,7 +718,7 @@ struct GroupedGemm::Impl {
   }
 };
 
-GroupedGemm::GroupedGemm() : GroupedGemm(Options::from_env()) {}
+GroupedGemm::GroupedGemm() : GroupedGemm(Options()) {}
 GroupedGemm::GroupedGemm(const Options& options) : impl_(new Impl(options)) {}
 GroupedGemm::~GroupedGemm() = default;
 

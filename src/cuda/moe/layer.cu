@@ -321,7 +321,7 @@ class CudaMoeLayer final : public MoeLayer {
     const int64_t R = R_, Tm = Tm_, H = H_, F = F_, E = E_, El = El_, K = K_, MB = MB_;
     dedup_ = comm_ != nullptr && cfg_.recipe != Recipe::kFp8Naive && ep_dedup_from_env();
     if (comm_) {  // agreed across ranks by make_cuda_layer
-      direct_bytes_ = ep_direct_bytes();
+      direct_bytes_ = ep_direct_bytes_from_settings(env_lookup());
       combine_chunks_ = ep_combine_chunks_from_env();
     }
     const int64_t maxC = std::max(H, 2 * F);
@@ -493,7 +493,7 @@ class CudaMoeLayer final : public MoeLayer {
     // from the defaults and FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY. With the side stream, the
     // matmuls run one priority step above it (unless FLOWMOE_GEMM_PRIORITY says otherwise), so the
     // copies fill the GEMMs' gaps instead of taking SMs from them.
-    GroupedGemm::Options gopt = GroupedGemm::Options::from_env();
+    GroupedGemm::Options gopt = GroupedGemm::Options::from_settings(env_lookup());
     if (overlap_ && !std::getenv("FLOWMOE_GEMM_PRIORITY")) gopt.pool_priority = 1;
     gg_.reset(new GroupedGemm(gopt));
     gg_workspace_ = gg_->device_bytes();
@@ -1637,7 +1637,7 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
   const char* what = "make_cuda_layer";
   ep_detail::check_uniform_config(comm, what, cfg,
                                   {{"deduplicated dispatch (FLOWMOE_EP_DEDUP)", cuda::moe::ep_dedup_from_env() ? 1 : 0},
-                                   {"FLOWMOE_EP_DIRECT_BYTES", ep_direct_bytes()},
+                                   {"FLOWMOE_EP_DIRECT_BYTES", ep_direct_bytes_from_settings(env_lookup())},
                                    {"FLOWMOE_EP_COMBINE_CHUNKS", cuda::moe::ep_combine_chunks_from_env()}});
   std::unique_ptr<MoeLayer> layer;
   collective_checks(&comm, what, [&] {
