@@ -18,8 +18,8 @@
 #include <cstring>
 #include <thread>
 
-#include "cuda/comm/copy_pieces.h"
 #include "flowmoe/comm.h"
+#include "flowmoe/cuda/copy_pieces.h"
 
 namespace flowmoe {
 

@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/comm/copy_pieces.h"
+#include "flowmoe/cuda/copy_pieces.h"
 #include "cuda/common.cuh"
 #include "cuda/moe/kernels.cuh"
 #include "cuda/moe/moe_cuda.h"
