@@ -185,9 +185,9 @@ struct GroupedGemmOptions {
 // GroupedGemm::wgrad runs it only on a compute capability 9.0 device with 16-byte aligned operands.
 const char* wgrad_kernel_unsupported(const Segments& seg, int64_t n, int64_t k, bool bf16_out);
 // Whether GroupedGemm::wgrad runs the kernel for this problem under `mode`. kAuto takes it where it
-// measured at least as fast as cuBLASLt per expert on the H200 (fifth session): small experts
-// (at most 1024 tokens each on average), or expert matrices N x K up to 16 Mi elements when
-// accumulating and up to 8 Mi when overwriting; cuBLASLt's mainloop is ahead on larger ones.
+// is at least as fast as cuBLASLt per expert on the H200 (docs/GEMM.md, "The wgrad kernel"): small
+// experts (at most 1024 tokens each on average), or expert matrices N x K up to 16 Mi elements
+// when accumulating and up to 8 Mi when overwriting; cuBLASLt's mainloop is ahead on larger ones.
 bool choose_wgrad_kernel(GroupedGemmOptions::WgradKernel mode, const Segments& seg, int64_t n, int64_t k,
                          WgradOut::Kind kind);
 
