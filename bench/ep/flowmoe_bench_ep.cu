@@ -38,6 +38,7 @@
 #include "flowmoe/comm.h"
 #include "flowmoe/cuda/convert.h"
 #include "flowmoe/error.h"
+#include "flowmoe/settings.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/token.h"
 
@@ -325,8 +326,9 @@ struct LayerTime {
 
 // The CUDA layer's options from the environment (the library reads none; README "Runtime
 // settings"): FLOWMOE_LAYER_OVERLAP=0 (no side stream), FLOWMOE_LAYER_TAIL_OVERLAP=0|1 (tail
-// stream), FLOWMOE_EP_DEDUP=0 (every (token, expert) row travels), FLOWMOE_GEMM_TUNE / _STREAMS /
-// _PRIORITY / _WGRAD_KERNEL (the GEMM options; a set priority overrides the layer's choice).
+// stream), FLOWMOE_EP_DEDUP=0 (every (token, expert) row travels), FLOWMOE_EP_DIRECT_BYTES=N,
+// FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY / _WGRAD_KERNEL (the GEMM options; a set priority
+// overrides the layer's choice).
 CudaLayerOptions layer_options_from_env() {
   CudaLayerOptions o;
   auto flag = [](const char* name, bool* out) {
@@ -338,7 +340,8 @@ CudaLayerOptions layer_options_from_env() {
   flag("FLOWMOE_LAYER_OVERLAP", &o.side_stream);
   flag("FLOWMOE_LAYER_TAIL_OVERLAP", &o.tail_stream);
   flag("FLOWMOE_EP_DEDUP", &o.ep_dedup);
-  o.gemm = gemm::GroupedGemmOptions::from_env();
+  o.gemm = gemm::GroupedGemmOptions::from_settings(env_lookup());
+  o.ep_direct_bytes = ep_direct_bytes_from_settings(env_lookup());
   if (std::getenv("FLOWMOE_GEMM_PRIORITY")) o.gemm_pool_priority = o.gemm.pool_priority;
   return o;
 }

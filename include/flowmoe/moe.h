@@ -275,6 +275,10 @@ struct CudaLayerOptions {
   // travels, as in the CPU layer's exchange. Every rank must pass the same value (make_cuda_layer
   // checks it collectively).
   bool ep_dedup = true;
+  // Expert parallelism: expert chunks of at least this many bytes travel as their own message
+  // (comm.h dispatch_rows; -1: kEpDirectBytes, one message per peer and stream). Every rank must
+  // pass the same value (checked with ep_dedup).
+  int64_t ep_direct_bytes = -1;
   // The grouped GEMMs' options (gemm.h).
   gemm::GroupedGemmOptions gemm;
   // Priority steps of the matmul streams above the default (0..gemm::kMaxPoolPriority). -1: the

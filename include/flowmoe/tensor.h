@@ -1,5 +1,5 @@
 // Quantized tensor descriptions (SPEC §3). Host-owning containers; the CUDA side uses views
-// with the same layouts (flowmoe/cuda/convert.h).
+// with the same layouts (flowmoe/cuda/qtensor_view.h).
 //
 // A quantized activation X [M tokens, K features] is stored in one of these layouts:
 //   kRow1x128      codes [M, K] e4m3 (row-major); scales [K/128][M] ue8m0 (token-contiguous,

@@ -77,3 +77,30 @@ TEST(QTensorView, CheckRejectsMismatches) {
 
 }  // namespace
 }  // namespace flowmoe
+
+namespace flowmoe {
+namespace {
+
+// A view with GEMM-ready FP32 scales gives the operand the GEMM checks accept; other views throw.
+TEST(QTensorView, GemmOperandFromView) {
+  const Segments seg = Segments::from_counts({16, 0, 32});
+  const int64_t m = seg.num_tokens(), n = 256, k = 384;
+  const int E = seg.num_segments();
+  const auto x = cuda::row_1x128_f32(fake8(0x100000), fake32(0x200000), m, k);
+  const auto w = cuda::weight_128x128_f32(fake8(0x300000), fake32(0x400000), E, n, k);
+  const gemm::Fp8Operand xo = gemm::fp8_operand(x, "x"), wo = gemm::fp8_operand(w, "w");
+  EXPECT_EQ(xo.codes.size, m * k);
+  EXPECT_EQ(xo.scales.size, gemm::act_scale_f32_elems(m, k));
+  EXPECT_EQ(wo.codes.size, E * n * k);
+  EXPECT_EQ(wo.scales.size, gemm::weight_scale_f32_elems(E, n, k));
+  const bf16_t* y = reinterpret_cast<const bf16_t*>(uintptr_t(0x500000));
+  EXPECT_NO_THROW(gemm::check_fp8_fprop(seg, n, k, xo, wo, {y, m * n}));
+  const auto xc = cuda::col_128x1_f32(fake8(0x100000), fake32(0x200000), m, k, seg.num_blocks());
+  EXPECT_EQ(gemm::fp8_operand(xc, "x_col").scales.size, gemm::col_scale_f32_elems(seg, k));
+  // UE8M0 scales are not what the GEMM reads; MXFP4 is not an FP8 operand.
+  EXPECT_THROW(gemm::fp8_operand(cuda::row_1x128(fake8(0x1000), fake8(0x2000), m, k), "x"), Error);
+  EXPECT_THROW(gemm::fp8_operand(cuda::mxfp4_1x32(fake8(0x1000), fake8(0x2000), m, k), "x"), Error);
+}
+
+}  // namespace
+}  // namespace flowmoe

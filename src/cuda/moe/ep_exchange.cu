@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "cuda/comm/copy_pieces.h"
 #include "cuda/common.cuh"
 #include "cuda/moe/layer.h"
+#include "flowmoe/cuda/copy_pieces.h"
 
 namespace flowmoe {
 namespace cuda {

@@ -50,7 +50,8 @@ CudaMoeLayer::~CudaMoeLayer() { release(); }
 void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   const Recipe rc = cfg_.recipe;
   dedup_ = comm_ != nullptr && rc != Recipe::kFp8Naive && options.ep_dedup;
-  if (comm_) direct_bytes_ = ep_direct_bytes();  // agreed across ranks by make_cuda_layer
+  if (comm_)  // agreed across ranks by make_cuda_layer
+    direct_bytes_ = options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes;
   ws_.allocate(arena_, cfg_, dedup_);
 
   // flow / flow-fp4: the column copies for wgrad on the side stream
@@ -255,6 +256,9 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                   what << ": CudaLayerOptions::gemm_pool_priority = " << options.gemm_pool_priority
                        << "; expected -1 (the layer's choice) or 0.."
                        << gemm::GroupedGemmOptions::kMaxPoolPriority);
+    FLOWMOE_CHECK(options.ep_direct_bytes >= -1, what << ": CudaLayerOptions::ep_direct_bytes = "
+                                                      << options.ep_direct_bytes
+                                                      << "; expected -1 (the default) or a byte count >= 0");
   };
   if (cfg.comm == nullptr) {
     cfg.validate();
@@ -267,7 +271,8 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
   Communicator& comm = *cfg.comm;
   ep_detail::check_uniform_config(comm, what, cfg,
                                   {{"deduplicated dispatch (CudaLayerOptions::ep_dedup)", options.ep_dedup ? 1 : 0},
-                                   {"FLOWMOE_EP_DIRECT_BYTES", ep_direct_bytes()}});
+                                   {"EP message grouping (CudaLayerOptions::ep_direct_bytes)",
+                                    options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes}});
   std::unique_ptr<MoeLayer> layer;
   collective_checks(&comm, what, [&] {
     cfg.validate();
