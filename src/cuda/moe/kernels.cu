@@ -1,5 +1,5 @@
 // Kernels of the CUDA MoE layer that the operator libraries do not provide (kernels.cuh). The
-// arithmetic of each is written to be the CPU backend's (src/cpu/moe_cpu.cpp) operation for
+// arithmetic of each is written to be the CPU backend's (src/cpu/moe/) operation for
 // operation; where a reduction order differs it says so (docs/MOE_GPU.md §3).
 #include <cuda_bf16.h>
 
