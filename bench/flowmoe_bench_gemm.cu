@@ -11,7 +11,8 @@
 // experts; --wgrad-kernel-only stops after it).
 //
 // First section: the grouped GEMMs as the library now runs them (GroupedGemmOptions from the
-// defaults and FLOWMOE_GEMM_TUNE / FLOWMOE_GEMM_STREAMS, --streams overriding: a pool of streams and
+// defaults and this program's FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY / _WGRAD_KERNEL variables
+// (GroupedGemmOptions::from_settings(env_lookup())), --streams overriding: a pool of streams and
 // the algorithm timed once per problem key) against the previous behaviour (Options::previous():
 // one stream, cuBLASLt's first heuristic algorithm), FP8 and BF16, for DeepSeek-V3 GEMM1/GEMM2 at
 // 32 experts x ~2048 tokens and V2-Lite at 64 experts x ~384 tokens, all three passes, then the
@@ -341,7 +342,7 @@ void bench_wgrad_kernel(const std::string& name, const std::vector<int32_t>& cou
   LayerBuffers b(counts, n, k, true);
   const int64_t m = b.m;
   const int E = b.E;
-  cuda::GroupedGemm::Options ok = cuda::GroupedGemm::Options::from_env(), ob = ok;
+  cuda::GroupedGemm::Options ok = cuda::GroupedGemm::Options::from_settings(env_lookup()), ob = ok;
   ok.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kAlways;
   ob.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kOff;
   cuda::GroupedGemm kern(ok), blas(ob);
@@ -540,7 +541,7 @@ int main(int argc, char** argv) {
   std::printf("device: %s (sm_%d%d), %d SMs; reps %d (median)\n", prop.name, prop.major, prop.minor,
               prop.multiProcessorCount, g_reps);
   try {
-    cuda::GroupedGemm::Options opt = cuda::GroupedGemm::Options::from_env();
+    cuda::GroupedGemm::Options opt = cuda::GroupedGemm::Options::from_settings(env_lookup());
     if (streams) opt.streams = streams;
     cuda::GroupedGemm gg(opt), prev(cuda::GroupedGemm::Options::previous());
     std::printf("new: %d streams, tuning %s (%d candidates, %d timed runs each, margin %.0f%%), workspaces %.0f MiB "

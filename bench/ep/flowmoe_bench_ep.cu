@@ -9,7 +9,7 @@
 //   1. dispatch and combine per wire format (bf16, fp8 = flow's UE8M0 1x128, fp8-fp32scale =
 //      fp8-naive's, mxfp4): the NCCL exchange alone, the whole dispatch (send-order gather +
 //      exchange + receiver relayout) and the dispatch with the entry quantization the format needs
-//      (fp8: quantize_row; fp8-fp32scale: naive_quantize_row before and naive_dequantize_row of the
+//      (fp8: quantize_row; fp8-fp32scale: quantize_row_fp32_scale before and dequantize_row_fp32_scale of the
 //      received rows after; mxfp4: quantize_mxfp4); combine: exchange alone and exchange +
 //      unpermute (the sum over slots). Times are medians of CUDA events on the communicator's
 //      stream, each repetition after a barrier; GB/s = bytes this rank sends to other ranks / time.
@@ -34,10 +34,11 @@
 #include <vector>
 
 #include "cuda/moe/kernels.cuh"
-#include "cuda/moe/moe_cuda.h"
+#include "flowmoe/cuda/moe_debug.h"
 #include "flowmoe/comm.h"
 #include "flowmoe/cuda/convert.h"
 #include "flowmoe/error.h"
+#include "flowmoe/settings.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/token.h"
 #include "timing.h"
@@ -196,7 +197,7 @@ void bench_comm(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o)
   };
   const F formats[] = {{WireFormat::kBf16, nullptr},
                        {WireFormat::kFp8, "quantize_row (1x128 UE8M0)"},
-                       {WireFormat::kFp8Fp32Scale, "naive_quantize_row + dequantize received"},
+                       {WireFormat::kFp8Fp32Scale, "quantize_row_fp32_scale + dequantize received"},
                        {WireFormat::kMxfp4, "quantize_mxfp4 (1x32)"}};
   for (const F& fm : formats) {
     const WireFormat f = fm.f;
@@ -228,7 +229,7 @@ void bench_comm(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o)
     auto quantize = [&] {
       if (f == WireFormat::kFp8) cuda::quantize_row(x.p, T, H, q_codes.p, q_sc.p, nullptr, s);
       if (f == WireFormat::kFp8Fp32Scale)
-        cuda::moe::naive_quantize_row(x.p, T, H, nullptr, E, q_codes.p, reinterpret_cast<float*>(q_sc.p), nullptr, s);
+        cuda::quantize_row_fp32_scale(x.p, T, H, nullptr, E, q_codes.p, reinterpret_cast<float*>(q_sc.p), nullptr, s);
       if (f == WireFormat::kMxfp4) cuda::quantize_mxfp4(x.p, T, H, q_codes.p, q_sc.p, nullptr, s);
     };
     auto after = [&](bool with_quant) {
@@ -236,7 +237,7 @@ void bench_comm(Communicator& comm, cudaStream_t s, const Cfg& c, const Opts& o)
       if (f == WireFormat::kFp8Fp32Scale) {
         cuda::moe::ep_transpose_scales(recv_sc.p, Mp, nc, 4, relaid.p, Mp, s);
         if (with_quant)
-          cuda::moe::naive_dequantize_row(recv.p, reinterpret_cast<const float*>(relaid.p), Mp, H, nullptr, El,
+          cuda::dequantize_row_fp32_scale(recv.p, reinterpret_cast<const float*>(relaid.p), Mp, H, nullptr, El,
                                           deq.p, s);
       }
     };
@@ -304,6 +305,28 @@ struct LayerTime {
                             // layer, its inputs, weights and gradients, NCCL and its scratch)
 };
 
+// The CUDA layer's options from the environment (the library reads none; README "Runtime
+// settings"): FLOWMOE_LAYER_OVERLAP=0 (no side stream), FLOWMOE_LAYER_TAIL_OVERLAP=0|1 (tail
+// stream), FLOWMOE_EP_DEDUP=0 (every (token, expert) row travels), FLOWMOE_EP_DIRECT_BYTES=N,
+// FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY / _WGRAD_KERNEL (the GEMM options; a set priority
+// overrides the layer's choice).
+CudaLayerOptions layer_options_from_env() {
+  CudaLayerOptions o;
+  auto flag = [](const char* name, bool* out) {
+    const char* v = std::getenv(name);
+    if (!v) return;
+    FLOWMOE_CHECK(std::string(v) == "0" || std::string(v) == "1", name << "=\"" << v << "\"; expected 0 or 1");
+    *out = v[0] == '1';
+  };
+  flag("FLOWMOE_LAYER_OVERLAP", &o.side_stream);
+  flag("FLOWMOE_LAYER_TAIL_OVERLAP", &o.tail_stream);
+  flag("FLOWMOE_EP_DEDUP", &o.ep_dedup);
+  o.gemm = gemm::GroupedGemmOptions::from_settings(env_lookup());
+  o.ep_direct_bytes = ep_direct_bytes_from_settings(env_lookup());
+  if (std::getenv("FLOWMOE_GEMM_PRIORITY")) o.gemm_pool_priority = o.gemm.pool_priority;
+  return o;
+}
+
 // One layer (comm may be null) with `el` local experts of E = el * world experts, T tokens.
 LayerTime run_layer(Communicator* comm, const Cfg& c, Recipe rc, int el, int64_t T, const Opts& o,
                     cudaStream_t s, int seed_rank) {
@@ -334,7 +357,7 @@ LayerTime run_layer(Communicator* comm, const Cfg& c, Recipe rc, int el, int64_t
   BCUDA(cudaMemsetAsync(dw2.p, 0, sizeof(float) * el * H * F, s));
   BCUDA(cudaMemsetAsync(dwr.p, 0, sizeof(float) * E * H, s));
   BCUDA(cudaStreamSynchronize(s));
-  std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s);
+  std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s, layer_options_from_env());
   layer->set_weights(MoeWeights{w1.p, w2.p, wr.p, nullptr});
   const MoeGrads g{dw1.p, dw2.p, dwr.p};
   const bench::PhaseTimes pt = bench::time_phases(
@@ -349,7 +372,7 @@ LayerTime run_layer(Communicator* comm, const Cfg& c, Recipe rc, int el, int64_t
     r.device_gib = double(total_b - free_b) / double(1ull << 30);
     r.layer_gib = double(cuda::moe::allocated_bytes(layer.get())) / double(1ull << 30);
   }
-  if (o.stages) {  // the layer's own stage events (moe_cuda.h), medians of 3 profiled steps
+  if (o.stages) {  // the layer's own stage events (flowmoe/cuda/moe_debug.h), medians of 3 profiled steps
     cuda::moe::set_profiling(layer.get(), true);
     std::vector<std::vector<double>> acc;
     for (int i = 0; i < 3; ++i) {

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "flowmoe/error.h"
+#include "flowmoe/settings.h"
 #include "flowmoe/tensor.h"
 #include "flowmoe/token.h"
 
@@ -384,7 +385,7 @@ struct RowStream {
 // the exchange in dispatch, by copy_local). So many small experts cost one message per peer and
 // stream instead of one per expert (NCCL's cost per message is a few microseconds). This rank's
 // own chunks never touch the communicator's transport: copy_local moves them. direct_bytes < 0:
-// ep_direct_bytes(). Padding rows of the receive buffers are not written (see zero_padding_rows).
+// kEpDirectBytes. Padding rows of the receive buffers are not written (see zero_padding_rows).
 void dispatch_rows(Communicator& comm, const DispatchPlan& plan,
                    const std::vector<RowStream>& streams, int64_t direct_bytes = -1);
 // Reverse: stream.send is the padded buffer [Mp, row_bytes] of this rank's local experts,
@@ -398,13 +399,13 @@ void combine_rows(Communicator& comm, const DispatchPlan& plan,
 void combine_rows_experts(Communicator& comm, const DispatchPlan& plan,
                           const std::vector<RowStream>& streams, int expert_begin, int expert_end,
                           int64_t direct_bytes = -1);
-// The default of direct_bytes: FLOWMOE_EP_DIRECT_BYTES when set (a byte count; 0 = every chunk
-// its own message, nothing staged), else kEpDirectBytes: every group staged, one message per peer
-// and stream. Measured on two H200s (NVLink, docs/PERFORMANCE.md): against one message per chunk,
-// FP8 dispatch 1.79 -> 1.09 ms (DeepSeek-V3 shape, 32 experts per GPU) and 1.61 -> 0.41 ms
-// (V2-Lite, 64 per GPU); a 1 MiB threshold (big chunks direct) was slower than staging all.
+// The default of direct_bytes: every group staged, one message per peer and stream (against one
+// message per chunk, fewer and larger messages on NVLink; docs/EP.md "Message grouping").
 constexpr int64_t kEpDirectBytes = int64_t(1) << 62;
-int64_t ep_direct_bytes();
+// direct_bytes from the named setting FLOWMOE_EP_DIRECT_BYTES (flowmoe/settings.h; programs pass
+// env_lookup()): a byte count >= 0 (0 = every chunk its own message, nothing staged), or
+// kEpDirectBytes when unset or empty. Anything else throws. The library reads no environment.
+int64_t ep_direct_bytes_from_settings(const SettingLookup& lookup);
 // Host memory: zeroes the padding rows [padded_offsets[l] + expert_counts[l], padded_offsets[l+1]).
 void zero_padding_rows(const DispatchPlan& plan, void* rows, int64_t row_bytes);
 

@@ -40,6 +40,8 @@
 #include <memory>
 #include <vector>
 
+#include "flowmoe/cuda/qtensor_view.h"
+#include "flowmoe/settings.h"
 #include "flowmoe/tensor.h"
 
 // The CUDA runtime's stream handle, declared without including cuda_runtime.h (same typedef).
@@ -85,11 +87,16 @@ struct Span {
   T* data = nullptr;
   int64_t size = 0;  // elements
 };
-// FP8 operand: E4M3 codes and GEMM-ready FP32 scales.
+// FP8 operand: E4M3 codes and GEMM-ready FP32 scales, as the checks below read them. Build it
+// from the device view of the tensor (fp8_operand), or pass the view to GroupedGemm directly.
 struct Fp8Operand {
   Span<const uint8_t> codes;
   Span<const float> scales;
 };
+// The operand of a device view (flowmoe/cuda/qtensor_view.h) with GEMM-ready FP32 scales
+// (ScaleFormat::kF32): row-wise 1x128 (fprop x, dgrad dy), column-wise 128x1 (wgrad dy, x) or
+// 128x128 weights (fprop w, dgrad wt). Throws flowmoe::Error naming `what` for any other view.
+Fp8Operand fp8_operand(const cuda::QTensorView& v, const char* what);
 // wgrad output [E][N][K]: BF16, FP32, or FP32 accumulated into (main gradients, beta = 1).
 struct WgradOut {
   enum class Kind : uint8_t { kBf16, kF32, kF32Accumulate };
@@ -152,7 +159,7 @@ struct GroupedGemmOptions {
   // overlaps the next tile's math, or cuBLASLt per expert (docs/GEMM.md "The wgrad kernel").
   // kAuto: the kernel where the problem fits it (wgrad_kernel_unsupported) and where it measured
   // at least as fast as cuBLASLt on the H200 (choose_wgrad_kernel); kAlways: wherever it fits;
-  // kOff: cuBLASLt. FLOWMOE_GEMM_WGRAD_KERNEL=0 (off), 1 (auto), 2 (always).
+  // kOff: cuBLASLt. Setting FLOWMOE_GEMM_WGRAD_KERNEL=0 (off), 1 (auto), 2 (always).
   enum class WgradKernel : uint8_t { kOff, kAuto, kAlways };
   WgradKernel wgrad_kernel = WgradKernel::kAuto;
   // Share the choices with every GroupedGemm of this process on the same device (same workspace
@@ -162,10 +169,13 @@ struct GroupedGemmOptions {
 
   // The behaviour before concurrency and tuning: one stream, the heuristic's first algorithm.
   static GroupedGemmOptions previous();
-  // The defaults, then the environment: FLOWMOE_GEMM_TUNE=0|1 sets `tune`, FLOWMOE_GEMM_STREAMS=N
-  // sets `streams` (1..16), FLOWMOE_GEMM_PRIORITY=P sets `pool_priority` (0..8). Anything else in
-  // them throws. This is what GroupedGemm() uses.
-  static GroupedGemmOptions from_env();
+  // `base` (the defaults unless given), then the named settings (flowmoe/settings.h; programs pass
+  // env_lookup(), the library never reads the environment): FLOWMOE_GEMM_TUNE=0|1 sets `tune`,
+  // FLOWMOE_GEMM_STREAMS=N sets `streams` (1..16), FLOWMOE_GEMM_PRIORITY=P sets `pool_priority`
+  // (0..8), FLOWMOE_GEMM_WGRAD_KERNEL=0|1|2 sets `wgrad_kernel`. Anything else in them throws.
+  static GroupedGemmOptions from_settings(const SettingLookup& lookup,
+                                          const GroupedGemmOptions& base);
+  static GroupedGemmOptions from_settings(const SettingLookup& lookup);
   void validate() const;  // throws flowmoe::Error naming the bad field and the accepted range
 };
 
@@ -175,9 +185,9 @@ struct GroupedGemmOptions {
 // GroupedGemm::wgrad runs it only on a compute capability 9.0 device with 16-byte aligned operands.
 const char* wgrad_kernel_unsupported(const Segments& seg, int64_t n, int64_t k, bool bf16_out);
 // Whether GroupedGemm::wgrad runs the kernel for this problem under `mode`. kAuto takes it where it
-// measured at least as fast as cuBLASLt per expert on the H200 (fifth session): small experts
-// (at most 1024 tokens each on average), or expert matrices N x K up to 16 Mi elements when
-// accumulating and up to 8 Mi when overwriting; cuBLASLt's mainloop is ahead on larger ones.
+// is at least as fast as cuBLASLt per expert on the H200 (docs/GEMM.md, "The wgrad kernel"): small
+// experts (at most 1024 tokens each on average), or expert matrices N x K up to 16 Mi elements
+// when accumulating and up to 8 Mi when overwriting; cuBLASLt's mainloop is ahead on larger ones.
 bool choose_wgrad_kernel(GroupedGemmOptions::WgradKernel mode, const Segments& seg, int64_t n, int64_t k,
                          WgradOut::Kind kind);
 
@@ -221,7 +231,7 @@ void grouped_wgrad_bf16_ref(const bf16_t* dy, const bf16_t* x, const Segments& s
 // ---- CUDA (link flowmoe_cuda) ----------------------------------------------------------------------
 namespace cuda {
 
-struct DeviceStatus;  // flowmoe/cuda/convert.h
+struct DeviceStatus;  // flowmoe/cuda/status.h
 
 // UE8M0 -> GEMM-ready FP32 scales (exact powers of two, 0xFF -> NaN). Stream-ordered, no sync,
 // no allocation; one pass per layer over a few MB (see docs/GEMM.md for the cost).
@@ -254,7 +264,7 @@ class GroupedGemm {
  public:
   using Options = gemm::GroupedGemmOptions;
   static constexpr size_t kDefaultWorkspace = size_t(32) << 20;
-  GroupedGemm();  // Options::from_env()
+  GroupedGemm();  // the default Options (the library reads no environment)
   explicit GroupedGemm(const Options& options);
   ~GroupedGemm();
   GroupedGemm(const GroupedGemm&) = delete;
@@ -279,6 +289,25 @@ class GroupedGemm {
   // dw E*N*K.
   void wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& dy_col,
              const Fp8Operand& x_col, const WgradOut& dw, cudaStream_t stream);
+
+  // The same on device views with GEMM-ready FP32 scales (gemm::fp8_operand): x, dy row-wise,
+  // w, wt 128x128 (E experts stacked), dy_col, x_col column-wise.
+  void fprop(const Segments& seg, int64_t n, int64_t k, const cuda::QTensorView& x,
+             const cuda::QTensorView& w, Span<bf16_t> y, cudaStream_t stream, int e_begin = 0,
+             int e_end = -1) {
+    fprop(seg, n, k, gemm::fp8_operand(x, "FP8 fprop x"), gemm::fp8_operand(w, "FP8 fprop w"), y,
+          stream, e_begin, e_end);
+  }
+  void dgrad(const Segments& seg, int64_t n, int64_t k, const cuda::QTensorView& dy,
+             const cuda::QTensorView& wt, Span<bf16_t> dx, cudaStream_t stream) {
+    dgrad(seg, n, k, gemm::fp8_operand(dy, "FP8 dgrad dy"), gemm::fp8_operand(wt, "FP8 dgrad wt"),
+          dx, stream);
+  }
+  void wgrad(const Segments& seg, int64_t n, int64_t k, const cuda::QTensorView& dy_col,
+             const cuda::QTensorView& x_col, const WgradOut& dw, cudaStream_t stream) {
+    wgrad(seg, n, k, gemm::fp8_operand(dy_col, "FP8 wgrad dy_col"),
+          gemm::fp8_operand(x_col, "FP8 wgrad x_col"), dw, stream);
+  }
 
   // BF16 baseline (FP32 accumulation): x [M, K], w [E][N][K], y [M, N]; dgrad uses W itself.
   void fprop_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> x,

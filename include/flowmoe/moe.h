@@ -53,37 +53,17 @@
 #include <string>
 #include <vector>
 
-#include "flowmoe/cpu/convert.h"
+#include "flowmoe/recipe.h"
 #include "flowmoe/tensor.h"
 #include "flowmoe/token.h"
 
 namespace flowmoe {
 
-// ---- recipes (SPEC §6) ----------------------------------------------------------------------
-enum class Recipe : uint8_t {
-  kBf16,       // "bf16":      BF16 operands, FP32 accumulation. The reference.
-  kBlockwise,  // "blockwise": BF16 dataflow; each grouped linear quantizes its BF16 input (row and
-               //              column copies from BF16, power-of-two scales), FP8 GEMM, BF16 out.
-  kFp8Naive,   // "fp8-naive": DeepSeek-V3-style operator substitution with FP32 scales (amax/448):
-               //              quantize before / dequantize after each FP8 op, column copies by
-               //              dequantize -> transpose -> quantize (double quantization).
-  kFlow,       // "flow":      FP8-Flow-MoE: x and dy quantized once at the entry, FP8 permute,
-               //              fused SwiGLU+quant and dSwiGLU+quant, column copies by the
-               //              scaling-aware transpose, activations saved in FP8.
-  kFlowFp4,    // "flow-fp4":  flow with an MXFP4 entry: FP4 permute, FP4 saved GEMM1 input,
-               //              FP4RowToFP8Row for GEMM1, FP4RowToFP8Col for its wgrad; backward FP8.
-};
-const char* recipe_name(Recipe r);  // "bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"
-// Parses a name above (case-sensitive); throws flowmoe::Error listing the valid names otherwise.
-Recipe parse_recipe(const std::string& name);
-bool try_parse_recipe(const std::string& name, Recipe* out);  // false for an unknown name
-const std::vector<Recipe>& all_recipes();                     // in the order of the enum
-bool recipe_uses_fp8(Recipe r);                               // every recipe but bf16
+// Recipes (Recipe, recipe_name, parse_recipe, all_recipes, recipe_uses_fp8) and the recipe table
+// (what each recipe moves, saves and converts, and the report names): flowmoe/recipe.h.
 
-// ---- expert parallelism (next issue) ------------------------------------------------------------
-// Dispatch/combine over ranks. Only declared here: a null communicator means a single rank that
-// holds all E experts. The expert-parallel version adds an implementation and nothing else changes
-// in this interface (weights and weight gradients then cover the El local experts).
+// Expert parallelism over a communicator (comm.h; see the top of this file). A null communicator
+// means a single rank that holds all E experts.
 class Communicator;
 
 // ---- configuration ----------------------------------------------------------------------------
@@ -114,8 +94,8 @@ struct MoeConfig {
   // flow / flow-fp4: the exponent of each column-wise block made by the scaling-aware transpose
   // and by FP4RowToFP8Col. kRowMax is SPEC §4; kColumnAmax takes the block's own amax
   // (bit-identical to the naive power-of-two path, far less underflow on outlier tokens;
-  // cpu/convert.h, docs/NUMERICS.md). Both backends.
-  cpu::TransposeExponent transpose_exponent = cpu::TransposeExponent::kRowMax;
+  // tensor.h, docs/NUMERICS.md §6). Both backends.
+  TransposeExponent transpose_exponent = TransposeExponent::kRowMax;
 
   // Throws flowmoe::Error naming the field, its value and what is expected.
   void validate() const;
@@ -153,19 +133,7 @@ struct MoeGrads {
   bool accumulate = true;
 };
 
-// ---- accounting -----------------------------------------------------------------------------
-enum class CastKind : uint8_t {
-  kQuantize,    // standalone kernel: BF16/FP32 -> FP8 or MXFP4 (one launch, any number of layouts)
-  kDequantize,  // standalone kernel: FP8 or MXFP4 -> BF16/FP32
-  kFused,       // a quantization fused into another operator (SwiGLU+quant, dSwiGLU+quant)
-  kConvert,     // exact conversion inside the quantized domain, no value rounded except counted
-                // underflow (scaling-aware transpose, FP4RowToFP8Row, FP4RowToFP8Col)
-};
-const char* cast_kind_name(CastKind k);  // "quantize", "dequantize", "fused", "convert"
-
-enum class MoePass : uint8_t { kForward, kBackward, kWeightUpdate };
-const char* moe_pass_name(MoePass p);  // "forward", "backward", "weights"
-
+// ---- accounting (CastKind, MoePass and the report names: flowmoe/recipe.h) -------------------
 // One operator as executed: counted when the code runs it, never from a table.
 struct CastOp {
   MoePass pass = MoePass::kForward;
@@ -289,9 +257,38 @@ std::unique_ptr<MoeLayer> make_cpu_layer(const MoeConfig& cfg);
 // ---- CUDA backend (src/cuda/moe/): declared when the CUDA backend is built (linking flowmoe_cuda
 // defines FLOWMOE_HAVE_CUDA), like the other CUDA declarations of the public headers.
 #if defined(FLOWMOE_HAVE_CUDA)
+#include "flowmoe/gemm.h"
 typedef struct CUstream_st* cudaStream_t;  // the CUDA runtime's typedef, as in gemm.h
 namespace flowmoe {
+// How the CUDA layer runs: streams and message layout. No option changes an output bit (the GPU
+// tests compare each choice with the default). The library reads no environment variable; the
+// CLI, the benches and the tests map their flags and variables to these fields.
+struct CudaLayerOptions {
+  // flow / flow-fp4: the wgrad column copies (scaling-aware transposes, FP4RowToFP8Col) run on a
+  // side stream next to the GEMMs that do not need them; false: inline on the layer's stream.
+  bool side_stream = true;
+  // One GPU: the backward's tail (router backward, dWr, dx = unpermute + router path) runs on its
+  // own highest-priority stream next to GEMM1 wgrad; false: after it, on the layer's stream.
+  bool tail_stream = true;
+  // Expert parallelism (MoeConfig::comm): the deduplicated dispatch, each token sent once to each
+  // rank holding one of its experts (not used by fp8-naive); false: every (token, expert) row
+  // travels, as in the CPU layer's exchange. Every rank must pass the same value (make_cuda_layer
+  // checks it collectively).
+  bool ep_dedup = true;
+  // Expert parallelism: expert chunks of at least this many bytes travel as their own message
+  // (comm.h dispatch_rows; -1: kEpDirectBytes, one message per peer and stream). Every rank must
+  // pass the same value (checked with ep_dedup).
+  int64_t ep_direct_bytes = -1;
+  // The grouped GEMMs' options (gemm.h).
+  gemm::GroupedGemmOptions gemm;
+  // Priority steps of the matmul streams above the default (0..gemm::kMaxPoolPriority). -1: the
+  // layer's choice, 1 with the side stream (the copies fill the GEMMs' gaps instead of taking SMs
+  // from them) and gemm.pool_priority without it.
+  int gemm_pool_priority = -1;
+};
 // Device pointers for x, y, dy, dx, weights and gradients; everything is ordered on `stream`.
-std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t stream);
+// Validates cfg and options; throws flowmoe::Error.
+std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t stream,
+                                          const CudaLayerOptions& options = CudaLayerOptions());
 }  // namespace flowmoe
 #endif

@@ -150,6 +150,70 @@ void dswiglu_quant_unfused(const bf16_t* da, const bf16_t* h, int64_t f, const S
                            uint8_t* col_scales, bf16_t* work, DeviceStatus* status,
                            cudaStream_t stream);
 
+
+// ---- the same on device views (flowmoe/cuda/qtensor_view.h) ------------------------------------
+// UE8M0 views, checked on the host; F = a_row.cols. The saved H view picks the launcher: row-wise
+// FP8 [M, 2F] (swiglu_quant / dswiglu_quant_fp8h) or MXFP4 [M, 2F] (swiglu_quant_h4 /
+// dswiglu_quant_fp4h); null saves nothing (forward only).
+namespace view_detail {
+inline void check_saved_h(const QTensorView& h, int64_t m, int64_t f, const char* what) {
+  check_view(h, h.layout == Layout::kMxfp4Row1x32 ? Layout::kMxfp4Row1x32 : Layout::kRow1x128,
+             ScaleFormat::kUe8m0, what);
+  FLOWMOE_CHECK(h.rows == m && h.cols == 2 * f &&
+                    (h.layout == Layout::kMxfp4Row1x32 || h.scale_ld == h.rows),
+                what << ": saved H view [" << h.rows << ", " << h.cols << "]; expected [" << m
+                     << ", " << 2 * f << "] (row-wise FP8 with scale_ld = rows, or MXFP4)");
+}
+}  // namespace view_detail
+
+// h [M, 2F] bf16 -> a_row [M, F] and, if h_saved is not null, H in its format.
+inline void swiglu_quant(const bf16_t* h, const QTensorView& a_row, const QTensorView* h_saved,
+                         DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr) {
+  view_detail::check_row(a_row, "swiglu_quant");
+  const int64_t m = a_row.rows, f = a_row.cols;
+  if (h_saved) view_detail::check_saved_h(*h_saved, m, f, "swiglu_quant");
+  if (h_saved && h_saved->layout == Layout::kMxfp4Row1x32)
+    swiglu_quant_h4(h, m, f, a_row.codes, a_row.ue8m0(), h_saved->codes, h_saved->ue8m0(), status,
+                    stream, prow);
+  else
+    swiglu_quant(h, m, f, a_row.codes, a_row.ue8m0(), h_saved ? h_saved->codes : nullptr,
+                 h_saved ? h_saved->ue8m0() : nullptr, status, stream, prow);
+}
+// The same plus A column-wise over the segments (M = sb.m); h_saved null or row-wise FP8.
+inline void swiglu_quant_col(const bf16_t* h, const SegmentBlocks& sb, const QTensorView& a_row,
+                             const QTensorView& a_col, const QTensorView* h_saved,
+                             DeviceStatus* status, cudaStream_t stream,
+                             const float* prow = nullptr) {
+  view_detail::check_row(a_row, "swiglu_quant_col");
+  view_detail::check_col(a_col, sb, a_row.cols, "swiglu_quant_col");
+  const int64_t f = a_row.cols;
+  if (h_saved) {
+    view_detail::check_saved_h(*h_saved, sb.m, f, "swiglu_quant_col");
+    FLOWMOE_CHECK(h_saved->layout == Layout::kRow1x128,
+                  "swiglu_quant_col: saves H row-wise FP8 only; expected a row-wise 1x128 view");
+  }
+  swiglu_quant_col(h, f, sb, a_row.codes, a_row.ue8m0(), a_col.codes, a_col.ue8m0(),
+                   h_saved ? h_saved->codes : nullptr, h_saved ? h_saved->ue8m0() : nullptr,
+                   status, stream, prow);
+}
+// da [M, F] bf16 and the saved H (row-wise FP8 or MXFP4) -> dH row-wise and column-wise.
+inline void dswiglu_quant(const bf16_t* da, const QTensorView& h_saved, const SegmentBlocks& sb,
+                          const QTensorView& dh_row, const QTensorView& dh_col,
+                          DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr,
+                          float* dprow_part = nullptr) {
+  const int64_t f = h_saved.cols / 2;
+  view_detail::check_saved_h(h_saved, sb.m, f, "dswiglu_quant");
+  view_detail::check_row(dh_row, "dswiglu_quant");
+  view_detail::check_col(dh_col, sb, 2 * f, "dswiglu_quant");
+  view_detail::check_same_shape(dh_row, h_saved, "dswiglu_quant");
+  if (h_saved.layout == Layout::kMxfp4Row1x32)
+    dswiglu_quant_fp4h(da, h_saved.codes, h_saved.ue8m0(), f, sb, dh_row.codes, dh_row.ue8m0(),
+                       dh_col.codes, dh_col.ue8m0(), status, stream, prow, dprow_part);
+  else
+    dswiglu_quant_fp8h(da, h_saved.codes, h_saved.ue8m0(), f, sb, dh_row.codes, dh_row.ue8m0(),
+                       dh_col.codes, dh_col.ue8m0(), status, stream, prow, dprow_part);
+}
+
 }  // namespace cuda
 }  // namespace flowmoe
 #endif  // FLOWMOE_HAVE_CUDA

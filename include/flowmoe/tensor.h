@@ -1,5 +1,5 @@
 // Quantized tensor descriptions (SPEC §3). Host-owning containers; the CUDA side uses views
-// with the same layouts (flowmoe/cuda/convert.h).
+// with the same layouts (flowmoe/cuda/qtensor_view.h).
 //
 // A quantized activation X [M tokens, K features] is stored in one of these layouts:
 //   kRow1x128      codes [M, K] e4m3 (row-major); scales [K/128][M] ue8m0 (token-contiguous,
@@ -83,8 +83,12 @@ struct QuantStats {
   }
 };
 
-// How the scaling-aware transpose picks each (feature, token block) exponent (cpu/convert.h).
+// How the scaling-aware transpose picks each (feature, token block) exponent (cpu/convert.h):
+// an option of the conversion, shared by the CPU reference, the CUDA launchers and MoeConfig.
 enum class TransposeExponent : uint8_t { kRowMax, kColumnAmax };
+namespace cpu {
+using flowmoe::TransposeExponent;  // cpu::TransposeExponent, where the CPU reference defines it
+}  // namespace cpu
 
 // Throws flowmoe::NonFiniteError naming `what` when stats.nonfinite > 0.
 void throw_if_nonfinite(const QuantStats& stats, const char* what);

@@ -240,7 +240,9 @@ void unpermute_unpad_backward(const bf16_t* dy, const bf16_t* y_rows, const floa
 #if defined(FLOWMOE_HAVE_CUDA) || defined(__CUDACC__)
 #include <cuda_runtime.h>
 
-#include "flowmoe/cuda/convert.h"  // DeviceStatus
+#include "flowmoe/cuda/qtensor_view.h"
+#include "flowmoe/cuda/status.h"  // DeviceStatus
+#include "flowmoe/error.h"
 
 namespace flowmoe {
 namespace cuda {
@@ -304,6 +306,34 @@ void permute_pad_fp8(const uint8_t* codes, const uint8_t* scales, int64_t h, con
 // codes [T, H/2], scales [T][H/32] -> out_codes [R, H/2], out_scales [R][H/32]. H % 32 == 0.
 void permute_pad_mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t h, const Routing& r,
                        uint8_t* out_codes, uint8_t* out_scales, cudaStream_t stream);
+
+// The same on device views (flowmoe/cuda/qtensor_view.h), UE8M0 scales. in: row-wise [T, H]
+// (scale_ld = T); out: row-wise [R, H] with its scale_ld (>= Mp, as above). Both checked on the host.
+inline void permute_pad_fp8(const QTensorView& in, const Routing& r, const QTensorView& out,
+                            cudaStream_t stream) {
+  check_view(in, Layout::kRow1x128, ScaleFormat::kUe8m0, "permute_pad_fp8 (input)");
+  check_view(out, Layout::kRow1x128, ScaleFormat::kUe8m0, "permute_pad_fp8 (output)");
+  FLOWMOE_CHECK(in.rows == r.tokens && in.scale_ld == in.rows && out.cols == in.cols &&
+                    out.rows >= r.max_rows(),
+                "permute_pad_fp8: input [" << in.rows << ", " << in.cols << "] (scale_ld "
+                                           << in.scale_ld << "), output [" << out.rows << ", "
+                                           << out.cols << "]; expected input [" << r.tokens
+                                           << ", H] with scale_ld = T and output [>= "
+                                           << r.max_rows() << ", H]");
+  permute_pad_fp8(in.codes, in.ue8m0(), in.cols, r, out.codes, out.ue8m0(), out.scale_ld, stream);
+}
+// in: MXFP4 [T, H]; out: MXFP4 [R, H].
+inline void permute_pad_mxfp4(const QTensorView& in, const Routing& r, const QTensorView& out,
+                              cudaStream_t stream) {
+  check_view(in, Layout::kMxfp4Row1x32, ScaleFormat::kUe8m0, "permute_pad_mxfp4 (input)");
+  check_view(out, Layout::kMxfp4Row1x32, ScaleFormat::kUe8m0, "permute_pad_mxfp4 (output)");
+  FLOWMOE_CHECK(in.rows == r.tokens && out.cols == in.cols && out.rows >= r.max_rows(),
+                "permute_pad_mxfp4: input [" << in.rows << ", " << in.cols << "], output ["
+                                             << out.rows << ", " << out.cols
+                                             << "]; expected input [" << r.tokens
+                                             << ", H] and output [>= " << r.max_rows() << ", H]");
+  permute_pad_mxfp4(in.codes, in.ue8m0(), in.cols, r, out.codes, out.ue8m0(), stream);
+}
 
 // ---- fused unpermute + unpad ------------------------------------------------------------------
 // y_rows [R, H] bf16, probs [T, k] or null (weight 1) -> y [T, H] bf16. H % 8 == 0.

@@ -363,7 +363,7 @@ void move_rows(Communicator& comm, const DispatchPlan& plan, const std::vector<R
   FLOWMOE_CHECK(l_begin >= 0 && l_begin <= l_end && l_end <= plan.local_experts,
                 what << ": local experts [" << l_begin << ", " << l_end << ") outside [0, "
                      << plan.local_experts << ")");
-  const int64_t direct = direct_bytes < 0 ? ep_direct_bytes() : direct_bytes;
+  const int64_t direct = direct_bytes < 0 ? kEpDirectBytes : direct_bytes;
   const int64_t staged = build_ops(plan, streams, forward, direct, nullptr, nullptr, l_begin, l_end);
   uint8_t* stage = static_cast<uint8_t*>(comm.scratch(staged));
   FLOWMOE_CHECK(stage || staged == 0, what << ": the communicator gave no scratch for " << staged
@@ -377,8 +377,8 @@ void move_rows(Communicator& comm, const DispatchPlan& plan, const std::vector<R
 
 }  // namespace
 
-int64_t ep_direct_bytes() {
-  const char* v = std::getenv("FLOWMOE_EP_DIRECT_BYTES");
+int64_t ep_direct_bytes_from_settings(const SettingLookup& lookup) {
+  const char* v = lookup("FLOWMOE_EP_DIRECT_BYTES");
   if (v == nullptr || *v == '\0') return kEpDirectBytes;
   char* end = nullptr;
   const long long n = std::strtoll(v, &end, 10);

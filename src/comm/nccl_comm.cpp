@@ -18,8 +18,8 @@
 #include <cstring>
 #include <thread>
 
-#include "cuda/comm/copy_pieces.h"
 #include "flowmoe/comm.h"
+#include "flowmoe/cuda/copy_pieces.h"
 
 namespace flowmoe {
 
@@ -208,8 +208,8 @@ class NcclComm final : public Communicator {
         die("timed out after " + std::to_string(timeout_s()) +
             " s waiting for the communication to finish (a peer that died, skipped the collective "
             "or passed different sizes)");
-      // spin (yielding) through the first milliseconds: the exchanges of a layer step take
-      // 0.1-3 ms and every wait is on its critical path; then poll every 50 us
+      // spin (yielding) through the first milliseconds: an exchange of a layer step is short and
+      // every wait is on its critical path; then poll every 50 us
       if (Clock::now() - start < std::chrono::milliseconds(5))
         std::this_thread::yield();
       else

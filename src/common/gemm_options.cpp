@@ -1,5 +1,6 @@
-// Options of cuda::GroupedGemm (include/flowmoe/gemm.h): defaults, the environment overrides and
-// their checks, and the token bucket of the tuning key. Host code, tested without a GPU.
+// Options of cuda::GroupedGemm (include/flowmoe/gemm.h): defaults, the named settings a program
+// maps to them (read through the caller's lookup, never from the environment) and their checks,
+// and the token bucket of the tuning key. Host code, tested without a GPU.
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -19,10 +20,10 @@ GroupedGemmOptions GroupedGemmOptions::previous() {
 }
 
 namespace {
-// An integer setting from the environment, when set: lo..hi, anything else (text, a suffix, out of
-// range, empty) throws naming the variable, the value and what is expected.
-void env_int(const char* name, int lo, int hi, const char* meaning, int* out) {
-  const char* v = std::getenv(name);
+// An integer setting, when set: lo..hi, anything else (text, a suffix, out of range, empty)
+// throws naming the setting, the value and what is expected.
+void setting_int(const SettingLookup& lookup, const char* name, int lo, int hi, const char* meaning, int* out) {
+  const char* v = lookup(name);
   if (!v) return;
   char* end = nullptr;
   errno = 0;
@@ -33,24 +34,29 @@ void env_int(const char* name, int lo, int hi, const char* meaning, int* out) {
 }
 }  // namespace
 
-GroupedGemmOptions GroupedGemmOptions::from_env() {
-  GroupedGemmOptions o;
-  if (const char* v = std::getenv("FLOWMOE_GEMM_TUNE")) {
+GroupedGemmOptions GroupedGemmOptions::from_settings(const SettingLookup& lookup) {
+  return from_settings(lookup, GroupedGemmOptions());
+}
+
+GroupedGemmOptions GroupedGemmOptions::from_settings(const SettingLookup& lookup,
+                                                     const GroupedGemmOptions& base) {
+  GroupedGemmOptions o = base;
+  if (const char* v = lookup("FLOWMOE_GEMM_TUNE")) {
     FLOWMOE_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0,
                   "FLOWMOE_GEMM_TUNE=\"" << v << "\"; expected 0 (the heuristic's first algorithm) or "
                                          "1 (time the candidates once per problem key)");
     o.tune = v[0] == '1';
   }
-  if (const char* v = std::getenv("FLOWMOE_GEMM_WGRAD_KERNEL")) {
+  if (const char* v = lookup("FLOWMOE_GEMM_WGRAD_KERNEL")) {
     FLOWMOE_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0,
                   "FLOWMOE_GEMM_WGRAD_KERNEL=\"" << v << "\"; expected 0 (cuBLASLt per expert), 1 (auto: "
                                                  "flowmoe's sm_90a wgrad kernel where it fits and measured "
                                                  "faster) or 2 (the kernel wherever it fits)");
     o.wgrad_kernel = static_cast<WgradKernel>(v[0] - '0');
   }
-  env_int("FLOWMOE_GEMM_STREAMS", 1, kMaxStreams, "streams the per-expert matmuls run on", &o.streams);
-  env_int("FLOWMOE_GEMM_PRIORITY", 0, kMaxPoolPriority, "priority steps of the matmul streams above the default",
-          &o.pool_priority);
+  setting_int(lookup, "FLOWMOE_GEMM_STREAMS", 1, kMaxStreams, "streams the per-expert matmuls run on", &o.streams);
+  setting_int(lookup, "FLOWMOE_GEMM_PRIORITY", 0, kMaxPoolPriority,
+              "priority steps of the matmul streams above the default", &o.pool_priority);
   o.validate();
   return o;
 }

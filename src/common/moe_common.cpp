@@ -1,5 +1,5 @@
-// The backend-independent part of the MoE layer (include/flowmoe/moe.h): recipe names,
-// configuration checks, and the cast / saved-bytes report.
+// The backend-independent part of the MoE layer (include/flowmoe/moe.h): configuration checks and
+// the cast / saved-bytes report. The recipes and their table: src/common/recipe.cpp.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -11,64 +11,6 @@
 #include "common/moe_ep.h"
 
 namespace flowmoe {
-
-// ---- recipes ------------------------------------------------------------------------------------
-const char* recipe_name(Recipe r) {
-  switch (r) {
-    case Recipe::kBf16: return "bf16";
-    case Recipe::kBlockwise: return "blockwise";
-    case Recipe::kFp8Naive: return "fp8-naive";
-    case Recipe::kFlow: return "flow";
-    case Recipe::kFlowFp4: return "flow-fp4";
-  }
-  return "?";
-}
-
-const std::vector<Recipe>& all_recipes() {
-  static const std::vector<Recipe> all = {Recipe::kBf16, Recipe::kBlockwise, Recipe::kFp8Naive,
-                                          Recipe::kFlow, Recipe::kFlowFp4};
-  return all;
-}
-
-bool try_parse_recipe(const std::string& name, Recipe* out) {
-  for (Recipe r : all_recipes())
-    if (name == recipe_name(r)) {
-      if (out) *out = r;
-      return true;
-    }
-  return false;
-}
-
-Recipe parse_recipe(const std::string& name) {
-  Recipe r = Recipe::kBf16;
-  if (!try_parse_recipe(name, &r)) {
-    std::string valid;
-    for (Recipe v : all_recipes()) valid += std::string(valid.empty() ? "" : ", ") + recipe_name(v);
-    FLOWMOE_CHECK(false, "unknown MoE recipe '" << name << "'; expected one of: " << valid);
-  }
-  return r;
-}
-
-bool recipe_uses_fp8(Recipe r) { return r != Recipe::kBf16; }
-
-const char* cast_kind_name(CastKind k) {
-  switch (k) {
-    case CastKind::kQuantize: return "quantize";
-    case CastKind::kDequantize: return "dequantize";
-    case CastKind::kFused: return "fused";
-    case CastKind::kConvert: return "convert";
-  }
-  return "?";
-}
-
-const char* moe_pass_name(MoePass p) {
-  switch (p) {
-    case MoePass::kForward: return "forward";
-    case MoePass::kBackward: return "backward";
-    case MoePass::kWeightUpdate: return "weights";
-  }
-  return "?";
-}
 
 // ---- configuration ------------------------------------------------------------------------------
 void MoeConfig::validate() const {
@@ -102,7 +44,7 @@ void MoeConfig::validate() const {
                         "A rows; the FP8 wgrad needs multiples of 16)");
   FLOWMOE_CHECK(try_parse_recipe(recipe_name(recipe), nullptr),
                 what << ": recipe " << static_cast<int>(recipe)
-                     << " unknown; expected bf16, blockwise, fp8-naive, flow or flow-fp4");
+                     << " unknown; expected one of: " << recipe_names(", "));
   FLOWMOE_CHECK(max_tokens >= 1, what << ": max_tokens = " << max_tokens
                                       << "; expected the largest T of a forward call, >= 1");
   if (comm != nullptr) {
@@ -245,16 +187,7 @@ std::string CastReport::to_string() const {
 // ---- expert-parallel bookkeeping (common/moe_ep.h) ------------------------------------------------
 namespace ep_detail {
 
-WireFormat forward_wire_format(Recipe r) {
-  switch (r) {
-    case Recipe::kBf16:
-    case Recipe::kBlockwise: return WireFormat::kBf16;
-    case Recipe::kFp8Naive: return WireFormat::kFp8Fp32Scale;
-    case Recipe::kFlow: return WireFormat::kFp8;
-    case Recipe::kFlowFp4: return WireFormat::kMxfp4;
-  }
-  return WireFormat::kBf16;
-}
+WireFormat forward_wire_format(Recipe r) { return recipe_spec(r).forward_wire; }
 
 DispatchPlan plan_for(const DispatchPlan& plan, MoePass pass, WireFormat f) {
   DispatchPlan p = plan;

@@ -155,6 +155,14 @@ std::vector<float> weight_scales_f32(const std::vector<QTensor>& w) {
   return out;
 }
 
+Fp8Operand fp8_operand(const cuda::QTensorView& v, const char* what) {
+  FLOWMOE_CHECK(v.layout != Layout::kMxfp4Row1x32,
+                what << ": the view is " << layout_name(v.layout)
+                     << "; expected FP8 (row-wise 1x128, column-wise 128x1 or weight 128x128)");
+  cuda::check_view(v, v.layout, cuda::ScaleFormat::kF32, what);
+  return Fp8Operand{{v.codes, v.code_bytes()}, {v.f32(), v.scale_elems()}};
+}
+
 void check_fp8_fprop(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& x,
                      const Fp8Operand& w, Span<const bf16_t> y) {
   check_fp8_rowwise_pass("FP8 fprop", Pass::kFprop, seg, n, k, x, w, y.data, y.size);

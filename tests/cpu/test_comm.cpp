@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <random>
 #include <string>
@@ -547,16 +548,19 @@ TEST(Dispatch, PlanCarriesTokensPerRank) {
   EXPECT_NE(errs[0].find("rank 1 rejected its input"), std::string::npos) << errs[0];
 }
 
-TEST(Dispatch, DirectBytesFromTheEnvironment) {
-  ::unsetenv("FLOWMOE_EP_DIRECT_BYTES");
-  EXPECT_EQ(ep_direct_bytes(), kEpDirectBytes);
-  ::setenv("FLOWMOE_EP_DIRECT_BYTES", "4096", 1);
-  EXPECT_EQ(ep_direct_bytes(), 4096);
-  ::setenv("FLOWMOE_EP_DIRECT_BYTES", "-3", 1);
-  EXPECT_THROW(ep_direct_bytes(), Error);
-  ::setenv("FLOWMOE_EP_DIRECT_BYTES", "12kb", 1);
-  EXPECT_THROW(ep_direct_bytes(), Error);
-  ::unsetenv("FLOWMOE_EP_DIRECT_BYTES");
+TEST(Dispatch, DirectBytesFromTheSettings) {
+  std::map<std::string, std::string> env;
+  const SettingLookup lookup = [&](const char* name) -> const char* {
+    const auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  EXPECT_EQ(ep_direct_bytes_from_settings(lookup), kEpDirectBytes);
+  env["FLOWMOE_EP_DIRECT_BYTES"] = "4096";
+  EXPECT_EQ(ep_direct_bytes_from_settings(lookup), 4096);
+  env["FLOWMOE_EP_DIRECT_BYTES"] = "-3";
+  EXPECT_THROW(ep_direct_bytes_from_settings(lookup), Error);
+  env["FLOWMOE_EP_DIRECT_BYTES"] = "12kb";
+  EXPECT_THROW(ep_direct_bytes_from_settings(lookup), Error);
 }
 
 // A small per-expert linear: out[j] = bf16(Σ_i W_e[j][i] x[i]), FP32 fma in i order.

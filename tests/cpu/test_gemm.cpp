@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <random>
 #include <string>
 #include <utility>
@@ -565,57 +566,70 @@ TEST(GemmOptions, DefaultsPreviousAndValidation) {
   EXPECT_TRUE(bad([](gemm::GroupedGemmOptions& o) { o.pool_priority = 9; }, "pool_priority = 9"));
 }
 
-// Leaves one environment variable as the test found it (set or unset), whatever the test does.
-class EnvRestore {
+// Named settings for GroupedGemmOptions::from_settings, as a program's environment would give them
+// (flowmoe/settings.h); unset names give null.
+class Settings {
  public:
-  explicit EnvRestore(const char* name) : name_(name) {
-    const char* v = std::getenv(name);
-    had_ = v != nullptr;
-    if (had_) old_ = v;
+  void set(const char* name, const char* value) { values_[name] = value; }
+  void unset(const char* name) { values_.erase(name); }
+  SettingLookup lookup() const {
+    return [this](const char* name) -> const char* {
+      const auto it = values_.find(name);
+      return it == values_.end() ? nullptr : it->second.c_str();
+    };
   }
-  ~EnvRestore() {
-    if (had_) setenv(name_, old_.c_str(), 1); else unsetenv(name_);
-  }
-  EnvRestore(const EnvRestore&) = delete;
-  EnvRestore& operator=(const EnvRestore&) = delete;
+  gemm::GroupedGemmOptions options() const { return gemm::GroupedGemmOptions::from_settings(lookup()); }
 
  private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
+  std::map<std::string, std::string> values_;
 };
 
-TEST(GemmOptions, PriorityFromTheEnvironment) {
-  const EnvRestore restore("FLOWMOE_GEMM_PRIORITY");
-  unsetenv("FLOWMOE_GEMM_PRIORITY");
-  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().pool_priority, 0);
-  setenv("FLOWMOE_GEMM_PRIORITY", "2", 1);
-  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().pool_priority, 2);
+TEST(GemmOptions, PriorityFromTheSettings) {
+  Settings env;
+  EXPECT_EQ(env.options().pool_priority, 0);
+  env.set("FLOWMOE_GEMM_PRIORITY", "2");
+  EXPECT_EQ(env.options().pool_priority, 2);
   for (const char* v : {"-1", "9", "high", ""}) {
-    setenv("FLOWMOE_GEMM_PRIORITY", v, 1);
-    EXPECT_TRUE(ThrowsMentioning([] { gemm::GroupedGemmOptions::from_env(); },
+    env.set("FLOWMOE_GEMM_PRIORITY", v);
+    EXPECT_TRUE(ThrowsMentioning([&] { env.options(); },
                                  {"FLOWMOE_GEMM_PRIORITY", "expected an integer 0..8"}))
         << v;
   }
 }
 
-TEST(GemmOptions, WgradKernelFromTheEnvironment) {
+TEST(GemmOptions, WgradKernelFromTheSettings) {
   using Mode = gemm::GroupedGemmOptions::WgradKernel;
-  const EnvRestore restore("FLOWMOE_GEMM_WGRAD_KERNEL");
-  unsetenv("FLOWMOE_GEMM_WGRAD_KERNEL");
-  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().wgrad_kernel, Mode::kAuto) << "auto by default";
+  Settings env;
+  EXPECT_EQ(env.options().wgrad_kernel, Mode::kAuto) << "auto by default";
   EXPECT_EQ(gemm::GroupedGemmOptions::previous().wgrad_kernel, Mode::kOff) << "the previous behaviour: cuBLASLt";
   const std::pair<const char*, Mode> ok[] = {{"0", Mode::kOff}, {"1", Mode::kAuto}, {"2", Mode::kAlways}};
   for (const auto& v : ok) {
-    setenv("FLOWMOE_GEMM_WGRAD_KERNEL", v.first, 1);
-    EXPECT_EQ(gemm::GroupedGemmOptions::from_env().wgrad_kernel, v.second) << v.first;
+    env.set("FLOWMOE_GEMM_WGRAD_KERNEL", v.first);
+    EXPECT_EQ(env.options().wgrad_kernel, v.second) << v.first;
   }
   for (const char* v : {"3", "on", "", "1 "}) {
-    setenv("FLOWMOE_GEMM_WGRAD_KERNEL", v, 1);
-    EXPECT_TRUE(ThrowsMentioning([] { gemm::GroupedGemmOptions::from_env(); },
+    env.set("FLOWMOE_GEMM_WGRAD_KERNEL", v);
+    EXPECT_TRUE(ThrowsMentioning([&] { env.options(); },
                                  {"FLOWMOE_GEMM_WGRAD_KERNEL", "expected 0"}))
         << v;
   }
+}
+
+// Unset settings keep the base options (the defaults, or what the caller passes); set ones replace
+// only their own field.
+TEST(GemmOptions, SettingsApplyOverTheBase) {
+  Settings env;
+  gemm::GroupedGemmOptions base = gemm::GroupedGemmOptions::previous();
+  base.pool_priority = 3;
+  const gemm::GroupedGemmOptions same = gemm::GroupedGemmOptions::from_settings(env.lookup(), base);
+  EXPECT_EQ(same.streams, 1);
+  EXPECT_FALSE(same.tune);
+  EXPECT_EQ(same.pool_priority, 3);
+  env.set("FLOWMOE_GEMM_STREAMS", "2");
+  const gemm::GroupedGemmOptions two = gemm::GroupedGemmOptions::from_settings(env.lookup(), base);
+  EXPECT_EQ(two.streams, 2);
+  EXPECT_FALSE(two.tune);
+  EXPECT_EQ(two.pool_priority, 3);
 }
 
 // What the sm_90a wgrad kernel takes (128-aligned experts, N and K multiples of 128, FP32 out,
@@ -654,28 +668,37 @@ TEST(GemmOptions, WgradKernelSupportAndChoice) {
   EXPECT_TRUE(gemm::choose_wgrad_kernel(Mode::kAuto, lite, 2816, 2048, Kind::kF32Accumulate));
 }
 
-TEST(GemmOptions, Environment) {
-  const EnvRestore restore_tune("FLOWMOE_GEMM_TUNE"), restore_streams("FLOWMOE_GEMM_STREAMS");
-  unsetenv("FLOWMOE_GEMM_TUNE");
-  unsetenv("FLOWMOE_GEMM_STREAMS");
-  EXPECT_TRUE(gemm::GroupedGemmOptions::from_env().tune);
-  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().streams, 4);
-  setenv("FLOWMOE_GEMM_TUNE", "0", 1);
-  setenv("FLOWMOE_GEMM_STREAMS", "1", 1);
-  EXPECT_FALSE(gemm::GroupedGemmOptions::from_env().tune);
-  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().streams, 1);
-  setenv("FLOWMOE_GEMM_TUNE", "1", 1);
-  setenv("FLOWMOE_GEMM_STREAMS", "16", 1);
-  EXPECT_TRUE(gemm::GroupedGemmOptions::from_env().tune);
-  EXPECT_EQ(gemm::GroupedGemmOptions::from_env().streams, 16);
-  setenv("FLOWMOE_GEMM_TUNE", "off", 1);
-  EXPECT_TRUE(ThrowsMentioning([] { gemm::GroupedGemmOptions::from_env(); }, {"FLOWMOE_GEMM_TUNE=\"off\"", "expected 0"}));
-  setenv("FLOWMOE_GEMM_TUNE", "1", 1);
+TEST(GemmOptions, TuneAndStreamsFromTheSettings) {
+  Settings env;
+  EXPECT_TRUE(env.options().tune);
+  EXPECT_EQ(env.options().streams, 4);
+  env.set("FLOWMOE_GEMM_TUNE", "0");
+  env.set("FLOWMOE_GEMM_STREAMS", "1");
+  EXPECT_FALSE(env.options().tune);
+  EXPECT_EQ(env.options().streams, 1);
+  env.set("FLOWMOE_GEMM_TUNE", "1");
+  env.set("FLOWMOE_GEMM_STREAMS", "16");
+  EXPECT_TRUE(env.options().tune);
+  EXPECT_EQ(env.options().streams, 16);
+  env.set("FLOWMOE_GEMM_TUNE", "off");
+  EXPECT_TRUE(ThrowsMentioning([&] { env.options(); }, {"FLOWMOE_GEMM_TUNE=\"off\"", "expected 0"}));
+  env.set("FLOWMOE_GEMM_TUNE", "1");
   for (const char* v : {"0", "17", "2x", ""})  {
-    setenv("FLOWMOE_GEMM_STREAMS", v, 1);
-    EXPECT_TRUE(ThrowsMentioning([] { gemm::GroupedGemmOptions::from_env(); }, {"FLOWMOE_GEMM_STREAMS", "expected an integer 1..16"}))
+    env.set("FLOWMOE_GEMM_STREAMS", v);
+    EXPECT_TRUE(ThrowsMentioning([&] { env.options(); }, {"FLOWMOE_GEMM_STREAMS", "expected an integer 1..16"}))
         << v;
   }
+}
+
+// A program maps its environment through env_lookup(); the library itself never reads it.
+TEST(GemmOptions, EnvLookupReadsTheProcessEnvironment) {
+  const char* name = "FLOWMOE_TEST_SETTING_LOOKUP";
+  unsetenv(name);
+  EXPECT_EQ(env_lookup()(name), nullptr);
+  setenv(name, "7", 1);
+  ASSERT_NE(env_lookup()(name), nullptr);
+  EXPECT_STREQ(env_lookup()(name), "7");
+  unsetenv(name);
 }
 
 TEST(GemmOptions, TokenBuckets) {

@@ -111,13 +111,13 @@ struct Out {
 
 // Forward + backward of one CUDA layer whose weights are experts [e0, e0 + n) of the model.
 inline Out run_gpu_one(const MoeConfig& cfg, const Model& m, int e0, int n, const bf16_t* x,
-                const bf16_t* dy, int64_t T) {
+                const bf16_t* dy, int64_t T, const CudaLayerOptions& options = CudaLayerOptions()) {
   cudaStream_t s = nullptr;
   if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
     throw std::runtime_error("cudaStreamCreate");
   Out o;
   {
-    std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s);
+    std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s, options);
     Dev<float> w1(int64_t(n) * 2 * kF * kH, s, m.w1.data() + int64_t(e0) * 2 * kF * kH);
     Dev<float> w2(int64_t(n) * kH * kF, s, m.w2.data() + int64_t(e0) * kH * kF);
     Dev<float> wr(m.wr.size(), s, m.wr.data());

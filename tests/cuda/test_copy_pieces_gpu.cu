@@ -1,4 +1,4 @@
-// The batched copy kernel of the staged expert-parallel exchange (src/cuda/comm/copy_pieces.h):
+// The batched copy kernel of the staged expert-parallel exchange (flowmoe/cuda/copy_pieces.h):
 // every piece's bytes land exactly (or zeros, for a piece without a source), nothing else is
 // written, for any alignment and size (1 byte to several units), and for more pieces than one
 // launch takes.
@@ -8,8 +8,8 @@
 #include <random>
 #include <vector>
 
-#include "cuda/comm/copy_pieces.h"
 #include "cuda/gpu_test_util.h"
+#include "flowmoe/cuda/copy_pieces.h"
 
 namespace flowmoe {
 namespace {

@@ -38,6 +38,12 @@ namespace {
 
 using namespace testutil;  // DBuf, REQUIRE_DEVICE, REQUIRE_SM90, ASSERT_CUDA_OK, same_bits
 
+// The options of the tests' GroupedGemm objects: the defaults, with the FLOWMOE_GEMM_* variables
+// of the test's environment applied (e.g. FLOWMOE_GEMM_TUNE=0; the library reads no environment).
+gemm::GroupedGemmOptions env_gemm_options() {
+  return gemm::GroupedGemmOptions::from_settings(env_lookup());
+}
+
 // GEMM buffers start as NaN (0xFF bytes in BF16 and FP32), so an element left unwritten fails.
 template <typename T>
 struct GBuf : DBuf<T> {
@@ -260,7 +266,7 @@ TEST_P(GemmGpu, Fp8MatchesReferenceWithinTolerance) {
   expect_same_bits(gemm::weight_scales_f32(p.wtq), d.wt_s.get(), "wt scales");
 
   const Refs r = fp8_refs(p);
-  cuda::GroupedGemm gg;
+  cuda::GroupedGemm gg(env_gemm_options());
   const int ne = nonempty(p.seg), empty = p.E - ne;
 
   GBuf<bf16_t> y(p.m * p.n), dx(p.m * p.k), dw16(p.E * p.n * p.k);
@@ -308,7 +314,7 @@ TEST_P(GemmGpu, Fp8ExactOnSmallValues) {
   const Problem p = make_problem(c, true, 77u + static_cast<uint32_t>(c.n));
   Device d(p);
   const Refs r = fp8_refs(p);
-  cuda::GroupedGemm gg;
+  cuda::GroupedGemm gg(env_gemm_options());
   GBuf<bf16_t> y(p.m * p.n), dx(p.m * p.k);
   GBuf<float> dw(p.E * p.n * p.k);
   gg.fprop(p.seg, p.n, p.k, d.op(d.xr_c, d.xr_s), d.op(d.w_c, d.w_s), y.span(), 0);
@@ -357,7 +363,7 @@ TEST_P(GemmGpu, Bf16MatchesReferenceWithinTolerance) {
   }
   GBuf<bf16_t> gx(p.x), ddy(p.dy), dwt(p.w), gy(m * n), gdx(m * k), gdw16(E * n * k);
   GBuf<float> gdw32(E * n * k);
-  cuda::GroupedGemm gg;
+  cuda::GroupedGemm gg(env_gemm_options());
   const Tol t16{1.0 / 256, 1.0 / 16384}, t32{0.0, 1.0 / 16384};
   gg.fprop_bf16(p.seg, n, k, gx.cspan(), dwt.cspan(), gy.span(), 0);
   EXPECT_TRUE(close(widen(gy.get()), y, sy, t16, std::string(c.name) + " bf16 fprop"));
@@ -404,7 +410,7 @@ TEST(GemmGpuBf16, UnpaddedTinyExperts) {
   cpu::grouped_wgrad_bf16_ref(dy.data(), x.data(), seg, n, k, dw.data(), false);
   GBuf<bf16_t> gx(x), gdy(dy), gw(w), gy(m * n), gdx(m * k);
   GBuf<float> gdw(4 * n * k);
-  cuda::GroupedGemm gg;
+  cuda::GroupedGemm gg(env_gemm_options());
   gg.fprop_bf16(seg, n, k, gx.cspan(), gw.cspan(), gy.span(), 0);
   gg.dgrad_bf16(seg, n, k, gdy.cspan(), gw.cspan(), gdx.span(), 0);
   gg.wgrad_bf16(seg, n, k, gdy.cspan(), gx.cspan(), gemm::WgradOut::f32(gdw.p, gdw.n), 0);
@@ -755,7 +761,7 @@ TEST(GemmScales, ConversionsMatchHostLayoutsBitForBit) {
 // ---- argument errors through the CUDA entry points -----------------------------------------------
 TEST(GemmGpuErrors, RejectedBeforeAnyLaunch) {
   REQUIRE_DEVICE();
-  cuda::GroupedGemm gg;
+  cuda::GroupedGemm gg(env_gemm_options());
   const Segments seg = Segments::from_counts({16, 1, 32});
   const int64_t m = seg.num_tokens(), n = 256, k = 384;
   GBuf<uint8_t> codes(64 * k);

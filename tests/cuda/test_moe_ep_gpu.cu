@@ -61,7 +61,7 @@ Out run_cpu_one(const MoeConfig& cfg, const Model& m, int e0, int n, const bf16_
 
 // Expert parallelism over W ranks: rank r holds experts [r*El, (r+1)*El). gpu: device SimWorld
 // and CUDA layers; otherwise host SimWorld and CPU layers.
-std::vector<Out> run_ep(const Model& m, int W, bool gpu) {
+std::vector<Out> run_ep(const Model& m, int W, bool gpu, const CudaLayerOptions& options = CudaLayerOptions()) {
   const int El = kE / W;
   std::unique_ptr<SimWorld> world = gpu ? make_device_sim_world(W, 60.0)
                                         : std::unique_ptr<SimWorld>(new SimWorld(W, 60.0));
@@ -71,7 +71,7 @@ std::vector<Out> run_ep(const Model& m, int W, bool gpu) {
     MoeConfig cfg = m.cfg;
     cfg.max_tokens = m.max_tokens();
     cfg.comm = &comm;
-    out[r] = gpu ? run_gpu_one(cfg, m, r * El, El, m.x[r].data(), m.dy[r].data(), m.tokens[r])
+    out[r] = gpu ? run_gpu_one(cfg, m, r * El, El, m.x[r].data(), m.dy[r].data(), m.tokens[r], options)
                  : run_cpu_one(cfg, m, r * El, El, m.x[r].data(), m.dy[r].data(), m.tokens[r]);
   });
   for (size_t r = 0; r < errs.size(); ++r) EXPECT_EQ(errs[r], "") << (gpu ? "gpu" : "cpu") << " rank " << r;
@@ -101,10 +101,10 @@ std::string case_name(const Model& m, int W) {
 
 // The EP CUDA layer against one CUDA layer holding all experts (bits) and the CPU EP layer
 // (tolerance, wire bytes).
-void expect_ep_gpu(const Model& m, int W) {
+void expect_ep_gpu(const Model& m, int W, const CudaLayerOptions& options = CudaLayerOptions()) {
   const int El = kE / W;
   const std::string name = case_name(m, W);
-  const std::vector<Out> ep = run_ep(m, W, true);
+  const std::vector<Out> ep = run_ep(m, W, true, options);
   const std::vector<Out> cpu = run_ep(m, W, false);
   MoeConfig one_cfg = m.cfg;
   one_cfg.max_tokens = m.total_tokens();
@@ -180,14 +180,14 @@ TEST_P(MoeEpGpuRecipe, EqualsOneGpuOnConcatenatedBatchAndNearCpuEp) {
   expect_ep_gpu(make_model(GetParam(), {37, 64, 1, 50}, 128, RouterScore::kSigmoid, true, 102), 4);
 }
 
-// The same with FLOWMOE_EP_DEDUP=0: every (token, expert) row travels (the CPU layer's exchange,
-// wire bytes equal too). The deduplicated dispatch above is the default.
+// The same with CudaLayerOptions::ep_dedup false: every (token, expert) row travels (the CPU
+// layer's exchange, wire bytes equal too). The deduplicated dispatch above is the default.
 TEST_P(MoeEpGpuRecipe, WithoutDeduplicationToo) {
   REQUIRE_DEVICE();
-  ::setenv("FLOWMOE_EP_DEDUP", "0", 1);
-  expect_ep_gpu(make_model(GetParam(), {37, 64}, 16, RouterScore::kSoftmax, false, 103), 2);
-  expect_ep_gpu(make_model(GetParam(), {37, 64, 1, 50}, 128, RouterScore::kSigmoid, true, 104), 4);
-  ::unsetenv("FLOWMOE_EP_DEDUP");
+  CudaLayerOptions no_dedup;
+  no_dedup.ep_dedup = false;
+  expect_ep_gpu(make_model(GetParam(), {37, 64}, 16, RouterScore::kSoftmax, false, 103), 2, no_dedup);
+  expect_ep_gpu(make_model(GetParam(), {37, 64, 1, 50}, 128, RouterScore::kSigmoid, true, 104), 4, no_dedup);
 }
 
 // A router bias sends every token to experts 0 and 1 (rank 0's with W = 2): rank 1's experts
@@ -304,6 +304,22 @@ TEST(MoeEpGpuArgs, HostCommunicatorIsRejectedOnEveryRank) {
     make_cuda_layer(cfg, nullptr);
   });
   for (int r = 0; r < 2; ++r) EXPECT_NE(errs[r].find("device-memory communicator"), std::string::npos) << errs[r];
+}
+
+// CudaLayerOptions::ep_dedup is part of the configuration every rank must agree on: ranks that
+// differ get an error naming it, every one of them.
+TEST(MoeEpGpuArgs, DedupMismatchIsAnErrorOnEveryRank) {
+  REQUIRE_DEVICE();
+  std::unique_ptr<SimWorld> world = make_device_sim_world(2, 30.0);
+  const std::vector<std::string> errs = world->run([&](Communicator& comm) {
+    MoeConfig cfg = make_model(Recipe::kFlow, {8, 8}, 16, RouterScore::kSoftmax, false, 1).cfg;
+    cfg.max_tokens = 8;
+    cfg.comm = &comm;
+    CudaLayerOptions o;
+    o.ep_dedup = comm.rank() == 0;
+    make_cuda_layer(cfg, nullptr, o);
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_NE(errs[r].find("ep_dedup"), std::string::npos) << errs[r];
 }
 
 }  // namespace

@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/moe/moe_cuda.h"
+#include "flowmoe/cuda/moe_debug.h"
 #include "flowmoe/error.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
@@ -268,17 +268,14 @@ TEST_P(MoeGpuRecipe, TwoRunsGiveIdenticalBits) {
 
 // Two layers built with an on/off environment setting ("0" and "1"; a third value must be an
 // error), the variable left as found.
-std::pair<std::unique_ptr<MoeLayer>, std::unique_ptr<MoeLayer>> layers_with(const char* var, const Shape& s,
-                                                                             Recipe r) {
-  const char* had = std::getenv(var);
-  const std::string old = had ? had : "";
-  setenv(var, "0", 1);
-  std::unique_ptr<MoeLayer> off = make_cuda_layer(make_cfg(s, r), nullptr);
-  setenv(var, "1", 1);
+// Two layers of the same configuration: `off` with the option cleared (`field` false), `on` with the
+// default options.
+std::pair<std::unique_ptr<MoeLayer>, std::unique_ptr<MoeLayer>> layers_with(bool CudaLayerOptions::*field,
+                                                                             const Shape& s, Recipe r) {
+  CudaLayerOptions off_options;
+  off_options.*field = false;
+  std::unique_ptr<MoeLayer> off = make_cuda_layer(make_cfg(s, r), nullptr, off_options);
   std::unique_ptr<MoeLayer> on = make_cuda_layer(make_cfg(s, r), nullptr);
-  setenv(var, "yes", 1);
-  EXPECT_THROW(make_cuda_layer(make_cfg(s, r), nullptr), Error) << var << ": a bad value is an error";
-  if (had) setenv(var, old.c_str(), 1); else unsetenv(var);
   return {std::move(off), std::move(on)};
 }
 void expect_same_outputs(const Outputs& a, const Outputs& b) {
@@ -290,35 +287,47 @@ void expect_same_outputs(const Outputs& a, const Outputs& b) {
 }
 
 // The backward's tail (router backward, dWr, dx) on its own stream next to GEMM1 wgrad (the
-// default on one GPU) gives the bits of the serial order (FLOWMOE_LAYER_TAIL_OVERLAP=0), and the
-// caller's stream orders all of it (the outputs are read by copies ordered after that stream).
+// default on one GPU) gives the bits of the serial order (CudaLayerOptions::tail_stream false),
+// and the caller's stream orders all of it (the outputs are read by copies ordered after that
+// stream).
 TEST_P(MoeGpuRecipe, TailStreamGivesTheSerialBits) {
   REQUIRE_DEVICE();
   const Shape& s = kShapes[1];
   const Recipe r = GetParam();
   const Data d = make_data(s, s.tokens, 83);
   DevData dd(d);
-  auto layers = layers_with("FLOWMOE_LAYER_TAIL_OVERLAP", s, r);
+  auto layers = layers_with(&CudaLayerOptions::tail_stream, s, r);
   const Outputs a = run_gpu(layers.first.get(), s, d, dd, s.tokens);
   const Outputs b = run_gpu(layers.second.get(), s, d, dd, s.tokens);
   expect_same_outputs(a, b);
 }
 
-// The wgrads on their own stream next to the dgrads (FLOWMOE_LAYER_WGRAD_OVERLAP=1, from a layer's
-// second backward on; default and 0: in order) give the bits of the serial order, call after call.
-TEST_P(MoeGpuRecipe, WgradStreamGivesTheSerialBits) {
+// flow / flow-fp4: the wgrad column copies on the side stream (the default) give the bits of the
+// inline order (CudaLayerOptions::side_stream false), call after call; the other recipes ignore it.
+TEST_P(MoeGpuRecipe, SideStreamGivesTheInlineBits) {
   REQUIRE_DEVICE();
   const Shape& s = kShapes[1];
   const Recipe r = GetParam();
   const Data d = make_data(s, s.tokens, 87);
   DevData dd(d);
-  auto layers = layers_with("FLOWMOE_LAYER_WGRAD_OVERLAP", s, r);
-  for (int call = 0; call < 3; ++call) {  // call 0 runs in order in both; 1 and 2 concurrently
+  auto layers = layers_with(&CudaLayerOptions::side_stream, s, r);
+  for (int call = 0; call < 2; ++call) {
     SCOPED_TRACE("call " + std::to_string(call));
     const Outputs a = run_gpu(layers.first.get(), s, d, dd, s.tokens);
     const Outputs b = run_gpu(layers.second.get(), s, d, dd, s.tokens);
     expect_same_outputs(a, b);
   }
+}
+
+// A bad CudaLayerOptions value is an error naming the field.
+TEST(MoeGpu, BadLayerOptionsAreErrors) {
+  REQUIRE_DEVICE();
+  CudaLayerOptions o;
+  o.gemm_pool_priority = 99;
+  EXPECT_THROW(make_cuda_layer(make_cfg(kShapes[0], Recipe::kFlow), nullptr, o), Error);
+  o = CudaLayerOptions();
+  o.gemm.streams = 0;
+  EXPECT_THROW(make_cuda_layer(make_cfg(kShapes[0], Recipe::kFlow), nullptr, o), Error);
 }
 
 // MoeGrads::accumulate = false: the gradient buffers' old contents (NaN here) are never read, and

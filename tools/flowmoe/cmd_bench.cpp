@@ -15,12 +15,13 @@
 
 #include "cli.h"
 #include "flowmoe/error.h"
+#include "flowmoe/settings.h"
 #include "flowmoe/moe.h"
 
 #if defined(FLOWMOE_HAVE_CUDA)
 #include <cuda_runtime.h>
 
-#include "cuda/moe/moe_cuda.h"
+#include "flowmoe/cuda/moe_debug.h"
 #include "timing.h"  // bench/: the benchmarks' timing harness
 #endif
 
@@ -185,6 +186,28 @@ struct RecipeResult {
   std::string report;
 };
 
+// The CUDA layer's options from the environment (the library reads none; README "Runtime
+// settings"): FLOWMOE_LAYER_OVERLAP=0 (no side stream), FLOWMOE_LAYER_TAIL_OVERLAP=0|1 (tail
+// stream), FLOWMOE_EP_DEDUP=0 (every (token, expert) row travels), FLOWMOE_EP_DIRECT_BYTES=N,
+// FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY / _WGRAD_KERNEL (the GEMM options; a set priority
+// overrides the layer's choice).
+CudaLayerOptions layer_options_from_env() {
+  CudaLayerOptions o;
+  auto flag = [](const char* name, bool* out) {
+    const char* v = std::getenv(name);
+    if (!v) return;
+    FLOWMOE_CHECK(std::string(v) == "0" || std::string(v) == "1", name << "=\"" << v << "\"; expected 0 or 1");
+    *out = v[0] == '1';
+  };
+  flag("FLOWMOE_LAYER_OVERLAP", &o.side_stream);
+  flag("FLOWMOE_LAYER_TAIL_OVERLAP", &o.tail_stream);
+  flag("FLOWMOE_EP_DEDUP", &o.ep_dedup);
+  o.gemm = gemm::GroupedGemmOptions::from_settings(env_lookup());
+  o.ep_direct_bytes = ep_direct_bytes_from_settings(env_lookup());
+  if (std::getenv("FLOWMOE_GEMM_PRIORITY")) o.gemm_pool_priority = o.gemm.pool_priority;
+  return o;
+}
+
 RecipeResult run_recipe(const BenchConfig& bc, Recipe recipe, int64_t T, int align, int reps,
                         int warmup, bool breakdown, cudaStream_t stream, const MoeWeights& w,
                         const MoeGrads& g, const bf16_t* x, const bf16_t* dy, bf16_t* y, bf16_t* dx,
@@ -207,7 +230,7 @@ RecipeResult run_recipe(const BenchConfig& bc, Recipe recipe, int64_t T, int ali
   BENCH_CUDA(cudaDeviceSynchronize());
   size_t free0 = 0, total = 0;
   BENCH_CUDA(cudaMemGetInfo(&free0, &total));
-  std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, stream);
+  std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, stream, layer_options_from_env());
   layer->set_weights(w);
   for (int i = 0; i < warmup; ++i) {
     layer->forward(x, T, y);

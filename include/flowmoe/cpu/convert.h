@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "flowmoe/tensor.h"
 
@@ -51,7 +52,7 @@ QuantStats naive_col_copy(const QTensor& row, const Segments& seg, QTensor* col)
 //                the naive dequantize -> transpose -> quantize path bit for bit (when the
 //                dequantized values are BF16-exact, i.e. away from 2^-126), still in one FP8
 //                pass, and it underflows fewer values than kRowMax on outlier-heavy data.
-using flowmoe::TransposeExponent;  // defined in tensor.h, shared with the CUDA launchers
+using flowmoe::TransposeExponent;  // defined in tensor.h (cpu:: alias there), shared with CUDA
 QuantStats scaling_aware_transpose(const QTensor& row, const Segments& seg, QTensor* col,
                                    TransposeExponent mode = TransposeExponent::kRowMax);
 
@@ -74,6 +75,41 @@ QuantStats fp4_to_fp8_col(const QTensor& fp4, const Segments& seg, QTensor* col,
                           TransposeExponent mode = TransposeExponent::kRowMax);
 // The stepwise baseline: FP4 -> BF16 (exact), transpose, quantize with fresh scales.
 QuantStats fp4_to_fp8_col_stepwise(const QTensor& fp4, const Segments& seg, QTensor* col);
+
+
+// ---- FP8 with FP32 scales (the scaling mode of the fp8-naive recipe) ----------------------------
+// DeepSeek-V3-style FP8: each tile's scale is s = amax / 448 in FP32 (not a power of two) and
+// q = RNE_E4M3(x / s) with the FP32 quotient. The layouts and scale grids are QTensor's (row-wise
+// 1x128 scales [K/128][M], column-wise 128x1 over segments scales [NB][K], 128x128 weights scales
+// [N/128][K/128]) with FP32 scales. Because the scales are not powers of two, a column copy made
+// by dequantize -> transpose -> quantize rounds a second time (double quantization), which the
+// power-of-two scales of QTensor avoid (docs/NUMERICS.md §8). An all-zero tile gets s = 1; a tile
+// holding a non-finite value gets s = NaN and codes 0x7F (counted in QuantStats::nonfinite).
+struct QTensorF32 {
+  Layout layout = Layout::kRow1x128;  // kRow1x128, kCol128x1 or kWeight128x128
+  int64_t rows = 0, cols = 0;         // the logical source shape, as QTensor
+  std::vector<uint8_t> codes;         // e4m3, as QTensor
+  std::vector<float> scales;          // FP32, on QTensor's scale grid
+  Segments segments;                  // kCol128x1 only
+  int64_t bytes() const { return static_cast<int64_t>(codes.size() + 4 * scales.size()); }
+};
+// x [M, K] bf16 -> row-wise 1x128 with FP32 scales. K must be a multiple of 128.
+QuantStats quantize_row_fp32_scale(const bf16_t* x, int64_t m, int64_t k, QTensorF32* out);
+// x [M, K] bf16 -> column-wise 128x1 over the segments with FP32 scales (codes [K, M]).
+QuantStats quantize_col_fp32_scale(const bf16_t* x, int64_t m, int64_t k, const Segments& seg,
+                                   QTensorF32* out);
+// w [N, K] bf16 -> 128x128 blocks with FP32 scales; `wt` (may be null) receives the exact
+// transpose [K, N] (codes and scale grid transposed, no re-rounding).
+QuantStats quantize_weight_fp32_scale(const bf16_t* w, int64_t n, int64_t k, QTensorF32* out,
+                                      QTensorF32* wt);
+// One element: NaN when the code or the scale is NaN, else e4m3(code) * scale in FP32.
+float dequantize_fp32_scale(uint8_t code, float scale);
+// Row-wise or column-wise -> the logical [rows, cols] matrix (column-wise comes back as [M, K]).
+// The BF16 variant rounds to nearest even (NaN as 0x7FC0).
+void dequantize(const QTensorF32& q, float* out);
+void dequantize(const QTensorF32& q, bf16_t* out);
+// The fp8-naive column copy: dequantize to BF16, transpose, quantize with fresh FP32 scales.
+QuantStats naive_col_copy(const QTensorF32& row, const Segments& seg, QTensorF32* col);
 
 }  // namespace cpu
 }  // namespace flowmoe

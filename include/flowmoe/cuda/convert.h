@@ -14,16 +14,14 @@
 
 #include <cstdint>
 
+#include "flowmoe/cuda/qtensor_view.h"
+#include "flowmoe/cuda/status.h"  // DeviceStatus
+#include "flowmoe/error.h"
 #include "flowmoe/tensor.h"
 
 namespace flowmoe {
 namespace cuda {
 
-struct DeviceStatus {
-  unsigned long long nonfinite;     // non-finite input elements (their tiles are marked NaN)
-  unsigned long long underflow;     // elements rounded into subnormals/zero by an exact conversion
-  unsigned long long bad_segments;  // segment tables that failed validation on the device
-};
 
 // Per-expert token segments resolved on the device into 128-token blocks, without a host sync.
 // Sized for at most `max_blocks` = ceil(M/128) + E blocks; blocks past the real count are empty.
@@ -106,6 +104,136 @@ void fp4_to_fp8_col(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t
 void fp4_to_fp8_col_stepwise(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t k,
                              const SegmentBlocks& sb, uint8_t* col_codes, uint8_t* col_scales,
                              bf16_t* work, DeviceStatus* status, cudaStream_t stream);
+
+// ---- FP32-scale mode (the fp8-naive recipe, SPEC §6): E4M3 with FP32 scales s = amax / 448 ----
+// Scale rule of a tile with largest finite magnitude amax: s = amax / 448 (FP32 division, RNE),
+// s = 1 for an all-zero tile; q = RNE_E4M3(x / s); decoded value e4m3(q) * s. A tile holding a
+// non-finite value gets s = NaN and codes 0x7F (counted in status->nonfinite). Kernels:
+// src/cuda/convert/fp32_scale.cu.
+float fp32_scale(float amax);  // host copy of the rule, for tests
+// x [M, C] bf16 -> codes [M, C]; FP32 scales, GEMM-ready: with d_offsets [E+1] (device, offsets[E]
+// == M) expert-packed (gemm.h), without (null) the plain [C/128][M] grid. C % 128 == 0.
+void quantize_row_fp32_scale(const bf16_t* x, int64_t m, int64_t c, const int32_t* d_offsets,
+                             int num_experts, uint8_t* codes, float* scales, DeviceStatus* status,
+                             cudaStream_t stream);
+// The inverse: codes [M, C] + FP32 scales (same two layouts) -> y [M, C] bf16 (RNE).
+void dequantize_row_fp32_scale(const uint8_t* codes, const float* scales, int64_t m, int64_t c,
+                               const int32_t* d_offsets, int num_experts, bf16_t* y,
+                               cudaStream_t stream);
+// xt [C, M] bf16 (already transposed) -> column-wise codes [C, M] and FP32 scales [max_blocks][C]
+// over the segments' 128-token blocks (GEMM-ready for wgrad).
+void quantize_transposed_fp32_scale(const bf16_t* xt, int64_t c, const SegmentBlocks& sb,
+                                    uint8_t* codes, float* scales, DeviceStatus* status,
+                                    cudaStream_t stream);
+// E weights w [E][N][K] bf16 -> codes [E][N][K], GEMM-ready FP32 block scales
+// [E][N/128][round_up(K/128, 4)], and the exact transpose: t_codes [E][K][N], t_scales
+// [E][K/128][round_up(N/128, 4)] (padding entries 0).
+void quantize_weights_fp32_scale(const bf16_t* w, int num_experts, int64_t n, int64_t k,
+                                 uint8_t* codes, float* scales, uint8_t* t_codes, float* t_scales,
+                                 DeviceStatus* status, cudaStream_t stream);
+
+
+// ---- the same launchers on device views (flowmoe/cuda/qtensor_view.h) ---------------------------
+// Thin wrappers: each checks the views' layouts, scale formats and shapes on the host (throws
+// flowmoe::Error) and calls the pointer launcher above. Views with UE8M0 scales; a row-wise view's
+// scale_ld must equal its rows (the kernels write the tight [K/128][M] grid), a column-wise view
+// covers sb.m tokens with at least sb.max_blocks scale rows.
+namespace view_detail {
+inline void check_row(const QTensorView& v, const char* what) {
+  check_view(v, Layout::kRow1x128, ScaleFormat::kUe8m0, what);
+  FLOWMOE_CHECK(v.scale_ld == v.rows, what << ": row-wise scale_ld = " << v.scale_ld
+                                           << "; expected the tight grid, scale_ld = rows = "
+                                           << v.rows);
+}
+inline void check_col(const QTensorView& v, const SegmentBlocks& sb, int64_t k, const char* what) {
+  check_view(v, Layout::kCol128x1, ScaleFormat::kUe8m0, what);
+  FLOWMOE_CHECK(v.rows == sb.m && v.cols == k && v.scale_rows >= sb.max_blocks,
+                what << ": column-wise view [" << v.rows << ", " << v.cols << "] with "
+                     << v.scale_rows << " scale rows; expected [" << sb.m << ", " << k
+                     << "] (the segments' tokens) with at least " << sb.max_blocks);
+  FLOWMOE_CHECK(v.offsets == nullptr || v.offsets == sb.offsets,
+                what << ": the view's segment offsets are not those of the SegmentBlocks");
+}
+inline void check_same_shape(const QTensorView& a, const QTensorView& b, const char* what) {
+  FLOWMOE_CHECK(a.rows == b.rows && a.cols == b.cols,
+                what << ": views of [" << a.rows << ", " << a.cols << "] and [" << b.rows << ", "
+                     << b.cols << "]; expected the same shape");
+}
+}  // namespace view_detail
+
+// x [out.rows, out.cols] bf16 -> out (row-wise).
+inline void quantize_row(const bf16_t* x, const QTensorView& out, DeviceStatus* status,
+                         cudaStream_t stream) {
+  view_detail::check_row(out, "quantize_row");
+  quantize_row(x, out.rows, out.cols, out.codes, out.ue8m0(), status, stream);
+}
+// x [sb.m, col.cols] bf16 -> col (column-wise) and, if `row` is not null, the row-wise copy.
+inline void quantize_col(const bf16_t* x, const SegmentBlocks& sb, const QTensorView& col,
+                         const QTensorView* row, DeviceStatus* status, cudaStream_t stream) {
+  view_detail::check_col(col, sb, col.cols, "quantize_col");
+  if (row) {
+    view_detail::check_row(*row, "quantize_col");
+    view_detail::check_same_shape(col, *row, "quantize_col");
+  }
+  quantize_col(x, col.cols, sb, col.codes, col.ue8m0(), row ? row->codes : nullptr,
+               row ? row->ue8m0() : nullptr, status, stream);
+}
+// One weight w [out.rows, out.cols] -> out and, if not null, its exact transpose t [cols, rows].
+inline void quantize_weight(const bf16_t* w, const QTensorView& out, const QTensorView* t,
+                            DeviceStatus* status, cudaStream_t stream) {
+  check_view(out, Layout::kWeight128x128, ScaleFormat::kUe8m0, "quantize_weight");
+  if (t) {
+    check_view(*t, Layout::kWeight128x128, ScaleFormat::kUe8m0, "quantize_weight");
+    FLOWMOE_CHECK(t->rows == out.cols && t->cols == out.rows,
+                  "quantize_weight: transposed view [" << t->rows << ", " << t->cols
+                                                       << "]; expected [" << out.cols << ", "
+                                                       << out.rows << "]");
+  }
+  quantize_weight(w, out.rows, out.cols, out.codes, out.ue8m0(), t ? t->codes : nullptr,
+                  t ? t->ue8m0() : nullptr, status, stream);
+}
+inline void dequantize_row(const QTensorView& in, bf16_t* y, cudaStream_t stream) {
+  view_detail::check_row(in, "dequantize_row");
+  dequantize_row(in.codes, in.ue8m0(), in.rows, in.cols, y, stream);
+}
+inline void dequantize_mxfp4(const QTensorView& in, bf16_t* y, cudaStream_t stream) {
+  check_view(in, Layout::kMxfp4Row1x32, ScaleFormat::kUe8m0, "dequantize_mxfp4");
+  dequantize_mxfp4(in.codes, in.ue8m0(), in.rows, in.cols, y, stream);
+}
+inline void scaling_aware_transpose(const QTensorView& row, const SegmentBlocks& sb,
+                                    const QTensorView& col, DeviceStatus* status,
+                                    cudaStream_t stream,
+                                    TransposeExponent mode = TransposeExponent::kRowMax) {
+  view_detail::check_row(row, "scaling_aware_transpose");
+  view_detail::check_col(col, sb, row.cols, "scaling_aware_transpose");
+  scaling_aware_transpose(row.codes, row.ue8m0(), row.cols, sb, col.codes, col.ue8m0(), status,
+                          stream, mode);
+}
+inline void naive_col_copy(const QTensorView& row, const SegmentBlocks& sb, const QTensorView& col,
+                           bf16_t* work, DeviceStatus* status, cudaStream_t stream) {
+  view_detail::check_row(row, "naive_col_copy");
+  view_detail::check_col(col, sb, row.cols, "naive_col_copy");
+  naive_col_copy(row.codes, row.ue8m0(), row.cols, sb, col.codes, col.ue8m0(), work, status,
+                 stream);
+}
+inline void quantize_mxfp4(const bf16_t* x, const QTensorView& out, DeviceStatus* status,
+                           cudaStream_t stream) {
+  check_view(out, Layout::kMxfp4Row1x32, ScaleFormat::kUe8m0, "quantize_mxfp4");
+  quantize_mxfp4(x, out.rows, out.cols, out.codes, out.ue8m0(), status, stream);
+}
+inline void fp4_to_fp8_row(const QTensorView& in, const QTensorView& out, DeviceStatus* status,
+                           cudaStream_t stream) {
+  check_view(in, Layout::kMxfp4Row1x32, ScaleFormat::kUe8m0, "fp4_to_fp8_row");
+  view_detail::check_row(out, "fp4_to_fp8_row");
+  view_detail::check_same_shape(in, out, "fp4_to_fp8_row");
+  fp4_to_fp8_row(in.codes, in.ue8m0(), in.rows, in.cols, out.codes, out.ue8m0(), status, stream);
+}
+inline void fp4_to_fp8_col(const QTensorView& in, const SegmentBlocks& sb, const QTensorView& col,
+                           DeviceStatus* status, cudaStream_t stream) {
+  check_view(in, Layout::kMxfp4Row1x32, ScaleFormat::kUe8m0, "fp4_to_fp8_col");
+  view_detail::check_col(col, sb, in.cols, "fp4_to_fp8_col");
+  fp4_to_fp8_col(in.codes, in.ue8m0(), in.cols, sb, col.codes, col.ue8m0(), status, stream);
+}
 
 }  // namespace cuda
 }  // namespace flowmoe

@@ -1,9 +1,9 @@
-// Batched copy (copy_pieces.h): the pieces of one launch travel as a __grid_constant__ kernel
+// Batched copy (flowmoe/cuda/copy_pieces.h): the pieces of one launch travel as a __grid_constant__ kernel
 // parameter (up to 32 KB of parameters on sm_70+ with CUDA >= 12.1). Each piece is cut into units
 // of kUnitBytes; blocks take units round-robin, find their piece by binary search over the units'
 // prefix, and copy with the widest access the piece's two addresses allow (16, 8, 4 or 1 bytes),
 // the sub-width tail byte by byte. A piece without a source is a zero fill.
-#include "cuda/comm/copy_pieces.h"
+#include "flowmoe/cuda/copy_pieces.h"
 
 #include <algorithm>
 

@@ -4,16 +4,16 @@
 // non-blocking stream per rank, waited for (cudaStreamSynchronize) before the rank leaves the
 // exchange, so the peers' send buffers are never released while being read and the received
 // bytes are complete when exchange() returns; copy_local runs the NCCL communicator's batched
-// copy kernel (copy_pieces.h) on the rank's stream and waits for it.
+// copy kernel (flowmoe/cuda/copy_pieces.h) on the rank's stream and waits for it.
 #include <cuda_runtime.h>
 
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "cuda/comm/copy_pieces.h"
 #include "cuda/common.cuh"
 #include "flowmoe/comm.h"
+#include "flowmoe/cuda/copy_pieces.h"
 
 namespace flowmoe {
 namespace {

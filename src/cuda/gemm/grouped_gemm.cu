@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
-#include "cuda/gemm/wgrad_sm90.h"
+#include "cuda/gemm/sm90_fp8_wgrad_1x128.h"
 #include "flowmoe/gemm.h"
 
 namespace flowmoe {
@@ -718,7 +718,7 @@ struct GroupedGemm::Impl {
   }
 };
 
-GroupedGemm::GroupedGemm() : GroupedGemm(Options::from_env()) {}
+GroupedGemm::GroupedGemm() : GroupedGemm(Options()) {}
 GroupedGemm::GroupedGemm(const Options& options) : impl_(new Impl(options)) {}
 GroupedGemm::~GroupedGemm() = default;
 
@@ -820,7 +820,7 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
       gemm::choose_wgrad_kernel(impl_->opt.wgrad_kernel, seg, n, k, dw.kind)) {
     // one launch over all experts (empty experts zero-filled there when overwriting)
     impl_->stats.wgrad_kernel_calls +=
-        sm90::wgrad_sm90(seg, n, k, dy_col.codes.data, dy_col.scales.data, x_col.codes.data, x_col.scales.data,
+        sm90::fp8_wgrad_1x128(seg, n, k, dy_col.codes.data, dy_col.scales.data, x_col.codes.data, x_col.scales.data,
                          static_cast<float*>(dw.data), acc, impl_->tile_counter, stream);
     if (!acc)
       for (int e = 0; e < seg.num_segments(); ++e) impl_->stats.zero_fills += seg.offsets[e + 1] == seg.offsets[e];

@@ -1,7 +1,7 @@
 // Kernels of the CUDA MoE layer that the operator libraries (convert.h, token.h, swiglu.h, gemm.h)
 // do not provide: the router's FP32 GEMMs, the per-row routing probabilities (scatter, and the
-// gather of their gradient), the dx combine with the router path, and the FP32-scale FP8 casts of
-// the `fp8-naive` recipe. Launchers check their arguments (flowmoe::Error), never allocate and never
+// gather of their gradient), the dx combine with the router path, and the expert-parallel gathers
+// and relayouts. (The `fp8-naive` recipe's FP32-scale casts are a mode of convert.h.) Launchers check their arguments (flowmoe::Error), never allocate and never
 // synchronise. Arithmetic definitions: docs/MOE_GPU.md §3.
 #pragma once
 
@@ -51,32 +51,6 @@ void scatter_row_probs(const float* probs, const int32_t* row_map, int64_t t, in
 // slot): the partial sums of dp per 128-feature tile that swiglu.h's backward writes ([tiles][m]).
 void gather_row_dprobs(const float* dprow_part, int64_t tiles, int64_t m, const int32_t* row_map,
                        int64_t t, int topk, float* dprobs, cudaStream_t stream);
-
-// ---- fp8-naive: FP8 with FP32 scales s = amax / 448 ------------------------------------------------
-// Scale rule of a tile with largest finite magnitude amax: s = amax / 448 (FP32 division, RNE),
-// s = 1 for an all-zero tile; q = RNE_E4M3(x / s); decoded value e4m3(q) * s. A tile holding a
-// non-finite value gets s = NaN and codes 0x7F (counted in status->nonfinite).
-float naive_scale(float amax);  // host copy of the rule, for tests
-// x [M, C] bf16 -> codes [M, C]; FP32 scales, GEMM-ready: with d_offsets [E+1] (device, offsets[E]
-// == M) expert-packed (gemm.h), without (null) the plain [C/128][M] grid.
-void naive_quantize_row(const bf16_t* x, int64_t m, int64_t c, const int32_t* d_offsets,
-                        int num_experts, uint8_t* codes, float* scales, DeviceStatus* status,
-                        cudaStream_t stream);
-// The inverse: codes [M, C] + FP32 scales (same two layouts) -> y [M, C] bf16 (RNE).
-void naive_dequantize_row(const uint8_t* codes, const float* scales, int64_t m, int64_t c,
-                          const int32_t* d_offsets, int num_experts, bf16_t* y,
-                          cudaStream_t stream);
-// xt [C, M] bf16 (already transposed) -> column-wise codes [C, M] and FP32 scales [max_blocks][C]
-// over the segments' 128-token blocks (GEMM-ready for wgrad).
-void naive_quantize_transposed(const bf16_t* xt, int64_t c, const SegmentBlocks& sb,
-                               uint8_t* codes, float* scales, DeviceStatus* status,
-                               cudaStream_t stream);
-// E weights w [E][N][K] bf16 -> codes [E][N][K], GEMM-ready FP32 block scales
-// [E][N/128][round_up(K/128, 4)], and the exact transpose: t_codes [E][K][N], t_scales
-// [E][K/128][round_up(N/128, 4)] (padding entries 0).
-void naive_quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k,
-                            uint8_t* codes, float* scales, uint8_t* t_codes, float* t_scales,
-                            DeviceStatus* status, cudaStream_t stream);
 
 // ---- expert parallelism: the send-side gathers and receive-side relayouts (src/cuda/moe/ep.cu) --
 // `row_map` below is the routing's row_map_unpadded [T, k]: the send order of DispatchPlan (rows

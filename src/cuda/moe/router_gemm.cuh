@@ -2,7 +2,7 @@
 // the launchers (kernels.cu), the benchmark (bench/flowmoe_bench_router.cu) and the GPU test
 // (tests/cuda/test_router_gemm_gpu.cu) instantiate the same code.
 //
-// Contract (kernels.cuh, bit-identical to src/cpu/moe_cpu.cpp): every output is ONE chain of fmas
+// Contract (kernels.cuh, bit-identical to the CPU layer, src/cpu/moe/): every output is ONE chain of fmas
 // in a fixed order, started from 0 -- z[t,e] over h = 0, 1, ..., H-1; dwr[e,h] over t = 0..T-1,
 // then dwr = dwr + acc. No split of a sum, no padding term inside a chain (even fma(0, w, acc) is
 // not an identity: it turns -0 into +0), so padding exists only along the output dimensions, whose

@@ -1,6 +1,7 @@
 // Batched device-to-device copy of many pieces in one kernel launch (per 960 pieces): the local
-// copies of a staged expert-parallel exchange (Communicator::copy_local of the NCCL communicator
-// and of the device SimWorld). Internal to the CUDA backend.
+// copies of a staged expert-parallel exchange (Communicator::copy_local of the NCCL communicator,
+// of the device SimWorld and of the CUDA layer). Public so that the communicators, which sit above
+// the CUDA backend, use it through its interface (link flowmoe_cuda).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,6 +1,7 @@
-// Internal interface of the CUDA MoE layer (src/cuda/moe/) for the benchmark and the tests: what
-// include/flowmoe/moe.h does not expose. Host-only declarations (no CUDA headers needed beyond
-// the stream typedef), usable from .cpp files linked with flowmoe_cuda.
+// Inspection of the CUDA MoE layer (make_cuda_layer, include/flowmoe/moe.h) for the CLI, the
+// benchmarks and the tests: per-stage timing, allocated bytes, host counters, and a device fill
+// for large inputs. Host-only declarations (no CUDA headers needed beyond the stream typedef),
+// usable from .cpp files linked with flowmoe_cuda.
 #pragma once
 
 #include <cstddef>

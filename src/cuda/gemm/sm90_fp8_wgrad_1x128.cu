@@ -1,6 +1,7 @@
-// FP8 block-scaled grouped wgrad for sm_90a: one persistent kernel over all experts (TMA loads,
-// WGMMA, FP32 promotion per 128-token block, TMA reduce-add / store epilogue that overlaps the
-// next tile's math). docs/GEMM.md, "The wgrad kernel".
+// FP8 (E4M3) block-scaled grouped wgrad for sm_90a, 1x128 scales along the tokens on both
+// operands: one persistent kernel over all experts (TMA loads, WGMMA, FP32 promotion per
+// 128-token block, TMA reduce-add / store epilogue that overlaps the next tile's math).
+// docs/GEMM.md, "The wgrad kernel".
 //
 //   dW_e [N, K] (+)= sum over the 128-token blocks b of expert e of
 //                    (dY_b^T . X_b) * sa[b][n] * sb[b][k]
@@ -15,9 +16,9 @@
 // roundings). Epilogue per warpgroup: the tile into shared memory (128-byte swizzled 64 x 32
 // boxes), then one thread issues TMA reduce-adds (accumulate) or stores into dW and the warpgroup
 // moves on; the buffer is waited for (read) only when the next tile's epilogue needs it.
+// The TMA, mbarrier, WGMMA and fence wrappers are the shared ones of src/cuda/sm90/.
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -26,7 +27,11 @@
 #include <vector>
 
 #include "cuda/common.cuh"
-#include "cuda/gemm/wgrad_sm90.h"
+#include "cuda/gemm/sm90_fp8_wgrad_1x128.h"
+#include "cuda/sm90/fence.cuh"
+#include "cuda/sm90/mbarrier.cuh"
+#include "cuda/sm90/tma.cuh"
+#include "cuda/sm90/wgmma.cuh"
 #include "flowmoe/error.h"
 #include "flowmoe/gemm.h"
 
@@ -58,105 +63,6 @@ struct Work {
   int nblk[kMaxWgradExperts];        // its 128-token blocks (>= 1)
 };
 
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FLOWMOE_SM90A 1
-#endif
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-#ifdef FLOWMOE_SM90A
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "LAB_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra DONE;\n"
-      "bra LAB_WAIT;\n"
-      "DONE:\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
-      : "memory");
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_u32(dst)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-}
-__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
-  asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(smem_u32(src)), "r"(c0), "r"(c1)
-               : "memory");
-}
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(smem_u32(src)), "r"(c0), "r"(c1)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void named_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row core groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  uint64_t d = 0;
-  d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
-  d |= static_cast<uint64_t>(1) << 16;             // leading byte offset (unused with this swizzle)
-  d |= static_cast<uint64_t>(1024 >> 4) << 32;     // stride byte offset
-  d |= static_cast<uint64_t>(1) << 62;             // 128-byte swizzle
-  return d;
-}
-
-// d[64] (m64n128 FP32 fragment) = (scale_d ? d : 0) + A(64 x 32) . B(128 x 32)^T, FP8 E4M3.
-__device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-#endif  // FLOWMOE_SM90A
-
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_kernel(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x,
                  const __grid_constant__ CUtensorMap map_dw, const __grid_constant__ Work work) {
@@ -180,12 +86,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&tile_full[s], 1);
       mbar_init(&tile_empty[s], 8);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
   const int tiles_k = work.tiles_k, per_expert = work.tiles_per_expert;
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    warpgroup_reg_dealloc<40>();
     if (t == 0) {
       // Tiles are taken from a global counter (not a fixed share per CTA): CTAs that start late
       // (their SM still busy with another stream's kernel) or meet short experts take fewer.
@@ -216,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  warpgroup_reg_alloc<232>();
   const int ci = wg - 1;                   // rows 64 ci .. 64 ci + 63 of the tile
   const int warp = t / 32, lane = t % 32;
   const int r0 = 16 * warp + lane / 4;     // fragment rows r0 and r0 + 8 (of the half tile)
@@ -252,7 +158,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_m64n128k32(blk, smem_desc(a_addr + 32 * kk), smem_desc(b_addr + 32 * kk), kk > 0);
+        wgmma_m64n128k32_e4m3(blk, smem_desc_k_major_sw128(a_addr + 32 * kk), smem_desc_k_major_sw128(b_addr + 32 * kk),
+                              kk > 0);
       wgmma_commit();
       wgmma_wait_all();
       __syncwarp();  // every lane's scale reads (above) before the warp releases the stage
@@ -305,36 +212,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  });
-  FLOWMOE_CHECK(fn != nullptr, "FP8 wgrad kernel: the driver has no cuTensorMapEncodeTiled (CUDA 12+ driver needed)");
-  return fn;
-}
-
-// 2-D map over a row-major [rows, cols] matrix of `elem`-byte elements, box [box_rows, box_cols].
-CUtensorMap make_map(const void* base, CUtensorMapDataType type, int elem, uint64_t rows, uint64_t cols,
-                     uint32_t box_rows, uint32_t box_cols, CUtensorMapSwizzle swizzle, const char* what) {
-  CUtensorMap m;
-  const cuuint64_t dims[2] = {cols, rows};
-  const cuuint64_t strides[1] = {cols * elem};
-  const cuuint32_t box[2] = {box_cols, box_rows};
-  const cuuint32_t estr[2] = {1, 1};
-  const CUresult r = encoder()(&m, type, 2, const_cast<void*>(base), dims, strides, box, estr,
-                               CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  FLOWMOE_CHECK(r == CUDA_SUCCESS, "FP8 wgrad kernel: cuTensorMapEncodeTiled failed for " << what << " (error " << int(r)
-                                       << ", [" << rows << ", " << cols << "] box [" << box_rows << ", " << box_cols << "])");
-  return m;
-}
-
 // SMs of the current device; the kernel's shared-memory limit raised once per device.
 int sm_count() {
   static std::mutex mu;
@@ -352,7 +229,7 @@ int sm_count() {
 
 }  // namespace
 
-int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
+int64_t fp8_wgrad_1x128(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
                    const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, int* tile_counter,
                    cudaStream_t stream) {
   const char* why = gemm::wgrad_kernel_unsupported(seg, n, k, false);
@@ -383,12 +260,12 @@ int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_
     if (!accumulate) FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw, 0, sizeof(float) * seg.num_segments() * n * k, stream));
     return 0;
   }
-  const CUtensorMap mdy = make_map(dy_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(n), uint64_t(m), kTile, kTile,
-                                   CU_TENSOR_MAP_SWIZZLE_128B, "dY (column-wise codes)");
-  const CUtensorMap mx = make_map(x_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(k), uint64_t(m), kTile, kTile,
-                                  CU_TENSOR_MAP_SWIZZLE_128B, "X (column-wise codes)");
-  const CUtensorMap mdw = make_map(dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(seg.num_segments()) * n,
-                                   uint64_t(k), 64, 32, CU_TENSOR_MAP_SWIZZLE_128B, "dW");
+  const CUtensorMap mdy = make_tensor_map_2d(dy_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(n), uint64_t(m), kTile, kTile,
+                                   CU_TENSOR_MAP_SWIZZLE_128B, "FP8 wgrad kernel: dY (column-wise codes)");
+  const CUtensorMap mx = make_tensor_map_2d(x_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(k), uint64_t(m), kTile, kTile,
+                                  CU_TENSOR_MAP_SWIZZLE_128B, "FP8 wgrad kernel: X (column-wise codes)");
+  const CUtensorMap mdw = make_tensor_map_2d(dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(seg.num_segments()) * n,
+                                   uint64_t(k), 64, 32, CU_TENSOR_MAP_SWIZZLE_128B, "FP8 wgrad kernel: dW");
   const int grid = std::min(work.total_tiles, sms);
   if (!accumulate)  // empty experts' gradients are zero (the kernel writes only the others)
     for (int e = 0; e < seg.num_segments(); ++e)

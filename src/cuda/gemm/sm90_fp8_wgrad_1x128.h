@@ -1,4 +1,5 @@
-// The sm_90a FP8 wgrad kernel behind cuda::GroupedGemm::wgrad (wgrad_sm90.cu; docs/GEMM.md).
+// The sm_90a FP8 wgrad kernel with 1x128 token-block scales behind cuda::GroupedGemm::wgrad
+// (sm90_fp8_wgrad_1x128.cu; docs/GEMM.md).
 #pragma once
 #include <cstdint>
 
@@ -21,7 +22,7 @@ constexpr int kMaxWgradExperts = 256;
 // different streams would share it and skip or repeat tiles). Nothing is enqueued before
 // everything that can throw has run. One kernel launch on `stream`; returns the launches (0 when
 // every expert is empty).
-int64_t wgrad_sm90(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
+int64_t fp8_wgrad_1x128(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
                    const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, int* tile_counter,
                    cudaStream_t stream);
 

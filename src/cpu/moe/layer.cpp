@@ -1,0 +1,185 @@
+// The CPU MoE layer's API and lifecycle (src/cpu/moe/layer.h): construction, set_weights (the
+// weight copies of the recipe), and the forward / backward entry points that run the recipe's
+// path (forward.cpp, backward.cpp) between the router (router.cpp) and the report.
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/moe_ep.h"
+#include "cpu/moe/layer.h"
+#include "flowmoe/error.h"
+#include "flowmoe/numerics.h"
+
+namespace flowmoe {
+namespace cpu_moe {
+namespace {
+
+void check_finite(const float* v, int64_t n, const char* name) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!num::f32_is_finite(v[i]))
+      throw NonFiniteError(__FILE__, __LINE__,
+                           std::string("MoeLayer::set_weights: ") + name +
+                               " holds a non-finite value at element " + std::to_string(i) +
+                               "; expected finite weights");
+}
+
+}  // namespace
+
+CpuMoeLayer::CpuMoeLayer(const MoeConfig& cfg)
+    : MoeLayer(cfg), spec_(recipe_spec(cfg.recipe)), E_(cfg.num_experts),
+      El_(cfg.num_local_experts()), H_(cfg.hidden), F_(cfg.ffn), K_(cfg.topk), comm_(cfg.comm) {
+  report_.recipe = cfg.recipe;
+  // Host workspaces for cfg.max_tokens (the reference operators still allocate their outputs).
+  route_.x.reserve(cfg.max_tokens * H_);
+  route_.logits.reserve(cfg.max_tokens * E_);
+  route_.row_probs.reserve(cfg.max_rows());
+}
+
+void CpuMoeLayer::set_weights(const MoeWeights& w) {
+  const char* what = "MoeLayer::set_weights";
+  FLOWMOE_CHECK(w.w1 && w.w2 && w.wr,
+                what << ": w1, w2 and wr must be non-null host pointers (W1 [El, 2F, H], W2 "
+                        "[El, H, F] of the El = "
+                     << El_ << " local experts, Wr [E, H] fp32)");
+  // W1, W2: this rank's El local experts (El = E on a single rank); Wr: all E (replicated).
+  const int64_t n1 = int64_t(El_) * 2 * F_ * H_, n2 = int64_t(El_) * H_ * F_;
+  check_finite(w.w1, n1, "W1");
+  check_finite(w.w2, n2, "W2");
+  check_finite(w.wr, int64_t(E_) * H_, "Wr");
+  WeightCopies& wc = weights_;
+  wc.wr.assign(w.wr, w.wr + int64_t(E_) * H_);
+  if (w.router_bias != nullptr)
+    wc.router_bias.assign(w.router_bias, w.router_bias + E_);
+  else
+    wc.router_bias.clear();
+  wc.w1_bf16.resize(n1);
+  wc.w2_bf16.resize(n2);
+  for (int64_t i = 0; i < n1; ++i) wc.w1_bf16[i] = num::f32_to_bf16(w.w1[i]);
+  for (int64_t i = 0; i < n2; ++i) wc.w2_bf16[i] = num::f32_to_bf16(w.w2[i]);
+
+  drop_ops(&report_, MoePass::kWeightUpdate);
+  OpLog log(&report_, MoePass::kWeightUpdate);
+  switch (spec_.weights) {
+    case WeightCopy::kBf16Only: break;
+    case WeightCopy::kFp8Block:
+      wc.w1_fp8.assign(El_, QTensor());
+      wc.w1t_fp8.assign(El_, QTensor());
+      wc.w2_fp8.assign(El_, QTensor());
+      wc.w2t_fp8.assign(El_, QTensor());
+      for (int e = 0; e < El_; ++e) {
+        cpu::quantize_weight(&wc.w1_bf16[e * 2 * F_ * H_], 2 * F_, H_, &wc.w1_fp8[e], &wc.w1t_fp8[e]);
+        cpu::quantize_weight(&wc.w2_bf16[e * H_ * F_], H_, F_, &wc.w2_fp8[e], &wc.w2t_fp8[e]);
+      }
+      break;
+    case WeightCopy::kFp8BlockFp32Scale:
+      wc.w1_fp32s.assign(El_, cpu::QTensorF32());
+      wc.w1t_fp32s.assign(El_, cpu::QTensorF32());
+      wc.w2_fp32s.assign(El_, cpu::QTensorF32());
+      wc.w2t_fp32s.assign(El_, cpu::QTensorF32());
+      for (int e = 0; e < El_; ++e) {
+        cpu::quantize_weight_fp32_scale(&wc.w1_bf16[e * 2 * F_ * H_], 2 * F_, H_, &wc.w1_fp32s[e],
+                                        &wc.w1t_fp32s[e]);
+        cpu::quantize_weight_fp32_scale(&wc.w2_bf16[e * H_ * F_], H_, F_, &wc.w2_fp32s[e],
+                                        &wc.w2t_fp32s[e]);
+      }
+      break;
+  }
+  if (spec_.quantize_w1 != nullptr) {
+    log.add(CastKind::kQuantize, spec_.quantize_w1, 2, n1);  // blocks + exact transpose
+    log.add(CastKind::kQuantize, spec_.quantize_w2, 2, n2);
+  }
+  have_weights_ = true;
+}
+
+void CpuMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
+  const char* what = "MoeLayer::forward";
+  collective_checks(comm_, what, [&] {
+    FLOWMOE_CHECK(have_weights_, what << ": no weights; call set_weights first");
+    FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
+                  what << ": T = " << tokens << " tokens; expected 1 <= T <= max_tokens = "
+                       << cfg_.max_tokens);
+    FLOWMOE_CHECK(x && y, what << ": x and y must be non-null host pointers to [T, H] bf16");
+  });
+  T_ = tokens;
+  have_forward_ = false;
+  drop_ops(&report_, MoePass::kForward);
+  drop_ops(&report_, MoePass::kBackward);
+  report_.saved.clear();
+  report_.columns.clear();
+  report_.wire.clear();
+  report_.forward_stats = QuantStats();
+  report_.backward_stats = QuantStats();
+  status_ = MoeStatus();
+  QuantStats& st = report_.forward_stats;
+
+  route(x, &st);
+  switch (cfg_.recipe) {
+    case Recipe::kBf16: forward_bf16(y, &st); break;
+    case Recipe::kBlockwise: forward_blockwise(y, &st); break;
+    case Recipe::kFp8Naive: forward_fp8_naive(y, &st); break;
+    case Recipe::kFlow:
+    case Recipe::kFlowFp4: forward_flow(y, &st); break;
+  }
+  save_routing_state();
+  forward_columns_ = report_.columns.size();
+  status_.nonfinite = st.nonfinite;
+  status_.underflow = st.underflow;
+  status_.aux_loss = route_.aux_loss;
+  have_forward_ = true;
+}
+
+void CpuMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
+  const char* what = "MoeLayer::backward";
+  collective_checks(comm_, what, [&] {
+    FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
+                                         "consumes the activations of the latest forward)");
+    FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null host pointers to [T, H] bf16");
+  });
+  drop_ops(&report_, MoePass::kBackward);
+  report_.wire.erase(
+      std::remove_if(report_.wire.begin(), report_.wire.end(),
+                     [](const WireTransfer& w) { return w.pass == MoePass::kBackward; }),
+      report_.wire.end());
+  report_.columns.resize(forward_columns_);  // drop the checks of an earlier backward
+  report_.backward_stats = QuantStats();
+  QuantStats& st = report_.backward_stats;
+  // expert path: dXp [Mp, H] bf16, dp [Mp] fp32
+  std::vector<bf16_t> dxp(Mp_ * H_);
+  std::vector<float> dp(Mp_, 0.0f);
+  switch (cfg_.recipe) {
+    case Recipe::kBf16: backward_bf16(dy, g, dxp.data(), dp.data(), &st); break;
+    case Recipe::kBlockwise: backward_blockwise(dy, g, dxp.data(), dp.data(), &st); break;
+    case Recipe::kFp8Naive: backward_fp8_naive(dy, g, dxp.data(), dp.data(), &st); break;
+    case Recipe::kFlow:
+    case Recipe::kFlowFp4: backward_flow(dy, g, dxp.data(), dp.data(), &st); break;
+  }
+  backward_router(dxp, dp, g, dx);
+  status_.nonfinite += st.nonfinite;
+  status_.underflow += st.underflow;
+}
+
+}  // namespace cpu_moe
+
+std::unique_ptr<MoeLayer> make_cpu_layer(const MoeConfig& cfg) {
+  if (cfg.comm == nullptr) {
+    cfg.validate();
+    return std::unique_ptr<MoeLayer>(new cpu_moe::CpuMoeLayer(cfg));
+  }
+  // Expert parallelism: collective. First the configuration across ranks (a mismatch is a
+  // CommError on every rank, reported identically), then each rank's own checks, agreed on by
+  // every rank, so that nobody is left waiting in a later collective.
+  Communicator& comm = *cfg.comm;
+  const char* what = "make_cpu_layer";
+  ep_detail::check_uniform_config(comm, what, cfg);
+  collective_checks(&comm, what, [&] {
+    cfg.validate();
+    FLOWMOE_CHECK(comm.memory_space() == MemorySpace::kHost,
+                  what << ": the CPU layer moves host memory but the communicator ("
+                       << comm.backend() << ") moves device memory; expected a host-memory "
+                          "communicator such as SimWorld's");
+  });
+  return std::unique_ptr<MoeLayer>(new cpu_moe::CpuMoeLayer(cfg));
+}
+
+}  // namespace flowmoe

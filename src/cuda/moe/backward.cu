@@ -1,0 +1,197 @@
+// The CUDA layer's backward per recipe, up to the dX rows: dY to the experts, GEMM2 dgrad + wgrad,
+// dSwiGLU*prob, GEMM1 dgrad + wgrad. Each path leaves the dX rows [Mp, H] bf16 in
+// ExpertBuffers::dx_rows and the partial sums of dp ([F/128][Mp], swiglu.h) in
+// RoutingBuffers::dprob_partials, and calls mark_dx_rows_ready() between GEMM1 dgrad and GEMM1
+// wgrad; the tail (backward_tail.cu) continues from there. In every path a dgrad runs before the
+// wgrad that reads the same gradient.
+//   GEMM2 dgrad / wgrad: bf16 and fp8-naive below, blockwise / flow / flow-fp4 in fp8_gemm2_grads
+//   GEMM1 dgrad / wgrad: bf16 and fp8-naive below, blockwise / flow / flow-fp4 in fp8_gemm1_grads
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/common.cuh"
+#include "cuda/moe/layer.h"
+#include "flowmoe/swiglu.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+
+// ---- bf16 ----------------------------------------------------------------------------------------
+void CudaMoeLayer::backward_bf16(const bf16_t* dy, const MoeGrads& g) {
+  ExpertBuffers& b = ws_.expert;
+  const WeightBuffers& w = ws_.weights;
+  { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");
+    move_bf16(dy, b.dy_rows, MoePass::kBackward, report_names::kDispatchDy); }
+  { auto s = bwd("GEMM2 dgrad (bf16)");
+    gemm_->dgrad_bf16(seg_, H_, F_, cs<bf16_t>(b.dy_rows, Mp_ * H_), cs<bf16_t>(w.w2_bf16, int64_t(El_) * H_ * F_),
+                      ms<bf16_t>(b.da, Mp_ * F_), stream_); }
+  if (g.dw2) { auto s = bwd("GEMM2 wgrad (bf16)");
+    gemm_->wgrad_bf16(seg_, H_, F_, cs<bf16_t>(b.dy_rows, Mp_ * H_), cs<bf16_t>(b.a, Mp_ * F_),
+                      dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_); }
+  { auto s = bwd("dSwiGLU*prob (bf16)");
+    cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials); }
+  // GEMM1 dgrad overwrites dY's storage with the dX rows: GEMM2's grads have read it
+  { auto s = bwd("GEMM1 dgrad (bf16)");
+    gemm_->dgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(b.dh, Mp_ * 2 * F_), cs<bf16_t>(w.w1_bf16, int64_t(El_) * 2 * F_ * H_),
+                      ms<bf16_t>(b.dx_rows, Mp_ * H_), stream_); }
+  mark_dx_rows_ready();
+  if (g.dw1) { auto s = bwd("GEMM1 wgrad (bf16)");
+    gemm_->wgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(b.dh, Mp_ * 2 * F_), cs<bf16_t>(b.x_perm, Mp_ * H_),
+                      dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
+}
+
+// ---- blockwise -----------------------------------------------------------------------------------
+void CudaMoeLayer::backward_blockwise(const bf16_t* dy, const MoeGrads& g) {
+  ExpertBuffers& b = ws_.expert;
+  const SegmentBlocks sb = blocks();
+  { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");
+    move_bf16(dy, b.dy_rows, MoePass::kBackward, report_names::kDispatchDy); }
+  { auto s = bwd("quantize dY (row + col)");
+    quantize_col(b.dy_rows, H_, sb, b.dy_col.codes, b.dy_col.ue8m0(), b.dy_row.codes, b.dy_row.ue8m0(), st_bwd(),
+                 stream_); }
+  log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYBoth, 1, 2, Mp_ * H_);
+  fp8_gemm2_grads(g, -1);  // (it ends before the dh quantize overwrites dY's copies)
+  { auto s = bwd("dSwiGLU*prob (bf16)");
+    cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials); }
+  { auto s = bwd("quantize dh (row + col)");
+    quantize_col(b.dh, 2 * F_, sb, b.dh_col.codes, b.dh_col.ue8m0(), b.dh_row.codes, b.dh_row.ue8m0(), st_bwd(),
+                 stream_); }
+  log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhBoth, 1, 2, Mp_ * 2 * F_);
+  fp8_gemm1_grads(g, b.x_perm_col, -1);
+}
+
+// The UE8M0 recipes' backward GEMMs (blockwise, flow, flow-fp4), each dgrad followed by the wgrad
+// that reads the same gradient; `side`: the side event the wgrad waits for, or -1.
+// GEMM2: dgrad from dY row-wise into da, wgrad from dY's and a''s column copies into dW2.
+void CudaMoeLayer::fp8_gemm2_grads(const MoeGrads& g, int side) {
+  ExpertBuffers& b = ws_.expert;
+  { auto s = bwd("GEMM2 dgrad (fp8)");
+    const Fp8Op dyo = act_operand(b.dy_row, H_, st_bwd_aux());
+    gemm_->dgrad(seg_, H_, F_, dyo, weight_operand(ws_.weights.w2t, F_, H_), ms<bf16_t>(b.da, Mp_ * F_), stream_); }
+  if (side >= 0) streams_.join(side);
+  if (!g.dw2) return;
+  auto s = bwd("GEMM2 wgrad (fp8)");
+  const Fp8Op dyc = col_operand(b.dy_col, H_, b.grad_col_scales, stream_);
+  const Fp8Op acc = col_operand(b.a_col, F_, b.input_col_scales, stream_);
+  gemm_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_);
+}
+// GEMM1: dgrad from dh row-wise into the dX rows, then mark_dx_rows_ready; wgrad from dh's column
+// copy and x_perm's (`x_perm_col`) into dW1.
+void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& x_perm_col, int side) {
+  ExpertBuffers& b = ws_.expert;
+  { auto s = bwd("GEMM1 dgrad (fp8)");
+    const Fp8Op dho = act_operand(b.dh_row, 2 * F_, st_bwd_aux());
+    gemm_->dgrad(seg_, 2 * F_, H_, dho, weight_operand(ws_.weights.w1t, H_, 2 * F_), ms<bf16_t>(b.dx_rows, Mp_ * H_),
+                 stream_); }
+  mark_dx_rows_ready();
+  if (side >= 0) streams_.join(side);
+  if (!g.dw1) return;
+  auto s = bwd("GEMM1 wgrad (fp8)");
+  const Fp8Op dhc = col_operand(b.dh_col, 2 * F_, b.grad_col_scales, stream_);
+  const Fp8Op xc = col_operand(x_perm_col, H_, b.input_col_scales, stream_);
+  gemm_->wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_);
+}
+
+// ---- fp8-naive -----------------------------------------------------------------------------------
+// Column copy: dequantize (row, FP32 scales, expert-packed) -> transpose -> quantize column-wise
+// with fresh FP32 scales into `col`.
+void CudaMoeLayer::naive_col(const QTensorView& row, int64_t c, const QTensorView& col, WgradOperand what) {
+  ExpertBuffers& b = ws_.expert;
+  const SegmentBlocks sb = blocks();
+  dequantize_row_fp32_scale(row.codes, row.f32(), Mp_, c, segment_offsets(), El_, b.naive_dequantized, stream_);
+  log(MoePass::kBackward, CastKind::kDequantize, dq_t_q_dequantize_name(what), 1, 1, Mp_ * c);
+  transpose_bf16(b.naive_dequantized, Mp_, c, b.naive_transposed, stream_);
+  quantize_transposed_fp32_scale(b.naive_transposed, c, sb, col.codes, col.f32(), st_bwd(), stream_);
+  log(MoePass::kBackward, CastKind::kQuantize, dq_t_q_quantize_name(what), 1, 1, Mp_ * c);
+}
+
+void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
+  ExpertBuffers& b = ws_.expert;
+  const WeightBuffers& w = ws_.weights;
+  naive_entry(MoePass::kBackward, dy, b.dy_rows);
+  { auto s = bwd("quantize dY (row, fp32 scales)");
+    quantize_row_fp32_scale(b.dy_rows, Mp_, H_, segment_offsets(), El_, b.dy_row_f32.codes, b.dy_row_f32.f32(), st_bwd(),
+                       stream_); }
+  log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYFp32Scale, 1, 1, Mp_ * H_);
+  { auto s = bwd("DQ->T->Q dY"); naive_col(b.dy_row_f32, H_, b.dy_col_f32, WgradOperand::kGemm2Grad); }
+  { auto s = bwd("GEMM2 dgrad (fp8)");
+    gemm_->dgrad(seg_, H_, F_, f32_row_operand(b.dy_row_f32, H_), weight_operand(w.w2t, F_, H_),
+                 ms<bf16_t>(b.da, Mp_ * F_), stream_); }
+  { auto s = bwd("DQ->T->Q a'"); naive_col(b.a_f32, F_, b.a_col_f32, WgradOperand::kGemm2Input); }
+  if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
+    gemm_->wgrad(seg_, H_, F_, f32_col_operand(b.dy_col_f32, H_), f32_col_operand(b.a_col_f32, F_),
+                 dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_); }
+  { auto s = bwd("dSwiGLU*prob (bf16)");
+    cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials); }
+  { auto s = bwd("quantize dh (row, fp32 scales)");
+    quantize_row_fp32_scale(b.dh, Mp_, 2 * F_, segment_offsets(), El_, b.dh_row_f32.codes, b.dh_row_f32.f32(), st_bwd(),
+                       stream_); }
+  log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhFp32Scale, 1, 1, Mp_ * 2 * F_);
+  { auto s = bwd("DQ->T->Q dh"); naive_col(b.dh_row_f32, 2 * F_, b.dh_col_f32, WgradOperand::kGemm1Grad); }
+  { auto s = bwd("GEMM1 dgrad (fp8)");
+    gemm_->dgrad(seg_, 2 * F_, H_, f32_row_operand(b.dh_row_f32, 2 * F_), weight_operand(w.w1t, H_, 2 * F_),
+                 ms<bf16_t>(b.dx_rows, Mp_ * H_), stream_); }
+  mark_dx_rows_ready();
+  { auto s = bwd("DQ->T->Q x_perm"); naive_col(b.x_perm_f32, H_, b.x_perm_col_f32, WgradOperand::kGemm1Input); }
+  if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
+    gemm_->wgrad(seg_, 2 * F_, H_, f32_col_operand(b.dh_col_f32, 2 * F_), f32_col_operand(b.x_perm_col_f32, H_),
+                 dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
+}
+
+// ---- flow, flow-fp4 ------------------------------------------------------------------------------
+void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
+  ExpertBuffers& b = ws_.expert;
+  const RecipeSpec& spec = recipe_spec(cfg_.recipe);
+  const bool fp4 = spec.entry == TensorFormat::kMxfp4Row;
+  const bool side = streams_.side_on();
+  const SegmentBlocks sb = blocks();
+  { auto s = bwd("quantize dy (entry)");
+    quantize_row(dy, T_, H_, b.entry_fp8.codes, b.entry_fp8.ue8m0(), st_bwd(), stream_); }
+  log(MoePass::kBackward, CastKind::kQuantize, spec.quantize_dy_entry, 1, 1, T_ * H_);
+  { auto s = bwd(comm_ ? "dispatch dy (fp8)" : "permute+pad dy (fp8)");
+    move_fp8(b.entry_fp8, b.dy_row, MoePass::kBackward, report_names::kDispatchDy); }
+  {  // the wgrad copies on the side stream: dY's next to GEMM2 dgrad (both read dY row-wise),
+     // then x_perm's next to everything up to GEMM1 wgrad (its buffer is free until then)
+    cudaStream_t ts = streams_.fork();
+    {
+      auto s = bwd(side ? "scaling-aware transpose dY (side stream)" : "scaling-aware transpose dY", ts);
+      scaling_aware_transpose(b.dy_row.codes, b.dy_row.ue8m0(), H_, sb, b.dy_col.codes, b.dy_col.ue8m0(), st_bwd(),
+                              ts, cfg_.transpose_exponent);
+    }
+    streams_.mark(LayerStreams::kSideA);
+    if (!fp4) {
+      auto s = bwd(side ? "scaling-aware transpose x_perm (side stream)" : "scaling-aware transpose x_perm", ts);
+      scaling_aware_transpose(b.x_perm_row.codes, b.x_perm_row.ue8m0(), H_, sb, b.x_perm_col_flow.codes,
+                              b.x_perm_col_flow.ue8m0(), st_bwd(), ts, cfg_.transpose_exponent);
+    } else {
+      auto s = bwd(side ? "FP4RowToFP8Col x_perm (side stream)" : "FP4RowToFP8Col x_perm", ts);
+      fp4_to_fp8_col(b.x_perm_mxfp4.codes, b.x_perm_mxfp4.ue8m0(), H_, sb, b.x_perm_col_flow.codes,
+                     b.x_perm_col_flow.ue8m0(), st_bwd(), ts, cfg_.transpose_exponent);
+    }
+    streams_.mark(LayerStreams::kSideB);
+  }
+  log(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm2Grad).op, 1, 1, Mp_ * H_);
+  fp8_gemm2_grads(g, LayerStreams::kSideA);  // the wgrad after dY's column copy
+  // the dSwiGLU below overwrites dY's row and column copies
+  streams_.join(LayerStreams::kSideA);  // (also when there is no wgrad of W2: the transpose read dY row)
+  const QTensorView& hs = b.h_saved;
+  if (!fp4) {
+    auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
+    dswiglu_quant_fp8h(b.da, hs.codes, hs.ue8m0(), F_, sb, b.dh_row.codes, b.dh_row.ue8m0(), b.dh_col.codes,
+                       b.dh_col.ue8m0(), st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials);
+  } else {
+    auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from mxfp4 h)");
+    dswiglu_quant_fp4h(b.da, hs.codes, hs.ue8m0(), F_, sb, b.dh_row.codes, b.dh_row.ue8m0(), b.dh_col.codes,
+                       b.dh_col.ue8m0(), st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials);
+  }
+  log(MoePass::kBackward, CastKind::kFused, report_names::kDswigluQuantRowCol, 1, 2, Mp_ * 2 * F_);
+  log(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, Mp_ * H_);
+  fp8_gemm1_grads(g, b.x_perm_col_flow, LayerStreams::kSideB);  // the wgrad after x_perm's column copy
+  streams_.join(LayerStreams::kSideB);  // the side stream idle before the next forward reuses x_perm
+}
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe

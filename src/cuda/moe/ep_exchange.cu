@@ -1,0 +1,254 @@
+// The CUDA layer's token movement: token rows [T, H] to the padded rows [Mp, H] of the local
+// experts and back. One GPU: permute+pad / unpermute (token.h). Expert parallelism (cfg.comm, a
+// device-memory communicator; docs/EP.md §6): dispatch / combine in the recipe's wire format (the
+// CPU layer's plan), deduplicated by default (CudaLayerOptions::ep_dedup).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "cuda/moe/layer.h"
+#include "flowmoe/cuda/copy_pieces.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+
+void CudaMoeLayer::log_combine(MoePass pass, const std::string& name, const std::string& format,
+                               int64_t row_bytes) {
+  rep_.wire.push_back(ep_detail::combine_transfer(pass, name, format, row_bytes, plan_));
+}
+
+// One exchange of the communicator. Stream contract: the send buffers were written (and the
+// receive buffers zeroed) on stream_, so stream_ is synchronised first; the communicator then
+// moves the bytes (device SimWorld: blocking copies; NCCL: ordered on its own stream) and
+// comm.synchronize() waits for them, so the work enqueued on stream_ afterwards reads complete
+// rows whatever stream the communicator uses. One host sync of stream_ per exchange (counted)
+// plus the communicator's.
+void CudaMoeLayer::ep_exchange(const std::function<void()>& fn) {
+  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  ++host_syncs_;
+  fn();
+  comm_->synchronize();
+}
+
+// EP: moves `streams` (send-order rows -> their padded rows on the experts' ranks) in one
+// exchange, with the routing probabilities (FP32, into row_prob) in the forward; the padding rows
+// of every receive buffer are zero.
+void CudaMoeLayer::ep_dispatch(MoePass pass, const char* name, WireFormat f, std::vector<RowStream> streams) {
+  EpBuffers& ep = ws_.ep;
+  const DispatchPlan p = ep_detail::plan_for(plan_, pass, f);
+  if (pass == MoePass::kForward) {
+    ep_gather_rows(ws_.routing.probs, int64_t(sizeof(float)), true, ws_.routing.tokens.row_map_unpadded, T_, K_,
+                   ep.send_probs, stream_);
+    streams.push_back({ep.send_probs, ws_.routing.row_prob, int64_t(sizeof(float))});
+  }
+  // the exchange writes every row but the padding: one batched fill of El ranges per stream
+  std::vector<CopyPiece> pad;
+  for (const RowStream& st : streams)
+    for (int l = 0; l < p.local_experts; ++l) {
+      const int64_t first = int64_t(p.padded_offsets[l]) + p.expert_counts[l], end = p.padded_offsets[l + 1];
+      if (end > first)
+        pad.push_back({nullptr, static_cast<uint8_t*>(st.recv) + first * st.row_bytes, (end - first) * st.row_bytes});
+    }
+  cuda::comm::copy_pieces(pad, stream_);
+  ep_exchange([&] { dispatch_rows(*comm_, p, streams, direct_bytes_); });
+  rep_.wire.push_back(ep_detail::dispatch_transfer(pass, name, p));
+}
+
+// Deduplicated dispatch: each token travels once to each rank holding one of its experts
+// (tokens_to_ranks.row_map gives its row among the rows to that rank, token order per rank); the
+// forward adds its k expert ids and probabilities. The receiver routes the received tokens over
+// its El experts (received_tokens: rank 0's tokens first, each rank's in token order, so the
+// padded layout is the plan's, row for row) and then runs the one-GPU permute+pad kernels on
+// them: the bits of the per-(token, expert) exchange, with at most min(W, k) rows per token on
+// the wire instead of k. `streams`: the token rows already gathered by tokens_to_ranks.row_map
+// (send) and the recv_* buffers, rank-major. One message per peer and stream; own rows by a
+// local copy.
+void CudaMoeLayer::dedup_exchange(MoePass pass, const char* name, const std::string& format,
+                                  std::vector<RowStream> streams) {
+  EpBuffers& ep = ws_.ep;
+  const bool fwd = pass == MoePass::kForward;
+  const int W = comm_->world_size(), me = comm_->rank();
+  if (fwd) {
+    ep_gather_rows(ws_.routing.ids, int64_t(sizeof(int32_t)) * K_, false, ep.tokens_to_ranks.row_map, T_, K_,
+                   ep.send_ids, stream_);
+    ep_gather_rows(ws_.routing.probs, int64_t(sizeof(float)) * K_, false, ep.tokens_to_ranks.row_map, T_, K_,
+                   ep.send_token_probs, stream_);
+    streams.push_back({ep.send_ids, ep.recv_ids, int64_t(sizeof(int32_t)) * K_});
+    streams.push_back({ep.send_token_probs, ep.recv_probs, int64_t(sizeof(float)) * K_});
+  }
+  std::vector<int64_t> so(W + 1, 0), ro(W + 1, 0);
+  for (int p = 0; p < W; ++p) {
+    so[p + 1] = so[p] + plan_.send_tokens[p];
+    ro[p + 1] = ro[p] + plan_.recv_tokens[p];
+  }
+  FLOWMOE_CHECK(ro[W] <= int64_t(W) * max_tokens_,
+                "MoeLayer: " << ro[W] << " tokens received; expected at most " << int64_t(W) * max_tokens_);
+  std::vector<P2pOp> sends, recvs;
+  std::vector<CopyPiece> own;
+  int64_t row_bytes = 0;
+  for (const RowStream& st : streams) row_bytes += st.row_bytes;
+  for (int p = 0; p < W; ++p)
+    for (const RowStream& st : streams) {
+      uint8_t* src = const_cast<uint8_t*>(static_cast<const uint8_t*>(st.send)) + so[p] * st.row_bytes;
+      uint8_t* dst = static_cast<uint8_t*>(st.recv) + ro[p] * st.row_bytes;
+      const int64_t ns = (so[p + 1] - so[p]) * st.row_bytes, nr = (ro[p + 1] - ro[p]) * st.row_bytes;
+      if (p == me) {
+        if (ns > 0) own.push_back({src, dst, ns});
+        continue;
+      }
+      if (ns > 0) sends.push_back({p, src, ns});
+      if (nr > 0) recvs.push_back({p, dst, nr});
+    }
+  cuda::comm::copy_pieces(own, stream_);
+  ep_exchange([&] { comm_->exchange(sends, recvs); });
+  if (fwd) {
+    dedup_recv_tokens_ = ro[W];
+    Routing& rr = ep.received_tokens;
+    rr.tokens = dedup_recv_tokens_;
+    if (rr.tokens > 0) {
+      ep_local_ids(ep.recv_ids, rr.tokens, K_, El_, me, ep.recv_local_ids, stream_);
+      build_routing(ep.recv_local_ids, rr, nullptr, stream_);
+      scatter_row_probs(ep.recv_probs, rr.row_map, rr.tokens, K_, ws_.routing.row_prob, stream_);
+    }
+  }
+  WireTransfer w;
+  w.pass = pass;
+  w.name = name;
+  w.format = format + (fwd ? " + k ids + k probs" : "") + " (deduplicated: one row per token and rank)";
+  for (int p = 0; p < W; ++p)
+    if (p != me) w.rows += so[p + 1] - so[p];
+  w.bytes = w.rows * row_bytes;
+  rep_.wire.push_back(w);
+}
+
+// token rows [T, H] bf16 -> padded rows [Mp, H] bf16 of the local experts
+void CudaMoeLayer::move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name) {
+  const Routing& routing = ws_.routing.tokens;
+  EpBuffers& ep = ws_.ep;
+  if (comm_ == nullptr) {
+    permute_pad_bf16(tok, H_, routing, rows, stream_);
+    return;
+  }
+  if (dedup_) {
+    ep_gather_rows(tok, 2 * H_, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_rows, stream_);
+    dedup_exchange(pass, name, "bf16", {{ep.send_rows, ep.recv_tokens, 2 * H_}});
+    permute_pad_bf16(reinterpret_cast<const bf16_t*>(ep.recv_tokens), H_, ep.received_tokens, rows, stream_);
+    return;
+  }
+  ep_gather_rows(tok, 2 * H_, false, routing.row_map_unpadded, T_, K_, ep.send_rows, stream_);
+  ep_dispatch(pass, name, WireFormat::kBf16, {{ep.send_rows, rows, 2 * H_}});
+}
+
+// FP8 row-wise token rows (codes [T, H], scales [H/128][T]) -> rows: codes [Mp, H], scales
+// [H/128][Mp]. EP wire format fp8: codes + UE8M0 scales row-major [rows][H/128] next to them; the
+// receiver transposes the scales (as the CPU's ep_dispatch_fp8).
+void CudaMoeLayer::move_fp8(const QTensorView& tok, const QTensorView& rows, MoePass pass, const char* name) {
+  const Routing& routing = ws_.routing.tokens;
+  EpBuffers& ep = ws_.ep;
+  if (comm_ == nullptr) {
+    permute_pad_fp8(tok.codes, tok.ue8m0(), H_, routing, rows.codes, rows.ue8m0(), Mp_, stream_);
+    return;
+  }
+  const int64_t nc = H_ / 128;
+  if (dedup_) {
+    ep_gather_rows(tok.codes, H_, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_rows, stream_);
+    ep_gather_col_scales(tok.ue8m0(), nc, 1, ep.tokens_to_ranks.row_map, T_, K_, ep.send_scales, stream_);
+    dedup_exchange(pass, name, "fp8 + ue8m0 1x128 scales",
+                   {{ep.send_rows, ep.recv_tokens, H_}, {ep.send_scales, ep.recv_token_scales, nc}});
+    ep_transpose_scales(ep.recv_token_scales, dedup_recv_tokens_, nc, 1, ep.recv_token_scales_col,
+                        std::max<int64_t>(dedup_recv_tokens_, 1), stream_);
+    permute_pad_fp8(ep.recv_tokens, ep.recv_token_scales_col, H_, ep.received_tokens, rows.codes, rows.ue8m0(),
+                    std::max<int64_t>(Mp_, 1), stream_);
+    return;
+  }
+  ep_gather_rows(tok.codes, H_, false, routing.row_map_unpadded, T_, K_, ep.send_rows, stream_);
+  ep_gather_col_scales(tok.ue8m0(), nc, 1, routing.row_map_unpadded, T_, K_, ep.send_scales, stream_);
+  ep_dispatch(pass, name, WireFormat::kFp8, {{ep.send_rows, rows.codes, H_}, {ep.send_scales, ep.recv_scales, nc}});
+  ep_transpose_scales(ep.recv_scales, Mp_, nc, 1, rows.ue8m0(), Mp_, stream_);
+}
+
+// MXFP4 token rows (codes [T, H/2], scales [T][H/32]) -> rows [Mp, H/2] + [Mp][H/32] (the wire
+// layout is the final layout). Forward only.
+void CudaMoeLayer::move_mxfp4(const QTensorView& tok, const QTensorView& rows) {
+  const Routing& routing = ws_.routing.tokens;
+  EpBuffers& ep = ws_.ep;
+  if (comm_ == nullptr) {
+    permute_pad_mxfp4(tok.codes, tok.ue8m0(), H_, routing, rows.codes, rows.ue8m0(), stream_);
+    return;
+  }
+  if (dedup_) {
+    ep_gather_rows(tok.codes, H_ / 2, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_rows, stream_);
+    ep_gather_rows(tok.ue8m0(), H_ / 32, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_scales, stream_);
+    dedup_exchange(MoePass::kForward, report_names::kDispatchX, "mxfp4 + ue8m0 1x32 scales",
+                   {{ep.send_rows, ep.recv_tokens, H_ / 2}, {ep.send_scales, ep.recv_token_scales, H_ / 32}});
+    permute_pad_mxfp4(ep.recv_tokens, ep.recv_token_scales, H_, ep.received_tokens, rows.codes, rows.ue8m0(),
+                      stream_);
+    return;
+  }
+  ep_gather_rows(tok.codes, H_ / 2, false, routing.row_map_unpadded, T_, K_, ep.send_rows, stream_);
+  ep_gather_rows(tok.ue8m0(), H_ / 32, false, routing.row_map_unpadded, T_, K_, ep.send_scales, stream_);
+  ep_dispatch(MoePass::kForward, report_names::kDispatchX, WireFormat::kMxfp4,
+              {{ep.send_rows, rows.codes, H_ / 2}, {ep.send_scales, rows.scales, H_ / 32}});
+}
+
+// fp8-naive with EP: the entry codes and FP32 scales ([H/128][T]) travel (wire format
+// fp8-fp32scale, scales row-major next to the codes), land in x_recv_f32's codes and recv_scales,
+// the scales are transposed into x_recv_f32's scales ([H/128][Mp]) and the rows dequantized into
+// out [Mp, H] bf16 (padding rows: code 0 x scale 0 = +0, the zero rows one GPU's permute+pad
+// writes). Dequantization is element-wise, so this gives the bits of dequantize-then-permute.
+// Returns the elements counted for the report: the received routed rows (as the CPU layer).
+int64_t CudaMoeLayer::move_naive(bf16_t* out, MoePass pass, const char* name) {
+  const Routing& routing = ws_.routing.tokens;
+  EpBuffers& ep = ws_.ep;
+  const QTensorView& entry = ws_.expert.entry_f32;
+  const QTensorView& recv = ws_.expert.x_recv_f32;
+  const int64_t nc = H_ / 128;
+  ep_gather_rows(entry.codes, H_, false, routing.row_map_unpadded, T_, K_, ep.send_rows, stream_);
+  ep_gather_col_scales(entry.f32(), nc, 4, routing.row_map_unpadded, T_, K_, ep.send_scales, stream_);
+  ep_dispatch(pass, name, WireFormat::kFp8Fp32Scale,
+              {{ep.send_rows, recv.codes, H_}, {ep.send_scales, ep.recv_scales, 4 * nc}});
+  ep_transpose_scales(ep.recv_scales, Mp_, nc, 4, recv.f32(), Mp_, stream_);
+  dequantize_row_fp32_scale(recv.codes, recv.f32(), Mp_, H_, nullptr, El_, out, stream_);
+  return held_ * H_;
+}
+
+// expert output rows [Mp, H] -> y [T, H] (plain sum in slot order; EP: the rows come back to the
+// token's rank in send order first, and the sum runs there, as unpermute does)
+void CudaMoeLayer::combine_y(bf16_t* y) {
+  const Routing& routing = ws_.routing.tokens;
+  const bf16_t* rows = ws_.expert.y_rows;
+  if (comm_ == nullptr) {
+    unpermute_unpad(rows, nullptr, H_, routing, y, stream_);
+    return;
+  }
+  bf16_t* back = ws_.ep.combined_rows;
+  ep_exchange([&] { combine_rows(*comm_, plan_, {{rows, back, 2 * H_}}, direct_bytes_); });
+  log_combine(MoePass::kForward, report_names::kCombineOutput, report_names::kCombineOutputFormat, 2 * H_);
+  // the unpadded map addresses the send-order rows that just came back; same kernel and
+  // arithmetic as unpermute_unpad (token.h)
+  unpermute(back, nullptr, H_, routing, y, stream_);
+}
+
+// Called by every recipe's backward right after GEMM1 dgrad wrote the dX rows and before GEMM1
+// wgrad: marks the point (dx_ready), so that the tail (one GPU: on the tail stream; EP: the
+// combine, after each row's dprob partials are summed here) runs while the wgrad computes.
+void CudaMoeLayer::mark_dx_rows_ready() {
+  if (!comm_) {
+    if (streams_.tail()) {
+      FLOWMOE_CUDA_CHECK(cudaEventRecord(streams_.dx_ready(), stream_));
+      dx_ready_marked_ = true;
+    }
+    return;
+  }
+  ep_sum_row_dprobs(ws_.routing.dprob_partials, F_ / 128, Mp_, ws_.ep.row_dprob, stream_);
+  FLOWMOE_CUDA_CHECK(cudaEventRecord(streams_.dx_ready(), stream_));
+  dx_ready_marked_ = true;
+}
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe

@@ -1,0 +1,190 @@
+// The CUDA MoE layer (include/flowmoe/moe.h make_cuda_layer; docs/MOE_GPU.md): the five recipes of
+// SPEC §6 built from the CUDA operators (convert.h, token.h, swiglu.h, gemm.h) and the layer's own
+// kernels (kernels.cuh), with the dataflow of the CPU backend step for step, so that the two can
+// be compared on the same inputs. One class, its members defined by job:
+//   layer.cu        API and lifecycle: construction, set_weights, forward / backward entry points,
+//                   make_cuda_layer, moe_debug.h
+//   workspace.h/.cu the device buffers (named views), allocated once at construction
+//   streams.h/.cu   side stream (fork / mark / join), tail stream, stage clock
+//   routing.cu      router, routing tables, the one host sync, the EP dispatch plan
+//   ep_exchange.cu  token movement: permute+pad / unpermute on one GPU, dispatch / combine with EP
+//   forward.cu      forward per recipe (forward_bf16, forward_blockwise, forward_naive, forward_flow)
+//   backward.cu     backward per recipe: GEMM2 / GEMM1 dgrad + wgrad (backward_*, fp8_gemm*_grads)
+//   backward_tail.cu the common tail: dprobs, router backward, dWr, dx (tail stream / EP combine)
+//   operands.cu     the workspace's FP8 tensors and the weights as GEMM operands
+//   report.cu       the cast report, saved tensors, status counters, stage times
+//
+// Synchronisation: one per forward (the per-expert padded counts, which the grouped GEMM's
+// per-expert launches need on the host, fetched right after routing); backward reuses them and
+// does not synchronise. set_weights synchronises once (non-finite check of the masters).
+// cast_report() and status() synchronise to read the device counters.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/moe_ep.h"
+#include "cuda/moe/kernels.cuh"
+#include "flowmoe/cuda/qtensor_view.h"
+#include "cuda/moe/streams.h"
+#include "cuda/moe/workspace.h"
+#include "flowmoe/comm.h"
+#include "flowmoe/cuda/convert.h"
+#include "flowmoe/cuda/moe_debug.h"
+#include "flowmoe/gemm.h"
+#include "flowmoe/moe.h"
+#include "flowmoe/recipe.h"
+#include "flowmoe/token.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+
+// GEMM spans of n elements: read-only (cs) and written (ms).
+template <typename T>
+gemm::Span<const T> cs(const T* p, int64_t n) { return {p, n}; }
+template <typename T>
+gemm::Span<T> ms(T* p, int64_t n) { return {p, n}; }
+
+class CudaMoeLayer final : public MoeLayer {
+ public:
+  CudaMoeLayer(const MoeConfig& cfg, cudaStream_t stream, const CudaLayerOptions& options);
+  ~CudaMoeLayer() override;
+
+  const char* backend() const override { return "cuda"; }
+  void set_weights(const MoeWeights& w) override;
+  void forward(const bf16_t* x, int64_t tokens, bf16_t* y) override;
+  void backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) override;
+  const CastReport& cast_report() const override;
+  MoeStatus status() const override;
+
+  // moe_debug.h
+  void set_profiling(bool on) { clock_.profiling = on; }
+  std::vector<StageTime> stage_times() const;
+  size_t allocated_bytes() const { return arena_.allocated() + gemm_workspace_; }
+  LayerCounters counters() const;
+
+ private:
+  using Fp8Op = gemm::Fp8Operand;
+  enum { kStatusFwd = 0, kStatusFwdAux = 1, kStatusBwd = 2, kStatusBwdAux = 3 };
+
+  // ---- lifecycle (layer.cu) --------------------------------------------------------------------
+  void allocate(const CudaLayerOptions& options);
+  void release();
+
+  // ---- routing (routing.cu) --------------------------------------------------------------------
+  void route(const bf16_t* x);
+  void plan_expert_parallel();  // EP: the dispatch plan from the fetched counts (collective)
+  SegmentBlocks blocks() const;
+  // the device offsets of the expert segments the GEMMs and the segment-aware kernels see
+  const int32_t* segment_offsets() const;
+
+  // ---- token movement (ep_exchange.cu) ---------------------------------------------------------
+  void ep_exchange(const std::function<void()>& fn);
+  void ep_dispatch(MoePass pass, const char* name, WireFormat f, std::vector<RowStream> streams);
+  void dedup_exchange(MoePass pass, const char* name, const std::string& format, std::vector<RowStream> streams);
+  void move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name);
+  void move_fp8(const QTensorView& tok, const QTensorView& rows, MoePass pass, const char* name);
+  void move_mxfp4(const QTensorView& tok, const QTensorView& rows);
+  int64_t move_naive(bf16_t* out, MoePass pass, const char* name);
+  void combine_y(bf16_t* y);
+  void mark_dx_rows_ready();  // after GEMM1 dgrad: the tail (one GPU) or the EP combine may start
+  void log_combine(MoePass pass, const std::string& name, const std::string& format, int64_t row_bytes);
+
+  // ---- forward per recipe (forward.cu) ---------------------------------------------------------
+  void forward_bf16(bf16_t* y);
+  void forward_blockwise(bf16_t* y);
+  void naive_entry(MoePass pass, const bf16_t* in, bf16_t* out);
+  void forward_naive(bf16_t* y);
+  void forward_flow(bf16_t* y);
+  void gemm2_then_combine(const char* gemm_stage, const std::function<void()>& gemm2, bf16_t* y);
+
+  // ---- backward per recipe (backward.cu, backward_tail.cu) --------------------------------------
+  void backward_bf16(const bf16_t* dy, const MoeGrads& g);
+  void backward_blockwise(const bf16_t* dy, const MoeGrads& g);
+  void backward_naive(const bf16_t* dy, const MoeGrads& g);
+  void backward_flow(const bf16_t* dy, const MoeGrads& g);
+  void fp8_gemm2_grads(const MoeGrads& g, int side);
+  void fp8_gemm1_grads(const MoeGrads& g, const QTensorView& x_perm_col, int side);
+  void naive_col(const QTensorView& row, int64_t c, const QTensorView& col, WgradOperand what);
+  void backward_tail(const MoeGrads& g, bf16_t* dx);
+
+  // ---- GEMM operands (operands.cu) -------------------------------------------------------------
+  Fp8Op act_operand(const QTensorView& rows, int64_t c, DeviceStatus* st);
+  Fp8Op col_operand(const QTensorView& col, int64_t c, float* scales_f32, cudaStream_t s);
+  Fp8Op f32_row_operand(const QTensorView& rows, int64_t c) const;
+  Fp8Op f32_col_operand(const QTensorView& col, int64_t c) const;
+  Fp8Op weight_operand(const QTensorView& w, int64_t n, int64_t k) const;
+  gemm::WgradOut dw_out(float* p, int64_t n) const;
+
+  // ---- report (report.cu) ----------------------------------------------------------------------
+  void log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t elements);
+  void save_rows(const std::string& name, const std::string& format, int64_t bytes, double per_row);
+  void save_tokens(const std::string& name, const std::string& format, int64_t bytes);
+  void save_expert_activations();  // the recipe's three saved tensors (recipe.h SavedSpec)
+  int64_t saved_bytes(TensorFormat f, int64_t cols) const;
+  void read_status() const;
+  static double fp8_row(int64_t c) { return double(c) + double(c) / 128; }
+  static double fp8_row_f32s(int64_t c) { return double(c) + 4.0 * double(c) / 128; }
+  static double mxfp4_row(int64_t c) { return double(c) / 2 + double(c) / 32; }
+  int64_t row_bytes(int64_t c) const { return Mp_ * c + (c / 128) * Mp_; }  // FP8 row-wise
+  int64_t col_bytes(int64_t c) const { return Mp_ * c + blocks_ * c; }      // FP8 column-wise
+  StageClock::Scope fwd(const char* name, cudaStream_t s = nullptr) {
+    return StageClock::Scope(&clock_, MoePass::kForward, name, s ? s : stream_);
+  }
+  StageClock::Scope bwd(const char* name, cudaStream_t s = nullptr) {
+    return StageClock::Scope(&clock_, MoePass::kBackward, name, s ? s : stream_);
+  }
+  StageClock::Scope stage(MoePass pass, const char* name) { return StageClock::Scope(&clock_, pass, name, stream_); }
+  DeviceStatus* st_fwd() { return ws_.routing.pass_status + kStatusFwd; }
+  DeviceStatus* st_fwd_aux() { return ws_.routing.pass_status + kStatusFwdAux; }
+  DeviceStatus* st_bwd() { return ws_.routing.pass_status + kStatusBwd; }
+  DeviceStatus* st_bwd_aux() { return ws_.routing.pass_status + kStatusBwdAux; }
+
+  // ---- configuration ---------------------------------------------------------------------------
+  cudaStream_t stream_;
+  const int E_;
+  const int64_t H_, F_;
+  const int K_;
+  const int El_;              // experts held here: E_ alone, E_ / ranks with a communicator
+  Communicator* const comm_;  // null: single GPU, all experts local
+  const int64_t max_tokens_, max_rows_;
+  bool dedup_ = false;        // deduplicated EP dispatch (CudaLayerOptions::ep_dedup; not fp8-naive)
+  int64_t direct_bytes_ = -1; // dispatch_rows / combine_rows message grouping (comm.h)
+
+  // ---- resources -------------------------------------------------------------------------------
+  DeviceArena arena_;
+  Workspace ws_;
+  std::unique_ptr<GroupedGemm> gemm_;
+  size_t gemm_workspace_ = 0;
+  LayerStreams streams_;
+  StageClock clock_;
+
+  // ---- state of the latest set_weights / forward / backward --------------------------------------
+  bool have_weights_ = false, have_forward_ = false, backward_done_ = false, has_bias_ = false;
+  bool grads_accumulate_ = true;  // MoeGrads::accumulate of the backward running
+  bool dx_ready_marked_ = false;  // mark_dx_rows_ready ran in this backward
+  int64_t T_ = 0;                 // tokens of the forward
+  int64_t Mp_ = 0;                // padded rows of the local experts
+  int64_t routed_ = 0;            // routed rows of this rank's tokens
+  int64_t held_ = 0;              // routed rows the local experts hold (= routed_ alone)
+  int64_t blocks_ = 0;            // 128-row blocks of the segments
+  Segments seg_;
+  DispatchPlan plan_;             // EP: of the latest forward (backward reuses it)
+  int64_t dedup_recv_tokens_ = 0; // EP dedup: tokens received by the forward's dispatch
+  int64_t host_syncs_ = 0;
+
+  // ---- report ----------------------------------------------------------------------------------
+  mutable CastReport rep_;
+  mutable MoeStatus mstatus_;
+  mutable bool stats_valid_ = false;
+};
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe

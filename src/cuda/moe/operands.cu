@@ -1,0 +1,41 @@
+// The CUDA layer's GEMM operands: the FP8 tensors of the workspace as gemm.h operands (UE8M0
+// scales converted to the GEMM-ready FP32 layouts on the way), the weights, the wgrad output mode.
+#include <cuda_runtime.h>
+
+#include "cuda/common.cuh"
+#include "cuda/moe/layer.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+
+// Row-wise UE8M0 operand [Mp, C] -> GEMM-ready (expert-packed FP32 scales in gemm_row_scales).
+gemm::Fp8Operand CudaMoeLayer::act_operand(const QTensorView& rows, int64_t c, DeviceStatus* st) {
+  float* f32 = ws_.expert.gemm_row_scales;
+  act_scales_to_f32(rows.ue8m0(), Mp_, c, segment_offsets(), El_, f32, st, stream_);
+  return Fp8Op{cs<uint8_t>(rows.codes, Mp_ * c), cs<float>(f32, Mp_ * c / 128)};
+}
+// Column-wise UE8M0 operand [C over Mp] -> GEMM-ready FP32 [blocks][C] in `scales_f32`.
+gemm::Fp8Operand CudaMoeLayer::col_operand(const QTensorView& col, int64_t c, float* scales_f32, cudaStream_t s) {
+  col_scales_to_f32(col.ue8m0(), blocks_, c, scales_f32, s);
+  return Fp8Op{cs<uint8_t>(col.codes, c * Mp_), cs<float>(scales_f32, blocks_ * c)};
+}
+// fp8-naive operands: FP32 scales already GEMM-ready.
+gemm::Fp8Operand CudaMoeLayer::f32_row_operand(const QTensorView& rows, int64_t c) const {
+  return Fp8Op{cs<uint8_t>(rows.codes, Mp_ * c), cs<float>(rows.f32(), Mp_ * c / 128)};
+}
+gemm::Fp8Operand CudaMoeLayer::f32_col_operand(const QTensorView& col, int64_t c) const {
+  return Fp8Op{cs<uint8_t>(col.codes, c * Mp_), cs<float>(col.f32(), blocks_ * c)};
+}
+// El expert weights [N, K] (or their transposes).
+gemm::Fp8Operand CudaMoeLayer::weight_operand(const QTensorView& w, int64_t n, int64_t k) const {
+  return Fp8Op{cs<uint8_t>(w.codes, int64_t(El_) * n * k), cs<float>(w.f32(), gemm::weight_scale_f32_elems(El_, n, k))};
+}
+// MoeGrads::accumulate: beta = 1 into the gradients, or beta = 0 (the old values never read)
+gemm::WgradOut CudaMoeLayer::dw_out(float* p, int64_t n) const {
+  return grads_accumulate_ ? gemm::WgradOut::accumulate(p, n) : gemm::WgradOut::f32(p, n);
+}
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe

@@ -1,0 +1,123 @@
+// The CUDA layer's routing (every recipe): router logits, top-k, aux loss, the routing tables, the
+// one host synchronisation of a forward (the per-expert counts the grouped GEMM's per-expert
+// launches need on the host) and, with expert parallelism, the dispatch plan.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "cuda/moe/layer.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+
+const int32_t* CudaMoeLayer::segment_offsets() const {
+  return comm_ ? ws_.ep.local_offsets : ws_.routing.tokens.padded_offsets;
+}
+
+SegmentBlocks CudaMoeLayer::blocks() const {
+  SegmentBlocks sb;
+  sb.offsets = segment_offsets();
+  sb.num_segments = El_;
+  sb.m = Mp_;
+  sb.max_blocks = segment_max_blocks(Mp_, El_);
+  sb.block_start = ws_.routing.block_start;
+  sb.block_end = ws_.routing.block_end;
+  sb.block_offsets = ws_.routing.block_offsets;
+  return sb;
+}
+
+void CudaMoeLayer::route(const bf16_t* x) {
+  RoutingBuffers& r = ws_.routing;
+  EpBuffers& ep = ws_.ep;
+  const RouterConfig rc = cfg_.router_config();
+  {
+    auto s = fwd("router (logits GEMM, top-k, aux loss)");
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.x, x, sizeof(bf16_t) * T_ * H_, cudaMemcpyDeviceToDevice, stream_));
+    router_logits(r.x, ws_.weights.wr, T_, E_, H_, r.logits, stream_);
+    router_forward(r.logits, T_, rc, has_bias_ ? ws_.weights.router_bias : nullptr, r.ids, r.probs, st_fwd(),
+                   stream_);
+    if (cfg_.aux_loss_alpha > 0.0f)
+      router_aux_loss(r.logits, r.ids, T_, rc, cfg_.aux_loss_alpha, r.aux_loss, r.aux_coef, r.aux_workspace,
+                      stream_);
+  }
+  {
+    auto s = fwd("routing tables + count fetch (host sync)");
+    r.tokens.tokens = T_;
+    build_routing(r.ids, r.tokens, st_fwd_aux(), stream_);
+    if (dedup_) {  // tokens per destination rank, fetched by the same host sync
+      ep.tokens_to_ranks.tokens = T_;
+      if (T_ > 0) {
+        ep_peer_ids(r.ids, T_, K_, El_, ep.peer_ids, stream_);
+        build_routing(ep.peer_ids, ep.tokens_to_ranks, nullptr, stream_);
+        FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(ep.host_tokens_to_rank, ep.tokens_to_ranks.counts,
+                                           sizeof(int32_t) * comm_->world_size(), cudaMemcpyDeviceToHost,
+                                           stream_));
+      } else {
+        std::fill(ep.host_tokens_to_rank, ep.host_tokens_to_rank + comm_->world_size(), 0);
+      }
+    }
+    Mp_ = fetch_routing_counts(r.tokens, r.host_counts, stream_);
+    ++host_syncs_;
+  }
+  std::vector<int32_t> padded(E_);
+  routed_ = 0;
+  for (int e = 0; e < E_; ++e) {
+    routed_ += r.host_counts[e];
+    padded[e] = (r.host_counts[e] + cfg_.align - 1) / cfg_.align * cfg_.align;
+  }
+  if (comm_ == nullptr) {
+    seg_ = Segments::from_counts(padded);
+    held_ = routed_;
+  } else {
+    plan_expert_parallel();
+  }
+  blocks_ = seg_.num_blocks();
+  rep_.tokens = T_;
+  rep_.routed_rows = routed_;
+  rep_.padded_rows = Mp_;
+  {
+    auto s = fwd("row probabilities + segment blocks");
+    FLOWMOE_CUDA_CHECK(cudaMemsetAsync(r.row_prob, 0, sizeof(float) * std::max<int64_t>(Mp_, 1), stream_));
+    // EP: the forward dispatch brings each received row's probability into row_prob
+    if (comm_ == nullptr) scatter_row_probs(r.probs, r.tokens.row_map, T_, K_, r.row_prob, stream_);
+    if (cfg_.recipe != Recipe::kBf16 && Mp_ > 0) build_segment_blocks(blocks(), st_fwd_aux(), stream_);
+  }
+}
+
+// Expert parallelism: the plan from the per-expert counts just fetched (collective: count
+// all-to-all), the CPU layer's plan (plan_dispatch_counts gives what plan_dispatch gives without the
+// send routing, which lives on the device here as row_map_unpadded). From here on Mp_, seg_ and
+// the device offsets describe this rank's El local expert segments of the rows every rank sends.
+void CudaMoeLayer::plan_expert_parallel() {
+  EpBuffers& ep = ws_.ep;
+  auto s = fwd("dispatch plan (count all-to-all)");
+  EpConfig ec;
+  ec.num_experts = E_;
+  ec.topk = K_;
+  ec.hidden = H_;
+  ec.align = cfg_.align;
+  ec.format = ep_detail::forward_wire_format(cfg_.recipe);
+  ec.with_probs = true;
+  // the configuration was agreed on at construction (make_cuda_layer): one collective here
+  plan_ = plan_dispatch_counts(*comm_, ec, ws_.routing.host_counts, T_, /*config_agreed=*/true,
+                               dedup_ ? ep.host_tokens_to_rank : nullptr);
+  Mp_ = plan_.padded_rows();
+  FLOWMOE_CHECK(Mp_ <= max_rows_, "MoeLayer::forward: " << Mp_ << " padded rows received; the workspaces hold "
+                                      "max_rows() = " << max_rows_ << " (a rank passed T > max_tokens?)");
+  seg_ = plan_.padded_segments();
+  held_ = plan_.recv_rows();
+  // The combines stage up to every padded row (2H + 4 bytes) through the communicator's scratch:
+  // grow it here, at a point where the stream is idle anyway, not inside the backward's overlap of
+  // combine and GEMM1 wgrad (growth waits for the device).
+  comm_->scratch(Mp_ * (2 * H_ + 4) + int64_t(4096) * comm_->world_size());
+  std::copy(plan_.padded_offsets.begin(), plan_.padded_offsets.end(), ep.host_local_offsets);
+  FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(ep.local_offsets, ep.host_local_offsets, sizeof(int32_t) * (El_ + 1),
+                                     cudaMemcpyHostToDevice, stream_));
+}
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe

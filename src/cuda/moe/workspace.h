@@ -1,0 +1,177 @@
+// The CUDA layer's device memory: every buffer allocated once, at construction, for cfg.max_tokens
+// (Tm), with rows sized by the host-side bound R = cfg.max_rows() (scale grids and column copies
+// use the real padded row count Mp of a pass as their leading dimension inside them). Forward and
+// backward allocate nothing. Each field is a named view (quantized tensors:
+// flowmoe/cuda/qtensor_view.h); where one allocation holds different tensors at different points
+// of a step, each tensor has its own view (same address) and the comment says when it is live.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "flowmoe/cuda/qtensor_view.h"
+#include "flowmoe/cuda/convert.h"
+#include "flowmoe/moe.h"
+#include "flowmoe/token.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+
+// Owns the device and pinned host allocations; error messages name the layer's configuration.
+class DeviceArena {
+ public:
+  explicit DeviceArena(const MoeConfig& cfg) : cfg_(cfg) {}
+  ~DeviceArena() { release(); }
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+
+  template <typename T>
+  T* device(int64_t n) { return static_cast<T*>(device_bytes(size_t(n <= 0 ? 1 : n) * sizeof(T))); }
+  template <typename T>
+  T* pinned(int64_t n) { return static_cast<T*>(pinned_bytes(size_t(n) * sizeof(T))); }
+  size_t allocated() const { return allocated_; }  // device bytes
+  void release();
+
+ private:
+  void* device_bytes(size_t bytes);
+  void* pinned_bytes(size_t bytes);
+  const MoeConfig& cfg_;
+  std::vector<void*> device_, pinned_;
+  size_t allocated_ = 0;
+};
+
+// Routing state of a pass (every recipe).
+struct RoutingBuffers {
+  bf16_t* x = nullptr;        // [Tm, H] the forward's input (router dWr reads it in backward)
+  float* logits = nullptr;    // [Tm, E]
+  float* dlogits = nullptr;   // [Tm, E]
+  int32_t* ids = nullptr;     // [Tm, k] expert ids
+  float* probs = nullptr;     // [Tm, k]
+  float* dprobs = nullptr;    // [Tm, k]
+  // This rank's tokens over the E experts; one GPU: row_src (the inverse row map of the coalesced
+  // FP8 scale permute); EP: row_map_unpadded (the dispatch's send order).
+  Routing tokens;
+  uint8_t* aux_workspace = nullptr;  // aux loss (cfg.aux_loss_alpha > 0)
+  float* aux_coef = nullptr;         // [E]
+  float* aux_loss = nullptr;         // [1]
+  float* row_prob = nullptr;         // [R] probability of each padded row (0 on padding rows)
+  float* dprob_partials = nullptr;   // [F/128][R] per-tile partial sums of d loss / d prob
+  // the segments' 128-row blocks of the padded rows (segment_max_blocks(R, El) entries)
+  int32_t* block_start = nullptr;
+  int32_t* block_end = nullptr;
+  int32_t* block_offsets = nullptr;  // [E+1]
+  DeviceStatus* pass_status = nullptr;    // [4]: forward, forward aux, backward, backward aux
+  DeviceStatus* weight_status = nullptr;  // [1]: set_weights' non-finite check
+  int32_t* host_counts = nullptr;         // [E] pinned: routed rows per expert
+  DeviceStatus* host_status = nullptr;    // [4] pinned
+  float* host_aux_loss = nullptr;         // [1] pinned
+};
+
+// Router weights and the expert weights in every form the recipe's GEMMs read.
+struct WeightBuffers {
+  float* wr = nullptr;            // [E, H]
+  float* router_bias = nullptr;   // [E]
+  bf16_t* wr_check = nullptr;     // [E, H] scratch of set_weights' non-finite check of Wr
+  bf16_t* w1_bf16 = nullptr;      // [El, 2F, H]
+  bf16_t* w2_bf16 = nullptr;      // [El, H, F]
+  // FP8 recipes: codes + GEMM-ready FP32 128x128 block scales, and the exact transposes (dgrad)
+  QTensorView w1, w1t, w2, w2t;
+  // power-of-two recipes: the UE8M0 block scales quantize_weight writes, [El][N/128][K/128],
+  // converted into w*.scales
+  uint8_t *w1_ue8m0 = nullptr, *w1t_ue8m0 = nullptr, *w2_ue8m0 = nullptr, *w2t_ue8m0 = nullptr;
+};
+
+// Activations, saved tensors and scratch of the expert path (shapes for R padded rows).
+struct ExpertBuffers {
+  // One [R, H] bf16 allocation, four tensors never live at once:
+  bf16_t* y_rows = nullptr;          // forward: GEMM2 output (expert output rows)
+  bf16_t* x_perm_staging = nullptr;  // forward (blockwise, fp8-naive): permuted x in BF16, read by
+                                     // its quantization before GEMM2 writes y_rows
+  bf16_t* dy_rows = nullptr;         // backward (bf16, blockwise, fp8-naive): permuted dY in BF16,
+                                     // last read by GEMM2's grads
+  bf16_t* dx_rows = nullptr;         // backward: GEMM1 dgrad output, read by the tail
+  bf16_t* x_perm = nullptr;          // [R, H] bf16 recipe: GEMM1 input (saved)
+  bf16_t* h = nullptr;               // [R, 2F] GEMM1 output (saved in bf16, blockwise, fp8-naive)
+  bf16_t* a = nullptr;               // [R, F] a' in BF16 (saved in bf16)
+  bf16_t* da = nullptr;              // [R, F] d a' (FP8 recipes: the allocation of `a`)
+  bf16_t* dh = nullptr;              // [R, 2F] (flow: the allocation of `h`, scratch there)
+
+  // FP8 recipes: one row-wise UE8M0 operand [R, max(H, 2F)], four tensors never live at once:
+  QTensorView x_perm_fp8;  // forward: x_perm row-wise, GEMM1's input (blockwise: quantized from
+                         // BF16; flow-fp4: converted from MXFP4)
+  QTensorView a_row;       // forward: a' row-wise (GEMM2's input)
+  QTensorView dy_row;      // backward: dY row-wise (GEMM2 dgrad)
+  QTensorView dh_row;      // backward: dh row-wise (GEMM1 dgrad)
+  // fp8-naive, the same codes with FP32 scales in `gemm_row_scales`:
+  QTensorView dy_row_f32, dh_row_f32;
+  QTensorView x_recv_f32;  // EP forward / backward entry: the received FP8 rows and their scales
+  float* gemm_row_scales = nullptr;  // [max(H, 2F)/128][R] GEMM-ready FP32 scales of the row operand
+  // column copies for wgrad [max(H, 2F) over R], with their GEMM-ready FP32 scales
+  QTensorView dy_col, dh_col;          // one allocation: dY's copy, then dh's
+  QTensorView x_perm_col_flow;         // flow / flow-fp4: x_perm's copy (made in backward)
+  QTensorView dy_col_f32, dh_col_f32;  // fp8-naive: dY's, then dh's (codes of dy_col)
+  QTensorView a_col_f32, x_perm_col_f32;  // fp8-naive: a''s, then x_perm's (codes of x_perm_col_flow)
+  float* grad_col_scales = nullptr;  // [blocks][max(H, 2F)] FP32 scales of dy_col / dh_col
+  float* input_col_scales = nullptr; // the same for the wgrad's other operand
+
+  // saved by the forward, per recipe
+  QTensorView x_perm_col;   // blockwise: x_perm column-wise [H over R]
+  QTensorView a_col;        // blockwise, flow, flow-fp4: a' column-wise [F over R]
+  QTensorView x_perm_row;   // flow: x_perm row-wise FP8 [R, H]
+  QTensorView x_perm_mxfp4; // flow-fp4: x_perm MXFP4 [R, H]
+  QTensorView h_saved;      // flow: h row-wise FP8 [R, 2F]; flow-fp4: h MXFP4
+  QTensorView x_perm_f32;   // fp8-naive: x_perm row-wise, FP32 scales (expert-packed)
+  QTensorView a_f32;        // fp8-naive: a' row-wise, FP32 scales (expert-packed)
+
+  // entry quantization of the token rows [Tm, H] (x in forward, dy in backward)
+  QTensorView entry_fp8;    // flow, flow-fp4 (flow-fp4: dy only)
+  QTensorView entry_mxfp4;  // flow-fp4: x
+  QTensorView entry_f32;    // fp8-naive
+  bf16_t* entry_dequantized = nullptr;  // fp8-naive, one GPU: [Tm, H]
+  // fp8-naive column copies (DQ -> T -> Q): the dequantized rows and their transpose
+  bf16_t* naive_dequantized = nullptr;  // [R, max(H, 2F)]
+  bf16_t* naive_transposed = nullptr;   // [max(H, 2F), R]
+};
+
+// Expert parallelism (cfg.comm): send and receive staging. Worst case: this rank sends at most
+// Tm*k rows and its El experts receive at most R padded rows.
+struct EpBuffers {
+  int32_t* local_offsets = nullptr;       // [El+1] device: padded offsets of the local segments
+  int32_t* host_local_offsets = nullptr;  // [El+1] pinned
+  uint8_t* send_rows = nullptr;     // [Tm*k, 2H] bytes: send-order rows (the widest, BF16)
+  bf16_t* combined_rows = nullptr;  // the same allocation: the combines' rows coming back
+  uint8_t* send_scales = nullptr;   // [Tm*k, 4*H/128] bytes: send-order scales, row-major
+  float* send_probs = nullptr;      // [Tm*k] send-order probs
+  float* combined_dprobs = nullptr; // the same allocation: backward, the row dprobs coming back
+  uint8_t* recv_scales = nullptr;   // [R, 4*H/128] bytes: received scales, row-major
+  float* row_dprob = nullptr;       // [R] d loss / d prob of each received row
+
+  // Deduplicated dispatch: a token goes once to each rank holding one of its experts.
+  int32_t* peer_ids = nullptr;        // [Tm, k] destination rank of each slot (-1: repeat)
+  Routing tokens_to_ranks;            // this rank's tokens over the W ranks (token order per rank)
+  int32_t* host_tokens_to_rank = nullptr;  // [W] pinned
+  int32_t* send_ids = nullptr;        // [Tm, k] rows of k expert ids
+  float* send_token_probs = nullptr;  // [Tm, k] rows of k probs
+  uint8_t* recv_tokens = nullptr;     // [W*Tm, 2H] bytes: received token rows (codes)
+  uint8_t* recv_token_scales = nullptr;  // [W*Tm, H/32] bytes: their scales, row-major
+  uint8_t* recv_token_scales_col = nullptr;  // [H/128][W*Tm]: FP8 scales relaid column-wise
+  int32_t* recv_ids = nullptr;        // [W*Tm, k]
+  float* recv_probs = nullptr;        // [W*Tm, k]
+  int32_t* recv_local_ids = nullptr;  // [W*Tm, k] local expert ids (-1: another rank's)
+  Routing received_tokens;            // the received tokens over the El local experts
+};
+
+struct Workspace {
+  RoutingBuffers routing;
+  WeightBuffers weights;
+  ExpertBuffers expert;
+  EpBuffers ep;
+  // dedup: the deduplicated EP dispatch's buffers
+  void allocate(DeviceArena& arena, const MoeConfig& cfg, bool dedup);
+};
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe
