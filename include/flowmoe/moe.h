@@ -1,7 +1,7 @@
 // The MoE layer (issue 6; SPEC §6; docs/MOE.md): router, permute+pad, two grouped expert linears
 // with SwiGLU between them, unpermute; forward and backward; five recipes selectable at run time.
 // The same interface is implemented by the CPU backend (make_cpu_layer: small shapes, the readable
-// reference, src/cpu/moe_cpu.cpp) and the CUDA backend (make_cuda_layer, src/cuda/moe/).
+// reference, src/cpu/moe/) and the CUDA backend (make_cuda_layer, src/cuda/moe/).
 //
 // Notation: T tokens of this call, H hidden size, F expert FFN size, E experts (all experts of the
 // layer; with expert parallelism El = E / ranks local experts hold weights on a rank), k = top-k,

@@ -1,8 +1,9 @@
 // The MoE layer's recipes as data (SPEC §6; docs/MOE.md): one table, one row per recipe, saying
 // in which format x enters and travels, which weight copies the layer keeps, which tensors are
 // saved for the backward and in which format, how each wgrad column-wise operand is made, and the
-// names every backend writes into the cast report. Both backends (src/cpu/moe/, src/cuda/moe/)
-// and the CLI read this table; a recipe is a row here plus the operators its paths run.
+// names every backend writes into the cast report. The CPU layer (src/cpu/moe/), the CUDA layer
+// (src/cuda/moe/, its report names) and the CLI read this table; a recipe is a row here plus the
+// operators its paths run.
 //
 // The cast report counts what a backend executes (moe.h CastOp): the table gives the operators'
 // names, never their counts. Every report string exists once, below (named constants, or fields

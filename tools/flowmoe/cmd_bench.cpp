@@ -322,10 +322,10 @@ int run_bench(const Args& args) {
   if (align != 16 && align != 32 && align != 64 && align != 128)
     throw UsageError("--align: " + std::to_string(align) + " is not one of 16, 32, 64, 128");
   std::vector<Recipe> recipes;
-  for (const std::string& name : split(args.get("recipes", "bf16,blockwise,fp8-naive,flow,flow-fp4"))) {
+  for (const std::string& name : split(args.get("recipes", recipe_names(",")))) {
     Recipe rc = Recipe::kBf16;
     if (!try_parse_recipe(name, &rc))
-      throw UsageError("--recipes: '" + name + "' is not one of bf16|blockwise|fp8-naive|flow|flow-fp4");
+      throw UsageError("--recipes: '" + name + "' is not one of " + recipe_names("|"));
     recipes.push_back(rc);
   }
   if (recipes.empty()) throw UsageError("--recipes: no recipe given");
@@ -408,16 +408,17 @@ int run_bench(const Args& args) {
       results.push_back(run_recipe(*bc, rc, T, align, reps, warmup, breakdown, stream, w, g, x.p, dy.p, y.p, dx.p,
                                    exponent));
     }
-    const RecipeResult* r_bf16 = nullptr;
-    const RecipeResult* r_block = nullptr;
-    const RecipeResult* r_flow = nullptr;
-    const RecipeResult* r_fp4 = nullptr;
-    for (const RecipeResult& r : results) {
-      if (r.recipe == Recipe::kBf16) r_bf16 = &r;
-      if (r.recipe == Recipe::kBlockwise) r_block = &r;
-      if (r.recipe == Recipe::kFlow) r_flow = &r;
-      if (r.recipe == Recipe::kFlowFp4) r_fp4 = &r;
-    }
+    // the recipes the comparisons and the targets below refer to (null: not run)
+    auto result_of = [&](Recipe recipe) -> const RecipeResult* {
+      const RecipeResult* last = nullptr;  // a recipe given twice: its last run
+      for (const RecipeResult& r : results)
+        if (r.recipe == recipe) last = &r;
+      return last;
+    };
+    const RecipeResult* r_bf16 = result_of(Recipe::kBf16);
+    const RecipeResult* r_block = result_of(Recipe::kBlockwise);
+    const RecipeResult* r_flow = result_of(Recipe::kFlow);
+    const RecipeResult* r_fp4 = result_of(Recipe::kFlowFp4);
     const Baseline* base = nullptr;
     for (const Baseline& bl : baseline)
       if (bl.config == bc->name && bl.tokens == T) base = &bl;
