@@ -20,6 +20,7 @@
 
 #include "cuda/device_buffer.h"
 #include "flowmoe/numerics.h"
+#include "flowmoe/tensor.h"  // bf16_t
 
 namespace flowmoe {
 namespace testutil {
