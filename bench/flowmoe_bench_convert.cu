@@ -27,6 +27,7 @@ namespace {
 int g_reps = 30;
 
 using bench::dalloc;
+using bench::ragged_counts;
 
 // median time in microseconds of fn(rep), after 3 warm-up calls
 float time_us(const std::function<void(int)>& fn) { return bench::median_us(fn, g_reps, 3); }
@@ -38,22 +39,6 @@ struct Config {
   int topk;
   int ep;
 };
-
-std::vector<int32_t> ragged_counts(int e, int64_t m, uint32_t seed, int align) {
-  std::mt19937 rng(seed);
-  std::vector<double> w(e);
-  for (auto& v : w) v = 0.5 + std::uniform_real_distribution<double>(0, 1)(rng);
-  double s = 0;
-  for (double v : w) s += v;
-  std::vector<int32_t> c(e);
-  int64_t left = m;
-  for (int i = 0; i < e - 1; ++i) {
-    c[i] = static_cast<int32_t>(std::min<int64_t>(left, (static_cast<int64_t>(m * w[i] / s) / align) * align));
-    left -= c[i];
-  }
-  c[e - 1] = static_cast<int32_t>(left);
-  return c;
-}
 
 double g_copy_gbs = 0;
 
@@ -184,13 +169,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    std::fprintf(stderr, "flowmoe_bench_convert: no CUDA device\n");
-    return 1;
-  }
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  if (!bench::device_properties("flowmoe_bench_convert", &prop)) return 1;
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
 
   // ceiling: device-to-device copy of 2 GiB, bytes read + written

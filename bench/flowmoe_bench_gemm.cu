@@ -26,7 +26,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -52,6 +51,7 @@ bool g_graph = true;
 cudaStream_t g_stream = nullptr;
 
 using bench::dalloc;
+using bench::ragged_counts;
 
 // ---- random data -----------------------------------------------------------------------------
 __device__ __forceinline__ uint64_t splitmix(uint64_t z) {
@@ -147,22 +147,6 @@ float time_graph(const std::function<void()>& fn) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   return t.us;
-}
-
-std::vector<int32_t> ragged_counts(int e, int64_t m, uint32_t seed, int align) {
-  std::mt19937 rng(seed);
-  std::vector<double> w(e);
-  for (auto& v : w) v = 0.5 + std::uniform_real_distribution<double>(0, 1)(rng);
-  double s = 0;
-  for (double v : w) s += v;
-  std::vector<int32_t> c(e);
-  int64_t left = m;
-  for (int i = 0; i < e - 1; ++i) {
-    c[i] = static_cast<int32_t>(std::min<int64_t>(left, static_cast<int64_t>(m * w[i] / s) / align * align));
-    left -= c[i];
-  }
-  c[e - 1] = static_cast<int32_t>(left);
-  return c;
 }
 
 void header() {
@@ -397,10 +381,10 @@ void compare_header() {
 // Wall time of one call, synchronised, in ms: the first call of a new problem key includes tuning.
 double first_call_ms(const std::function<void()>& fn) {
   CK(cudaStreamSynchronize(g_stream));
-  const auto t0 = std::chrono::steady_clock::now();
+  const double t0 = bench::host_now_ms();
   fn();
   CK(cudaStreamSynchronize(g_stream));
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return bench::host_now_ms() - t0;
 }
 
 // One layer's three passes: FP8 and BF16, each with `now` (pool + tuning) and `prev`
@@ -579,12 +563,12 @@ int main(int argc, char** argv) {
     header();
     {
       const auto s0 = gg.stats();
-      const auto t0 = std::chrono::steady_clock::now();
+      const double t0 = bench::host_now_ms();
       bench_layer(gg, "V3 GEMM1 uniform", std::vector<int32_t>(8, 4096), 4096, 7168, false);
-      const auto t1 = std::chrono::steady_clock::now();
+      const double t1 = bench::host_now_ms();
       std::printf("(first call of these shapes: %lld heuristic queries; whole row incl. setup %.0f ms)\n",
                   (long long)(gg.stats().heuristic_queries - s0.heuristic_queries),
-                  std::chrono::duration<double, std::milli>(t1 - t0).count());
+                  t1 - t0);
     }
 
     const Model models[] = {{"V3", 7168, 2048, 8}, {"V2", 5120, 1536, 6}, {"V2-Lite", 2048, 1408, 6}};

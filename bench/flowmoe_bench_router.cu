@@ -246,13 +246,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    std::fprintf(stderr, "flowmoe_bench_router: no CUDA device\n");
-    return 1;
-  }
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  if (!bench::device_properties("flowmoe_bench_router", &prop)) return 1;
   int clock_khz = 0;
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   g_fma_per_s = double(prop.multiProcessorCount) * 128.0 * clock_khz * 1e3;

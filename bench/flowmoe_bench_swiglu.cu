@@ -35,6 +35,7 @@ int g_reps = 30;
 double g_copy_gbs = 0;
 
 using bench::dalloc;
+using bench::ragged_counts;
 
 // Median of g_reps timed calls of fn(rep), in microseconds, after 5 warm-up calls.
 float median_us(const std::function<void(int)>& fn) { return bench::median_us(fn, g_reps, 5); }
@@ -44,22 +45,6 @@ struct Config {
   int64_t f;       // expert FFN width: H is [M, 2F]
   int experts;     // local experts (segments)
 };
-
-std::vector<int32_t> ragged_counts(int e, int64_t m, uint32_t seed, int align) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<double> ud(0.5, 1.5);
-  std::vector<double> w(e);
-  double sum = 0;
-  for (auto& v : w) sum += (v = ud(rng));
-  std::vector<int32_t> c(e);
-  int64_t left = m;
-  for (int i = 0; i < e - 1; ++i) {
-    c[i] = static_cast<int32_t>(std::min<int64_t>(left, static_cast<int64_t>(m * w[i] / sum) / align * align));
-    left -= c[i];
-  }
-  c[e - 1] = static_cast<int32_t>(left);
-  return c;
-}
 
 std::vector<bf16_t> random_bf16(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -252,13 +237,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    std::fprintf(stderr, "flowmoe_bench_swiglu: no CUDA device\n");
-    return 1;
-  }
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  if (!bench::device_properties("flowmoe_bench_swiglu", &prop)) return 1;
   std::printf("device: %s, %d SMs, L2 %d MB; %d reps (median)\n", prop.name, prop.multiProcessorCount,
               prop.l2CacheSize >> 20, g_reps);
   // ceiling: device-to-device copy of 2 GiB, bytes read + written

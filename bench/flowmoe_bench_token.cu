@@ -360,13 +360,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    std::fprintf(stderr, "flowmoe_bench_token: no CUDA device\n");
-    return 1;
-  }
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  if (!bench::device_properties("flowmoe_bench_token", &prop)) return 1;
   std::printf("device: %s, %d SMs, L2 %d MB; %d reps (median)\n", prop.name, prop.multiProcessorCount,
               prop.l2CacheSize >> 20, g_reps);
   // ceiling: device-to-device copy of 2 GiB, bytes read + written

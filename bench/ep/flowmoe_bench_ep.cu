@@ -41,6 +41,7 @@
 #include "flowmoe/settings.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/token.h"
+#include "layer_options.h"
 #include "timing.h"
 
 namespace flowmoe {
@@ -91,7 +92,7 @@ std::vector<std::string> split(const std::string& s) {
 struct Opts {
   std::string configs = "v3-ep8,v2,v2-lite";
   int64_t tokens = 8192;
-  std::string recipes = "bf16,blockwise,fp8-naive,flow,flow-fp4";
+  std::string recipes = recipe_names(",");
   int reps = 10, warmup = 3, align = 128;
   int experts_total = 0;  // > 0: E experts in all, El = E / ranks (issue 8: 256 at every EP degree)
   bool layer = true, single = true, comm = true;
@@ -305,28 +306,6 @@ struct LayerTime {
                             // layer, its inputs, weights and gradients, NCCL and its scratch)
 };
 
-// The CUDA layer's options from the environment (the library reads none; README "Runtime
-// settings"): FLOWMOE_LAYER_OVERLAP=0 (no side stream), FLOWMOE_LAYER_TAIL_OVERLAP=0|1 (tail
-// stream), FLOWMOE_EP_DEDUP=0 (every (token, expert) row travels), FLOWMOE_EP_DIRECT_BYTES=N,
-// FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY / _WGRAD_KERNEL (the GEMM options; a set priority
-// overrides the layer's choice).
-CudaLayerOptions layer_options_from_env() {
-  CudaLayerOptions o;
-  auto flag = [](const char* name, bool* out) {
-    const char* v = std::getenv(name);
-    if (!v) return;
-    FLOWMOE_CHECK(std::string(v) == "0" || std::string(v) == "1", name << "=\"" << v << "\"; expected 0 or 1");
-    *out = v[0] == '1';
-  };
-  flag("FLOWMOE_LAYER_OVERLAP", &o.side_stream);
-  flag("FLOWMOE_LAYER_TAIL_OVERLAP", &o.tail_stream);
-  flag("FLOWMOE_EP_DEDUP", &o.ep_dedup);
-  o.gemm = gemm::GroupedGemmOptions::from_settings(env_lookup());
-  o.ep_direct_bytes = ep_direct_bytes_from_settings(env_lookup());
-  if (std::getenv("FLOWMOE_GEMM_PRIORITY")) o.gemm_pool_priority = o.gemm.pool_priority;
-  return o;
-}
-
 // One layer (comm may be null) with `el` local experts of E = el * world experts, T tokens.
 LayerTime run_layer(Communicator* comm, const Cfg& c, Recipe rc, int el, int64_t T, const Opts& o,
                     cudaStream_t s, int seed_rank) {
@@ -357,7 +336,7 @@ LayerTime run_layer(Communicator* comm, const Cfg& c, Recipe rc, int el, int64_t
   BCUDA(cudaMemsetAsync(dw2.p, 0, sizeof(float) * el * H * F, s));
   BCUDA(cudaMemsetAsync(dwr.p, 0, sizeof(float) * E * H, s));
   BCUDA(cudaStreamSynchronize(s));
-  std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s, layer_options_from_env());
+  std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s, bench::layer_options_from_env());
   layer->set_weights(MoeWeights{w1.p, w2.p, wr.p, nullptr});
   const MoeGrads g{dw1.p, dw2.p, dwr.p};
   const bench::PhaseTimes pt = bench::time_phases(

@@ -335,7 +335,7 @@ struct DispatchPlan {
   std::vector<int32_t> padded_offsets;   // [El + 1]: Σ round_up(expert_counts, A)
   std::vector<int32_t> recv_offsets;     // [world * El]: first padded row of chunk (p, l)
 
-  // Deduplicated dispatch (the CUDA layer's, FLOWMOE_EP_DEDUP): tokens this rank sends to each
+  // Deduplicated dispatch (the CUDA layer's, CudaLayerOptions::ep_dedup): tokens this rank sends to each
   // rank (a token once per rank however many of its experts live there) and receives from each;
   // [world], all zero when the caller passed no token counts.
   std::vector<int32_t> send_tokens, recv_tokens;

@@ -277,10 +277,8 @@ class GroupedGemm {
 
   // FP8 block-scaled (sm_90). Sizes (elements): x.codes M*K, x.scales M*K/128 (expert-packed),
   // w.codes E*N*K, w.scales weight_scale_f32_elems(E, N, K), y M*N.
-  // experts [e_begin, e_end) only (e_end < 0: to the last), e.g. the expert-parallel layer's
-  // GEMM2 in chunks whose rows travel while the next chunk computes; the others are untouched.
   void fprop(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& x, const Fp8Operand& w,
-             Span<bf16_t> y, cudaStream_t stream, int e_begin = 0, int e_end = -1);
+             Span<bf16_t> y, cudaStream_t stream);
   // dy.codes M*N, dy.scales M*N/128 (expert-packed), wt.codes E*K*N (Wt_e [K, N]),
   // wt.scales weight_scale_f32_elems(E, K, N), dx M*K.
   void dgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& dy,
@@ -293,10 +291,9 @@ class GroupedGemm {
   // The same on device views with GEMM-ready FP32 scales (gemm::fp8_operand): x, dy row-wise,
   // w, wt 128x128 (E experts stacked), dy_col, x_col column-wise.
   void fprop(const Segments& seg, int64_t n, int64_t k, const cuda::QTensorView& x,
-             const cuda::QTensorView& w, Span<bf16_t> y, cudaStream_t stream, int e_begin = 0,
-             int e_end = -1) {
+             const cuda::QTensorView& w, Span<bf16_t> y, cudaStream_t stream) {
     fprop(seg, n, k, gemm::fp8_operand(x, "FP8 fprop x"), gemm::fp8_operand(w, "FP8 fprop w"), y,
-          stream, e_begin, e_end);
+          stream);
   }
   void dgrad(const Segments& seg, int64_t n, int64_t k, const cuda::QTensorView& dy,
              const cuda::QTensorView& wt, Span<bf16_t> dx, cudaStream_t stream) {
@@ -311,8 +308,7 @@ class GroupedGemm {
 
   // BF16 baseline (FP32 accumulation): x [M, K], w [E][N][K], y [M, N]; dgrad uses W itself.
   void fprop_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> x,
-                  Span<const bf16_t> w, Span<bf16_t> y, cudaStream_t stream, int e_begin = 0,
-                  int e_end = -1);
+                  Span<const bf16_t> w, Span<bf16_t> y, cudaStream_t stream);
   void dgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
                   Span<const bf16_t> w, Span<bf16_t> dx, cudaStream_t stream);
   void wgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,

@@ -128,8 +128,8 @@ struct MoeGrads {
   float* dwr = nullptr;  // [E, H]     fp32 += (with EP: this rank's tokens' contribution)
   // true: the gradients are added to the buffers (accumulation over micro-batches into FP32 main
   // gradients). false: the buffers receive this backward's gradients; their old contents are
-  // neither read nor needed (the expert wgrads skip reading 4 B per weight: 1.2 ms of 22 at
-  // DeepSeek-V3 EP8 sizes, docs/PERFORMANCE.md), e.g. the first micro-batch of a step.
+  // neither read nor needed (the expert wgrads then skip reading 4 B per weight), e.g. the first
+  // micro-batch of a step.
   bool accumulate = true;
 };
 

@@ -31,6 +31,18 @@ namespace detail {
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// Blocks of a 1-D grid-stride launch over `items` with `per_block` items per block: at least 1,
+// at most `cap` (the kernels loop over the rest).
+inline unsigned grid_1d(int64_t items, int per_block, int64_t cap = 1 << 20) {
+  int64_t g = (items + per_block - 1) / per_block;
+  if (g < 1) g = 1;
+  return static_cast<unsigned>(g < cap ? g : cap);
+}
+// Host check of a launcher's device-pointer argument (Error naming the argument and the call).
+inline void check_ptr(const void* p, const char* name, const char* what) {
+  FLOWMOE_CHECK(p != nullptr, what << ": " << name << " is null; expected a device buffer");
+}
+
 // Multiprocessors of the current device (an attribute query: cheap, not cached).
 inline int device_sm_count() {
   int dev = 0, n = 0;

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fnv.h"
 #include "common/reference.h"
 #include "flowmoe/comm.h"
 #include "flowmoe/moe.h"
@@ -26,16 +27,7 @@
 namespace flowmoe {
 namespace {
 
-struct Fnv {
-  uint64_t h = 1469598103934665603ull;
-  void add(const void* p, size_t n) {
-    const unsigned char* b = static_cast<const unsigned char*>(p);
-    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
-  }
-  template <typename T>
-  void add(const std::vector<T>& v) { add(v.data(), v.size() * sizeof(T)); }
-  void add(const std::string& s) { add(s.data(), s.size()); }
-};
+using testutil::Fnv;
 
 constexpr int64_t kH = 256, kF = 256;
 constexpr int kE = 4, kK = 2;

@@ -15,38 +15,12 @@
 #include "flowmoe/cpu/convert.h"
 #include "flowmoe/cuda/convert.h"
 #include "flowmoe/numerics.h"
+#include "cuda/gpu_test_util.h"
 
 namespace flowmoe {
 namespace {
 
-template <typename T>
-struct DBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit DBuf(size_t count) : n(count) {
-    if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    cudaMemset(p, 0xA5, std::max<size_t>(count, 1) * sizeof(T));  // poison: every byte must be written
-  }
-  explicit DBuf(const std::vector<T>& h) : DBuf(h.size()) {
-    cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~DBuf() { cudaFree(p); }
-  std::vector<T> get(size_t count) const {
-    std::vector<T> h(count);
-    cudaMemcpy(h.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
-
-void expect_bytes(const std::vector<uint8_t>& want, const std::vector<uint8_t>& got, size_t n, const std::string& what) {
-  ASSERT_GE(got.size(), n);
-  ASSERT_GE(want.size(), n);
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < n; ++i)
-    if (want[i] != got[i] && bad++ == 0) first = i;
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << n << " bytes differ; first at " << first << " (want 0x"
-                     << std::hex << int(want[first]) << ", got 0x" << int(got[first]) << ")";
-}
+using namespace testutil;  // DBuf, REQUIRE_DEVICE, expect_same_bits
 
 enum class Dist { kNormal, kHeavy, kBinades, kSubnormal, kOutlierToken, kNonFinite };
 const char* dist_name(Dist d) {
@@ -104,10 +78,7 @@ struct Case {
 
 class ColumnAmaxGpu : public ::testing::TestWithParam<Case> {
  protected:
-  void SetUp() override {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "no CUDA device";
-  }
+  void SetUp() override { REQUIRE_DEVICE(); }
 };
 
 TEST_P(ColumnAmaxGpu, BitExactAgainstCpuAndEqualsTheNaivePaths) {
@@ -139,8 +110,8 @@ TEST_P(ColumnAmaxGpu, BitExactAgainstCpuAndEqualsTheNaivePaths) {
     reset();
     cuda::scaling_aware_transpose(rc.p, rs.p, k, sb, cc.p, cs.p, ds.p, 0, TransposeExponent::kColumnAmax);
     const auto got_c = cc.get(m * k), got_s = cs.get(nb * k);
-    expect_bytes(want.codes, got_c, m * k, "FP8 column-amax codes");
-    expect_bytes(want.scales, got_s, nb * k, "FP8 column-amax scales");
+    expect_same_bits(want.codes, got_c, m * k, "FP8 column-amax codes");
+    expect_same_bits(want.scales, got_s, nb * k, "FP8 column-amax scales");
     const cuda::DeviceStatus s = ds.get(1)[0];
     EXPECT_EQ(s.underflow, static_cast<unsigned long long>(st.underflow));
     EXPECT_EQ(s.nonfinite, static_cast<unsigned long long>(st.nonfinite));
@@ -151,8 +122,8 @@ TEST_P(ColumnAmaxGpu, BitExactAgainstCpuAndEqualsTheNaivePaths) {
       DBuf<uint8_t> rc2(row.codes);
       cuda::scaling_aware_transpose(rc2.p, rs.p, k, sb, cc.p, cs.p, nullptr, 0, TransposeExponent::kColumnAmax);
       cuda::naive_col_copy(rc2.p, rs.p, k, sb, nc.p, ns.p, work.p, nullptr, 0);
-      expect_bytes(nc.get(m * k), cc.get(m * k), m * k, "FP8 column-amax vs naive codes");
-      expect_bytes(ns.get(nb * k), cs.get(nb * k), nb * k, "FP8 column-amax vs naive scales");
+      expect_same_bits(nc.get(m * k), cc.get(m * k), m * k, "FP8 column-amax vs naive codes");
+      expect_same_bits(ns.get(nb * k), cs.get(nb * k), nb * k, "FP8 column-amax vs naive scales");
     }
   }
 
@@ -167,20 +138,20 @@ TEST_P(ColumnAmaxGpu, BitExactAgainstCpuAndEqualsTheNaivePaths) {
     DBuf<uint8_t> fc(f4.codes), fs(f4.scales);
     reset();
     cuda::fp4_to_fp8_col(fc.p, fs.p, k, sb, cc.p, cs.p, ds.p, 0, TransposeExponent::kColumnAmax);
-    expect_bytes(want4.codes, cc.get(m * k), m * k, "FP4 column-amax codes");
-    expect_bytes(want4.scales, cs.get(nb * k), nb * k, "FP4 column-amax scales");
+    expect_same_bits(want4.codes, cc.get(m * k), m * k, "FP4 column-amax codes");
+    expect_same_bits(want4.scales, cs.get(nb * k), nb * k, "FP4 column-amax scales");
     const cuda::DeviceStatus s = ds.get(1)[0];
     EXPECT_EQ(s.underflow, static_cast<unsigned long long>(st4.underflow));
     EXPECT_EQ(s.nonfinite, static_cast<unsigned long long>(st4.nonfinite));
     if (finite) {
       cuda::fp4_to_fp8_col_stepwise(fc.p, fs.p, k, sb, nc.p, ns.p, work.p, nullptr, 0);
-      expect_bytes(nc.get(m * k), cc.get(m * k), m * k, "FP4 column-amax vs stepwise codes");
-      expect_bytes(ns.get(nb * k), cs.get(nb * k), nb * k, "FP4 column-amax vs stepwise scales");
+      expect_same_bits(nc.get(m * k), cc.get(m * k), m * k, "FP4 column-amax vs stepwise codes");
+      expect_same_bits(ns.get(nb * k), cs.get(nb * k), nb * k, "FP4 column-amax vs stepwise scales");
     }
     // The row-max kernel in the same run, for the record of what column-amax saves.
     reset();
     cuda::fp4_to_fp8_col(fc.p, fs.p, k, sb, cc.p, cs.p, ds.p, 0, TransposeExponent::kRowMax);
-    expect_bytes(rowmax4.codes, cc.get(m * k), m * k, "FP4 row-max codes");
+    expect_same_bits(rowmax4.codes, cc.get(m * k), m * k, "FP4 row-max codes");
     EXPECT_EQ(ds.get(1)[0].underflow, static_cast<unsigned long long>(st4r.underflow));
   }
   std::printf("[ measure  ] %s: underflow FP8 column-amax %lld; FP4->FP8 col column-amax %lld vs row-max %lld of %lld\n",

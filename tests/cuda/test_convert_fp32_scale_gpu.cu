@@ -18,35 +18,12 @@
 #include "flowmoe/cpu/convert.h"
 #include "flowmoe/cuda/convert.h"
 #include "flowmoe/numerics.h"
+#include "cuda/gpu_test_util.h"
 
 namespace flowmoe {
 namespace {
 
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_DEVICE() \
-  if (!have_device()) GTEST_SKIP() << "no CUDA device"
-
-template <typename T>
-struct DBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit DBuf(size_t count) : n(count) {
-    if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    cudaMemset(p, 0xA5, std::max<size_t>(count, 1) * sizeof(T));  // poison: every byte must be written
-  }
-  explicit DBuf(const std::vector<T>& h) : DBuf(h.size()) {
-    cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~DBuf() { cudaFree(p); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
+using namespace testutil;  // DBuf, REQUIRE_DEVICE
 
 // [m, k] bf16: normal values, row 0's first tile all zero, row 1's first tile holding a NaN (when
 // `nan`; weights are finite: set_weights rejects others), row 2 with large values.

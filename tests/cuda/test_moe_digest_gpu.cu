@@ -27,6 +27,7 @@
 #include "flowmoe/comm.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
+#include "common/fnv.h"
 #include "cuda/gpu_test_util.h"
 
 #ifndef FLOWMOE_TEST_DATA_DIR
@@ -36,17 +37,7 @@
 namespace flowmoe {
 namespace {
 
-using namespace testutil;  // REQUIRE_DEVICE, StreamBuf, normal_f32/bf16
-
-struct Fnv {
-  uint64_t h = 1469598103934665603ull;
-  void add(const void* p, size_t n) {
-    const unsigned char* b = static_cast<const unsigned char*>(p);
-    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
-  }
-  template <typename T>
-  void add(const std::vector<T>& v) { add(v.data(), v.size() * sizeof(T)); }
-};
+using namespace testutil;  // REQUIRE_DEVICE, StreamBuf, normal_f32/bf16, Fnv
 
 struct Case {
   const char* name;

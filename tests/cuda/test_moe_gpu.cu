@@ -427,8 +427,8 @@ INSTANTIATE_TEST_SUITE_P(AllRecipes, MoeGpuRecipe, ::testing::ValuesIn(recipes()
 // ---- a DeepSeek-V2-Lite-sized layer (F = 1408: 11 tiles), GPU only: FP8 recipes near bf16 -------------
 TEST(MoeGpuLarge, V2LiteShapeFp8RecipesStayNearBf16) {
   REQUIRE_DEVICE();
-  // V2-Lite expert sizes with the 8 local experts of EP8 (64 experts made ~1.1 G host random
-  // numbers and several GB of copies: the first H200 run hit its 70 s limit inside this test).
+  // V2-Lite expert sizes with the 8 local experts of EP8 (all 64 experts would need ~1.1 G host
+  // random numbers and several GB of copies: too slow for the test's time limit).
   const Shape s{"v2lite", 2048, 1408, 8, 6, RouterScore::kSoftmax, false, 1.0f, 0.0f, 128, false, 1024, 1024};
   const Data d = make_data(s, s.tokens, 4242);
   DevData dd(d);

@@ -13,56 +13,33 @@
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/swiglu.h"
+#include "cuda/gpu_test_util.h"
 
 namespace flowmoe {
 namespace {
 
-template <typename T>
-struct ViewBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit ViewBuf(size_t count) : n(count) {
-    if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    cudaMemset(p, 0xA5, std::max<size_t>(count, 1) * sizeof(T));
-  }
-  explicit ViewBuf(const std::vector<T>& h) : ViewBuf(h.size()) {
-    cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~ViewBuf() { cudaFree(p); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
-
-std::vector<bf16_t> random_bf16(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<bf16_t> x(n);
-  for (auto& v : x) v = num::f32_to_bf16(nd(rng));
-  return x;
-}
+using namespace testutil;  // DBuf, REQUIRE_DEVICE, normal_bf16
 
 TEST(QTensorViewGpu, RowAndColumnQuantizeMatchTheReference) {
+  REQUIRE_DEVICE();
   const int64_t m = 300, k = 256;
   const Segments seg = Segments::from_counts({100, 0, 200});
   const int E = seg.num_segments();
-  const auto x = random_bf16(m * k, 11);
+  const auto x = normal_bf16(m * k, 1.0f, 11u);
   QTensor row_ref, col_ref;
   cpu::quantize_row(x.data(), m, k, &row_ref);
   cpu::quantize_col(x.data(), m, k, seg, &col_ref);
 
-  ViewBuf<bf16_t> dx(x);
-  ViewBuf<int32_t> doff(seg.offsets);
+  DBuf<bf16_t> dx(x);
+  DBuf<int32_t> doff(seg.offsets);
   const int64_t maxb = cuda::segment_max_blocks(m, E);
-  ViewBuf<int32_t> bstart(maxb), bend(maxb), boff(E + 1);
-  ViewBuf<cuda::DeviceStatus> st(1);
+  DBuf<int32_t> bstart(maxb), bend(maxb), boff(E + 1);
+  DBuf<cuda::DeviceStatus> st(1);
   cudaMemset(st.p, 0, sizeof(cuda::DeviceStatus));
   const cuda::SegmentBlocks sb{doff.p, E, m, maxb, bstart.p, bend.p, boff.p};
   cuda::build_segment_blocks(sb, st.p, 0);
 
-  ViewBuf<uint8_t> rc(m * k), rs(k / 128 * m), cc(k * m), cs(maxb * k);
+  DBuf<uint8_t> rc(m * k), rs(k / 128 * m), cc(k * m), cs(maxb * k);
   const auto row = cuda::row_1x128(rc.p, rs.p, m, k);
   const auto col = cuda::col_128x1(cc.p, cs.p, m, k, maxb, doff.p, E);
   cuda::quantize_row(dx.p, row, st.p, 0);
@@ -70,7 +47,7 @@ TEST(QTensorViewGpu, RowAndColumnQuantizeMatchTheReference) {
   EXPECT_EQ(rc.get(), row_ref.codes);
   EXPECT_EQ(rs.get(), row_ref.scales);
 
-  ViewBuf<uint8_t> rc2(m * k), rs2(k / 128 * m);
+  DBuf<uint8_t> rc2(m * k), rs2(k / 128 * m);
   const auto row2 = cuda::row_1x128(rc2.p, rs2.p, m, k);
   cuda::quantize_col(dx.p, sb, col, &row2, st.p, 0);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -83,7 +60,7 @@ TEST(QTensorViewGpu, RowAndColumnQuantizeMatchTheReference) {
   EXPECT_EQ(rs2.get(), row_ref.scales);
 
   // the column copy from the row-wise view (scaling-aware transpose) equals the pointer launcher's
-  ViewBuf<uint8_t> tc(k * m), ts(maxb * k), pc(k * m), ps(maxb * k);
+  DBuf<uint8_t> tc(k * m), ts(maxb * k), pc(k * m), ps(maxb * k);
   cuda::scaling_aware_transpose(row, sb, cuda::col_128x1(tc.p, ts.p, m, k, maxb), st.p, 0);
   cuda::scaling_aware_transpose(rc.p, rs.p, k, sb, pc.p, ps.p, st.p, 0);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -100,12 +77,13 @@ TEST(QTensorViewGpu, RowAndColumnQuantizeMatchTheReference) {
 // The view form of swiglu_quant picks the saved H's launcher from its layout: MXFP4 gives what
 // swiglu_quant_h4 gives, row-wise FP8 what swiglu_quant gives.
 TEST(QTensorViewGpu, SwigluQuantDispatchesOnTheSavedFormat) {
+  REQUIRE_DEVICE();
   const int64_t m = 64, f = 256;
-  const auto h = random_bf16(m * 2 * f, 12);
-  ViewBuf<bf16_t> dh(h);
-  ViewBuf<uint8_t> ac(m * f), as(f / 128 * m), ac2(m * f), as2(f / 128 * m);
-  ViewBuf<uint8_t> h4c(m * f), h4s(m * 2 * f / 32), h4c2(m * f), h4s2(m * 2 * f / 32);
-  ViewBuf<uint8_t> h8c(m * 2 * f), h8s(2 * f / 128 * m), h8c2(m * 2 * f), h8s2(2 * f / 128 * m);
+  const auto h = normal_bf16(m * 2 * f, 1.0f, 12u);
+  DBuf<bf16_t> dh(h);
+  DBuf<uint8_t> ac(m * f), as(f / 128 * m), ac2(m * f), as2(f / 128 * m);
+  DBuf<uint8_t> h4c(m * f), h4s(m * 2 * f / 32), h4c2(m * f), h4s2(m * 2 * f / 32);
+  DBuf<uint8_t> h8c(m * 2 * f), h8s(2 * f / 128 * m), h8c2(m * 2 * f), h8s2(2 * f / 128 * m);
   const auto h4 = cuda::mxfp4_1x32(h4c.p, h4s.p, m, 2 * f);
   cuda::swiglu_quant(dh.p, cuda::row_1x128(ac.p, as.p, m, f), &h4, nullptr, 0);
   cuda::swiglu_quant_h4(dh.p, m, f, ac2.p, as2.p, h4c2.p, h4s2.p, nullptr, 0);

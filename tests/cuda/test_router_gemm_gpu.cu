@@ -3,7 +3,7 @@
 // documented order, bit for bit:
 //   z[t, e]    = fma chain over h = 0..H-1 of bf16(x[t, h]) * wr[e, h], from 0
 //   dwr[e, h] += (fma chain over t = 0..T-1 of dz[t, e] * x[t, h], from 0)
-// (the CPU layer's arithmetic, src/cpu/moe_cpu.cpp). Shapes cover every tile configuration the
+// (the CPU layer's arithmetic, src/cpu/moe/router.cpp). Shapes cover every tile configuration the
 // launchers pick (E = 1 .. 256), T = 1, odd T, T not a multiple of any chunk, H with a partial
 // feature block (dwr), the fallback kernels (H % 64 == 32, H % 8 != 0, unaligned operands), and
 // NaN / Inf inputs (a NaN output must be NaN on both sides; its payload is not compared). At the

@@ -13,38 +13,12 @@
 #include "flowmoe/cpu/convert.h"
 #include "flowmoe/cuda/convert.h"
 #include "flowmoe/numerics.h"
+#include "cuda/gpu_test_util.h"
 
 namespace flowmoe {
 namespace {
 
-template <typename T>
-struct SatBuf {  // device buffer, poisoned so that every byte must be written
-  T* p = nullptr;
-  size_t n = 0;
-  explicit SatBuf(size_t count) : n(count) {
-    if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-    cudaMemset(p, 0xA5, std::max<size_t>(count, 1) * sizeof(T));
-  }
-  explicit SatBuf(const std::vector<T>& h) : SatBuf(h.size()) {
-    cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~SatBuf() { cudaFree(p); }
-  std::vector<T> get(size_t count) const {
-    std::vector<T> h(count);
-    cudaMemcpy(h.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
-
-void expect_same(const std::vector<uint8_t>& want, const std::vector<uint8_t>& got, size_t n, const char* what) {
-  ASSERT_GE(want.size(), n);
-  ASSERT_GE(got.size(), n);
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < n; ++i)
-    if (want[i] != got[i] && bad++ == 0) first = i;
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << n << " bytes differ; first at " << first
-                     << " (want 0x" << std::hex << int(want[first]) << ", got 0x" << int(got[first]) << ")";
-}
+using namespace testutil;  // DBuf, REQUIRE_DEVICE, expect_same_bits
 
 // BF16 values at the top of the range: every finite bit pattern from 0x7E00 (2^125) to 0x7F7F
 // (the BF16 maximum), both signs, in random order, with some ordinary values and zeros mixed in
@@ -72,8 +46,7 @@ int64_t count_inf(const QTensor& q) {
 }
 
 TEST(SaturationGpu, QuantizersMatchCpuAtTheTopOfTheRange) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_DEVICE();
   const int64_t m = 384, k = 512;
   const std::vector<bf16_t> x = top_of_range_bf16(m * k, 77);
   const Segments seg = Segments::from_counts({100, 0, 27, 257});
@@ -83,10 +56,10 @@ TEST(SaturationGpu, QuantizersMatchCpuAtTheTopOfTheRange) {
   ASSERT_EQ(cudaMalloc(&status, sizeof(cuda::DeviceStatus)), cudaSuccess);
   cudaMemset(status, 0, sizeof(cuda::DeviceStatus));
 
-  SatBuf<bf16_t> dx(x);
-  SatBuf<int32_t> doff(seg.offsets);
+  DBuf<bf16_t> dx(x);
+  DBuf<int32_t> doff(seg.offsets);
   const int64_t maxb = cuda::segment_max_blocks(m, E);
-  SatBuf<int32_t> bstart(maxb), bend(maxb), boff(E + 1);
+  DBuf<int32_t> bstart(maxb), bend(maxb), boff(E + 1);
   cuda::SegmentBlocks sb{doff.p, E, m, maxb, bstart.p, bend.p, boff.p};
   cuda::build_segment_blocks(sb, status, 0);
 
@@ -97,52 +70,52 @@ TEST(SaturationGpu, QuantizersMatchCpuAtTheTopOfTheRange) {
   EXPECT_EQ(count_inf(row), 0);
   EXPECT_EQ(count_inf(col), 0);
   {
-    SatBuf<uint8_t> rc(m * k), rs(m * k / 128);
+    DBuf<uint8_t> rc(m * k), rs(m * k / 128);
     cuda::quantize_row(dx.p, m, k, rc.p, rs.p, status, 0);
-    expect_same(row.codes, rc.get(m * k), m * k, "quantize_row codes");
-    expect_same(row.scales, rs.get(m * k / 128), m * k / 128, "quantize_row scales");
-    SatBuf<uint8_t> cc(m * k), cs(maxb * k), rc2(m * k), rs2(m * k / 128);
+    expect_same_bits(row.codes, rc.get(m * k), m * k, "quantize_row codes");
+    expect_same_bits(row.scales, rs.get(m * k / 128), m * k / 128, "quantize_row scales");
+    DBuf<uint8_t> cc(m * k), cs(maxb * k), rc2(m * k), rs2(m * k / 128);
     cuda::quantize_col(dx.p, k, sb, cc.p, cs.p, nullptr, nullptr, status, 0);
-    expect_same(col.codes, cc.get(m * k), m * k, "quantize_col codes");
-    expect_same(col.scales, cs.get(nb * k), nb * k, "quantize_col scales");
+    expect_same_bits(col.codes, cc.get(m * k), m * k, "quantize_col codes");
+    expect_same_bits(col.scales, cs.get(nb * k), nb * k, "quantize_col scales");
     cuda::quantize_col(dx.p, k, sb, cc.p, cs.p, rc2.p, rs2.p, status, 0);
-    expect_same(col.codes, cc.get(m * k), m * k, "quantize_both col codes");
-    expect_same(row.codes, rc2.get(m * k), m * k, "quantize_both row codes");
-    expect_same(row.scales, rs2.get(m * k / 128), m * k / 128, "quantize_both row scales");
+    expect_same_bits(col.codes, cc.get(m * k), m * k, "quantize_both col codes");
+    expect_same_bits(row.codes, rc2.get(m * k), m * k, "quantize_both row codes");
+    expect_same_bits(row.scales, rs2.get(m * k / 128), m * k / 128, "quantize_both row scales");
     // the transposed-BF16 path (naive col copy's quantizer)
-    SatBuf<bf16_t> xt(m * k);
+    DBuf<bf16_t> xt(m * k);
     cuda::transpose_bf16(dx.p, m, k, xt.p, 0);
     cuda::quantize_transposed(xt.p, k, sb, cc.p, cs.p, status, 0);
-    expect_same(col.codes, cc.get(m * k), m * k, "quantize_transposed codes");
-    expect_same(col.scales, cs.get(nb * k), nb * k, "quantize_transposed scales");
+    expect_same_bits(col.codes, cc.get(m * k), m * k, "quantize_transposed codes");
+    expect_same_bits(col.scales, cs.get(nb * k), nb * k, "quantize_transposed scales");
   }
   // weights 128x128 and the transposed copy
   {
     QTensor w, wt;
     EXPECT_EQ(cpu::quantize_weight(x.data(), m, k, &w, &wt).nonfinite, 0);
     EXPECT_EQ(count_inf(w), 0);
-    SatBuf<uint8_t> wc(m * k), ws(m * k / (128 * 128)), tc(m * k), ts(m * k / (128 * 128));
+    DBuf<uint8_t> wc(m * k), ws(m * k / (128 * 128)), tc(m * k), ts(m * k / (128 * 128));
     cuda::quantize_weight(dx.p, m, k, wc.p, ws.p, tc.p, ts.p, status, 0);
-    expect_same(w.codes, wc.get(m * k), m * k, "quantize_weight codes");
-    expect_same(w.scales, ws.get(w.scales.size()), w.scales.size(), "quantize_weight scales");
-    expect_same(wt.codes, tc.get(m * k), m * k, "quantize_weight t codes");
-    expect_same(wt.scales, ts.get(wt.scales.size()), wt.scales.size(), "quantize_weight t scales");
+    expect_same_bits(w.codes, wc.get(m * k), m * k, "quantize_weight codes");
+    expect_same_bits(w.scales, ws.get(w.scales.size()), w.scales.size(), "quantize_weight scales");
+    expect_same_bits(wt.codes, tc.get(m * k), m * k, "quantize_weight t codes");
+    expect_same_bits(wt.scales, ts.get(wt.scales.size()), wt.scales.size(), "quantize_weight t scales");
   }
   // MXFP4 and its stepwise column conversion
   {
     QTensor f4, c8s;
     EXPECT_EQ(cpu::quantize_mxfp4(x.data(), m, k, &f4).nonfinite, 0);
     EXPECT_EQ(count_inf(f4), 0);
-    SatBuf<uint8_t> fc(m * k / 2), fs(m * k / 32);
+    DBuf<uint8_t> fc(m * k / 2), fs(m * k / 32);
     cuda::quantize_mxfp4(dx.p, m, k, fc.p, fs.p, status, 0);
-    expect_same(f4.codes, fc.get(m * k / 2), m * k / 2, "quantize_mxfp4 codes");
-    expect_same(f4.scales, fs.get(m * k / 32), m * k / 32, "quantize_mxfp4 scales");
+    expect_same_bits(f4.codes, fc.get(m * k / 2), m * k / 2, "quantize_mxfp4 codes");
+    expect_same_bits(f4.scales, fs.get(m * k / 32), m * k / 32, "quantize_mxfp4 scales");
     cpu::fp4_to_fp8_col_stepwise(f4, seg, &c8s);
-    SatBuf<uint8_t> oc(m * k), os(maxb * k);
-    SatBuf<bf16_t> work(2 * m * k);
+    DBuf<uint8_t> oc(m * k), os(maxb * k);
+    DBuf<bf16_t> work(2 * m * k);
     cuda::fp4_to_fp8_col_stepwise(fc.p, fs.p, k, sb, oc.p, os.p, work.p, status, 0);
-    expect_same(c8s.codes, oc.get(m * k), m * k, "fp4_to_fp8_col_stepwise codes");
-    expect_same(c8s.scales, os.get(nb * k), nb * k, "fp4_to_fp8_col_stepwise scales");
+    expect_same_bits(c8s.codes, oc.get(m * k), m * k, "fp4_to_fp8_col_stepwise codes");
+    expect_same_bits(c8s.scales, os.get(nb * k), nb * k, "fp4_to_fp8_col_stepwise scales");
   }
   // the data did exercise the saturation: some plain RNE codes would have decoded to Inf
   int64_t would_be_inf = 0;

@@ -5,6 +5,9 @@
 #include <cerrno>
 #include <cstdlib>
 #include <limits>
+#include <list>
+
+#include "flowmoe/recipe.h"
 
 namespace flowmoe {
 namespace cli {
@@ -116,6 +119,12 @@ std::string parse_choice(const std::string& s, const std::string& what,
     list += (list.empty() ? "" : "|") + c;
   }
   throw UsageError(what + ": '" + s + "' is not one of " + list);
+}
+
+const char* usage_with_recipe_names(const char* head, const char* tail) {
+  static std::list<std::string> texts;  // a list: its strings never move
+  texts.push_back(std::string(head) + recipe_names(",") + tail);
+  return texts.back().c_str();
 }
 
 }  // namespace cli

@@ -60,6 +60,10 @@ std::string parse_choice(const std::string& s, const std::string& what,
                          const std::vector<std::string>& choices);
 
 // ---- subcommands ------------------------------------------------------------------------------
+// head + the recipe names of the recipe table joined by "," (recipe_names) + tail: a usage text
+// that lists the recipes without typing them; kept for the program's lifetime (Command::usage).
+const char* usage_with_recipe_names(const char* head, const char* tail);
+
 struct Command {
   const char* name;
   const char* summary;             // one line for `flowmoe --help`

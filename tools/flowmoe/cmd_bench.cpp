@@ -17,19 +17,22 @@
 #include "flowmoe/error.h"
 #include "flowmoe/settings.h"
 #include "flowmoe/moe.h"
+#include "flowmoe/recipe.h"
 
 #if defined(FLOWMOE_HAVE_CUDA)
 #include <cuda_runtime.h>
 
 #include "flowmoe/cuda/moe_debug.h"
-#include "timing.h"  // bench/: the benchmarks' timing harness
+#include "layer_options.h"  // bench/: the layer's options from the environment
+#include "timing.h"         // bench/: the benchmarks' timing harness
 #endif
 
 namespace flowmoe {
 namespace cli {
 namespace {
 
-const char kBenchUsage[] =
+// The usage text around the recipe names, which come from the recipe table (recipe.h).
+const char kBenchUsageHead[] =
     "usage: flowmoe bench [--config NAME[,NAME...]|all] [--tokens T] [--recipes R[,R...]]\n"
     "                     [--reps N] [--warmup N] [--align A] [--no-breakdown]\n"
     "                     [--grads accumulate|overwrite] [--json FILE] [--baseline FILE]\n"
@@ -50,7 +53,9 @@ const char kBenchUsage[] =
     "options:\n"
     "  --config C     comma-separated configurations, or all (default v3-ep8)\n"
     "  --tokens T     tokens per GPU (default 8192)\n"
-    "  --recipes R    comma-separated recipes (default bf16,blockwise,fp8-naive,flow,flow-fp4)\n"
+    "  --recipes R    comma-separated recipes (default ";
+const char kBenchUsageTail[] =
+    ")\n"
     "  --reps N       timed forward+backward steps per recipe (default 10)\n"
     "  --warmup N     untimed steps first (default 3)\n"
     "  --align A      expert segment alignment: 16, 32, 64 or 128 (default 128)\n"
@@ -186,28 +191,6 @@ struct RecipeResult {
   std::string report;
 };
 
-// The CUDA layer's options from the environment (the library reads none; README "Runtime
-// settings"): FLOWMOE_LAYER_OVERLAP=0 (no side stream), FLOWMOE_LAYER_TAIL_OVERLAP=0|1 (tail
-// stream), FLOWMOE_EP_DEDUP=0 (every (token, expert) row travels), FLOWMOE_EP_DIRECT_BYTES=N,
-// FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY / _WGRAD_KERNEL (the GEMM options; a set priority
-// overrides the layer's choice).
-CudaLayerOptions layer_options_from_env() {
-  CudaLayerOptions o;
-  auto flag = [](const char* name, bool* out) {
-    const char* v = std::getenv(name);
-    if (!v) return;
-    FLOWMOE_CHECK(std::string(v) == "0" || std::string(v) == "1", name << "=\"" << v << "\"; expected 0 or 1");
-    *out = v[0] == '1';
-  };
-  flag("FLOWMOE_LAYER_OVERLAP", &o.side_stream);
-  flag("FLOWMOE_LAYER_TAIL_OVERLAP", &o.tail_stream);
-  flag("FLOWMOE_EP_DEDUP", &o.ep_dedup);
-  o.gemm = gemm::GroupedGemmOptions::from_settings(env_lookup());
-  o.ep_direct_bytes = ep_direct_bytes_from_settings(env_lookup());
-  if (std::getenv("FLOWMOE_GEMM_PRIORITY")) o.gemm_pool_priority = o.gemm.pool_priority;
-  return o;
-}
-
 RecipeResult run_recipe(const BenchConfig& bc, Recipe recipe, int64_t T, int align, int reps,
                         int warmup, bool breakdown, cudaStream_t stream, const MoeWeights& w,
                         const MoeGrads& g, const bf16_t* x, const bf16_t* dy, bf16_t* y, bf16_t* dx,
@@ -230,7 +213,7 @@ RecipeResult run_recipe(const BenchConfig& bc, Recipe recipe, int64_t T, int ali
   BENCH_CUDA(cudaDeviceSynchronize());
   size_t free0 = 0, total = 0;
   BENCH_CUDA(cudaMemGetInfo(&free0, &total));
-  std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, stream, layer_options_from_env());
+  std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, stream, bench::layer_options_from_env());
   layer->set_weights(w);
   for (int i = 0; i < warmup; ++i) {
     layer->forward(x, T, y);
@@ -559,7 +542,7 @@ int run_bench(const Args& args) {
 
 Command bench_command() {
   return {"bench", "MoE layer forward+backward on the GPU, every recipe (tokens/s, TFLOP/s, memory)",
-          kBenchUsage,
+          usage_with_recipe_names(kBenchUsageHead, kBenchUsageTail),
           {{"config", true}, {"tokens", true}, {"recipes", true}, {"reps", true}, {"warmup", true},
            {"align", true}, {"no-breakdown", false}, {"grads", true}, {"json", true}, {"baseline", true},
            {"exponent", true}},

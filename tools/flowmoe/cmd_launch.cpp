@@ -39,7 +39,8 @@ const char kLaunchUsage[] =
     "  --port P        MASTER_PORT (default 29500)\n"
     "  --timeout S     bound of the whole launch in seconds (default: none)\n";
 
-const char kBenchEpUsage[] =
+// The usage text around the recipe names, which come from the recipe table (recipe.h).
+const char kBenchEpUsageHead[] =
     "usage: flowmoe bench-ep [--gpus N] [--config C[,C...]|all] [--tokens T] [--recipes R[,R...]]\n"
     "                        [--reps N] [--warmup N] [--align A] [--no-layer] [--no-single]\n"
     "                        [--no-comm] [--stages] [--port P] [--timeout S]\n"
@@ -63,7 +64,9 @@ const char kBenchEpUsage[] =
     "options:\n"
     "  --gpus N        ranks, one per GPU (default: every visible GPU; at least 2)\n"
     "  --tokens T      tokens per GPU (default 8192)\n"
-    "  --recipes R     default bf16,blockwise,fp8-naive,flow,flow-fp4\n"
+    "  --recipes R     default ";
+const char kBenchEpUsageTail[] =
+    "\n"
     "  --reps N        timed repetitions (default 10); --warmup N untimed first (default 3)\n"
     "  --align A       expert segment alignment (default 128)\n"
     "  --experts-total E  E experts in all, El = E / N per GPU (default: the configuration's El per\n"
@@ -160,7 +163,7 @@ Command launch_command() {
 
 Command bench_ep_command() {
   return {"bench-ep", "expert-parallel dispatch/combine and layer benchmark over NCCL, one rank per GPU",
-          kBenchEpUsage,
+          usage_with_recipe_names(kBenchEpUsageHead, kBenchEpUsageTail),
           {{"gpus", true}, {"config", true}, {"tokens", true}, {"recipes", true}, {"reps", true},
            {"warmup", true}, {"align", true}, {"experts-total", true}, {"no-layer", false}, {"no-single", false},
            {"no-comm", false}, {"stages", false},

@@ -20,14 +20,8 @@ using namespace flowmoe::num;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-inline unsigned grid_1d(int64_t items, int per_block, int64_t cap = 1 << 20) {
-  int64_t g = (items + per_block - 1) / per_block;
-  if (g < 1) g = 1;
-  return static_cast<unsigned>(g < cap ? g : cap);
-}
-inline void check_ptr(const void* p, const char* name, const char* what) {
-  FLOWMOE_CHECK(p != nullptr, what << ": " << name << " is null; expected a device buffer");
-}
+using ::flowmoe::cuda::detail::grid_1d;
+using ::flowmoe::cuda::detail::check_ptr;
 unsigned long long* nf(DeviceStatus* st) { return st ? &st->nonfinite : nullptr; }
 
 __device__ __forceinline__ uint32_t max_u32_warp(uint32_t v) {

@@ -247,8 +247,8 @@ inline void check_blocks(const SegmentBlocks& sb, const char* what) {
 }
 
 // Tile kernels run one CTA per (128-token block, 128-feature tile), token blocks fastest along
-// blockIdx.x. (Measured on the H200, DeepSeek-V3 EP8 shape: K tiles fastest was slower, 352 vs
-// 306 us for the scaling-aware transpose and 420 vs 311 us for quantize_col.)
+// blockIdx.x (the faster order for the scaling-aware transpose and quantize_col: with K tiles
+// fastest both were slower at the DeepSeek-V3 EP8 shape).
 inline dim3 tile_grid(int64_t max_blocks, int64_t k_tiles) {
   FLOWMOE_CHECK(k_tiles < 65536, "K = " << k_tiles * 128 << " too large (at most 65535 tiles of 128)");
   FLOWMOE_CHECK(max_blocks < (1ll << 31), "too many token blocks: " << max_blocks);

@@ -751,26 +751,14 @@ size_t GroupedGemm::tuning_scratch_bytes() {
 }
 
 // ---- FP8 ---------------------------------------------------------------------------------------
-namespace {
-int range_end(const Segments& seg, int e_begin, int e_end, const char* what) {
-  const int end = e_end < 0 ? seg.num_segments() : e_end;
-  FLOWMOE_CHECK(e_begin >= 0 && e_begin <= end && end <= seg.num_segments(),
-                what << ": expert range [" << e_begin << ", " << e_end << ") outside the "
-                     << seg.num_segments() << " experts");
-  return end;
-}
-}  // namespace
-
 void GroupedGemm::fprop(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& x,
-                        const Fp8Operand& w, Span<bf16_t> y, cudaStream_t stream, int e_begin,
-                        int e_end) {
+                        const Fp8Operand& w, Span<bf16_t> y, cudaStream_t stream) {
   const char* what = "FP8 fprop";
   gemm::check_fp8_fprop(seg, n, k, x, w, {y.data, y.size});
   impl_->require_fp8(what);
-  const int e_last = range_end(seg, e_begin, e_end, what);
   const int64_t L = k / kFp8Block, w_scales = (n / kFp8Block) * gemm::weight_scale_ld(k);
   impl_->begin(seg.num_segments());
-  for (int e = e_begin; e < e_last; ++e) {
+  for (int e = 0; e < seg.num_segments(); ++e) {
     const int64_t off = seg.offsets[e], me = seg.offsets[e + 1] - off;
     if (me == 0) continue;
     impl_->add(Op::kF8Rowwise, n, me, k, w.codes.data + e * n * k, k, x.codes.data + off * k, k,
@@ -844,13 +832,11 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
 
 // ---- BF16 --------------------------------------------------------------------------------------
 void GroupedGemm::fprop_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> x,
-                             Span<const bf16_t> w, Span<bf16_t> y, cudaStream_t stream, int e_begin,
-                             int e_end) {
+                             Span<const bf16_t> w, Span<bf16_t> y, cudaStream_t stream) {
   const char* what = "BF16 fprop";
   gemm::check_bf16(gemm::Pass::kFprop, seg, n, k, x, w, y.data, y.size);
-  const int e_last = range_end(seg, e_begin, e_end, what);
   impl_->begin(seg.num_segments());
-  for (int e = e_begin; e < e_last; ++e) {
+  for (int e = 0; e < seg.num_segments(); ++e) {
     const int64_t off = seg.offsets[e], me = seg.offsets[e + 1] - off;
     if (me == 0) continue;
     impl_->add(Op::kB16Fprop, n, me, k, w.data + e * n * k, k, x.data + off * k, k, y.data + off * n,

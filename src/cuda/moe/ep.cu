@@ -15,11 +15,7 @@ namespace {
 
 constexpr int kThreads = 256;
 
-inline unsigned grid_1d(int64_t items, int per_block, int64_t cap = 1 << 20) {
-  int64_t g = (items + per_block - 1) / per_block;
-  if (g < 1) g = 1;
-  return static_cast<unsigned>(g < cap ? g : cap);
-}
+using ::flowmoe::cuda::detail::grid_1d;
 inline bool aligned(const void* p, int64_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
 // One thread per word of one (token, slot) item; W the word type.

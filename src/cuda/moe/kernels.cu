@@ -34,14 +34,8 @@ int dwr_tile(int e, int64_t h, int64_t sms) {
   }
   return best;
 }
-inline unsigned grid_1d(int64_t items, int per_block, int64_t cap = 1 << 20) {
-  int64_t g = (items + per_block - 1) / per_block;
-  if (g < 1) g = 1;
-  return static_cast<unsigned>(g < cap ? g : cap);
-}
-inline void check_ptr(const void* p, const char* name, const char* what) {
-  FLOWMOE_CHECK(p != nullptr, what << ": " << name << " is null; expected a device buffer");
-}
+using ::flowmoe::cuda::detail::grid_1d;
+using ::flowmoe::cuda::detail::check_ptr;
 
 // ---- utilities -----------------------------------------------------------------------------------
 __global__ void f32_to_bf16_kernel(const float* __restrict__ in, int64_t n, bf16_t* __restrict__ out,
@@ -161,9 +155,8 @@ void router_dwr(const float* dz, const bf16_t* x, int64_t t, int e, int64_t h, f
     // (the rows of a tile past E cost as much as real ones) and the step by the busiest SM:
     // choose the smallest ceil(blocks / SMs) * BE, the larger tile on a tie (more reuse of each
     // staged x chunk). The order of every sum, hence the bits, is the same for every tile.
-    // Measured on the H200 (flowmoe_bench_router --variants, fifth session): V3 EP8 (E 32) 32 x 64,
-    // V3 EP32 (E 8) 8 x 64, V2 (E 20, H 5120) 8 x 64, V2-Lite (E 64, H 2048) 16 x 64: each the
-    // fastest variant of its shape.
+    // This rule picks, at the DeepSeek V3 EP8 / EP32, V2 and V2-Lite shapes, the variant that
+    // `flowmoe_bench_router --variants` times fastest.
     const int tile = dwr_tile(e, h, detail::device_sm_count());
     if (tile == 32) rg::launch_staged_dwr<2, 8, 1, 4>(dz, x, t, e, h, dwr, stream);
     else if (tile == 16) rg::launch_staged_dwr<2, 4, 1, 4>(dz, x, t, e, h, dwr, stream);

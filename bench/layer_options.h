@@ -1,0 +1,39 @@
+// The CUDA layer's options from the environment, for the programs that time the layer
+// (`flowmoe bench`, tools/flowmoe/cmd_bench.cpp; bench/ep/flowmoe_bench_ep.cu). The library reads
+// none (README "Runtime settings"): FLOWMOE_LAYER_OVERLAP=0 (no side stream),
+// FLOWMOE_LAYER_TAIL_OVERLAP=0|1 (tail stream), FLOWMOE_EP_DEDUP=0 (every (token, expert) row
+// travels), FLOWMOE_EP_DIRECT_BYTES=N, FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY / _WGRAD_KERNEL
+// (the GEMM options; a set priority overrides the layer's choice). Needs the CUDA backend.
+#pragma once
+
+#include <cstdlib>
+#include <string>
+
+#include "flowmoe/comm.h"
+#include "flowmoe/error.h"
+#include "flowmoe/gemm.h"
+#include "flowmoe/moe.h"
+#include "flowmoe/settings.h"
+
+namespace flowmoe {
+namespace bench {
+
+inline CudaLayerOptions layer_options_from_env() {
+  CudaLayerOptions o;
+  auto flag = [](const char* name, bool* out) {
+    const char* v = std::getenv(name);
+    if (!v) return;
+    FLOWMOE_CHECK(std::string(v) == "0" || std::string(v) == "1", name << "=\"" << v << "\"; expected 0 or 1");
+    *out = v[0] == '1';
+  };
+  flag("FLOWMOE_LAYER_OVERLAP", &o.side_stream);
+  flag("FLOWMOE_LAYER_TAIL_OVERLAP", &o.tail_stream);
+  flag("FLOWMOE_EP_DEDUP", &o.ep_dedup);
+  o.gemm = gemm::GroupedGemmOptions::from_settings(env_lookup());
+  o.ep_direct_bytes = ep_direct_bytes_from_settings(env_lookup());
+  if (std::getenv("FLOWMOE_GEMM_PRIORITY")) o.gemm_pool_priority = o.gemm.pool_priority;
+  return o;
+}
+
+}  // namespace bench
+}  // namespace flowmoe
