@@ -57,6 +57,8 @@ shift $((OPTIND - 1))
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# the stored digests of tests/cuda/test_moe_digest_gpu.cu, wherever the build was made
+export FLOWMOE_TEST_DATA_DIR=${FLOWMOE_TEST_DATA_DIR:-$(cd "$(dirname "$0")/.." && pwd)/tests/cuda/data}
 FAILED=0
 
 # step NAME LIMIT CMD...: run CMD under `timeout LIMIT`, output into $OUT/NAME.log, one summary line.

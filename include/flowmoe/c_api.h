@@ -57,6 +57,8 @@ typedef struct flowmoe_config {
   const char* recipe;     // "bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"
   int64_t max_tokens;     // largest T of a forward call
   int32_t check_columns;  // MoeConfig::check_columns
+  // MoeConfig::transpose_exponent: "row-max" (SPEC §4; also when null) or "column-amax"
+  const char* transpose_exponent;
 } flowmoe_config;
 
 // ---- layers -----------------------------------------------------------------------------------

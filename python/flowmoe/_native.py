@@ -38,6 +38,7 @@ class Config(ctypes.Structure):
         ("recipe", ctypes.c_char_p),
         ("max_tokens", ctypes.c_int64),
         ("check_columns", ctypes.c_int32),
+        ("transpose_exponent", ctypes.c_char_p),
     ]
 
 
@@ -160,10 +161,11 @@ def recipe_names() -> tuple:
 
 def make_config(hidden: int, ffn: int, experts: int, topk: int, router: str, renormalize: bool,
                 routed_scaling: float, aux_loss_coef: float, align: int, recipe: str,
-                max_tokens: int, check_columns: bool = False) -> Config:
+                max_tokens: int, check_columns: bool = False,
+                transpose_exponent: str = "row-max") -> Config:
     return Config(int(hidden), int(ffn), int(experts), int(topk), router.encode(), int(bool(renormalize)),
                   float(routed_scaling), float(aux_loss_coef), int(align), recipe.encode(),
-                  int(max_tokens), int(bool(check_columns)))
+                  int(max_tokens), int(bool(check_columns)), transpose_exponent.encode())
 
 
 class Comm:

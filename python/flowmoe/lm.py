@@ -44,6 +44,9 @@ class LMConfig:
     renormalize: bool = False
     aux_loss_coef: float = 0.01
     align: int = 128
+    # flowmoe's flow / flow-fp4: the exponent rule of the column-wise copies (row-max: SPEC §4;
+    # column-amax: each column block's own amax, docs/NUMERICS.md §6)
+    transpose_exponent: str = "row-max"
 
     def validate(self):
         if self.hidden % self.heads:
@@ -163,7 +166,8 @@ def make_moe(cfg, impl, recipe, max_tokens, device, seed):
         if hasattr(flowmoe, "native_available") and not flowmoe.native_available():
             raise ImportError("flowmoe's native library is not built or not found; install the package "
                               "with `pip install .`, or train with --moe torch")
-        return MoE(cfg.hidden, cfg.ffn, cfg.experts, cfg.topk, recipe=recipe, **kw)
+        return MoE(cfg.hidden, cfg.ffn, cfg.experts, cfg.topk, recipe=recipe,
+                   transpose_exponent=cfg.transpose_exponent, **kw)
     raise ValueError(f"unknown MoE implementation {impl!r}; expected one of {MOE_IMPLS}")
 
 

@@ -144,7 +144,8 @@ class MoE(nn.Module):
                  recipe: str = "flow", align: int = 128, max_tokens: Optional[int] = None,
                  router_bias: bool = False, seed: Optional[int] = None, init_std: Optional[float] = None,
                  ep_group=None, grad_mode: str = "direct", check_finite: Optional[bool] = None,
-                 check_columns: bool = False, comm_timeout_s: float = 300.0, device=None):
+                 check_columns: bool = False, transpose_exponent: str = "row-max",
+                 comm_timeout_s: float = 300.0, device=None):
         super().__init__()
         for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("topk", topk)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -156,6 +157,9 @@ class MoE(nn.Module):
             raise ValueError(f"flowmoe.torch.MoE: router {router!r}; expected 'softmax' or 'sigmoid'")
         if align not in _ALIGNS:
             raise ValueError(f"flowmoe.torch.MoE: align {align!r}; expected one of {_ALIGNS}")
+        if transpose_exponent not in ("row-max", "column-amax"):
+            raise ValueError(f"flowmoe.torch.MoE: transpose_exponent {transpose_exponent!r}; expected "
+                             "'row-max' or 'column-amax'")
         if grad_mode not in ("direct", "autograd"):
             raise ValueError(f"flowmoe.torch.MoE: grad_mode {grad_mode!r}; expected 'direct' or 'autograd'")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
@@ -167,6 +171,7 @@ class MoE(nn.Module):
         self.grad_mode = grad_mode
         self.check_finite = check_finite
         self.check_columns = bool(check_columns)
+        self.transpose_exponent = transpose_exponent
         self.comm_timeout_s = float(comm_timeout_s)
 
         self.ep_group = ep_group
@@ -246,7 +251,8 @@ class MoE(nn.Module):
     def _config(self, max_tokens: int) -> _native.Config:
         return _native.make_config(self.hidden, self.ffn, self.experts, self.topk, self.router,
                                    self.renormalize, self.routed_scaling, self.aux_loss_coef,
-                                   self.align, self.recipe, max_tokens, self.check_columns)
+                                   self.align, self.recipe, max_tokens, self.check_columns,
+                                   self.transpose_exponent)
 
     # ---- the native layer ------------------------------------------------------------------------
     def _ep_comm(self, device: torch.device):

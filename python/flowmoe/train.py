@@ -70,6 +70,8 @@ def parse_args(argv=None):
     ap.add_argument("--topk", type=int, default=None)
     ap.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax")
     ap.add_argument("--renormalize", action="store_true")
+    ap.add_argument("--exponent", choices=("row-max", "column-amax"), default="row-max",
+                    help="flow / flow-fp4: exponent rule of the column-wise copies (docs/NUMERICS.md §6)")
     ap.add_argument("--aux-loss-coef", type=float, default=0.01)
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr")
@@ -110,7 +112,8 @@ def resolve(args):
             model[k] = getattr(args, k)
     if args.seq_len is not None:
         model["seq_len"] = args.seq_len
-    cfg = LMConfig(router=args.router, renormalize=args.renormalize, aux_loss_coef=args.aux_loss_coef, **model)
+    cfg = LMConfig(router=args.router, renormalize=args.renormalize, aux_loss_coef=args.aux_loss_coef,
+                   transpose_exponent=args.exponent, **model)
     for k in ("batch", "steps", "lr", "warmup", "val_every", "val_batches", "log_every"):
         if getattr(args, k) is None:
             setattr(args, k, base[k])

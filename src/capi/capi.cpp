@@ -84,6 +84,15 @@ MoeConfig to_config(const flowmoe_config* c, flowmoe_comm* comm, const char* wha
   cfg.recipe = parse_recipe(c->recipe);
   cfg.max_tokens = c->max_tokens;
   cfg.check_columns = c->check_columns != 0;
+  const std::string exponent = c->transpose_exponent ? c->transpose_exponent : "row-max";
+  if (exponent == "row-max") {
+    cfg.transpose_exponent = TransposeExponent::kRowMax;
+  } else if (exponent == "column-amax") {
+    cfg.transpose_exponent = TransposeExponent::kColumnAmax;
+  } else {
+    FLOWMOE_CHECK(false, what << ": transpose exponent '" << exponent
+                              << "' is unknown; expected 'row-max' or 'column-amax'");
+  }
   cfg.comm = comm ? comm->comm.get() : nullptr;
   return cfg;
 }

@@ -80,6 +80,25 @@ def test_module_equals_cpp_layer_bitwise(recipe, router, renorm, bias):
     assert status["aux_loss"] > 0
 
 
+@pytest.mark.parametrize("recipe", ("flow", "flow-fp4"))
+def test_column_amax_exponent_reaches_the_layer(recipe):
+    """transpose_exponent='column-amax' is MoeConfig::kColumnAmax: the module equals the C++ layer
+    built with it, and on outlier tokens it counts less underflow than row-max (docs/NUMERICS.md)."""
+    x, dy = data(T=40)
+    x[3] *= 2.0 ** 12  # one outlier token raises its 128-token block's row-max exponent
+    under = {}
+    for rule in ("row-max", "column-amax"):
+        m = make(recipe, align=16, transpose_exponent=rule)
+        got = run_module(m, x, dy)
+        want, status = run_capi(m, x, dy)
+        for name, a, b in zip(("y", "dx", "dw1", "dw2", "dwr"), got, want):
+            assert torch.equal(a, b), f"{recipe} {rule}: {name} differs from the C++ layer"
+        under[rule] = status["underflow"]
+    assert under["column-amax"] < under["row-max"], under
+    with pytest.raises(ValueError, match="transpose_exponent"):
+        make(recipe, transpose_exponent="col-amax")
+
+
 # ---- equal to a float64 reference within the recipe's precision ----------------------------------
 # Relative error norms measured at these shapes: bf16 ~0.005, the FP8 recipes ~0.07 (E4M3: 3
 # mantissa bits), flow-fp4 ~0.2-0.3 (E2M1 entry). A broken gradient is off by O(1).
