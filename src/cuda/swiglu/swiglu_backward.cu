@@ -10,6 +10,7 @@
 //                               dgate and dup (BF16) formed once, row-wise tiles quantized from
 //                               registers, the BF16 tile kept in shared memory for the column-wise
 //                               quantization along tokens.
+//   sum_dprow_parts_kernel      dprow = the per-tile parts summed in tile order, one thread per row.
 #include <algorithm>
 #include <atomic>
 
