@@ -20,10 +20,23 @@ import tempfile
 import unittest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-try:
-    import flowmoe.train  # noqa: F401  (installed package)
-except ImportError:
+# `--flowmoe-lib PATH` (ctest passes its build's libflowmoe_capi.so): the source tree's package
+# with that library, whatever is installed. Otherwise the installed package, else the source tree.
+FLOWMOE_LIB = None
+if "--flowmoe-lib" in sys.argv:
+    i = sys.argv.index("--flowmoe-lib")
+    FLOWMOE_LIB = os.path.abspath(sys.argv[i + 1])
+    del sys.argv[i:i + 2]
     sys.path.insert(0, os.path.join(ROOT, "python"))
+else:
+    try:
+        import flowmoe.train  # noqa: F401  (installed package)
+    except ImportError:
+        sys.path.insert(0, os.path.join(ROOT, "python"))
+if FLOWMOE_LIB:
+    import flowmoe._native
+
+    flowmoe._native.set_library_path(FLOWMOE_LIB)
 
 try:
     import torch
