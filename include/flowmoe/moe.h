@@ -191,6 +191,13 @@ struct CastReport {
   std::vector<WireTransfer> wire;
   QuantStats forward_stats, backward_stats;  // nonfinite and underflow seen by each pass
 
+  // The backends' accounting: add_op counts `calls` launches of operator `name` in pass p (an
+  // existing entry of the same pass, kind and name is summed into); drop_ops forgets pass p's
+  // operators (a new pass of that kind starts).
+  void add_op(MoePass p, CastKind k, const std::string& name, int64_t calls, int64_t outputs,
+              int64_t elements);
+  void drop_ops(MoePass p);
+
   // Operator counts per pass (launches; a kind's `calls` summed).
   int64_t count(MoePass p, CastKind k) const;
   // standalone quantize + dequantize launches of a pass: the paper's "casts"

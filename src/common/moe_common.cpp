@@ -1,5 +1,6 @@
 // The backend-independent part of the MoE layer (include/flowmoe/moe.h): configuration checks and
 // the cast / saved-bytes report. The recipes and their table: src/common/recipe.cpp.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -93,6 +94,29 @@ std::string MoeConfig::describe() const {
 }
 
 // ---- report ---------------------------------------------------------------------------------------
+void CastReport::add_op(MoePass p, CastKind k, const std::string& name, int64_t calls, int64_t outputs,
+                        int64_t elements) {
+  for (CastOp& op : ops)
+    if (op.pass == p && op.kind == k && op.name == name) {
+      op.calls += calls;
+      op.outputs += outputs;
+      op.elements += elements;
+      return;
+    }
+  CastOp op;
+  op.pass = p;
+  op.kind = k;
+  op.name = name;
+  op.calls = calls;
+  op.outputs = outputs;
+  op.elements = elements;
+  ops.push_back(op);
+}
+
+void CastReport::drop_ops(MoePass p) {
+  ops.erase(std::remove_if(ops.begin(), ops.end(), [p](const CastOp& op) { return op.pass == p; }), ops.end());
+}
+
 int64_t CastReport::count(MoePass p, CastKind k) const {
   int64_t n = 0;
   for (const CastOp& op : ops)

@@ -58,7 +58,7 @@ void CpuMoeLayer::set_weights(const MoeWeights& w) {
   for (int64_t i = 0; i < n1; ++i) wc.w1_bf16[i] = num::f32_to_bf16(w.w1[i]);
   for (int64_t i = 0; i < n2; ++i) wc.w2_bf16[i] = num::f32_to_bf16(w.w2[i]);
 
-  drop_ops(&report_, MoePass::kWeightUpdate);
+  report_.drop_ops(MoePass::kWeightUpdate);
   OpLog log(&report_, MoePass::kWeightUpdate);
   switch (spec_.weights) {
     case WeightCopy::kBf16Only: break;
@@ -103,8 +103,8 @@ void CpuMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   });
   T_ = tokens;
   have_forward_ = false;
-  drop_ops(&report_, MoePass::kForward);
-  drop_ops(&report_, MoePass::kBackward);
+  report_.drop_ops(MoePass::kForward);
+  report_.drop_ops(MoePass::kBackward);
   report_.saved.clear();
   report_.columns.clear();
   report_.wire.clear();
@@ -136,7 +136,7 @@ void CpuMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
                                          "consumes the activations of the latest forward)");
     FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null host pointers to [T, H] bf16");
   });
-  drop_ops(&report_, MoePass::kBackward);
+  report_.drop_ops(MoePass::kBackward);
   report_.wire.erase(
       std::remove_if(report_.wire.begin(), report_.wire.end(),
                      [](const WireTransfer& w) { return w.pass == MoePass::kBackward; }),

@@ -57,7 +57,6 @@ class OpLog {
   CastReport* report_;
   MoePass pass_;
 };
-void drop_ops(CastReport* report, MoePass pass);
 
 // For a wgrad column operand: compares its decoded values with the row-wise tensor of the same
 // values (real rows of each expert segment only) -> a ColumnCheck named by the table.

@@ -13,28 +13,7 @@ namespace cpu_moe {
 namespace rn = report_names;
 
 void OpLog::add(CastKind kind, const std::string& name, int64_t outputs, int64_t elements) {
-  for (CastOp& op : report_->ops) {
-    if (op.pass == pass_ && op.kind == kind && op.name == name) {
-      ++op.calls;
-      op.outputs += outputs;
-      op.elements += elements;
-      return;
-    }
-  }
-  CastOp op;
-  op.pass = pass_;
-  op.kind = kind;
-  op.name = name;
-  op.calls = 1;
-  op.outputs = outputs;
-  op.elements = elements;
-  report_->ops.push_back(op);
-}
-
-void drop_ops(CastReport* report, MoePass pass) {
-  report->ops.erase(std::remove_if(report->ops.begin(), report->ops.end(),
-                                   [pass](const CastOp& op) { return op.pass == pass; }),
-                    report->ops.end());
+  report_->add_op(pass_, kind, name, 1, outputs, elements);
 }
 
 std::vector<float> decode(const QTensor& q) {

@@ -16,16 +16,6 @@
 namespace flowmoe {
 namespace cuda {
 namespace moe {
-namespace {
-
-void drop_ops(CastReport* rep, MoePass p) {
-  rep->ops.erase(std::remove_if(rep->ops.begin(), rep->ops.end(),
-                                [p](const CastOp& op) { return op.pass == p; }),
-                 rep->ops.end());
-}
-
-}  // namespace
-
 CudaMoeLayer::CudaMoeLayer(const MoeConfig& cfg, cudaStream_t stream, const CudaLayerOptions& options)
     : MoeLayer(cfg), stream_(stream), E_(cfg.num_experts), H_(cfg.hidden), F_(cfg.ffn), K_(cfg.topk),
       El_(cfg.num_local_experts()), comm_(cfg.comm), max_tokens_(cfg.max_tokens), max_rows_(cfg.max_rows()),
@@ -107,7 +97,7 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
                          std::string(what) + ": the weights hold " + std::to_string(st.nonfinite) +
                              " non-finite value(s); expected finite W1, W2 and Wr");
 
-  drop_ops(&rep_, MoePass::kWeightUpdate);
+  rep_.drop_ops(MoePass::kWeightUpdate);
   const RecipeSpec& spec = recipe_spec(cfg_.recipe);
   if (spec.weights == WeightCopy::kFp8Block) {
     const int64_t s1 = (2 * F_ / 128) * (H_ / 128), s2 = (H_ / 128) * (F_ / 128);
@@ -147,8 +137,8 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   });
   T_ = tokens;
   have_forward_ = false;
-  drop_ops(&rep_, MoePass::kForward);
-  drop_ops(&rep_, MoePass::kBackward);
+  rep_.drop_ops(MoePass::kForward);
+  rep_.drop_ops(MoePass::kBackward);
   rep_.saved.clear();
   rep_.columns.clear();
   rep_.wire.clear();
@@ -181,7 +171,7 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
                                          "consumes the activations of the latest forward)");
     FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null device pointers to [T, H] bf16");
   });
-  drop_ops(&rep_, MoePass::kBackward);
+  rep_.drop_ops(MoePass::kBackward);
   rep_.wire.erase(std::remove_if(rep_.wire.begin(), rep_.wire.end(),
                                  [](const WireTransfer& w) { return w.pass == MoePass::kBackward; }),
                   rep_.wire.end());

@@ -11,21 +11,7 @@ namespace moe {
 
 void CudaMoeLayer::log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
                        int64_t elements) {
-  for (CastOp& op : rep_.ops)
-    if (op.pass == pass && op.kind == kind && op.name == name) {
-      op.calls += calls;
-      op.outputs += outputs;
-      op.elements += elements;
-      return;
-    }
-  CastOp op;
-  op.pass = pass;
-  op.kind = kind;
-  op.name = name;
-  op.calls = calls;
-  op.outputs = outputs;
-  op.elements = elements;
-  rep_.ops.push_back(op);
+  rep_.add_op(pass, kind, name, calls, outputs, elements);
 }
 
 void CudaMoeLayer::save_rows(const std::string& name, const std::string& format, int64_t bytes, double per_row) {
