@@ -5,9 +5,11 @@
 // data (normal, not zeros), one stream.
 //
 //   flowmoe_bench_gemm [--reps N] [--tokens T] [--model V3|V2|V2-Lite] [--experts E] [--no-graph]
-//                      [--streams S] [--compare-only] [--wgrad-kernel-only]
+//                      [--streams S] [--compare-only] [--wgrad-kernel-only] [--grouped-only]
 //
-// The first table: FP8 wgrad by flowmoe's sm_90a kernel against cuBLASLt per expert (128-aligned
+// The first table: flowmoe's grouped sm_90a kernels (one launch per GEMM, expert offsets read on
+// the device) against cuBLASLt per expert and the BF16 grouped baseline, per pass, at the
+// DeepSeek-V3 and V2-Lite expert shapes (--grouped-only stops after it). The second: FP8 wgrad by flowmoe's sm_90a kernel against cuBLASLt per expert (128-aligned
 // experts; --wgrad-kernel-only stops after it).
 //
 // First section: the grouped GEMMs as the library now runs them (GroupedGemmOptions from the
@@ -365,6 +367,83 @@ void wgrad_kernel_section() {
   bench_wgrad_kernel("V2-Lite GEMM2 [2048, 1408]", lite, 2048, 1408);
 }
 
+// ---- grouped kernels on device segments against cuBLASLt per expert and BF16 ---------------------
+// flowmoe's sm_90a kernels (one launch; offsets read on the device; x and dy with their UE8M0
+// scales as quantization wrote them) against cuBLASLt per expert (host counts; FP32 scales
+// converted beforehand, not timed) and the BF16 grouped baseline, same operands, per pass.
+void bench_grouped(const std::string& name, const std::vector<int32_t>& counts, int64_t n, int64_t k) {
+  LayerBuffers b(counts, n, k, true);
+  const int64_t m = b.m, g = int64_t(b.E) * n * k;
+  const int E = b.E;
+  cuda::GroupedGemm::Options ob = cuda::GroupedGemm::Options::from_settings(env_lookup());
+  ob.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kOff;
+  cuda::GroupedGemm gk, blas(ob);
+  const gemm::DeviceSegments seg{b.offsets, E, m, b.st};
+  cuda::QTensorView x = cuda::row_1x128(b.xr_c, b.xr_s8, m, k), dy = cuda::row_1x128(b.dyr_c, b.dyr_s8, m, n);
+  cuda::QTensorView w = cuda::weight_128x128(b.w_c, nullptr, E, n, k), wt = cuda::weight_128x128(b.wt_c, nullptr, E, k, n);
+  w.scales = b.w_s, w.scale_format = cuda::ScaleFormat::kF32, w.scale_ld = gemm::weight_scale_ld(k);
+  wt.scales = b.wt_s, wt.scale_format = cuda::ScaleFormat::kF32, wt.scale_ld = gemm::weight_scale_ld(n);
+  const int64_t maxb = m / 128;
+  cuda::QTensorView dyc = cuda::col_128x1(b.dyc_c, nullptr, m, n, maxb), xc = cuda::col_128x1(b.xc_c, nullptr, m, k, maxb);
+  dyc.scales = b.dyc_s, dyc.scale_format = cuda::ScaleFormat::kF32;
+  xc.scales = b.xc_s, xc.scale_format = cuda::ScaleFormat::kF32;
+  const auto x8 = b.op(b.xr_c, m * k, b.xr_s, gemm::act_scale_f32_elems(m, k));
+  const auto w8 = b.op(b.w_c, g, b.w_s, gemm::weight_scale_f32_elems(E, n, k));
+  const auto dy8 = b.op(b.dyr_c, m * n, b.dyr_s, gemm::act_scale_f32_elems(m, n));
+  const auto wt8 = b.op(b.wt_c, g, b.wt_s, gemm::weight_scale_f32_elems(E, k, n));
+  const auto dyc8 = b.op(b.dyc_c, m * n, b.dyc_s, gemm::col_scale_f32_elems(b.seg, n));
+  const auto xc8 = b.op(b.xc_c, m * k, b.xc_s, gemm::col_scale_f32_elems(b.seg, k));
+  const gemm::Span<const bf16_t> x16{b.x, m * k}, w16{b.w, g}, dy16{b.dy, m * n};
+  bf16_t* y2 = b.own<bf16_t>(m * n);
+  bf16_t* dx2 = b.own<bf16_t>(m * k);
+  float* g2 = b.own<float>(g);
+  using W = gemm::WgradOut;
+  struct Pass {
+    const char* label;
+    std::function<void()> kern, blas, bf16;
+    std::function<double()> diff;
+  };
+  const Pass passes[] = {
+      {"fprop", [&] { gk.fprop(seg, n, k, x, w, {b.y8, m * n}, g_stream); },
+       [&] { blas.fprop(b.seg, n, k, x8, w8, {y2, m * n}, g_stream); },
+       [&] { blas.fprop_bf16(b.seg, n, k, x16, w16, {b.y16, m * n}, g_stream); }, [&] { return rel_diff(b.y8, y2, m * n); }},
+      {"dgrad", [&] { gk.dgrad(seg, n, k, dy, wt, {b.dx8, m * k}, g_stream); },
+       [&] { blas.dgrad(b.seg, n, k, dy8, wt8, {dx2, m * k}, g_stream); },
+       [&] { blas.dgrad_bf16(b.seg, n, k, dy16, w16, {b.dx16, m * k}, g_stream); }, [&] { return rel_diff(b.dx8, dx2, m * k); }},
+      {"wgrad +=", [&] { gk.wgrad(seg, n, k, dyc, xc, W::accumulate(b.g8, g), g_stream); },
+       [&] { blas.wgrad(b.seg, n, k, dyc8, xc8, W::accumulate(g2, g), g_stream); },
+       [&] { blas.wgrad_bf16(b.seg, n, k, dy16, x16, W::accumulate(b.g16, g), g_stream); }, nullptr},
+      {"wgrad =", [&] { gk.wgrad(seg, n, k, dyc, xc, W::f32(b.g8, g), g_stream); },
+       [&] { blas.wgrad(b.seg, n, k, dyc8, xc8, W::f32(g2, g), g_stream); },
+       [&] { blas.wgrad_bf16(b.seg, n, k, dy16, x16, W::f32(b.g16, g), g_stream); }, [&] { return rel_diff(b.g8, g2, g); }},
+  };
+  const double flops = 2.0 * m * n * k;
+  for (const Pass& p : passes) {
+    const Timing tk = time_call(p.kern), tb = time_call(p.blas), t16 = time_call(p.bf16);
+    const double diff = p.diff ? p.diff() : -1;
+    std::printf("| %-26s | %3d | %6lld | %-8s | %8.1f | %6.0f | %8.1f | %6.0f | %5.2fx | %8.1f | %6.0f | %5.2fx | %s |\n",
+                name.c_str(), E, (long long)m, p.label, tk.us, flops / tk.us * 1e-6, tb.us, flops / tb.us * 1e-6,
+                tb.us / tk.us, t16.us, flops / t16.us * 1e-6, t16.us / tk.us,
+                diff < 0 ? "-" : std::to_string(diff).c_str());
+    std::fflush(stdout);
+  }
+}
+void grouped_section() {
+  std::printf("\n## Grouped FP8 kernels (one launch, device offsets) against cuBLASLt per expert and BF16 grouped\n\n");
+  std::printf("| %-26s | %3s | %6s | %-8s | %8s | %6s | %8s | %6s | %6s | %8s | %6s | %6s | %s |\n", "shape", "E", "tokens",
+              "pass", "kernel us", "TFLOP/s", "cuBLASLt us", "TFLOP/s", "vs LT", "BF16 us", "TFLOP/s", "vs BF16",
+              "rel RMS vs cuBLASLt");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  const std::vector<int32_t> v3(32, 2048), lite(64, 384);
+  bench_grouped("V3 GEMM1 [4096, 7168]", v3, 4096, 7168);
+  bench_grouped("V3 GEMM2 [7168, 2048]", v3, 7168, 2048);
+  bench_grouped("V2-Lite GEMM1 [2816, 2048]", lite, 2816, 2048);
+  bench_grouped("V2-Lite GEMM2 [2048, 1408]", lite, 2048, 1408);
+  const auto lite_ragged = ragged_counts(64, 64 * 384, 102, 128);
+  bench_grouped("V2-Lite GEMM1 ragged", lite_ragged, 2816, 2048);
+  bench_grouped("V2-Lite GEMM2 ragged", lite_ragged, 2048, 1408);
+}
+
 // ---- concurrency + tuning against the previous behaviour -----------------------------------------
 void compare_header() {
   std::printf("| %-40s | %7s | %9s | %7s | %9s | %7s | %8s | %9s | %7s | %9s | %7s | %8s | %9s | %9s | %10s |\n",
@@ -501,7 +580,7 @@ int main(int argc, char** argv) {
   int64_t tokens = 4096;
   std::string only_model;
   int only_e = 0, streams = 0;
-  bool compare_only = false, wgrad_only = false;
+  bool compare_only = false, wgrad_only = false, grouped_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = std::max(3, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) tokens = std::atoll(argv[++i]);
@@ -511,9 +590,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--streams") && i + 1 < argc) streams = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--compare-only")) compare_only = true;
     else if (!std::strcmp(argv[i], "--wgrad-kernel-only")) wgrad_only = true;
+    else if (!std::strcmp(argv[i], "--grouped-only")) grouped_only = true;
     else {
       std::printf("usage: %s [--reps N] [--tokens T] [--model V3|V2|V2-Lite] [--experts E] [--no-graph] "
-                  "[--streams S] [--compare-only] [--wgrad-kernel-only]\n", argv[0]);
+                  "[--streams S] [--compare-only] [--wgrad-kernel-only] [--grouped-only]\n", argv[0]);
       return 2;
     }
   }
@@ -534,6 +614,11 @@ int main(int argc, char** argv) {
                 gg.device_bytes() / 1048576.0, cuda::GroupedGemm::tuning_scratch_bytes() / 1048576.0,
                 prev.device_bytes() / 1048576.0);
 
+    grouped_section();
+    if (grouped_only) {
+      cudaStreamDestroy(g_stream);
+      return 0;
+    }
     wgrad_kernel_section();
     if (wgrad_only) {
       cudaStreamDestroy(g_stream);

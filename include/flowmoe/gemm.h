@@ -48,6 +48,9 @@
 typedef struct CUstream_st* cudaStream_t;
 
 namespace flowmoe {
+namespace cuda {
+struct DeviceStatus;  // flowmoe/cuda/status.h
+}  // namespace cuda
 namespace gemm {
 
 enum class Pass : uint8_t { kFprop, kDgrad, kWgrad };
@@ -121,6 +124,17 @@ void check_fp8_wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand
 // BF16: x [M, K], w [E][N][K], y [M, N] (and the dgrad/wgrad analogues); n, k multiples of 8.
 void check_bf16(Pass p, const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> in_a,
                 Span<const bf16_t> in_b, const void* out, int64_t out_size);
+
+// Token segments that stay on the device: the offsets the routing kernels wrote, read by the GEMM
+// kernels themselves, so the host never needs the per-expert counts (no synchronisation; a CUDA
+// graph can capture the call). The token operands have `capacity` rows (a bound on offsets[E],
+// e.g. the routing's worst case); rows past offsets[E] are neither read into the result nor written.
+struct DeviceSegments {
+  const int32_t* offsets = nullptr;      // [num_segments + 1] on the device, offsets[0] = 0
+  int num_segments = 0;                  // 1 .. 1024
+  int64_t capacity = 0;                  // rows of the token operands
+  cuda::DeviceStatus* status = nullptr;  // malformed offsets counted in bad_segments (may be null)
+};
 
 // ---- options of cuda::GroupedGemm (docs/GEMM.md, "Concurrency and algorithm choice") ----------
 struct GroupedGemmOptions {
@@ -306,6 +320,24 @@ class GroupedGemm {
           gemm::fp8_operand(x_col, "FP8 wgrad x_col"), dw, stream);
   }
 
+  // FP8 on device segments: flowmoe's sm_90a kernels, one persistent launch over all experts that
+  // reads the offsets on the device (docs/GEMM.md, "The grouped kernels"). No host
+  // synchronisation, no allocation, capturable in a CUDA graph; no tuning (cuBLASLt is not used).
+  // Any token counts for fprop and dgrad (0, 1, 129, ...); x, dy row-wise [capacity, K] with UE8M0
+  // scales ([K/128][scale_ld], read as they are: no conversion pass) or expert-packed FP32 over the
+  // same offsets; w [E*N, K], wt [E*K, N] 128x128 with UE8M0 or GEMM-ready FP32 scales; y, dx
+  // [capacity, N or K] BF16 (rows past offsets[E] untouched). wgrad: every offset a multiple of 128
+  // (permute+pad alignment 128), capacity a multiple of 128, dy_col/x_col column-wise with FP32
+  // scales [capacity/128][C], FP32 output (overwrite zeroes empty experts, or accumulate).
+  // Malformed offsets are counted in seg.status and leave the output untouched; bad shapes throw.
+  using DeviceSegments = gemm::DeviceSegments;
+  void fprop(const DeviceSegments& seg, int64_t n, int64_t k, const cuda::QTensorView& x,
+             const cuda::QTensorView& w, Span<bf16_t> y, cudaStream_t stream);
+  void dgrad(const DeviceSegments& seg, int64_t n, int64_t k, const cuda::QTensorView& dy,
+             const cuda::QTensorView& wt, Span<bf16_t> dx, cudaStream_t stream);
+  void wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const cuda::QTensorView& dy_col,
+             const cuda::QTensorView& x_col, const WgradOut& dw, cudaStream_t stream);
+
   // BF16 baseline (FP32 accumulation): x [M, K], w [E][N][K], y [M, N]; dgrad uses W itself.
   void fprop_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> x,
                   Span<const bf16_t> w, Span<bf16_t> y, cudaStream_t stream);
@@ -321,6 +353,7 @@ class GroupedGemm {
     int64_t zero_fills = 0;         // wgrad outputs of empty experts zeroed (overwrite modes)
     int64_t concurrent_calls = 0;   // calls whose matmuls ran on more than one stream
     int64_t wgrad_kernel_calls = 0; // FP8 wgrads run by the sm_90a kernel (one launch each)
+    int64_t grouped_kernel_calls = 0;  // FP8 fprops and dgrads run by the sm_90a grouped kernel
     int64_t tuned_keys = 0;         // problem keys this object resolved (timed or shared)
     int64_t tunings = 0;            // keys this object timed itself
     int64_t tune_trials = 0;        // trial matmuls run while timing

@@ -217,9 +217,21 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
   if (aligned && impl_->cc_major == 9 && impl_->cc_minor == 0 &&
       gemm::choose_wgrad_kernel(impl_->opt.wgrad_kernel, seg, n, k, dw.kind)) {
     // one launch over all experts (empty experts zero-filled there when overwriting)
-    impl_->stats.wgrad_kernel_calls +=
-        sm90::fp8_wgrad_1x128(seg, n, k, dy_col.codes.data, dy_col.scales.data, x_col.codes.data, x_col.scales.data,
-                         static_cast<float*>(dw.data), acc, impl_->tile_counter, stream);
+    sm90::WgradArgs a;
+    a.host_offsets = seg.offsets.data();
+    a.num_experts = seg.num_segments();
+    a.m = m;
+    a.n = n;
+    a.k = k;
+    a.dy_codes = dy_col.codes.data;
+    a.dy_scales = dy_col.scales.data;
+    a.x_codes = x_col.codes.data;
+    a.x_scales = x_col.scales.data;
+    a.dw = static_cast<float*>(dw.data);
+    a.accumulate = acc;
+    a.tile_counter = impl_->tile_counter;
+    sm90::fp8_wgrad_1x128(a, what, stream);
+    ++impl_->stats.wgrad_kernel_calls;
     if (!acc)
       for (int e = 0; e < seg.num_segments(); ++e) impl_->stats.zero_fills += seg.offsets[e + 1] == seg.offsets[e];
     return;
@@ -238,6 +250,97 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
     block += (me + kFp8Block - 1) / kFp8Block;
   }
   impl_->launch(stream, what);
+}
+
+// ---- FP8 on device segments: flowmoe's sm_90a kernels, one launch each ----------------------
+namespace {
+void check_device_segments(const gemm::DeviceSegments& seg, const char* what) {
+  FLOWMOE_CHECK(seg.offsets != nullptr && seg.num_segments >= 1 && seg.capacity >= 0,
+                what << ": device segments need offsets, at least one segment and a capacity >= 0 (got "
+                     << seg.num_segments << " segments, capacity " << seg.capacity << ")");
+}
+void check_shape(const QTensorView& v, int64_t rows, int64_t cols, const char* what, const char* name) {
+  FLOWMOE_CHECK(v.rows == rows && v.cols == cols, what << ": " << name << " is [" << v.rows << ", " << v.cols
+                                                       << "], expected [" << rows << ", " << cols << "]");
+}
+sm90::RowwiseGroupedArgs rowwise_args(const gemm::DeviceSegments& seg, int64_t n_out, int64_t k_red,
+                                      const QTensorView& a, const QTensorView& b, gemm::Span<bf16_t> d,
+                                      const char* what) {
+  check_device_segments(seg, what);
+  FLOWMOE_CHECK(a.scale_format == ScaleFormat::kUe8m0 || a.offsets == nullptr || a.offsets == seg.offsets,
+                what << ": the activation's expert-packed FP32 scales follow other offsets than the GEMM's");
+  check_view(a, Layout::kRow1x128, a.scale_format, what);
+  check_view(b, Layout::kWeight128x128, b.scale_format, what);
+  check_shape(a, seg.capacity, k_red, what, "the activation");
+  check_shape(b, int64_t(seg.num_segments) * n_out, k_red, what, "the stacked weights");
+  FLOWMOE_CHECK(d.size >= seg.capacity * n_out,
+                what << ": the output holds " << d.size << " elements, expected " << seg.capacity * n_out);
+  sm90::RowwiseGroupedArgs r;
+  r.offsets = seg.offsets;
+  r.num_experts = seg.num_segments;
+  r.m = seg.capacity;
+  r.n_out = n_out;
+  r.k_red = k_red;
+  r.a_codes = a.codes;
+  r.a_scales = a.scales;
+  r.a_ue8m0 = a.scale_format == ScaleFormat::kUe8m0;
+  r.a_scale_ld = a.scale_ld;
+  r.b_codes = b.codes;
+  r.b_scales = b.scales;
+  r.b_ue8m0 = b.scale_format == ScaleFormat::kUe8m0;
+  r.b_scale_ld = b.scale_ld;
+  r.d = d.data;
+  r.status = seg.status;
+  return r;
+}
+}  // namespace
+
+void GroupedGemm::fprop(const DeviceSegments& seg, int64_t n, int64_t k, const QTensorView& x,
+                        const QTensorView& w, Span<bf16_t> y, cudaStream_t stream) {
+  const char* what = "FP8 fprop (device segments)";
+  impl_->require_fp8(what);
+  sm90::fp8_grouped_rowwise(rowwise_args(seg, n, k, x, w, y, what), what, stream);
+  ++impl_->stats.grouped_kernel_calls;
+}
+
+void GroupedGemm::dgrad(const DeviceSegments& seg, int64_t n, int64_t k, const QTensorView& dy,
+                        const QTensorView& wt, Span<bf16_t> dx, cudaStream_t stream) {
+  const char* what = "FP8 dgrad (device segments)";
+  impl_->require_fp8(what);
+  sm90::fp8_grouped_rowwise(rowwise_args(seg, k, n, dy, wt, dx, what), what, stream);
+  ++impl_->stats.grouped_kernel_calls;
+}
+
+void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const QTensorView& dy_col,
+                        const QTensorView& x_col, const WgradOut& dw, cudaStream_t stream) {
+  const char* what = "FP8 wgrad (device segments)";
+  impl_->require_fp8(what);
+  check_device_segments(seg, what);
+  check_view(dy_col, Layout::kCol128x1, ScaleFormat::kF32, what);
+  check_view(x_col, Layout::kCol128x1, ScaleFormat::kF32, what);
+  check_shape(dy_col, seg.capacity, n, what, "dy_col");
+  check_shape(x_col, seg.capacity, k, what, "x_col");
+  FLOWMOE_CHECK(dy_col.scale_rows * kFp8Block >= seg.capacity && x_col.scale_rows * kFp8Block >= seg.capacity,
+                what << ": the column-wise scale grids need capacity/128 = " << seg.capacity / kFp8Block << " rows");
+  FLOWMOE_CHECK(dw.kind != WgradOut::Kind::kBf16, what << ": the kernel writes FP32 gradients (BF16 output asked)");
+  FLOWMOE_CHECK(dw.size >= int64_t(seg.num_segments) * n * k,
+                what << ": the output holds " << dw.size << " elements, expected " << int64_t(seg.num_segments) * n * k);
+  sm90::WgradArgs a;
+  a.offsets = seg.offsets;
+  a.num_experts = seg.num_segments;
+  a.m = seg.capacity;
+  a.n = n;
+  a.k = k;
+  a.dy_codes = dy_col.codes;
+  a.dy_scales = dy_col.f32();
+  a.x_codes = x_col.codes;
+  a.x_scales = x_col.f32();
+  a.dw = static_cast<float*>(dw.data);
+  a.accumulate = dw.kind == WgradOut::Kind::kF32Accumulate;
+  a.tile_counter = impl_->tile_counter;
+  a.status = seg.status;
+  sm90::fp8_wgrad_1x128(a, what, stream);
+  ++impl_->stats.wgrad_kernel_calls;
 }
 
 // ---- BF16 --------------------------------------------------------------------------------------

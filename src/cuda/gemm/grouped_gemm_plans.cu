@@ -19,8 +19,7 @@ GroupedGemm::Impl::Impl(const Options& o) : opt(o) {
     ws_stride = gemm::round_up(static_cast<int64_t>(opt.workspace_bytes), 256);
     buffer_bytes = static_cast<size_t>(opt.streams) * ws_stride;
     if (buffer_bytes) FLOWMOE_CUDA_CHECK(cudaMalloc(&buffer, buffer_bytes));
-    if (opt.wgrad_kernel != Options::WgradKernel::kOff)
-      FLOWMOE_CUDA_CHECK(cudaMalloc(&tile_counter, sizeof(int)));
+    FLOWMOE_CUDA_CHECK(cudaMalloc(&tile_counter, sizeof(int)));
     if (opt.tune && opt.tune_scratch_bytes) reserve_scratch();
     FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref), "GroupedGemm");
     FLOWMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(

@@ -32,6 +32,7 @@
 #include "cuda/sm90/mbarrier.cuh"
 #include "cuda/sm90/tma.cuh"
 #include "cuda/sm90/wgmma.cuh"
+#include "flowmoe/cuda/status.h"
 #include "flowmoe/error.h"
 #include "flowmoe/gemm.h"
 
@@ -47,20 +48,21 @@ constexpr int kStageBytes = 2 * kTile * kTile;        // dY tile + X tile, FP8
 constexpr int kEpiBytes = 64 * kTile * 4;             // one warpgroup's half tile, FP32
 constexpr int kScaleBytes = 2 * kTile * 4;            // per stage: the block's dY and X scale slices
 constexpr int kTileSlots = 2;                         // tile ids handed from the producer to the consumers
-constexpr int kSmemBytes =
-    kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes + 2 * kStages * 8 + 2 * kTileSlots * 8 + 64 + 1024;
+constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes + 2 * kStages * 8 +
+                           2 * kTileSlots * 8 + 64 + (kMaxGroupedExperts + 2) * 4 + 1024;
 
 struct Work {
-  int num_work = 0;                  // non-empty experts
-  int tiles_k = 0, tiles_per_expert = 0, total_tiles = 0;
+  int num_experts = 0;
+  int m = 0;                         // token capacity: offsets[E] <= m
+  int tiles_k = 0, tiles_per_expert = 0;
   int n = 0, k = 0;
   int accumulate = 0;
   const float* sa = nullptr;         // [NB][N]
   const float* sb = nullptr;         // [NB][K]
   int* next_tile = nullptr;          // the tile counter (0 at launch)
-  int expert[kMaxWgradExperts];      // expert index of work item w
-  int tok0[kMaxWgradExperts];        // its first token (multiple of 128)
-  int nblk[kMaxWgradExperts];        // its 128-token blocks (>= 1)
+  unsigned long long* bad_segments = nullptr;
+  const int32_t* offsets = nullptr;  // [E + 1] on the device, or null: inline_offsets
+  int32_t inline_offsets[kMaxInlineWgradExperts + 1];
 };
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -76,8 +78,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* tile_full = empty + kStages;     // [kTileSlots]: a tile id is in tile_id[slot]
   uint64_t* tile_empty = tile_full + kTileSlots;
   int* tile_id = reinterpret_cast<int*>(tile_empty + kTileSlots);
+  int* s_off = tile_id + 16;  // [E + 1] token offsets; s_off[E + 1]: 1 when they are malformed
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  const int E = work.num_experts;
+  const int32_t* offsets = work.offsets ? work.offsets : work.inline_offsets;
+  for (int i = threadIdx.x; i <= E; i += kThreads) s_off[i] = offsets[i];
+  if (threadIdx.x == 0) s_off[E + 1] = 0;
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += kThreads)
+    if (s_off[e + 1] < s_off[e] || s_off[e] % kTile != 0) s_off[E + 1] = 1;
   if (threadIdx.x == 0) {
+    if (s_off[0] != 0 || s_off[E] > work.m || s_off[E] % kTile != 0) s_off[E + 1] = 1;
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 8);  // the 8 consumer warps
@@ -90,6 +101,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const int tiles_k = work.tiles_k, per_expert = work.tiles_per_expert;
+  // malformed offsets: no tiles (dW untouched), counted once
+  const int total_tiles = s_off[E + 1] ? 0 : E * per_expert;
+  if (s_off[E + 1] && blockIdx.x == 0 && threadIdx.x == 0 && work.bad_segments) atomicAdd(work.bad_segments, 1ull);
   if (wg == 0) {
     warpgroup_reg_dealloc<40>();
     if (t == 0) {
@@ -99,13 +113,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (uint32_t j = 0;; ++j) {
         const int slot = j % kTileSlots;
         mbar_wait(&tile_empty[slot], ((j / kTileSlots) & 1) ^ 1);
-        const int tile = atomicAdd(work.next_tile, 1);
+        // an empty expert's tiles are skipped when accumulating (nothing to add) and handed out
+        // when overwriting (the consumers store zeros)
+        int tile, w;
+        do {
+          tile = atomicAdd(work.next_tile, 1);
+          w = tile / per_expert;
+        } while (tile < total_tiles && work.accumulate && s_off[w + 1] == s_off[w]);
         tile_id[slot] = tile;
         mbar_arrive(&tile_full[slot]);
-        if (tile >= work.total_tiles) break;
-        const int w = tile / per_expert, r = tile % per_expert;
+        if (tile >= total_tiles) break;
+        const int r = tile % per_expert;
         const int tn = r / tiles_k, tk = r % tiles_k;
-        const int t0 = work.tok0[w], nb = work.nblk[w];
+        const int t0 = s_off[w], nb = (s_off[w + 1] - t0) / kTile;
         for (int b = 0; b < nb; ++b, ++it) {
           const int s = it % kStages;
           const uint32_t ph = (it / kStages) & 1;
@@ -137,10 +157,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int tile = tile_id[slot];
     __syncwarp();
     if (lane == 0) mbar_arrive(&tile_empty[slot]);
-    if (tile >= work.total_tiles) break;
+    if (tile >= total_tiles) break;
     const int w = tile / per_expert, r = tile % per_expert;
     const int tn = r / tiles_k, tk = r % tiles_k;
-    const int nb = work.nblk[w];
+    const int nb = (s_off[w + 1] - s_off[w]) / kTile;
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     for (int b = 0; b < nb; ++b, ++it) {
@@ -193,8 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_async_smem();
     named_sync(1 + ci, 128);
     if (t == 0) {
-      const int e = work.expert[w];
-      const int orow = e * work.n + tn * kTile + 64 * ci;
+      const int orow = w * work.n + tn * kTile + 64 * ci;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         if (work.accumulate)
@@ -229,52 +248,61 @@ int sm_count() {
 
 }  // namespace
 
-int64_t fp8_wgrad_1x128(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
-                   const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, int* tile_counter,
-                   cudaStream_t stream) {
-  const char* why = gemm::wgrad_kernel_unsupported(seg, n, k, false);
-  FLOWMOE_CHECK(why == nullptr, "FP8 wgrad kernel: " << why);
-  const int64_t m = seg.num_tokens();
+const char* wgrad_device_unsupported(const WgradArgs& a) {
+  constexpr int64_t kBig = int64_t(1) << 31;
+  if (a.num_experts < 1 || a.num_experts > kMaxGroupedExperts) return "the expert count is not 1 .. 1024";
+  if (a.n <= 0 || a.k <= 0 || a.n % kTile != 0 || a.k % kTile != 0) return "N or K not a multiple of 128";
+  if (a.n * a.num_experts >= kBig || a.k >= kBig) return "output too large";
+  if (a.num_experts * (a.n / kTile) * (a.k / kTile) >= kBig) return "more than 2^31 output tiles";
+  if (a.m < 0 || a.m >= kBig || a.m % kTile != 0) return "the token capacity is not a multiple of 128 below 2^31";
+  if (a.offsets == nullptr && a.host_offsets == nullptr) return "no offsets";
+  if (a.offsets == nullptr && a.num_experts > kMaxInlineWgradExperts) return "more than 256 experts with host offsets";
+  if (a.tile_counter == nullptr) return "no tile counter";
+  if (a.m > 0 && (!a.dy_codes || !a.dy_scales || !a.x_codes || !a.x_scales)) return "a null operand pointer";
+  if (!a.dw) return "a null output pointer";
+  const auto misaligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; };
+  if (misaligned(a.dy_codes) || misaligned(a.dy_scales) || misaligned(a.x_codes) || misaligned(a.x_scales) ||
+      misaligned(a.dw))
+    return "an operand not 16-byte aligned";
+  return nullptr;
+}
+
+void fp8_wgrad_1x128(const WgradArgs& a, const char* what, cudaStream_t stream) {
+  const char* why = wgrad_device_unsupported(a);
+  FLOWMOE_CHECK(why == nullptr, what << " (sm_90a wgrad kernel): " << why << " (experts " << a.num_experts << ", m "
+                                     << a.m << ", n " << a.n << ", k " << a.k << ")");
   Work work;
-  work.n = int(n);
-  work.k = int(k);
-  work.accumulate = accumulate ? 1 : 0;
-  work.sa = dy_scales;
-  work.sb = x_scales;
-  work.next_tile = tile_counter;
-  for (int e = 0; e < seg.num_segments(); ++e) {
-    const int64_t me = seg.offsets[e + 1] - seg.offsets[e];
-    if (me == 0) continue;
-    work.expert[work.num_work] = e;
-    work.tok0[work.num_work] = int(seg.offsets[e]);
-    work.nblk[work.num_work] = int(me / kTile);
-    ++work.num_work;
-  }
-  work.tiles_k = int(k / kTile);
-  work.tiles_per_expert = int(n / kTile) * work.tiles_k;  // < 2^31 in all: wgrad_kernel_unsupported
-  work.total_tiles = work.num_work * work.tiles_per_expert;
+  work.num_experts = a.num_experts;
+  work.m = int(a.m);
+  work.n = int(a.n);
+  work.k = int(a.k);
+  work.accumulate = a.accumulate ? 1 : 0;
+  work.sa = a.dy_scales;
+  work.sb = a.x_scales;
+  work.next_tile = a.tile_counter;
+  work.bad_segments = a.status ? &a.status->bad_segments : nullptr;
+  work.offsets = a.offsets;
+  if (!a.offsets) std::copy(a.host_offsets, a.host_offsets + a.num_experts + 1, work.inline_offsets);
+  work.tiles_k = int(a.k / kTile);
+  work.tiles_per_expert = int(a.n / kTile) * work.tiles_k;
   // Everything that can throw (map encoding, the device's shared-memory limit) comes before the
-  // first enqueued operation, so a failed call leaves dW untouched.
-  const int sms = work.total_tiles > 0 ? sm_count() : 0;
-  if (work.total_tiles == 0) {
-    if (!accumulate) FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw, 0, sizeof(float) * seg.num_segments() * n * k, stream));
-    return 0;
+  // first enqueued operation, so a failed call leaves dW untouched. A zero-capacity problem has no
+  // tiles: dW is zeroed when overwriting.
+  if (a.m == 0) {
+    if (!a.accumulate) FLOWMOE_CUDA_CHECK(cudaMemsetAsync(a.dw, 0, sizeof(float) * a.num_experts * a.n * a.k, stream));
+    return;
   }
-  const CUtensorMap mdy = make_tensor_map_2d(dy_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(n), uint64_t(m), kTile, kTile,
-                                   CU_TENSOR_MAP_SWIZZLE_128B, "FP8 wgrad kernel: dY (column-wise codes)");
-  const CUtensorMap mx = make_tensor_map_2d(x_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(k), uint64_t(m), kTile, kTile,
-                                  CU_TENSOR_MAP_SWIZZLE_128B, "FP8 wgrad kernel: X (column-wise codes)");
-  const CUtensorMap mdw = make_tensor_map_2d(dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(seg.num_segments()) * n,
-                                   uint64_t(k), 64, 32, CU_TENSOR_MAP_SWIZZLE_128B, "FP8 wgrad kernel: dW");
-  const int grid = std::min(work.total_tiles, sms);
-  if (!accumulate)  // empty experts' gradients are zero (the kernel writes only the others)
-    for (int e = 0; e < seg.num_segments(); ++e)
-      if (seg.offsets[e + 1] == seg.offsets[e])
-        FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw + int64_t(e) * n * k, 0, sizeof(float) * n * k, stream));
-  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(tile_counter, 0, sizeof(int), stream));
+  const int sms = sm_count();
+  const CUtensorMap mdy = make_tensor_map_2d(a.dy_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(a.n),
+                                             uint64_t(a.m), kTile, kTile, CU_TENSOR_MAP_SWIZZLE_128B, what);
+  const CUtensorMap mx = make_tensor_map_2d(a.x_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(a.k),
+                                            uint64_t(a.m), kTile, kTile, CU_TENSOR_MAP_SWIZZLE_128B, what);
+  const CUtensorMap mdw = make_tensor_map_2d(a.dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(a.num_experts) * a.n,
+                                             uint64_t(a.k), 64, 32, CU_TENSOR_MAP_SWIZZLE_128B, what);
+  const int grid = int(std::min<int64_t>(int64_t(a.num_experts) * work.tiles_per_expert, sms));
+  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(a.tile_counter, 0, sizeof(int), stream));
   wgrad_kernel<<<grid, kThreads, kSmemBytes, stream>>>(mdy, mx, mdw, work);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
-  return 1;
 }
 
 }  // namespace sm90

@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "flowmoe/tensor.h"
+#include "cuda/gemm/sm90_fp8_grouped_1x128.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -11,20 +11,38 @@ namespace flowmoe {
 namespace cuda {
 namespace sm90 {
 
-constexpr int kMaxWgradExperts = 256;
+// Experts a launch takes with host offsets (they travel in the kernel's parameters).
+constexpr int kMaxInlineWgradExperts = 256;
 
 // dW [E][N][K] FP32 (+)= per expert dY_col_e . X_col_e^T with 1x128 scales along tokens (gemm.h
-// conventions; scales GEMM-ready FP32 [NB][N], [NB][K]). The problem must pass
-// gemm::wgrad_kernel_unsupported (checked: flowmoe::Error otherwise) and every pointer be 16-byte
-// aligned (TMA and bulk copies; the caller checks). Zero-token experts: zero-filled when
-// overwriting, untouched when accumulating. `tile_counter`: one device int of the caller's, used
-// by no other launch at the same time (reset here, stream-ordered; two calls overlapping on
-// different streams would share it and skip or repeat tiles). Nothing is enqueued before
-// everything that can throw has run. One kernel launch on `stream`; returns the launches (0 when
-// every expert is empty).
-int64_t fp8_wgrad_1x128(const Segments& seg, int64_t n, int64_t k, const uint8_t* dy_codes, const float* dy_scales,
-                   const uint8_t* x_codes, const float* x_scales, float* dw, bool accumulate, int* tile_counter,
-                   cudaStream_t stream);
+// conventions; scales GEMM-ready FP32 [NB][N], [NB][K], block b of expert e at row
+// offsets[e]/128 + b). Every offset a multiple of 128 (permute+pad with alignment 128).
+struct WgradArgs {
+  const int32_t* offsets = nullptr;       // [E + 1] on the device (read by the kernel), or null:
+  const int32_t* host_offsets = nullptr;  // [E + 1] on the host (copied into the launch, E <= 256)
+  int num_experts = 0;                    // 1 .. kMaxGroupedExperts
+  int64_t m = 0;                          // token capacity of the codes [C, m]: a multiple of 128
+  int64_t n = 0, k = 0;                   // multiples of 128
+  const uint8_t* dy_codes = nullptr;      // [N, m]
+  const float* dy_scales = nullptr;       // [m/128][N]
+  const uint8_t* x_codes = nullptr;       // [K, m]
+  const float* x_scales = nullptr;        // [m/128][K]
+  float* dw = nullptr;                    // [E][N][K]
+  bool accumulate = false;                // += into dw, else overwrite (empty experts zeroed)
+  // One device int of the caller's, used by no other launch at the same time (reset here,
+  // stream-ordered; two calls overlapping on different streams would skip or repeat tiles).
+  int* tile_counter = nullptr;
+  // Malformed offsets (not 0 = o[0] <= ... <= o[E] <= m, all multiples of 128) count once in
+  // status->bad_segments (may be null) and leave dW untouched.
+  DeviceStatus* status = nullptr;
+};
+
+// Why the kernel cannot take these arguments, or null when it can (all pointers 16-byte aligned).
+const char* wgrad_device_unsupported(const WgradArgs& a);
+// A memset of the tile counter and one kernel launch on `stream`; throws flowmoe::Error naming
+// `what` (before anything is enqueued) when wgrad_device_unsupported says why. No host
+// synchronisation, no allocation: capturable in a CUDA graph.
+void fp8_wgrad_1x128(const WgradArgs& a, const char* what, cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace cuda

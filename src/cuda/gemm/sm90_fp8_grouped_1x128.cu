@@ -1,0 +1,338 @@
+// FP8 (E4M3) grouped GEMM for fprop and dgrad on sm_90a, 1x128 activation scales x 128x128
+// weight block scales, BF16 output: one persistent kernel over all experts whose token offsets it
+// reads from device memory, so no host needs the per-expert counts (docs/GEMM.md, "The grouped
+// fprop/dgrad kernel").
+//
+//   D_e [M_e, n_out] = sum over the 128-wide blocks b of k_red of (A_e,b . B_e,b^T) * sa[row][b] * sb[e][col/128][b]
+//
+// Schedule. Output tiles are 128 tokens x kBN features (kBN = 256 when n_out allows, else 128).
+// Expert e has ceil(M_e/128) x n_out/kBN tiles (its last token tile partial: the TMA load reads
+// the next expert's rows or zero fill past m, and the epilogue writes only rows < M_e). Every CTA
+// reads the offsets into shared memory and builds the prefix of tile counts (one warp), then takes
+// tiles blockIdx.x, + gridDim.x, ... (static: the producers and the consumers walk the same
+// sequence with no hand-off). Within an expert the token tiles run fastest, so a wave of CTAs
+// shares an expert's weight rows in L2.
+//
+// CTA: 3 warpgroups. Warpgroup 0: one thread issues the TMA loads of a ring of stages (A tile
+// 128 tokens x 128, B tile kBN features x 128, 128-byte swizzle); one warp decodes the stage's
+// scales (A's per row, B's per 128-feature block) into shared memory, so the math warps never
+// wait on a global load. Warpgroups 1 and 2: token rows 0-63 and 64-127 of the tile; per 128-wide
+// block and 128-feature half four m64n128k32 WGMMAs into a block accumulator, then
+// acc += block * (sa * sb). While one consumer promotes, the other's WGMMAs keep the tensor cores
+// busy. Epilogue: BF16 pairs stored from the fragments, rows below M_e only.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "cuda/gemm/sm90_fp8_grouped_1x128.h"
+#include "cuda/sm90/fence.cuh"
+#include "cuda/sm90/mbarrier.cuh"
+#include "cuda/sm90/tma.cuh"
+#include "cuda/sm90/wgmma.cuh"
+#include "flowmoe/cuda/status.h"
+#include "flowmoe/error.h"
+#include "flowmoe/numerics.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace sm90 {
+namespace {
+
+constexpr int kTile = 128;    // tokens per output tile; k per block; features per weight scale block
+constexpr int kThreads = 384;
+constexpr int kSchedBytes = 2 * (kMaxGroupedExperts + 1) * 4;  // offsets and tile prefix
+
+// The configuration of one feature-tile width: 128 (any n_out) or 256 (n_out a multiple of 256:
+// the same A tile feeds twice the math, a third less operand traffic per FLOP).
+template <int kBN>
+struct Cfg {
+  static constexpr int kHalves = kBN / 128;                      // 128-feature halves (B scale blocks)
+  static constexpr int kStageBytes = kTile * kTile + kBN * kTile;  // A tile + B tile, FP8
+  static constexpr int kStages = kBN == 256 ? 4 : 6;
+  static constexpr int kScaleFloats = kTile + 4;                 // per stage: 128 A scales, B's per half
+  static constexpr int kSmemBytes = kStages * kStageBytes + kStages * kScaleFloats * 4 + kSchedBytes +
+                                    2 * kStages * 8 + 16 + 1024;
+};
+
+struct Params {
+  const int32_t* offsets;
+  int num_experts;
+  int m, n_out, k_red;
+  const uint8_t* a_u8;  // exactly one of a_u8 / a_f32 is set
+  const float* a_f32;
+  int64_t a_ld;
+  const uint8_t* b_u8;
+  const float* b_f32;
+  int64_t b_ld;
+  bf16_t* d;
+  unsigned long long* bad_segments;
+};
+
+// The tile's expert (largest e with start[e] <= t: empty experts have start[e] == start[e + 1]).
+__device__ __forceinline__ int tile_expert(const int* start, int num_experts, int t) {
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (start[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <int kBN>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_rowwise_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                           const __grid_constant__ Params p) {
+#ifdef FLOWMOE_SM90A
+  using C = Cfg<kBN>;
+  constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kScaleFloats = C::kScaleFloats;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  float* scl = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // [stage][kScaleFloats]
+  int* s_off = reinterpret_cast<int*>(scl + kStages * kScaleFloats);  // [E + 1]
+  int* s_start = s_off + kMaxGroupedExperts + 1;          // [E + 1] first tile of each expert
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_start + kMaxGroupedExperts + 1);
+  uint64_t* empty = full + kStages;
+  int* s_total = reinterpret_cast<int*>(empty + kStages);
+  const int E = p.num_experts, n_tiles = p.n_out / kBN, kb_count = p.k_red / kTile;
+  for (int i = threadIdx.x; i <= E; i += kThreads) s_off[i] = p.offsets[i];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1 + 32);  // the TMA thread (with the bytes) and the scale warp's lanes
+      mbar_init(&empty[s], 8);      // the 8 consumer warps
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    // validate the offsets and build the tile prefix: lane l takes experts [l c, l c + c)
+    const int lane = threadIdx.x, c = (E + 31) / 32, e0 = min(E, lane * c), e1 = min(E, e0 + c);
+    bool bad = lane == 0 && (s_off[0] != 0 || s_off[E] > p.m);
+    int sum = 0;
+    for (int e = e0; e < e1; ++e) {
+      const int me = s_off[e + 1] - s_off[e];
+      bad |= me < 0;
+      sum += (max(me, 0) + kTile - 1) / kTile * n_tiles;
+    }
+    int incl = sum;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    int run = incl - sum;
+    for (int e = e0; e < e1; ++e) {
+      s_start[e] = run;
+      run += (max(s_off[e + 1] - s_off[e], 0) + kTile - 1) / kTile * n_tiles;
+    }
+    const bool any_bad = __any_sync(0xffffffffu, bad);
+    if (lane == 31) *s_total = any_bad ? 0 : incl;
+    if (lane == 0 && any_bad && blockIdx.x == 0 && p.bad_segments) atomicAdd(p.bad_segments, 1ull);
+  }
+  __syncthreads();
+  const int total = *s_total;
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  const int warp = t / 32, lane = t % 32;
+  if (wg == 0) {
+    warpgroup_reg_dealloc<40>();
+    if (warp == 0 && lane == 0) {  // the TMA loads of the code tiles
+      uint32_t it = 0;
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const int e = tile_expert(s_start, E, tile);
+        const int mt_count = (s_off[e + 1] - s_off[e] + kTile - 1) / kTile, r = tile - s_start[e];
+        const int row_a = s_off[e] + (r % mt_count) * kTile, row_b = e * p.n_out + (r / mt_count) * kBN;
+        for (int kb = 0; kb < kb_count; ++kb, ++it) {
+          const int s = it % kStages;
+          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+          uint8_t* a = smem + s * kStageBytes;
+          mbar_expect_tx(&full[s], kStageBytes);
+          tma_load_2d(a, &map_a, &full[s], kb * kTile, row_a);
+#pragma unroll
+          for (int h = 0; h < C::kHalves; ++h)
+            tma_load_2d(a + (1 + h) * kTile * kTile, &map_b, &full[s], kb * kTile, row_b + h * kTile);
+        }
+      }
+    } else if (warp == 1) {
+      // The scales of each stage, decoded to FP32 into shared memory ahead of the consumers (their
+      // global-load latency off the math warps' path): lane l takes rows 4 l .. 4 l + 3 of the token
+      // tile (0 past the expert's rows), lanes 0 .. halves - 1 also B's block scales.
+      uint32_t it = 0;
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const int e = tile_expert(s_start, E, tile);
+        const int off = s_off[e], me = s_off[e + 1] - off;
+        const int mt_count = (me + kTile - 1) / kTile, r = tile - s_start[e];
+        const int lr = (r % mt_count) * kTile + 4 * lane;  // first of this lane's rows in the expert
+        const int64_t b_row = (int64_t(e) * (p.n_out / kTile) + (r / mt_count) * C::kHalves + lane) * p.b_ld;
+        const int64_t a_step = p.a_u8 ? p.a_ld : me;
+        for (int kb = 0; kb < kb_count; ++kb, ++it) {
+          const int s = it % kStages;
+          float v[4];
+          if (p.a_u8) {
+            const uint8_t* src = p.a_u8 + kb * a_step + off + lr;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) v[q] = lr + q < me ? num::ue8m0_to_f32(__ldg(src + q)) : 0.0f;
+          } else {
+            const float* src = p.a_f32 + int64_t(kb_count) * off + kb * a_step + lr;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) v[q] = lr + q < me ? __ldg(src + q) : 0.0f;
+          }
+          float sb = 0.0f;
+          if (lane < C::kHalves) sb = p.b_u8 ? num::ue8m0_to_f32(__ldg(p.b_u8 + b_row + kb)) : __ldg(p.b_f32 + b_row + kb);
+          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+          float* dst = scl + s * kScaleFloats;
+          *reinterpret_cast<float4*>(dst + 4 * lane) = make_float4(v[0], v[1], v[2], v[3]);
+          if (lane < C::kHalves) dst[kTile + lane] = sb;
+          mbar_arrive(&full[s]);
+        }
+      }
+    }
+    return;
+  }
+  warpgroup_reg_alloc<232>();
+  const int ci = wg - 1;                   // token rows 64 ci .. 64 ci + 63 of the tile
+  const int r0 = 16 * warp + lane / 4;     // fragment rows r0 and r0 + 8 (of the half tile)
+  const int c0 = 2 * (lane % 4);           // fragment columns 8 j + c0, + 1 (of a 128-feature half)
+  float acc[C::kHalves][64], blk[64];
+  uint32_t it = 0;
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const int e = tile_expert(s_start, E, tile);
+    const int off = s_off[e], me = s_off[e + 1] - off;
+    const int mt_count = (me + kTile - 1) / kTile, r = tile - s_start[e];
+    const int nt = r / mt_count, local0 = (r % mt_count) * kTile + 64 * ci;  // first row of this half
+#pragma unroll
+    for (int h = 0; h < C::kHalves; ++h)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+    for (int kb = 0; kb < kb_count; ++kb, ++it) {
+      const int s = it % kStages;
+      mbar_wait(&full[s], (it / kStages) & 1);
+      const float* ss = scl + s * kScaleFloats;
+      const float sa0 = ss[64 * ci + r0], sa1 = ss[64 * ci + r0 + 8];
+      const uint32_t a_addr = smem_u32(smem + s * kStageBytes) + ci * (64 * kTile);
+#pragma unroll
+      for (int h = 0; h < C::kHalves; ++h) {
+        const float sb = ss[kTile + h], s0 = sa0 * sb, s1 = sa1 * sb;
+        const uint32_t b_addr = smem_u32(smem + s * kStageBytes + (1 + h) * kTile * kTile);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_m64n128k32_e4m3(blk, smem_desc_k_major_sw128(a_addr + 32 * kk),
+                                smem_desc_k_major_sw128(b_addr + 32 * kk), kk > 0);
+        wgmma_commit();
+        wgmma_wait_all();
+        if (h == C::kHalves - 1) {  // the stage's last WGMMA has read its operands
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&empty[s]);
+        }
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          acc[h][4 * j + 0] = fmaf(blk[4 * j + 0], s0, acc[h][4 * j + 0]);
+          acc[h][4 * j + 1] = fmaf(blk[4 * j + 1], s0, acc[h][4 * j + 1]);
+          acc[h][4 * j + 2] = fmaf(blk[4 * j + 2], s1, acc[h][4 * j + 2]);
+          acc[h][4 * j + 3] = fmaf(blk[4 * j + 3], s1, acc[h][4 * j + 3]);
+        }
+      }
+    }
+    // epilogue: BF16 pairs straight from the fragments, rows below M_e only (the tile's other rows
+    // belong to the next expert or lie past the segments)
+    bf16_t* dst = p.d + (int64_t(off) + local0) * p.n_out + nt * kBN + c0;
+    const bool v0 = local0 + r0 < me, v1 = local0 + r0 + 8 < me;
+#pragma unroll
+    for (int h = 0; h < C::kHalves; ++h)
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        bf16_t* q = dst + h * kTile + 8 * j;
+        if (v0)
+          *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0) * p.n_out) =
+              __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
+        if (v1)
+          *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0 + 8) * p.n_out) =
+              __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+      }
+  }
+#else
+  __trap();  // built without sm_90a: never a silent wrong answer (the CMake build always has it)
+#endif
+}
+
+// SMs of the current device; the kernel's shared-memory limit raised once per device.
+int sm_count() {
+  static std::mutex mu;
+  static std::vector<int> sms;  // per device; 0: not yet set up
+  int dev = 0;
+  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  if (int(sms.size()) <= dev) sms.resize(dev + 1, 0);
+  if (sms[dev] == 0) {
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_rowwise_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            Cfg<128>::kSmemBytes));
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_rowwise_kernel<256>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            Cfg<256>::kSmemBytes));
+    sms[dev] = detail::device_sm_count();
+  }
+  return sms[dev];
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+const char* rowwise_grouped_unsupported(const RowwiseGroupedArgs& a) {
+  constexpr int64_t kBig = int64_t(1) << 31;
+  if (a.num_experts < 1 || a.num_experts > kMaxGroupedExperts) return "the expert count is not 1 .. 1024";
+  if (a.m < 0 || a.m >= kBig) return "the token count is not 0 .. 2^31 - 1";
+  if (a.n_out <= 0 || a.k_red <= 0 || a.n_out % kTile != 0 || a.k_red % kTile != 0)
+    return "the output features and the contraction length must be positive multiples of 128";
+  if (int64_t(a.num_experts) * a.n_out >= kBig || a.k_red >= kBig) return "the weights are too large (2^31 rows)";
+  if ((a.m / kTile + a.num_experts) * (a.n_out / kTile) >= kBig) return "more than 2^31 output tiles";
+  if (a.offsets == nullptr) return "no device offsets";
+  if (a.m == 0) return nullptr;
+  if (!a.a_codes || !a.a_scales || !a.b_codes || !a.b_scales || !a.d) return "a null operand pointer";
+  if (!aligned16(a.a_codes) || !aligned16(a.b_codes) || !aligned16(a.d)) return "codes or output not 16-byte aligned";
+  if (a.a_ue8m0 && a.a_scale_ld < a.m) return "the activation scale grid's leading dimension is below the token count";
+  if (a.b_scale_ld < a.k_red / kTile) return "the weight scale grid's leading dimension is below k/128";
+  return nullptr;
+}
+
+void fp8_grouped_rowwise(const RowwiseGroupedArgs& a, const char* what, cudaStream_t stream) {
+  const char* why = rowwise_grouped_unsupported(a);
+  FLOWMOE_CHECK(why == nullptr, what << " (grouped sm_90a kernel): " << why << " (experts " << a.num_experts << ", m "
+                                     << a.m << ", n " << a.n_out << ", k " << a.k_red << ")");
+  if (a.m == 0) return;
+  const int sms = sm_count();
+  const CUtensorMap ma = make_tensor_map_2d(a.a_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(a.m),
+                                            uint64_t(a.k_red), kTile, kTile, CU_TENSOR_MAP_SWIZZLE_128B, what);
+  const CUtensorMap mb = make_tensor_map_2d(a.b_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1,
+                                            uint64_t(a.num_experts) * a.n_out, uint64_t(a.k_red), kTile, kTile,
+                                            CU_TENSOR_MAP_SWIZZLE_128B, what);
+  Params p{};
+  p.offsets = a.offsets;
+  p.num_experts = a.num_experts;
+  p.m = int(a.m);
+  p.n_out = int(a.n_out);
+  p.k_red = int(a.k_red);
+  (a.a_ue8m0 ? reinterpret_cast<const void*&>(p.a_u8) : reinterpret_cast<const void*&>(p.a_f32)) = a.a_scales;
+  p.a_ld = a.a_scale_ld;
+  (a.b_ue8m0 ? reinterpret_cast<const void*&>(p.b_u8) : reinterpret_cast<const void*&>(p.b_f32)) = a.b_scales;
+  p.b_ld = a.b_scale_ld;
+  p.d = a.d;
+  p.bad_segments = a.status ? &a.status->bad_segments : nullptr;
+  // at most m/128 + E token tiles in all (each expert's last one partial)
+  const bool wide = a.n_out % 256 == 0;
+  const int64_t max_tiles = (a.m / kTile + a.num_experts) * (a.n_out / (wide ? 256 : 128));
+  const int grid = int(std::min<int64_t>(max_tiles, sms));
+  if (wide)
+    grouped_rowwise_kernel<256><<<grid, kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, p);
+  else
+    grouped_rowwise_kernel<128><<<grid, kThreads, Cfg<128>::kSmemBytes, stream>>>(ma, mb, p);
+  FLOWMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace flowmoe

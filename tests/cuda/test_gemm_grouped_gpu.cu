@@ -1,0 +1,235 @@
+// flowmoe's sm_90a grouped FP8 kernels on device segments (GroupedGemm's DeviceSegments entry
+// points: one launch, offsets read on the device) against the CPU reference within the tolerance of
+// gemm_test_problem.h, bit for bit on exactly representable sums, ragged counts (0, 1, 127, 129,
+// more than 65536 rows), every scale format, rows past the segments untouched, malformed offsets
+// counted, bad shapes rejected, and a CUDA-graph replay equal to the eager calls. GPU label.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/gemm_test_problem.h"
+#include "flowmoe/cuda/qtensor_view.h"
+#include "flowmoe/cuda/status.h"
+#include "flowmoe/error.h"
+
+namespace flowmoe {
+namespace {
+
+using namespace gemmtest;
+
+// The views of a problem's device copies. The first `experts` experts and rows
+// 0 .. offsets[experts] are the GEMM's; rows past them (the problem's last segments) must stay
+// as they were. Scale formats: x UE8M0 (raw, read as is) with w FP32, dy FP32 expert-packed with
+// wt UE8M0, so both formats of both operands are exercised.
+struct Views {
+  GBuf<uint8_t> x_s8, wt_s8;  // raw UE8M0 scales
+  cuda::QTensorView x, w, dy, wt, dy_col, x_col;
+  Views(const Problem& p, Device& d, int experts)
+      : x_s8(p.x_row.scales), wt_s8(concat<uint8_t>(p.wtq, true)) {
+    x = cuda::row_1x128(d.xr_c.p, x_s8.p, p.m, p.k);
+    w = cuda::weight_128x128(d.w_c.p, nullptr, experts, p.n, p.k);
+    w.scales = d.w_s.p, w.scale_format = cuda::ScaleFormat::kF32, w.scale_ld = gemm::weight_scale_ld(p.k);
+    dy = cuda::row_1x128(d.dyr_c.p, nullptr, p.m, p.n);
+    dy.scales = d.dyr_s.p, dy.scale_format = cuda::ScaleFormat::kF32, dy.scale_ld = p.m;
+    wt = cuda::weight_128x128(d.wt_c.p, wt_s8.p, experts, p.k, p.n);
+    dy_col = cuda::col_128x1(d.dyc_c.p, nullptr, p.m, p.n, p.m / 128);
+    dy_col.scales = d.dyc_s.p, dy_col.scale_format = cuda::ScaleFormat::kF32;
+    x_col = cuda::col_128x1(d.xc_c.p, nullptr, p.m, p.k, p.m / 128);
+    x_col.scales = d.xc_s.p, x_col.scale_format = cuda::ScaleFormat::kF32;
+  }
+};
+
+bool is_poison(const std::vector<bf16_t>& v, size_t from) {
+  for (size_t i = from; i < v.size(); ++i)
+    if (v[i] != 0xFFFF) return false;
+  return true;
+}
+
+// The grouped cases: `tail` trailing segments are outside the GEMM (rows past offsets[E]).
+struct GroupedCase {
+  Case c;
+  int tail;
+};
+std::ostream& operator<<(std::ostream& os, const GroupedCase& g) { return os << g.c.name; }
+
+class GemmGroupedGpu : public ::testing::TestWithParam<GroupedCase> {};
+
+TEST_P(GemmGroupedGpu, FpropDgradMatchReference) {
+  REQUIRE_SM90();
+  const Case& c = GetParam().c;
+  const Problem p = make_problem(c, false, 4000u + static_cast<uint32_t>(c.n * 3 + c.k));
+  Device d(p);
+  const int E = p.E - GetParam().tail;
+  const int64_t rows = p.seg.offsets[E];
+  Views v(p, d, E);
+  const Refs r = fp8_refs(p);
+  cuda::GroupedGemm gg(env_gemm_options());
+  cuda::DeviceStatus* st = nullptr;
+  ASSERT_EQ(cudaMallocManaged(&st, sizeof(*st)), cudaSuccess);
+  std::memset(st, 0, sizeof(*st));
+  const gemm::DeviceSegments seg{d.offsets.p, E, p.m, st};
+  GBuf<bf16_t> y(p.m * p.n), dx(p.m * p.k);
+  gg.fprop(seg, p.n, p.k, v.x, v.w, y.span(), 0);
+  gg.dgrad(seg, p.n, p.k, v.dy, v.wt, dx.span(), 0);
+  EXPECT_EQ(gg.stats().grouped_kernel_calls, 2);
+  EXPECT_EQ(gg.stats().matmuls, 0) << "no cuBLASLt call";
+  const auto yg = y.get(), dxg = dx.get();
+  const auto prefix = [](const std::vector<float>& f, int64_t n) { return std::vector<float>(f.begin(), f.begin() + n); };
+  const auto dprefix = [](const std::vector<double>& f, int64_t n) { return std::vector<double>(f.begin(), f.begin() + n); };
+  EXPECT_TRUE(close(prefix(widen(yg), rows * p.n), prefix(r.y, rows * p.n), dprefix(r.sy, rows * p.n),
+                    {1.0 / 256, kFp8C}, std::string(c.name) + " grouped fprop"));
+  EXPECT_TRUE(close(prefix(widen(dxg), rows * p.k), prefix(r.dx, rows * p.k), dprefix(r.sdx, rows * p.k),
+                    {1.0 / 256, kFp8C}, std::string(c.name) + " grouped dgrad"));
+  EXPECT_TRUE(is_poison(yg, rows * p.n)) << "fprop wrote rows past offsets[E]";
+  EXPECT_TRUE(is_poison(dxg, rows * p.k)) << "dgrad wrote rows past offsets[E]";
+  EXPECT_EQ(st->bad_segments, 0u);
+  cudaFree(st);
+}
+
+TEST_P(GemmGroupedGpu, ExactOnSmallValues) {
+  REQUIRE_SM90();
+  const Case& c = GetParam().c;
+  const Problem p = make_problem(c, true, 99u + static_cast<uint32_t>(c.n));
+  Device d(p);
+  const int E = p.E - GetParam().tail;
+  const int64_t rows = p.seg.offsets[E];
+  Views v(p, d, E);
+  const Refs r = fp8_refs(p);
+  cuda::GroupedGemm gg(env_gemm_options());
+  const gemm::DeviceSegments seg{d.offsets.p, E, p.m, nullptr};
+  GBuf<bf16_t> y(p.m * p.n), dx(p.m * p.k);
+  gg.fprop(seg, p.n, p.k, v.x, v.w, y.span(), 0);
+  gg.dgrad(seg, p.n, p.k, v.dy, v.wt, dx.span(), 0);
+  auto want_y = widen(narrow(r.y)), want_dx = widen(narrow(r.dx));
+  want_y.resize(rows * p.n), want_dx.resize(rows * p.k);
+  expect_same_bits(want_y, widen(y.get(rows * p.n)), "grouped fprop (BF16 of the exact value)");
+  expect_same_bits(want_dx, widen(dx.get(rows * p.k)), "grouped dgrad (BF16 of the exact value)");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ragged, GemmGroupedGpu,
+    ::testing::Values(GroupedCase{{"zero_one_127_129", {0, 1, 127, 129, 0, 256, 3}, 256, 384, {}}, 0},
+                      GroupedCase{{"tail_untouched", {130, 0, 5, 200, 77}, 128, 256, {}}, 2},
+                      GroupedCase{{"all_empty", {0, 0, 0, 40}, 128, 128, {}}, 1},
+                      GroupedCase{{"one_token", {1}, 384, 128, {}}, 0},
+                      GroupedCase{{"over_65536_rows", {65601, 2}, 128, 128, {}}, 0}),
+    [](const ::testing::TestParamInfo<GroupedCase>& i) { return std::string(i.param.c.name); });
+
+// wgrad on device offsets (multiples of 128): the kernel with the offsets read on the device equals
+// the host-offset launch bit for bit, is within tolerance of the reference, zeroes empty experts
+// when overwriting (the output starts as NaN) and leaves them untouched when accumulating.
+TEST(GemmGroupedGpuWgrad, DeviceOffsetsMatchReferenceAndHostPath) {
+  REQUIRE_SM90();
+  const Case c{"wgrad_ragged", {256, 0, 128, 384, 0, 128}, 256, 384, {}};
+  const Problem p = make_problem(c, false, 321u);
+  Device d(p);
+  Views v(p, d, p.E);
+  const Refs r = fp8_refs(p);
+  cuda::GroupedGemm::Options kernel_always = env_gemm_options();
+  kernel_always.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kAlways;
+  cuda::GroupedGemm gg(kernel_always);
+  const gemm::DeviceSegments seg{d.offsets.p, p.E, p.m, nullptr};
+  const int64_t nw = int64_t(p.E) * p.n * p.k;
+  GBuf<float> dev(nw), host(nw);
+  gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::f32(dev.p, nw), 0);
+  gg.wgrad(p.seg, p.n, p.k, d.op(d.dyc_c, d.dyc_s), d.op(d.xc_c, d.xc_s), gemm::WgradOut::f32(host.p, nw), 0);
+  EXPECT_EQ(gg.stats().wgrad_kernel_calls, 2);
+  const auto dv = dev.get();
+  expect_same_bits(host.get(), dv, "wgrad: device offsets vs host offsets");
+  EXPECT_TRUE(close(dv, r.dw, r.sdw, {0.0, kFp8C}, "grouped wgrad f32"));
+  std::vector<float> g0(nw), want(nw);
+  for (int64_t i = 0; i < nw; ++i) g0[i] = float((i * 37) % 101) - 50.0f, want[i] = g0[i] + r.dw[i];
+  dev.put(g0);
+  gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::accumulate(dev.p, nw), 0);
+  const auto acc = dev.get();
+  EXPECT_TRUE(close(acc, want, r.sdw, {2 * kU, kFp8C}, "grouped wgrad accumulate"));
+  for (int e : {1, 4})
+    for (int64_t i = 0; i < p.n * p.k; ++i)
+      ASSERT_EQ(acc[e * p.n * p.k + i], g0[e * p.n * p.k + i]) << "empty expert " << e << " must be untouched";
+}
+
+// Malformed device offsets: counted once per call in bad_segments, outputs untouched; bad shapes
+// and views throw before anything is launched.
+TEST(GemmGroupedGpuErrors, MalformedOffsetsAndBadShapes) {
+  REQUIRE_SM90();
+  const Case c{"errors", {128, 128}, 128, 128, {}};
+  const Problem p = make_problem(c, false, 5u);
+  Device d(p);
+  Views v(p, d, p.E);
+  cuda::GroupedGemm gg(env_gemm_options());
+  cuda::DeviceStatus* st = nullptr;
+  ASSERT_EQ(cudaMallocManaged(&st, sizeof(*st)), cudaSuccess);
+  std::memset(st, 0, sizeof(*st));
+  for (const std::vector<int32_t>& bad : {std::vector<int32_t>{0, 200, 100}, {0, 128, 300}, {5, 128, 256}}) {
+    GBuf<int32_t> off(bad);
+    const gemm::DeviceSegments seg{off.p, 2, p.m, st};
+    GBuf<bf16_t> y(p.m * p.n);
+    GBuf<float> dw(2 * p.n * p.k);
+    gg.fprop(seg, p.n, p.k, v.x, v.w, y.span(), 0);
+    gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::f32(dw.p, dw.n), 0);
+    EXPECT_TRUE(is_poison(y.get(), 0)) << "fprop wrote with malformed offsets";
+    for (float f : dw.get()) ASSERT_TRUE(std::isnan(f)) << "wgrad wrote with malformed offsets";
+  }
+  EXPECT_EQ(st->bad_segments, 6u) << "each malformed call counted once";
+  cudaFree(st);
+  const gemm::DeviceSegments seg{d.offsets.p, p.E, p.m, nullptr};
+  GBuf<bf16_t> y(p.m * p.n);
+  EXPECT_THROW(gg.fprop(seg, 100, p.k, v.x, v.w, y.span(), 0), Error) << "n not a multiple of 128";
+  EXPECT_THROW(gg.fprop(gemm::DeviceSegments{nullptr, p.E, p.m, nullptr}, p.n, p.k, v.x, v.w, y.span(), 0), Error);
+  EXPECT_THROW(gg.fprop(gemm::DeviceSegments{d.offsets.p, 2000, p.m, nullptr}, p.n, p.k, v.x, v.w, y.span(), 0), Error)
+      << "more experts than the kernel takes";
+  EXPECT_THROW(gg.fprop(seg, p.n, p.k, v.x, v.w, gemm::Span<bf16_t>{y.p, 10}, 0), Error) << "output too small";
+  EXPECT_THROW(gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::bf16(nullptr, 0), 0), Error) << "BF16 wgrad";
+  EXPECT_THROW(gg.fprop(seg, p.n, p.k, v.dy_col, v.w, y.span(), 0), Error) << "column-wise view as fprop input";
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// The three passes captured in one CUDA graph and replayed twice give the eager calls' bits.
+TEST(GemmGroupedGpuGraph, ReplayEqualsEager) {
+  REQUIRE_SM90();
+  const Case c{"graph", {256, 0, 384, 128}, 256, 256, {}};
+  const Problem p = make_problem(c, false, 11u);
+  Device d(p);
+  Views v(p, d, p.E);
+  cuda::GroupedGemm gg(env_gemm_options());
+  const gemm::DeviceSegments seg{d.offsets.p, p.E, p.m, nullptr};
+  const int64_t nw = int64_t(p.E) * p.n * p.k;
+  GBuf<bf16_t> y(p.m * p.n), dx(p.m * p.k);
+  GBuf<float> dw(nw);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  const auto step = [&] {
+    gg.fprop(seg, p.n, p.k, v.x, v.w, y.span(), s);
+    gg.dgrad(seg, p.n, p.k, v.dy, v.wt, dx.span(), s);
+    gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::f32(dw.p, nw), s);
+  };
+  step();
+  const auto y0 = y.get(), dx0 = dx.get();
+  const auto dw0 = dw.get();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  step();
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int rep = 0; rep < 2; ++rep) {
+    cudaMemset(y.p, 0xFF, y.n * sizeof(bf16_t));
+    cudaMemset(dx.p, 0xFF, dx.n * sizeof(bf16_t));
+    cudaMemset(dw.p, 0xFF, dw.n * sizeof(float));
+    cudaDeviceSynchronize();
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    expect_same_bits(widen(y0), widen(y.get()), "graph fprop");
+    expect_same_bits(widen(dx0), widen(dx.get()), "graph dgrad");
+    expect_same_bits(dw0, dw.get(), "graph wgrad");
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+}  // namespace
+}  // namespace flowmoe
