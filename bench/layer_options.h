@@ -1,7 +1,8 @@
 // The CUDA layer's options from the environment, for the programs that time the layer
 // (`flowmoe bench`, tools/flowmoe/cmd_bench.cpp; bench/ep/flowmoe_bench_ep.cu). The library reads
 // none (README "Runtime settings"): FLOWMOE_LAYER_OVERLAP=0 (no side stream),
-// FLOWMOE_LAYER_TAIL_OVERLAP=0|1 (tail stream), FLOWMOE_EP_DEDUP=0 (every (token, expert) row
+// FLOWMOE_LAYER_TAIL_OVERLAP=0|1 (tail stream), FLOWMOE_LAYER_GROUPED_GEMM=0|1|auto (FP8
+// fprop/dgrad by cuBLASLt per expert, the grouped kernel, or the layer's choice), FLOWMOE_EP_DEDUP=0 (every (token, expert) row
 // travels), FLOWMOE_EP_DIRECT_BYTES=N, FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY / _WGRAD_KERNEL
 // (the GEMM options; a set priority overrides the layer's choice). Needs the CUDA backend.
 #pragma once
@@ -29,6 +30,13 @@ inline CudaLayerOptions layer_options_from_env() {
   flag("FLOWMOE_LAYER_OVERLAP", &o.side_stream);
   flag("FLOWMOE_LAYER_TAIL_OVERLAP", &o.tail_stream);
   flag("FLOWMOE_EP_DEDUP", &o.ep_dedup);
+  if (const char* v = std::getenv("FLOWMOE_LAYER_GROUPED_GEMM")) {
+    const std::string g = v;
+    FLOWMOE_CHECK(g == "0" || g == "1" || g == "auto",
+                  "FLOWMOE_LAYER_GROUPED_GEMM=\"" << g << "\"; expected 0, 1 or auto");
+    using FD = CudaLayerOptions::FpropDgrad;
+    o.fprop_dgrad = g == "0" ? FD::kCublasLt : g == "1" ? FD::kGrouped : FD::kAuto;
+  }
   o.gemm = gemm::GroupedGemmOptions::from_settings(env_lookup());
   o.ep_direct_bytes = ep_direct_bytes_from_settings(env_lookup());
   if (std::getenv("FLOWMOE_GEMM_PRIORITY")) o.gemm_pool_priority = o.gemm.pool_priority;

@@ -286,7 +286,18 @@ struct CudaLayerOptions {
   // (comm.h dispatch_rows; -1: kEpDirectBytes, one message per peer and stream). Every rank must
   // pass the same value (checked with ep_dedup).
   int64_t ep_direct_bytes = -1;
-  // The grouped GEMMs' options (gemm.h).
+  // Who runs the FP8 fprop and dgrad of every FP8 recipe. kGrouped: flowmoe's grouped sm_90a kernel,
+  // one launch per GEMM over all local experts, the expert offsets read on the device, the row-wise
+  // UE8M0 scales read as quantization wrote them (gemm.h, DeviceSegments); kCublasLt: one cuBLASLt
+  // matmul per expert (the options below); kAuto: the kernel where it measured faster on the H200,
+  // i.e. at most kGroupedAutoRows rows per local expert on average at the layer's token capacity
+  // (docs/GEMM.md, "The grouped kernels"). Both give the same bits on the layer's tests (the kernel
+  // promotes every 128-wide block as cuBLASLt does).
+  enum class FpropDgrad : uint8_t { kAuto, kGrouped, kCublasLt };
+  static constexpr int64_t kGroupedAutoRows = 1024;
+  FpropDgrad fprop_dgrad = FpropDgrad::kAuto;
+  // The grouped GEMMs' options (gemm.h): cuBLASLt per expert (BF16, wgrad, grouped_gemm off) and
+  // the wgrad kernel's choice.
   gemm::GroupedGemmOptions gemm;
   // Priority steps of the matmul streams above the default (0..gemm::kMaxPoolPriority). -1: the
   // layer's choice, 1 with the side stream (the copies fill the GEMMs' gaps instead of taking SMs

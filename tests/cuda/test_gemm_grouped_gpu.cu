@@ -177,6 +177,16 @@ TEST(GemmGroupedGpuErrors, MalformedOffsetsAndBadShapes) {
   cudaFree(st);
   const gemm::DeviceSegments seg{d.offsets.p, p.E, p.m, nullptr};
   GBuf<bf16_t> y(p.m * p.n);
+  {  // no rows (an expert-parallel rank that received none): nothing computed; wgrad = zeroes dW
+    const gemm::DeviceSegments none{d.offsets.p, p.E, 0, nullptr};
+    cuda::QTensorView empty_rows = v.x, empty_col = v.x_col;
+    empty_rows.rows = 0, empty_col.rows = 0;
+    GBuf<float> dw(2 * p.n * p.k);
+    EXPECT_NO_THROW(gg.fprop(none, p.n, p.k, empty_rows, v.w, gemm::Span<bf16_t>{y.p, 0}, 0));
+    EXPECT_NO_THROW(gg.wgrad(none, p.n, p.k, empty_col, empty_col, gemm::WgradOut::f32(dw.p, dw.n), 0));
+    for (float f : dw.get()) ASSERT_EQ(f, 0.0f) << "overwrite with no rows gives zero gradients";
+    EXPECT_TRUE(is_poison(y.get(), 0));
+  }
   EXPECT_THROW(gg.fprop(seg, 100, p.k, v.x, v.w, y.span(), 0), Error) << "n not a multiple of 128";
   EXPECT_THROW(gg.fprop(gemm::DeviceSegments{nullptr, p.E, p.m, nullptr}, p.n, p.k, v.x, v.w, y.span(), 0), Error);
   EXPECT_THROW(gg.fprop(gemm::DeviceSegments{d.offsets.p, 2000, p.m, nullptr}, p.n, p.k, v.x, v.w, y.span(), 0), Error)

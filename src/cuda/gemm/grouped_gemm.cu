@@ -266,7 +266,6 @@ void check_shape(const QTensorView& v, int64_t rows, int64_t cols, const char* w
 sm90::RowwiseGroupedArgs rowwise_args(const gemm::DeviceSegments& seg, int64_t n_out, int64_t k_red,
                                       const QTensorView& a, const QTensorView& b, gemm::Span<bf16_t> d,
                                       const char* what) {
-  check_device_segments(seg, what);
   FLOWMOE_CHECK(a.scale_format == ScaleFormat::kUe8m0 || a.offsets == nullptr || a.offsets == seg.offsets,
                 what << ": the activation's expert-packed FP32 scales follow other offsets than the GEMM's");
   check_view(a, Layout::kRow1x128, a.scale_format, what);
@@ -299,6 +298,8 @@ void GroupedGemm::fprop(const DeviceSegments& seg, int64_t n, int64_t k, const Q
                         const QTensorView& w, Span<bf16_t> y, cudaStream_t stream) {
   const char* what = "FP8 fprop (device segments)";
   impl_->require_fp8(what);
+  check_device_segments(seg, what);
+  if (seg.capacity == 0) return;  // no rows: nothing to compute or write
   sm90::fp8_grouped_rowwise(rowwise_args(seg, n, k, x, w, y, what), what, stream);
   ++impl_->stats.grouped_kernel_calls;
 }
@@ -307,6 +308,8 @@ void GroupedGemm::dgrad(const DeviceSegments& seg, int64_t n, int64_t k, const Q
                         const QTensorView& wt, Span<bf16_t> dx, cudaStream_t stream) {
   const char* what = "FP8 dgrad (device segments)";
   impl_->require_fp8(what);
+  check_device_segments(seg, what);
+  if (seg.capacity == 0) return;  // no rows: nothing to compute or write
   sm90::fp8_grouped_rowwise(rowwise_args(seg, k, n, dy, wt, dx, what), what, stream);
   ++impl_->stats.grouped_kernel_calls;
 }
@@ -316,15 +319,20 @@ void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const Q
   const char* what = "FP8 wgrad (device segments)";
   impl_->require_fp8(what);
   check_device_segments(seg, what);
+  FLOWMOE_CHECK(dw.kind != WgradOut::Kind::kBf16, what << ": the kernel writes FP32 gradients (BF16 output asked)");
+  FLOWMOE_CHECK(dw.size >= int64_t(seg.num_segments) * n * k,
+                what << ": the output holds " << dw.size << " elements, expected " << int64_t(seg.num_segments) * n * k);
+  if (seg.capacity == 0) {  // no rows: the gradients are zero (overwrite) or unchanged (accumulate)
+    if (dw.kind == WgradOut::Kind::kF32)
+      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw.data, 0, sizeof(float) * seg.num_segments * n * k, stream));
+    return;
+  }
   check_view(dy_col, Layout::kCol128x1, ScaleFormat::kF32, what);
   check_view(x_col, Layout::kCol128x1, ScaleFormat::kF32, what);
   check_shape(dy_col, seg.capacity, n, what, "dy_col");
   check_shape(x_col, seg.capacity, k, what, "x_col");
   FLOWMOE_CHECK(dy_col.scale_rows * kFp8Block >= seg.capacity && x_col.scale_rows * kFp8Block >= seg.capacity,
                 what << ": the column-wise scale grids need capacity/128 = " << seg.capacity / kFp8Block << " rows");
-  FLOWMOE_CHECK(dw.kind != WgradOut::Kind::kBf16, what << ": the kernel writes FP32 gradients (BF16 output asked)");
-  FLOWMOE_CHECK(dw.size >= int64_t(seg.num_segments) * n * k,
-                what << ": the output holds " << dw.size << " elements, expected " << int64_t(seg.num_segments) * n * k);
   sm90::WgradArgs a;
   a.offsets = seg.offsets;
   a.num_experts = seg.num_segments;

@@ -68,8 +68,7 @@ void CudaMoeLayer::backward_blockwise(const bf16_t* dy, const MoeGrads& g) {
 void CudaMoeLayer::fp8_gemm2_grads(const MoeGrads& g, int side) {
   ExpertBuffers& b = ws_.expert;
   { auto s = bwd("GEMM2 dgrad (fp8)");
-    const Fp8Op dyo = act_operand(b.dy_row, H_, st_bwd_aux());
-    gemm_->dgrad(seg_, H_, F_, dyo, weight_operand(ws_.weights.w2t, F_, H_), ms<bf16_t>(b.da, Mp_ * F_), stream_); }
+    fp8_dgrad(b.dy_row, H_, F_, ws_.weights.w2t, b.da, st_bwd_aux()); }
   if (side >= 0) streams_.join(side);
   if (!g.dw2) return;
   auto s = bwd("GEMM2 wgrad (fp8)");
@@ -82,9 +81,7 @@ void CudaMoeLayer::fp8_gemm2_grads(const MoeGrads& g, int side) {
 void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& x_perm_col, int side) {
   ExpertBuffers& b = ws_.expert;
   { auto s = bwd("GEMM1 dgrad (fp8)");
-    const Fp8Op dho = act_operand(b.dh_row, 2 * F_, st_bwd_aux());
-    gemm_->dgrad(seg_, 2 * F_, H_, dho, weight_operand(ws_.weights.w1t, H_, 2 * F_), ms<bf16_t>(b.dx_rows, Mp_ * H_),
-                 stream_); }
+    fp8_dgrad(b.dh_row, 2 * F_, H_, ws_.weights.w1t, b.dx_rows, st_bwd_aux()); }
   mark_dx_rows_ready();
   if (side >= 0) streams_.join(side);
   if (!g.dw1) return;
@@ -117,8 +114,7 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYFp32Scale, 1, 1, Mp_ * H_);
   { auto s = bwd("DQ->T->Q dY"); naive_col(b.dy_row_f32, H_, b.dy_col_f32, WgradOperand::kGemm2Grad); }
   { auto s = bwd("GEMM2 dgrad (fp8)");
-    gemm_->dgrad(seg_, H_, F_, f32_row_operand(b.dy_row_f32, H_), weight_operand(w.w2t, F_, H_),
-                 ms<bf16_t>(b.da, Mp_ * F_), stream_); }
+    fp8_dgrad(b.dy_row_f32, H_, F_, w.w2t, b.da, st_bwd_aux()); }
   { auto s = bwd("DQ->T->Q a'"); naive_col(b.a_f32, F_, b.a_col_f32, WgradOperand::kGemm2Input); }
   if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
     gemm_->wgrad(seg_, H_, F_, f32_col_operand(b.dy_col_f32, H_), f32_col_operand(b.a_col_f32, F_),
@@ -131,8 +127,7 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhFp32Scale, 1, 1, Mp_ * 2 * F_);
   { auto s = bwd("DQ->T->Q dh"); naive_col(b.dh_row_f32, 2 * F_, b.dh_col_f32, WgradOperand::kGemm1Grad); }
   { auto s = bwd("GEMM1 dgrad (fp8)");
-    gemm_->dgrad(seg_, 2 * F_, H_, f32_row_operand(b.dh_row_f32, 2 * F_), weight_operand(w.w1t, H_, 2 * F_),
-                 ms<bf16_t>(b.dx_rows, Mp_ * H_), stream_); }
+    fp8_dgrad(b.dh_row_f32, 2 * F_, H_, w.w1t, b.dx_rows, st_bwd_aux()); }
   mark_dx_rows_ready();
   { auto s = bwd("DQ->T->Q x_perm"); naive_col(b.x_perm_f32, H_, b.x_perm_col_f32, WgradOperand::kGemm1Input); }
   if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");

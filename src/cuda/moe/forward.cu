@@ -48,19 +48,13 @@ void CudaMoeLayer::forward_blockwise(bf16_t* y) {
                  stream_); }
   log(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeXpermBoth, 1, 2, Mp_ * H_);
   { auto s = fwd("GEMM1 fprop (fp8)");
-    const Fp8Op xo = act_operand(x_row, H_, st_fwd_aux());
-    gemm_->fprop(seg_, 2 * F_, H_, xo, weight_operand(w.w1, 2 * F_, H_), ms<bf16_t>(b.h, Mp_ * 2 * F_), stream_); }
+    fp8_fprop(x_row, 2 * F_, H_, w.w1, b.h, st_fwd_aux()); }
   { auto s = fwd("SwiGLU*prob (bf16)");
     cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob); }
   { auto s = fwd("quantize a' (row + col)");
     quantize_col(b.a, F_, sb, b.a_col.codes, b.a_col.ue8m0(), b.a_row.codes, b.a_row.ue8m0(), st_fwd(), stream_); }
   log(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeABoth, 1, 2, Mp_ * F_);
-  {
-    const Fp8Op ao = act_operand(b.a_row, F_, st_fwd_aux());
-    gemm2_then_combine("GEMM2 fprop (fp8)", [&] {
-      gemm_->fprop(seg_, H_, F_, ao, weight_operand(w.w2, H_, F_), ms<bf16_t>(b.y_rows, Mp_ * H_), stream_);
-    }, y);
-  }
+  gemm2_then_combine("GEMM2 fprop (fp8)", [&] { fp8_fprop(b.a_row, H_, F_, w.w2, b.y_rows, st_fwd_aux()); }, y);
 }
 
 // ---- fp8-naive -----------------------------------------------------------------------------------
@@ -99,17 +93,13 @@ void CudaMoeLayer::forward_naive(bf16_t* y) {
     quantize_row_fp32_scale(xp, Mp_, H_, segment_offsets(), El_, b.x_perm_f32.codes, b.x_perm_f32.f32(), st_fwd(), stream_); }
   log(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeXpermFp32Scale, 1, 1, Mp_ * H_);
   { auto s = fwd("GEMM1 fprop (fp8)");
-    gemm_->fprop(seg_, 2 * F_, H_, f32_row_operand(b.x_perm_f32, H_), weight_operand(w.w1, 2 * F_, H_),
-                 ms<bf16_t>(b.h, Mp_ * 2 * F_), stream_); }
+    fp8_fprop(b.x_perm_f32, 2 * F_, H_, w.w1, b.h, st_fwd_aux()); }
   { auto s = fwd("SwiGLU*prob (bf16)");
     cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob); }
   { auto s = fwd("quantize a' (row, fp32 scales)");
     quantize_row_fp32_scale(b.a, Mp_, F_, segment_offsets(), El_, b.a_f32.codes, b.a_f32.f32(), st_fwd(), stream_); }
   log(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeAFp32Scale, 1, 1, Mp_ * F_);
-  gemm2_then_combine("GEMM2 fprop (fp8)", [&] {
-    gemm_->fprop(seg_, H_, F_, f32_row_operand(b.a_f32, F_), weight_operand(w.w2, H_, F_),
-                 ms<bf16_t>(b.y_rows, Mp_ * H_), stream_);
-  }, y);
+  gemm2_then_combine("GEMM2 fprop (fp8)", [&] { fp8_fprop(b.a_f32, H_, F_, w.w2, b.y_rows, st_fwd_aux()); }, y);
 }
 
 // ---- flow, flow-fp4 ------------------------------------------------------------------------------
@@ -138,8 +128,7 @@ void CudaMoeLayer::forward_flow(bf16_t* y) {
     x_in = b.x_perm_fp8;
   }
   { auto s = fwd("GEMM1 fprop (fp8)");
-    const Fp8Op xo = act_operand(x_in, H_, st_fwd_aux());
-    gemm_->fprop(seg_, 2 * F_, H_, xo, weight_operand(w.w1, 2 * F_, H_), ms<bf16_t>(b.h, Mp_ * 2 * F_), stream_); }
+    fp8_fprop(x_in, 2 * F_, H_, w.w1, b.h, st_fwd_aux()); }
   const QTensorView& ar = b.a_row;  // (flow-fp4: its storage held GEMM1's input, consumed by now)
   const QTensorView& hs = b.h_saved;
   if (!fp4) {
@@ -164,12 +153,7 @@ void CudaMoeLayer::forward_flow(bf16_t* y) {
   }
   log(MoePass::kForward, CastKind::kConvert, recipe_spec(cfg_.recipe).column(WgradOperand::kGemm2Input).op, 1, 1,
       Mp_ * F_);
-  {
-    const Fp8Op ao = act_operand(ar, F_, st_fwd_aux());
-    gemm2_then_combine("GEMM2 fprop (fp8)", [&] {
-      gemm_->fprop(seg_, H_, F_, ao, weight_operand(w.w2, H_, F_), ms<bf16_t>(b.y_rows, Mp_ * H_), stream_);
-    }, y);
-  }
+  gemm2_then_combine("GEMM2 fprop (fp8)", [&] { fp8_fprop(ar, H_, F_, w.w2, b.y_rows, st_fwd_aux()); }, y);
   streams_.join(LayerStreams::kSideA);  // a' col ready before anything later on stream_ (the backward) runs
 }
 

@@ -40,6 +40,9 @@ CudaMoeLayer::~CudaMoeLayer() { release(); }
 void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   const Recipe rc = cfg_.recipe;
   dedup_ = comm_ != nullptr && rc != Recipe::kFp8Naive && options.ep_dedup;
+  using FD = CudaLayerOptions::FpropDgrad;
+  grouped_gemm_ = options.fprop_dgrad == FD::kGrouped ||
+                  (options.fprop_dgrad == FD::kAuto && max_rows_ <= CudaLayerOptions::kGroupedAutoRows * El_);
   if (comm_)  // agreed across ranks by make_cuda_layer
     direct_bytes_ = options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes;
   ws_.allocate(arena_, cfg_, dedup_);
@@ -208,6 +211,8 @@ LayerCounters CudaMoeLayer::counters() const {
   LayerCounters c;
   c.host_syncs = host_syncs_;
   c.gemm_matmuls = gemm_ ? gemm_->stats().matmuls : 0;
+  c.gemm_grouped_launches = gemm_ ? gemm_->stats().grouped_kernel_calls : 0;
+  c.gemm_wgrad_kernel_launches = gemm_ ? gemm_->stats().wgrad_kernel_calls : 0;
   return c;
 }
 

@@ -121,6 +121,13 @@ class CudaMoeLayer final : public MoeLayer {
   Fp8Op f32_col_operand(const QTensorView& col, int64_t c) const;
   Fp8Op weight_operand(const QTensorView& w, int64_t n, int64_t k) const;
   gemm::WgradOut dw_out(float* p, int64_t n) const;
+  // The FP8 fprop (in = x [Mp, k], w = W [El*n, k], out [Mp, n]) and dgrad (in = dy [Mp, n],
+  // w = Wt [El*k, n], out [Mp, k]) of every FP8 recipe: `in` row-wise with UE8M0 scales
+  // [c/128][Mp] or (fp8-naive) expert-packed FP32; the grouped kernel or cuBLASLt per expert
+  // (CudaLayerOptions::fprop_dgrad); `st` counts malformed offsets / non-finite scales.
+  void fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st);
+  void fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st);
+  QTensorView gemm_rows(const QTensorView& rows, int64_t c) const;  // `rows` as the [Mp, c] the GEMM reads
 
   // ---- report (report.cu) ----------------------------------------------------------------------
   void log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t elements);
@@ -155,6 +162,7 @@ class CudaMoeLayer final : public MoeLayer {
   Communicator* const comm_;  // null: single GPU, all experts local
   const int64_t max_tokens_, max_rows_;
   bool dedup_ = false;        // deduplicated EP dispatch (CudaLayerOptions::ep_dedup; not fp8-naive)
+  bool grouped_gemm_ = true;  // FP8 fprop/dgrad by the grouped kernel (CudaLayerOptions::fprop_dgrad)
   int64_t direct_bytes_ = -1; // dispatch_rows / combine_rows message grouping (comm.h)
 
   // ---- resources -------------------------------------------------------------------------------

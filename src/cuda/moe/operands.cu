@@ -31,6 +31,41 @@ gemm::Fp8Operand CudaMoeLayer::f32_col_operand(const QTensorView& col, int64_t c
 gemm::Fp8Operand CudaMoeLayer::weight_operand(const QTensorView& w, int64_t n, int64_t k) const {
   return Fp8Op{cs<uint8_t>(w.codes, int64_t(El_) * n * k), cs<float>(w.f32(), gemm::weight_scale_f32_elems(El_, n, k))};
 }
+// `rows` as the GEMM reads it: [Mp, c], UE8M0 scales [c/128][Mp] as the layer's kernels write
+// them, or expert-packed FP32 over this pass's segments.
+QTensorView CudaMoeLayer::gemm_rows(const QTensorView& rows, int64_t c) const {
+  QTensorView v = rows;
+  v.rows = Mp_;
+  v.cols = c;
+  v.scale_rows = c / 128;
+  v.scale_ld = Mp_;
+  if (v.scale_format == ScaleFormat::kF32) {
+    v.offsets = segment_offsets();
+    v.num_segments = El_;
+  }
+  return v;
+}
+void CudaMoeLayer::fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out,
+                             DeviceStatus* st) {
+  if (grouped_gemm_) {
+    gemm_->fprop(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st}, n, k, gemm_rows(in, k), w,
+                 ms<bf16_t>(out, Mp_ * n), stream_);
+    return;
+  }
+  const Fp8Op a = in.scale_format == ScaleFormat::kF32 ? f32_row_operand(in, k) : act_operand(in, k, st);
+  gemm_->fprop(seg_, n, k, a, weight_operand(w, n, k), ms<bf16_t>(out, Mp_ * n), stream_);
+}
+void CudaMoeLayer::fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out,
+                             DeviceStatus* st) {
+  if (grouped_gemm_) {
+    gemm_->dgrad(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st}, n, k, gemm_rows(in, n), w,
+                 ms<bf16_t>(out, Mp_ * k), stream_);
+    return;
+  }
+  const Fp8Op a = in.scale_format == ScaleFormat::kF32 ? f32_row_operand(in, n) : act_operand(in, n, st);
+  gemm_->dgrad(seg_, n, k, a, weight_operand(w, k, n), ms<bf16_t>(out, Mp_ * k), stream_);
+}
+
 // MoeGrads::accumulate: beta = 1 into the gradients, or beta = 0 (the old values never read)
 gemm::WgradOut CudaMoeLayer::dw_out(float* p, int64_t n) const {
   return grads_accumulate_ ? gemm::WgradOut::accumulate(p, n) : gemm::WgradOut::f32(p, n);
