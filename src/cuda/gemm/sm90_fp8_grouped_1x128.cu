@@ -14,9 +14,9 @@
 // shares an expert's weight rows in L2.
 //
 // CTA: 3 warpgroups. Warpgroup 0: one thread issues the TMA loads of a ring of stages (A tile
-// 128 tokens x 128, B tile kBN features x 128, 128-byte swizzle); one warp decodes the stage's
-// scales (A's per row, B's per 128-feature block) into shared memory, so the math warps never
-// wait on a global load. Warpgroups 1 and 2: token rows 0-63 and 64-127 of the tile; per 128-wide
+// 128 tokens x 128, B tile kBN features x 128, 128-byte swizzle); three warps decode the stages'
+// scales (A's per row, B's per 128-feature block; k-blocks in turn) into shared memory, so the math
+// warps never wait on a global load. Warpgroups 1 and 2: token rows 0-63 and 64-127 of the tile; per 128-wide
 // block and 128-feature half four m64n128k32 WGMMAs into a block accumulator, then
 // acc += block * (sa * sb). While one consumer promotes, the other's WGMMAs keep the tensor cores
 // busy. Epilogue: full 64-row halves staged as BF16 in swizzled shared memory and written by TMA
@@ -48,6 +48,7 @@ namespace {
 
 constexpr int kTile = 128;    // tokens per output tile; k per block; features per weight scale block
 constexpr int kThreads = 384;
+constexpr int kScaleWarps = 3;  // producer warps decoding the scales, k-blocks in turn
 constexpr int kSchedBytes = 2 * (kMaxGroupedExperts + 1) * 4;  // offsets and tile prefix
 
 // The configuration of one feature-tile width: 128 (any n_out) or 256 (n_out a multiple of 256:
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   const int warp = t / 32, lane = t % 32;
   if (wg == 0) {
-    warpgroup_reg_dealloc<40>();
+    warpgroup_reg_dealloc<56>();  // 128 x 56 + 256 x 224 <= 64K registers
     if (warp == 0 && lane == 0) {  // the TMA loads of the code tiles
       uint32_t it = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
@@ -167,10 +168,15 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_2d(a + (1 + h) * kTile * kTile, &map_b, &full[s], kb * kTile, row_b + h * kTile);
         }
       }
-    } else if (warp == 1) {
+    } else if (warp >= 1) {
       // The scales of each stage, decoded to FP32 into shared memory ahead of the consumers (their
-      // global-load latency off the math warps' path): lane l takes rows 4 l .. 4 l + 3 of the token
-      // tile (0 past the expert's rows), lanes 0 .. halves - 1 also B's block scales.
+      // global-load latency off the math warps' path). A warp waits a global round trip per k-block,
+      // so warps 1 .. kScaleWarps take the k-blocks in turn and that many are in flight (kScaleWarps
+      // <= kStages: a warp's wait on a stage is never two phases behind). Lane l takes rows
+      // 4 l .. 4 l + 3 of the token tile (0 past the expert's rows), lanes 0 .. halves - 1 also B's
+      // block scales.
+      static_assert(kScaleWarps <= 3 && kScaleWarps <= kStages, "scale warps: warps 1-3, at most one per stage");
+      const uint32_t sw = warp - 1;
       uint32_t it = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
         const int e = tile_expert(s_start, E, tile);
@@ -180,6 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int64_t b_row = (int64_t(e) * (p.n_out / kTile) + (r / mt_count) * C::kHalves + lane) * p.b_ld;
         const int64_t a_step = p.a_u8 ? p.a_ld : me;
         for (int kb = 0; kb < kb_count; ++kb, ++it) {
+          if (it % kScaleWarps != sw) continue;
           const int s = it % kStages;
           float v[4];
           if (p.a_u8) {
@@ -203,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return;
   }
-  warpgroup_reg_alloc<232>();
+  warpgroup_reg_alloc<224>();
   const int ci = wg - 1;                   // token rows 64 ci .. 64 ci + 63 of the tile
   const int r0 = 16 * warp + lane / 4;     // fragment rows r0 and r0 + 8 (of the half tile)
   const int c0 = 2 * (lane % 4);           // fragment columns 8 j + c0, + 1 (of a 128-feature half)
