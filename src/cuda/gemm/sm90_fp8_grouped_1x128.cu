@@ -14,12 +14,14 @@
 // shares an expert's weight rows in L2.
 //
 // CTA: 3 warpgroups. Warpgroup 0: one thread issues the TMA loads of a ring of stages (A tile
-// 128 tokens x 128, B tile kBN features x 128, 128-byte swizzle); one warp decodes the stage's
-// scales (A's per row, B's per 128-feature block) into shared memory, so the math warps never
-// wait on a global load. Warpgroups 1 and 2: token rows 0-63 and 64-127 of the tile; per 128-wide
+// 128 tokens x 128, B tile kBN features x 128, 128-byte swizzle); three warps decode the stages'
+// scales (A's per row, B's per 128-feature block; k-blocks in turn) into shared memory, so the math
+// warps never wait on a global load. Warpgroups 1 and 2: token rows 0-63 and 64-127 of the tile; per 128-wide
 // block and 128-feature half four m64n128k32 WGMMAs into a block accumulator, then
 // acc += block * (sa * sb). While one consumer promotes, the other's WGMMAs keep the tensor cores
-// busy. Epilogue: BF16 pairs stored from the fragments, rows below M_e only.
+// busy. Epilogue: full 64-row halves staged as BF16 in swizzled shared memory and written by TMA
+// stores that overlap the next tile's math; a partial half stores BF16 pairs from the fragments,
+// rows below M_e only.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -46,19 +48,27 @@ namespace {
 
 constexpr int kTile = 128;    // tokens per output tile; k per block; features per weight scale block
 constexpr int kThreads = 384;
+constexpr int kScaleWarps = 3;  // producer warps decoding the scales, k-blocks in turn
 constexpr int kSchedBytes = 2 * (kMaxGroupedExperts + 1) * 4;  // offsets and tile prefix
 
 // The configuration of one feature-tile width: 128 (any n_out) or 256 (n_out a multiple of 256:
-// the same A tile feeds twice the math, a third less operand traffic per FLOP).
+// the same A tile feeds twice the math, a third less operand traffic per FLOP). Shared memory
+// (227 KB per CTA) holds the ring of stages and the BF16 output tile the epilogue stages for its
+// TMA stores (64 KB at kBN = 256, 32 KB at 128); kStages is what the rest leaves (>= 3: two loads in
+// flight while one stage is read).
 template <int kBN>
 struct Cfg {
   static constexpr int kHalves = kBN / 128;                      // 128-feature halves (B scale blocks)
   static constexpr int kStageBytes = kTile * kTile + kBN * kTile;  // A tile + B tile, FP8
-  static constexpr int kStages = kBN == 256 ? 4 : 6;
+  static constexpr int kStages = kBN == 256 ? 3 : 5;
   static constexpr int kScaleFloats = kTile + 4;                 // per stage: 128 A scales, B's per half
-  static constexpr int kSmemBytes = kStages * kStageBytes + kStages * kScaleFloats * 4 + kSchedBytes +
-                                    2 * kStages * 8 + 16 + 1024;
+  static constexpr int kBoxes = kBN / 64;                        // TMA store boxes per warpgroup
+  static constexpr int kEpiBytes = 2 * 64 * kBN * 2;             // both warpgroups' 64 x kBN BF16 halves
+  static constexpr int kSmemBytes = kStages * kStageBytes + kEpiBytes + kStages * kScaleFloats * 4 +
+                                    kSchedBytes + 2 * kStages * 8 + 16 + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit: fewer stages");
 };
+constexpr int kBoxBytes = 64 * 128;  // a 64 x 64 BF16 store box: 64 rows of 128 bytes
 
 struct Params {
   const int32_t* offsets;
@@ -88,13 +98,14 @@ __device__ __forceinline__ int tile_expert(const int* start, int num_experts, in
 template <int kBN>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_rowwise_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                           const __grid_constant__ Params p) {
+                           const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params p) {
 #ifdef FLOWMOE_SM90A
   using C = Cfg<kBN>;
   constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kScaleFloats = C::kScaleFloats;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  float* scl = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // [stage][kScaleFloats]
+  uint8_t* epi = smem + kStages * kStageBytes;                          // [2][kBoxes][64][128 bytes]
+  float* scl = reinterpret_cast<float*>(epi + C::kEpiBytes);             // [stage][kScaleFloats]
   int* s_off = reinterpret_cast<int*>(scl + kStages * kScaleFloats);  // [E + 1]
   int* s_start = s_off + kMaxGroupedExperts + 1;          // [E + 1] first tile of each expert
   uint64_t* full = reinterpret_cast<uint64_t*>(s_start + kMaxGroupedExperts + 1);
@@ -139,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   const int warp = t / 32, lane = t % 32;
   if (wg == 0) {
-    warpgroup_reg_dealloc<40>();
+    warpgroup_reg_dealloc<56>();  // 128 x 56 + 256 x 224 <= 64K registers
     if (warp == 0 && lane == 0) {  // the TMA loads of the code tiles
       uint32_t it = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
@@ -157,10 +168,15 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_2d(a + (1 + h) * kTile * kTile, &map_b, &full[s], kb * kTile, row_b + h * kTile);
         }
       }
-    } else if (warp == 1) {
+    } else if (warp >= 1) {
       // The scales of each stage, decoded to FP32 into shared memory ahead of the consumers (their
-      // global-load latency off the math warps' path): lane l takes rows 4 l .. 4 l + 3 of the token
-      // tile (0 past the expert's rows), lanes 0 .. halves - 1 also B's block scales.
+      // global-load latency off the math warps' path). A warp waits a global round trip per k-block,
+      // so warps 1 .. kScaleWarps take the k-blocks in turn and that many are in flight (kScaleWarps
+      // <= kStages: a warp's wait on a stage is never two phases behind). Lane l takes rows
+      // 4 l .. 4 l + 3 of the token tile (0 past the expert's rows), lanes 0 .. halves - 1 also B's
+      // block scales.
+      static_assert(kScaleWarps <= 3 && kScaleWarps <= kStages, "scale warps: warps 1-3, at most one per stage");
+      const uint32_t sw = warp - 1;
       uint32_t it = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
         const int e = tile_expert(s_start, E, tile);
@@ -170,6 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int64_t b_row = (int64_t(e) * (p.n_out / kTile) + (r / mt_count) * C::kHalves + lane) * p.b_ld;
         const int64_t a_step = p.a_u8 ? p.a_ld : me;
         for (int kb = 0; kb < kb_count; ++kb, ++it) {
+          if (it % kScaleWarps != sw) continue;
           const int s = it % kStages;
           float v[4];
           if (p.a_u8) {
@@ -193,10 +210,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return;
   }
-  warpgroup_reg_alloc<232>();
+  warpgroup_reg_alloc<224>();
   const int ci = wg - 1;                   // token rows 64 ci .. 64 ci + 63 of the tile
   const int r0 = 16 * warp + lane / 4;     // fragment rows r0 and r0 + 8 (of the half tile)
   const int c0 = 2 * (lane % 4);           // fragment columns 8 j + c0, + 1 (of a 128-feature half)
+  uint8_t* ebuf = epi + ci * (C::kBoxes * kBoxBytes);  // this warpgroup's BF16 half tile
   float acc[C::kHalves][64], blk[64];
   uint32_t it = 0;
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
@@ -238,23 +256,52 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    // epilogue: BF16 pairs straight from the fragments, rows below M_e only (the tile's other rows
-    // belong to the next expert or lie past the segments)
-    bf16_t* dst = p.d + (int64_t(off) + local0) * p.n_out + nt * kBN + c0;
-    const bool v0 = local0 + r0 < me, v1 = local0 + r0 + 8 < me;
+    // Epilogue. A warpgroup half whose 64 rows all belong to the expert goes through shared memory:
+    // BF16 into kBoxes boxes of 64 x 64 (16-byte chunk c of row q at c ^ (q % 8): the TMA's 128-byte
+    // swizzle, conflict-free writes), then one thread issues the TMA stores and the warpgroup goes on
+    // to the next tile; the buffer is waited for (read) only when the next such epilogue refills it.
+    // A partial half (the expert's last token tile) stores BF16 pairs from the fragments, rows below
+    // M_e only (the others belong to the next expert or lie past the segments).
+    if (local0 + 64 <= me) {
+      if (t == 0) bulk_wait_read_all();
+      named_sync(1 + ci, 128);
 #pragma unroll
-    for (int h = 0; h < C::kHalves; ++h)
+      for (int h = 0; h < C::kHalves; ++h)
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        bf16_t* q = dst + h * kTile + 8 * j;
-        if (v0)
-          *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0) * p.n_out) =
-              __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
-        if (v1)
-          *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0 + 8) * p.n_out) =
-              __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+        for (int j = 0; j < 16; ++j) {
+          uint8_t* box = ebuf + (2 * h + j / 8) * kBoxBytes;
+#pragma unroll
+          for (int rh = 0; rh < 2; ++rh) {
+            const int q = r0 + 8 * rh;
+            *reinterpret_cast<__nv_bfloat162*>(box + q * 128 + (((j % 8) ^ (q % 8)) << 4) + 2 * c0) =
+                __floats2bfloat162_rn(acc[h][4 * j + 2 * rh], acc[h][4 * j + 2 * rh + 1]);
+          }
+        }
+      fence_async_smem();  // the writes above before the async proxy reads them
+      named_sync(1 + ci, 128);
+      if (t == 0) {
+#pragma unroll
+        for (int b = 0; b < C::kBoxes; ++b) tma_store_2d(&map_d, ebuf + b * kBoxBytes, nt * kBN + 64 * b, off + local0);
+        bulk_commit();
       }
+    } else {
+      bf16_t* dst = p.d + (int64_t(off) + local0) * p.n_out + nt * kBN + c0;
+      const bool v0 = local0 + r0 < me, v1 = local0 + r0 + 8 < me;
+#pragma unroll
+      for (int h = 0; h < C::kHalves; ++h)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          bf16_t* q = dst + h * kTile + 8 * j;
+          if (v0)
+            *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0) * p.n_out) =
+                __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
+          if (v1)
+            *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0 + 8) * p.n_out) =
+                __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+        }
+    }
   }
+  if (t == 0) bulk_wait_all();  // the stores have read the staging tile before the CTA exits
 #else
   __trap();  // built without sm_90a: never a silent wrong answer (the CMake build always has it)
 #endif
@@ -310,6 +357,8 @@ void fp8_grouped_rowwise(const RowwiseGroupedArgs& a, const char* what, cudaStre
   const CUtensorMap mb = make_tensor_map_2d(a.b_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1,
                                             uint64_t(a.num_experts) * a.n_out, uint64_t(a.k_red), kTile, kTile,
                                             CU_TENSOR_MAP_SWIZZLE_128B, what);
+  const CUtensorMap md = make_tensor_map_2d(a.d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(a.m),
+                                            uint64_t(a.n_out), 64, 64, CU_TENSOR_MAP_SWIZZLE_128B, what);
   Params p{};
   p.offsets = a.offsets;
   p.num_experts = a.num_experts;
@@ -327,9 +376,9 @@ void fp8_grouped_rowwise(const RowwiseGroupedArgs& a, const char* what, cudaStre
   const int64_t max_tiles = (a.m / kTile + a.num_experts) * (a.n_out / (wide ? 256 : 128));
   const int grid = int(std::min<int64_t>(max_tiles, sms));
   if (wide)
-    grouped_rowwise_kernel<256><<<grid, kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, p);
+    grouped_rowwise_kernel<256><<<grid, kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
   else
-    grouped_rowwise_kernel<128><<<grid, kThreads, Cfg<128>::kSmemBytes, stream>>>(ma, mb, p);
+    grouped_rowwise_kernel<128><<<grid, kThreads, Cfg<128>::kSmemBytes, stream>>>(ma, mb, md, p);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 
