@@ -23,8 +23,8 @@
 #   cutlass [--opts "…"]   CUTLASS's grouped blockwise FP8 GEMM (flowmoe_bench_cutlass, built only
 #                          with -DFLOWMOE_BENCH_CUTLASS=ON: docs/GEMM.md, "CUTLASS baseline"; taken
 #                          from BUILD, else from build-cutlass/): every shape with uniform, then
-#                          ragged rows per expert; --opts: its options instead (e.g. "--reps 50
-#                          --shape V3-GEMM1-fprop")
+#                          ragged rows per expert, each at its fastest scheduler setting (--sweep);
+#                          --opts: its options instead (e.g. "--reps 50 --shape V3-GEMM1-fprop")
 #   torch                  the PyTorch layer baseline: $OUT/torch.json (bench/torch_moe_layer.py)
 #   torch-kernels          the eager PyTorch kernel baselines (correctness check, then timings) and
 #                          the PyTorch cast baseline (bench/torch_convert_baseline.py)
@@ -244,9 +244,9 @@ run_cutlass() {
     step bench-cutlass 300 "$bin" "${opts[@]}"
     grep -aE "^cutlass |^#" "$OUT/bench-cutlass.log"
   else
-    step bench-cutlass 300 "$bin" --reps 20
+    step bench-cutlass 300 "$bin" --reps 20 --sweep
     grep -aE "^cutlass |^#" "$OUT/bench-cutlass.log"
-    step bench-cutlass-ragged 300 "$bin" --reps 20 --ragged
+    step bench-cutlass-ragged 300 "$bin" --reps 20 --sweep --ragged
     grep -aE "^cutlass " "$OUT/bench-cutlass-ragged.log"
   fi
 }
