@@ -1,32 +1,30 @@
 // The CUTLASS baseline of the grouped FP8 expert GEMMs (issue 18): CUTLASS 4.x's grouped
-// blockwise-scaled FP8 GEMM for sm_90a, the kernel of CUTLASS example 68
-// (KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise, alias ...FP8BlockScaledAccum), with
-// 1x128 scales per activation row, 128x128 blocks on the weights, FP32 accumulation and BF16
-// output: one launch over all experts, the problem sizes on the device only (no host copy of the
-// per-expert shapes, example 68's "without host problem shapes" mode). Built from the headers of
-// the PyPI package nvidia-cutlass (docs/GEMM.md, "CUTLASS baseline"); only with
-// -DFLOWMOE_BENCH_CUTLASS=ON.
+// blockwise-scaled FP8 GEMM for sm_90a (CUTLASS example 68's kernel,
+// KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise, alias ...FP8BlockScaledAccum): 1x128
+// scales per activation row, 128x128 weight blocks, FP32 accumulation, BF16 output, one launch over
+// all experts, problem sizes on the device only (example 68's "without host problem shapes" mode).
+// Built from the headers of the PyPI package nvidia-cutlass, only with -DFLOWMOE_BENCH_CUTLASS=ON
+// (docs/GEMM.md, "CUTLASS baseline").
 //
-//   flowmoe_bench_cutlass [--reps N] [--shape NAME] [--ragged] [--raster m|n|h] [--swizzle S] [--sweep]
+//   flowmoe_bench_cutlass [--reps N] [--shape NAME] [--ragged] [--kernel coop|pingpong|best]
+//                         [--raster m|n|h] [--swizzle 1|2|4|8] [--sweep]
 //
-// Per shape: random E4M3 codes (every finite code), random power-of-two FP32 scales; the
-// per-expert arguments (shapes, pointers, strides) are written by a small kernel from the device
-// offsets, as a layer would after routing; one checked launch, then 3 warm-up launches and `reps`
-// launches each between two CUDA events: us is the median per-launch time (bench/timing.h),
-// TFLOP/s = 2*M*N*K / us. The check: the output is first filled with NaN; afterwards every
-// element must be finite (every row written) and 2048 sampled elements must match a reference that decodes
-// E4M3 and applies the scales per 128-wide K block exactly (sum_b (sum_k a*b) * sa * sb, in
-// double): |y - ref| <= 1e-2 * max(|ref|, sum_k |a*b*sa*sb| / sqrt(K)) (the second term is the
-// typical size of a dot product of K random terms: it keeps cancellation from failing a correct
-// result, while a wrong scale or layout is off by about that much). A failed check prints
-// check=FAIL and the program exits 1.
-//
-// --ragged: a fixed-seed ragged split with the same total rows, every 7th expert (3, 10, ...)
-// empty and the other counts arbitrary (not multiples of anything): CUTLASS skips empty groups.
-// The tile scheduler's run-time knobs: --raster (tile order along M, along N, or CUTLASS's
-// heuristic; default m, the grouped scheduler's default) and --swizzle (1, 2, 4 or 8; default 1);
-// --sweep times all 8 combinations of raster m/n x swizzle 1/2/4/8 and reports the fastest, so
-// the baseline is CUTLASS at its best launch settings (sched= names the one used).
+// Per shape: random E4M3 codes (every finite code) and power-of-two FP32 scales; a small kernel
+// writes the per-expert arguments (shapes, pointers, strides) from the device offsets, as a layer
+// would after routing. Per kernel configuration (--kernel: example 68's cooperative one, a
+// ping-pong one, or both with the faster reported, the default): one checked launch, then 3
+// warm-ups and `reps` launches each between two CUDA events; us = the median per-launch time
+// (bench/timing.h), TFLOP/s = 2*M*N*K / us. --raster / --swizzle set the tile scheduler (default
+// along M, swizzle 1: CUTLASS's defaults); --sweep times raster m/n x swizzle 1/2/4/8 and keeps the
+// fastest (sched= names it), so the baseline is CUTLASS at its best launch settings.
+// The check: the output is NaN-filled first; afterwards every element must be finite (every row
+// written) and 2048 sampled elements must match a reference that decodes E4M3 and applies the
+// scales per 128-wide K block exactly (sum_b (sum_k a*b) * sa * sb, in double):
+// |y - ref| <= 1e-2 * max(|ref|, sum_k |a*b*sa*sb| / sqrt(K)) (the second term, the typical size of
+// a dot product of K random terms, keeps cancellation from failing a correct result; a wrong scale
+// or layout is off by about that much). A failed check prints check=FAIL; the exit status is 1.
+// --ragged: the same total rows, every 7th expert (3, 10, ...) empty, the others arbitrary counts
+// (not multiples of anything) from a fixed seed; CUTLASS skips empty groups.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -37,6 +35,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cute/tensor.hpp"
@@ -97,8 +96,6 @@ constexpr int kAlignB = 16;
 constexpr int kAlignD = 8;
 constexpr int kBlock = 128;  // scale block along K (and N for the weights)
 
-using TileShape = Shape<_128, _128, _128>;
-using ClusterShape = Shape<_1, _2, _1>;
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kBlock, kBlock, cute::GMMA::Major::MN,
                                                               cute::GMMA::Major::K>;
 using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
@@ -106,24 +103,41 @@ using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M_e, N, K) per group
 using ProblemMNK = ProblemShape::UnderlyingProblemShape;
 
-using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD,
-    LayoutD*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-    cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
-
-using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>,
-    kAlignA, ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignB, float, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<
-        static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-
-using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-using StrideA = typename GemmKernel::InternalStrideA;
-using StrideB = typename GemmKernel::InternalStrideB;
-using StrideD = typename GemmKernel::InternalStrideD;
+// One kernel configuration: schedule, tile and cluster are template parameters, so each is a
+// separate (slow) instantiation; two are built.
+template <class MainloopSchedule, class EpilogueSchedule, class TileShape, class ClusterShape>
+struct Config {
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD,
+      LayoutD*, kAlignD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>,
+      kAlignA, ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+};
+// example 68: cooperative (two consumer warp groups share a tile), 128x128x128, cluster 1x2x1
+using Coop = Config<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
+                    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, Shape<_128, _128, _128>,
+                    Shape<_1, _2, _1>>;
+// ping-pong (the two consumer warp groups alternate tiles, one's epilogue under the other's
+// MMAs), as example 68 "with sparse groups", but 64x128x128: at its 128x128 tile one warp group
+// holds two 128x128 FP32 accumulators (the running sum and the block's partial) and spills.
+using Pingpong = Config<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+                        cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, Shape<_64, _128, _128>,
+                        Shape<_1, _1, _1>>;
+using StrideA = typename Coop::GemmKernel::InternalStrideA;
+using StrideB = typename Coop::GemmKernel::InternalStrideB;
+using StrideD = typename Coop::GemmKernel::InternalStrideD;
+static_assert(std::is_same_v<StrideA, typename Pingpong::GemmKernel::InternalStrideA> &&
+                  std::is_same_v<StrideB, typename Pingpong::GemmKernel::InternalStrideB> &&
+                  std::is_same_v<StrideD, typename Pingpong::GemmKernel::InternalStrideD>,
+              "both configurations read the same per-expert arguments");
 
 // ---- the shapes (E experts x rows per expert; N output features, K contraction) -----------------
 struct GemmShape {
@@ -174,7 +188,7 @@ __global__ void fill_scales_kernel(float* out, int64_t n, uint64_t seed) {
 // ---- the per-expert arguments, from the device offsets ------------------------------------------
 // What a layer would launch after routing: the kernel reads only these device arrays.
 struct GroupArgs {
-  ProblemMNK* shapes;
+  ProblemMNK* shapes;  // (M_e, N, K)
   const ElementA** a;
   const ElementB** b;
   ElementD** d;
@@ -183,7 +197,7 @@ struct GroupArgs {
   StrideA* da;
   StrideB* db;
   StrideD* dd;
-  LayoutSFA* lsfa;  // passed as the API asks; the grouped kernel rebuilds them from the shapes
+  LayoutSFA* lsfa;  // passed as the API asks; the grouped kernel rebuilds both from the shapes
   LayoutSFB* lsfb;
 };
 
@@ -318,39 +332,76 @@ T* upload(const std::vector<T>& v) {
 
 dim3 fill_grid(int64_t n) { return dim3(static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 8192))); }
 
-// Returns false when the check failed.
-bool run_shape(const GemmShape& s, int reps, bool ragged, const std::vector<Sched>& scheds, cudaStream_t stream) {
-  const int E = s.experts, N = s.n, K = s.k;
-  const std::vector<int32_t> counts = expert_counts(s, ragged);
+// One shape's operands and per-expert arguments (device), and the check's sample positions.
+struct Operands {
+  int E = 0, N = 0, K = 0;
+  int64_t M = 0;
+  std::vector<int32_t> counts;  // rows per expert
+  int32_t* offsets = nullptr;   // [E + 1]
+  uint8_t* a = nullptr;         // [M, K] E4M3
+  uint8_t* b = nullptr;         // [E][N][K] E4M3
+  ElementD* d = nullptr;        // [M, N]
+  float* sfa = nullptr;         // per expert [K/128][M_e]
+  float* sfb = nullptr;         // per expert [N/128][K/128]
+  GroupArgs g{};
+  std::vector<int2> samples;  // (row, column) checked
+  int2* d_samples = nullptr;
+};
+
+Operands make_operands(const GemmShape& s, bool ragged, cudaStream_t stream) {
+  Operands op;
+  const int E = op.E = s.experts, N = op.N = s.n, K = op.K = s.k;
+  op.counts = expert_counts(s, ragged);
   std::vector<int32_t> offsets(E + 1, 0);
-  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + counts[e];
-  const int64_t M = offsets[E];
-
-  // Operands, scales, output.
-  int32_t* d_offsets = upload(offsets);
-  uint8_t* a = dalloc<uint8_t>(M * K);
-  uint8_t* b = dalloc<uint8_t>(int64_t(E) * N * K);
-  ElementD* d = dalloc<ElementD>(M * N);
+  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + op.counts[e];
+  const int64_t M = op.M = offsets[E];
+  op.offsets = upload(offsets);
+  op.a = dalloc<uint8_t>(M * K);
+  op.b = dalloc<uint8_t>(int64_t(E) * N * K);
+  op.d = dalloc<ElementD>(M * N);
   const int64_t sfa_n = M * (K / kBlock), sfb_n = int64_t(E) * (N / kBlock) * (K / kBlock);
-  float* sfa = dalloc<float>(sfa_n);
-  float* sfb = dalloc<float>(sfb_n);
-  fill_codes_kernel<<<fill_grid(M * K / 4), 256, 0, stream>>>(reinterpret_cast<uint32_t*>(a), M * K / 4, 1);
-  fill_codes_kernel<<<fill_grid(int64_t(E) * N * K / 4), 256, 0, stream>>>(reinterpret_cast<uint32_t*>(b),
+  op.sfa = dalloc<float>(sfa_n);
+  op.sfb = dalloc<float>(sfb_n);
+  fill_codes_kernel<<<fill_grid(M * K / 4), 256, 0, stream>>>(reinterpret_cast<uint32_t*>(op.a), M * K / 4, 1);
+  fill_codes_kernel<<<fill_grid(int64_t(E) * N * K / 4), 256, 0, stream>>>(reinterpret_cast<uint32_t*>(op.b),
                                                                              int64_t(E) * N * K / 4, 2);
-  fill_scales_kernel<<<fill_grid(sfa_n), 256, 0, stream>>>(sfa, sfa_n, 3);
-  fill_scales_kernel<<<fill_grid(sfb_n), 256, 0, stream>>>(sfb, sfb_n, 4);
+  fill_scales_kernel<<<fill_grid(sfa_n), 256, 0, stream>>>(op.sfa, sfa_n, 3);
+  fill_scales_kernel<<<fill_grid(sfb_n), 256, 0, stream>>>(op.sfb, sfb_n, 4);
   CK(cudaGetLastError());
-
   // Per-expert arguments, written on the device from the offsets.
-  GroupArgs g{dalloc<ProblemMNK>(E), dalloc<const ElementA*>(E), dalloc<const ElementB*>(E),
-              dalloc<ElementD*>(E),  dalloc<const float*>(E),   dalloc<const float*>(E),
-              dalloc<StrideA>(E),    dalloc<StrideB>(E),        dalloc<StrideD>(E),
-              dalloc<LayoutSFA>(E),  dalloc<LayoutSFB>(E)};
-  build_groups_kernel<<<1, 128, 0, stream>>>(d_offsets, E, N, K, a, b, d, sfa, sfb, g);
+  op.g = GroupArgs{dalloc<ProblemMNK>(E), dalloc<const ElementA*>(E), dalloc<const ElementB*>(E),
+                   dalloc<ElementD*>(E),  dalloc<const float*>(E),   dalloc<const float*>(E),
+                   dalloc<StrideA>(E),    dalloc<StrideB>(E),        dalloc<StrideD>(E),
+                   dalloc<LayoutSFA>(E),  dalloc<LayoutSFB>(E)};
+  build_groups_kernel<<<1, 128, 0, stream>>>(op.offsets, E, N, K, op.a, op.b, op.d, op.sfa, op.sfb, op.g);
   CK(cudaGetLastError());
+  op.samples.resize(2048);
+  std::mt19937 rng(2048);
+  for (int2& p : op.samples)
+    p = make_int2(static_cast<int>(rng() % uint64_t(M)), static_cast<int>(rng() % uint64_t(N)));
+  op.d_samples = upload(op.samples);
+  return op;
+}
 
-  // The GEMM: host problem shapes nullptr, so the kernel sizes every group from g.shapes.
-  const cutlass::KernelHardwareInfo hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<GemmKernel>(0);
+struct KernelResult {
+  bool ok = false;
+  double max_rel = 0;
+  unsigned long long nonfinite = 0;
+  flowmoe::bench::Timing t;
+  Sched sched{'m', 1};
+};
+
+// One configuration on one shape: a checked launch into a NaN-filled output, then per scheduler
+// setting 3 warm-ups and `reps` launches each between two events (the median); the fastest setting.
+template <class Cfg>
+KernelResult run_kernel(const Operands& op, int reps, const std::vector<Sched>& scheds, cudaStream_t stream) {
+  using Gemm = typename Cfg::Gemm;
+  const int64_t M = op.M;
+  const int E = op.E, N = op.N, K = op.K;
+  const GroupArgs& g = op.g;
+  // Host problem shapes nullptr: the kernel sizes every group from g.shapes (device memory).
+  const cutlass::KernelHardwareInfo hw =
+      cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename Cfg::GemmKernel>(0);
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                 {E, g.shapes, nullptr},
                                 {g.a, g.da, g.b, g.db, g.sfa, g.lsfa, g.sfb, g.lsfb},
@@ -359,10 +410,8 @@ bool run_shape(const GemmShape& s, int reps, bool ragged, const std::vector<Sche
   auto& fusion = args.epilogue.thread;  // D = 1 * accumulator, no C
   fusion.alpha = 1.0f;
   fusion.beta = 0.0f;
-  fusion.alpha_ptr = nullptr;
-  fusion.beta_ptr = nullptr;
-  fusion.alpha_ptr_array = nullptr;
-  fusion.beta_ptr_array = nullptr;
+  fusion.alpha_ptr = fusion.beta_ptr = nullptr;
+  fusion.alpha_ptr_array = fusion.beta_ptr_array = nullptr;
   fusion.dAlpha = {_0{}, _0{}, 0};
   fusion.dBeta = {_0{}, _0{}, 0};
   args.scheduler.raster_order = raster_option(scheds[0].raster);
@@ -373,79 +422,96 @@ bool run_shape(const GemmShape& s, int reps, bool ragged, const std::vector<Sche
   CUTLASS_CK(gemm.can_implement(args));
   CUTLASS_CK(gemm.initialize(args, workspace, stream));
 
-  // Checked launch into a NaN-filled output.
-  CK(cudaMemsetAsync(d, 0xFF, M * N * sizeof(ElementD), stream));
+  // The check.
+  CK(cudaMemsetAsync(op.d, 0xFF, M * N * sizeof(ElementD), stream));
   CUTLASS_CK(gemm.run(stream));
   CK(cudaGetLastError());
   unsigned long long* d_nonfinite = dalloc<unsigned long long>(1);
   CK(cudaMemsetAsync(d_nonfinite, 0, sizeof(unsigned long long), stream));
-  count_nonfinite_kernel<<<fill_grid(M * N), 256, 0, stream>>>(reinterpret_cast<const uint16_t*>(d), M * N, d_nonfinite);
-  constexpr int kSamples = 2048;
-  std::vector<int2> samples(kSamples);
-  std::mt19937 rng(2048);
-  for (int2& p : samples)
-    p = make_int2(static_cast<int>(rng() % uint64_t(M)), static_cast<int>(rng() % uint64_t(N)));
-  int2* d_samples = upload(samples);
-  double* d_ref = dalloc<double>(kSamples);
-  double* d_mag = dalloc<double>(kSamples);
-  uint16_t* d_got = dalloc<uint16_t>(kSamples);
-  reference_kernel<<<kSamples / 128, 128, 0, stream>>>(d_samples, kSamples, d_offsets, E, N, K, a, b, sfa, sfb,
-                                                       reinterpret_cast<const uint16_t*>(d), d_ref, d_mag, d_got);
+  count_nonfinite_kernel<<<fill_grid(M * N), 256, 0, stream>>>(reinterpret_cast<const uint16_t*>(op.d), M * N,
+                                                                d_nonfinite);
+  const int ns = static_cast<int>(op.samples.size());
+  double* d_ref = dalloc<double>(ns);
+  double* d_mag = dalloc<double>(ns);
+  uint16_t* d_got = dalloc<uint16_t>(ns);
+  reference_kernel<<<(ns + 127) / 128, 128, 0, stream>>>(op.d_samples, ns, op.offsets, E, N, K, op.a, op.b, op.sfa,
+                                                         op.sfb, reinterpret_cast<const uint16_t*>(op.d), d_ref,
+                                                         d_mag, d_got);
   CK(cudaGetLastError());
   CK(cudaStreamSynchronize(stream));
-  std::vector<double> ref(kSamples), mag(kSamples);
-  std::vector<uint16_t> got_bits(kSamples);
-  unsigned long long nonfinite = 0;
-  CK(cudaMemcpy(ref.data(), d_ref, kSamples * sizeof(double), cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(mag.data(), d_mag, kSamples * sizeof(double), cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(got_bits.data(), d_got, kSamples * sizeof(uint16_t), cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(&nonfinite, d_nonfinite, sizeof nonfinite, cudaMemcpyDeviceToHost));
-  double max_rel = 0;
-  for (int i = 0; i < kSamples; ++i) {
+  std::vector<double> ref(ns), mag(ns);
+  std::vector<uint16_t> got_bits(ns);
+  KernelResult r;
+  CK(cudaMemcpy(ref.data(), d_ref, ns * sizeof(double), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(mag.data(), d_mag, ns * sizeof(double), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(got_bits.data(), d_got, ns * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&r.nonfinite, d_nonfinite, sizeof r.nonfinite, cudaMemcpyDeviceToHost));
+  for (int i = 0; i < ns; ++i) {
     const double got = bf16_value(got_bits[i]);
     const double denom = std::max(std::fabs(ref[i]), mag[i] / std::sqrt(double(K)));
     const double rel = std::isfinite(got) ? std::fabs(got - ref[i]) / denom : INFINITY;
-    max_rel = std::max(max_rel, rel);
+    r.max_rel = std::max(r.max_rel, rel);
   }
-  const bool ok = nonfinite == 0 && max_rel <= 1e-2;
+  r.ok = r.nonfinite == 0 && r.max_rel <= 1e-2;
 
-  // Timing per scheduler setting: 3 warm-ups, then `reps` launches each between two events; the
-  // median. The fastest setting is reported.
-  flowmoe::bench::Timing t;
-  Sched best = scheds[0];
+  // The timing, per scheduler setting.
   for (size_t i = 0; i < scheds.size(); ++i) {
     args.scheduler.raster_order = raster_option(scheds[i].raster);
     args.scheduler.max_swizzle_size = scheds[i].swizzle;
     CUTLASS_CK(gemm.initialize(args, workspace, stream));
     const flowmoe::bench::Timing ti = flowmoe::bench::time_events(
         [&](int) { CUTLASS_CK(gemm.run(stream)); }, reps, 3, stream);
-    if (i == 0 || ti.us < t.us) {
-      t = ti;
-      best = scheds[i];
+    if (i == 0 || ti.us < r.t.us) {
+      r.t = ti;
+      r.sched = scheds[i];
     }
   }
-  const double tflops = 2.0 * double(M) * N * K / (double(t.us) * 1e-6) / 1e12;
+  return r;
+}
 
+// One line per shape: the fastest of the chosen configurations; the check covers all of them.
+// Returns false when a check failed.
+bool run_shape(const GemmShape& s, int reps, bool ragged, const std::string& kernel,
+               const std::vector<Sched>& scheds, cudaStream_t stream) {
+  const Operands op = make_operands(s, ragged, stream);
+  std::vector<std::pair<const char*, KernelResult>> results;
+  if (kernel != "pingpong") results.emplace_back("coop", run_kernel<Coop>(op, reps, scheds, stream));
+  if (kernel != "coop") results.emplace_back("pingpong", run_kernel<Pingpong>(op, reps, scheds, stream));
+  bool ok = true;
+  double max_rel = 0;
+  unsigned long long nonfinite = 0;
+  size_t best = 0;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const KernelResult& r = results[i].second;
+    ok = ok && r.ok;
+    max_rel = std::max(max_rel, r.max_rel);
+    nonfinite += r.nonfinite;
+    if (r.t.us < results[best].second.t.us) best = i;
+  }
+  const KernelResult& r = results[best].second;
+  const double tflops = 2.0 * double(op.M) * op.N * op.K / (double(r.t.us) * 1e-6) / 1e12;
   char check[96];
   if (ok) std::snprintf(check, sizeof check, "ok(max_rel=%.1e)", max_rel);
   else std::snprintf(check, sizeof check, "FAIL(max_rel=%.1e,nonfinite=%llu)", max_rel, nonfinite);
-  const int empty = static_cast<int>(std::count(counts.begin(), counts.end(), 0));
-  std::printf("cutlass  %-18s  E=%d M=%lld N=%d K=%d  us=%.1f  TFLOP/s=%.1f  check=%s  min_us=%.1f  sched=%c%d  rows=%s",
-              s.name, E, static_cast<long long>(M), N, K, t.us, tflops, check, t.min_us, best.raster, best.swizzle,
-              ragged ? "ragged" : "uniform");
+  std::printf("cutlass  %-18s  E=%d M=%lld N=%d K=%d  us=%.1f  TFLOP/s=%.1f  check=%s  min_us=%.1f  kernel=%s"
+              "  sched=%c%d  rows=%s",
+              s.name, op.E, static_cast<long long>(op.M), op.N, op.K, r.t.us, tflops, check, r.t.min_us,
+              results[best].first, r.sched.raster, r.sched.swizzle, ragged ? "ragged" : "uniform");
   if (ragged)
-    std::printf("(empty=%d,max=%d)", empty, *std::max_element(counts.begin(), counts.end()));
+    std::printf("(empty=%d,max=%d)", static_cast<int>(std::count(op.counts.begin(), op.counts.end(), 0)),
+                *std::max_element(op.counts.begin(), op.counts.end()));
+  if (results.size() > 1)  // the other configuration's time, for the record
+    std::printf("  other=%s:%.1fus", results[1 - best].first, results[1 - best].second.t.us);
   std::printf("\n");
   std::fflush(stdout);
-
   for (void* p : g_buffers) CK(cudaFree(p));
   g_buffers.clear();
   return ok;
 }
 
 void usage(const char* prog) {
-  std::printf("usage: %s [--reps N] [--shape NAME] [--ragged] [--raster m|n|h] [--swizzle 1|2|4|8] [--sweep]\nshapes:",
-              prog);
+  std::printf("usage: %s [--reps N] [--shape NAME] [--ragged] [--kernel coop|pingpong|best] [--raster m|n|h] "
+              "[--swizzle 1|2|4|8] [--sweep]\nshapes:", prog);
   for (const GemmShape& s : kShapes) std::printf(" %s", s.name);
   std::printf("\n");
 }
@@ -455,7 +521,7 @@ void usage(const char* prog) {
 int main(int argc, char** argv) {
   using namespace cutlass_bench;
   int reps = 20;
-  std::string only;
+  std::string only, kernel = "best";
   bool ragged = false, sweep = false;
   Sched sched{'m', 1};
   for (int i = 1; i < argc; ++i) {
@@ -465,6 +531,8 @@ int main(int argc, char** argv) {
       only = argv[++i];
     } else if (!std::strcmp(argv[i], "--ragged")) {
       ragged = true;
+    } else if (!std::strcmp(argv[i], "--kernel") && i + 1 < argc) {
+      kernel = argv[++i];
     } else if (!std::strcmp(argv[i], "--raster") && i + 1 < argc) {
       sched.raster = argv[++i][0];
     } else if (!std::strcmp(argv[i], "--swizzle") && i + 1 < argc) {
@@ -478,6 +546,10 @@ int main(int argc, char** argv) {
   }
   if (reps < 1) {
     std::fprintf(stderr, "--reps %d: expected at least 1\n", reps);
+    return 2;
+  }
+  if (kernel != "coop" && kernel != "pingpong" && kernel != "best") {
+    std::fprintf(stderr, "--kernel %s: expected coop, pingpong or best (both, the faster reported)\n", kernel.c_str());
     return 2;
   }
   if (std::strchr("mnh", sched.raster) == nullptr || sched.raster == 0) {
@@ -510,15 +582,16 @@ int main(int argc, char** argv) {
                  prop.name, prop.major, prop.minor);
     return 1;
   }
-  std::printf("# %s, %d SMs; CUTLASS %d.%d.%d grouped blockwise FP8 (tile 128x128x128, cluster 1x2x1, "
-              "cooperative), problem shapes on the device only; us = median of %d launches%s\n",
-              prop.name, prop.multiProcessorCount, CUTLASS_MAJOR, CUTLASS_MINOR, CUTLASS_PATCH, reps,
+  std::printf("# %s, %d SMs; CUTLASS %d.%d.%d grouped blockwise FP8, kernel %s (coop: cooperative, tile "
+              "128x128x128, cluster 1x2x1; pingpong: tile 64x128x128, cluster 1x1x1), problem shapes on the "
+              "device only; us = median of %d launches%s\n",
+              prop.name, prop.multiProcessorCount, CUTLASS_MAJOR, CUTLASS_MINOR, CUTLASS_PATCH, kernel.c_str(), reps,
               sweep ? ", the fastest of 8 scheduler settings" : "");
   cudaStream_t stream;  // blocking: ordered after the synchronous uploads on the default stream
   CK(cudaStreamCreate(&stream));
   bool all_ok = true;
   for (const GemmShape& s : kShapes)
-    if (!chosen || chosen == &s) all_ok = run_shape(s, reps, ragged, scheds, stream) && all_ok;
+    if (!chosen || chosen == &s) all_ok = run_shape(s, reps, ragged, kernel, scheds, stream) && all_ok;
   CK(cudaStreamDestroy(stream));
   return all_ok ? 0 : 1;
 }
