@@ -20,6 +20,11 @@
 #                          bench-swiglu; --opts: its options instead of the defaults (e.g.
 #                          bench-gemm --opts "--reps 5 --model V3")
 #   wgrad-kernel           flowmoe's sm_90a FP8 wgrad kernel against cuBLASLt per expert
+#   cutlass [--opts "…"]   CUTLASS's grouped blockwise FP8 GEMM (flowmoe_bench_cutlass, built only
+#                          with -DFLOWMOE_BENCH_CUTLASS=ON: docs/GEMM.md, "CUTLASS baseline"; taken
+#                          from BUILD, else from build-cutlass/): every shape with uniform, then
+#                          ragged rows per expert, each at its fastest scheduler setting (--sweep);
+#                          --opts: its options instead (e.g. "--reps 50 --shape V3-GEMM1-fprop")
 #   torch                  the PyTorch layer baseline: $OUT/torch.json (bench/torch_moe_layer.py)
 #   torch-kernels          the eager PyTorch kernel baselines (correctness check, then timings) and
 #                          the PyTorch cast baseline (bench/torch_convert_baseline.py)
@@ -224,6 +229,28 @@ run_ncu() {
   grep -avE "^==PROF==|^\|" "$OUT/$name.log" | grep -vE "^ *-+ *$" | head -60
 }
 
+run_cutlass() {
+  local opts=() bin=$BUILD/flowmoe_bench_cutlass
+  [ "${1:-}" = --opts ] && read -ra opts <<< "${2:-}"
+  [ -x "$bin" ] || bin=build-cutlass/flowmoe_bench_cutlass
+  if [ ! -x "$bin" ]; then
+    echo "missing flowmoe_bench_cutlass (in $BUILD and build-cutlass): configure with -DFLOWMOE_BENCH_CUTLASS=ON" \
+         "-DFLOWMOE_CUTLASS_DIR=\"\$(bash scripts/cutlass_dir.sh)\" (pip install nvidia-cutlass), build that" \
+         "target and carry its build folder (docs/GEMM.md, CUTLASS baseline)"
+    FAILED=$((FAILED + 1))
+    return 1
+  fi
+  if [ ${#opts[@]} -gt 0 ]; then
+    step bench-cutlass 300 "$bin" "${opts[@]}"
+    grep -aE "^cutlass |^#" "$OUT/bench-cutlass.log"
+  else
+    step bench-cutlass 300 "$bin" --reps 20 --sweep
+    grep -aE "^cutlass |^#" "$OUT/bench-cutlass.log"
+    step bench-cutlass-ragged 300 "$bin" --reps 20 --sweep --ragged
+    grep -aE "^cutlass " "$OUT/bench-cutlass-ragged.log"
+  fi
+}
+
 run_nccl() {
   need flowmoe_nccl_tests || return
   nccl_libs flowmoe_nccl_tests
@@ -299,6 +326,7 @@ while [ $# -gt 0 ]; do
     wgrad-kernel)
       need flowmoe_bench_gemm && step wgrad-kernel 240 "$BUILD/flowmoe_bench_gemm" --wgrad-kernel-only --reps 10 &&
         grep -aE "^\||error|kernel did not" "$OUT/wgrad-kernel.log" ;;
+    cutlass) run_cutlass "${opts[@]}" ;;
     torch) run_torch ;;
     torch-kernels)
       step torch-kernels-check 120 python3 bench/torch_kernel_baselines.py --check
