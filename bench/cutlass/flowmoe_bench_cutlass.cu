@@ -20,9 +20,10 @@
 // The check: the output is NaN-filled first; afterwards every element must be finite (every row
 // written) and 2048 sampled elements must match a reference that decodes E4M3 and applies the
 // scales per 128-wide K block exactly (sum_b (sum_k a*b) * sa * sb, in double):
-// |y - ref| <= 1e-2 * max(|ref|, sum_k |a*b*sa*sb| / sqrt(K)) (the second term, the typical size of
-// a dot product of K random terms, keeps cancellation from failing a correct result; a wrong scale
-// or layout is off by about that much). A failed check prints check=FAIL; the exit status is 1.
+// |y - ref| <= 2^-8 |ref| + 2^-8 S, S = sum_k |a*b*sa*sb| (the bound flowmoe's own GEMM tests use,
+// tests/cuda/gemm_test_problem.h: one BF16 rounding plus the FP8 tensor cores' reduced-precision
+// in-block accumulation; a wrong scale or layout is off by the order of S). max_rel below is
+// |y - ref| / bound, <= 1 when the check passes. A failed check prints check=FAIL; exit status 1.
 // --ragged: the same total rows, every 7th expert (3, 10, ...) empty, the others arbitrary counts
 // (not multiples of anything) from a fixed seed; CUTLASS skips empty groups.
 #include <cuda_runtime.h>
@@ -448,11 +449,11 @@ KernelResult run_kernel(const Operands& op, int reps, const std::vector<Sched>& 
   CK(cudaMemcpy(&r.nonfinite, d_nonfinite, sizeof r.nonfinite, cudaMemcpyDeviceToHost));
   for (int i = 0; i < ns; ++i) {
     const double got = bf16_value(got_bits[i]);
-    const double denom = std::max(std::fabs(ref[i]), mag[i] / std::sqrt(double(K)));
+    const double denom = (std::fabs(ref[i]) + mag[i]) / 256.0 + 1e-30;
     const double rel = std::isfinite(got) ? std::fabs(got - ref[i]) / denom : INFINITY;
     r.max_rel = std::max(r.max_rel, rel);
   }
-  r.ok = r.nonfinite == 0 && r.max_rel <= 1e-2;
+  r.ok = r.nonfinite == 0 && r.max_rel <= 1.0;
 
   // The timing, per scheduler setting.
   for (size_t i = 0; i < scheds.size(); ++i) {

@@ -296,6 +296,14 @@ struct CudaLayerOptions {
   enum class FpropDgrad : uint8_t { kAuto, kGrouped, kCublasLt };
   static constexpr int64_t kGroupedAutoRows = 1024;
   FpropDgrad fprop_dgrad = FpropDgrad::kAuto;
+  // No host synchronisation in forward and backward, so that a CUDA graph can capture a whole step
+  // (flowmoe/cuda/moe_graph.h). The per-expert counts stay on the device: every launch covers the
+  // workspaces' row capacity max_rows() and reads the rows in use there (the GEMMs are the grouped
+  // kernels on device offsets, the row-wise kernels take the device row count), and the cast
+  // report's row counts are resolved when it is read (cast_report(), status(): one synchronisation
+  // there). Same bits as the default. One GPU (no communicator), the recipes blockwise, flow and
+  // flow-fp4, align 128 (the wgrad kernel's token blocks); make_cuda_layer rejects anything else.
+  bool sync_free = false;
   // The grouped GEMMs' options (gemm.h): cuBLASLt per expert (BF16, wgrad, grouped_gemm off) and
   // the wgrad kernel's choice.
   gemm::GroupedGemmOptions gemm;

@@ -96,18 +96,21 @@ namespace cuda {
 
 // ---- forward --------------------------------------------------------------------------------------
 // Plain BF16 SwiGLU (the baseline): h [M, 2F] -> a [M, F].
+// rows_bound (every row-wise launcher below): a device int; rows at or past min(M, *rows_bound)
+// are neither read nor written nor counted (M still the scale grids' stride): the row count of a
+// step the host has not fetched, e.g. the padded offsets[E] of routing. Null: all M rows.
 void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* status,
-            cudaStream_t stream, const float* prow = nullptr);
+            cudaStream_t stream, const float* prow = nullptr, const int32_t* rows_bound = nullptr);
 // Fused SwiGLU + row-wise quantize: a_codes [M, F], a_scales [F/128][M]. Optionally (h_codes and
 // h_scales not null) H row-wise in the same pass: h_codes [M, 2F], h_scales [2F/128][M].
 void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                   uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream,
-                  const float* prow = nullptr);
+                  const float* prow = nullptr, const int32_t* rows_bound = nullptr);
 // The same with H saved as MXFP4 instead (the `flow-fp4` recipe): h4_codes [M, 2F/2] (two E2M1 per
 // byte, even index in the low nibble), h4_scales [M][2F/32] == cpu::quantize_mxfp4(H).
 void swiglu_quant_h4(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                      uint8_t* h4_codes, uint8_t* h4_scales, DeviceStatus* status,
-                     cudaStream_t stream, const float* prow = nullptr);
+                     cudaStream_t stream, const float* prow = nullptr, const int32_t* rows_bound = nullptr);
 // The same plus the column-wise copy of A over the segments (M = sb.m), fused: a_col_codes
 // [F, M], a_col_scales [sb.max_blocks][F]; bit-identical to scaling_aware_transpose of the
 // row-wise output (underflow counted). h_codes/h_scales optional as above.
@@ -120,7 +123,7 @@ void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8
 // Plain BF16 dSwiGLU (first step of the unfused baseline): da [M, F], h [M, 2F] -> dh [M, 2F].
 void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
              DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr,
-             float* dprow_part = nullptr);
+             float* dprow_part = nullptr, const int32_t* rows_bound = nullptr);
 // Fused dSwiGLU + row-wise and column-wise quantize, one pass (M = sb.m):
 // row_codes [M, 2F], row_scales [2F/128][M], col_codes [2F, M], col_scales [sb.max_blocks][2F].
 void dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,

@@ -51,6 +51,12 @@ inline int device_sm_count() {
   return n;
 }
 
+// The rows a row-wise kernel processes: m, or fewer when `bound` (a count on the device, e.g. an
+// offsets[E] the host has not fetched) says so. m stays the row stride of [C/128][m] scale grids.
+__device__ __forceinline__ int64_t bounded_rows(int64_t m, const int32_t* bound) {
+  return bound ? min(m, static_cast<int64_t>(__ldg(bound))) : m;
+}
+
 __device__ __forceinline__ float warp_max(float v, int width) {
   for (int o = width / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;

@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include "flowmoe/cuda/moe_debug.h"
+#include "flowmoe/cuda/moe_graph.h"
 #include "layer_options.h"  // bench/: the layer's options from the environment
 #include "timing.h"         // bench/: the benchmarks' timing harness
 #endif
@@ -36,7 +37,7 @@ const char kBenchUsageHead[] =
     "usage: flowmoe bench [--config NAME[,NAME...]|all] [--tokens T] [--recipes R[,R...]]\n"
     "                     [--reps N] [--warmup N] [--align A] [--no-breakdown]\n"
     "                     [--grads accumulate|overwrite] [--json FILE] [--baseline FILE]\n"
-    "                     [--exponent row-max|column-amax]\n"
+    "                     [--exponent row-max|column-amax] [--graph]\n"
     "\n"
     "Runs the MoE layer forward + backward on the GPU for every recipe in one run and prints,\n"
     "per recipe: time of forward, backward and both (medians of CUDA-event timings), tokens/s,\n"
@@ -66,6 +67,9 @@ const char kBenchUsageTail[] =
     "  --exponent R   flow and flow-fp4: the exponent of the column-wise blocks made by the\n"
     "                 scaling-aware transpose and FP4RowToFP8Col (MoeConfig::transpose_exponent):\n"
     "                 row-max or column-amax (default: MoeConfig's, row-max; docs/NUMERICS.md)\n"
+    "  --graph        blockwise, flow, flow-fp4 with align 128: the same step also on a layer built\n"
+    "                 with CudaLayerOptions::sync_free (no host synchronisation), eager and replayed\n"
+    "                 from a CUDA graph (LayerStepGraph), in a table of their own\n"
     "  --json FILE    also write the results as JSON\n"
     "  --baseline F   JSON written by `python3 bench/torch_moe_layer.py --json F`: adds the\n"
     "                 PyTorch layer's tokens/s and the ratio of each recipe to it\n"
@@ -189,12 +193,33 @@ struct RecipeResult {
   int64_t nonfinite = 0, underflow = 0;
   std::vector<cuda::moe::StageTime> stages;  // medians
   std::string report;
+  double sync_free_ms = 0, graph_ms = 0;  // --graph: sync_free layer, eager and replayed (0: not run)
+  int64_t sync_free_host_syncs = -1;      // --graph: the sync_free layer's host syncs over its steps
 };
+
+// --graph: the step on a sync_free layer (same weights, inputs, gradients), eager and then captured
+// once into a LayerStepGraph and replayed; CUDA-event medians of whole steps.
+void time_sync_free(const MoeConfig& cfg, int reps, int warmup, cudaStream_t stream, const MoeWeights& w,
+                    const MoeGrads& g, const bf16_t* x, const bf16_t* dy, bf16_t* y, bf16_t* dx, RecipeResult* r) {
+  CudaLayerOptions o = bench::layer_options_from_env();
+  o.sync_free = true;
+  std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, stream, o);
+  layer->set_weights(w);
+  const int64_t T = cfg.max_tokens;
+  const auto step = [&](int) {
+    layer->forward(x, T, y);
+    layer->backward(dy, dx, g);
+  };
+  r->sync_free_ms = bench::time_events(step, reps, warmup, stream).us * 1e-3;
+  cuda::moe::LayerStepGraph graph(layer.get(), stream, {x, T, y, dy, dx, g});
+  r->graph_ms = bench::time_events([&](int) { graph.replay(); }, reps, warmup, stream).us * 1e-3;
+  r->sync_free_host_syncs = cuda::moe::counters(layer.get()).host_syncs;
+}
 
 RecipeResult run_recipe(const BenchConfig& bc, Recipe recipe, int64_t T, int align, int reps,
                         int warmup, bool breakdown, cudaStream_t stream, const MoeWeights& w,
                         const MoeGrads& g, const bf16_t* x, const bf16_t* dy, bf16_t* y, bf16_t* dx,
-                        TransposeExponent exponent) {
+                        TransposeExponent exponent, bool graph) {
   MoeConfig cfg;
   cfg.hidden = bc.hidden;
   cfg.ffn = bc.ffn;
@@ -272,6 +297,12 @@ RecipeResult run_recipe(const BenchConfig& bc, Recipe recipe, int64_t T, int ali
   }
   layer.reset();
   BENCH_CUDA(cudaDeviceSynchronize());
+  const bool sync_free_ok = align == 128 && (recipe == Recipe::kBlockwise || recipe == Recipe::kFlow ||
+                                             recipe == Recipe::kFlowFp4);
+  if (graph && sync_free_ok) {
+    time_sync_free(cfg, reps, warmup, stream, w, g, x, dy, y, dx, &r);
+    BENCH_CUDA(cudaDeviceSynchronize());
+  }
   return r;
 }
 
@@ -313,6 +344,7 @@ int run_bench(const Args& args) {
   }
   if (recipes.empty()) throw UsageError("--recipes: no recipe given");
   const bool breakdown = !args.flag("no-breakdown");
+  const bool graph = args.flag("graph");
   const std::string grads = args.get("grads", "accumulate");
   if (grads != "accumulate" && grads != "overwrite")
     throw UsageError("--grads: '" + grads + "' is not one of accumulate|overwrite");
@@ -389,7 +421,7 @@ int run_bench(const Args& args) {
     for (Recipe rc : recipes) {
       std::fprintf(stderr, "  running %s / %s ...\n", bc->name, recipe_name(rc));
       results.push_back(run_recipe(*bc, rc, T, align, reps, warmup, breakdown, stream, w, g, x.p, dy.p, y.p, dx.p,
-                                   exponent));
+                                   exponent, graph));
     }
     // the recipes the comparisons and the targets below refer to (null: not run)
     auto result_of = [&](Recipe recipe) -> const RecipeResult* {
@@ -435,6 +467,16 @@ int run_bench(const Args& args) {
       std::printf("PyTorch BF16 layer (bench/torch_moe_layer.py): %.2f ms, %.0f tokens/s, peak above its inputs "
                   "%.2f GiB, saved %.0f B/token\n",
                   base->total_ms, base->tokens_per_s, base->peak_delta_gib, base->saved_bytes_per_token);
+    if (graph) {
+      std::printf("\nwithout host synchronisation (CudaLayerOptions::sync_free), fwd+bwd ms:\n\n"
+                  "| recipe | default layer | sync_free, eager | sync_free, graph replay | replay vs default | "
+                  "host syncs (sync_free) |\n| --- | --- | --- | --- | --- | --- |\n");
+      for (const RecipeResult& r : results)
+        if (r.graph_ms > 0)
+          std::printf("| %s | %.2f | %.2f | %.2f | %.2fx | %lld |\n", recipe_name(r.recipe), r.total_ms,
+                      r.sync_free_ms, r.graph_ms, r.total_ms / r.graph_ms,
+                      static_cast<long long>(r.sync_free_host_syncs));
+    }
     for (const RecipeResult& r : results)
       if (r.nonfinite)
         std::printf("WARNING: %s met %lld non-finite values\n", recipe_name(r.recipe),
@@ -544,7 +586,7 @@ Command bench_command() {
   return {"bench", "MoE layer forward+backward on the GPU, every recipe (tokens/s, TFLOP/s, memory)",
           usage_with_recipe_names(kBenchUsageHead, kBenchUsageTail),
           {{"config", true}, {"tokens", true}, {"recipes", true}, {"reps", true}, {"warmup", true},
-           {"align", true}, {"no-breakdown", false}, {"grads", true}, {"json", true}, {"baseline", true},
+           {"align", true}, {"no-breakdown", false}, {"graph", false}, {"grads", true}, {"json", true}, {"baseline", true},
            {"exponent", true}},
           run_bench};
 }

@@ -28,11 +28,14 @@ namespace cuda {
 struct SegmentBlocks {
   const int32_t* offsets = nullptr;  // [E+1] token offsets (device)
   int num_segments = 0;              // E
-  int64_t m = 0;                     // tokens (offsets[E] must equal m)
+  int64_t m = 0;                     // tokens (offsets[E] must equal m, or not exceed it: capacity)
   int64_t max_blocks = 0;            // ceil(M/128) + E
   int32_t* block_start = nullptr;    // [max_blocks] first token of each block (-1: no block)
   int32_t* block_end = nullptr;      // [max_blocks] one past its last token
   int32_t* block_offsets = nullptr;  // [E+1] first block of each segment; [E] = number of blocks
+  // m is a capacity (the buffers' rows) and offsets[E] <= m the rows in use, a count the host has
+  // not fetched: rows past offsets[E] belong to no block (the column-wise kernels skip them).
+  bool capacity = false;
 };
 int64_t segment_max_blocks(int64_t m, int num_segments);
 // Fills block_start/block_end/block_offsets of `sb` (buffers provided by the caller) from
@@ -92,8 +95,11 @@ void naive_col_copy(const uint8_t* row_codes, const uint8_t* row_scales, int64_t
 void quantize_mxfp4(const bf16_t* x, int64_t m, int64_t k, uint8_t* codes, uint8_t* scales,
                     DeviceStatus* status, cudaStream_t stream);
 // FP4RowToFP8Row: MXFP4 [M, K] -> row-wise FP8 codes [M, K], scales [K/128][M]. K % 128 == 0.
+// rows_bound: a device int; rows at or past min(M, *rows_bound) are untouched (M stays the scale
+// grid's stride): a row count the host has not fetched. Null: all M rows.
 void fp4_to_fp8_row(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t m, int64_t k,
-                    uint8_t* codes, uint8_t* scales, DeviceStatus* status, cudaStream_t stream);
+                    uint8_t* codes, uint8_t* scales, DeviceStatus* status, cudaStream_t stream,
+                    const int32_t* rows_bound = nullptr);
 // FP4RowToFP8Col: MXFP4 [M, K] -> column-wise FP8 [K, M] in one pass. K % 128 == 0. `mode` as in
 // cpu::fp4_to_fp8_col (the exponent of each column block).
 void fp4_to_fp8_col(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t k,

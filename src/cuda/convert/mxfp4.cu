@@ -112,14 +112,15 @@ quantize_mxfp4_kernel(const bf16_t* __restrict__ x, int64_t nchunks, uint32_t* _
 __global__ void __launch_bounds__(kThreads)
 fp4_to_fp8_row_kernel(const uint8_t* __restrict__ fp4_codes, const uint8_t* __restrict__ fp4_scales,
                       int64_t m, int64_t k, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales,
-                      DeviceStatus* status, const __grid_constant__ ShiftTable table) {
+                      DeviceStatus* status, const __grid_constant__ ShiftTable table,
+                      const int32_t* __restrict__ m_bound) {
   __shared__ ShiftTable s_t;
   load_table(table, s_t);
   __syncthreads();
   const int64_t gid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t r = gid >> 3, b = blockIdx.y;  // token, K tile (no integer division)
   const int part = gid & 7;
-  const bool valid = r < m;
+  const bool valid = r < detail::bounded_rows(m, m_bound);  // m stays the scale grid's stride
   int lost = 0;
   if (valid) {
     const uint32_t es = *reinterpret_cast<const uint32_t*>(fp4_scales + r * (k / 32) + b * 4);
@@ -416,7 +417,8 @@ void quantize_mxfp4(const bf16_t* x, int64_t m, int64_t k, uint8_t* codes, uint8
 }
 
 void fp4_to_fp8_row(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t m, int64_t k,
-                    uint8_t* codes, uint8_t* scales, DeviceStatus* status, cudaStream_t stream) {
+                    uint8_t* codes, uint8_t* scales, DeviceStatus* status, cudaStream_t stream,
+                    const int32_t* rows_bound) {
   const char* what = "cuda::fp4_to_fp8_row";
   check_k(k, kTile, what);
   FLOWMOE_CHECK(m >= 0, what << ": M = " << m << " must be >= 0");
@@ -429,7 +431,7 @@ void fp4_to_fp8_row(const uint8_t* fp4_codes, const uint8_t* fp4_scales, int64_t
   FLOWMOE_CHECK(k / kTile < 65536, what << ": K = " << k << " too large (at most 65535 tiles of 128)");
   const dim3 grid(grid_for(m * 8), static_cast<unsigned>(k / kTile));
   fp4_to_fp8_row_kernel<<<grid, kThreads, 0, stream>>>(
-      fp4_codes, fp4_scales, m, k, codes, scales, status, shift_table());
+      fp4_codes, fp4_scales, m, k, codes, scales, status, shift_table(), rows_bound);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 

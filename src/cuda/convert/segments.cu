@@ -14,13 +14,14 @@ __global__ void __launch_bounds__(kScanThreads)
 build_segment_blocks_kernel(const int32_t* __restrict__ offsets, int num_segments, int64_t m,
                             int64_t max_blocks, int32_t* __restrict__ block_start,
                             int32_t* __restrict__ block_end, int32_t* __restrict__ block_offsets,
-                            unsigned long long* bad_segments) {
+                            unsigned long long* bad_segments, bool capacity) {
   __shared__ int s_ok;
   __shared__ int s_scan[kScanThreads];
   __shared__ int s_carry;
   const int tid = threadIdx.x;
   if (tid == 0) {
-    s_ok = offsets[0] == 0 && static_cast<int64_t>(offsets[num_segments]) == m;
+    const int64_t end = offsets[num_segments];
+    s_ok = offsets[0] == 0 && (capacity ? end <= m : end == m);
     s_carry = 0;
   }
   __syncthreads();
@@ -90,7 +91,7 @@ void build_segment_blocks(const SegmentBlocks& sb, DeviceStatus* status, cudaStr
                     << segment_max_blocks(sb.m, sb.num_segments) << " = ceil(M/128) + E");
   build_segment_blocks_kernel<<<1, kScanThreads, 0, stream>>>(
       sb.offsets, sb.num_segments, sb.m, sb.max_blocks, sb.block_start, sb.block_end,
-      sb.block_offsets, &status->bad_segments);
+      sb.block_offsets, &status->bad_segments, sb.capacity);
   FLOWMOE_LAUNCH_CHECK("build_segment_blocks_kernel");
 }
 

@@ -51,14 +51,15 @@ void CudaMoeLayer::backward_blockwise(const bf16_t* dy, const MoeGrads& g) {
   { auto s = bwd("quantize dY (row + col)");
     quantize_col(b.dy_rows, H_, sb, b.dy_col.codes, b.dy_col.ue8m0(), b.dy_row.codes, b.dy_row.ue8m0(), st_bwd(),
                  stream_); }
-  log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYBoth, 1, 2, Mp_ * H_);
+  log_rows(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYBoth, 1, 2, H_);
   fp8_gemm2_grads(g, -1);  // (it ends before the dh quantize overwrites dY's copies)
   { auto s = bwd("dSwiGLU*prob (bf16)");
-    cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials); }
+    cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials,
+                  rows_bound()); }
   { auto s = bwd("quantize dh (row + col)");
     quantize_col(b.dh, 2 * F_, sb, b.dh_col.codes, b.dh_col.ue8m0(), b.dh_row.codes, b.dh_row.ue8m0(), st_bwd(),
                  stream_); }
-  log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhBoth, 1, 2, Mp_ * 2 * F_);
+  log_rows(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhBoth, 1, 2, 2 * F_);
   fp8_gemm1_grads(g, b.x_perm_col, -1);
 }
 
@@ -72,9 +73,7 @@ void CudaMoeLayer::fp8_gemm2_grads(const MoeGrads& g, int side) {
   if (side >= 0) streams_.join(side);
   if (!g.dw2) return;
   auto s = bwd("GEMM2 wgrad (fp8)");
-  const Fp8Op dyc = col_operand(b.dy_col, H_, b.grad_col_scales, stream_);
-  const Fp8Op acc = col_operand(b.a_col, F_, b.input_col_scales, stream_);
-  gemm_->wgrad(seg_, H_, F_, dyc, acc, dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_);
+  fp8_wgrad(b.dy_col, H_, b.a_col, F_, g.dw2);
 }
 // GEMM1: dgrad from dh row-wise into the dX rows, then mark_dx_rows_ready; wgrad from dh's column
 // copy and x_perm's (`x_perm_col`) into dW1.
@@ -86,9 +85,7 @@ void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& x_perm_
   if (side >= 0) streams_.join(side);
   if (!g.dw1) return;
   auto s = bwd("GEMM1 wgrad (fp8)");
-  const Fp8Op dhc = col_operand(b.dh_col, 2 * F_, b.grad_col_scales, stream_);
-  const Fp8Op xc = col_operand(x_perm_col, H_, b.input_col_scales, stream_);
-  gemm_->wgrad(seg_, 2 * F_, H_, dhc, xc, dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_);
+  fp8_wgrad(b.dh_col, 2 * F_, x_perm_col, H_, g.dw1);
 }
 
 // ---- fp8-naive -----------------------------------------------------------------------------------
@@ -98,10 +95,10 @@ void CudaMoeLayer::naive_col(const QTensorView& row, int64_t c, const QTensorVie
   ExpertBuffers& b = ws_.expert;
   const SegmentBlocks sb = blocks();
   dequantize_row_fp32_scale(row.codes, row.f32(), Mp_, c, segment_offsets(), El_, b.naive_dequantized, stream_);
-  log(MoePass::kBackward, CastKind::kDequantize, dq_t_q_dequantize_name(what), 1, 1, Mp_ * c);
+  log_rows(MoePass::kBackward, CastKind::kDequantize, dq_t_q_dequantize_name(what), 1, 1, c);
   transpose_bf16(b.naive_dequantized, Mp_, c, b.naive_transposed, stream_);
   quantize_transposed_fp32_scale(b.naive_transposed, c, sb, col.codes, col.f32(), st_bwd(), stream_);
-  log(MoePass::kBackward, CastKind::kQuantize, dq_t_q_quantize_name(what), 1, 1, Mp_ * c);
+  log_rows(MoePass::kBackward, CastKind::kQuantize, dq_t_q_quantize_name(what), 1, 1, c);
 }
 
 void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
@@ -111,7 +108,7 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   { auto s = bwd("quantize dY (row, fp32 scales)");
     quantize_row_fp32_scale(b.dy_rows, Mp_, H_, segment_offsets(), El_, b.dy_row_f32.codes, b.dy_row_f32.f32(), st_bwd(),
                        stream_); }
-  log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYFp32Scale, 1, 1, Mp_ * H_);
+  log_rows(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYFp32Scale, 1, 1, H_);
   { auto s = bwd("DQ->T->Q dY"); naive_col(b.dy_row_f32, H_, b.dy_col_f32, WgradOperand::kGemm2Grad); }
   { auto s = bwd("GEMM2 dgrad (fp8)");
     fp8_dgrad(b.dy_row_f32, H_, F_, w.w2t, b.da, st_bwd_aux()); }
@@ -124,7 +121,7 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   { auto s = bwd("quantize dh (row, fp32 scales)");
     quantize_row_fp32_scale(b.dh, Mp_, 2 * F_, segment_offsets(), El_, b.dh_row_f32.codes, b.dh_row_f32.f32(), st_bwd(),
                        stream_); }
-  log(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhFp32Scale, 1, 1, Mp_ * 2 * F_);
+  log_rows(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhFp32Scale, 1, 1, 2 * F_);
   { auto s = bwd("DQ->T->Q dh"); naive_col(b.dh_row_f32, 2 * F_, b.dh_col_f32, WgradOperand::kGemm1Grad); }
   { auto s = bwd("GEMM1 dgrad (fp8)");
     fp8_dgrad(b.dh_row_f32, 2 * F_, H_, w.w1t, b.dx_rows, st_bwd_aux()); }
@@ -167,7 +164,7 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
     }
     streams_.mark(LayerStreams::kSideB);
   }
-  log(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm2Grad).op, 1, 1, Mp_ * H_);
+  log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm2Grad).op, 1, 1, H_);
   fp8_gemm2_grads(g, LayerStreams::kSideA);  // the wgrad after dY's column copy
   // the dSwiGLU below overwrites dY's row and column copies
   streams_.join(LayerStreams::kSideA);  // (also when there is no wgrad of W2: the transpose read dY row)
@@ -181,8 +178,8 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
     dswiglu_quant_fp4h(b.da, hs.codes, hs.ue8m0(), F_, sb, b.dh_row.codes, b.dh_row.ue8m0(), b.dh_col.codes,
                        b.dh_col.ue8m0(), st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials);
   }
-  log(MoePass::kBackward, CastKind::kFused, report_names::kDswigluQuantRowCol, 1, 2, Mp_ * 2 * F_);
-  log(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, Mp_ * H_);
+  log_rows(MoePass::kBackward, CastKind::kFused, report_names::kDswigluQuantRowCol, 1, 2, 2 * F_);
+  log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, H_);
   fp8_gemm1_grads(g, b.x_perm_col_flow, LayerStreams::kSideB);  // the wgrad after x_perm's column copy
   streams_.join(LayerStreams::kSideB);  // the side stream idle before the next forward reuses x_perm
 }

@@ -46,14 +46,14 @@ void CudaMoeLayer::forward_blockwise(bf16_t* y) {
   { auto s = fwd("quantize x_perm (row + col)");
     quantize_col(xp, H_, sb, b.x_perm_col.codes, b.x_perm_col.ue8m0(), x_row.codes, x_row.ue8m0(), st_fwd(),
                  stream_); }
-  log(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeXpermBoth, 1, 2, Mp_ * H_);
+  log_rows(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeXpermBoth, 1, 2, H_);
   { auto s = fwd("GEMM1 fprop (fp8)");
     fp8_fprop(x_row, 2 * F_, H_, w.w1, b.h, st_fwd_aux()); }
   { auto s = fwd("SwiGLU*prob (bf16)");
-    cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob); }
+    cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob, rows_bound()); }
   { auto s = fwd("quantize a' (row + col)");
     quantize_col(b.a, F_, sb, b.a_col.codes, b.a_col.ue8m0(), b.a_row.codes, b.a_row.ue8m0(), st_fwd(), stream_); }
-  log(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeABoth, 1, 2, Mp_ * F_);
+  log_rows(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeABoth, 1, 2, F_);
   gemm2_then_combine("GEMM2 fprop (fp8)", [&] { fp8_fprop(b.a_row, H_, F_, w.w2, b.y_rows, st_fwd_aux()); }, y);
 }
 
@@ -91,14 +91,14 @@ void CudaMoeLayer::forward_naive(bf16_t* y) {
   naive_entry(MoePass::kForward, ws_.routing.x, xp);
   { auto s = fwd("quantize x_perm (row, fp32 scales)");
     quantize_row_fp32_scale(xp, Mp_, H_, segment_offsets(), El_, b.x_perm_f32.codes, b.x_perm_f32.f32(), st_fwd(), stream_); }
-  log(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeXpermFp32Scale, 1, 1, Mp_ * H_);
+  log_rows(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeXpermFp32Scale, 1, 1, H_);
   { auto s = fwd("GEMM1 fprop (fp8)");
     fp8_fprop(b.x_perm_f32, 2 * F_, H_, w.w1, b.h, st_fwd_aux()); }
   { auto s = fwd("SwiGLU*prob (bf16)");
     cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob); }
   { auto s = fwd("quantize a' (row, fp32 scales)");
     quantize_row_fp32_scale(b.a, Mp_, F_, segment_offsets(), El_, b.a_f32.codes, b.a_f32.f32(), st_fwd(), stream_); }
-  log(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeAFp32Scale, 1, 1, Mp_ * F_);
+  log_rows(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeAFp32Scale, 1, 1, F_);
   gemm2_then_combine("GEMM2 fprop (fp8)", [&] { fp8_fprop(b.a_f32, H_, F_, w.w2, b.y_rows, st_fwd_aux()); }, y);
 }
 
@@ -123,8 +123,8 @@ void CudaMoeLayer::forward_flow(bf16_t* y) {
     { auto s = fwd(comm_ ? "dispatch x (mxfp4)" : "permute+pad x (mxfp4)"); move_mxfp4(b.entry_mxfp4, b.x_perm_mxfp4); }
     { auto s = fwd("FP4RowToFP8Row x_perm");
       fp4_to_fp8_row(b.x_perm_mxfp4.codes, b.x_perm_mxfp4.ue8m0(), Mp_, H_, b.x_perm_fp8.codes, b.x_perm_fp8.ue8m0(),
-                     st_fwd(), stream_); }
-    log(MoePass::kForward, CastKind::kConvert, report_names::kFp4RowToFp8RowXperm, 1, 1, Mp_ * H_);
+                     st_fwd(), stream_, rows_bound()); }
+    log_rows(MoePass::kForward, CastKind::kConvert, report_names::kFp4RowToFp8RowXperm, 1, 1, H_);
     x_in = b.x_perm_fp8;
   }
   { auto s = fwd("GEMM1 fprop (fp8)");
@@ -134,13 +134,13 @@ void CudaMoeLayer::forward_flow(bf16_t* y) {
   if (!fp4) {
     auto s = fwd("SwiGLU*prob + quantize (a' row, h row)");
     cuda::swiglu_quant(b.h, Mp_, F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), st_fwd(), stream_,
-                       ws_.routing.row_prob);
-    log(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHRow, 1, 2, Mp_ * 2 * F_);
+                       ws_.routing.row_prob, rows_bound());
+    log_rows(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHRow, 1, 2, 2 * F_);
   } else {
     auto s = fwd("SwiGLU*prob + quantize (a' row, h mxfp4)");
     cuda::swiglu_quant_h4(b.h, Mp_, F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), st_fwd(), stream_,
-                          ws_.routing.row_prob);
-    log(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHMxfp4, 1, 2, Mp_ * 2 * F_);
+                          ws_.routing.row_prob, rows_bound());
+    log_rows(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHMxfp4, 1, 2, 2 * F_);
   }
   {  // the wgrad copy of a' is needed in the backward only: next to GEMM2 (both read a' row-wise)
     cudaStream_t ts = streams_.fork();
@@ -151,8 +151,8 @@ void CudaMoeLayer::forward_flow(bf16_t* y) {
     }
     streams_.mark(LayerStreams::kSideA);
   }
-  log(MoePass::kForward, CastKind::kConvert, recipe_spec(cfg_.recipe).column(WgradOperand::kGemm2Input).op, 1, 1,
-      Mp_ * F_);
+  log_rows(MoePass::kForward, CastKind::kConvert, recipe_spec(cfg_.recipe).column(WgradOperand::kGemm2Input).op, 1, 1,
+           F_);
   gemm2_then_combine("GEMM2 fprop (fp8)", [&] { fp8_fprop(ar, H_, F_, w.w2, b.y_rows, st_fwd_aux()); }, y);
   streams_.join(LayerStreams::kSideA);  // a' col ready before anything later on stream_ (the backward) runs
 }

@@ -18,7 +18,7 @@ namespace cuda {
 namespace moe {
 CudaMoeLayer::CudaMoeLayer(const MoeConfig& cfg, cudaStream_t stream, const CudaLayerOptions& options)
     : MoeLayer(cfg), stream_(stream), E_(cfg.num_experts), H_(cfg.hidden), F_(cfg.ffn), K_(cfg.topk),
-      El_(cfg.num_local_experts()), comm_(cfg.comm), max_tokens_(cfg.max_tokens), max_rows_(cfg.max_rows()),
+      El_(cfg.num_local_experts()), comm_(cfg.comm), max_tokens_(cfg.max_tokens), max_rows_(workspace_rows(cfg)),
       arena_(cfg_) {
   int ndev = 0;
   const cudaError_t err = cudaGetDeviceCount(&ndev);
@@ -41,7 +41,8 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   const Recipe rc = cfg_.recipe;
   dedup_ = comm_ != nullptr && rc != Recipe::kFp8Naive && options.ep_dedup;
   using FD = CudaLayerOptions::FpropDgrad;
-  grouped_gemm_ = options.fprop_dgrad == FD::kGrouped ||
+  sync_free_ = options.sync_free;
+  grouped_gemm_ = sync_free_ || options.fprop_dgrad == FD::kGrouped ||
                   (options.fprop_dgrad == FD::kAuto && max_rows_ <= CudaLayerOptions::kGroupedAutoRows * El_);
   if (comm_)  // agreed across ranks by make_cuda_layer
     direct_bytes_ = options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes;
@@ -142,6 +143,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   have_forward_ = false;
   rep_.drop_ops(MoePass::kForward);
   rep_.drop_ops(MoePass::kBackward);
+  pending_ops_.clear();
   rep_.saved.clear();
   rep_.columns.clear();
   rep_.wire.clear();
@@ -158,11 +160,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
     case Recipe::kFlow:
     case Recipe::kFlowFp4: streams_.with_side_drained([&] { forward_flow(y); }); break;
   }
-  save_expert_activations();
-  namespace rn = report_names;
-  save_tokens(rn::kSavedRouterInput, rn::kSavedRouterInputFormat, T_ * H_ * 2);
-  save_tokens(rn::kSavedRouterLogits, rn::kSavedRouterLogitsFormat, T_ * E_ * 4);
-  save_tokens(rn::kSavedRouting, rn::kSavedRoutingFormat, T_ * K_ * 12);
+  if (!sync_free_) save_activations(row_counts());  // (sync_free: when the report is read)
   have_forward_ = true;
 }
 
@@ -175,6 +173,9 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
     FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null device pointers to [T, H] bf16");
   });
   rep_.drop_ops(MoePass::kBackward);
+  pending_ops_.erase(std::remove_if(pending_ops_.begin(), pending_ops_.end(),
+                                    [](const PendingOp& p) { return p.pass == MoePass::kBackward; }),
+                     pending_ops_.end());
   rep_.wire.erase(std::remove_if(rep_.wire.begin(), rep_.wire.end(),
                                  [](const WireTransfer& w) { return w.pass == MoePass::kBackward; }),
                   rep_.wire.end());
@@ -255,6 +256,16 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                                                       << options.ep_direct_bytes
                                                       << "; expected -1 (the default) or a byte count >= 0");
   };
+  if (options.sync_free) {
+    const Recipe r = cfg.recipe;
+    FLOWMOE_CHECK(cfg.comm == nullptr, what << ": CudaLayerOptions::sync_free needs one GPU (no communicator): the "
+                                               "expert-parallel exchange sizes its messages on the host");
+    FLOWMOE_CHECK(r == Recipe::kBlockwise || r == Recipe::kFlow || r == Recipe::kFlowFp4,
+                  what << ": CudaLayerOptions::sync_free takes the recipes blockwise, flow and flow-fp4 (their GEMMs "
+                          "run on device offsets); recipe " << recipe_name(r) << " needs the host counts");
+    FLOWMOE_CHECK(cfg.align == 128, what << ": CudaLayerOptions::sync_free needs align = 128 (the wgrad kernel's "
+                                            "128-token blocks); align is " << cfg.align);
+  }
   if (cfg.comm == nullptr) {
     cfg.validate();
     check_options();

@@ -68,6 +68,10 @@ class CudaMoeLayer final : public MoeLayer {
   std::vector<StageTime> stage_times() const;
   size_t allocated_bytes() const { return arena_.allocated() + gemm_workspace_; }
   LayerCounters counters() const;
+  // moe_graph.h
+  bool sync_free() const { return sync_free_; }
+  bool has_weights() const { return have_weights_; }
+  cudaStream_t stream() const { return stream_; }
 
  private:
   using Fp8Op = gemm::Fp8Operand;
@@ -128,19 +132,34 @@ class CudaMoeLayer final : public MoeLayer {
   void fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st);
   void fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st);
   QTensorView gemm_rows(const QTensorView& rows, int64_t c) const;  // `rows` as the [Mp, c] the GEMM reads
+  // FP8 wgrad dW [El, n, k] from the column-wise copies of the gradient [n over Mp] and the input
+  // [k over Mp] (UE8M0 scales, converted to FP32 on the way): cuBLASLt per expert or the kernel on
+  // host segments, or the kernel on device segments (sync_free).
+  void fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTensorView& in_col, int64_t k, float* dw);
+  // The device row count the row-wise kernels stop at (sync_free: padded offsets[El]), or null.
+  const int32_t* rows_bound() const { return sync_free_ ? segment_offsets() + El_ : nullptr; }
 
   // ---- report (report.cu) ----------------------------------------------------------------------
   void log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t elements);
-  void save_rows(const std::string& name, const std::string& format, int64_t bytes, double per_row);
-  void save_tokens(const std::string& name, const std::string& format, int64_t bytes);
-  void save_expert_activations();  // the recipe's three saved tensors (recipe.h SavedSpec)
-  int64_t saved_bytes(TensorFormat f, int64_t cols) const;
+  // An operator over the padded rows: Mp x cols elements (sync_free: resolved when the report is read).
+  void log_rows(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t cols);
+  // The row counts the report needs: padded rows, rows held, 128-row blocks.
+  struct RowCounts {
+    int64_t padded = 0, held = 0, blocks = 0;
+  };
+  RowCounts row_counts() const { return {Mp_, held_, blocks_}; }
+  // sync_free: the step's operators and saved tensors completed with the counts fetched now.
+  void resolve_report() const;
+  void save_rows(const std::string& name, const std::string& format, int64_t bytes, double per_row,
+                 int64_t held) const;
+  void save_tokens(const std::string& name, const std::string& format, int64_t bytes) const;
+  // The recipe's three saved tensors (recipe.h SavedSpec) and the router's, for these row counts.
+  void save_activations(const RowCounts& rc) const;
+  int64_t saved_bytes(TensorFormat f, int64_t cols, const RowCounts& rc) const;
   void read_status() const;
   static double fp8_row(int64_t c) { return double(c) + double(c) / 128; }
   static double fp8_row_f32s(int64_t c) { return double(c) + 4.0 * double(c) / 128; }
   static double mxfp4_row(int64_t c) { return double(c) / 2 + double(c) / 32; }
-  int64_t row_bytes(int64_t c) const { return Mp_ * c + (c / 128) * Mp_; }  // FP8 row-wise
-  int64_t col_bytes(int64_t c) const { return Mp_ * c + blocks_ * c; }      // FP8 column-wise
   StageClock::Scope fwd(const char* name, cudaStream_t s = nullptr) {
     return StageClock::Scope(&clock_, MoePass::kForward, name, s ? s : stream_);
   }
@@ -163,6 +182,7 @@ class CudaMoeLayer final : public MoeLayer {
   const int64_t max_tokens_, max_rows_;
   bool dedup_ = false;        // deduplicated EP dispatch (CudaLayerOptions::ep_dedup; not fp8-naive)
   bool grouped_gemm_ = true;  // FP8 fprop/dgrad by the grouped kernel (CudaLayerOptions::fprop_dgrad)
+  bool sync_free_ = false;    // CudaLayerOptions::sync_free: Mp_ is the capacity max_rows_
   int64_t direct_bytes_ = -1; // dispatch_rows / combine_rows message grouping (comm.h)
 
   // ---- resources -------------------------------------------------------------------------------
@@ -188,6 +208,13 @@ class CudaMoeLayer final : public MoeLayer {
   int64_t host_syncs_ = 0;
 
   // ---- report ----------------------------------------------------------------------------------
+  struct PendingOp {  // sync_free: an operator of the step, elements + Mp * row_cols
+    MoePass pass;
+    CastKind kind;
+    std::string name;
+    int64_t calls, outputs, elements, row_cols;
+  };
+  std::vector<PendingOp> pending_ops_;
   mutable CastReport rep_;
   mutable MoeStatus mstatus_;
   mutable bool stats_valid_ = false;

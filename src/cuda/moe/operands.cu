@@ -66,6 +66,30 @@ void CudaMoeLayer::fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const 
   gemm_->dgrad(seg_, n, k, a, weight_operand(w, k, n), ms<bf16_t>(out, Mp_ * k), stream_);
 }
 
+void CudaMoeLayer::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTensorView& in_col, int64_t k,
+                             float* dw) {
+  ExpertBuffers& b = ws_.expert;
+  const gemm::WgradOut out = dw_out(dw, int64_t(El_) * n * k);
+  if (!sync_free_) {
+    const Fp8Op g = col_operand(grad_col, n, b.grad_col_scales, stream_);
+    const Fp8Op x = col_operand(in_col, k, b.input_col_scales, stream_);
+    gemm_->wgrad(seg_, n, k, g, x, out, stream_);
+    return;
+  }
+  // the blocks of the capacity (blocks_ = segment_max_blocks(Mp_, El_)): those past the segments'
+  // are converted too and never read
+  col_scales_to_f32(grad_col.ue8m0(), blocks_, n, b.grad_col_scales, stream_);
+  col_scales_to_f32(in_col.ue8m0(), blocks_, k, b.input_col_scales, stream_);
+  const auto f32_col = [&](const QTensorView& col, int64_t c, float* scales) {
+    QTensorView v = col_128x1(col.codes, nullptr, Mp_, c, blocks_);
+    v.scales = scales;
+    v.scale_format = ScaleFormat::kF32;
+    return v;
+  };
+  gemm_->wgrad(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k,
+               f32_col(grad_col, n, b.grad_col_scales), f32_col(in_col, k, b.input_col_scales), out, stream_);
+}
+
 // MoeGrads::accumulate: beta = 1 into the gradients, or beta = 0 (the old values never read)
 gemm::WgradOut CudaMoeLayer::dw_out(float* p, int64_t n) const {
   return grads_accumulate_ ? gemm::WgradOut::accumulate(p, n) : gemm::WgradOut::f32(p, n);

@@ -11,40 +11,56 @@ namespace moe {
 
 void CudaMoeLayer::log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
                        int64_t elements) {
-  rep_.add_op(pass, kind, name, calls, outputs, elements);
+  if (sync_free_ && pass != MoePass::kWeightUpdate)  // (weight updates: no row counts, kept)
+    pending_ops_.push_back({pass, kind, name, calls, outputs, elements, 0});
+  else
+    rep_.add_op(pass, kind, name, calls, outputs, elements);
+}
+void CudaMoeLayer::log_rows(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
+                            int64_t cols) {
+  if (sync_free_)
+    pending_ops_.push_back({pass, kind, name, calls, outputs, 0, cols});
+  else
+    rep_.add_op(pass, kind, name, calls, outputs, Mp_ * cols);
 }
 
-void CudaMoeLayer::save_rows(const std::string& name, const std::string& format, int64_t bytes, double per_row) {
+void CudaMoeLayer::save_rows(const std::string& name, const std::string& format, int64_t bytes, double per_row,
+                             int64_t held) const {
   SavedTensor s;
   s.name = name;
   s.format = format;
   s.bytes = bytes;
   // the rows held here: this rank's routed rows (one GPU) or the rows its El experts received
-  s.bytes_per_token_unpadded = per_row * double(held_) / double(T_);
+  s.bytes_per_token_unpadded = per_row * double(held) / double(T_);
   rep_.saved.push_back(s);
 }
 
 // Bytes of a saved [Mp, cols] tensor in format f (column-wise: the scales of the real 128-row blocks).
-int64_t CudaMoeLayer::saved_bytes(TensorFormat f, int64_t cols) const {
+int64_t CudaMoeLayer::saved_bytes(TensorFormat f, int64_t cols, const RowCounts& rc) const {
+  const int64_t mp = rc.padded;
   switch (f) {
-    case TensorFormat::kBf16: return Mp_ * cols * 2;
-    case TensorFormat::kFp8Row: return row_bytes(cols);
-    case TensorFormat::kFp8Col: return col_bytes(cols);
-    case TensorFormat::kFp8RowFp32Scale: return Mp_ * cols + 4 * (cols / 128) * Mp_;
-    case TensorFormat::kMxfp4Row: return Mp_ * cols / 2 + Mp_ * cols / 32;
+    case TensorFormat::kBf16: return mp * cols * 2;
+    case TensorFormat::kFp8Row: return mp * cols + (cols / 128) * mp;
+    case TensorFormat::kFp8Col: return mp * cols + rc.blocks * cols;
+    case TensorFormat::kFp8RowFp32Scale: return mp * cols + 4 * (cols / 128) * mp;
+    case TensorFormat::kMxfp4Row: return mp * cols / 2 + mp * cols / 32;
   }
   return 0;
 }
 
-void CudaMoeLayer::save_expert_activations() {
+void CudaMoeLayer::save_activations(const RowCounts& rc) const {
   const RecipeSpec& spec = recipe_spec(cfg_.recipe);
   for (const SavedSpec* s : {&spec.gemm1_input, &spec.gemm1_output, &spec.gemm2_input}) {
     const int64_t cols = s->width == LayerWidth::kH ? H_ : s->width == LayerWidth::k2F ? 2 * F_ : F_;
-    save_rows(s->name, s->format_string(), saved_bytes(s->format, cols), s->row_bytes(H_, F_));
+    save_rows(s->name, s->format_string(), saved_bytes(s->format, cols, rc), s->row_bytes(H_, F_), rc.held);
   }
+  namespace rn = report_names;
+  save_tokens(rn::kSavedRouterInput, rn::kSavedRouterInputFormat, T_ * H_ * 2);
+  save_tokens(rn::kSavedRouterLogits, rn::kSavedRouterLogitsFormat, T_ * E_ * 4);
+  save_tokens(rn::kSavedRouting, rn::kSavedRoutingFormat, T_ * K_ * 12);
 }
 
-void CudaMoeLayer::save_tokens(const std::string& name, const std::string& format, int64_t bytes) {
+void CudaMoeLayer::save_tokens(const std::string& name, const std::string& format, int64_t bytes) const {
   SavedTensor s;
   s.name = name;
   s.format = format;
@@ -53,8 +69,33 @@ void CudaMoeLayer::save_tokens(const std::string& name, const std::string& forma
   rep_.saved.push_back(s);
 }
 
+// sync_free: the counts route() copied to the host (pinned, stream-ordered: read after the stream
+// synchronisation of read_status) give the padded rows, the routed rows and the blocks; the step's
+// operators and saved tensors are then entered as the synchronous layer enters them.
+void CudaMoeLayer::resolve_report() const {
+  const int32_t* counts = ws_.routing.host_counts;
+  std::vector<int32_t> padded(E_);
+  int64_t routed = 0;
+  for (int e = 0; e < E_; ++e) {
+    routed += counts[e];
+    padded[e] = (counts[e] + cfg_.align - 1) / cfg_.align * cfg_.align;
+  }
+  const Segments seg = Segments::from_counts(padded);
+  const RowCounts rc{seg.num_tokens(), routed, seg.num_blocks()};
+  rep_.routed_rows = routed;
+  rep_.padded_rows = rc.padded;
+  rep_.drop_ops(MoePass::kForward);
+  rep_.drop_ops(MoePass::kBackward);
+  for (const PendingOp& p : pending_ops_)
+    if (p.pass != MoePass::kBackward || backward_done_)
+      rep_.add_op(p.pass, p.kind, p.name, p.calls, p.outputs, p.elements + rc.padded * p.row_cols);
+  rep_.saved.clear();
+  save_activations(rc);
+}
+
 void CudaMoeLayer::read_status() const {
-  if (stats_valid_ || !have_forward_) return;
+  // sync_free: always read (a graph replay of the step changes the device values, not this object)
+  if ((stats_valid_ && !sync_free_) || !have_forward_) return;
   const RoutingBuffers& r = ws_.routing;
   FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.host_status, r.pass_status, 4 * sizeof(DeviceStatus), cudaMemcpyDeviceToHost,
                                      stream_));
@@ -71,6 +112,7 @@ void CudaMoeLayer::read_status() const {
   mstatus_.nonfinite = rep_.forward_stats.nonfinite + rep_.backward_stats.nonfinite;
   mstatus_.underflow = rep_.forward_stats.underflow + rep_.backward_stats.underflow;
   mstatus_.aux_loss = cfg_.aux_loss_alpha > 0.0f ? *r.host_aux_loss : 0.0f;
+  if (sync_free_) resolve_report();
   stats_valid_ = true;
 }
 

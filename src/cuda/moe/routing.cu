@@ -23,6 +23,7 @@ SegmentBlocks CudaMoeLayer::blocks() const {
   sb.num_segments = El_;
   sb.m = Mp_;
   sb.max_blocks = segment_max_blocks(Mp_, El_);
+  sb.capacity = sync_free_;  // Mp_ is the row capacity, offsets[El] the rows in use
   sb.block_start = ws_.routing.block_start;
   sb.block_end = ws_.routing.block_end;
   sb.block_offsets = ws_.routing.block_offsets;
@@ -43,7 +44,18 @@ void CudaMoeLayer::route(const bf16_t* x) {
       router_aux_loss(r.logits, r.ids, T_, rc, cfg_.aux_loss_alpha, r.aux_loss, r.aux_coef, r.aux_workspace,
                       stream_);
   }
-  {
+  if (sync_free_) {  // the counts stay on the device; a copy for the report, read when it is read
+    auto s = fwd("routing tables");
+    r.tokens.tokens = T_;
+    build_routing(r.ids, r.tokens, st_fwd_aux(), stream_);
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.host_counts, r.tokens.counts, sizeof(int32_t) * E_, cudaMemcpyDeviceToHost,
+                                       stream_));
+    Mp_ = max_rows_;
+    blocks_ = segment_max_blocks(Mp_, El_);
+    routed_ = held_ = 0;  // unknown here (resolve_report)
+    seg_ = Segments();
+    rep_.tokens = T_;
+  } else {
     auto s = fwd("routing tables + count fetch (host sync)");
     r.tokens.tokens = T_;
     build_routing(r.ids, r.tokens, st_fwd_aux(), stream_);
@@ -61,23 +73,23 @@ void CudaMoeLayer::route(const bf16_t* x) {
     }
     Mp_ = fetch_routing_counts(r.tokens, r.host_counts, stream_);
     ++host_syncs_;
+    std::vector<int32_t> padded(E_);
+    routed_ = 0;
+    for (int e = 0; e < E_; ++e) {
+      routed_ += r.host_counts[e];
+      padded[e] = (r.host_counts[e] + cfg_.align - 1) / cfg_.align * cfg_.align;
+    }
+    if (comm_ == nullptr) {
+      seg_ = Segments::from_counts(padded);
+      held_ = routed_;
+    } else {
+      plan_expert_parallel();
+    }
+    blocks_ = seg_.num_blocks();
+    rep_.tokens = T_;
+    rep_.routed_rows = routed_;
+    rep_.padded_rows = Mp_;
   }
-  std::vector<int32_t> padded(E_);
-  routed_ = 0;
-  for (int e = 0; e < E_; ++e) {
-    routed_ += r.host_counts[e];
-    padded[e] = (r.host_counts[e] + cfg_.align - 1) / cfg_.align * cfg_.align;
-  }
-  if (comm_ == nullptr) {
-    seg_ = Segments::from_counts(padded);
-    held_ = routed_;
-  } else {
-    plan_expert_parallel();
-  }
-  blocks_ = seg_.num_blocks();
-  rep_.tokens = T_;
-  rep_.routed_rows = routed_;
-  rep_.padded_rows = Mp_;
   {
     auto s = fwd("row probabilities + segment blocks");
     FLOWMOE_CUDA_CHECK(cudaMemsetAsync(r.row_prob, 0, sizeof(float) * std::max<int64_t>(Mp_, 1), stream_));

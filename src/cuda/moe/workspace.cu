@@ -64,7 +64,9 @@ Routing alloc_routing(DeviceArena& a, int64_t tokens, int topk, int experts, int
 }  // namespace
 
 void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup) {
-  const int64_t R = cfg.max_rows(), Tm = cfg.max_tokens, H = cfg.hidden, F = cfg.ffn, E = cfg.num_experts;
+  // rows: cfg.max_rows() in whole 128-row blocks (the sync-free layer's capacity, which the wgrad
+  // kernel reads as 128-token blocks through TMA)
+  const int64_t R = workspace_rows(cfg), Tm = cfg.max_tokens, H = cfg.hidden, F = cfg.ffn, E = cfg.num_experts;
   const int64_t El = cfg.num_local_experts(), K = cfg.topk;
   const int64_t MB = segment_max_blocks(R, int(El));
   const int64_t maxC = std::max(H, 2 * F);

@@ -1,5 +1,6 @@
 // The CUDA layer's device memory: every buffer allocated once, at construction, for cfg.max_tokens
-// (Tm), with rows sized by the host-side bound R = cfg.max_rows() (scale grids and column copies
+// (Tm), with rows sized by the host-side bound R = cfg.max_rows() in whole 128-row blocks
+// (workspace_rows; scale grids and column copies
 // use the real padded row count Mp of a pass as their leading dimension inside them). Forward and
 // backward allocate nothing. Each field is a named view (quantized tensors:
 // flowmoe/cuda/qtensor_view.h); where one allocation holds different tensors at different points
@@ -18,6 +19,10 @@
 namespace flowmoe {
 namespace cuda {
 namespace moe {
+
+// The rows of the expert workspaces: cfg.max_rows() rounded up to whole 128-row blocks.
+inline int64_t workspace_rows(const MoeConfig& cfg) { return (cfg.max_rows() + 127) / 128 * 128; }
+
 
 // Owns the device and pinned host allocations; error messages name the layer's configuration.
 class DeviceArena {

@@ -26,8 +26,9 @@ template <bool kProb>
 __global__ void __launch_bounds__(kThreads)
 dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
                    const float* __restrict__ prow, int64_t m, int64_t f, bf16_t* __restrict__ dh,
-                   float* __restrict__ dpart, unsigned long long* nonfinite) {
+                   float* __restrict__ dpart, unsigned long long* nonfinite, const int32_t* __restrict__ m_bound) {
   const int64_t kb = blockIdx.y;
+  const int64_t mb = detail::bounded_rows(m, m_bound);  // rows processed; m is dpart's stride
   const int lane = threadIdx.x & 15;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 4);
   uint4 vd[kRowsPerHalfWarp], vg[kRowsPerHalfWarp], vu[kRowsPerHalfWarp];
@@ -37,7 +38,7 @@ dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
     const int64_t r = r0 + i * (kThreads / 16);
     vd[i] = vg[i] = vu[i] = make_uint4(0, 0, 0, 0);
     p[i] = 0.0f;
-    if (r < m) {
+    if (r < mb) {
       const bf16_t* src = h + r * 2 * f + kb * kTile + lane * 8;
       vd[i] = ldg16(da + r * f + kb * kTile + lane * 8);
       vg[i] = ldg16(src);
@@ -57,7 +58,7 @@ dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
       float acc = 0.0f;
       dswiglu8_prob(xd, p[i], xg, xu, dg, du, acc);
       acc = tile_sum16(acc);
-      if (dpart && lane == 0 && r < m) dpart[kb * m + r] = f32_canonical(acc);
+      if (dpart && lane == 0 && r < mb) dpart[kb * m + r] = f32_canonical(acc);
     } else {
       dswiglu8(xd, xg, xu, dg, du);
     }
@@ -66,7 +67,7 @@ dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
       detail::count_nonfinite_warp(nonfinite, dg, mg >= detail::kBf16NonFiniteBits);
       detail::count_nonfinite_warp(nonfinite, du, mu >= detail::kBf16NonFiniteBits);
     }
-    if (r < m) {
+    if (r < mb) {
       bf16_t* dst = dh + r * 2 * f + kb * kTile + lane * 8;
       *reinterpret_cast<uint4*>(dst) = canonical_nan8(dg, mg);
       *reinterpret_cast<uint4*>(dst + f) = canonical_nan8(du, mu);
@@ -279,7 +280,8 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
 // launchers
 // ================================================================================================
 void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
-             DeviceStatus* status, cudaStream_t stream, const float* prow, float* dprow_part) {
+             DeviceStatus* status, cudaStream_t stream, const float* prow, float* dprow_part,
+             const int32_t* rows_bound) {
   const char* what = "cuda::dswiglu";
   check_f(f, what);
   check_m(m, what);
@@ -290,10 +292,10 @@ void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh
   check_aligned(dh, "dh", what);
   if (prow) {
     dswiglu_row_kernel<true><<<row_grid(m, f), kThreads, 0, stream>>>(
-        da, h, prow, m, f, dh, dprow_part, nonfinite_ptr(status));
+        da, h, prow, m, f, dh, dprow_part, nonfinite_ptr(status), rows_bound);
   } else {
     dswiglu_row_kernel<false><<<row_grid(m, f), kThreads, 0, stream>>>(
-        da, h, nullptr, m, f, dh, nullptr, nonfinite_ptr(status));
+        da, h, nullptr, m, f, dh, nullptr, nonfinite_ptr(status), rows_bound);
   }
   FLOWMOE_LAUNCH_CHECK(what);
 }

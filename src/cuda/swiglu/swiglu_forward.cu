@@ -26,8 +26,9 @@ __global__ void __launch_bounds__(kThreads)
 swiglu_row_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, int64_t m, int64_t f,
                   bf16_t* __restrict__ a, uint8_t* __restrict__ a_codes, uint8_t* __restrict__ a_scales,
                   uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales,
-                  unsigned long long* nonfinite) {
+                  unsigned long long* nonfinite, const int32_t* __restrict__ m_bound) {
   const int64_t kb = blockIdx.y;  // feature tile
+  const int64_t mb = detail::bounded_rows(m, m_bound);  // rows processed; m is the scale grids' stride
   const int lane = threadIdx.x & 15;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 4);
   uint4 g[kRowsPerHalfWarp], u[kRowsPerHalfWarp];
@@ -37,7 +38,7 @@ swiglu_row_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, 
     const int64_t r = r0 + i * (kThreads / 16);
     g[i] = u[i] = make_uint4(0, 0, 0, 0);
     p[i] = 0.0f;
-    if (r < m) {
+    if (r < mb) {
       const bf16_t* src = h + r * 2 * f + kb * kTile + lane * 8;
       g[i] = ldg16(src);
       u[i] = ldg16(src + f);
@@ -57,17 +58,17 @@ swiglu_row_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, 
       const uint4 av = pack8(a32);
       const uint32_t mx = detail::absmax8_bits(av);
       if (nonfinite) detail::count_nonfinite_warp(nonfinite, av, mx >= detail::kBf16NonFiniteBits);
-      if (r < m) *reinterpret_cast<uint4*>(a + r * f + kb * kTile + lane * 8) = canonical_nan8(av, mx);
+      if (r < mb) *reinterpret_cast<uint4*>(a + r * f + kb * kTile + lane * 8) = canonical_nan8(av, mx);
     } else {
       const TileCodes q = quantize_tile8(a32, nonfinite);
-      if (r < m) {
+      if (r < mb) {
         *reinterpret_cast<uint2*>(a_codes + r * f + kb * kTile + lane * 8) = q.codes;
         if (lane == 0) a_scales[kb * m + r] = q.scale;
       }
       if constexpr (kOut == FwdOut::kFp8SaveH4) {  // H as MXFP4: codes [M, 2F/2], scales [M][2F/32]
         const Fp4Codes qg = quantize_fp4x8(g[i], nonfinite);
         const Fp4Codes qu = quantize_fp4x8(u[i], nonfinite);
-        if (r < m) {
+        if (r < mb) {
           const int64_t col = kb * kTile + lane * 8;
           uint8_t* dst = h_codes + (r * 2 * f + col) / 2;
           *reinterpret_cast<uint32_t*>(dst) = qg.codes;
@@ -81,7 +82,7 @@ swiglu_row_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, 
       if constexpr (kOut == FwdOut::kFp8SaveH) {
         const TileCodes qg = quantize_tile8(g[i], nonfinite);
         const TileCodes qu = quantize_tile8(u[i], nonfinite);
-        if (r < m) {
+        if (r < mb) {
           uint8_t* dst = h_codes + r * 2 * f + kb * kTile + lane * 8;
           *reinterpret_cast<uint2*>(dst) = qg.codes;
           *reinterpret_cast<uint2*>(dst + f) = qu.codes;
@@ -233,7 +234,7 @@ swiglu_quant_col_kernel(const bf16_t* __restrict__ h, const float* __restrict__ 
 // launchers
 // ================================================================================================
 void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* status,
-            cudaStream_t stream, const float* prow) {
+            cudaStream_t stream, const float* prow, const int32_t* rows_bound) {
   const char* what = "cuda::swiglu";
   check_f(f, what);
   check_m(m, what);
@@ -241,13 +242,13 @@ void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* stat
   check_aligned(h, "h", what);
   check_aligned(a, "a", what);
   swiglu_row_kernel<FwdOut::kBf16><<<row_grid(m, f), kThreads, 0, stream>>>(
-      h, prow, m, f, a, nullptr, nullptr, nullptr, nullptr, nonfinite_ptr(status));
+      h, prow, m, f, a, nullptr, nullptr, nullptr, nullptr, nonfinite_ptr(status), rows_bound);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
 void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                   uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream,
-                  const float* prow) {
+                  const float* prow, const int32_t* rows_bound) {
   const char* what = "cuda::swiglu_quant";
   check_f(f, what);
   check_m(m, what);
@@ -259,10 +260,10 @@ void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8
   if (h_codes) {
     check_aligned(h_codes, "h_codes", what);
     swiglu_row_kernel<FwdOut::kFp8SaveH><<<row_grid(m, f), kThreads, 0, stream>>>(
-        h, prow, m, f, nullptr, a_codes, a_scales, h_codes, h_scales, nonfinite_ptr(status));
+        h, prow, m, f, nullptr, a_codes, a_scales, h_codes, h_scales, nonfinite_ptr(status), rows_bound);
   } else {
     swiglu_row_kernel<FwdOut::kFp8><<<row_grid(m, f), kThreads, 0, stream>>>(
-        h, prow, m, f, nullptr, a_codes, a_scales, nullptr, nullptr, nonfinite_ptr(status));
+        h, prow, m, f, nullptr, a_codes, a_scales, nullptr, nullptr, nonfinite_ptr(status), rows_bound);
   }
   FLOWMOE_LAUNCH_CHECK(what);
 }
@@ -296,7 +297,7 @@ void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8
 
 void swiglu_quant_h4(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                      uint8_t* h4_codes, uint8_t* h4_scales, DeviceStatus* status,
-                     cudaStream_t stream, const float* prow) {
+                     cudaStream_t stream, const float* prow, const int32_t* rows_bound) {
   const char* what = "cuda::swiglu_quant_h4";
   check_f(f, what);
   check_m(m, what);
@@ -305,7 +306,7 @@ void swiglu_quant_h4(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, ui
   check_pair(a_codes, a_scales, "a_codes", "a_scales", what);
   check_pair(h4_codes, h4_scales, "h4_codes", "h4_scales", what);
   swiglu_row_kernel<FwdOut::kFp8SaveH4><<<row_grid(m, f), kThreads, 0, stream>>>(
-      h, prow, m, f, nullptr, a_codes, a_scales, h4_codes, h4_scales, nonfinite_ptr(status));
+      h, prow, m, f, nullptr, a_codes, a_scales, h4_codes, h4_scales, nonfinite_ptr(status), rows_bound);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 

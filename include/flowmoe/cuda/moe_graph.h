@@ -1,0 +1,57 @@
+// A whole layer step captured once into a CUDA graph and replayed: forward, then backward, of a CUDA
+// MoE layer built with CudaLayerOptions::sync_free (flowmoe/moe.h). A replay is one graph launch:
+// no host work per kernel, no host synchronisation, the same bits as the eager step. Host-only
+// declarations (the stream typedef only), usable from .cpp files linked with flowmoe_cuda.
+//
+//   CudaLayerOptions o;  o.sync_free = true;
+//   auto layer = make_cuda_layer(cfg, stream, o);
+//   layer->set_weights(w);
+//   LayerStepGraph step(layer.get(), stream, {x, tokens, y, dy, dx, grads});
+//   for (...) { /* refill x, dy in place */ step.replay(); }
+//
+// The graph holds the step's pointers and token count: every replay reads x and dy and writes y,
+// dx and the gradients at the addresses given here (refill the buffers, keep them). set_weights
+// between replays is fine (it writes the layer's own weight buffers, which the graph reads). The
+// capture runs the step's host code once (it enqueues nothing that runs); the layer's cast report
+// and status describe the latest replay once read.
+#pragma once
+
+#include <cstdint>
+
+#include "flowmoe/moe.h"
+
+typedef struct CUstream_st* cudaStream_t;
+typedef struct CUgraphExec_st* cudaGraphExec_t;
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+
+class LayerStepGraph {
+ public:
+  struct Step {
+    const bf16_t* x = nullptr;  // [T, H]
+    int64_t tokens = 0;         // T
+    bf16_t* y = nullptr;        // [T, H]
+    const bf16_t* dy = nullptr; // [T, H]
+    bf16_t* dx = nullptr;       // [T, H]
+    MoeGrads grads;
+  };
+  // Captures forward + backward on `stream`, the stream the layer was made with. Throws
+  // flowmoe::Error (nothing captured, the layer usable) unless `layer` is a sync_free CUDA layer
+  // with weights, or when the capture fails.
+  LayerStepGraph(MoeLayer* layer, cudaStream_t stream, const Step& step);
+  ~LayerStepGraph();
+  LayerStepGraph(const LayerStepGraph&) = delete;
+  LayerStepGraph& operator=(const LayerStepGraph&) = delete;
+  // One launch of the whole step on the capture stream (stream-ordered, asynchronous).
+  void replay();
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe

@@ -1,0 +1,198 @@
+// The CUDA layer without host synchronisation (CudaLayerOptions::sync_free) and its step replayed
+// from a CUDA graph (LayerStepGraph, flowmoe/cuda/moe_graph.h): for blockwise, flow and flow-fp4,
+// the sync-free layer gives the default layer's bits (y, dx, dW1, dW2, dWr), status and cast report
+// with zero host synchronisations, and a captured step replayed twice gives the eager step's bits.
+// Runs on the device machine only (CTest label `gpu`).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/gpu_test_util.h"
+#include "flowmoe/cuda/moe_debug.h"
+#include "flowmoe/cuda/moe_graph.h"
+#include "flowmoe/moe.h"
+
+namespace flowmoe {
+namespace {
+
+using namespace testutil;
+
+struct Model {
+  int64_t H = 256, F = 256, T = 300;
+  int E = 8, K = 2;
+  std::vector<float> w1, w2, wr, bias, g0;
+  std::vector<bf16_t> x, dy;
+  explicit Model(int64_t tokens) : T(tokens) {
+    std::mt19937 rng(777);
+    w1 = normal_f32(E * 2 * F * H, 1.0f / std::sqrt(float(H)), rng);
+    w2 = normal_f32(E * H * F, 1.0f / std::sqrt(float(F)), rng);
+    wr = normal_f32(E * H, 1.0f / std::sqrt(float(H)), rng);
+    bias = normal_f32(E, 0.1f, rng);
+    g0 = normal_f32(E * 2 * F * H, 0.5f, rng);
+    x = normal_bf16(T * H, 1.0f, rng);
+    dy = normal_bf16(T * H, 1.0f, rng);
+  }
+  MoeConfig config(Recipe r) const {
+    MoeConfig c;
+    c.hidden = H;
+    c.ffn = F;
+    c.num_experts = E;
+    c.topk = K;
+    c.aux_loss_alpha = 0.01f;
+    c.align = 128;
+    c.recipe = r;
+    c.max_tokens = T;
+    return c;
+  }
+};
+
+// A layer with its buffers, the model's weights set, gradients starting at g0.
+struct LayerRun {
+  cudaStream_t s = nullptr;
+  std::unique_ptr<MoeLayer> layer;
+  std::unique_ptr<StreamBuf<float>> dw1, dw2, dwr, w1, w2, wr, bias;
+  std::unique_ptr<StreamBuf<bf16_t>> x, dy, y, dx;
+  MoeGrads g;
+  LayerRun(const Model& m, Recipe r, bool sync_free, bool accumulate) {
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) throw std::runtime_error("stream");
+    CudaLayerOptions o;
+    o.sync_free = sync_free;
+    layer = make_cuda_layer(m.config(r), s, o);
+    const int64_t n1 = int64_t(m.E) * 2 * m.F * m.H, n2 = int64_t(m.E) * m.H * m.F;
+    dw1.reset(new StreamBuf<float>(n1, s, m.g0.data()));
+    dw2.reset(new StreamBuf<float>(n2, s, m.g0.data() + 7));
+    dwr.reset(new StreamBuf<float>(m.E * m.H, s, m.g0.data() + 13));
+    w1.reset(new StreamBuf<float>(n1, s, m.w1.data()));
+    w2.reset(new StreamBuf<float>(n2, s, m.w2.data()));
+    wr.reset(new StreamBuf<float>(m.E * m.H, s, m.wr.data()));
+    bias.reset(new StreamBuf<float>(m.E, s, m.bias.data()));
+    x.reset(new StreamBuf<bf16_t>(m.T * m.H, s, m.x.data()));
+    dy.reset(new StreamBuf<bf16_t>(m.T * m.H, s, m.dy.data()));
+    y.reset(new StreamBuf<bf16_t>(m.T * m.H, s));
+    dx.reset(new StreamBuf<bf16_t>(m.T * m.H, s));
+    layer->set_weights(MoeWeights{w1->p, w2->p, wr->p, bias->p});
+    g = MoeGrads{dw1->p, dw2->p, dwr->p};
+    g.accumulate = accumulate;
+  }
+  ~LayerRun() {
+    layer.reset();
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+  }
+  void step(int64_t T) {
+    layer->forward(x->p, T, y->p);
+    layer->backward(dy->p, dx->p, g);
+  }
+  struct Out {
+    std::vector<bf16_t> y, dx;
+    std::vector<float> dw1, dw2, dwr;
+  };
+  Out out() const { return {y->get(s), dx->get(s), dw1->get(s), dw2->get(s), dwr->get(s)}; }
+};
+
+void expect_same(const LayerRun::Out& a, const LayerRun::Out& b, const std::string& what) {
+  expect_same_bits(a.y, b.y, what + ": y");
+  expect_same_bits(a.dx, b.dx, what + ": dx");
+  expect_same_bits(a.dw1, b.dw1, what + ": dW1");
+  expect_same_bits(a.dw2, b.dw2, what + ": dW2");
+  expect_same_bits(a.dwr, b.dwr, what + ": dWr");
+}
+
+class MoeSyncFreeGpu : public ::testing::TestWithParam<Recipe> {};
+
+TEST_P(MoeSyncFreeGpu, SameBitsStatusAndReportWithoutHostSync) {
+  REQUIRE_SM90();
+  for (int64_t T : {int64_t(300), int64_t(1)}) {
+    const Model m(300);
+    LayerRun ref(m, GetParam(), false, true), sf(m, GetParam(), true, true);
+    for (int step = 0; step < 2; ++step) {  // the second step on reused workspaces
+      ref.step(T);
+      sf.step(T);
+    }
+    const std::string what = std::string(recipe_name(GetParam())) + " T=" + std::to_string(T);
+    expect_same(ref.out(), sf.out(), what);
+    EXPECT_EQ(cuda::moe::counters(sf.layer.get()).host_syncs, 0) << what;
+    EXPECT_EQ(cuda::moe::counters(ref.layer.get()).host_syncs, 2) << what << ": one count fetch per forward";
+    const MoeStatus a = ref.layer->status(), b = sf.layer->status();
+    EXPECT_EQ(a.nonfinite, b.nonfinite) << what;
+    EXPECT_EQ(a.underflow, b.underflow) << what;
+    EXPECT_EQ(std::memcmp(&a.aux_loss, &b.aux_loss, sizeof(float)), 0) << what << ": aux loss";
+    const CastReport& ra = ref.layer->cast_report();
+    const CastReport& rb = sf.layer->cast_report();
+    EXPECT_EQ(ra.to_string(), rb.to_string()) << what << ": cast report";
+    EXPECT_EQ(ra.routed_rows, rb.routed_rows) << what;
+    EXPECT_EQ(ra.padded_rows, rb.padded_rows) << what;
+    EXPECT_EQ(ra.saved_bytes(), rb.saved_bytes()) << what;
+    EXPECT_DOUBLE_EQ(ra.saved_bytes_per_token_unpadded(), rb.saved_bytes_per_token_unpadded()) << what;
+  }
+}
+
+TEST_P(MoeSyncFreeGpu, GraphReplayEqualsEagerStep) {
+  REQUIRE_SM90();
+  const Model m(300);
+  LayerRun eager(m, GetParam(), true, false), graph(m, GetParam(), true, false);  // gradients overwritten
+  eager.step(m.T);
+  const LayerRun::Out want = eager.out();
+  const MoeStatus want_status = eager.layer->status();
+  cuda::moe::LayerStepGraph g(graph.layer.get(), graph.s,
+                              {graph.x->p, m.T, graph.y->p, graph.dy->p, graph.dx->p, graph.g});
+  for (int rep = 0; rep < 2; ++rep) {
+    for (auto* b : {graph.dw1.get(), graph.dw2.get(), graph.dwr.get()})
+      ASSERT_EQ(cudaMemsetAsync(b->p, 0xFF, b->n * sizeof(float), graph.s), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(graph.y->p, 0xFF, graph.y->n * sizeof(bf16_t), graph.s), cudaSuccess);
+    g.replay();
+    ASSERT_EQ(cudaStreamSynchronize(graph.s), cudaSuccess);
+    expect_same(want, graph.out(), std::string(recipe_name(GetParam())) + " replay " + std::to_string(rep));
+    const MoeStatus st = graph.layer->status();
+    EXPECT_EQ(st.nonfinite, want_status.nonfinite);
+    EXPECT_EQ(st.underflow, want_status.underflow);
+  }
+  EXPECT_EQ(cuda::moe::counters(graph.layer.get()).host_syncs, 0);
+  EXPECT_EQ(graph.layer->cast_report().to_string(), eager.layer->cast_report().to_string());
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, MoeSyncFreeGpu,
+                         ::testing::Values(Recipe::kBlockwise, Recipe::kFlow, Recipe::kFlowFp4),
+                         [](const ::testing::TestParamInfo<Recipe>& i) {
+                           std::string n = recipe_name(i.param);
+                           for (char& c : n)
+                             if (c == '-') c = '_';
+                           return n;
+                         });
+
+// The options the sync-free layer does not take are refused at construction, and a layer that
+// synchronises cannot be captured; both with errors that say what to change.
+TEST(MoeSyncFreeGpuErrors, RejectedConfigurations) {
+  REQUIRE_SM90();
+  const Model m(16);
+  CudaLayerOptions o;
+  o.sync_free = true;
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  EXPECT_THROW(make_cuda_layer(m.config(Recipe::kBf16), s, o), Error);
+  EXPECT_THROW(make_cuda_layer(m.config(Recipe::kFp8Naive), s, o), Error);
+  MoeConfig a16 = m.config(Recipe::kFlow);
+  a16.align = 16;
+  EXPECT_THROW(make_cuda_layer(a16, s, o), Error);
+  {
+    LayerRun sync(m, Recipe::kFlow, false, false);
+    try {
+      cuda::moe::LayerStepGraph g(sync.layer.get(), sync.s, {sync.x->p, m.T, sync.y->p, sync.dy->p, sync.dx->p, sync.g});
+      ADD_FAILURE() << "captured a layer that synchronises";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("sync_free"), std::string::npos) << e.what();
+    }
+    sync.step(m.T);  // still usable
+    EXPECT_EQ(cudaStreamSynchronize(sync.s), cudaSuccess);
+  }
+  cudaStreamDestroy(s);
+}
+
+}  // namespace
+}  // namespace flowmoe
