@@ -69,6 +69,16 @@ int flowmoe_layer_create_cpu(const flowmoe_config* cfg, flowmoe_comm* comm, flow
 // (null: the legacy default stream) on which everything of the layer is ordered.
 int flowmoe_layer_create_cuda(const flowmoe_config* cfg, flowmoe_comm* comm, int device,
                               void* stream, flowmoe_layer** out);
+// The CUDA layer's options (moe.h CudaLayerOptions); all zero = the defaults.
+typedef struct flowmoe_cuda_options {
+  // CudaLayerOptions::sync_free: no host synchronisation in forward and backward (one GPU, the
+  // recipes blockwise, flow, flow-fp4, align 128; the same bits as the default).
+  int32_t sync_free;
+} flowmoe_cuda_options;
+// flowmoe_layer_create_cuda with options (null: the defaults).
+int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm, int device,
+                                   void* stream, const flowmoe_cuda_options* options,
+                                   flowmoe_layer** out);
 int flowmoe_layer_destroy(flowmoe_layer* layer);  // null is allowed
 const char* flowmoe_layer_backend(const flowmoe_layer* layer);  // "cpu" or "cuda"
 int flowmoe_layer_local_experts(const flowmoe_layer* layer);    // El

@@ -390,6 +390,8 @@ class GroupedGemm {
   static size_t tuning_scratch_bytes();
 
  private:
+  void rowwise_on_device(const DeviceSegments& seg, int64_t n_out, int64_t k_red, const cuda::QTensorView& a,
+                         const cuda::QTensorView& b, Span<bf16_t> d, const char* what, cudaStream_t stream);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -42,6 +42,10 @@ class Config(ctypes.Structure):
     ]
 
 
+class CudaOptions(ctypes.Structure):
+    _fields_ = [("sync_free", ctypes.c_int32)]
+
+
 class LayerStatus(ctypes.Structure):
     _fields_ = [("nonfinite", ctypes.c_int64), ("underflow", ctypes.c_int64), ("aux_loss", ctypes.c_float)]
 
@@ -87,6 +91,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_recipe_names": (ctypes.c_char_p, []),
         "flowmoe_layer_create_cpu": (c_int, [ctypes.POINTER(Config), vp, ctypes.POINTER(vp)]),
         "flowmoe_layer_create_cuda": (c_int, [ctypes.POINTER(Config), vp, c_int, vp, ctypes.POINTER(vp)]),
+        "flowmoe_layer_create_cuda_opts": (c_int, [ctypes.POINTER(Config), vp, c_int, vp,
+                                                   ctypes.POINTER(CudaOptions), ctypes.POINTER(vp)]),
         "flowmoe_layer_destroy": (c_int, [vp]),
         "flowmoe_layer_backend": (ctypes.c_char_p, [vp]),
         "flowmoe_layer_local_experts": (c_int, [vp]),
@@ -250,7 +256,7 @@ class Layer:
     """A MoE layer handle (moe.h MoeLayer) on raw addresses."""
 
     def __init__(self, config: Config, comm: Optional[Comm] = None, device: Optional[int] = None,
-                 stream: int = 0):
+                 stream: int = 0, sync_free: bool = False):
         self._comm = comm  # the layer does not own its communicator: keep it alive
         self.config = config
         handle = ctypes.c_void_p()
@@ -258,8 +264,10 @@ class Layer:
         if device is None:
             check(lib().flowmoe_layer_create_cpu(ctypes.byref(config), comm_h, ctypes.byref(handle)))
         else:
-            check(lib().flowmoe_layer_create_cuda(ctypes.byref(config), comm_h, int(device),
-                                                  ctypes.c_void_p(stream or None), ctypes.byref(handle)))
+            opts = CudaOptions(int(bool(sync_free)))
+            check(lib().flowmoe_layer_create_cuda_opts(ctypes.byref(config), comm_h, int(device),
+                                                       ctypes.c_void_p(stream or None), ctypes.byref(opts),
+                                                       ctypes.byref(handle)))
         self.handle = handle.value
         self.device = device
 

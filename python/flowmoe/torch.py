@@ -145,7 +145,7 @@ class MoE(nn.Module):
                  router_bias: bool = False, seed: Optional[int] = None, init_std: Optional[float] = None,
                  ep_group=None, grad_mode: str = "direct", check_finite: Optional[bool] = None,
                  check_columns: bool = False, transpose_exponent: str = "row-max",
-                 comm_timeout_s: float = 300.0, device=None):
+                 comm_timeout_s: float = 300.0, sync_free: bool = False, device=None):
         super().__init__()
         for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("topk", topk)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -162,6 +162,10 @@ class MoE(nn.Module):
                              "'row-max' or 'column-amax'")
         if grad_mode not in ("direct", "autograd"):
             raise ValueError(f"flowmoe.torch.MoE: grad_mode {grad_mode!r}; expected 'direct' or 'autograd'")
+        if sync_free and (recipe not in ("blockwise", "flow", "flow-fp4") or align != 128 or ep_group is not None):
+            raise ValueError(f"flowmoe.torch.MoE: sync_free needs one GPU (no ep_group), the recipe blockwise, "
+                             f"flow or flow-fp4 and align 128; got recipe {recipe!r}, align {align}"
+                             f"{', an ep_group' if ep_group is not None else ''}")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"flowmoe.torch.MoE: max_tokens {max_tokens!r}; expected None or an int >= 1")
         self.hidden, self.ffn, self.experts, self.topk = hidden, ffn, experts, topk
@@ -173,6 +177,7 @@ class MoE(nn.Module):
         self.check_columns = bool(check_columns)
         self.transpose_exponent = transpose_exponent
         self.comm_timeout_s = float(comm_timeout_s)
+        self.sync_free = bool(sync_free)
 
         self.ep_group = ep_group
         self.ep_rank, self.ep_world = 0, 1
@@ -290,7 +295,8 @@ class MoE(nn.Module):
                                    "package where nvcc is found, or run on CPU tensors")
             index = device.index if device.index is not None else torch.cuda.current_device()
             with torch.cuda.device(index):
-                layer = _native.Layer(cfg, comm, device=index, stream=stream.cuda_stream)
+                layer = _native.Layer(cfg, comm, device=index, stream=stream.cuda_stream,
+                                      sync_free=self.sync_free)
         else:
             layer = _native.Layer(cfg, comm)
         self._runner = _Runner(layer, device, stream, max_tokens)

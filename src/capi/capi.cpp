@@ -166,6 +166,12 @@ int flowmoe_layer_create_cpu(const flowmoe_config* cfg, flowmoe_comm* comm, flow
 
 int flowmoe_layer_create_cuda(const flowmoe_config* cfg, flowmoe_comm* comm, int device,
                               void* stream, flowmoe_layer** out) {
+  return flowmoe_layer_create_cuda_opts(cfg, comm, device, stream, nullptr, out);
+}
+
+int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm, int device,
+                                   void* stream, const flowmoe_cuda_options* options,
+                                   flowmoe_layer** out) {
   const char* what = "flowmoe_layer_create_cuda";
 #if defined(FLOWMOE_HAVE_CUDA)
   return guarded(what, [&] {
@@ -178,11 +184,17 @@ int flowmoe_layer_create_cuda(const flowmoe_config* cfg, flowmoe_comm* comm, int
                   what << ": cudaSetDevice(" << device << ") failed: " << cudaGetErrorString(err));
     std::unique_ptr<flowmoe_layer> h(new flowmoe_layer);
     h->device = device;
-    h->layer = flowmoe::make_cuda_layer(c, static_cast<cudaStream_t>(stream));
+    flowmoe::CudaLayerOptions o;
+    if (options) {
+      FLOWMOE_CHECK(options->sync_free == 0 || options->sync_free == 1,
+                    what << ": sync_free = " << options->sync_free << "; expected 0 or 1");
+      o.sync_free = options->sync_free == 1;
+    }
+    h->layer = flowmoe::make_cuda_layer(c, static_cast<cudaStream_t>(stream), o);
     *out = h.release();
   });
 #else
-  (void)cfg, (void)comm, (void)device, (void)stream;
+  (void)cfg, (void)comm, (void)device, (void)stream, (void)options;
   if (out) *out = nullptr;
   return flowmoe::capi::fail(FLOWMOE_ERROR_UNSUPPORTED,
                              std::string(what) + ": this flowmoe library was built without the "

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
+#include <vector>
 
 #include "flowmoe/error.h"
 
@@ -55,6 +57,38 @@ inline int device_sm_count() {
 // offsets[E] the host has not fetched) says so. m stays the row stride of [C/128][m] scale grids.
 __device__ __forceinline__ int64_t bounded_rows(int64_t m, const int32_t* bound) {
   return bound ? min(m, static_cast<int64_t>(__ldg(bound))) : m;
+}
+
+// The last index i in [0, n) with a[i] <= v, for a non-decreasing a with a[0] <= v: the segment
+// (expert) holding row or tile v when a holds the segments' first rows (tiles); empty segments,
+// whose start equals the next one's, are never returned.
+template <typename T, typename V>
+__device__ __forceinline__ int last_at_or_below(const T* a, int n, V v) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (a[mid] <= v) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// The SM count of the current device, after `setup()` has run once for that device (a kernel's
+// shared-memory limit raised, say). Each call site's lambda is its own type, so each keeps its own
+// per-device record. Thread-safe.
+template <typename Setup>
+int sm_count_after(Setup&& setup) {
+  static std::mutex mu;
+  static std::vector<int> sms;  // per device; 0: not yet set up
+  int dev = 0;
+  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  if (int(sms.size()) <= dev) sms.resize(dev + 1, 0);
+  if (sms[dev] == 0) {
+    setup();
+    sms[dev] = device_sm_count();
+  }
+  return sms[dev];
 }
 
 __device__ __forceinline__ float warp_max(float v, int width) {

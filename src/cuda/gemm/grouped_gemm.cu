@@ -294,24 +294,22 @@ sm90::RowwiseGroupedArgs rowwise_args(const gemm::DeviceSegments& seg, int64_t n
 }
 }  // namespace
 
-void GroupedGemm::fprop(const DeviceSegments& seg, int64_t n, int64_t k, const QTensorView& x,
-                        const QTensorView& w, Span<bf16_t> y, cudaStream_t stream) {
-  const char* what = "FP8 fprop (device segments)";
+// fprop (n_out = N, k_red = K) and dgrad (n_out = K, k_red = N): the grouped kernel.
+void GroupedGemm::rowwise_on_device(const DeviceSegments& seg, int64_t n_out, int64_t k_red, const QTensorView& a,
+                                    const QTensorView& b, Span<bf16_t> d, const char* what, cudaStream_t stream) {
   impl_->require_fp8(what);
   check_device_segments(seg, what);
   if (seg.capacity == 0) return;  // no rows: nothing to compute or write
-  sm90::fp8_grouped_rowwise(rowwise_args(seg, n, k, x, w, y, what), what, stream);
+  sm90::fp8_grouped_rowwise(rowwise_args(seg, n_out, k_red, a, b, d, what), what, stream);
   ++impl_->stats.grouped_kernel_calls;
 }
-
+void GroupedGemm::fprop(const DeviceSegments& seg, int64_t n, int64_t k, const QTensorView& x,
+                        const QTensorView& w, Span<bf16_t> y, cudaStream_t stream) {
+  rowwise_on_device(seg, n, k, x, w, y, "FP8 fprop (device segments)", stream);
+}
 void GroupedGemm::dgrad(const DeviceSegments& seg, int64_t n, int64_t k, const QTensorView& dy,
                         const QTensorView& wt, Span<bf16_t> dx, cudaStream_t stream) {
-  const char* what = "FP8 dgrad (device segments)";
-  impl_->require_fp8(what);
-  check_device_segments(seg, what);
-  if (seg.capacity == 0) return;  // no rows: nothing to compute or write
-  sm90::fp8_grouped_rowwise(rowwise_args(seg, k, n, dy, wt, dx, what), what, stream);
-  ++impl_->stats.grouped_kernel_calls;
+  rowwise_on_device(seg, k, n, dy, wt, dx, "FP8 dgrad (device segments)", stream);
 }
 
 void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const QTensorView& dy_col,

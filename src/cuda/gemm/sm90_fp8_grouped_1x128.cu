@@ -28,8 +28,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
-#include <vector>
 
 #include "cuda/common.cuh"
 #include "cuda/gemm/sm90_fp8_grouped_1x128.h"
@@ -84,16 +82,6 @@ struct Params {
   unsigned long long* bad_segments;
 };
 
-// The tile's expert (largest e with start[e] <= t: empty experts have start[e] == start[e + 1]).
-__device__ __forceinline__ int tile_expert(const int* start, int num_experts, int t) {
-  int lo = 0, hi = num_experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (start[mid] <= t) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
 
 template <int kBN>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -154,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 0 && lane == 0) {  // the TMA loads of the code tiles
       uint32_t it = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const int e = tile_expert(s_start, E, tile);
+        const int e = detail::last_at_or_below(s_start, E, tile);
         const int mt_count = (s_off[e + 1] - s_off[e] + kTile - 1) / kTile, r = tile - s_start[e];
         const int row_a = s_off[e] + (r % mt_count) * kTile, row_b = e * p.n_out + (r / mt_count) * kBN;
         for (int kb = 0; kb < kb_count; ++kb, ++it) {
@@ -179,7 +167,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t sw = warp - 1;
       uint32_t it = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const int e = tile_expert(s_start, E, tile);
+        const int e = detail::last_at_or_below(s_start, E, tile);
         const int off = s_off[e], me = s_off[e + 1] - off;
         const int mt_count = (me + kTile - 1) / kTile, r = tile - s_start[e];
         const int lr = (r % mt_count) * kTile + 4 * lane;  // first of this lane's rows in the expert
@@ -218,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[C::kHalves][64], blk[64];
   uint32_t it = 0;
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-    const int e = tile_expert(s_start, E, tile);
+    const int e = detail::last_at_or_below(s_start, E, tile);
     const int off = s_off[e], me = s_off[e + 1] - off;
     const int mt_count = (me + kTile - 1) / kTile, r = tile - s_start[e];
     const int nt = r / mt_count, local0 = (r % mt_count) * kTile + 64 * ci;  // first row of this half
@@ -307,22 +295,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// SMs of the current device; the kernel's shared-memory limit raised once per device.
+// SMs of the current device; the kernels' shared-memory limit raised once per device.
 int sm_count() {
-  static std::mutex mu;
-  static std::vector<int> sms;  // per device; 0: not yet set up
-  int dev = 0;
-  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  if (int(sms.size()) <= dev) sms.resize(dev + 1, 0);
-  if (sms[dev] == 0) {
+  return detail::sm_count_after([] {
     FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_rowwise_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             Cfg<128>::kSmemBytes));
     FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_rowwise_kernel<256>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             Cfg<256>::kSmemBytes));
-    sms[dev] = detail::device_sm_count();
-  }
-  return sms[dev];
+  });
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

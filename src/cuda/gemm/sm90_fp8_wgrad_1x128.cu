@@ -22,9 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 #include <sstream>
-#include <vector>
 
 #include "cuda/common.cuh"
 #include "cuda/gemm/sm90_fp8_wgrad_1x128.h"
@@ -233,17 +231,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // SMs of the current device; the kernel's shared-memory limit raised once per device.
 int sm_count() {
-  static std::mutex mu;
-  static std::vector<int> sms;  // per device; 0: not yet set up
-  int dev = 0;
-  FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  if (int(sms.size()) <= dev) sms.resize(dev + 1, 0);
-  if (sms[dev] == 0) {
+  return detail::sm_count_after([] {
     FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    sms[dev] = detail::device_sm_count();
-  }
-  return sms[dev];
+  });
 }
 
 }  // namespace

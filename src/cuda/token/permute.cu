@@ -175,16 +175,6 @@ __global__ void __launch_bounds__(kThreads) scatter_rows_kernel(const ScatterArg
   }
 }
 
-// Last e in [0, E) with off[e] <= r (r < off[E]): the segment holding row r.
-__device__ __forceinline__ int segment_of(const int32_t* off, int E, int64_t r) {
-  int lo = 0, hi = E - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (off[mid] <= r) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
 
 // One warp per (destination row, chunk): pad (compact -> padded, zero rows) or unpad.
 __global__ void __launch_bounds__(kThreads) gather_rows_kernel(const GatherArgs a) {
@@ -193,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) gather_rows_kernel(const GatherArgs 
   if (r >= a.items) return;
   const int32_t* dst_off = a.to_padded ? a.padded_offsets : a.offsets;
   if (r >= dst_off[a.E]) return;
-  const int e = segment_of(dst_off, a.E, r);
+  const int e = detail::last_at_or_below(dst_off, a.E, r);  // the segment holding row r
   const int64_t j = r - dst_off[e];
   const int64_t src = a.to_padded ? (j < a.counts[e] ? a.offsets[e] + j : -1) : a.padded_offsets[e] + j;
   int y = blockIdx.y;

@@ -62,6 +62,18 @@ def test_module_equals_cuda_layer_bitwise(recipe):
     layer.close()
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "flow", "flow-fp4"])
+def test_sync_free_gives_the_same_bits(recipe):
+    # CudaLayerOptions::sync_free: no host synchronisation inside forward/backward, same results
+    x, dy = data()
+    a = run_module(make(recipe), x, dy)
+    m = make(recipe, sync_free=True)
+    b = run_module(m, x, dy)
+    for name, u, v in zip(("y", "dx", "dw1", "dw2", "dwr"), a, b):
+        assert torch.equal(u, v), f"{recipe}: {name} differs with sync_free"
+    assert m.status()["nonfinite"] == 0
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "flow"])
 def test_two_micro_batches_accumulate(recipe):
     x1, dy1 = data(T=200, seed=1)
