@@ -1,7 +1,9 @@
-// Private building blocks of the SwiGLU kernels (swiglu_forward.cu, swiglu_backward.cu): element
-// helpers (BF16 unpack/pack, SwiGLU and dSwiGLU of 8 features, E4M3 and E2M1 decoding), the
-// quantization of a 1x128 row tile held by a half-warp (and the MXFP4 1x32 blocks of H), the
-// tuning constants both directions share, and the host-side argument checks.
+// Private building blocks of the SwiGLU kernels (swiglu_forward.cu, swiglu_backward.cu, and GEMM1's
+// fused SwiGLU epilogue, gemm/sm90_grouped_swiglu_epilogue.cuh): element helpers (BF16
+// unpack/pack, SwiGLU and dSwiGLU of 8 features, E4M3 and E2M1 decoding), block quantization in
+// pieces (scale from the amax, pair encoding) and the quantization of a 1x128 row tile held by a
+// half-warp (and the MXFP4 1x32 blocks of H) built from them, the tuning constants both directions
+// share, and the host-side argument checks.
 #pragma once
 
 #include <cuda_bf16.h>
