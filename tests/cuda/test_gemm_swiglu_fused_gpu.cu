@@ -18,7 +18,6 @@
 
 #include "cuda/gpu_test_util.h"
 #include "flowmoe/cuda/convert.h"
-#include "flowmoe/cuda/moe_debug.h"
 #include "flowmoe/cuda/qtensor_view.h"
 #include "flowmoe/cuda/status.h"
 #include "flowmoe/error.h"
