@@ -3,11 +3,17 @@
 // same run. Medians of CUDA-event timings after warm-up; random data; two input sets alternated so
 // that consecutive repetitions never find their input in L2.
 //
-//   flowmoe_bench_swiglu [--reps N] [--config NAME] [--rows M]
+//   flowmoe_bench_swiglu [--reps N] [--config NAME] [--rows M] [--gemm1-only]
 //
 // Targets (issue 4): fused SwiGLU+quantize <= 1.05x the plain BF16 SwiGLU kernel;
 // fused dSwiGLU+quantize (row + col) >= 2.5x the unfused sequence (dSwiGLU -> quantize_row ->
 // quantize_col).
+//
+// Last section (--gemm1-only: only it): GEMM1 of the flow recipes by the grouped sm_90a kernel,
+// alone (BF16 h) against the same kernel with the SwiGLU*p + quantize epilogue (flow: h saved FP8,
+// flow-fp4: MXFP4) and against GEMM1 followed by the separate swiglu_quant / swiglu_quant_h4,
+// at the DeepSeek-V3 (EP8) and V2-Lite expert shapes; the fused outputs are checked bit for bit
+// against the two-kernel ones. Target (issue 19): fused <= 1.05x GEMM1 alone.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,6 +27,10 @@
 #include <vector>
 
 #include "flowmoe/cuda/convert.h"
+#include "flowmoe/cuda/qtensor_view.h"
+#include "flowmoe/cuda/status.h"
+#include "flowmoe/error.h"
+#include "flowmoe/gemm.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/swiglu.h"
 
@@ -223,17 +233,132 @@ void bench_config(const Config& c, int64_t m) {
     cudaFree(p);
 }
 
+// ---- GEMM1 with the fused SwiGLU epilogue ---------------------------------------------------------
+__global__ void fill_bf16_kernel(bf16_t* p, int64_t n, uint32_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ (uint32_t(i >> 32) + seed) * 2246822519u;
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
+    // sum of two uniforms in [-1, 1): spread values with a few large ones (not a normal; enough here)
+    const float u = (float(h & 0xFFFF) - 32768.f + float(h >> 16) - 32768.f) / 32768.f;
+    p[i] = num::f32_to_bf16(u * scale);
+  }
+}
+void fill_bf16(bf16_t* p, int64_t n, uint32_t seed, float scale) {
+  fill_bf16_kernel<<<1024, 256>>>(p, n, seed, scale);
+  CK(cudaGetLastError());
+}
+bool same_bytes(const uint8_t* a, const uint8_t* b, size_t n) {
+  std::vector<uint8_t> ha(n), hb(n);
+  CK(cudaMemcpy(ha.data(), a, n, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hb.data(), b, n, cudaMemcpyDeviceToHost));
+  return std::memcmp(ha.data(), hb.data(), n) == 0;
+}
+
+// One expert shape: E experts of `rows_per_expert` rows, W1 [2F, H] each.
+void bench_gemm1(const char* name, int E, int64_t rows_per_expert, int64_t h, int64_t f) {
+  const int64_t m = E * rows_per_expert, n = 2 * f, wn = int64_t(E) * n * h;
+  std::vector<int32_t> off(E + 1);
+  for (int e = 0; e <= E; ++e) off[e] = int32_t(e * rows_per_expert);
+  int32_t* doff = dalloc<int32_t>(E + 1);
+  CK(cudaMemcpy(doff, off.data(), sizeof(int32_t) * (E + 1), cudaMemcpyHostToDevice));
+  std::vector<float> hp(m);
+  for (int64_t r = 0; r < m; ++r) hp[r] = 0.125f + float(r % 7) / 8;
+  float* prob = dalloc<float>(m);
+  CK(cudaMemcpy(prob, hp.data(), sizeof(float) * m, cudaMemcpyHostToDevice));
+  cuda::DeviceStatus* st = dalloc<cuda::DeviceStatus>(1);
+  CK(cudaMemset(st, 0, sizeof(*st)));
+  // x [m, H] and W1 quantized as the layer does (row-wise 1x128; 128x128 with GEMM-ready FP32 scales)
+  bf16_t* tmp = dalloc<bf16_t>(std::max(m * h, wn));
+  uint8_t *xc = dalloc<uint8_t>(m * h), *xs = dalloc<uint8_t>(h / 128 * m);
+  fill_bf16(tmp, m * h, 1, 1.0f);
+  cuda::quantize_row(tmp, m, h, xc, xs, st, 0);
+  const int64_t sblk = (n / 128) * (h / 128);
+  uint8_t *wc = dalloc<uint8_t>(wn), *ws8 = dalloc<uint8_t>(E * sblk), *wtc = dalloc<uint8_t>(wn),
+          *wts8 = dalloc<uint8_t>(E * sblk), *wic = dalloc<uint8_t>(wn);
+  float *wsf = dalloc<float>(gemm::weight_scale_f32_elems(E, n, h)), *wisf = dalloc<float>(gemm::weight_scale_f32_elems(E, n, h));
+  fill_bf16(tmp, wn, 2, 1.0f / std::sqrt(float(h)));
+  for (int e = 0; e < E; ++e)
+    cuda::quantize_weight(tmp + e * n * h, n, h, wc + e * n * h, ws8 + e * sblk, wtc + e * n * h, wts8 + e * sblk, st, 0);
+  cuda::weight_scales_to_f32(ws8, E, n, h, wsf, 0);
+  cudaFree(tmp);
+  cudaFree(wtc);
+  cudaFree(wts8);
+  const cuda::QTensorView x = cuda::row_1x128(xc, xs, m, h), w = cuda::weight_128x128_f32(wc, wsf, E, n, h),
+                          wi = cuda::weight_128x128_f32(wic, wisf, E, n, h);
+  cuda::interleave_gate_up(w, wi, 0);
+  bf16_t* hb = dalloc<bf16_t>(m * n);
+  uint8_t *ac[2], *as[2], *h8c[2], *h8s[2], *h4c[2], *h4s[2];  // [0] fused, [1] two kernels
+  for (int i = 0; i < 2; ++i) {
+    ac[i] = dalloc<uint8_t>(m * f), as[i] = dalloc<uint8_t>(f / 128 * m);
+    h8c[i] = dalloc<uint8_t>(m * n), h8s[i] = dalloc<uint8_t>(n / 128 * m);
+    h4c[i] = dalloc<uint8_t>(m * f), h4s[i] = dalloc<uint8_t>(m * (n / 32));
+  }
+  cuda::GroupedGemm gg;
+  const gemm::DeviceSegments seg{doff, E, m, st};
+  const auto gemm1 = [&] { gg.fprop(seg, n, h, x, w, {hb, m * n}, 0); };
+  const auto fused = [&](bool fp4) {
+    gg.fprop_swiglu(seg, f, h, x, wi, prob, cuda::row_1x128(ac[0], as[0], m, f),
+                    fp4 ? cuda::mxfp4_1x32(h4c[0], h4s[0], m, n) : cuda::row_1x128(h8c[0], h8s[0], m, n), st, 0);
+  };
+  const auto swiglu = [&](bool fp4) {
+    if (fp4) cuda::swiglu_quant_h4(hb, m, f, ac[1], as[1], h4c[1], h4s[1], st, 0, prob);
+    else cuda::swiglu_quant(hb, m, f, ac[1], as[1], h8c[1], h8s[1], st, 0, prob);
+  };
+  const float t_gemm = median_us([&](int) { gemm1(); });
+  const double flops = 2.0 * m * n * h;
+  std::printf("\n  %s: %d experts x %lld rows, H %lld, F %lld: GEMM1 alone (BF16 h) %.1f us, %.0f TFLOP/s\n", name, E,
+              (long long)rows_per_expert, (long long)h, (long long)f, t_gemm, flops / t_gemm * 1e-6);
+  for (bool fp4 : {false, true}) {
+    const float t_fused = median_us([&](int) { fused(fp4); });
+    const float t_swiglu = median_us([&](int) { swiglu(fp4); });
+    const float t_two = median_us([&](int) { gemm1(); swiglu(fp4); });
+    fused(fp4);
+    gemm1();
+    swiglu(fp4);
+    CK(cudaDeviceSynchronize());
+    const bool bits = same_bytes(ac[0], ac[1], m * f) && same_bytes(as[0], as[1], f / 128 * m) &&
+                      (fp4 ? same_bytes(h4c[0], h4c[1], m * f) && same_bytes(h4s[0], h4s[1], m * (n / 32))
+                           : same_bytes(h8c[0], h8c[1], m * n) && same_bytes(h8s[0], h8s[1], n / 128 * m));
+    const double r = t_fused / t_gemm;
+    std::printf("  %-9s fused %.1f us (%.3fx GEMM1 alone: <= 1.05x %s) | GEMM1 + %s %.1f us (swiglu alone %.1f us): "
+                "fused saves %.1f us = %.0f%% of the SwiGLU kernel | bits %s\n",
+                fp4 ? "flow-fp4" : "flow", t_fused, r, r <= 1.05 ? "PASS" : "FAIL",
+                fp4 ? "swiglu_quant_h4" : "swiglu_quant", t_two, t_swiglu, t_two - t_fused,
+                100.0 * (t_two - t_fused) / t_swiglu, bits ? "equal" : "DIFFER");
+  }
+  cuda::DeviceStatus hst{};
+  CK(cudaMemcpy(&hst, st, sizeof(hst), cudaMemcpyDeviceToHost));
+  if (hst.nonfinite || hst.bad_segments)
+    std::printf("  WARNING: status nonfinite %llu, bad_segments %llu\n", hst.nonfinite, hst.bad_segments);
+  for (int i = 0; i < 2; ++i)
+    for (void* p : std::initializer_list<void*>{ac[i], as[i], h8c[i], h8s[i], h4c[i], h4s[i]}) cudaFree(p);
+  for (void* p : std::initializer_list<void*>{doff, prob, st, xc, xs, wc, ws8, wic, wsf, wisf, hb}) cudaFree(p);
+}
+
+void gemm1_section() {
+  std::printf("\n## GEMM1 (grouped sm_90a kernel) with the fused SwiGLU*p + quantize epilogue\n");
+  try {
+    bench_gemm1("DeepSeek-V3 EP8", 32, 2048, 7168, 2048);
+    bench_gemm1("DeepSeek-V2-Lite", 64, 384, 2048, 1408);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    std::exit(1);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string only;
   int64_t rows = 32768;
+  bool gemm1_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = std::max(3, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--config") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--rows") && i + 1 < argc) rows = std::atoll(argv[++i]);
+    else if (!std::strcmp(argv[i], "--gemm1-only")) gemm1_only = true;
     else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--config NAME] [--rows M]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--reps N] [--config NAME] [--rows M] [--gemm1-only]\n", argv[0]);
       return 2;
     }
   }
@@ -248,8 +373,9 @@ int main(int argc, char** argv) {
       {"DeepSeek-V2-Lite", 1408, 8},   // 64 experts / EP8
   };
   for (const Config& c : configs) {
-    if (!only.empty() && only != c.name) continue;
+    if (gemm1_only || (!only.empty() && only != c.name)) continue;
     bench_config(c, rows);
   }
+  gemm1_section();
   return 0;
 }

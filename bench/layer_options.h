@@ -2,7 +2,8 @@
 // (`flowmoe bench`, tools/flowmoe/cmd_bench.cpp; bench/ep/flowmoe_bench_ep.cu). The library reads
 // none (README "Runtime settings"): FLOWMOE_LAYER_OVERLAP=0 (no side stream),
 // FLOWMOE_LAYER_TAIL_OVERLAP=0|1 (tail stream), FLOWMOE_LAYER_GROUPED_GEMM=0|1|auto (FP8
-// fprop/dgrad by cuBLASLt per expert, the grouped kernel, or the layer's choice), FLOWMOE_EP_DEDUP=0 (every (token, expert) row
+// fprop/dgrad by cuBLASLt per expert, the grouped kernel, or the layer's choice),
+// FLOWMOE_LAYER_FUSED_SWIGLU=0|1 (flow recipes: SwiGLU in GEMM1's epilogue), FLOWMOE_EP_DEDUP=0 (every (token, expert) row
 // travels), FLOWMOE_EP_DIRECT_BYTES=N, FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY / _WGRAD_KERNEL
 // (the GEMM options; a set priority overrides the layer's choice). Needs the CUDA backend.
 #pragma once
@@ -29,6 +30,7 @@ inline CudaLayerOptions layer_options_from_env() {
   };
   flag("FLOWMOE_LAYER_OVERLAP", &o.side_stream);
   flag("FLOWMOE_LAYER_TAIL_OVERLAP", &o.tail_stream);
+  flag("FLOWMOE_LAYER_FUSED_SWIGLU", &o.fused_swiglu);
   flag("FLOWMOE_EP_DEDUP", &o.ep_dedup);
   if (const char* v = std::getenv("FLOWMOE_LAYER_GROUPED_GEMM")) {
     const std::string g = v;

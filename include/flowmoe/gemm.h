@@ -261,6 +261,12 @@ void col_scales_to_f32(const uint8_t* scales, int64_t num_blocks, int64_t c, flo
 void weight_scales_to_f32(const uint8_t* scales, int num_experts, int64_t rows, int64_t cols,
                           float* out, cudaStream_t stream);
 
+// W1 of the experts, 128x128 FP8 [E * 2F, K] (UE8M0 or FP32 scales), with each expert's 128-row
+// blocks reordered gate 0, up 0, gate 1, up 1, ... (natural order: gate blocks, then up blocks), the
+// scale rows with them: the weight GroupedGemm::fprop_swiglu reads. `out` has w's shape and scale
+// format and does not overlap it. Stream-ordered, no sync, no allocation.
+void interleave_gate_up(const QTensorView& w, const QTensorView& out, cudaStream_t stream);
+
 // Grouped GEMMs on cuBLASLt: one matmul per non-empty expert, spread over a small pool of streams
 // forked from and joined back to `stream` (GroupedGemmOptions::streams), each with its own
 // workspace. The cuBLASLt handle, the matmul descriptors, the heuristic preference, the pool
@@ -337,6 +343,23 @@ class GroupedGemm {
              const cuda::QTensorView& wt, Span<bf16_t> dx, cudaStream_t stream);
   void wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const cuda::QTensorView& dy_col,
              const cuda::QTensorView& x_col, const WgradOut& dw, cudaStream_t stream);
+
+  // GEMM1 of the flow recipes with SwiGLU*prob and the quantizations fused into the grouped
+  // kernel's epilogue (docs/GEMM.md, "The fused SwiGLU epilogue"). For every row r < offsets[E]
+  // (expert e) with h = x_r . W1_e^T rounded to BF16 (what fprop writes, gate = h[0, F),
+  // up = h[F, 2F)): a'_r = row_prob[r] * silu(gate) * up written to a_row (FP8 1x128 row tiles,
+  // [capacity, F], UE8M0 scales [F/128][scale_ld]) and h written to h_saved (FP8 1x128 rows
+  // [capacity, 2F] with UE8M0 scales [2F/128][scale_ld], or MXFP4 1x32 [capacity, 2F]): exactly
+  // the bits of fprop followed by cuda::swiglu_quant (FP8 h) or cuda::swiglu_quant_h4 (MXFP4 h) on
+  // the rows < offsets[E]; h in BF16 is never written, other rows are untouched. x as fprop's;
+  // w1_interleaved: W1 [E * 2F, K] with each expert's 128-row blocks interleaved gate/up
+  // (interleave_gate_up); row_prob: [capacity] on the device, or null (a' = silu(gate) * up).
+  // Non-finite a', gate and up values are counted in status->nonfinite (may be null) as the SwiGLU
+  // kernels count them; malformed offsets in seg.status. F a positive multiple of 128.
+  void fprop_swiglu(const DeviceSegments& seg, int64_t f, int64_t k, const cuda::QTensorView& x,
+                    const cuda::QTensorView& w1_interleaved, const float* row_prob,
+                    const cuda::QTensorView& a_row, const cuda::QTensorView& h_saved, DeviceStatus* status,
+                    cudaStream_t stream);
 
   // BF16 baseline (FP32 accumulation): x [M, K], w [E][N][K], y [M, N]; dgrad uses W itself.
   void fprop_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> x,

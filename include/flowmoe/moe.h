@@ -304,6 +304,13 @@ struct CudaLayerOptions {
   // there). Same bits as the default. One GPU (no communicator), the recipes blockwise, flow and
   // flow-fp4, align 128 (the wgrad kernel's token blocks); make_cuda_layer rejects anything else.
   bool sync_free = false;
+  // flow / flow-fp4 with the grouped kernel running GEMM1 (fprop_dgrad above): SwiGLU*prob and the
+  // quantizations of a' and the saved h run in GEMM1's epilogue (GroupedGemm::fprop_swiglu; W1
+  // kept with its gate/up blocks interleaved), so h in BF16 is never written or read back; false:
+  // GEMM1 writes h in BF16 and a separate SwiGLU kernel quantizes it. Same bits either way. Off by
+  // default: the fused epilogue does not yet overlap the tensor-core work and measured slower than
+  // the two kernels (docs/GEMM.md, "The fused SwiGLU epilogue").
+  bool fused_swiglu = false;
   // The grouped GEMMs' options (gemm.h): cuBLASLt per expert (BF16, wgrad, grouped_gemm off) and
   // the wgrad kernel's choice.
   gemm::GroupedGemmOptions gemm;

@@ -138,6 +138,9 @@ constexpr char kSwigluQuantRowColHRow[] = "SwiGLU*prob + quantize (a' row + col,
 constexpr char kSwigluQuantRowColHMxfp4[] = "SwiGLU*prob + quantize (a' row + col, h MXFP4)";
 constexpr char kSwigluQuantRowHRow[] = "SwiGLU*prob + quantize (a' row, h row)";
 constexpr char kSwigluQuantRowHMxfp4[] = "SwiGLU*prob + quantize (a' row, h MXFP4)";
+// the same two as GEMM1's fused epilogue (CudaLayerOptions::fused_swiglu): one operator, inside GEMM1
+constexpr char kGemm1SwigluQuantRowHRow[] = "GEMM1 epilogue: SwiGLU*prob + quantize (a' row, h row)";
+constexpr char kGemm1SwigluQuantRowHMxfp4[] = "GEMM1 epilogue: SwiGLU*prob + quantize (a' row, h MXFP4)";
 constexpr char kDswigluQuantRowCol[] = "dSwiGLU*prob + quantize (dh row + col)";
 // saved tensors (SavedTensor::name) other than the recipe's three expert activations
 constexpr char kSavedRouterInput[] = "router input x";

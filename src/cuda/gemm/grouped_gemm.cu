@@ -263,6 +263,7 @@ void check_shape(const QTensorView& v, int64_t rows, int64_t cols, const char* w
   FLOWMOE_CHECK(v.rows == rows && v.cols == cols, what << ": " << name << " is [" << v.rows << ", " << v.cols
                                                        << "], expected [" << rows << ", " << cols << "]");
 }
+// d.data null: no BF16 output (the SwiGLU epilogue)
 sm90::RowwiseGroupedArgs rowwise_args(const gemm::DeviceSegments& seg, int64_t n_out, int64_t k_red,
                                       const QTensorView& a, const QTensorView& b, gemm::Span<bf16_t> d,
                                       const char* what) {
@@ -272,7 +273,7 @@ sm90::RowwiseGroupedArgs rowwise_args(const gemm::DeviceSegments& seg, int64_t n
   check_view(b, Layout::kWeight128x128, b.scale_format, what);
   check_shape(a, seg.capacity, k_red, what, "the activation");
   check_shape(b, int64_t(seg.num_segments) * n_out, k_red, what, "the stacked weights");
-  FLOWMOE_CHECK(d.size >= seg.capacity * n_out,
+  FLOWMOE_CHECK(d.data == nullptr || d.size >= seg.capacity * n_out,
                 what << ": the output holds " << d.size << " elements, expected " << seg.capacity * n_out);
   sm90::RowwiseGroupedArgs r;
   r.offsets = seg.offsets;
@@ -310,6 +311,39 @@ void GroupedGemm::fprop(const DeviceSegments& seg, int64_t n, int64_t k, const Q
 void GroupedGemm::dgrad(const DeviceSegments& seg, int64_t n, int64_t k, const QTensorView& dy,
                         const QTensorView& wt, Span<bf16_t> dx, cudaStream_t stream) {
   rowwise_on_device(seg, k, n, dy, wt, dx, "FP8 dgrad (device segments)", stream);
+}
+
+void GroupedGemm::fprop_swiglu(const DeviceSegments& seg, int64_t f, int64_t k, const QTensorView& x,
+                               const QTensorView& w1_interleaved, const float* row_prob, const QTensorView& a_row,
+                               const QTensorView& h_saved, DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "FP8 fprop + SwiGLU epilogue (device segments)";
+  impl_->require_fp8(what);
+  check_device_segments(seg, what);
+  FLOWMOE_CHECK(f > 0 && f % kFp8Block == 0,
+                what << ": F = " << f << " is not a positive multiple of 128 (W1 is [2F, K] per expert)");
+  if (seg.capacity == 0) return;  // no rows: nothing to compute or write
+  const bool mxfp4 = h_saved.layout == Layout::kMxfp4Row1x32;
+  check_view(a_row, Layout::kRow1x128, ScaleFormat::kUe8m0, what);
+  check_view(h_saved, mxfp4 ? Layout::kMxfp4Row1x32 : Layout::kRow1x128, ScaleFormat::kUe8m0, what);
+  check_shape(a_row, seg.capacity, f, what, "a' (a_row)");
+  check_shape(h_saved, seg.capacity, 2 * f, what, "h (h_saved)");
+  FLOWMOE_CHECK(!mxfp4 || h_saved.scale_ld == 2 * f / kFp4Block,
+                what << ": the MXFP4 h scales must be dense [capacity][2F/32] (scale_ld " << h_saved.scale_ld
+                     << ", expected " << 2 * f / kFp4Block << ")");
+  sm90::SwigluEpilogueArgs s;
+  s.f = f;
+  s.prob = row_prob;
+  s.a_codes = a_row.codes;
+  s.a_scales = a_row.ue8m0();
+  s.a_scale_ld = a_row.scale_ld;
+  s.h_mxfp4 = mxfp4;
+  s.h_codes = h_saved.codes;
+  s.h_scales = h_saved.ue8m0();
+  s.h_scale_ld = h_saved.scale_ld;
+  s.status = status;
+  sm90::fp8_grouped_rowwise_swiglu(rowwise_args(seg, 2 * f, k, x, w1_interleaved, {nullptr, 0}, what), s, what,
+                                   stream);
+  ++impl_->stats.grouped_kernel_calls;
 }
 
 void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const QTensorView& dy_col,

@@ -21,7 +21,9 @@
 // acc += block * (sa * sb). While one consumer promotes, the other's WGMMAs keep the tensor cores
 // busy. Epilogue: full 64-row halves staged as BF16 in swizzled shared memory and written by TMA
 // stores that overlap the next tile's math; a partial half stores BF16 pairs from the fragments,
-// rows below M_e only.
+// rows below M_e only. GEMM1 of the flow recipes can instead end in the fused SwiGLU epilogue
+// (Epi::kSwigluH8 / kSwigluH4, kBN = 256 over W1 interleaved in 128-row gate/up blocks:
+// sm90_grouped_swiglu_epilogue.cuh), which writes a' and the saved h quantized and no BF16 h.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -31,6 +33,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/gemm/sm90_fp8_grouped_1x128.h"
+#include "cuda/gemm/sm90_grouped_swiglu_epilogue.cuh"
 #include "cuda/sm90/fence.cuh"
 #include "cuda/sm90/mbarrier.cuh"
 #include "cuda/sm90/tma.cuh"
@@ -78,17 +81,21 @@ struct Params {
   const uint8_t* b_u8;
   const float* b_f32;
   int64_t b_ld;
-  bf16_t* d;
+  bf16_t* d;  // Epi::kBf16
   unsigned long long* bad_segments;
+  SwigluEpiParams swiglu;  // the SwiGLU epilogues
 };
 
 
-template <int kBN>
+template <int kBN, Epi kEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_rowwise_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                            const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params p) {
 #ifdef FLOWMOE_SM90A
   using C = Cfg<kBN>;
+  static_assert(kEpi == Epi::kBf16 || kBN == 256, "the SwiGLU epilogue needs gate and up in one 256-wide tile");
+  static_assert(kEpi == Epi::kBf16 || SwigluStage<kEpi>::kBytes <= C::kBoxes * kBoxBytes,
+                "the SwiGLU epilogue's codes must fit the warpgroup's staging buffer");
   constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kScaleFloats = C::kScaleFloats;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -250,7 +257,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // to the next tile; the buffer is waited for (read) only when the next such epilogue refills it.
     // A partial half (the expert's last token tile) stores BF16 pairs from the fragments, rows below
     // M_e only (the others belong to the next expert or lie past the segments).
-    if (local0 + 64 <= me) {
+    if constexpr (kEpi != Epi::kBf16) {
+      swiglu_epilogue<kEpi>(acc, ebuf, p.swiglu, int64_t(off) + local0, me - local0, nt, t, 1 + ci);
+    } else if (local0 + 64 <= me) {
       if (t == 0) bulk_wait_read_all();
       named_sync(1 + ci, 128);
 #pragma unroll
@@ -295,21 +304,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+template <int kBN, Epi kEpi>
+void allow_smem() {
+  FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_rowwise_kernel<kBN, kEpi>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<kBN>::kSmemBytes));
+}
+
 // SMs of the current device; the kernels' shared-memory limit raised once per device.
 int sm_count() {
   return detail::sm_count_after([] {
-    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_rowwise_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            Cfg<128>::kSmemBytes));
-    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_rowwise_kernel<256>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            Cfg<256>::kSmemBytes));
+    allow_smem<128, Epi::kBf16>();
+    allow_smem<256, Epi::kBf16>();
+    allow_smem<256, Epi::kSwigluH8>();
+    allow_smem<256, Epi::kSwigluH4>();
   });
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-}  // namespace
-
-const char* rowwise_grouped_unsupported(const RowwiseGroupedArgs& a) {
+// The checks of both entry points; `with_d`: the BF16 output is written (not the SwiGLU epilogue).
+const char* unsupported(const RowwiseGroupedArgs& a, bool with_d) {
   constexpr int64_t kBig = int64_t(1) << 31;
   if (a.num_experts < 1 || a.num_experts > kMaxGroupedExperts) return "the expert count is not 1 .. 1024";
   if (a.m < 0 || a.m >= kBig) return "the token count is not 0 .. 2^31 - 1";
@@ -319,26 +333,25 @@ const char* rowwise_grouped_unsupported(const RowwiseGroupedArgs& a) {
   if ((a.m / kTile + a.num_experts) * (a.n_out / kTile) >= kBig) return "more than 2^31 output tiles";
   if (a.offsets == nullptr) return "no device offsets";
   if (a.m == 0) return nullptr;
-  if (!a.a_codes || !a.a_scales || !a.b_codes || !a.b_scales || !a.d) return "a null operand pointer";
-  if (!aligned16(a.a_codes) || !aligned16(a.b_codes) || !aligned16(a.d)) return "codes or output not 16-byte aligned";
+  if (!a.a_codes || !a.a_scales || !a.b_codes || !a.b_scales || (with_d && !a.d)) return "a null operand pointer";
+  if (!aligned16(a.a_codes) || !aligned16(a.b_codes) || (with_d && !aligned16(a.d)))
+    return "codes or output not 16-byte aligned";
   if (a.a_ue8m0 && a.a_scale_ld < a.m) return "the activation scale grid's leading dimension is below the token count";
   if (a.b_scale_ld < a.k_red / kTile) return "the weight scale grid's leading dimension is below k/128";
   return nullptr;
 }
 
-void fp8_grouped_rowwise(const RowwiseGroupedArgs& a, const char* what, cudaStream_t stream) {
-  const char* why = rowwise_grouped_unsupported(a);
-  FLOWMOE_CHECK(why == nullptr, what << " (grouped sm_90a kernel): " << why << " (experts " << a.num_experts << ", m "
-                                     << a.m << ", n " << a.n_out << ", k " << a.k_red << ")");
-  if (a.m == 0) return;
-  const int sms = sm_count();
-  const CUtensorMap ma = make_tensor_map_2d(a.a_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(a.m),
-                                            uint64_t(a.k_red), kTile, kTile, CU_TENSOR_MAP_SWIZZLE_128B, what);
-  const CUtensorMap mb = make_tensor_map_2d(a.b_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1,
-                                            uint64_t(a.num_experts) * a.n_out, uint64_t(a.k_red), kTile, kTile,
-                                            CU_TENSOR_MAP_SWIZZLE_128B, what);
-  const CUtensorMap md = make_tensor_map_2d(a.d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(a.m),
-                                            uint64_t(a.n_out), 64, 64, CU_TENSOR_MAP_SWIZZLE_128B, what);
+// The kernel parameters and the tensor maps of the operands (and of D when `with_d`).
+Params make_params(const RowwiseGroupedArgs& a, bool with_d, const char* what, CUtensorMap& ma, CUtensorMap& mb,
+                   CUtensorMap& md) {
+  ma = make_tensor_map_2d(a.a_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(a.m), uint64_t(a.k_red), kTile, kTile,
+                          CU_TENSOR_MAP_SWIZZLE_128B, what);
+  mb = make_tensor_map_2d(a.b_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(a.num_experts) * a.n_out,
+                          uint64_t(a.k_red), kTile, kTile, CU_TENSOR_MAP_SWIZZLE_128B, what);
+  md = CUtensorMap{};  // the SwiGLU epilogues store without TMA
+  if (with_d)
+    md = make_tensor_map_2d(a.d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(a.m), uint64_t(a.n_out), 64, 64,
+                            CU_TENSOR_MAP_SWIZZLE_128B, what);
   Params p{};
   p.offsets = a.offsets;
   p.num_experts = a.num_experts;
@@ -351,14 +364,70 @@ void fp8_grouped_rowwise(const RowwiseGroupedArgs& a, const char* what, cudaStre
   p.b_ld = a.b_scale_ld;
   p.d = a.d;
   p.bad_segments = a.status ? &a.status->bad_segments : nullptr;
-  // at most m/128 + E token tiles in all (each expert's last one partial)
-  const bool wide = a.n_out % 256 == 0;
-  const int64_t max_tiles = (a.m / kTile + a.num_experts) * (a.n_out / (wide ? 256 : 128));
-  const int grid = int(std::min<int64_t>(max_tiles, sms));
-  if (wide)
-    grouped_rowwise_kernel<256><<<grid, kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
+  return p;
+}
+
+// One CTA per SM, at most one per output tile (at most m/128 + E token tiles in all: each
+// expert's last one partial).
+int grid_size(const RowwiseGroupedArgs& a, int bn) {
+  const int64_t max_tiles = (a.m / kTile + a.num_experts) * (a.n_out / bn);
+  return int(std::min<int64_t>(max_tiles, sm_count()));
+}
+
+}  // namespace
+
+const char* rowwise_grouped_unsupported(const RowwiseGroupedArgs& a) { return unsupported(a, true); }
+
+void fp8_grouped_rowwise(const RowwiseGroupedArgs& a, const char* what, cudaStream_t stream) {
+  const char* why = rowwise_grouped_unsupported(a);
+  FLOWMOE_CHECK(why == nullptr, what << " (grouped sm_90a kernel): " << why << " (experts " << a.num_experts << ", m "
+                                     << a.m << ", n " << a.n_out << ", k " << a.k_red << ")");
+  if (a.m == 0) return;
+  CUtensorMap ma, mb, md;
+  const Params p = make_params(a, true, what, ma, mb, md);
+  if (a.n_out % 256 == 0)
+    grouped_rowwise_kernel<256, Epi::kBf16><<<grid_size(a, 256), kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
   else
-    grouped_rowwise_kernel<128><<<grid, kThreads, Cfg<128>::kSmemBytes, stream>>>(ma, mb, md, p);
+    grouped_rowwise_kernel<128, Epi::kBf16><<<grid_size(a, 128), kThreads, Cfg<128>::kSmemBytes, stream>>>(ma, mb, md, p);
+  FLOWMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+const char* swiglu_grouped_unsupported(const RowwiseGroupedArgs& a, const SwigluEpilogueArgs& s) {
+  if (const char* why = unsupported(a, false)) return why;
+  if (a.d != nullptr) return "a BF16 output given: the SwiGLU epilogue writes a' and h only";
+  if (s.f <= 0 || a.n_out != 2 * s.f) return "the output features are not 2F (gate and up)";
+  if (a.m == 0) return nullptr;
+  if (!s.a_codes || !s.a_scales || !s.h_codes || !s.h_scales) return "a null a' or h pointer";
+  if (!aligned16(s.a_codes) || !aligned16(s.h_codes)) return "the a' or h codes are not 16-byte aligned";
+  if (s.h_mxfp4 && (reinterpret_cast<uintptr_t>(s.h_scales) & 3u) != 0) return "the MXFP4 h scales are not 4-byte aligned";
+  if (s.a_scale_ld < a.m || (!s.h_mxfp4 && s.h_scale_ld < a.m))
+    return "the a' or h scale grid's leading dimension is below the token count";
+  return nullptr;
+}
+
+void fp8_grouped_rowwise_swiglu(const RowwiseGroupedArgs& a, const SwigluEpilogueArgs& s, const char* what,
+                                cudaStream_t stream) {
+  const char* why = swiglu_grouped_unsupported(a, s);
+  FLOWMOE_CHECK(why == nullptr, what << " (grouped sm_90a kernel, SwiGLU epilogue): " << why << " (experts "
+                                     << a.num_experts << ", m " << a.m << ", n " << a.n_out << ", k " << a.k_red
+                                     << ", F " << s.f << ")");
+  if (a.m == 0) return;
+  CUtensorMap ma, mb, md;
+  Params p = make_params(a, false, what, ma, mb, md);
+  p.swiglu.prob = s.prob;
+  p.swiglu.a_codes = s.a_codes;
+  p.swiglu.a_scales = s.a_scales;
+  p.swiglu.h_codes = s.h_codes;
+  p.swiglu.h_scales = s.h_scales;
+  p.swiglu.a_scale_ld = s.a_scale_ld;
+  p.swiglu.h_scale_ld = s.h_scale_ld;
+  p.swiglu.f = int(s.f);
+  p.swiglu.nonfinite = s.status ? &s.status->nonfinite : nullptr;
+  const int grid = grid_size(a, 256);
+  if (s.h_mxfp4)
+    grouped_rowwise_kernel<256, Epi::kSwigluH4><<<grid, kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
+  else
+    grouped_rowwise_kernel<256, Epi::kSwigluH8><<<grid, kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -52,6 +52,31 @@ const char* rowwise_grouped_unsupported(const RowwiseGroupedArgs& a);
 // synchronisation and no allocation: capturable in a CUDA graph.
 void fp8_grouped_rowwise(const RowwiseGroupedArgs& a, const char* what, cudaStream_t stream);
 
+// GEMM1 of the flow recipes with the SwiGLU epilogue (sm90_grouped_swiglu_epilogue.cuh): the fprop
+// above with B = W1 of every expert with its 128-row blocks interleaved gate 0, up 0, gate 1, up 1,
+// ... (n_out = 2F; d must be null: h in BF16 is not written). Per row r < offsets[E] and 128
+// features j: a'[r, j] = p[r] * silu(h_gate) * h_up (h rounded to BF16 as the BF16 output would be)
+// as FP8 1x128 row tiles, and the saved h in natural order (gate columns [0, F), up [F, 2F)) as
+// FP8 1x128 row tiles or MXFP4 1x32 blocks: the bits of fp8_grouped_rowwise on the natural W1
+// followed by cuda::swiglu_quant / swiglu_quant_h4.
+struct SwigluEpilogueArgs {
+  int64_t f = 0;                  // F: features of a'
+  const float* prob = nullptr;    // [m] routing probability per row, or null (a' = silu(gate) up)
+  uint8_t* a_codes = nullptr;     // E4M3 [m, F], 16-byte aligned
+  uint8_t* a_scales = nullptr;    // UE8M0 [F/128][a_scale_ld], a_scale_ld >= m
+  int64_t a_scale_ld = 0;
+  bool h_mxfp4 = false;           // h saved as MXFP4 (flow-fp4) instead of FP8 rows (flow)
+  uint8_t* h_codes = nullptr;     // FP8: E4M3 [m, 2F]; MXFP4: E2M1 [m, F] (two per byte); 16-byte aligned
+  uint8_t* h_scales = nullptr;    // FP8: UE8M0 [2F/128][h_scale_ld]; MXFP4: [m][2F/32], 4-byte aligned
+  int64_t h_scale_ld = 0;         // FP8 only, >= m
+  DeviceStatus* status = nullptr; // non-finite a', gate and up values counted in status->nonfinite
+};
+// Why the SwiGLU epilogue cannot take these arguments, or null when it can.
+const char* swiglu_grouped_unsupported(const RowwiseGroupedArgs& a, const SwigluEpilogueArgs& s);
+// One kernel launch, as fp8_grouped_rowwise (throws naming `what` before enqueueing anything).
+void fp8_grouped_rowwise_swiglu(const RowwiseGroupedArgs& a, const SwigluEpilogueArgs& s, const char* what,
+                                cudaStream_t stream);
+
 }  // namespace sm90
 }  // namespace cuda
 }  // namespace flowmoe

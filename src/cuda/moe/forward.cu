@@ -121,26 +121,38 @@ void CudaMoeLayer::forward_flow(bf16_t* y) {
       quantize_mxfp4(ws_.routing.x, T_, H_, b.entry_mxfp4.codes, b.entry_mxfp4.ue8m0(), st_fwd(), stream_); }
     log(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeXEntryMxfp4, 1, 1, T_ * H_);
     { auto s = fwd(comm_ ? "dispatch x (mxfp4)" : "permute+pad x (mxfp4)"); move_mxfp4(b.entry_mxfp4, b.x_perm_mxfp4); }
+    // (the fused GEMM1 writes a_row while it reads its input: then not in a_row's storage)
+    x_in = fused_swiglu_ ? b.x_perm_fp8_fused : b.x_perm_fp8;
     { auto s = fwd("FP4RowToFP8Row x_perm");
-      fp4_to_fp8_row(b.x_perm_mxfp4.codes, b.x_perm_mxfp4.ue8m0(), Mp_, H_, b.x_perm_fp8.codes, b.x_perm_fp8.ue8m0(),
-                     st_fwd(), stream_, rows_bound()); }
+      fp4_to_fp8_row(b.x_perm_mxfp4.codes, b.x_perm_mxfp4.ue8m0(), Mp_, H_, x_in.codes, x_in.ue8m0(), st_fwd(),
+                     stream_, rows_bound()); }
     log_rows(MoePass::kForward, CastKind::kConvert, report_names::kFp4RowToFp8RowXperm, 1, 1, H_);
-    x_in = b.x_perm_fp8;
   }
-  { auto s = fwd("GEMM1 fprop (fp8)");
-    fp8_fprop(x_in, 2 * F_, H_, w.w1, b.h, st_fwd_aux()); }
-  const QTensorView& ar = b.a_row;  // (flow-fp4: its storage held GEMM1's input, consumed by now)
+  const QTensorView& ar = b.a_row;  // (flow-fp4 unfused: its storage held GEMM1's input, consumed by now)
   const QTensorView& hs = b.h_saved;
-  if (!fp4) {
-    auto s = fwd("SwiGLU*prob + quantize (a' row, h row)");
-    cuda::swiglu_quant(b.h, Mp_, F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), st_fwd(), stream_,
-                       ws_.routing.row_prob, rows_bound());
-    log_rows(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHRow, 1, 2, 2 * F_);
+  if (fused_swiglu_) {
+    // one kernel: GEMM1 on the interleaved W1 with SwiGLU*prob and both quantizations in its epilogue
+    auto s = fwd(fp4 ? "GEMM1 fprop (fp8) + SwiGLU*prob + quantize (a' row, h mxfp4)"
+                     : "GEMM1 fprop (fp8) + SwiGLU*prob + quantize (a' row, h row)");
+    const QTensorView h_out = fp4 ? mxfp4_1x32(hs.codes, hs.ue8m0(), Mp_, 2 * F_) : row_1x128(hs.codes, hs.ue8m0(), Mp_, 2 * F_);
+    gemm_->fprop_swiglu(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_fwd_aux()}, F_, H_, gemm_rows(x_in, H_),
+                        w.w1, ws_.routing.row_prob, row_1x128(ar.codes, ar.ue8m0(), Mp_, F_), h_out, st_fwd(), stream_);
+    log_rows(MoePass::kForward, CastKind::kFused,
+             fp4 ? report_names::kGemm1SwigluQuantRowHMxfp4 : report_names::kGemm1SwigluQuantRowHRow, 1, 2, 2 * F_);
   } else {
-    auto s = fwd("SwiGLU*prob + quantize (a' row, h mxfp4)");
-    cuda::swiglu_quant_h4(b.h, Mp_, F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), st_fwd(), stream_,
-                          ws_.routing.row_prob, rows_bound());
-    log_rows(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHMxfp4, 1, 2, 2 * F_);
+    { auto s = fwd("GEMM1 fprop (fp8)");
+      fp8_fprop(x_in, 2 * F_, H_, w.w1, b.h, st_fwd_aux()); }
+    if (!fp4) {
+      auto s = fwd("SwiGLU*prob + quantize (a' row, h row)");
+      cuda::swiglu_quant(b.h, Mp_, F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), st_fwd(), stream_,
+                         ws_.routing.row_prob, rows_bound());
+      log_rows(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHRow, 1, 2, 2 * F_);
+    } else {
+      auto s = fwd("SwiGLU*prob + quantize (a' row, h mxfp4)");
+      cuda::swiglu_quant_h4(b.h, Mp_, F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), st_fwd(), stream_,
+                            ws_.routing.row_prob, rows_bound());
+      log_rows(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHMxfp4, 1, 2, 2 * F_);
+    }
   }
   {  // the wgrad copy of a' is needed in the backward only: next to GEMM2 (both read a' row-wise)
     cudaStream_t ts = streams_.fork();

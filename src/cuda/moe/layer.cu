@@ -44,6 +44,7 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   sync_free_ = options.sync_free;
   grouped_gemm_ = sync_free_ || options.fprop_dgrad == FD::kGrouped ||
                   (options.fprop_dgrad == FD::kAuto && max_rows_ <= CudaLayerOptions::kGroupedAutoRows * El_);
+  fused_swiglu_ = options.fused_swiglu && grouped_gemm_ && (rc == Recipe::kFlow || rc == Recipe::kFlowFp4);
   if (comm_)  // agreed across ranks by make_cuda_layer
     direct_bytes_ = options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes;
   ws_.allocate(arena_, cfg_, dedup_);
@@ -116,6 +117,18 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
     weight_scales_to_f32(wb.w1t_ue8m0, El_, H_, 2 * F_, wb.w1t.f32(), stream_);
     weight_scales_to_f32(wb.w2_ue8m0, El_, H_, F_, wb.w2.f32(), stream_);
     weight_scales_to_f32(wb.w2t_ue8m0, El_, F_, H_, wb.w2t.f32(), stream_);
+    if (fused_swiglu_) {
+      // GEMM1's fused SwiGLU epilogue reads W1 with its gate/up blocks interleaved (only GEMM1's
+      // fprop reads w1): the natural copy goes through w1_bf16, free once quantized
+      const QTensorView& w1 = wb.w1;
+      QTensorView natural = w1;
+      natural.codes = reinterpret_cast<uint8_t*>(wb.w1_bf16);
+      natural.scales = natural.codes + n1;
+      FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(natural.codes, w1.codes, n1, cudaMemcpyDeviceToDevice, stream_));
+      FLOWMOE_CUDA_CHECK(
+          cudaMemcpyAsync(natural.scales, w1.scales, w1.scale_bytes(), cudaMemcpyDeviceToDevice, stream_));
+      interleave_gate_up(natural, w1, stream_);
+    }
     log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, El_, 2 * El_, n1);
     log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, El_, 2 * El_, n2);
   } else if (spec.weights == WeightCopy::kFp8BlockFp32Scale) {

@@ -219,6 +219,8 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup) {
         x.entry_mxfp4 = mxfp4_1x32(codes, a.device<uint8_t>(Tm * H / 32), Tm, H);
         uint8_t* xcodes = a.device<uint8_t>(R * H / 2);
         x.x_perm_mxfp4 = mxfp4_1x32(xcodes, a.device<uint8_t>(R * H / 32), R, H);
+        // [H/128][R] scale bytes fit dy_col's [MB][maxC] (MB >= R/128, maxC >= H)
+        x.x_perm_fp8_fused = row_1x128(x.dy_col.codes, x.dy_col.ue8m0(), R, H);
       }
       break;
     }

@@ -79,9 +79,11 @@ struct WeightBuffers {
   float* wr = nullptr;            // [E, H]
   float* router_bias = nullptr;   // [E]
   bf16_t* wr_check = nullptr;     // [E, H] scratch of set_weights' non-finite check of Wr
-  bf16_t* w1_bf16 = nullptr;      // [El, 2F, H]
+  bf16_t* w1_bf16 = nullptr;      // [El, 2F, H] (fused SwiGLU: scratch once W1 is quantized)
   bf16_t* w2_bf16 = nullptr;      // [El, H, F]
-  // FP8 recipes: codes + GEMM-ready FP32 128x128 block scales, and the exact transposes (dgrad)
+  // FP8 recipes: codes + GEMM-ready FP32 128x128 block scales, and the exact transposes (dgrad);
+  // with the fused SwiGLU (CudaLayerOptions::fused_swiglu) w1's 128-row blocks are interleaved
+  // gate/up per expert (interleave_gate_up)
   QTensorView w1, w1t, w2, w2t;
   // power-of-two recipes: the UE8M0 block scales quantize_weight writes, [El][N/128][K/128],
   // converted into w*.scales
@@ -127,6 +129,9 @@ struct ExpertBuffers {
   QTensorView x_perm_row;   // flow: x_perm row-wise FP8 [R, H]
   QTensorView x_perm_mxfp4; // flow-fp4: x_perm MXFP4 [R, H]
   QTensorView h_saved;      // flow: h row-wise FP8 [R, 2F]; flow-fp4: h MXFP4
+  // flow-fp4 with the fused SwiGLU: GEMM1's FP8 input [R, H] in the storage of dy_col (backward
+  // only), since the kernel that reads it writes a_row, whose storage x_perm_fp8 shares
+  QTensorView x_perm_fp8_fused;
   QTensorView x_perm_f32;   // fp8-naive: x_perm row-wise, FP32 scales (expert-packed)
   QTensorView a_f32;        // fp8-naive: a' row-wise, FP32 scales (expert-packed)
 

@@ -1,7 +1,9 @@
-// Private building blocks of the SwiGLU kernels (swiglu_forward.cu, swiglu_backward.cu): element
-// helpers (BF16 unpack/pack, SwiGLU and dSwiGLU of 8 features, E4M3 and E2M1 decoding), the
-// quantization of a 1x128 row tile held by a half-warp (and the MXFP4 1x32 blocks of H), the
-// tuning constants both directions share, and the host-side argument checks.
+// Private building blocks of the SwiGLU kernels (swiglu_forward.cu, swiglu_backward.cu, and GEMM1's
+// fused SwiGLU epilogue, gemm/sm90_grouped_swiglu_epilogue.cuh): element helpers (BF16
+// unpack/pack, SwiGLU and dSwiGLU of 8 features, E4M3 and E2M1 decoding), block quantization in
+// pieces (scale from the amax, pair encoding) and the quantization of a 1x128 row tile held by a
+// half-warp (and the MXFP4 1x32 blocks of H) built from them, the tuning constants both directions
+// share, and the host-side argument checks.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -143,6 +145,46 @@ __device__ __forceinline__ void decode8_fp4(uint32_t c, uint8_t s, float (&x)[8]
   decode8(make_uint2(out[0], out[1]), s, x);
 }
 
+// ---- block quantization in pieces ------------------------------------------------------------------
+// The scale of a block from the largest magnitude of its values, and the codes of a pair of values
+// under that scale: the quantizers below (a block held by a half-warp or a quad, 8 values a lane)
+// and GEMM1's fused SwiGLU epilogue (sm90_grouped_swiglu_epilogue.cuh: a row's 1x128 tile held by
+// 4 lanes, 32 values each) are built from the same steps, so they give the same bits.
+struct BlockScale {
+  int e;     // scale exponent (meaningless when bad)
+  bool bad;  // the block holds an Inf or NaN: scale code 0xFF
+  __device__ __forceinline__ uint8_t code() const { return bad ? kUE8M0NaN : ue8m0_from_exp(e); }
+};
+// E4M3 scale from the largest |bf16| bit pattern of the block (absmax8_bits, combined by integer
+// maximum: >= 0x7F80 means Inf or NaN).
+__device__ __forceinline__ BlockScale e4m3_scale_bf16(uint32_t amax_bits) {
+  return BlockScale{e4m3_scale_exp(detail::bf16_bits_to_f32(amax_bits)), amax_bits >= detail::kBf16NonFiniteBits};
+}
+// E4M3 scale from the largest |binary32| bit pattern (absmax_nan per lane, combined by integer
+// maximum: NaN above Inf, >= 0x7F800000 means Inf or NaN; finite blocks get exactly max |a|).
+__device__ __forceinline__ BlockScale e4m3_scale_f32(uint32_t amax_bits) {
+  return BlockScale{e4m3_scale_exp(__uint_as_float(amax_bits)), amax_bits >= 0x7F800000u};
+}
+// E2M1 (MXFP4) scale from the largest |bf16| bit pattern of the 1x32 block.
+__device__ __forceinline__ BlockScale e2m1_scale_bf16(uint32_t amax_bits) {
+  return BlockScale{e2m1_scale_exp(detail::bf16_bits_to_f32(amax_bits)), amax_bits >= detail::kBf16NonFiniteBits};
+}
+// Two E4M3 codes (x in the low byte) of a finite block with scale exponent e, inv = inv_pow2(e).
+__device__ __forceinline__ uint32_t e4m3_encode2(float x, float y, float inv, int e) {
+  return detail::e4m3x4_saturate_for_scale(detail::e4m3x2(x * inv, y * inv), e);
+}
+// Two E2M1 nibbles (the low BF16 of w in the low nibble) of a finite MXFP4 block with exponent e.
+__device__ __forceinline__ uint32_t e2m1_encode2(uint32_t w, float inv, int e) {
+  return detail::e2m1x8_saturate_for_scale(detail::e2m1x2_bounded(bf16_lo(w) * inv, bf16_hi(w) * inv), e, 2);
+}
+// max(|x|, |y|) propagating NaN (PTX max.NaN; the absolute values fold into FMNMX's operand
+// modifiers): one instruction per value where integer maxima of masked bits take two.
+__device__ __forceinline__ float absmax_nan(float x, float y) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(fabsf(x)), "f"(fabsf(y)));
+  return r;
+}
+
 // MXFP4 (1x32) of 8 BF16 values per lane, a quad of lanes per block (cpu::quantize_mxfp4's rule;
 // the same steps as quantize_mxfp4_kernel). All 32 lanes must call.
 struct Fp4Codes {
@@ -150,20 +192,18 @@ struct Fp4Codes {
   uint8_t scale;   // the block's UE8M0 scale (0xFF: non-finite block, codes 0)
 };
 __device__ __forceinline__ Fp4Codes quantize_fp4x8(const uint4& v, unsigned long long* nonfinite) {
-  const uint32_t amax_bits = detail::group_max_u(detail::absmax8_bits(v), 4);
-  const bool bad = amax_bits >= detail::kBf16NonFiniteBits;
-  detail::count_nonfinite_warp(nonfinite, v, bad);
-  const int e = e2m1_scale_exp(detail::bf16_bits_to_f32(amax_bits));
+  const BlockScale s = e2m1_scale_bf16(detail::group_max_u(detail::absmax8_bits(v), 4));
+  detail::count_nonfinite_warp(nonfinite, v, s.bad);
   uint32_t out = 0;
-  if (!bad) {
-    const float inv = detail::inv_pow2(e);
+  if (!s.bad) {
+    const float inv = detail::inv_pow2(s.e);
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int q = 0; q < 4; ++q)
       out |= detail::e2m1x2_bounded(bf16_lo(w[q]) * inv, bf16_hi(w[q]) * inv) << (8 * q);
-    out = detail::e2m1x8_saturate_for_scale(out, e);
+    out = detail::e2m1x8_saturate_for_scale(out, s.e);
   }
-  return Fp4Codes{out, bad ? kUE8M0NaN : ue8m0_from_exp(e)};
+  return Fp4Codes{out, s.code()};
 }
 
 // ---- quantization of a 1x128 row tile held by a half-warp (8 bf16 per lane) ----------------------
@@ -184,18 +224,9 @@ struct TileCodes {
   uint8_t scale;  // the tile's UE8M0 scale (0xFF: non-finite tile)
 };
 __device__ __forceinline__ TileCodes quantize_tile8(const uint4& v, unsigned long long* nonfinite) {
-  const uint32_t amax_bits = detail::group_max_u(detail::absmax8_bits(v), 16);
-  const bool bad = amax_bits >= detail::kBf16NonFiniteBits;
-  detail::count_nonfinite_warp(nonfinite, v, bad);
-  const int e = e4m3_scale_exp(detail::bf16_bits_to_f32(amax_bits));
-  return TileCodes{encode8(v, e, bad), bad ? kUE8M0NaN : ue8m0_from_exp(e)};
-}
-// max(|x|, |y|) propagating NaN (PTX max.NaN; the absolute values fold into FMNMX's operand
-// modifiers): one instruction per value where integer maxima of masked bits take two.
-__device__ __forceinline__ float absmax_nan(float x, float y) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(fabsf(x)), "f"(fabsf(y)));
-  return r;
+  const BlockScale s = e4m3_scale_bf16(detail::group_max_u(detail::absmax8_bits(v), 16));
+  detail::count_nonfinite_warp(nonfinite, v, s.bad);
+  return TileCodes{encode8(v, s.e, s.bad), s.code()};
 }
 // The same for binary32 values (8 per lane). The lane's amax is a non-negative float or NaN, so
 // its bits order like the values (NaN above Inf) and the 16 lanes combine by integer maximum; any
@@ -212,14 +243,14 @@ __device__ __forceinline__ TileCodes quantize_tile8(const float (&a)[8], unsigne
     detail::warp_count(nonfinite, nbad);
   }
   if (bad) return TileCodes{make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu), kUE8M0NaN};
-  const int e = e4m3_scale_exp(__uint_as_float(mx));
-  const float inv = detail::inv_pow2(e);
+  const BlockScale s = e4m3_scale_f32(mx);
+  const float inv = detail::inv_pow2(s.e);
   uint32_t c[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) c[q] = detail::e4m3x2(a[2 * q] * inv, a[2 * q + 1] * inv);
-  return TileCodes{make_uint2(detail::e4m3x4_saturate_for_scale(c[0] | (c[1] << 16), e),
-                             detail::e4m3x4_saturate_for_scale(c[2] | (c[3] << 16), e)),
-                   ue8m0_from_exp(e)};
+  return TileCodes{make_uint2(detail::e4m3x4_saturate_for_scale(c[0] | (c[1] << 16), s.e),
+                             detail::e4m3x4_saturate_for_scale(c[2] | (c[3] << 16), s.e)),
+                   s.code()};
 }
 
 // ---- tuning constants shared by the forward and backward kernels ----------------------------------
