@@ -72,7 +72,7 @@ int flowmoe_layer_create_cuda(const flowmoe_config* cfg, flowmoe_comm* comm, int
 // The CUDA layer's options (moe.h CudaLayerOptions); all zero = the defaults.
 typedef struct flowmoe_cuda_options {
   // CudaLayerOptions::sync_free: no host synchronisation in forward and backward (one GPU, the
-  // recipes blockwise, flow, flow-fp4, align 128; the same bits as the default).
+  // FP8 recipes, align 128; the same bits as the default).
   int32_t sync_free;
 } flowmoe_cuda_options;
 // flowmoe_layer_create_cuda with options (null: the defaults).

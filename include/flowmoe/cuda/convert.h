@@ -117,8 +117,9 @@ void fp4_to_fp8_col_stepwise(const uint8_t* fp4_codes, const uint8_t* fp4_scales
 // non-finite value gets s = NaN and codes 0x7F (counted in status->nonfinite). Kernels:
 // src/cuda/convert/fp32_scale.cu.
 float fp32_scale(float amax);  // host copy of the rule, for tests
-// x [M, C] bf16 -> codes [M, C]; FP32 scales, GEMM-ready: with d_offsets [E+1] (device, offsets[E]
-// == M) expert-packed (gemm.h), without (null) the plain [C/128][M] grid. C % 128 == 0.
+// x [M, C] bf16 -> codes [M, C]; FP32 scales, GEMM-ready: with d_offsets [E+1] (device,
+// offsets[E] <= M; rows past offsets[E] belong to no expert and are left untouched) expert-packed
+// (gemm.h), without (null) the plain [C/128][M] grid. C % 128 == 0.
 void quantize_row_fp32_scale(const bf16_t* x, int64_t m, int64_t c, const int32_t* d_offsets,
                              int num_experts, uint8_t* codes, float* scales, DeviceStatus* status,
                              cudaStream_t stream);

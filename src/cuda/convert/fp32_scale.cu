@@ -108,7 +108,9 @@ quantize_row_fp32_scale_kernel(const bf16_t* __restrict__ x, int64_t m, int64_t 
     for (int i = threadIdx.x; i <= E; i += kThreads) s_off[i] = offsets[i];
   __syncthreads();
   const int lane = threadIdx.x & 31;
-  const int64_t L = c / 128, total = m * L;
+  // with offsets, rows past offsets[E] belong to no expert (a capacity the step does not fill)
+  const int64_t rows = offsets ? min(m, static_cast<int64_t>(s_off[E])) : m;
+  const int64_t L = c / 128, total = rows * L;
   for (int64_t w = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); w < total; w += int64_t(gridDim.x) * kWarps) {
     const int64_t r = w / L, l = w % L;
     const int64_t col = l * 128 + lane * 4;
@@ -131,7 +133,9 @@ dequantize_row_fp32_scale_kernel(const uint8_t* __restrict__ codes, const float*
     for (int i = threadIdx.x; i <= E; i += kThreads) s_off[i] = offsets[i];
   __syncthreads();
   const int lane = threadIdx.x & 31;
-  const int64_t L = c / 128, total = m * L;
+  // with offsets, rows past offsets[E] belong to no expert (a capacity the step does not fill)
+  const int64_t rows = offsets ? min(m, static_cast<int64_t>(s_off[E])) : m;
+  const int64_t L = c / 128, total = rows * L;
   for (int64_t w = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); w < total; w += int64_t(gridDim.x) * kWarps) {
     const int64_t r = w / L, l = w % L;
     const int64_t col = l * 128 + lane * 4;

@@ -114,10 +114,10 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
     fp8_dgrad(b.dy_row_f32, H_, F_, w.w2t, b.da, st_bwd_aux()); }
   { auto s = bwd("DQ->T->Q a'"); naive_col(b.a_f32, F_, b.a_col_f32, WgradOperand::kGemm2Input); }
   if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
-    gemm_->wgrad(seg_, H_, F_, f32_col_operand(b.dy_col_f32, H_), f32_col_operand(b.a_col_f32, F_),
-                 dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_); }
+    fp8_wgrad(b.dy_col_f32, H_, b.a_col_f32, F_, g.dw2); }
   { auto s = bwd("dSwiGLU*prob (bf16)");
-    cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials); }
+    cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials,
+                  rows_bound()); }
   { auto s = bwd("quantize dh (row, fp32 scales)");
     quantize_row_fp32_scale(b.dh, Mp_, 2 * F_, segment_offsets(), El_, b.dh_row_f32.codes, b.dh_row_f32.f32(), st_bwd(),
                        stream_); }
@@ -128,8 +128,7 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   mark_dx_rows_ready();
   { auto s = bwd("DQ->T->Q x_perm"); naive_col(b.x_perm_f32, H_, b.x_perm_col_f32, WgradOperand::kGemm1Input); }
   if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
-    gemm_->wgrad(seg_, 2 * F_, H_, f32_col_operand(b.dh_col_f32, 2 * F_), f32_col_operand(b.x_perm_col_f32, H_),
-                 dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
+    fp8_wgrad(b.dh_col_f32, 2 * F_, b.x_perm_col_f32, H_, g.dw1); }
 }
 
 // ---- flow, flow-fp4 ------------------------------------------------------------------------------

@@ -95,7 +95,7 @@ void CudaMoeLayer::forward_naive(bf16_t* y) {
   { auto s = fwd("GEMM1 fprop (fp8)");
     fp8_fprop(b.x_perm_f32, 2 * F_, H_, w.w1, b.h, st_fwd_aux()); }
   { auto s = fwd("SwiGLU*prob (bf16)");
-    cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob); }
+    cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob, rows_bound()); }
   { auto s = fwd("quantize a' (row, fp32 scales)");
     quantize_row_fp32_scale(b.a, Mp_, F_, segment_offsets(), El_, b.a_f32.codes, b.a_f32.f32(), st_fwd(), stream_); }
   log_rows(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeAFp32Scale, 1, 1, F_);

@@ -273,9 +273,8 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
     const Recipe r = cfg.recipe;
     FLOWMOE_CHECK(cfg.comm == nullptr, what << ": CudaLayerOptions::sync_free needs one GPU (no communicator): the "
                                                "expert-parallel exchange sizes its messages on the host");
-    FLOWMOE_CHECK(r == Recipe::kBlockwise || r == Recipe::kFlow || r == Recipe::kFlowFp4,
-                  what << ": CudaLayerOptions::sync_free takes the recipes blockwise, flow and flow-fp4 (their GEMMs "
-                          "run on device offsets); recipe " << recipe_name(r) << " needs the host counts");
+    FLOWMOE_CHECK(r != Recipe::kBf16, what << ": CudaLayerOptions::sync_free takes the FP8 recipes (their GEMMs "
+                                              "run on device offsets); recipe bf16's cuBLASLt GEMMs need the host counts");
     FLOWMOE_CHECK(cfg.align == 128, what << ": CudaLayerOptions::sync_free needs align = 128 (the wgrad kernel's "
                                             "128-token blocks); align is " << cfg.align);
   }

@@ -70,19 +70,19 @@ void CudaMoeLayer::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTens
                              float* dw) {
   ExpertBuffers& b = ws_.expert;
   const gemm::WgradOut out = dw_out(dw, int64_t(El_) * n * k);
+  const bool f32 = grad_col.scale_format == ScaleFormat::kF32;  // fp8-naive: GEMM-ready already
   if (!sync_free_) {
-    const Fp8Op g = col_operand(grad_col, n, b.grad_col_scales, stream_);
-    const Fp8Op x = col_operand(in_col, k, b.input_col_scales, stream_);
+    const Fp8Op g = f32 ? f32_col_operand(grad_col, n) : col_operand(grad_col, n, b.grad_col_scales, stream_);
+    const Fp8Op x = f32 ? f32_col_operand(in_col, k) : col_operand(in_col, k, b.input_col_scales, stream_);
     gemm_->wgrad(seg_, n, k, g, x, out, stream_);
     return;
   }
-  // the blocks of the capacity (blocks_ = segment_max_blocks(Mp_, El_)): those past the segments'
-  // are converted too and never read
-  col_scales_to_f32(grad_col.ue8m0(), blocks_, n, b.grad_col_scales, stream_);
-  col_scales_to_f32(in_col.ue8m0(), blocks_, k, b.input_col_scales, stream_);
-  const auto f32_col = [&](const QTensorView& col, int64_t c, float* scales) {
+  // UE8M0: the blocks of the capacity (blocks_ = segment_max_blocks(Mp_, El_)) converted; those
+  // past the segments' are never read
+  const auto f32_col = [&](const QTensorView& col, int64_t c, float* converted) {
+    if (!f32) col_scales_to_f32(col.ue8m0(), blocks_, c, converted, stream_);
     QTensorView v = col_128x1(col.codes, nullptr, Mp_, c, blocks_);
-    v.scales = scales;
+    v.scales = f32 ? col.scales : converted;
     v.scale_format = ScaleFormat::kF32;
     return v;
   };

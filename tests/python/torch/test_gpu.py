@@ -62,7 +62,7 @@ def test_module_equals_cuda_layer_bitwise(recipe):
     layer.close()
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "flow", "flow-fp4"])
+@pytest.mark.parametrize("recipe", ["blockwise", "fp8-naive", "flow", "flow-fp4"])
 def test_sync_free_gives_the_same_bits(recipe):
     # CudaLayerOptions::sync_free: no host synchronisation inside forward/backward, same results
     x, dy = data()
