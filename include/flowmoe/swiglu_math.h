@@ -101,38 +101,24 @@ constexpr float kLn2Hi = 0.693145751953125f;  // 0x1.62e4p-1, 15 significant bit
 constexpr float kLn2Lo = 1.42860677e-06f;     // ln 2 - kLn2Hi, rounded to binary32
 constexpr float kExpMinArg = -104.0f;
 
-// N values at once, each step across all of them before the next (each value sees exactly the
-// operations above; the order only lets a compiler interleave the N independent chains, which it
-// does not do for N separate calls when registers are short).
-template <int N>
-FLOWMOE_HD void exp_nonpos_n(const float (&x)[N], float (&out)[N]) {
-  float xc[N], j[N], r[N], p[N];
-  for (int i = 0; i < N; ++i) xc[i] = x[i] >= kExpMinArg ? x[i] : kExpMinArg;  // NaN compares false
-  for (int i = 0; i < N; ++i) j[i] = f_fma(xc[i], kLog2e, kRoundMagic);
-  for (int i = 0; i < N; ++i) {
-    const float kf = f_add(j[i], -kRoundMagic);  // k, exactly
-    const float hi = f_fma(-kf, kLn2Hi, xc[i]);   // exact
-    r[i] = f_fma(-kf, kLn2Lo, hi);
-  }
-  for (int i = 0; i < N; ++i) p[i] = f_fma(1.98412701e-4f, r[i], 1.38888892e-3f);  // 1/5040, 1/720
-  for (int i = 0; i < N; ++i) p[i] = f_fma(p[i], r[i], 8.33333377e-3f);              // 1/120
-  for (int i = 0; i < N; ++i) p[i] = f_fma(p[i], r[i], 4.16666679e-2f);              // 1/24
-  for (int i = 0; i < N; ++i) p[i] = f_fma(p[i], r[i], 1.66666672e-1f);              // 1/6
-  for (int i = 0; i < N; ++i) p[i] = f_fma(p[i], r[i], 0.5f);
-  for (int i = 0; i < N; ++i) p[i] = f_fma(p[i], r[i], 1.0f);
-  for (int i = 0; i < N; ++i) p[i] = f_fma(p[i], r[i], 1.0f);
-  for (int i = 0; i < N; ++i) {
-    const int k = static_cast<int>(f32_bits(j[i]) - kRoundMagicBits);  // in [-150, 0]
-    const int k1 = -((-k) >> 1), k2 = k - k1;  // ceil(k/2), floor(k/2): both in [-75, 0]
-    out[i] = f_mul(f_mul(p[i], f32_from_bits(static_cast<uint32_t>(k1 + 127) << 23)),
-                   f32_from_bits(static_cast<uint32_t>(k2 + 127) << 23));
-  }
-}
 FLOWMOE_HD float exp_nonpos(float x) {
-  const float in[1] = {x};
-  float out[1];
-  exp_nonpos_n(in, out);
-  return out[0];
+  const float xc = x >= kExpMinArg ? x : kExpMinArg;  // NaN compares false
+  const float j = f_fma(xc, kLog2e, kRoundMagic);
+  const int k = static_cast<int>(f32_bits(j) - kRoundMagicBits);  // in [-150, 0]
+  const float kf = f_add(j, -kRoundMagic);                         // k, exactly
+  const float hi = f_fma(-kf, kLn2Hi, xc);                         // exact
+  const float r = f_fma(-kf, kLn2Lo, hi);
+  float p = 1.98412701e-4f;          // 1/5040
+  p = f_fma(p, r, 1.38888892e-3f);   // 1/720
+  p = f_fma(p, r, 8.33333377e-3f);   // 1/120
+  p = f_fma(p, r, 4.16666679e-2f);   // 1/24
+  p = f_fma(p, r, 1.66666672e-1f);   // 1/6
+  p = f_fma(p, r, 0.5f);
+  p = f_fma(p, r, 1.0f);
+  p = f_fma(p, r, 1.0f);
+  const int k1 = -((-k) >> 1), k2 = k - k1;  // ceil(k/2), floor(k/2): both in [-75, 0]
+  return f_mul(f_mul(p, f32_from_bits(static_cast<uint32_t>(k1 + 127) << 23)),
+               f32_from_bits(static_cast<uint32_t>(k2 + 127) << 23));
 }
 
 // ---- SiLU and SwiGLU ------------------------------------------------------------------------------
@@ -163,18 +149,6 @@ FLOWMOE_HD float dsilu_f32(float g) {
 // Forward: a = silu(gate) * up.
 FLOWMOE_HD float swiglu_f32(float gate, float up) {
   return f_mul(f_mul(gate, sigmoid_parts(gate).s), up);
-}
-// The same for N values, step by step across them (as exp_nonpos_n): the same bits per value.
-template <int N>
-FLOWMOE_HD void swiglu_f32_n(const float (&gate)[N], const float (&up)[N], float (&a)[N]) {
-  float x[N], t[N], rd[N];
-  for (int i = 0; i < N; ++i) x[i] = -f32_abs(gate[i]);
-  exp_nonpos_n(x, t);
-  for (int i = 0; i < N; ++i) rd[i] = f_rcp(f_add(1.0f, t[i]));
-  for (int i = 0; i < N; ++i) {
-    const float s = gate[i] >= 0.0f ? rd[i] : f_mul(t[i], rd[i]);  // sigmoid_parts(gate).s
-    a[i] = f_mul(f_mul(gate[i], s), up[i]);
-  }
 }
 
 // Backward: given da = dL/da,

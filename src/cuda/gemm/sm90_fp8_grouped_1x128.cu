@@ -48,8 +48,7 @@ namespace sm90 {
 namespace {
 
 constexpr int kTile = 128;    // tokens per output tile; k per block; features per weight scale block
-// Warpgroups: the producers, two consumers, and with the SwiGLU epilogue a fourth that runs it.
-constexpr int threads_of(Epi e) { return e == Epi::kBf16 ? 384 : 512; }
+constexpr int kThreads = 384;
 constexpr int kScaleWarps = 3;  // producer warps decoding the scales, k-blocks in turn
 constexpr int kSchedBytes = 2 * (kMaxGroupedExperts + 1) * 4;  // offsets and tile prefix
 
@@ -67,7 +66,7 @@ struct Cfg {
   static constexpr int kBoxes = kBN / 64;                        // TMA store boxes per warpgroup
   static constexpr int kEpiBytes = 2 * 64 * kBN * 2;             // both warpgroups' 64 x kBN BF16 halves
   static constexpr int kSmemBytes = kStages * kStageBytes + kEpiBytes + kStages * kScaleFloats * 4 +
-                                    kSchedBytes + 2 * kStages * 8 + 32 + 1024;
+                                    kSchedBytes + 2 * kStages * 8 + 16 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit: fewer stages");
 };
 constexpr int kBoxBytes = 64 * 128;  // a 64 x 64 BF16 store box: 64 rows of 128 bytes
@@ -89,20 +88,14 @@ struct Params {
 
 
 template <int kBN, Epi kEpi>
-__global__ void __launch_bounds__(threads_of(kEpi), 1)
+__global__ void __launch_bounds__(kThreads, 1)
     grouped_rowwise_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                            const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params p) {
 #ifdef FLOWMOE_SM90A
   using C = Cfg<kBN>;
   static_assert(kEpi == Epi::kBf16 || kBN == 256, "the SwiGLU epilogue needs gate and up in one 256-wide tile");
-  static_assert(kEpi == Epi::kBf16 || kTile * kSwigluRowBytes <= C::kEpiBytes,
-                "the SwiGLU epilogue's BF16 tile must fit the staging buffer");
-  constexpr int kThreads = threads_of(kEpi);
-  // registers per thread (64K in all): the consumers hold a 64 x kBN accumulator and a 64 x 128 block
-  constexpr int kProducerRegs = kEpi == Epi::kBf16 ? 56 : 24, kConsumerRegs = kEpi == Epi::kBf16 ? 224 : 208;
-  constexpr int kEpilogueRegs = 72;
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs + (kEpi == Epi::kBf16 ? 0 : 128 * kEpilogueRegs) <= 65536,
-                "more registers than the SM has");
+  static_assert(kEpi == Epi::kBf16 || SwigluStage<kEpi>::kBytes <= C::kBoxes * kBoxBytes,
+                "the SwiGLU epilogue's codes must fit the warpgroup's staging buffer");
   constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kScaleFloats = C::kScaleFloats;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -112,9 +105,7 @@ __global__ void __launch_bounds__(threads_of(kEpi), 1)
   int* s_start = s_off + kMaxGroupedExperts + 1;          // [E + 1] first tile of each expert
   uint64_t* full = reinterpret_cast<uint64_t*>(s_start + kMaxGroupedExperts + 1);
   uint64_t* empty = full + kStages;
-  uint64_t* epi_full = empty + kStages;  // the SwiGLU epilogue: the consumers have staged a tile
-  uint64_t* epi_empty = epi_full + 1;    // the epilogue warpgroup has read it out
-  int* s_total = reinterpret_cast<int*>(epi_empty + 1);
+  int* s_total = reinterpret_cast<int*>(empty + kStages);
   const int E = p.num_experts, n_tiles = p.n_out / kBN, kb_count = p.k_red / kTile;
   for (int i = threadIdx.x; i <= E; i += kThreads) s_off[i] = p.offsets[i];
   if (threadIdx.x == 0) {
@@ -122,8 +113,6 @@ __global__ void __launch_bounds__(threads_of(kEpi), 1)
       mbar_init(&full[s], 1 + 32);  // the TMA thread (with the bytes) and the scale warp's lanes
       mbar_init(&empty[s], 8);      // the 8 consumer warps
     }
-    mbar_init(epi_full, 256);  // every consumer thread
-    mbar_init(epi_empty, 128);  // every epilogue thread
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -155,23 +144,8 @@ __global__ void __launch_bounds__(threads_of(kEpi), 1)
   const int total = *s_total;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   const int warp = t / 32, lane = t % 32;
-  if constexpr (kEpi != Epi::kBf16) {
-    if (wg == 3) {  // the SwiGLU epilogue of each tile the consumers stage (its own named barrier: 3)
-      warpgroup_reg_dealloc<kEpilogueRegs>();
-      uint32_t n = 0;
-      for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++n) {
-        const int e = detail::last_at_or_below(s_start, E, tile);
-        const int off = s_off[e], me = s_off[e + 1] - off;
-        const int mt_count = (me + kTile - 1) / kTile, r = tile - s_start[e], local0 = (r % mt_count) * kTile;
-        mbar_wait(epi_full, n & 1);
-        swiglu_epilogue_rows<kEpi>(epi, p.swiglu, int64_t(off) + local0, me - local0, r / mt_count, t, 3);
-        mbar_arrive(epi_empty);
-      }
-      return;
-    }
-  }
   if (wg == 0) {
-    warpgroup_reg_dealloc<kProducerRegs>();
+    warpgroup_reg_dealloc<56>();  // 128 x 56 + 256 x 224 <= 64K registers
     if (warp == 0 && lane == 0) {  // the TMA loads of the code tiles
       uint32_t it = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
@@ -231,14 +205,14 @@ __global__ void __launch_bounds__(threads_of(kEpi), 1)
     }
     return;
   }
-  warpgroup_reg_alloc<kConsumerRegs>();
+  warpgroup_reg_alloc<224>();
   const int ci = wg - 1;                   // token rows 64 ci .. 64 ci + 63 of the tile
   const int r0 = 16 * warp + lane / 4;     // fragment rows r0 and r0 + 8 (of the half tile)
   const int c0 = 2 * (lane % 4);           // fragment columns 8 j + c0, + 1 (of a 128-feature half)
   uint8_t* ebuf = epi + ci * (C::kBoxes * kBoxBytes);  // this warpgroup's BF16 half tile
   float acc[C::kHalves][64], blk[64];
-  uint32_t it = 0, n = 0;
-  for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++n) {
+  uint32_t it = 0;
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
     const int e = detail::last_at_or_below(s_start, E, tile);
     const int off = s_off[e], me = s_off[e + 1] - off;
     const int mt_count = (me + kTile - 1) / kTile, r = tile - s_start[e];
@@ -283,9 +257,8 @@ __global__ void __launch_bounds__(threads_of(kEpi), 1)
     // to the next tile; the buffer is waited for (read) only when the next such epilogue refills it.
     // A partial half (the expert's last token tile) stores BF16 pairs from the fragments, rows below
     // M_e only (the others belong to the next expert or lie past the segments).
-    if constexpr (kEpi != Epi::kBf16) {  // staged for the epilogue warpgroup, which runs while the next tile's WGMMAs do
-      swiglu_stage_tile(acc, epi, ci, t, [&] { mbar_wait(epi_empty, (n & 1) ^ 1); });
-      mbar_arrive(epi_full);
+    if constexpr (kEpi != Epi::kBf16) {
+      swiglu_epilogue<kEpi>(acc, ebuf, p.swiglu, int64_t(off) + local0, me - local0, nt, t, 1 + ci);
     } else if (local0 + 64 <= me) {
       if (t == 0) bulk_wait_read_all();
       named_sync(1 + ci, 128);
@@ -413,11 +386,9 @@ void fp8_grouped_rowwise(const RowwiseGroupedArgs& a, const char* what, cudaStre
   CUtensorMap ma, mb, md;
   const Params p = make_params(a, true, what, ma, mb, md);
   if (a.n_out % 256 == 0)
-    grouped_rowwise_kernel<256, Epi::kBf16>
-        <<<grid_size(a, 256), threads_of(Epi::kBf16), Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
+    grouped_rowwise_kernel<256, Epi::kBf16><<<grid_size(a, 256), kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
   else
-    grouped_rowwise_kernel<128, Epi::kBf16>
-        <<<grid_size(a, 128), threads_of(Epi::kBf16), Cfg<128>::kSmemBytes, stream>>>(ma, mb, md, p);
+    grouped_rowwise_kernel<128, Epi::kBf16><<<grid_size(a, 128), kThreads, Cfg<128>::kSmemBytes, stream>>>(ma, mb, md, p);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -454,11 +425,9 @@ void fp8_grouped_rowwise_swiglu(const RowwiseGroupedArgs& a, const SwigluEpilogu
   p.swiglu.nonfinite = s.status ? &s.status->nonfinite : nullptr;
   const int grid = grid_size(a, 256);
   if (s.h_mxfp4)
-    grouped_rowwise_kernel<256, Epi::kSwigluH4>
-        <<<grid, threads_of(Epi::kSwigluH4), Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
+    grouped_rowwise_kernel<256, Epi::kSwigluH4><<<grid, kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
   else
-    grouped_rowwise_kernel<256, Epi::kSwigluH8>
-        <<<grid, threads_of(Epi::kSwigluH8), Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
+    grouped_rowwise_kernel<256, Epi::kSwigluH8><<<grid, kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 
