@@ -120,10 +120,17 @@ INSTANTIATE_TEST_SUITE_P(
 
 // wgrad on device offsets (multiples of 128): the kernel with the offsets read on the device equals
 // the host-offset launch bit for bit, is within tolerance of the reference, zeroes empty experts
-// when overwriting (the output starts as NaN) and leaves them untouched when accumulating.
-TEST(GemmGroupedGpuWgrad, DeviceOffsetsMatchReferenceAndHostPath) {
+// when overwriting (the output starts as NaN) and leaves them untouched when accumulating. The
+// first case runs the kernel's 128 x 128 output tiles, the second its 128 x 256 tiles (K a multiple
+// of 256 and at least 1024 tokens per expert on average).
+struct WgradCase {
+  Case c;
+  std::vector<int> empty;  // the empty experts
+};
+class GemmGroupedGpuWgrad : public ::testing::TestWithParam<WgradCase> {};
+TEST_P(GemmGroupedGpuWgrad, DeviceOffsetsMatchReferenceAndHostPath) {
   REQUIRE_SM90();
-  const Case c{"wgrad_ragged", {256, 0, 128, 384, 0, 128}, 256, 384, {}};
+  const Case& c = GetParam().c;
   const Problem p = make_problem(c, false, 321u);
   Device d(p);
   Views v(p, d, p.E);
@@ -146,10 +153,14 @@ TEST(GemmGroupedGpuWgrad, DeviceOffsetsMatchReferenceAndHostPath) {
   gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::accumulate(dev.p, nw), 0);
   const auto acc = dev.get();
   EXPECT_TRUE(close(acc, want, r.sdw, {2 * kU, kFp8C}, "grouped wgrad accumulate"));
-  for (int e : {1, 4})
+  for (int e : GetParam().empty)
     for (int64_t i = 0; i < p.n * p.k; ++i)
       ASSERT_EQ(acc[e * p.n * p.k + i], g0[e * p.n * p.k + i]) << "empty expert " << e << " must be untouched";
 }
+INSTANTIATE_TEST_SUITE_P(Tiles, GemmGroupedGpuWgrad,
+                         ::testing::Values(WgradCase{{"ragged_k384", {256, 0, 128, 384, 0, 128}, 256, 384, {}}, {1, 4}},
+                                           WgradCase{{"long_k512", {2048, 0, 1024}, 256, 512, {}}, {1}}),
+                         [](const ::testing::TestParamInfo<WgradCase>& i) { return std::string(i.param.c.name); });
 
 // Malformed device offsets: counted once per call in bad_segments, outputs untouched; bad shapes
 // and views throw before anything is launched.

@@ -9,13 +9,18 @@
 // (the GEMM-ready layouts of gemm.h). Every expert's token count and offset a multiple of 128, so
 // block b of expert e is global block offsets[e] / 128 + b and no block mixes two experts.
 //
-// CTA: 3 warpgroups. Warpgroup 0: one thread issues the TMA loads of a kStages ring (dY tile
-// 128 x 128 tokens, X tile 128 x 128 tokens, 128-byte swizzle). Warpgroups 1 and 2: rows 0-63 and
-// 64-127 of the 128 x 128 output tile; per block four m64n128k32 WGMMAs into a block accumulator,
-// then acc += block * (sa * sb) (exact power-of-two scales: the CPU reference's block order and
-// roundings). Epilogue per warpgroup: the tile into shared memory (128-byte swizzled 64 x 32
-// boxes), then one thread issues TMA reduce-adds (accumulate) or stores into dW and the warpgroup
-// moves on; the buffer is waited for (read) only when the next tile's epilogue needs it.
+// Output tiles are 128 rows (N) x kBN columns (K): kBN = 256 when K allows and the experts average
+// at least 1024 tokens (the dY tile feeds twice the math: a third less operand traffic per FLOP),
+// else 128.
+//
+// CTA: 3 warpgroups. Warpgroup 0: one thread issues the TMA loads of a ring of stages (dY tile
+// 128 x 128 tokens, X tile kBN x 128 tokens, 128-byte swizzle, and the block's scales). Warpgroups 1
+// and 2: rows 0-63 and 64-127 of the output tile; per block and 128-column half four m64n128k32
+// WGMMAs into a block accumulator, then acc += block * (sa * sb) (exact power-of-two scales: the CPU
+// reference's block order and roundings). Epilogue per warpgroup and half: into shared memory
+// (128-byte swizzled 64 x 32 boxes), then one thread issues TMA reduce-adds (accumulate) or stores
+// into dW; the buffer is waited for (read) only when the next half needs it, so the last half's
+// writes overlap the next tile's math.
 // The TMA, mbarrier, WGMMA and fence wrappers are the shared ones of src/cuda/sm90/.
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -39,15 +44,23 @@ namespace cuda {
 namespace sm90 {
 namespace {
 
-constexpr int kTile = 128;      // output tile rows (N) and columns (K); tokens per block
-constexpr int kStages = 4;
+constexpr int kTile = 128;      // output tile rows (N) and column halves (K); tokens per block
 constexpr int kThreads = 384;
-constexpr int kStageBytes = 2 * kTile * kTile;        // dY tile + X tile, FP8
-constexpr int kEpiBytes = 64 * kTile * 4;             // one warpgroup's half tile, FP32
-constexpr int kScaleBytes = 2 * kTile * 4;            // per stage: the block's dY and X scale slices
+constexpr int kEpiBytes = 64 * kTile * 4;             // one warpgroup's 64 x 128 half, FP32
 constexpr int kTileSlots = 2;                         // tile ids handed from the producer to the consumers
-constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes + 2 * kStages * 8 +
-                           2 * kTileSlots * 8 + 64 + (kMaxGroupedExperts + 2) * 4 + 1024;
+
+// The configuration of one output tile width kBN (128 or 256); kStages is what shared memory
+// (227 KB per CTA) leaves after the epilogue buffers.
+template <int kBN>
+struct WCfg {
+  static constexpr int kHalves = kBN / kTile;
+  static constexpr int kStages = kBN == 256 ? 3 : 4;
+  static constexpr int kStageBytes = kTile * kTile + kBN * kTile;  // dY tile + X tile, FP8
+  static constexpr int kScaleBytes = (kTile + kBN) * 4;            // per stage: the block's dY and X scales
+  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes +
+                                    2 * kStages * 8 + 2 * kTileSlots * 8 + 64 + (kMaxGroupedExperts + 2) * 4 + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit");
+};
 
 struct Work {
   int num_experts = 0;
@@ -63,14 +76,17 @@ struct Work {
   int32_t inline_offsets[kMaxInlineWgradExperts + 1];
 };
 
+template <int kBN>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_kernel(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x,
                  const __grid_constant__ CUtensorMap map_dw, const __grid_constant__ Work work) {
 #ifdef FLOWMOE_SM90A
+  using C = WCfg<kBN>;
+  constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kScaleBytes = C::kScaleBytes;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   float* epi = reinterpret_cast<float*>(smem + kStages * kStageBytes);
-  float* scl = reinterpret_cast<float*>(smem + kStages * kStageBytes + 2 * kEpiBytes);  // [stage][2][128]
+  float* scl = reinterpret_cast<float*>(smem + kStages * kStageBytes + 2 * kEpiBytes);  // [stage][128 + kBN]
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes);
   uint64_t* empty = full + kStages;
   uint64_t* tile_full = empty + kStages;     // [kTileSlots]: a tile id is in tile_id[slot]
@@ -132,9 +148,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int64_t gb = t0 / kTile + b;  // global 128-token block
           mbar_expect_tx(&full[s], kStageBytes + kScaleBytes);
           tma_load_2d(a, &map_dy, &full[s], t0 + b * kTile, tn * kTile);
-          tma_load_2d(a + kTile * kTile, &map_x, &full[s], t0 + b * kTile, tk * kTile);
-          bulk_load(scl + s * 2 * kTile, work.sa + gb * work.n + tn * kTile, kTile * 4, &full[s]);
-          bulk_load(scl + s * 2 * kTile + kTile, work.sb + gb * work.k + tk * kTile, kTile * 4, &full[s]);
+#pragma unroll
+          for (int h = 0; h < C::kHalves; ++h)
+            tma_load_2d(a + (1 + h) * kTile * kTile, &map_x, &full[s], t0 + b * kTile, tk * kBN + h * kTile);
+          float* ss = scl + s * (kTile + kBN);
+          bulk_load(ss, work.sa + gb * work.n + tn * kTile, kTile * 4, &full[s]);
+          bulk_load(ss + kTile, work.sb + gb * work.k + tk * kBN, kBN * 4, &full[s]);
         }
       }
     }
@@ -146,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int r0 = 16 * warp + lane / 4;     // fragment rows r0 and r0 + 8 (of the half tile)
   const int c0 = 2 * (lane % 4);           // fragment columns 8 j + c0, + 1
   float* ebuf = epi + ci * (64 * kTile);
-  float acc[64], blk[64];
+  float acc[C::kHalves][64], blk[64];
   uint32_t it = 0;
   bool pending = false;                    // a bulk store/reduce from ebuf may still be reading it
   for (uint32_t j = 0;; ++j) {
@@ -160,66 +179,72 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int tn = r / tiles_k, tk = r % tiles_k;
     const int nb = (s_off[w + 1] - s_off[w]) / kTile;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int h = 0; h < C::kHalves; ++h)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
     for (int b = 0; b < nb; ++b, ++it) {
       const int s = it % kStages;
       const uint32_t ph = (it / kStages) & 1;
       mbar_wait(&full[s], ph);
       // this block's scales (landed with the tiles): dY's for rows r0, r0 + 8, X's for the columns
-      const float* ss = scl + s * 2 * kTile;
+      const float* ss = scl + s * (kTile + kBN);
       const float sa0 = ss[64 * ci + r0], sa1 = ss[64 * ci + r0 + 8];
-      float2 sb[16];
-#pragma unroll
-      for (int j = 0; j < 16; ++j) sb[j] = *reinterpret_cast<const float2*>(ss + kTile + 8 * j + c0);
       const uint32_t a_addr = smem_u32(smem + s * kStageBytes) + ci * (64 * kTile);
-      const uint32_t b_addr = smem_u32(smem + s * kStageBytes + kTile * kTile);
-      wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_m64n128k32_e4m3(blk, smem_desc_k_major_sw128(a_addr + 32 * kk), smem_desc_k_major_sw128(b_addr + 32 * kk),
-                              kk > 0);
-      wgmma_commit();
-      wgmma_wait_all();
-      __syncwarp();  // every lane's scale reads (above) before the warp releases the stage
+      for (int h = 0; h < C::kHalves; ++h) {
+        const uint32_t b_addr = smem_u32(smem + s * kStageBytes + (1 + h) * kTile * kTile);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_m64n128k32_e4m3(blk, smem_desc_k_major_sw128(a_addr + 32 * kk),
+                                smem_desc_k_major_sw128(b_addr + 32 * kk), kk > 0);
+        wgmma_commit();
+        wgmma_wait_all();
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const float2 sb = *reinterpret_cast<const float2*>(ss + kTile + h * kTile + 8 * j + c0);
+          const float s00 = sa0 * sb.x, s01 = sa0 * sb.y, s10 = sa1 * sb.x, s11 = sa1 * sb.y;
+          acc[h][4 * j + 0] = fmaf(blk[4 * j + 0], s00, acc[h][4 * j + 0]);
+          acc[h][4 * j + 1] = fmaf(blk[4 * j + 1], s01, acc[h][4 * j + 1]);
+          acc[h][4 * j + 2] = fmaf(blk[4 * j + 2], s10, acc[h][4 * j + 2]);
+          acc[h][4 * j + 3] = fmaf(blk[4 * j + 3], s11, acc[h][4 * j + 3]);
+        }
+      }
+      __syncwarp();  // every lane's WGMMA and scale reads of the stage before the warp releases it
       if (lane == 0) mbar_arrive(&empty[s]);
+    }
+    // epilogue, per 128-column half: into ebuf as four 64 x 32 boxes, 128-byte swizzled (16-byte
+    // chunk c of row q at c ^ (q % 8)), then bulk reduce-adds / stores issued by thread 0
+#pragma unroll
+    for (int h = 0; h < C::kHalves; ++h) {
+      if ((pending || h > 0) && t == 0) bulk_wait_read_all();
+      named_sync(1 + ci, 128);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        const float s00 = sa0 * sb[j].x, s01 = sa0 * sb[j].y, s10 = sa1 * sb[j].x, s11 = sa1 * sb[j].y;
-        acc[4 * j + 0] = fmaf(blk[4 * j + 0], s00, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(blk[4 * j + 1], s01, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(blk[4 * j + 2], s10, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(blk[4 * j + 3], s11, acc[4 * j + 3]);
-      }
-    }
-    // epilogue: the half tile into ebuf as four 64 x 32 boxes, 128-byte swizzled (16-byte chunk
-    // c of row q at c ^ (q % 8)), then bulk reduce-adds / stores issued by thread 0
-    if (pending && t == 0) bulk_wait_read_all();
-    named_sync(1 + ci, 128);
+        const int cc = 8 * j + c0;  // column in the half
+        float* box = ebuf + (cc / 32) * (64 * 32);
+        const int byte = (cc % 32) * 4;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int cc = 8 * j + c0;                 // column in the tile
-      float* box = ebuf + (cc / 32) * (64 * 32);
-      const int byte = (cc % 32) * 4;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int q = r0 + 8 * h;
-        const int off = q * 128 + ((((byte >> 4) ^ (q & 7)) << 4) | (byte & 15));
-        *reinterpret_cast<float2*>(reinterpret_cast<uint8_t*>(box) + off) =
-            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        for (int rh = 0; rh < 2; ++rh) {
+          const int q = r0 + 8 * rh;
+          const int off = q * 128 + ((((byte >> 4) ^ (q & 7)) << 4) | (byte & 15));
+          *reinterpret_cast<float2*>(reinterpret_cast<uint8_t*>(box) + off) =
+              make_float2(acc[h][4 * j + 2 * rh], acc[h][4 * j + 2 * rh + 1]);
+        }
       }
-    }
-    fence_async_smem();
-    named_sync(1 + ci, 128);
-    if (t == 0) {
-      const int orow = w * work.n + tn * kTile + 64 * ci;
+      fence_async_smem();
+      named_sync(1 + ci, 128);
+      if (t == 0) {
+        const int orow = w * work.n + tn * kTile + 64 * ci, ocol = tk * kBN + h * kTile;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        if (work.accumulate)
-          tma_reduce_add_2d(&map_dw, ebuf + q * (64 * 32), tk * kTile + 32 * q, orow);
-        else
-          tma_store_2d(&map_dw, ebuf + q * (64 * 32), tk * kTile + 32 * q, orow);
+        for (int q = 0; q < 4; ++q) {
+          if (work.accumulate)
+            tma_reduce_add_2d(&map_dw, ebuf + q * (64 * 32), ocol + 32 * q, orow);
+          else
+            tma_store_2d(&map_dw, ebuf + q * (64 * 32), ocol + 32 * q, orow);
+        }
+        bulk_commit();
       }
-      bulk_commit();
     }
     pending = true;
   }
@@ -229,10 +254,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// SMs of the current device; the kernel's shared-memory limit raised once per device.
+// SMs of the current device; the kernels' shared-memory limits raised once per device.
 int sm_count() {
   return detail::sm_count_after([] {
-    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    FLOWMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(wgrad_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, WCfg<128>::kSmemBytes));
+    FLOWMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(wgrad_kernel<256>, cudaFuncAttributeMaxDynamicSharedMemorySize, WCfg<256>::kSmemBytes));
   });
 }
 
@@ -273,7 +301,11 @@ void fp8_wgrad_1x128(const WgradArgs& a, const char* what, cudaStream_t stream) 
   work.bad_segments = a.status ? &a.status->bad_segments : nullptr;
   work.offsets = a.offsets;
   if (!a.offsets) std::copy(a.host_offsets, a.host_offsets + a.num_experts + 1, work.inline_offsets);
-  work.tiles_k = int(a.k / kTile);
+  // 128 x 256 tiles where K allows and the experts are long (a tile's math, 128 tokens per block,
+  // then outweighs its 128 KB epilogue); with few tokens per expert the epilogue's wait between its
+  // two halves costs more than the wider tile saves (docs/GEMM.md, "The wgrad kernel").
+  const int bn = a.k % 256 == 0 && a.m >= int64_t(1024) * a.num_experts ? 256 : 128;
+  work.tiles_k = int(a.k / bn);
   work.tiles_per_expert = int(a.n / kTile) * work.tiles_k;
   // Everything that can throw (map encoding, the device's shared-memory limit) comes before the
   // first enqueued operation, so a failed call leaves dW untouched. A zero-capacity problem has no
@@ -291,7 +323,10 @@ void fp8_wgrad_1x128(const WgradArgs& a, const char* what, cudaStream_t stream) 
                                              uint64_t(a.k), 64, 32, CU_TENSOR_MAP_SWIZZLE_128B, what);
   const int grid = int(std::min<int64_t>(int64_t(a.num_experts) * work.tiles_per_expert, sms));
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(a.tile_counter, 0, sizeof(int), stream));
-  wgrad_kernel<<<grid, kThreads, kSmemBytes, stream>>>(mdy, mx, mdw, work);
+  if (bn == 256)
+    wgrad_kernel<256><<<grid, kThreads, WCfg<256>::kSmemBytes, stream>>>(mdy, mx, mdw, work);
+  else
+    wgrad_kernel<128><<<grid, kThreads, WCfg<128>::kSmemBytes, stream>>>(mdy, mx, mdw, work);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 
