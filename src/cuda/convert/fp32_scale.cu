@@ -89,12 +89,7 @@ __device__ __forceinline__ float fp32_scale_dequant(uint8_t c, float s) {
 __device__ __forceinline__ int64_t act_scale_index(const int32_t* s_off, int E, int64_t m, int64_t L,
                                                    int64_t r, int64_t l) {
   if (!s_off) return l * m + r;
-  int lo = 0, hi = E - 1;  // last expert with offsets[e] <= r
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (s_off[mid] <= r) lo = mid;
-    else hi = mid - 1;
-  }
+  const int lo = detail::last_at_or_below(s_off, E, r);  // the expert of row r
   const int64_t o = s_off[lo], len = s_off[lo + 1] - o;
   return L * o + l * len + (r - o);
 }

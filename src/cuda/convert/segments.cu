@@ -55,12 +55,7 @@ build_segment_blocks_kernel(const int32_t* __restrict__ offsets, int num_segment
   for (int64_t b = tid; b < max_blocks; b += kScanThreads) {
     int32_t t0 = -1, t1 = -1;
     if (b < total) {
-      int lo = 0, hi = num_segments - 1;  // last segment with block_offsets[e] <= b
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (block_offsets[mid] <= b) lo = mid;
-        else hi = mid - 1;
-      }
+      const int lo = detail::last_at_or_below(block_offsets, num_segments, b);  // the segment of block b
       t0 = offsets[lo] + 128 * static_cast<int32_t>(b - block_offsets[lo]);
       t1 = min(t0 + 128, offsets[lo + 1]);
     }
