@@ -301,9 +301,11 @@ struct CudaLayerOptions {
   // workspaces' row capacity max_rows() and reads the rows in use there (the GEMMs are the grouped
   // kernels on device offsets, the row-wise kernels take the device row count), and the cast
   // report's row counts are resolved when it is read (cast_report(), status(): one synchronisation
-  // there). Same bits as the default. One GPU (no communicator), the FP8 recipes (blockwise,
-  // fp8-naive, flow, flow-fp4; bf16's cuBLASLt GEMMs need the host counts), align 128 (the wgrad
-  // kernel's token blocks); make_cuda_layer rejects anything else.
+  // there). Same bits as the default. set_weights does not synchronise either (it can be captured
+  // too): non-finite weights are counted into status().nonfinite instead of thrown. One GPU (no
+  // communicator), the FP8 recipes (blockwise, fp8-naive, flow, flow-fp4; bf16's cuBLASLt GEMMs
+  // need the host counts), align 128 (the wgrad kernel's token blocks); make_cuda_layer rejects
+  // anything else.
   bool sync_free = false;
   // flow / flow-fp4 with the grouped kernel running GEMM1 (fprop_dgrad above): SwiGLU*prob and the
   // quantizations of a' and the saved h run in GEMM1's epilogue (GroupedGemm::fprop_swiglu; W1

@@ -305,10 +305,12 @@ class MoE(nn.Module):
     def _sync_weights(self, r: _Runner) -> None:
         """set_weights (BF16 copies and FP8 quantization of the masters) only when a parameter or
         the router bias changed since the last call: in place (its version counter) or replaced
-        (its address)."""
+        (its address). Always while a CUDA graph is being captured: the graph then re-quantizes
+        the masters at every replay, so replays follow in-place optimizer steps."""
         ts = (self.w1, self.w2, self.wr, self.router_bias)
         key = tuple((t._version, t.data_ptr()) if t is not None else None for t in ts)
-        if key == r.weights_key:
+        capturing = r.stream is not None and torch.cuda.is_current_stream_capturing()
+        if key == r.weights_key and not capturing:
             return
         for name, t in zip(("w1", "w2", "wr", "router_bias"), ts):
             if t is None:
@@ -357,6 +359,10 @@ class MoE(nn.Module):
             bad = int((~torch.isfinite(xb)).sum())
             raise ValueError(f"flowmoe.torch.MoE: the input holds {bad} non-finite value(s) (after "
                              "conversion to bfloat16); expected finite values")
+        if xb.is_cuda and not self.sync_free and torch.cuda.is_current_stream_capturing():
+            raise FlowmoeError("flowmoe.torch.MoE: forward inside a CUDA graph capture needs "
+                               "sync_free=True (without it every forward synchronises the host to "
+                               "read the routing counts, which capture forbids)")
         r = self._ensure_runner(xb.device, xb.shape[0])
         self._sync_weights(r)
         y = _MoEFunction.apply(self, r, xb, self.w1, self.w2, self.wr)

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -155,6 +156,51 @@ TEST_P(MoeSyncFreeGpu, GraphReplayEqualsEagerStep) {
   }
   EXPECT_EQ(cuda::moe::counters(graph.layer.get()).host_syncs, 0);
   EXPECT_EQ(graph.layer->cast_report().to_string(), eager.layer->cast_report().to_string());
+}
+
+// A training step in one graph: LayerStepGraph::Step::weights puts set_weights (BF16 copies and FP8
+// quantization of the FP32 masters) at the start of every replay, so masters changed in place
+// between replays (an optimizer step) are what the next replay computes with, as an eager step
+// after set_weights does; nothing synchronises with the host, set_weights included.
+TEST_P(MoeSyncFreeGpu, GraphWithWeightUpdateFollowsTheMasters) {
+  REQUIRE_SM90();
+  const Model m(300);
+  LayerRun eager(m, GetParam(), true, false), graph(m, GetParam(), true, false);
+  const MoeWeights gw{graph.w1->p, graph.w2->p, graph.wr->p, graph.bias->p};
+  cuda::moe::LayerStepGraph::Step st{graph.x->p, m.T, graph.y->p, graph.dy->p, graph.dx->p, graph.g};
+  st.weights = &gw;
+  cuda::moe::LayerStepGraph g(graph.layer.get(), graph.s, st);
+  const std::string what = recipe_name(GetParam());
+  std::vector<float> w1 = m.w1, w2 = m.w2;
+  for (int update = 0; update < 2; ++update) {
+    if (update > 0) {  // "optimizer step": new masters, written in place
+      for (size_t i = 0; i < w1.size(); ++i) w1[i] = w1[i] * 0.75f + 0.001f * float(int(i % 7) - 3);
+      for (size_t i = 0; i < w2.size(); ++i) w2[i] = -w2[i];
+      for (auto* r : {&eager, &graph}) {
+        ASSERT_EQ(cudaMemcpyAsync(r->w1->p, w1.data(), w1.size() * 4, cudaMemcpyHostToDevice, r->s), cudaSuccess);
+        ASSERT_EQ(cudaMemcpyAsync(r->w2->p, w2.data(), w2.size() * 4, cudaMemcpyHostToDevice, r->s), cudaSuccess);
+      }
+      eager.layer->set_weights(MoeWeights{eager.w1->p, eager.w2->p, eager.wr->p, eager.bias->p});
+    }
+    eager.step(m.T);
+    g.replay();
+    expect_same(eager.out(), graph.out(), what + " after " + std::to_string(update) + " weight update(s)");
+  }
+  EXPECT_EQ(cuda::moe::counters(graph.layer.get()).host_syncs, 0);
+  EXPECT_EQ(graph.layer->status().nonfinite, 0) << what;
+}
+
+// sync_free: set_weights does not synchronise, so non-finite weights are counted into
+// status().nonfinite (read after the next forward) instead of thrown; the default layer throws.
+TEST(MoeSyncFreeGpuWeights, NonFiniteWeightsAreCountedNotThrown) {
+  REQUIRE_SM90();
+  Model m(300);
+  m.w1[5] = std::numeric_limits<float>::quiet_NaN();
+  m.w2[9] = std::numeric_limits<float>::infinity();
+  LayerRun sf(m, Recipe::kFlow, true, false);  // (its constructor calls set_weights)
+  sf.step(m.T);
+  EXPECT_GE(sf.layer->status().nonfinite, 2);
+  EXPECT_THROW(LayerRun(m, Recipe::kFlow, false, false), NonFiniteError);
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, MoeSyncFreeGpu,

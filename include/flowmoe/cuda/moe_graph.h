@@ -11,9 +11,13 @@
 //
 // The graph holds the step's pointers and token count: every replay reads x and dy and writes y,
 // dx and the gradients at the addresses given here (refill the buffers, keep them). set_weights
-// between replays is fine (it writes the layer's own weight buffers, which the graph reads). The
-// capture runs the step's host code once (it enqueues nothing that runs); the layer's cast report
-// and status describe the latest replay once read.
+// between replays is fine (it writes the layer's own weight buffers, which the graph reads). With
+// Step::weights the graph starts with the weight update itself (set_weights: the BF16 copies and
+// the FP8 quantization of the FP32 masters at those addresses), so a training loop that updates
+// the masters in place (an optimizer step) replays forward + backward on the new weights with no
+// host work at all. The capture runs the step's host code once (it enqueues nothing that runs);
+// the layer's cast report and status describe the latest replay once read (a sync_free layer
+// counts non-finite weights into status().nonfinite instead of throwing at set_weights).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +40,7 @@ class LayerStepGraph {
     const bf16_t* dy = nullptr; // [T, H]
     bf16_t* dx = nullptr;       // [T, H]
     MoeGrads grads;
+    const MoeWeights* weights = nullptr;  // non-null: set_weights(*weights) first in every replay
   };
   // Captures forward + backward on `stream`, the stream the layer was made with. Throws
   // flowmoe::Error (nothing captured, the layer usable) unless `layer` is a sync_free CUDA layer

@@ -24,6 +24,7 @@ LayerStepGraph::LayerStepGraph(MoeLayer* layer, cudaStream_t stream, const Step&
   cudaGraph_t graph = nullptr;
   FLOWMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   try {
+    if (step.weights) layer->set_weights(*step.weights);
     layer->forward(step.x, step.tokens, step.y);
     layer->backward(step.dy, step.dx, step.grads);
   } catch (...) {

@@ -94,13 +94,17 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   if (has_bias_)
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(wb.router_bias, w.router_bias, sizeof(float) * E_,
                                        cudaMemcpyDeviceToDevice, stream_));
-  DeviceStatus st{};
-  FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(&st, wstatus, sizeof st, cudaMemcpyDeviceToHost, stream_));
-  FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (st.nonfinite)
-    throw NonFiniteError(__FILE__, __LINE__,
-                         std::string(what) + ": the weights hold " + std::to_string(st.nonfinite) +
-                             " non-finite value(s); expected finite W1, W2 and Wr");
+  // The non-finite check: thrown here, or with sync_free (no host synchronisation, so that the
+  // update can be captured in a CUDA graph) counted into status().nonfinite when it is read.
+  if (!sync_free_) {
+    DeviceStatus st{};
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(&st, wstatus, sizeof st, cudaMemcpyDeviceToHost, stream_));
+    FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (st.nonfinite)
+      throw NonFiniteError(__FILE__, __LINE__,
+                           std::string(what) + ": the weights hold " + std::to_string(st.nonfinite) +
+                               " non-finite value(s); expected finite W1, W2 and Wr");
+  }
 
   rep_.drop_ops(MoePass::kWeightUpdate);
   const RecipeSpec& spec = recipe_spec(cfg_.recipe);

@@ -97,7 +97,7 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup) {
   r.pass_status = a.device<DeviceStatus>(4);
   r.weight_status = a.device<DeviceStatus>(1);
   r.host_counts = a.pinned<int32_t>(E);
-  r.host_status = a.pinned<DeviceStatus>(4);
+  r.host_status = a.pinned<DeviceStatus>(5);
   r.host_aux_loss = a.pinned<float>(1);
 
   if (comm) {

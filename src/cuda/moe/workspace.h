@@ -70,7 +70,7 @@ struct RoutingBuffers {
   DeviceStatus* pass_status = nullptr;    // [4]: forward, forward aux, backward, backward aux
   DeviceStatus* weight_status = nullptr;  // [1]: set_weights' non-finite check
   int32_t* host_counts = nullptr;         // [E] pinned: routed rows per expert
-  DeviceStatus* host_status = nullptr;    // [4] pinned
+  DeviceStatus* host_status = nullptr;    // [5] pinned: the passes' four, then weight_status
   float* host_aux_loss = nullptr;         // [1] pinned
 };
 

@@ -74,6 +74,91 @@ def test_sync_free_gives_the_same_bits(recipe):
     assert m.status()["nonfinite"] == 0
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "flow-fp4"])
+def test_sync_free_step_replays_from_a_torch_cuda_graph(recipe):
+    # A sync_free module's forward + backward captured in a torch.cuda.CUDAGraph (torch's recipe:
+    # an eager warm-up step on a side stream, then capture with static input and output tensors)
+    # and replayed equals the same two eager steps bit for bit; .grad is accumulated into.
+    x, dy = data()
+    eager = make(recipe, sync_free=True)
+    run_module(eager, x, dy)
+    want = run_module(eager, x, dy)  # the second step: .grad accumulated
+
+    m = make(recipe, sync_free=True)
+    sx = x.clone().requires_grad_()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up: builds the layer, quantizes the weights, creates .grad
+        m(sx).backward(dy)
+    torch.cuda.current_stream().wait_stream(s)
+    sx.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sy = m(sx)
+        sy.backward(dy)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [sy.detach(), sx.grad, m.w1.grad, m.w2.grad, m.wr.grad]
+    for name, u, v in zip(("y", "dx", "dw1", "dw2", "dwr"), want, got):
+        assert torch.equal(u, v), f"{recipe}: {name} of the replayed step differs from the eager step"
+    graph.replay()  # a second replay accumulates once more, like a third eager step
+    want3 = run_module(eager, x, dy)
+    torch.cuda.synchronize()
+    for name, u, v in zip(("dw1", "dw2", "dwr"), want3[2:], (m.w1.grad, m.w2.grad, m.wr.grad)):
+        assert torch.equal(u, v), f"{recipe}: {name} after two replays differs from three eager steps"
+    assert m.status()["nonfinite"] == 0
+
+
+def test_sync_free_graph_replays_follow_optimizer_steps():
+    # While capturing, the module records the weight re-quantization too, so a loop of (replay,
+    # optimizer step on the masters in place, zero_grad in place) equals the same loop run eagerly.
+    x, dy = data()
+
+    def step(m, sx, opt):
+        m(sx).backward(dy)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    eager = make("flow", sync_free=True)
+    ex = x.clone().requires_grad_()
+    eopt = torch.optim.SGD(eager.parameters(), lr=0.5)
+    for _ in range(3):
+        step(eager, ex, eopt)
+    want_y = eager(x).detach()
+
+    m = make("flow", sync_free=True)
+    sx = x.clone().requires_grad_()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(m, sx, opt)  # eager warm-up step: builds the layer, creates .grad
+    torch.cuda.current_stream().wait_stream(s)
+    sx.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        m(sx).backward(dy)
+    for _ in range(2):
+        graph.replay()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    torch.cuda.synchronize()
+    for name, u, v in zip(("w1", "w2", "wr"), (eager.w1, eager.w2, eager.wr), (m.w1, m.w2, m.wr)):
+        assert torch.equal(u, v), f"{name} after 3 steps (2 replayed) differs from 3 eager steps"
+    assert torch.equal(want_y, m(x).detach())
+
+
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")  # (nothing was captured: the point)
+def test_capture_without_sync_free_is_a_clear_error():
+    m = make("flow")
+    x, _ = data()
+    m(x)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(Exception, match="sync_free=True"):
+        with torch.cuda.graph(graph):
+            m(x)
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "flow"])
 def test_two_micro_batches_accumulate(recipe):
     x1, dy1 = data(T=200, seed=1)
