@@ -302,7 +302,8 @@ struct CudaLayerOptions {
   // kernels on device offsets, the row-wise kernels take the device row count), and the cast
   // report's row counts are resolved when it is read (cast_report(), status(): one synchronisation
   // there). Same bits as the default. set_weights does not synchronise either (it can be captured
-  // too): non-finite weights are counted into status().nonfinite instead of thrown. One GPU (no
+  // too): instead of throwing NonFiniteError, it counts the non-finite weights, which status()
+  // adds to its nonfinite count from the next forward on (until the next set_weights). One GPU (no
   // communicator), the FP8 recipes (blockwise, fp8-naive, flow, flow-fp4; bf16's cuBLASLt GEMMs
   // need the host counts), align 128 (the wgrad kernel's token blocks); make_cuda_layer rejects
   // anything else.

@@ -302,6 +302,23 @@ class MoE(nn.Module):
         self._runner = _Runner(layer, device, stream, max_tokens)
         return self._runner
 
+    def _check_capture(self, xb: torch.Tensor) -> None:
+        """A forward inside a CUDA graph capture: refused, with what to do, where it would
+        synchronise the host or allocate the layer (both forbidden while capturing)."""
+        if not self.sync_free:
+            raise FlowmoeError("flowmoe.torch.MoE: forward inside a CUDA graph capture needs "
+                               "sync_free=True (without it every forward synchronises the host to "
+                               "read the routing counts, which capture forbids)")
+        if self.check_finite:
+            raise FlowmoeError("flowmoe.torch.MoE: check_finite=True synchronises the host, which a "
+                               "CUDA graph capture forbids; capture with check_finite off")
+        r = self._runner
+        if r is None or r.device != xb.device or xb.shape[0] > r.max_tokens:
+            raise FlowmoeError(f"flowmoe.torch.MoE: forward inside a CUDA graph capture with "
+                               f"{xb.shape[0]} tokens needs a layer built beforehand (building it "
+                               f"allocates memory): run one eager forward (a warm-up step) with at "
+                               f"least this many tokens on {xb.device} before capturing")
+
     def _sync_weights(self, r: _Runner) -> None:
         """set_weights (BF16 copies and FP8 quantization of the masters) only when a parameter or
         the router bias changed since the last call: in place (its version counter) or replaced
@@ -324,7 +341,8 @@ class MoE(nn.Module):
             r.layer.set_weights(*[_addr(t) for t in ts])
         finally:
             r.leave(cur)
-        r.weights_key = key
+        # (captured: nothing has run yet, so the next eager forward updates again)
+        r.weights_key = None if capturing else key
         self.weight_updates += 1
 
     # ---- forward -----------------------------------------------------------------------------------
@@ -354,15 +372,13 @@ class MoE(nn.Module):
         xb = x.reshape(-1, self.hidden)
         if xb.dtype != torch.bfloat16:
             xb = xb.to(torch.bfloat16)
+        if xb.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._check_capture(xb)
         check = self.check_finite if self.check_finite is not None else xb.device.type == "cpu"
         if check and not bool(torch.isfinite(xb).all()):
             bad = int((~torch.isfinite(xb)).sum())
             raise ValueError(f"flowmoe.torch.MoE: the input holds {bad} non-finite value(s) (after "
                              "conversion to bfloat16); expected finite values")
-        if xb.is_cuda and not self.sync_free and torch.cuda.is_current_stream_capturing():
-            raise FlowmoeError("flowmoe.torch.MoE: forward inside a CUDA graph capture needs "
-                               "sync_free=True (without it every forward synchronises the host to "
-                               "read the routing counts, which capture forbids)")
         r = self._ensure_runner(xb.device, xb.shape[0])
         self._sync_weights(r)
         y = _MoEFunction.apply(self, r, xb, self.w1, self.w2, self.wr)

@@ -10,8 +10,9 @@
 //   for (...) { /* refill x, dy in place */ step.replay(); }
 //
 // The graph holds the step's pointers and token count: every replay reads x and dy and writes y,
-// dx and the gradients at the addresses given here (refill the buffers, keep them). set_weights
-// between replays is fine (it writes the layer's own weight buffers, which the graph reads). With
+// dx and the gradients at the addresses given here (refill the buffers, keep them). Without
+// Step::weights, set_weights between replays is fine (it writes the layer's own weight buffers,
+// which the graph reads; with Step::weights the next replay overwrites them). With
 // Step::weights the graph starts with the weight update itself (set_weights: the BF16 copies and
 // the FP8 quantization of the FP32 masters at those addresses), so a training loop that updates
 // the masters in place (an optimizer step) replays forward + backward on the new weights with no
@@ -44,7 +45,8 @@ class LayerStepGraph {
   };
   // Captures forward + backward on `stream`, the stream the layer was made with. Throws
   // flowmoe::Error (nothing captured, the layer usable) unless `layer` is a sync_free CUDA layer
-  // with weights, or when the capture fails.
+  // with weights, or when the capture fails (with Step::weights: call set_weights again before
+  // using the layer, its weight buffers were not written).
   LayerStepGraph(MoeLayer* layer, cudaStream_t stream, const Step& step);
   ~LayerStepGraph();
   LayerStepGraph(const LayerStepGraph&) = delete;

@@ -53,7 +53,7 @@ constexpr int kScaleWarps = 3;  // producer warps decoding the scales, k-blocks 
 constexpr int kSchedBytes = 2 * (kMaxGroupedExperts + 1) * 4;  // offsets and tile prefix
 
 // The configuration of one feature-tile width: 128 (any n_out) or 256 (n_out a multiple of 256:
-// the same A tile feeds twice the math, a third less operand traffic per FLOP). Shared memory
+// the same A tile feeds twice the math, a quarter less operand traffic per FLOP). Shared memory
 // (227 KB per CTA) holds the ring of stages and the BF16 output tile the epilogue stages for its
 // TMA stores (64 KB at kBN = 256, 32 KB at 128); kStages is what the rest leaves (>= 3: two loads in
 // flight while one stage is read).

@@ -10,7 +10,7 @@
 // block b of expert e is global block offsets[e] / 128 + b and no block mixes two experts.
 //
 // Output tiles are 128 rows (N) x kBN columns (K): kBN = 256 when K allows and the experts average
-// at least 1024 tokens (the dY tile feeds twice the math: a third less operand traffic per FLOP),
+// at least 1024 tokens (the dY tile feeds twice the math: a quarter less operand traffic per FLOP),
 // else 128.
 //
 // CTA: 3 warpgroups. Warpgroup 0: one thread issues the TMA loads of a ring of stages (dY tile

@@ -94,9 +94,12 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   if (has_bias_)
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(wb.router_bias, w.router_bias, sizeof(float) * E_,
                                        cudaMemcpyDeviceToDevice, stream_));
-  // The non-finite check: thrown here, or with sync_free (no host synchronisation, so that the
-  // update can be captured in a CUDA graph) counted into status().nonfinite when it is read.
-  if (!sync_free_) {
+  // The non-finite check of the masters (counted by the conversions above): thrown here, or with
+  // sync_free (no host synchronisation, so that the update can be captured in a CUDA graph) kept in
+  // weight_status[1] (the quantizations below count into [0] again) and added to status().nonfinite.
+  if (sync_free_) {
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(wstatus + 1, wstatus, sizeof(DeviceStatus), cudaMemcpyDeviceToDevice, stream_));
+  } else {
     DeviceStatus st{};
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(&st, wstatus, sizeof st, cudaMemcpyDeviceToHost, stream_));
     FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));

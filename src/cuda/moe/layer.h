@@ -76,6 +76,7 @@ class CudaMoeLayer final : public MoeLayer {
  private:
   using Fp8Op = gemm::Fp8Operand;
   enum { kStatusFwd = 0, kStatusFwdAux = 1, kStatusBwd = 2, kStatusBwdAux = 3 };
+  static constexpr int kHostStatusWeights = 4;  // routing.host_status[4]: set_weights' check (sync_free)
 
   // ---- lifecycle (layer.cu) --------------------------------------------------------------------
   void allocate(const CudaLayerOptions& options);

@@ -101,8 +101,8 @@ void CudaMoeLayer::read_status() const {
                                      stream_));
   FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.host_aux_loss, r.aux_loss, sizeof(float), cudaMemcpyDeviceToHost, stream_));
   if (sync_free_)  // set_weights' non-finite count, not checked on the host there
-    FLOWMOE_CUDA_CHECK(
-        cudaMemcpyAsync(r.host_status + 4, r.weight_status, sizeof(DeviceStatus), cudaMemcpyDeviceToHost, stream_));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.host_status + kHostStatusWeights, r.weight_status + 1, sizeof(DeviceStatus),
+                                       cudaMemcpyDeviceToHost, stream_));
   FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
   const DeviceStatus* s = r.host_status;
   rep_.forward_stats.nonfinite = int64_t(s[kStatusFwd].nonfinite);
@@ -113,7 +113,7 @@ void CudaMoeLayer::read_status() const {
     rep_.backward_stats.underflow = int64_t(s[kStatusBwd].underflow + s[kStatusBwdAux].underflow);
   }
   mstatus_.nonfinite = rep_.forward_stats.nonfinite + rep_.backward_stats.nonfinite +
-                      (sync_free_ ? int64_t(s[4].nonfinite) : 0);
+                      (sync_free_ ? int64_t(s[kHostStatusWeights].nonfinite) : 0);
   mstatus_.underflow = rep_.forward_stats.underflow + rep_.backward_stats.underflow;
   mstatus_.aux_loss = cfg_.aux_loss_alpha > 0.0f ? *r.host_aux_loss : 0.0f;
   if (sync_free_) resolve_report();

@@ -95,7 +95,7 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup) {
   r.block_end = a.device<int32_t>(MB);
   r.block_offsets = a.device<int32_t>(E + 1);
   r.pass_status = a.device<DeviceStatus>(4);
-  r.weight_status = a.device<DeviceStatus>(1);
+  r.weight_status = a.device<DeviceStatus>(2);
   r.host_counts = a.pinned<int32_t>(E);
   r.host_status = a.pinned<DeviceStatus>(5);
   r.host_aux_loss = a.pinned<float>(1);

@@ -68,7 +68,7 @@ struct RoutingBuffers {
   int32_t* block_end = nullptr;
   int32_t* block_offsets = nullptr;  // [E+1]
   DeviceStatus* pass_status = nullptr;    // [4]: forward, forward aux, backward, backward aux
-  DeviceStatus* weight_status = nullptr;  // [1]: set_weights' non-finite check
+  DeviceStatus* weight_status = nullptr;  // [2]: set_weights' counters; [1] the non-finite check (sync_free)
   int32_t* host_counts = nullptr;         // [E] pinned: routed rows per expert
   DeviceStatus* host_status = nullptr;    // [5] pinned: the passes' four, then weight_status
   float* host_aux_loss = nullptr;         // [1] pinned

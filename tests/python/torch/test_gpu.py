@@ -110,20 +110,17 @@ def test_sync_free_step_replays_from_a_torch_cuda_graph(recipe):
 
 
 def test_sync_free_graph_replays_follow_optimizer_steps():
-    # While capturing, the module records the weight re-quantization too, so a loop of (replay,
-    # optimizer step on the masters in place, zero_grad in place) equals the same loop run eagerly.
+    # While capturing, the module records the weight re-quantization even though the weights have
+    # not changed since the warm-up, so a loop of (replay, optimizer step on the masters in place,
+    # zero_grad in place) equals the same loop run eagerly.
     x, dy = data()
-
-    def step(m, sx, opt):
-        m(sx).backward(dy)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-
     eager = make("flow", sync_free=True)
     ex = x.clone().requires_grad_()
     eopt = torch.optim.SGD(eager.parameters(), lr=0.5)
     for _ in range(3):
-        step(eager, ex, eopt)
+        eager(ex).backward(dy)
+        eopt.step()
+        eopt.zero_grad(set_to_none=False)
     want_y = eager(x).detach()
 
     m = make("flow", sync_free=True)
@@ -131,32 +128,36 @@ def test_sync_free_graph_replays_follow_optimizer_steps():
     opt = torch.optim.SGD(m.parameters(), lr=0.5)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step(m, sx, opt)  # eager warm-up step: builds the layer, creates .grad
+    with torch.cuda.stream(s):  # warm-up, no optimizer step: builds the layer, creates .grad
+        m(sx).backward(dy)
+        opt.zero_grad(set_to_none=False)
     torch.cuda.current_stream().wait_stream(s)
     sx.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         m(sx).backward(dy)
-    for _ in range(2):
+    for _ in range(3):
         graph.replay()
         opt.step()
         opt.zero_grad(set_to_none=False)
     torch.cuda.synchronize()
     for name, u, v in zip(("w1", "w2", "wr"), (eager.w1, eager.w2, eager.wr), (m.w1, m.w2, m.wr)):
-        assert torch.equal(u, v), f"{name} after 3 steps (2 replayed) differs from 3 eager steps"
+        assert torch.equal(u, v), f"{name} after 3 replayed steps differs from 3 eager steps"
     assert torch.equal(want_y, m(x).detach())
 
 
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")  # (nothing was captured: the point)
-def test_capture_without_sync_free_is_a_clear_error():
-    m = make("flow")
+def test_capture_without_sync_free_or_warm_up_is_a_clear_error():
     x, _ = data()
+    m = make("flow")
     m(x)  # warm-up
-    graph = torch.cuda.CUDAGraph()
     with pytest.raises(Exception, match="sync_free=True"):
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
             m(x)
+    cold = make("flow", sync_free=True)  # no eager forward yet: building the layer would allocate
+    with pytest.raises(Exception, match="warm-up"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            cold(x)
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "flow"])
