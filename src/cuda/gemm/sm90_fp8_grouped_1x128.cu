@@ -230,14 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int h = 0; h < C::kHalves; ++h) {
         const float sb = ss[kTile + h], s0 = sa0 * sb, s1 = sa1 * sb;
-        const uint32_t b_addr = smem_u32(smem + s * kStageBytes + (1 + h) * kTile * kTile);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_m64n128k32_e4m3(blk, smem_desc_k_major_sw128(a_addr + 32 * kk),
-                                smem_desc_k_major_sw128(b_addr + 32 * kk), kk > 0);
-        wgmma_commit();
-        wgmma_wait_all();
+        wgmma_block_m64n128k128_e4m3(blk, a_addr, smem_u32(smem + s * kStageBytes + (1 + h) * kTile * kTile));
         if (h == C::kHalves - 1) {  // the stage's last WGMMA has read its operands
           __syncwarp();
           if (lane == 0) mbar_arrive(&empty[s]);

@@ -192,14 +192,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t a_addr = smem_u32(smem + s * kStageBytes) + ci * (64 * kTile);
 #pragma unroll
       for (int h = 0; h < C::kHalves; ++h) {
-        const uint32_t b_addr = smem_u32(smem + s * kStageBytes + (1 + h) * kTile * kTile);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_m64n128k32_e4m3(blk, smem_desc_k_major_sw128(a_addr + 32 * kk),
-                                smem_desc_k_major_sw128(b_addr + 32 * kk), kk > 0);
-        wgmma_commit();
-        wgmma_wait_all();
+        wgmma_block_m64n128k128_e4m3(blk, a_addr, smem_u32(smem + s * kStageBytes + (1 + h) * kTile * kTile));
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const float2 sb = *reinterpret_cast<const float2*>(ss + kTile + h * kTile + 8 * j + c0);

@@ -47,6 +47,19 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t da, uin
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(da), "l"(db), "r"(scale_d));
 }
+
+// blk (m64n128 FP32 fragment) = A(64 x 128) . B(128 x 128)^T over one 128-deep block of E4M3
+// K-major operands at shared addresses a_addr, b_addr (128-byte swizzle): four m64n128k32 WGMMAs,
+// the first overwriting blk, committed and waited for (blk readable on return).
+__device__ __forceinline__ void wgmma_block_m64n128k128_e4m3(float* blk, uint32_t a_addr, uint32_t b_addr) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_m64n128k32_e4m3(blk, smem_desc_k_major_sw128(a_addr + 32 * kk), smem_desc_k_major_sw128(b_addr + 32 * kk),
+                          kk > 0);
+  wgmma_commit();
+  wgmma_wait_all();
+}
 #endif  // FLOWMOE_SM90A
 
 }  // namespace sm90
