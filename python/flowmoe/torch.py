@@ -319,14 +319,13 @@ class MoE(nn.Module):
                                f"allocates memory): run one eager forward (a warm-up step) with at "
                                f"least this many tokens on {xb.device} before capturing")
 
-    def _sync_weights(self, r: _Runner) -> None:
+    def _sync_weights(self, r: _Runner, capturing: bool = False) -> None:
         """set_weights (BF16 copies and FP8 quantization of the masters) only when a parameter or
         the router bias changed since the last call: in place (its version counter) or replaced
         (its address). Always while a CUDA graph is being captured: the graph then re-quantizes
         the masters at every replay, so replays follow in-place optimizer steps."""
         ts = (self.w1, self.w2, self.wr, self.router_bias)
         key = tuple((t._version, t.data_ptr()) if t is not None else None for t in ts)
-        capturing = r.stream is not None and torch.cuda.is_current_stream_capturing()
         if key == r.weights_key and not capturing:
             return
         for name, t in zip(("w1", "w2", "wr", "router_bias"), ts):
@@ -372,7 +371,8 @@ class MoE(nn.Module):
         xb = x.reshape(-1, self.hidden)
         if xb.dtype != torch.bfloat16:
             xb = xb.to(torch.bfloat16)
-        if xb.is_cuda and torch.cuda.is_current_stream_capturing():
+        capturing = xb.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing:
             self._check_capture(xb)
         check = self.check_finite if self.check_finite is not None else xb.device.type == "cpu"
         if check and not bool(torch.isfinite(xb).all()):
@@ -380,7 +380,7 @@ class MoE(nn.Module):
             raise ValueError(f"flowmoe.torch.MoE: the input holds {bad} non-finite value(s) (after "
                              "conversion to bfloat16); expected finite values")
         r = self._ensure_runner(xb.device, xb.shape[0])
-        self._sync_weights(r)
+        self._sync_weights(r, capturing)
         y = _MoEFunction.apply(self, r, xb, self.w1, self.w2, self.wr)
         self._have_forward = True
         return y.reshape(x.shape).to(x.dtype)
