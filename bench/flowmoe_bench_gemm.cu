@@ -9,8 +9,9 @@
 //
 // The first table: flowmoe's grouped sm_90a kernels (one launch per GEMM, expert offsets read on
 // the device) against cuBLASLt per expert and the BF16 grouped baseline, per pass, at the
-// DeepSeek-V3 and V2-Lite expert shapes (--grouped-only stops after it). The second: FP8 wgrad by flowmoe's sm_90a kernel against cuBLASLt per expert (128-aligned
-// experts; --wgrad-kernel-only stops after it).
+// DeepSeek-V3 and V2-Lite expert shapes, and the BF16 kernels against that BF16 baseline
+// (--grouped-only stops after it). The second: FP8 wgrad by flowmoe's sm_90a kernel against
+// cuBLASLt per expert (128-aligned experts; --wgrad-kernel-only stops after it).
 //
 // First section: the grouped GEMMs as the library now runs them (GroupedGemmOptions from the
 // defaults and this program's FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY / _WGRAD_KERNEL variables
@@ -397,43 +398,57 @@ void bench_grouped(const std::string& name, const std::vector<int32_t>& counts, 
   bf16_t* y2 = b.own<bf16_t>(m * n);
   bf16_t* dx2 = b.own<bf16_t>(m * k);
   float* g2 = b.own<float>(g);
+  bf16_t* yk16 = b.own<bf16_t>(m * n);  // the BF16 kernels' outputs
+  bf16_t* dxk16 = b.own<bf16_t>(m * k);
+  float* gk16 = b.own<float>(g);
   using W = gemm::WgradOut;
   struct Pass {
     const char* label;
-    std::function<void()> kern, blas, bf16;
-    std::function<double()> diff;
+    std::function<void()> kern, blas, bf16, bf16_kern;
+    std::function<double()> diff, diff16;
   };
   const Pass passes[] = {
       {"fprop", [&] { gk.fprop(seg, n, k, x, w, {b.y8, m * n}, g_stream); },
        [&] { blas.fprop(b.seg, n, k, x8, w8, {y2, m * n}, g_stream); },
-       [&] { blas.fprop_bf16(b.seg, n, k, x16, w16, {b.y16, m * n}, g_stream); }, [&] { return rel_diff(b.y8, y2, m * n); }},
+       [&] { blas.fprop_bf16(b.seg, n, k, x16, w16, {b.y16, m * n}, g_stream); },
+       [&] { gk.fprop_bf16(seg, n, k, x16, w16, {yk16, m * n}, g_stream); }, [&] { return rel_diff(b.y8, y2, m * n); },
+       [&] { return rel_diff(yk16, b.y16, m * n); }},
       {"dgrad", [&] { gk.dgrad(seg, n, k, dy, wt, {b.dx8, m * k}, g_stream); },
        [&] { blas.dgrad(b.seg, n, k, dy8, wt8, {dx2, m * k}, g_stream); },
-       [&] { blas.dgrad_bf16(b.seg, n, k, dy16, w16, {b.dx16, m * k}, g_stream); }, [&] { return rel_diff(b.dx8, dx2, m * k); }},
+       [&] { blas.dgrad_bf16(b.seg, n, k, dy16, w16, {b.dx16, m * k}, g_stream); },
+       [&] { gk.dgrad_bf16(seg, n, k, dy16, w16, {dxk16, m * k}, g_stream); }, [&] { return rel_diff(b.dx8, dx2, m * k); },
+       [&] { return rel_diff(dxk16, b.dx16, m * k); }},
       {"wgrad +=", [&] { gk.wgrad(seg, n, k, dyc, xc, W::accumulate(b.g8, g), g_stream); },
        [&] { blas.wgrad(b.seg, n, k, dyc8, xc8, W::accumulate(g2, g), g_stream); },
-       [&] { blas.wgrad_bf16(b.seg, n, k, dy16, x16, W::accumulate(b.g16, g), g_stream); }, nullptr},
+       [&] { blas.wgrad_bf16(b.seg, n, k, dy16, x16, W::accumulate(b.g16, g), g_stream); },
+       [&] { gk.wgrad_bf16(seg, n, k, dy16, x16, W::accumulate(gk16, g), g_stream); }, nullptr, nullptr},
       {"wgrad =", [&] { gk.wgrad(seg, n, k, dyc, xc, W::f32(b.g8, g), g_stream); },
        [&] { blas.wgrad(b.seg, n, k, dyc8, xc8, W::f32(g2, g), g_stream); },
-       [&] { blas.wgrad_bf16(b.seg, n, k, dy16, x16, W::f32(b.g16, g), g_stream); }, [&] { return rel_diff(b.g8, g2, g); }},
+       [&] { blas.wgrad_bf16(b.seg, n, k, dy16, x16, W::f32(b.g16, g), g_stream); },
+       [&] { gk.wgrad_bf16(seg, n, k, dy16, x16, W::f32(gk16, g), g_stream); }, [&] { return rel_diff(b.g8, g2, g); },
+       [&] { return rel_diff(gk16, b.g16, g); }},
   };
   const double flops = 2.0 * m * n * k;
   for (const Pass& p : passes) {
-    const Timing tk = time_call(p.kern), tb = time_call(p.blas), t16 = time_call(p.bf16);
-    const double diff = p.diff ? p.diff() : -1;
-    std::printf("| %-26s | %3d | %6lld | %-8s | %8.1f | %6.0f | %8.1f | %6.0f | %5.2fx | %8.1f | %6.0f | %5.2fx | %s |\n",
+    const Timing tk = time_call(p.kern), tb = time_call(p.blas), t16 = time_call(p.bf16), tk16 = time_call(p.bf16_kern);
+    const double diff = p.diff ? p.diff() : -1, diff16 = p.diff16 ? p.diff16() : -1;
+    std::printf("| %-26s | %3d | %6lld | %-8s | %8.1f | %6.0f | %8.1f | %6.0f | %5.2fx | %8.1f | %6.0f | %5.2fx | %s "
+                "| %8.1f | %6.0f | %5.2fx | %s |\n",
                 name.c_str(), E, (long long)m, p.label, tk.us, flops / tk.us * 1e-6, tb.us, flops / tb.us * 1e-6,
                 tb.us / tk.us, t16.us, flops / t16.us * 1e-6, t16.us / tk.us,
-                diff < 0 ? "-" : std::to_string(diff).c_str());
+                diff < 0 ? "-" : std::to_string(diff).c_str(), tk16.us, flops / tk16.us * 1e-6, t16.us / tk16.us,
+                diff16 < 0 ? "-" : std::to_string(diff16).c_str());
     std::fflush(stdout);
   }
 }
 void grouped_section() {
-  std::printf("\n## Grouped FP8 kernels (one launch, device offsets) against cuBLASLt per expert and BF16 grouped\n\n");
-  std::printf("| %-26s | %3s | %6s | %-8s | %8s | %6s | %8s | %6s | %6s | %8s | %6s | %6s | %s |\n", "shape", "E", "tokens",
-              "pass", "kernel us", "TFLOP/s", "cuBLASLt us", "TFLOP/s", "vs LT", "BF16 us", "TFLOP/s", "vs BF16",
-              "rel RMS vs cuBLASLt");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n## Grouped FP8 kernels (one launch, device offsets) against cuBLASLt per expert and BF16 grouped;\n"
+              "## the BF16 kernels (one launch, device offsets) against BF16 cuBLASLt per expert\n\n");
+  std::printf("| %-26s | %3s | %6s | %-8s | %8s | %6s | %8s | %6s | %6s | %8s | %6s | %6s | %s | %8s | %6s | %6s | %s |\n",
+              "shape", "E", "tokens", "pass", "kernel us", "TFLOP/s", "cuBLASLt us", "TFLOP/s", "vs LT", "BF16 us",
+              "TFLOP/s", "vs BF16", "rel RMS vs cuBLASLt", "BF16 kernel us", "TFLOP/s", "vs BF16 LT",
+              "rel RMS vs BF16 LT");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const std::vector<int32_t> v3(32, 2048), lite(64, 384);
   bench_grouped("V3 GEMM1 [4096, 7168]", v3, 4096, 7168);
   bench_grouped("V3 GEMM2 [7168, 2048]", v3, 7168, 2048);

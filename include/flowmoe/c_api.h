@@ -71,8 +71,8 @@ int flowmoe_layer_create_cuda(const flowmoe_config* cfg, flowmoe_comm* comm, int
                               void* stream, flowmoe_layer** out);
 // The CUDA layer's options (moe.h CudaLayerOptions); all zero = the defaults.
 typedef struct flowmoe_cuda_options {
-  // CudaLayerOptions::sync_free: no host synchronisation in forward and backward (one GPU, the
-  // FP8 recipes, align 128; the same bits as the default).
+  // CudaLayerOptions::sync_free: no host synchronisation in forward and backward (one GPU, align
+  // 128; the same bits as the default, bf16's as its grouped BF16 kernels give them).
   int32_t sync_free;
 } flowmoe_cuda_options;
 // flowmoe_layer_create_cuda with options (null: the defaults).

@@ -369,6 +369,21 @@ class GroupedGemm {
   void wgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
                   Span<const bf16_t> x, const WgradOut& dw, cudaStream_t stream);
 
+  // BF16 on device segments: flowmoe's sm_90a kernels, one persistent launch each over all experts
+  // that reads the offsets on the device (docs/GEMM.md, "The BF16 kernels"), FP32 accumulation, the
+  // operands read as they lie (dgrad: W itself, wgrad: dy and x row-wise). No host
+  // synchronisation, no allocation, capturable in a CUDA graph. n, k multiples of 128; x, dy
+  // [capacity, K or N], y, dx [capacity, N or K] (rows past offsets[E] untouched); fprop and dgrad
+  // take any token counts, wgrad needs every offset a multiple of 128 (permute+pad alignment 128,
+  // the padding rows zero) and writes FP32 (overwrite zeroes empty experts, or accumulate).
+  // Malformed offsets are counted in seg.status and leave the output untouched; bad shapes throw.
+  void fprop_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> x,
+                  Span<const bf16_t> w, Span<bf16_t> y, cudaStream_t stream);
+  void dgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
+                  Span<const bf16_t> w, Span<bf16_t> dx, cudaStream_t stream);
+  void wgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
+                  Span<const bf16_t> x, const WgradOut& dw, cudaStream_t stream);
+
   struct Stats {
     int64_t matmuls = 0;            // cublasLtMatmul launches of real work (not tuning trials)
     int64_t heuristic_queries = 0;  // cublasLtMatmulAlgoGetHeuristic calls
@@ -377,6 +392,7 @@ class GroupedGemm {
     int64_t concurrent_calls = 0;   // calls whose matmuls ran on more than one stream
     int64_t wgrad_kernel_calls = 0; // FP8 wgrads run by the sm_90a kernel (one launch each)
     int64_t grouped_kernel_calls = 0;  // FP8 fprops and dgrads run by the sm_90a grouped kernel
+    int64_t bf16_kernel_calls = 0;  // BF16 fprops, dgrads and wgrads run by the sm_90a BF16 kernels
     int64_t tuned_keys = 0;         // problem keys this object resolved (timed or shared)
     int64_t tunings = 0;            // keys this object timed itself
     int64_t tune_trials = 0;        // trial matmuls run while timing

@@ -292,7 +292,9 @@ struct CudaLayerOptions {
   // matmul per expert (the options below); kAuto: the kernel where it measured faster on the H200,
   // i.e. at most kGroupedAutoRows rows per local expert on average at the layer's token capacity
   // (docs/GEMM.md, "The grouped kernels"). Both give the same bits on the layer's tests (the kernel
-  // promotes every 128-wide block as cuBLASLt does).
+  // promotes every 128-wide block as cuBLASLt does). Recipe bf16: kGrouped runs its fprop, dgrad
+  // and (align 128) wgrad on flowmoe's sm_90a BF16 kernels, whose FP32 sums run in another order
+  // than cuBLASLt's (within tolerance, not the same bits); kAuto keeps cuBLASLt.
   enum class FpropDgrad : uint8_t { kAuto, kGrouped, kCublasLt };
   static constexpr int64_t kGroupedAutoRows = 1024;
   FpropDgrad fprop_dgrad = FpropDgrad::kAuto;
@@ -301,12 +303,12 @@ struct CudaLayerOptions {
   // workspaces' row capacity max_rows() and reads the rows in use there (the GEMMs are the grouped
   // kernels on device offsets, the row-wise kernels take the device row count), and the cast
   // report's row counts are resolved when it is read (cast_report(), status(): one synchronisation
-  // there). Same bits as the default. set_weights does not synchronise either (it can be captured
+  // there). Same bits as the default (bf16: as fprop_dgrad = kGrouped, its GEMMs being the BF16
+  // kernels). set_weights does not synchronise either (it can be captured
   // too): instead of throwing NonFiniteError, it counts the non-finite weights, which status()
-  // adds to its nonfinite count from the next forward on (until the next set_weights). One GPU (no
-  // communicator), the FP8 recipes (blockwise, fp8-naive, flow, flow-fp4; bf16's cuBLASLt GEMMs
-  // need the host counts), align 128 (the wgrad kernel's token blocks); make_cuda_layer rejects
-  // anything else.
+  // adds to its nonfinite count from the next forward on (until the next set_weights). Every
+  // recipe, one GPU (no communicator), align 128 (the wgrad kernels' token blocks); make_cuda_layer
+  // rejects anything else.
   bool sync_free = false;
   // flow / flow-fp4 with the grouped kernel running GEMM1 (fprop_dgrad above): SwiGLU*prob and the
   // quantizations of a' and the saved h run in GEMM1's epilogue (GroupedGemm::fprop_swiglu; W1

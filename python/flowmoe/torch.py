@@ -162,10 +162,9 @@ class MoE(nn.Module):
                              "'row-max' or 'column-amax'")
         if grad_mode not in ("direct", "autograd"):
             raise ValueError(f"flowmoe.torch.MoE: grad_mode {grad_mode!r}; expected 'direct' or 'autograd'")
-        if sync_free and (recipe == "bf16" or align != 128 or ep_group is not None):
-            raise ValueError(f"flowmoe.torch.MoE: sync_free needs one GPU (no ep_group), an FP8 recipe "
-                             f"and align 128; got recipe {recipe!r}, align {align}"
-                             f"{', an ep_group' if ep_group is not None else ''}")
+        if sync_free and (align != 128 or ep_group is not None):
+            raise ValueError(f"flowmoe.torch.MoE: sync_free needs one GPU (no ep_group) and align 128; "
+                             f"got align {align}{', an ep_group' if ep_group is not None else ''}")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"flowmoe.torch.MoE: max_tokens {max_tokens!r}; expected None or an int >= 1")
         self.hidden, self.ffn, self.experts, self.topk = hidden, ffn, experts, topk

@@ -67,9 +67,10 @@ const char kBenchUsageTail[] =
     "  --exponent R   flow and flow-fp4: the exponent of the column-wise blocks made by the\n"
     "                 scaling-aware transpose and FP4RowToFP8Col (MoeConfig::transpose_exponent):\n"
     "                 row-max or column-amax (default: MoeConfig's, row-max; docs/NUMERICS.md)\n"
-    "  --graph        the FP8 recipes with align 128: the same step also on a layer built\n"
-    "                 with CudaLayerOptions::sync_free (no host synchronisation), eager and replayed\n"
-    "                 from a CUDA graph (LayerStepGraph), in a table of their own\n"
+    "  --graph        with align 128: the same step also on a layer built with\n"
+    "                 CudaLayerOptions::sync_free (no host synchronisation; bf16's GEMMs then the\n"
+    "                 BF16 kernels), eager and replayed from a CUDA graph (LayerStepGraph), in a\n"
+    "                 table of their own\n"
     "  --json FILE    also write the results as JSON\n"
     "  --baseline F   JSON written by `python3 bench/torch_moe_layer.py --json F`: adds the\n"
     "                 PyTorch layer's tokens/s and the ratio of each recipe to it\n"
@@ -297,8 +298,7 @@ RecipeResult run_recipe(const BenchConfig& bc, Recipe recipe, int64_t T, int ali
   }
   layer.reset();
   BENCH_CUDA(cudaDeviceSynchronize());
-  const bool sync_free_ok = align == 128 && recipe != Recipe::kBf16;
-  if (graph && sync_free_ok) {
+  if (graph && align == 128) {
     time_sync_free(cfg, reps, warmup, stream, w, g, x, dy, y, dx, &r);
     BENCH_CUDA(cudaDeviceSynchronize());
   }

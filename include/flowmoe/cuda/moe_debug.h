@@ -41,12 +41,13 @@ size_t allocated_bytes(const MoeLayer* layer);
 
 // Host-side counters since construction: synchronisations the layer made in forward/backward
 // (the routing-count fetch, one per forward), cuBLASLt matmul launches of its grouped GEMMs and
-// launches of the grouped sm_90a kernels (fprop/dgrad; wgrad).
+// launches of the grouped sm_90a kernels (FP8 fprop/dgrad; FP8 wgrad; BF16 fprop/dgrad/wgrad).
 struct LayerCounters {
   int64_t host_syncs = 0;
   int64_t gemm_matmuls = 0;
   int64_t gemm_grouped_launches = 0;
   int64_t gemm_wgrad_kernel_launches = 0;
+  int64_t gemm_bf16_kernel_launches = 0;
 };
 LayerCounters counters(const MoeLayer* layer);
 

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cuda/gemm/grouped_gemm_impl.h"
+#include "cuda/gemm/sm90_bf16_grouped.h"
 
 namespace flowmoe {
 namespace cuda {
@@ -434,6 +435,82 @@ void GroupedGemm::wgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<con
                nullptr, stream, what, e);
   }
   impl_->launch(stream, what);
+}
+
+// ---- BF16 on device segments: flowmoe's sm_90a kernels, one launch each -------------------------
+namespace {
+void check_bf16_span(int64_t have, int64_t want, const char* what, const char* name) {
+  FLOWMOE_CHECK(have >= want, what << ": " << name << " holds " << have << " elements, expected " << want);
+}
+}  // namespace
+
+void GroupedGemm::fprop_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> x,
+                             Span<const bf16_t> w, Span<bf16_t> y, cudaStream_t stream) {
+  const char* what = "BF16 fprop (device segments)";
+  check_device_segments(seg, what);
+  if (seg.capacity == 0) return;  // no rows: nothing to compute or write
+  check_bf16_span(x.size, seg.capacity * k, what, "x");
+  check_bf16_span(w.size, int64_t(seg.num_segments) * n * k, what, "w");
+  check_bf16_span(y.size, seg.capacity * n, what, "y");
+  sm90::Bf16RowsArgs a;
+  a.offsets = seg.offsets;
+  a.num_experts = seg.num_segments;
+  a.m = seg.capacity;
+  a.n_out = n;
+  a.k_red = k;
+  a.a = x.data;
+  a.b = w.data;
+  a.d = y.data;
+  a.status = seg.status;
+  sm90::bf16_grouped_rows(a, what, stream);
+  ++impl_->stats.bf16_kernel_calls;
+}
+
+void GroupedGemm::dgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
+                             Span<const bf16_t> w, Span<bf16_t> dx, cudaStream_t stream) {
+  const char* what = "BF16 dgrad (device segments)";
+  check_device_segments(seg, what);
+  if (seg.capacity == 0) return;
+  check_bf16_span(dy.size, seg.capacity * n, what, "dy");
+  check_bf16_span(w.size, int64_t(seg.num_segments) * n * k, what, "w");
+  check_bf16_span(dx.size, seg.capacity * k, what, "dx");
+  sm90::Bf16RowsArgs a;
+  a.offsets = seg.offsets;
+  a.num_experts = seg.num_segments;
+  a.m = seg.capacity;
+  a.n_out = k;
+  a.k_red = n;
+  a.a = dy.data;
+  a.b = w.data;
+  a.b_mn_major = true;  // W_e [N, K] read as stored
+  a.d = dx.data;
+  a.status = seg.status;
+  sm90::bf16_grouped_rows(a, what, stream);
+  ++impl_->stats.bf16_kernel_calls;
+}
+
+void GroupedGemm::wgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
+                             Span<const bf16_t> x, const WgradOut& dw, cudaStream_t stream) {
+  const char* what = "BF16 wgrad (device segments)";
+  check_device_segments(seg, what);
+  FLOWMOE_CHECK(dw.kind == WgradOut::Kind::kF32 || dw.kind == WgradOut::Kind::kF32Accumulate,
+                what << ": the kernel writes FP32 gradients (BF16 output asked)");
+  check_bf16_span(dw.size, int64_t(seg.num_segments) * n * k, what, "dw");
+  check_bf16_span(dy.size, seg.capacity * n, what, "dy");
+  check_bf16_span(x.size, seg.capacity * k, what, "x");
+  sm90::Bf16WgradArgs a;
+  a.offsets = seg.offsets;
+  a.num_experts = seg.num_segments;
+  a.m = seg.capacity;
+  a.n = n;
+  a.k = k;
+  a.dy = dy.data;
+  a.x = x.data;
+  a.dw = static_cast<float*>(dw.data);
+  a.accumulate = dw.kind == WgradOut::Kind::kF32Accumulate;
+  a.status = seg.status;
+  sm90::bf16_grouped_wgrad(a, what, stream);
+  ++impl_->stats.bf16_kernel_calls;
 }
 
 }  // namespace cuda

@@ -32,6 +32,7 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/gemm/grouped_row_schedule.cuh"
 #include "cuda/gemm/sm90_fp8_grouped_1x128.h"
 #include "cuda/gemm/sm90_grouped_swiglu_epilogue.cuh"
 #include "cuda/sm90/fence.cuh"
@@ -116,30 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_mbarrier_init();
   }
   __syncthreads();
-  if (threadIdx.x < 32) {
-    // validate the offsets and build the tile prefix: lane l takes experts [l c, l c + c)
-    const int lane = threadIdx.x, c = (E + 31) / 32, e0 = min(E, lane * c), e1 = min(E, e0 + c);
-    bool bad = lane == 0 && (s_off[0] != 0 || s_off[E] > p.m);
-    int sum = 0;
-    for (int e = e0; e < e1; ++e) {
-      const int me = s_off[e + 1] - s_off[e];
-      bad |= me < 0;
-      sum += (max(me, 0) + kTile - 1) / kTile * n_tiles;
-    }
-    int incl = sum;
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
-    int run = incl - sum;
-    for (int e = e0; e < e1; ++e) {
-      s_start[e] = run;
-      run += (max(s_off[e + 1] - s_off[e], 0) + kTile - 1) / kTile * n_tiles;
-    }
-    const bool any_bad = __any_sync(0xffffffffu, bad);
-    if (lane == 31) *s_total = any_bad ? 0 : incl;
-    if (lane == 0 && any_bad && blockIdx.x == 0 && p.bad_segments) atomicAdd(p.bad_segments, 1ull);
-  }
+  if (threadIdx.x < 32) build_row_tile_schedule(s_off, E, p.m, n_tiles, s_start, s_total, p.bad_segments);
   __syncthreads();
   const int total = *s_total;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
@@ -149,9 +127,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 0 && lane == 0) {  // the TMA loads of the code tiles
       uint32_t it = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const int e = detail::last_at_or_below(s_start, E, tile);
-        const int mt_count = (s_off[e + 1] - s_off[e] + kTile - 1) / kTile, r = tile - s_start[e];
-        const int row_a = s_off[e] + (r % mt_count) * kTile, row_b = e * p.n_out + (r / mt_count) * kBN;
+        const RowTile rt = row_tile(s_off, s_start, E, tile);
+        const int row_a = rt.off + rt.local0, row_b = rt.e * p.n_out + rt.nt * kBN;
         for (int kb = 0; kb < kb_count; ++kb, ++it) {
           const int s = it % kStages;
           mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
@@ -174,11 +151,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t sw = warp - 1;
       uint32_t it = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const int e = detail::last_at_or_below(s_start, E, tile);
-        const int off = s_off[e], me = s_off[e + 1] - off;
-        const int mt_count = (me + kTile - 1) / kTile, r = tile - s_start[e];
-        const int lr = (r % mt_count) * kTile + 4 * lane;  // first of this lane's rows in the expert
-        const int64_t b_row = (int64_t(e) * (p.n_out / kTile) + (r / mt_count) * C::kHalves + lane) * p.b_ld;
+        const RowTile rt = row_tile(s_off, s_start, E, tile);
+        const int off = rt.off, me = rt.rows;
+        const int lr = rt.local0 + 4 * lane;  // first of this lane's rows in the expert
+        const int64_t b_row = (int64_t(rt.e) * (p.n_out / kTile) + rt.nt * C::kHalves + lane) * p.b_ld;
         const int64_t a_step = p.a_u8 ? p.a_ld : me;
         for (int kb = 0; kb < kb_count; ++kb, ++it) {
           if (it % kScaleWarps != sw) continue;
@@ -213,10 +189,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[C::kHalves][64], blk[64];
   uint32_t it = 0;
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-    const int e = detail::last_at_or_below(s_start, E, tile);
-    const int off = s_off[e], me = s_off[e + 1] - off;
-    const int mt_count = (me + kTile - 1) / kTile, r = tile - s_start[e];
-    const int nt = r / mt_count, local0 = (r % mt_count) * kTile + 64 * ci;  // first row of this half
+    const RowTile rt = row_tile(s_off, s_start, E, tile);
+    const int off = rt.off, me = rt.rows;
+    const int nt = rt.nt, local0 = rt.local0 + 64 * ci;  // first row of this half
 #pragma unroll
     for (int h = 0; h < C::kHalves; ++h)
 #pragma unroll

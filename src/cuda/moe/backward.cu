@@ -24,22 +24,15 @@ void CudaMoeLayer::backward_bf16(const bf16_t* dy, const MoeGrads& g) {
   const WeightBuffers& w = ws_.weights;
   { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");
     move_bf16(dy, b.dy_rows, MoePass::kBackward, report_names::kDispatchDy); }
-  { auto s = bwd("GEMM2 dgrad (bf16)");
-    gemm_->dgrad_bf16(seg_, H_, F_, cs<bf16_t>(b.dy_rows, Mp_ * H_), cs<bf16_t>(w.w2_bf16, int64_t(El_) * H_ * F_),
-                      ms<bf16_t>(b.da, Mp_ * F_), stream_); }
-  if (g.dw2) { auto s = bwd("GEMM2 wgrad (bf16)");
-    gemm_->wgrad_bf16(seg_, H_, F_, cs<bf16_t>(b.dy_rows, Mp_ * H_), cs<bf16_t>(b.a, Mp_ * F_),
-                      dw_out(g.dw2, int64_t(El_) * H_ * F_), stream_); }
+  { auto s = bwd("GEMM2 dgrad (bf16)"); bf16_dgrad(b.dy_rows, H_, F_, w.w2_bf16, b.da); }
+  if (g.dw2) { auto s = bwd("GEMM2 wgrad (bf16)"); bf16_wgrad(b.dy_rows, H_, b.a, F_, g.dw2); }
   { auto s = bwd("dSwiGLU*prob (bf16)");
-    cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials); }
+    cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials,
+                  rows_bound()); }
   // GEMM1 dgrad overwrites dY's storage with the dX rows: GEMM2's grads have read it
-  { auto s = bwd("GEMM1 dgrad (bf16)");
-    gemm_->dgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(b.dh, Mp_ * 2 * F_), cs<bf16_t>(w.w1_bf16, int64_t(El_) * 2 * F_ * H_),
-                      ms<bf16_t>(b.dx_rows, Mp_ * H_), stream_); }
+  { auto s = bwd("GEMM1 dgrad (bf16)"); bf16_dgrad(b.dh, 2 * F_, H_, w.w1_bf16, b.dx_rows); }
   mark_dx_rows_ready();
-  if (g.dw1) { auto s = bwd("GEMM1 wgrad (bf16)");
-    gemm_->wgrad_bf16(seg_, 2 * F_, H_, cs<bf16_t>(b.dh, Mp_ * 2 * F_), cs<bf16_t>(b.x_perm, Mp_ * H_),
-                      dw_out(g.dw1, int64_t(El_) * 2 * F_ * H_), stream_); }
+  if (g.dw1) { auto s = bwd("GEMM1 wgrad (bf16)"); bf16_wgrad(b.dh, 2 * F_, b.x_perm, H_, g.dw1); }
 }
 
 // ---- blockwise -----------------------------------------------------------------------------------

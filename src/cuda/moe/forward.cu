@@ -23,15 +23,10 @@ void CudaMoeLayer::forward_bf16(bf16_t* y) {
   const WeightBuffers& w = ws_.weights;
   { auto s = fwd(comm_ ? "dispatch x (bf16)" : "permute+pad x (bf16)");
     move_bf16(ws_.routing.x, b.x_perm, MoePass::kForward, report_names::kDispatchX); }
-  { auto s = fwd("GEMM1 fprop (bf16)");
-    gemm_->fprop_bf16(seg_, 2 * F_, H_, cs<bf16_t>(b.x_perm, Mp_ * H_), cs<bf16_t>(w.w1_bf16, int64_t(El_) * 2 * F_ * H_),
-                      ms<bf16_t>(b.h, Mp_ * 2 * F_), stream_); }
+  { auto s = fwd("GEMM1 fprop (bf16)"); bf16_fprop(b.x_perm, 2 * F_, H_, w.w1_bf16, b.h); }
   { auto s = fwd("SwiGLU*prob (bf16)");
-    cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob); }
-  gemm2_then_combine("GEMM2 fprop (bf16)", [&] {
-    gemm_->fprop_bf16(seg_, H_, F_, cs<bf16_t>(b.a, Mp_ * F_), cs<bf16_t>(w.w2_bf16, int64_t(El_) * H_ * F_),
-                      ms<bf16_t>(b.y_rows, Mp_ * H_), stream_);
-  }, y);
+    cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob, rows_bound()); }
+  gemm2_then_combine("GEMM2 fprop (bf16)", [&] { bf16_fprop(b.a, H_, F_, w.w2_bf16, b.y_rows); }, y);
 }
 
 // ---- blockwise -----------------------------------------------------------------------------------

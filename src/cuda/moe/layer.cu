@@ -42,8 +42,10 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   dedup_ = comm_ != nullptr && rc != Recipe::kFp8Naive && options.ep_dedup;
   using FD = CudaLayerOptions::FpropDgrad;
   sync_free_ = options.sync_free;
+  // (bf16: kAuto keeps cuBLASLt, see CudaLayerOptions::fprop_dgrad)
   grouped_gemm_ = sync_free_ || options.fprop_dgrad == FD::kGrouped ||
-                  (options.fprop_dgrad == FD::kAuto && max_rows_ <= CudaLayerOptions::kGroupedAutoRows * El_);
+                  (options.fprop_dgrad == FD::kAuto && rc != Recipe::kBf16 &&
+                   max_rows_ <= CudaLayerOptions::kGroupedAutoRows * El_);
   fused_swiglu_ = options.fused_swiglu && grouped_gemm_ && (rc == Recipe::kFlow || rc == Recipe::kFlowFp4);
   if (comm_)  // agreed across ranks by make_cuda_layer
     direct_bytes_ = options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes;
@@ -234,6 +236,7 @@ LayerCounters CudaMoeLayer::counters() const {
   c.gemm_matmuls = gemm_ ? gemm_->stats().matmuls : 0;
   c.gemm_grouped_launches = gemm_ ? gemm_->stats().grouped_kernel_calls : 0;
   c.gemm_wgrad_kernel_launches = gemm_ ? gemm_->stats().wgrad_kernel_calls : 0;
+  c.gemm_bf16_kernel_launches = gemm_ ? gemm_->stats().bf16_kernel_calls : 0;
   return c;
 }
 
@@ -280,8 +283,6 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
     const Recipe r = cfg.recipe;
     FLOWMOE_CHECK(cfg.comm == nullptr, what << ": CudaLayerOptions::sync_free needs one GPU (no communicator): the "
                                                "expert-parallel exchange sizes its messages on the host");
-    FLOWMOE_CHECK(r != Recipe::kBf16, what << ": CudaLayerOptions::sync_free takes the FP8 recipes (their GEMMs "
-                                              "run on device offsets); recipe bf16's cuBLASLt GEMMs need the host counts");
     FLOWMOE_CHECK(cfg.align == 128, what << ": CudaLayerOptions::sync_free needs align = 128 (the wgrad kernel's "
                                             "128-token blocks); align is " << cfg.align);
   }

@@ -137,6 +137,13 @@ class CudaMoeLayer final : public MoeLayer {
   // [k over Mp] (UE8M0 scales, converted to FP32 on the way): cuBLASLt per expert or the kernel on
   // host segments, or the kernel on device segments (sync_free).
   void fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTensorView& in_col, int64_t k, float* dw);
+  // The bf16 recipe's GEMMs (fprop: in [Mp, k], w = W [El*n, k], out [Mp, n]; dgrad: in [Mp, n],
+  // the same W, out [Mp, k]; wgrad: dW [El, n, k] from the gradient [Mp, n] and the input [Mp, k]):
+  // cuBLASLt per expert on the host segments, or the sm_90a BF16 kernels on the device segments
+  // (grouped_gemm_: sync_free or CudaLayerOptions::FpropDgrad::kGrouped; wgrad with align 128).
+  void bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
+  void bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
+  void bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw);
   // The device row count the row-wise kernels stop at (sync_free: padded offsets[El]), or null.
   const int32_t* rows_bound() const { return sync_free_ ? segment_offsets() + El_ : nullptr; }
 

@@ -90,6 +90,34 @@ void CudaMoeLayer::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTens
                f32_col(grad_col, n, b.grad_col_scales), f32_col(in_col, k, b.input_col_scales), out, stream_);
 }
 
+void CudaMoeLayer::bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {
+  const auto x = cs<bf16_t>(in, Mp_ * k);
+  const auto wt = cs<bf16_t>(w, int64_t(El_) * n * k);
+  if (grouped_gemm_)
+    gemm_->fprop_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_fwd_aux()}, n, k, x, wt,
+                      ms<bf16_t>(out, Mp_ * n), stream_);
+  else
+    gemm_->fprop_bf16(seg_, n, k, x, wt, ms<bf16_t>(out, Mp_ * n), stream_);
+}
+void CudaMoeLayer::bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {
+  const auto dy = cs<bf16_t>(in, Mp_ * n);
+  const auto wt = cs<bf16_t>(w, int64_t(El_) * n * k);
+  if (grouped_gemm_)
+    gemm_->dgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k, dy, wt,
+                      ms<bf16_t>(out, Mp_ * k), stream_);
+  else
+    gemm_->dgrad_bf16(seg_, n, k, dy, wt, ms<bf16_t>(out, Mp_ * k), stream_);
+}
+void CudaMoeLayer::bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw) {
+  const auto dy = cs<bf16_t>(grad, Mp_ * n);
+  const auto x = cs<bf16_t>(in, Mp_ * k);
+  const gemm::WgradOut out = dw_out(dw, int64_t(El_) * n * k);
+  if (grouped_gemm_ && cfg_.align == 128)  // (the kernel's 128-token blocks)
+    gemm_->wgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k, dy, x, out, stream_);
+  else
+    gemm_->wgrad_bf16(seg_, n, k, dy, x, out, stream_);
+}
+
 // MoeGrads::accumulate: beta = 1 into the gradients, or beta = 0 (the old values never read)
 gemm::WgradOut CudaMoeLayer::dw_out(float* p, int64_t n) const {
   return grads_accumulate_ ? gemm::WgradOut::accumulate(p, n) : gemm::WgradOut::f32(p, n);

@@ -15,6 +15,11 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 // Waits until every committed WGMMA group has completed (accumulators readable).
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Waits until at most `kPending` committed WGMMA groups are still running.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait_pending() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row core groups 1024 bytes apart
 // (the layout a TMA load with CU_TENSOR_MAP_SWIZZLE_128B and 128-byte rows writes).
@@ -25,6 +30,41 @@ __device__ __forceinline__ uint64_t smem_desc_k_major_sw128(uint32_t addr) {
   d |= static_cast<uint64_t>(1024 >> 4) << 32;     // stride byte offset
   d |= static_cast<uint64_t>(1) << 62;             // 128-byte swizzle
   return d;
+}
+
+// Shared-memory matrix descriptor: MN-major 16-bit operand, 128-byte swizzle. The tile is stored as
+// 128-byte rows of 64 MN-consecutive elements, one row per k (what a TMA load of a 64-element-wide
+// box with CU_TENSOR_MAP_SWIZZLE_128B writes); groups of 8 k-rows are 1024 bytes apart and the next
+// 64 elements along MN start `mn_step_bytes` further (the next box).
+__device__ __forceinline__ uint64_t smem_desc_mn_major_sw128(uint32_t addr, uint32_t mn_step_bytes) {
+  uint64_t d = 0;
+  d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>((mn_step_bytes & 0x3FFFF) >> 4) << 16;  // leading byte offset: along MN
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;                       // stride byte offset: along K
+  d |= static_cast<uint64_t>(1) << 62;                               // 128-byte swizzle
+  return d;
+}
+
+// d[64] (m64n128 FP32 fragment) += A(64 x 16) . B(128 x 16)^T, BF16 operands in shared memory,
+// each K-major (kMnMajor* = 0: smem_desc_k_major_sw128) or MN-major (1: smem_desc_mn_major_sw128).
+template <int kMnMajorA, int kMnMajorB>
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float* d, uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %68, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %66, %67;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "n"(kMnMajorA), "n"(kMnMajorB), "r"(1));
 }
 
 // d[64] (m64n128 FP32 fragment) = (scale_d ? d : 0) + A(64 x 32) . B(128 x 32)^T, FP8 E4M3,

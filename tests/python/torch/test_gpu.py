@@ -74,7 +74,7 @@ def test_sync_free_gives_the_same_bits(recipe):
     assert m.status()["nonfinite"] == 0
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "flow-fp4"])
+@pytest.mark.parametrize("recipe", ["bf16", "blockwise", "flow-fp4"])
 def test_sync_free_step_replays_from_a_torch_cuda_graph(recipe):
     # A sync_free module's forward + backward captured in a torch.cuda.CUDAGraph (torch's recipe:
     # an eager warm-up step on a side stream, then capture with static input and output tensors)

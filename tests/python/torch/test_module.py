@@ -303,8 +303,8 @@ def test_bad_configuration_raises_library_message():
         MoE(H, F, E, E + 1)
     with pytest.raises(ValueError, match="router"):
         make("bf16", router="relu")
-    # sync_free (CudaLayerOptions::sync_free) takes one GPU, the FP8 recipes, align 128
-    for recipe, align in (("bf16", 128), ("flow", 64)):
+    # sync_free (CudaLayerOptions::sync_free) takes one GPU and align 128
+    for recipe, align in (("bf16", 64), ("flow", 64)):
         with pytest.raises(ValueError, match="sync_free"):
             make(recipe, align=align, sync_free=True)
 

@@ -1,0 +1,374 @@
+// BF16 grouped GEMMs on sm_90a for the bf16 recipe on device segments: fprop, dgrad and wgrad,
+// each one persistent kernel over all experts whose token offsets it reads from device memory, so
+// no host needs the per-expert counts (docs/GEMM.md, "The BF16 kernels").
+//
+//   fprop  D_e [M_e, N] = X_e . W_e^T          A = X  (K-major), B = W  (K-major)
+//   dgrad  D_e [M_e, K] = dY_e . W_e           A = dY (K-major), B = W  (MN-major: read as stored)
+//   wgrad  dW_e [N, K] (+)= dY_e^T . X_e       A = dY (MN-major), B = X (MN-major), over the tokens
+//
+// BF16 WGMMA reads either major-ness from shared memory, so every operand is loaded as it lies in
+// memory: no transposed copy of the weights for dgrad, no column copies of dY and X for wgrad.
+//
+// Schedule. Output tiles are 128 x kBN (kBN = 256 when the output width allows, else 128). fprop
+// and dgrad tile the rows expert by expert (grouped_row_schedule.cuh: an expert's last token tile
+// partial, the epilogue writing rows below M_e only); wgrad tiles every expert's [N, K] gradient and
+// reduces over the expert's tokens (multiples of 128: no stage mixes two experts). CTAs take tiles
+// blockIdx.x, + gridDim.x, ...
+//
+// CTA: 3 warpgroups. Warpgroup 0: one thread issues the TMA loads of a ring of stages, 64
+// reduction elements deep (128-byte swizzle: a K-major tile is one box of 128-byte rows, an
+// MN-major one boxes of 64 k-rows x 64 elements). Warpgroups 1 and 2: output rows 0-63 and 64-127;
+// per stage and 128-wide half four m64n128k16 WGMMAs straight into the FP32 accumulators, one
+// stage's group left running while the next is issued (its stage released when it completes).
+// Epilogue from the fragments: BF16 pairs (fprop, dgrad) or FP32 pairs stored or added (wgrad).
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/gemm/grouped_row_schedule.cuh"
+#include "cuda/gemm/sm90_bf16_grouped.h"
+#include "cuda/gemm/sm90_fp8_grouped_1x128.h"
+#include "cuda/sm90/fence.cuh"
+#include "cuda/sm90/mbarrier.cuh"
+#include "cuda/sm90/tma.cuh"
+#include "cuda/sm90/wgmma.cuh"
+#include "flowmoe/cuda/status.h"
+#include "flowmoe/error.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace sm90 {
+namespace {
+
+constexpr int kTile = 128;             // output tile rows; columns per accumulator half
+constexpr int kDepth = 64;             // reduction elements per stage: one 128-byte swizzled row
+constexpr int kThreads = 384;
+constexpr int kBox = 64 * kDepth * 2;  // an MN-major box: 64 k-rows of 64 elements, 8 KB
+constexpr int kSchedBytes = 2 * (kMaxGroupedExperts + 1) * 4;  // offsets and tile prefix
+
+enum class Mode { kFprop, kDgrad, kWgrad };
+
+// One output-tile width: the ring of stages takes what shared memory (227 KB per CTA) leaves after
+// the schedule (4 stages at kBN = 256, 6 at 128).
+template <int kBN>
+struct Cfg {
+  static constexpr int kHalves = kBN / kTile;
+  static constexpr int kABytes = kTile * kDepth * 2;
+  static constexpr int kStageBytes = kABytes + kBN * kDepth * 2;
+  static constexpr int kStages = (192 * 1024) / kStageBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kSchedBytes + 2 * kStages * 8 + 16 + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit: fewer stages");
+};
+
+struct Params {
+  const int32_t* offsets;
+  int num_experts;
+  int m;     // token capacity
+  int n, k;  // fprop/dgrad: D [m, n] over a reduction of k; wgrad: dW [E][n][k]
+  bf16_t* d;
+  float* dw;
+  int accumulate;
+  unsigned long long* bad_segments;
+};
+
+template <int kBN, Mode kMode>
+__global__ void __launch_bounds__(kThreads, 1)
+    bf16_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                        const __grid_constant__ Params p) {
+#ifdef FLOWMOE_SM90A
+  using C = Cfg<kBN>;
+  constexpr bool kWgrad = kMode == Mode::kWgrad;
+  constexpr int kMnA = kWgrad ? 1 : 0, kMnB = kMode == Mode::kFprop ? 0 : 1;
+  constexpr int kStages = C::kStages;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  int* s_off = reinterpret_cast<int*>(smem + kStages * C::kStageBytes);  // [E + 1]
+  int* s_start = s_off + kMaxGroupedExperts + 1;                         // [E + 1] (fprop, dgrad)
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_start + kMaxGroupedExperts + 1);
+  uint64_t* empty = full + kStages;
+  int* s_total = reinterpret_cast<int*>(empty + kStages);
+  const int E = p.num_experts;
+  const int tiles_k = p.k / kBN, per_expert = (p.n / kTile) * tiles_k;  // wgrad
+  for (int i = threadIdx.x; i <= E; i += kThreads) s_off[i] = p.offsets[i];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);   // the TMA thread (with the bytes)
+      mbar_init(&empty[s], 8);  // the 8 consumer warps
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    if constexpr (kWgrad) {  // every offset a multiple of 128, in order, within the capacity
+      const int lane = threadIdx.x;
+      bool wrong = lane == 0 && (s_off[0] != 0 || s_off[E] > p.m);
+      for (int e = lane; e <= E; e += 32) wrong |= s_off[e] % kTile != 0 || (e < E && s_off[e + 1] < s_off[e]);
+      const bool any_wrong = __any_sync(0xffffffffu, wrong);
+      if (lane == 0) *s_total = any_wrong ? 0 : E * per_expert;
+      if (lane == 0 && any_wrong && blockIdx.x == 0 && p.bad_segments) atomicAdd(p.bad_segments, 1ull);
+    } else {
+      build_row_tile_schedule(s_off, E, p.m, p.n / kBN, s_start, s_total, p.bad_segments);
+    }
+  }
+  __syncthreads();
+  const int total = *s_total;
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  const int warp = t / 32, lane = t % 32;
+  // A tile's reduction: k/64 stages (fprop, dgrad) or the expert's tokens / 64 (wgrad; an empty
+  // expert's tiles are skipped when accumulating and written as zeros when overwriting).
+  const auto stages_of = [&](int tile) {
+    if constexpr (kWgrad) {
+      const int e = tile / per_expert;
+      return (s_off[e + 1] - s_off[e]) / kDepth;
+    } else {
+      return p.k / kDepth;
+    }
+  };
+  const auto skipped = [&](int tile) { return kWgrad && p.accumulate && stages_of(tile) == 0; };
+  if (wg == 0) {
+    warpgroup_reg_dealloc<40>();
+    if (t == 0) {
+      uint32_t it = 0;
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        if (skipped(tile)) continue;
+        const int nkb = stages_of(tile);
+        int a_row = 0, b_row = 0, a_col = 0, b_col = 0;  // the first box of the tile's A and B
+        if constexpr (kWgrad) {
+          const int e = tile / per_expert, r = tile % per_expert;
+          a_row = b_row = s_off[e];
+          a_col = (r / tiles_k) * kTile;
+          b_col = (r % tiles_k) * kBN;
+        } else {
+          const RowTile rt = row_tile(s_off, s_start, E, tile);
+          a_row = rt.off + rt.local0;
+          b_row = kMode == Mode::kFprop ? rt.e * p.n + rt.nt * kBN : rt.e * p.k;
+          b_col = rt.nt * kBN;
+        }
+        for (int kb = 0; kb < nkb; ++kb, ++it) {
+          const int s = it % kStages;
+          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+          uint8_t* sa = smem + s * C::kStageBytes;
+          uint8_t* sb = sa + C::kABytes;
+          mbar_expect_tx(&full[s], C::kStageBytes);
+          const int kd = kb * kDepth;
+          if constexpr (kWgrad) {
+            tma_load_2d(sa, &map_a, &full[s], a_col, a_row + kd);
+            tma_load_2d(sa + kBox, &map_a, &full[s], a_col + 64, a_row + kd);
+          } else {
+            tma_load_2d(sa, &map_a, &full[s], kd, a_row);  // 128 rows x 64
+          }
+          if constexpr (kMode == Mode::kFprop) {
+            tma_load_2d(sb, &map_b, &full[s], kd, b_row);  // kBN rows x 64
+          } else {
+#pragma unroll
+            for (int i = 0; i < kBN / 64; ++i) tma_load_2d(sb + i * kBox, &map_b, &full[s], b_col + 64 * i, b_row + kd);
+          }
+        }
+      }
+    }
+    return;
+  }
+  warpgroup_reg_alloc<232>();
+  const int ci = wg - 1;                // output rows 64 ci .. 64 ci + 63 of the tile
+  const int r0 = 16 * warp + lane / 4;  // fragment rows r0 and r0 + 8 (of the half tile)
+  const int c0 = 2 * (lane % 4);        // fragment columns 8 j + c0, + 1 (of a 128-wide half)
+  float acc[C::kHalves][64];
+  uint32_t it = 0;
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    if (skipped(tile)) continue;
+    const int nkb = stages_of(tile);
+#pragma unroll
+    for (int h = 0; h < C::kHalves; ++h)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+    int prev = 0;
+    for (int kb = 0; kb < nkb; ++kb, ++it) {
+      const int s = it % kStages;
+      mbar_wait(&full[s], (it / kStages) & 1);
+      const uint32_t a_base = smem_u32(smem + s * C::kStageBytes), b_base = a_base + C::kABytes;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kDepth / 16; ++kk) {
+        const uint64_t da = kMnA ? smem_desc_mn_major_sw128(a_base + ci * kBox + kk * 2048, kBox)
+                                 : smem_desc_k_major_sw128(a_base + ci * 64 * 128 + kk * 32);
+#pragma unroll
+        for (int h = 0; h < C::kHalves; ++h) {
+          const uint64_t db = kMnB ? smem_desc_mn_major_sw128(b_base + h * 2 * kBox + kk * 2048, kBox)
+                                   : smem_desc_k_major_sw128(b_base + h * kTile * 128 + kk * 32);
+          wgmma_m64n128k16_bf16<kMnA, kMnB>(acc[h], da, db);
+        }
+      }
+      wgmma_commit();
+      wgmma_wait_pending<1>();  // the previous stage's WGMMAs have read their operands
+      if (kb > 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[prev]);
+      }
+      prev = s;
+    }
+    wgmma_wait_all();
+    if (nkb > 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[prev]);
+    }
+    if constexpr (kWgrad) {
+      const int e = tile / per_expert, r = tile % per_expert;
+      float* dst = p.dw + (int64_t(e) * p.n + (r / tiles_k) * kTile + 64 * ci + r0) * p.k + (r % tiles_k) * kBN + c0;
+#pragma unroll
+      for (int h = 0; h < C::kHalves; ++h)
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int rh = 0; rh < 2; ++rh) {
+            float2* q = reinterpret_cast<float2*>(dst + int64_t(8 * rh) * p.k + h * kTile + 8 * j);
+            float2 v = make_float2(acc[h][4 * j + 2 * rh], acc[h][4 * j + 2 * rh + 1]);
+            if (p.accumulate) {
+              const float2 old = *q;
+              v.x += old.x;
+              v.y += old.y;
+            }
+            *q = v;
+          }
+    } else {
+      const RowTile rt = row_tile(s_off, s_start, E, tile);
+      const int local0 = rt.local0 + 64 * ci;  // first row of this half in the expert
+      bf16_t* dst = p.d + (int64_t(rt.off) + local0) * p.n + rt.nt * kBN + c0;
+      const bool v0 = local0 + r0 < rt.rows, v1 = local0 + r0 + 8 < rt.rows;
+#pragma unroll
+      for (int h = 0; h < C::kHalves; ++h)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          bf16_t* q = dst + h * kTile + 8 * j;
+          if (v0)
+            *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0) * p.n) =
+                __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
+          if (v1)
+            *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0 + 8) * p.n) =
+                __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+        }
+    }
+  }
+#else
+  __trap();  // built without sm_90a: never a silent wrong answer (the CMake build always has it)
+#endif
+}
+
+template <int kBN, Mode kMode>
+void allow_smem() {
+  FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(bf16_grouped_kernel<kBN, kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          Cfg<kBN>::kSmemBytes));
+}
+
+// SMs of the current device; the kernels' shared-memory limit raised once per device.
+int sm_count() {
+  return detail::sm_count_after([] {
+    allow_smem<128, Mode::kFprop>();
+    allow_smem<256, Mode::kFprop>();
+    allow_smem<128, Mode::kDgrad>();
+    allow_smem<256, Mode::kDgrad>();
+    allow_smem<128, Mode::kWgrad>();
+    allow_smem<256, Mode::kWgrad>();
+  });
+}
+
+bool aligned16(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; }
+
+CUtensorMap bf16_map(const bf16_t* base, int64_t rows, int64_t cols, int box_rows, const char* what) {
+  return make_tensor_map_2d(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(rows), uint64_t(cols), box_rows, 64,
+                            CU_TENSOR_MAP_SWIZZLE_128B, what);
+}
+
+template <int kBN, Mode kMode>
+void launch(const CUtensorMap& ma, const CUtensorMap& mb, const Params& p, int64_t max_tiles, cudaStream_t stream) {
+  const int grid = int(std::min<int64_t>(max_tiles, sm_count()));
+  bf16_grouped_kernel<kBN, kMode><<<grid, kThreads, Cfg<kBN>::kSmemBytes, stream>>>(ma, mb, p);
+  FLOWMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+const char* common_unsupported(const int32_t* offsets, int experts, int64_t m, int64_t n, int64_t k) {
+  constexpr int64_t kBig = int64_t(1) << 31;
+  if (experts < 1 || experts > kMaxGroupedExperts) return "the expert count is not 1 .. 1024";
+  if (m < 0 || m >= kBig) return "the token count is not 0 .. 2^31 - 1";
+  if (n <= 0 || k <= 0 || n % kTile != 0 || k % kTile != 0) return "the GEMM dimensions must be positive multiples of 128";
+  if (int64_t(experts) * std::max(n, k) >= kBig) return "the weights are too large (2^31 rows)";
+  if (offsets == nullptr) return "no device offsets";
+  return nullptr;
+}
+
+}  // namespace
+
+const char* bf16_rows_unsupported(const Bf16RowsArgs& a) {
+  if (const char* why = common_unsupported(a.offsets, a.num_experts, a.m, a.n_out, a.k_red)) return why;
+  if ((a.m / kTile + a.num_experts) * (a.n_out / kTile) >= (int64_t(1) << 31)) return "more than 2^31 output tiles";
+  if (a.m == 0) return nullptr;
+  if (!a.a || !a.b || !a.d) return "a null operand pointer";
+  if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.d)) return "operands or output not 16-byte aligned";
+  return nullptr;
+}
+
+void bf16_grouped_rows(const Bf16RowsArgs& a, const char* what, cudaStream_t stream) {
+  const char* why = bf16_rows_unsupported(a);
+  FLOWMOE_CHECK(why == nullptr, what << " (grouped sm_90a BF16 kernel): " << why << " (experts " << a.num_experts
+                                     << ", m " << a.m << ", n " << a.n_out << ", k " << a.k_red << ")");
+  if (a.m == 0) return;
+  Params p{};
+  p.offsets = a.offsets;
+  p.num_experts = a.num_experts;
+  p.m = int(a.m);
+  p.n = int(a.n_out);
+  p.k = int(a.k_red);
+  p.d = a.d;
+  p.bad_segments = a.status ? &a.status->bad_segments : nullptr;
+  const bool wide = a.n_out % 256 == 0;
+  const int bn = wide ? 256 : 128;
+  const CUtensorMap ma = bf16_map(a.a, a.m, a.k_red, kTile, what);
+  const CUtensorMap mb = a.b_mn_major ? bf16_map(a.b, a.num_experts * a.k_red, a.n_out, 64, what)
+                                      : bf16_map(a.b, a.num_experts * a.n_out, a.k_red, bn, what);
+  const int64_t max_tiles = (a.m / kTile + a.num_experts) * (a.n_out / bn);
+  if (a.b_mn_major)
+    wide ? launch<256, Mode::kDgrad>(ma, mb, p, max_tiles, stream) : launch<128, Mode::kDgrad>(ma, mb, p, max_tiles, stream);
+  else
+    wide ? launch<256, Mode::kFprop>(ma, mb, p, max_tiles, stream) : launch<128, Mode::kFprop>(ma, mb, p, max_tiles, stream);
+}
+
+const char* bf16_wgrad_unsupported(const Bf16WgradArgs& a) {
+  if (const char* why = common_unsupported(a.offsets, a.num_experts, a.m, a.n, a.k)) return why;
+  if (a.m == 0) return nullptr;
+  if (!a.dy || !a.x || !a.dw) return "a null operand pointer";
+  if (!aligned16(a.dy) || !aligned16(a.x) || (reinterpret_cast<uintptr_t>(a.dw) & 7u) != 0)
+    return "operands not 16-byte or the gradient not 8-byte aligned";
+  return nullptr;
+}
+
+void bf16_grouped_wgrad(const Bf16WgradArgs& a, const char* what, cudaStream_t stream) {
+  const char* why = bf16_wgrad_unsupported(a);
+  FLOWMOE_CHECK(why == nullptr, what << " (grouped sm_90a BF16 wgrad kernel): " << why << " (experts "
+                                     << a.num_experts << ", m " << a.m << ", n " << a.n << ", k " << a.k << ")");
+  if (a.m == 0) {  // no tokens: the gradients are zero (overwrite) or unchanged (accumulate)
+    if (!a.accumulate)
+      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(a.dw, 0, sizeof(float) * a.num_experts * a.n * a.k, stream));
+    return;
+  }
+  Params p{};
+  p.offsets = a.offsets;
+  p.num_experts = a.num_experts;
+  p.m = int(a.m);
+  p.n = int(a.n);
+  p.k = int(a.k);
+  p.dw = a.dw;
+  p.accumulate = a.accumulate;
+  p.bad_segments = a.status ? &a.status->bad_segments : nullptr;
+  const CUtensorMap ma = bf16_map(a.dy, a.m, a.n, 64, what);
+  const CUtensorMap mb = bf16_map(a.x, a.m, a.k, 64, what);
+  const bool wide = a.k % 256 == 0;
+  const int64_t max_tiles = int64_t(a.num_experts) * (a.n / kTile) * (a.k / (wide ? 256 : 128));
+  wide ? launch<256, Mode::kWgrad>(ma, mb, p, max_tiles, stream) : launch<128, Mode::kWgrad>(ma, mb, p, max_tiles, stream);
+}
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace flowmoe
