@@ -75,6 +75,14 @@ struct Params {
   unsigned long long* bad_segments;
 };
 
+#ifdef FLOWMOE_SM90A
+// *q += (a, b) in global memory, two adjacent FP32 values, without waiting for the old values (a
+// reduction the memory system applies; the tiles are disjoint, so nobody else adds there).
+__device__ __forceinline__ void red_add_f32x2(float* q, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(q), "f"(a), "f"(b) : "memory");
+}
+#endif
+
 template <int kBN, Mode kMode>
 __global__ void __launch_bounds__(kThreads, 1)
     bf16_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -192,15 +200,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t a_base = smem_u32(smem + s * C::kStageBytes), b_base = a_base + C::kABytes;
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kDepth / 16; ++kk) {
+      for (int kk = 0; kk < kDepth / 16; ++kk) {  // one WGMMA over all kBN columns per 16-deep step
         const uint64_t da = kMnA ? smem_desc_mn_major_sw128(a_base + ci * kBox + kk * 2048, kBox)
                                  : smem_desc_k_major_sw128(a_base + ci * 64 * 128 + kk * 32);
-#pragma unroll
-        for (int h = 0; h < C::kHalves; ++h) {
-          const uint64_t db = kMnB ? smem_desc_mn_major_sw128(b_base + h * 2 * kBox + kk * 2048, kBox)
-                                   : smem_desc_k_major_sw128(b_base + h * kTile * 128 + kk * 32);
-          wgmma_m64n128k16_bf16<kMnA, kMnB>(acc[h], da, db);
-        }
+        const uint64_t db = kMnB ? smem_desc_mn_major_sw128(b_base + kk * 2048, kBox)
+                                 : smem_desc_k_major_sw128(b_base + kk * 32);
+        if constexpr (kBN == 256)
+          wgmma_m64n256k16_bf16<kMnA, kMnB>(&acc[0][0], da, db);
+        else
+          wgmma_m64n128k16_bf16<kMnA, kMnB>(&acc[0][0], da, db);
       }
       wgmma_commit();
       wgmma_wait_pending<1>();  // the previous stage's WGMMAs have read their operands
@@ -224,14 +232,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = 0; j < 16; ++j)
 #pragma unroll
           for (int rh = 0; rh < 2; ++rh) {
-            float2* q = reinterpret_cast<float2*>(dst + int64_t(8 * rh) * p.k + h * kTile + 8 * j);
-            float2 v = make_float2(acc[h][4 * j + 2 * rh], acc[h][4 * j + 2 * rh + 1]);
-            if (p.accumulate) {
-              const float2 old = *q;
-              v.x += old.x;
-              v.y += old.y;
-            }
-            *q = v;
+            float* q = dst + int64_t(8 * rh) * p.k + h * kTile + 8 * j;
+            const float v0 = acc[h][4 * j + 2 * rh], v1 = acc[h][4 * j + 2 * rh + 1];
+            if (p.accumulate)  // no read round trip: one FP32 addition each, as old + v would round
+              red_add_f32x2(q, v0, v1);
+            else
+              *reinterpret_cast<float2*>(q) = make_float2(v0, v1);
           }
     } else {
       const RowTile rt = row_tile(s_off, s_start, E, tile);
