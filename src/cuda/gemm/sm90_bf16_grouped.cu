@@ -20,7 +20,8 @@
 // MN-major one boxes of 64 k-rows x 64 elements). Warpgroups 1 and 2: output rows 0-63 and 64-127;
 // per stage and 128-wide half four m64n128k16 WGMMAs straight into the FP32 accumulators, one
 // stage's group left running while the next is issued (its stage released when it completes).
-// Epilogue from the fragments: BF16 pairs (fprop, dgrad) or FP32 pairs stored or added (wgrad).
+// Epilogue: fprop and dgrad store BF16 pairs from the fragments (rows below M_e only); wgrad's
+// halves go through shared memory into dW by TMA stores or reduce-adds that overlap the next tile.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -32,6 +33,7 @@
 #include "cuda/gemm/grouped_row_schedule.cuh"
 #include "cuda/gemm/sm90_bf16_grouped.h"
 #include "cuda/gemm/sm90_fp8_grouped_1x128.h"
+#include "cuda/gemm/wgrad_tma_epilogue.cuh"
 #include "cuda/sm90/fence.cuh"
 #include "cuda/sm90/mbarrier.cuh"
 #include "cuda/sm90/tma.cuh"
@@ -52,16 +54,19 @@ constexpr int kSchedBytes = 2 * (kMaxGroupedExperts + 1) * 4;  // offsets and ti
 
 enum class Mode { kFprop, kDgrad, kWgrad };
 
-// One output-tile width: the ring of stages takes what shared memory (227 KB per CTA) leaves after
-// the schedule (4 stages at kBN = 256, 6 at 128).
-template <int kBN>
+// One output-tile width and pass: the ring of stages takes what shared memory (227 KB per CTA)
+// leaves after the schedule and (wgrad) both warpgroups' epilogue buffers: fprop and dgrad 4
+// stages at kBN = 256, 6 at 128; wgrad 3 and 4.
+template <int kBN, bool kWgrad>
 struct Cfg {
   static constexpr int kHalves = kBN / kTile;
   static constexpr int kABytes = kTile * kDepth * 2;
   static constexpr int kStageBytes = kABytes + kBN * kDepth * 2;
-  static constexpr int kStages = (192 * 1024) / kStageBytes;
-  static constexpr int kSmemBytes = kStages * kStageBytes + kSchedBytes + 2 * kStages * 8 + 16 + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit: fewer stages");
+  static constexpr int kEpiBytes = kWgrad ? 2 * kWgradEpiBytes : 0;
+  static constexpr int kFixedBytes = kEpiBytes + kSchedBytes + 256 + 1024;  // + barriers, alignment
+  static constexpr int kStages = (227 * 1024 - kFixedBytes) / kStageBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kFixedBytes;
+  static_assert(kStages >= 3 && 2 * kStages * 8 + 16 <= 256, "stages or barriers do not fit");
 };
 
 struct Params {
@@ -75,26 +80,19 @@ struct Params {
   unsigned long long* bad_segments;
 };
 
-#ifdef FLOWMOE_SM90A
-// *q += (a, b) in global memory, two adjacent FP32 values, without waiting for the old values (a
-// reduction the memory system applies; the tiles are disjoint, so nobody else adds there).
-__device__ __forceinline__ void red_add_f32x2(float* q, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(q), "f"(a), "f"(b) : "memory");
-}
-#endif
-
 template <int kBN, Mode kMode>
 __global__ void __launch_bounds__(kThreads, 1)
     bf16_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                        const __grid_constant__ Params p) {
+                        const __grid_constant__ CUtensorMap map_dw, const __grid_constant__ Params p) {
 #ifdef FLOWMOE_SM90A
-  using C = Cfg<kBN>;
   constexpr bool kWgrad = kMode == Mode::kWgrad;
+  using C = Cfg<kBN, kWgrad>;
   constexpr int kMnA = kWgrad ? 1 : 0, kMnB = kMode == Mode::kFprop ? 0 : 1;
   constexpr int kStages = C::kStages;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  int* s_off = reinterpret_cast<int*>(smem + kStages * C::kStageBytes);  // [E + 1]
+  float* epi = reinterpret_cast<float*>(smem + kStages * C::kStageBytes);          // wgrad: [2][64 x 128]
+  int* s_off = reinterpret_cast<int*>(smem + kStages * C::kStageBytes + C::kEpiBytes);  // [E + 1]
   int* s_start = s_off + kMaxGroupedExperts + 1;                         // [E + 1] (fprop, dgrad)
   uint64_t* full = reinterpret_cast<uint64_t*>(s_start + kMaxGroupedExperts + 1);
   uint64_t* empty = full + kStages;
@@ -186,6 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int c0 = 2 * (lane % 4);        // fragment columns 8 j + c0, + 1 (of a 128-wide half)
   float acc[C::kHalves][64];
   uint32_t it = 0;
+  bool pending = false;  // wgrad: a bulk store/reduce of this warpgroup may still read its buffer
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
     if (skipped(tile)) continue;
     const int nkb = stages_of(tile);
@@ -223,22 +222,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[prev]);
     }
-    if constexpr (kWgrad) {
+    if constexpr (kWgrad) {  // per 128-column half through shared memory, by TMA (wgrad_tma_epilogue.cuh)
       const int e = tile / per_expert, r = tile % per_expert;
-      float* dst = p.dw + (int64_t(e) * p.n + (r / tiles_k) * kTile + 64 * ci + r0) * p.k + (r % tiles_k) * kBN + c0;
+      float* ebuf = epi + ci * (kWgradEpiBytes / 4);
 #pragma unroll
       for (int h = 0; h < C::kHalves; ++h)
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-#pragma unroll
-          for (int rh = 0; rh < 2; ++rh) {
-            float* q = dst + int64_t(8 * rh) * p.k + h * kTile + 8 * j;
-            const float v0 = acc[h][4 * j + 2 * rh], v1 = acc[h][4 * j + 2 * rh + 1];
-            if (p.accumulate)  // no read round trip: one FP32 addition each, as old + v would round
-              red_add_f32x2(q, v0, v1);
-            else
-              *reinterpret_cast<float2*>(q) = make_float2(v0, v1);
-          }
+        wgrad_half_to_global(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_dw, p.accumulate,
+                             e * p.n + (r / tiles_k) * kTile + 64 * ci, (r % tiles_k) * kBN + h * kTile);
+      pending = true;
     } else {
       const RowTile rt = row_tile(s_off, s_start, E, tile);
       const int local0 = rt.local0 + 64 * ci;  // first row of this half in the expert
@@ -258,15 +249,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
     }
   }
+  if (kWgrad && t == 0) bulk_wait_all();  // the bulk operations have read the buffer before the CTA exits
 #else
   __trap();  // built without sm_90a: never a silent wrong answer (the CMake build always has it)
 #endif
 }
 
 template <int kBN, Mode kMode>
+constexpr int smem_bytes() {
+  return Cfg<kBN, kMode == Mode::kWgrad>::kSmemBytes;
+}
+template <int kBN, Mode kMode>
 void allow_smem() {
   FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(bf16_grouped_kernel<kBN, kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          Cfg<kBN>::kSmemBytes));
+                                          smem_bytes<kBN, kMode>()));
 }
 
 // SMs of the current device; the kernels' shared-memory limit raised once per device.
@@ -288,10 +284,12 @@ CUtensorMap bf16_map(const bf16_t* base, int64_t rows, int64_t cols, int box_row
                             CU_TENSOR_MAP_SWIZZLE_128B, what);
 }
 
+// (mdw: wgrad's output map; unused by fprop and dgrad)
 template <int kBN, Mode kMode>
-void launch(const CUtensorMap& ma, const CUtensorMap& mb, const Params& p, int64_t max_tiles, cudaStream_t stream) {
+void launch(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mdw, const Params& p, int64_t max_tiles,
+            cudaStream_t stream) {
   const int grid = int(std::min<int64_t>(max_tiles, sm_count()));
-  bf16_grouped_kernel<kBN, kMode><<<grid, kThreads, Cfg<kBN>::kSmemBytes, stream>>>(ma, mb, p);
+  bf16_grouped_kernel<kBN, kMode><<<grid, kThreads, smem_bytes<kBN, kMode>(), stream>>>(ma, mb, mdw, p);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -335,18 +333,20 @@ void bf16_grouped_rows(const Bf16RowsArgs& a, const char* what, cudaStream_t str
   const CUtensorMap mb = a.b_mn_major ? bf16_map(a.b, a.num_experts * a.k_red, a.n_out, 64, what)
                                       : bf16_map(a.b, a.num_experts * a.n_out, a.k_red, bn, what);
   const int64_t max_tiles = (a.m / kTile + a.num_experts) * (a.n_out / bn);
+  const CUtensorMap none{};
   if (a.b_mn_major)
-    wide ? launch<256, Mode::kDgrad>(ma, mb, p, max_tiles, stream) : launch<128, Mode::kDgrad>(ma, mb, p, max_tiles, stream);
+    wide ? launch<256, Mode::kDgrad>(ma, mb, none, p, max_tiles, stream)
+         : launch<128, Mode::kDgrad>(ma, mb, none, p, max_tiles, stream);
   else
-    wide ? launch<256, Mode::kFprop>(ma, mb, p, max_tiles, stream) : launch<128, Mode::kFprop>(ma, mb, p, max_tiles, stream);
+    wide ? launch<256, Mode::kFprop>(ma, mb, none, p, max_tiles, stream)
+         : launch<128, Mode::kFprop>(ma, mb, none, p, max_tiles, stream);
 }
 
 const char* bf16_wgrad_unsupported(const Bf16WgradArgs& a) {
   if (const char* why = common_unsupported(a.offsets, a.num_experts, a.m, a.n, a.k)) return why;
   if (a.m == 0) return nullptr;
   if (!a.dy || !a.x || !a.dw) return "a null operand pointer";
-  if (!aligned16(a.dy) || !aligned16(a.x) || (reinterpret_cast<uintptr_t>(a.dw) & 7u) != 0)
-    return "operands not 16-byte or the gradient not 8-byte aligned";
+  if (!aligned16(a.dy) || !aligned16(a.x) || !aligned16(a.dw)) return "operands or gradient not 16-byte aligned";
   return nullptr;
 }
 
@@ -370,9 +370,12 @@ void bf16_grouped_wgrad(const Bf16WgradArgs& a, const char* what, cudaStream_t s
   p.bad_segments = a.status ? &a.status->bad_segments : nullptr;
   const CUtensorMap ma = bf16_map(a.dy, a.m, a.n, 64, what);
   const CUtensorMap mb = bf16_map(a.x, a.m, a.k, 64, what);
+  const CUtensorMap mdw = make_tensor_map_2d(a.dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(a.num_experts) * a.n,
+                                             uint64_t(a.k), 64, 32, CU_TENSOR_MAP_SWIZZLE_128B, what);
   const bool wide = a.k % 256 == 0;
   const int64_t max_tiles = int64_t(a.num_experts) * (a.n / kTile) * (a.k / (wide ? 256 : 128));
-  wide ? launch<256, Mode::kWgrad>(ma, mb, p, max_tiles, stream) : launch<128, Mode::kWgrad>(ma, mb, p, max_tiles, stream);
+  wide ? launch<256, Mode::kWgrad>(ma, mb, mdw, p, max_tiles, stream)
+       : launch<128, Mode::kWgrad>(ma, mb, mdw, p, max_tiles, stream);
 }
 
 }  // namespace sm90

@@ -31,6 +31,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/gemm/sm90_fp8_wgrad_1x128.h"
+#include "cuda/gemm/wgrad_tma_epilogue.cuh"
 #include "cuda/sm90/fence.cuh"
 #include "cuda/sm90/mbarrier.cuh"
 #include "cuda/sm90/tma.cuh"
@@ -46,7 +47,7 @@ namespace {
 
 constexpr int kTile = 128;      // output tile rows (N) and column halves (K); tokens per block
 constexpr int kThreads = 384;
-constexpr int kEpiBytes = 64 * kTile * 4;             // one warpgroup's 64 x 128 half, FP32
+constexpr int kEpiBytes = kWgradEpiBytes;             // one warpgroup's 64 x 128 half, FP32
 constexpr int kTileSlots = 2;                         // tile ids handed from the producer to the consumers
 
 // The configuration of one output tile width kBN (128 or 256); kStages is what shared memory
@@ -206,39 +207,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncwarp();  // every lane's WGMMA and scale reads of the stage before the warp releases it
       if (lane == 0) mbar_arrive(&empty[s]);
     }
-    // epilogue, per 128-column half: into ebuf as four 64 x 32 boxes, 128-byte swizzled (16-byte
-    // chunk c of row q at c ^ (q % 8)), then bulk reduce-adds / stores issued by thread 0
+    // epilogue, per 128-column half, through ebuf by TMA (wgrad_tma_epilogue.cuh)
 #pragma unroll
-    for (int h = 0; h < C::kHalves; ++h) {
-      if ((pending || h > 0) && t == 0) bulk_wait_read_all();
-      named_sync(1 + ci, 128);
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int cc = 8 * j + c0;  // column in the half
-        float* box = ebuf + (cc / 32) * (64 * 32);
-        const int byte = (cc % 32) * 4;
-#pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-          const int q = r0 + 8 * rh;
-          const int off = q * 128 + ((((byte >> 4) ^ (q & 7)) << 4) | (byte & 15));
-          *reinterpret_cast<float2*>(reinterpret_cast<uint8_t*>(box) + off) =
-              make_float2(acc[h][4 * j + 2 * rh], acc[h][4 * j + 2 * rh + 1]);
-        }
-      }
-      fence_async_smem();
-      named_sync(1 + ci, 128);
-      if (t == 0) {
-        const int orow = w * work.n + tn * kTile + 64 * ci, ocol = tk * kBN + h * kTile;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          if (work.accumulate)
-            tma_reduce_add_2d(&map_dw, ebuf + q * (64 * 32), ocol + 32 * q, orow);
-          else
-            tma_store_2d(&map_dw, ebuf + q * (64 * 32), ocol + 32 * q, orow);
-        }
-        bulk_commit();
-      }
-    }
+    for (int h = 0; h < C::kHalves; ++h)
+      wgrad_half_to_global(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_dw, work.accumulate,
+                           w * work.n + tn * kTile + 64 * ci, tk * kBN + h * kTile);
     pending = true;
   }
   if (t == 0) bulk_wait_all();
