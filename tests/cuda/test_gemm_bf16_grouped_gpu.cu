@@ -142,12 +142,15 @@ INSTANTIATE_TEST_SUITE_P(Ragged, GemmBf16GroupedGpu,
                                            RowsCase{"tail_untouched", {130, 0, 5, 200, 77}, 128, 256, 2},
                                            RowsCase{"all_empty", {0, 0, 0, 40}, 128, 128, 1},
                                            RowsCase{"one_token", {1}, 384, 128, 0},
-                                           RowsCase{"over_65536_rows", {65601, 2}, 128, 128, 0}),
+                                           RowsCase{"over_65536_rows", {65601, 2}, 128, 128, 0},
+                                           // 152 fprop tiles: CTAs take a second tile (ring phases carry on)
+                                           RowsCase{"tiles_past_one_wave", {1500, 1, 0, 2000, 1100}, 1024, 128, 0}),
                          [](const ::testing::TestParamInfo<RowsCase>& i) { return std::string(i.param.name); });
 
 // wgrad on 128-aligned device offsets: within tolerance of the reference (= onto a NaN-filled
 // output, so empty experts must be zeroed), += adds onto the old values and leaves empty experts
-// untouched, and exact sums give the reference's bits. k = 384: 128-wide tiles; k = 512: 256-wide.
+// untouched, and exact sums give the reference's bits. k = 384: 128-wide tiles; k = 512 and 1024:
+// 256-wide.
 struct WgradCase {
   const char* name;
   std::vector<int32_t> counts;
@@ -189,7 +192,10 @@ TEST_P(GemmBf16GroupedGpuWgrad, OverwriteAndAccumulateMatchReference) {
 }
 INSTANTIATE_TEST_SUITE_P(Tiles, GemmBf16GroupedGpuWgrad,
                          ::testing::Values(WgradCase{"ragged_k384", {256, 0, 128, 384, 0, 128}, 256, 384},
-                                           WgradCase{"long_k512", {1024, 0, 640}, 128, 512}),
+                                           WgradCase{"long_k512", {1024, 0, 640}, 128, 512},
+                                           // 160 to 224 tiles of 128 x 256: CTAs refill their epilogue
+                                           // buffers while the previous tile's bulk operations drain
+                                           WgradCase{"tiles_past_one_wave", {128, 256, 0, 128, 128, 128, 0}, 1024, 1024}),
                          [](const ::testing::TestParamInfo<WgradCase>& i) { return std::string(i.param.name); });
 
 // Malformed device offsets: counted once per call in bad_segments, outputs untouched; bad shapes
