@@ -20,8 +20,10 @@
 // MN-major one boxes of 64 k-rows x 64 elements). Warpgroups 1 and 2: output rows 0-63 and 64-127;
 // per stage and 128-wide half four m64n128k16 WGMMAs straight into the FP32 accumulators, one
 // stage's group left running while the next is issued (its stage released when it completes).
-// Epilogue: fprop and dgrad store BF16 pairs from the fragments (rows below M_e only); wgrad's
-// halves go through shared memory into dW by TMA stores or reduce-adds that overlap the next tile.
+// Epilogue, through shared memory by TMA while the warpgroup computes its next tile: fprop and
+// dgrad stage BF16 halves (the FP8 kernel's epilogue: rows_tma_epilogue.cuh; an expert's partial
+// last tile from the fragments, rows below M_e only), wgrad FP32 halves stored or reduce-added
+// into dW (wgrad_tma_epilogue.cuh).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -31,6 +33,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/gemm/grouped_row_schedule.cuh"
+#include "cuda/gemm/rows_tma_epilogue.cuh"
 #include "cuda/gemm/sm90_bf16_grouped.h"
 #include "cuda/gemm/sm90_fp8_grouped_1x128.h"
 #include "cuda/gemm/wgrad_tma_epilogue.cuh"
@@ -55,14 +58,14 @@ constexpr int kSchedBytes = 2 * (kMaxGroupedExperts + 1) * 4;  // offsets and ti
 enum class Mode { kFprop, kDgrad, kWgrad };
 
 // One output-tile width and pass: the ring of stages takes what shared memory (227 KB per CTA)
-// leaves after the schedule and (wgrad) both warpgroups' epilogue buffers: fprop and dgrad 4
-// stages at kBN = 256, 6 at 128; wgrad 3 and 4.
+// leaves after the schedule and both warpgroups' epilogue buffers (BF16 64 x kBN halves, or wgrad's
+// FP32 64 x 128): 3 stages at kBN = 256; at 128, 5 (fprop, dgrad) and 4 (wgrad).
 template <int kBN, bool kWgrad>
 struct Cfg {
   static constexpr int kHalves = kBN / kTile;
   static constexpr int kABytes = kTile * kDepth * 2;
   static constexpr int kStageBytes = kABytes + kBN * kDepth * 2;
-  static constexpr int kEpiBytes = kWgrad ? 2 * kWgradEpiBytes : 0;
+  static constexpr int kEpiBytes = kWgrad ? 2 * kWgradEpiBytes : 2 * (kBN / 64) * kRowsBoxBytes;
   static constexpr int kFixedBytes = kEpiBytes + kSchedBytes + 256 + 1024;  // + barriers, alignment
   static constexpr int kStages = (227 * 1024 - kFixedBytes) / kStageBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + kFixedBytes;
@@ -83,7 +86,7 @@ struct Params {
 template <int kBN, Mode kMode>
 __global__ void __launch_bounds__(kThreads, 1)
     bf16_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                        const __grid_constant__ CUtensorMap map_dw, const __grid_constant__ Params p) {
+                        const __grid_constant__ CUtensorMap map_out, const __grid_constant__ Params p) {
 #ifdef FLOWMOE_SM90A
   constexpr bool kWgrad = kMode == Mode::kWgrad;
   using C = Cfg<kBN, kWgrad>;
@@ -91,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kStages = C::kStages;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  float* epi = reinterpret_cast<float*>(smem + kStages * C::kStageBytes);          // wgrad: [2][64 x 128]
+  uint8_t* epi = smem + kStages * C::kStageBytes;  // [2 warpgroups][C::kEpiBytes / 2]
   int* s_off = reinterpret_cast<int*>(smem + kStages * C::kStageBytes + C::kEpiBytes);  // [E + 1]
   int* s_start = s_off + kMaxGroupedExperts + 1;                         // [E + 1] (fprop, dgrad)
   uint64_t* full = reinterpret_cast<uint64_t*>(s_start + kMaxGroupedExperts + 1);
@@ -224,32 +227,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if constexpr (kWgrad) {  // per 128-column half through shared memory, by TMA (wgrad_tma_epilogue.cuh)
       const int e = tile / per_expert, r = tile % per_expert;
-      float* ebuf = epi + ci * (kWgradEpiBytes / 4);
+      float* ebuf = reinterpret_cast<float*>(epi + ci * kWgradEpiBytes);
 #pragma unroll
       for (int h = 0; h < C::kHalves; ++h)
-        wgrad_half_to_global(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_dw, p.accumulate,
+        wgrad_half_to_global(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_out, p.accumulate,
                              e * p.n + (r / tiles_k) * kTile + 64 * ci, (r % tiles_k) * kBN + h * kTile);
       pending = true;
-    } else {
+    } else {  // full halves staged and stored by TMA, partial ones from the fragments (rows_tma_epilogue.cuh)
       const RowTile rt = row_tile(s_off, s_start, E, tile);
       const int local0 = rt.local0 + 64 * ci;  // first row of this half in the expert
-      bf16_t* dst = p.d + (int64_t(rt.off) + local0) * p.n + rt.nt * kBN + c0;
-      const bool v0 = local0 + r0 < rt.rows, v1 = local0 + r0 + 8 < rt.rows;
-#pragma unroll
-      for (int h = 0; h < C::kHalves; ++h)
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          bf16_t* q = dst + h * kTile + 8 * j;
-          if (v0)
-            *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0) * p.n) =
-                __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
-          if (v1)
-            *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0 + 8) * p.n) =
-                __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
-        }
+      rows_half_to_global<C::kHalves>(acc, epi + ci * (kBN / 64) * kRowsBoxBytes, &map_out, p.d, p.n,
+                                      int64_t(rt.off) + local0, rt.rows - local0, rt.nt * kBN, t, r0, c0, 1 + ci);
     }
   }
-  if (kWgrad && t == 0) bulk_wait_all();  // the bulk operations have read the buffer before the CTA exits
+  if (t == 0) bulk_wait_all();  // the bulk operations have read the buffers before the CTA exits
 #else
   __trap();  // built without sm_90a: never a silent wrong answer (the CMake build always has it)
 #endif
@@ -284,12 +275,12 @@ CUtensorMap bf16_map(const bf16_t* base, int64_t rows, int64_t cols, int box_row
                             CU_TENSOR_MAP_SWIZZLE_128B, what);
 }
 
-// (mdw: wgrad's output map; unused by fprop and dgrad)
+// (mout: the output's map, D or dW)
 template <int kBN, Mode kMode>
-void launch(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mdw, const Params& p, int64_t max_tiles,
+void launch(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mout, const Params& p, int64_t max_tiles,
             cudaStream_t stream) {
   const int grid = int(std::min<int64_t>(max_tiles, sm_count()));
-  bf16_grouped_kernel<kBN, kMode><<<grid, kThreads, smem_bytes<kBN, kMode>(), stream>>>(ma, mb, mdw, p);
+  bf16_grouped_kernel<kBN, kMode><<<grid, kThreads, smem_bytes<kBN, kMode>(), stream>>>(ma, mb, mout, p);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -333,13 +324,13 @@ void bf16_grouped_rows(const Bf16RowsArgs& a, const char* what, cudaStream_t str
   const CUtensorMap mb = a.b_mn_major ? bf16_map(a.b, a.num_experts * a.k_red, a.n_out, 64, what)
                                       : bf16_map(a.b, a.num_experts * a.n_out, a.k_red, bn, what);
   const int64_t max_tiles = (a.m / kTile + a.num_experts) * (a.n_out / bn);
-  const CUtensorMap none{};
+  const CUtensorMap md = bf16_map(a.d, a.m, a.n_out, 64, what);
   if (a.b_mn_major)
-    wide ? launch<256, Mode::kDgrad>(ma, mb, none, p, max_tiles, stream)
-         : launch<128, Mode::kDgrad>(ma, mb, none, p, max_tiles, stream);
+    wide ? launch<256, Mode::kDgrad>(ma, mb, md, p, max_tiles, stream)
+         : launch<128, Mode::kDgrad>(ma, mb, md, p, max_tiles, stream);
   else
-    wide ? launch<256, Mode::kFprop>(ma, mb, none, p, max_tiles, stream)
-         : launch<128, Mode::kFprop>(ma, mb, none, p, max_tiles, stream);
+    wide ? launch<256, Mode::kFprop>(ma, mb, md, p, max_tiles, stream)
+         : launch<128, Mode::kFprop>(ma, mb, md, p, max_tiles, stream);
 }
 
 const char* bf16_wgrad_unsupported(const Bf16WgradArgs& a) {
