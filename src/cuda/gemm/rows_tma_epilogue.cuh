@@ -1,5 +1,8 @@
-// The row-tiled grouped kernels' BF16 epilogue (FP8 sm90_fp8_grouped_1x128.cu, BF16
-// sm90_bf16_grouped.cu): one warpgroup's 64-row half of a 128 x kBN output tile into D [m, n_out].
+// The BF16 grouped kernel's output epilogue (sm90_bf16_grouped.cu): one warpgroup's 64-row half of
+// a 128 x kBN output tile into D [m, n_out]. The FP8 grouped kernel (sm90_fp8_grouped_1x128.cu)
+// writes its tiles the same way, inline: calling this function there changed ptxas's register
+// assignment of its promotion loop and measured 3-6% slower at V3 and V2-Lite in both orders of one
+// call (docs/GEMM.md, "The BF16 kernels"), so the two copies are kept on purpose.
 #pragma once
 
 #include <cuda.h>

@@ -33,7 +33,6 @@
 
 #include "cuda/common.cuh"
 #include "cuda/gemm/grouped_row_schedule.cuh"
-#include "cuda/gemm/rows_tma_epilogue.cuh"
 #include "cuda/gemm/sm90_fp8_grouped_1x128.h"
 #include "cuda/gemm/sm90_grouped_swiglu_epilogue.cuh"
 #include "cuda/sm90/fence.cuh"
@@ -71,7 +70,7 @@ struct Cfg {
                                     kSchedBytes + 2 * kStages * 8 + 16 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit: fewer stages");
 };
-constexpr int kBoxBytes = kRowsBoxBytes;  // a 64 x 64 BF16 store box: 64 rows of 128 bytes
+constexpr int kBoxBytes = 64 * 128;  // a 64 x 64 BF16 store box: 64 rows of 128 bytes
 
 struct Params {
   const int32_t* offsets;
@@ -220,13 +219,53 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    // Epilogue: full 64-row halves staged as BF16 and stored by TMA while the warpgroup goes on,
-    // partial halves from the fragments (rows_tma_epilogue.cuh); or the fused SwiGLU epilogue.
-    if constexpr (kEpi != Epi::kBf16)
+    // Epilogue. A warpgroup half whose 64 rows all belong to the expert goes through shared memory:
+    // BF16 into kBoxes boxes of 64 x 64 (16-byte chunk c of row q at c ^ (q % 8): the TMA's 128-byte
+    // swizzle, conflict-free writes), then one thread issues the TMA stores and the warpgroup goes on
+    // to the next tile; the buffer is waited for (read) only when the next such epilogue refills it.
+    // A partial half (the expert's last token tile) stores BF16 pairs from the fragments, rows below
+    // M_e only (the others belong to the next expert or lie past the segments). (The BF16 kernel's
+    // rows_tma_epilogue.cuh is this code as a function; here it stays inline: see that file.)
+    if constexpr (kEpi != Epi::kBf16) {
       swiglu_epilogue<kEpi>(acc, ebuf, p.swiglu, int64_t(off) + local0, me - local0, nt, t, 1 + ci);
-    else
-      rows_half_to_global<C::kHalves>(acc, ebuf, &map_d, p.d, p.n_out, int64_t(off) + local0, me - local0, nt * kBN,
-                                      t, r0, c0, 1 + ci);
+    } else if (local0 + 64 <= me) {
+      if (t == 0) bulk_wait_read_all();
+      named_sync(1 + ci, 128);
+#pragma unroll
+      for (int h = 0; h < C::kHalves; ++h)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          uint8_t* box = ebuf + (2 * h + j / 8) * kBoxBytes;
+#pragma unroll
+          for (int rh = 0; rh < 2; ++rh) {
+            const int q = r0 + 8 * rh;
+            *reinterpret_cast<__nv_bfloat162*>(box + q * 128 + (((j % 8) ^ (q % 8)) << 4) + 2 * c0) =
+                __floats2bfloat162_rn(acc[h][4 * j + 2 * rh], acc[h][4 * j + 2 * rh + 1]);
+          }
+        }
+      fence_async_smem();  // the writes above before the async proxy reads them
+      named_sync(1 + ci, 128);
+      if (t == 0) {
+#pragma unroll
+        for (int b = 0; b < C::kBoxes; ++b) tma_store_2d(&map_d, ebuf + b * kBoxBytes, nt * kBN + 64 * b, off + local0);
+        bulk_commit();
+      }
+    } else {
+      bf16_t* dst = p.d + (int64_t(off) + local0) * p.n_out + nt * kBN + c0;
+      const bool v0 = local0 + r0 < me, v1 = local0 + r0 + 8 < me;
+#pragma unroll
+      for (int h = 0; h < C::kHalves; ++h)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          bf16_t* q = dst + h * kTile + 8 * j;
+          if (v0)
+            *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0) * p.n_out) =
+                __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
+          if (v1)
+            *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0 + 8) * p.n_out) =
+                __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+        }
+    }
   }
   if (t == 0) bulk_wait_all();  // the stores have read the staging tile before the CTA exits
 #else
