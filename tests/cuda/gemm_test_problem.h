@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <iostream>
 #include <random>
 #include <string>
@@ -130,6 +131,35 @@ inline ::testing::AssertionResult close(const std::vector<float>& got, const std
   std::cout << "    [" << what << "] max (|err| - r|ref|)/S = " << worst << " (= 2^" << std::log2(worst > 0 ? worst : 1e-300)
             << ") at " << worst_at << "; bound c = 2^" << std::log2(tol.c) << "\n";
   return ::testing::AssertionSuccess();
+}
+
+// `step` (the three passes, enqueued on the non-blocking stream `s`) run once eagerly, then captured
+// into a CUDA graph and replayed twice, the outputs refilled with NaN before each replay: every
+// replay must give the eager run's bits.
+inline void expect_graph_replays_equal_eager(cudaStream_t s, const std::function<void()>& step, GBuf<bf16_t>& y,
+                                             GBuf<bf16_t>& dx, GBuf<float>& dw, const std::string& what) {
+  step();
+  const auto y0 = y.get(), dx0 = dx.get();
+  const auto dw0 = dw.get();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  step();
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int rep = 0; rep < 2; ++rep) {
+    cudaMemset(y.p, 0xFF, y.n * sizeof(bf16_t));
+    cudaMemset(dx.p, 0xFF, dx.n * sizeof(bf16_t));
+    cudaMemset(dw.p, 0xFF, dw.n * sizeof(float));
+    cudaDeviceSynchronize();
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    expect_same_bits(widen(y0), widen(y.get()), what + ": graph fprop");
+    expect_same_bits(widen(dx0), widen(dx.get()), what + ": graph dgrad");
+    expect_same_bits(dw0, dw.get(), what + ": graph wgrad");
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
 }
 
 // ---- the problem, quantized on the CPU, uploaded, scales converted on the GPU -------------------

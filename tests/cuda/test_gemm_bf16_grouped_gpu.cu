@@ -275,34 +275,11 @@ TEST(GemmBf16GroupedGpuGraph, ReplayEqualsEager) {
   const gemm::DeviceSegments seg{off.p, p.E, p.m, nullptr};
   cudaStream_t s;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-  const auto step = [&] {
+  expect_graph_replays_equal_eager(s, [&] {
     gg.fprop_bf16(seg, p.n, p.k, x.cspan(), w.cspan(), y.span(), s);
     gg.dgrad_bf16(seg, p.n, p.k, dy.cspan(), w.cspan(), dx.span(), s);
     gg.wgrad_bf16(seg, p.n, p.k, dy.cspan(), x.cspan(), gemm::WgradOut::f32(dw.p, nw), s);
-  };
-  step();
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  const auto y0 = y.get(), dx0 = dx.get();
-  const auto dw0 = dw.get();
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  step();
-  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (int rep = 0; rep < 2; ++rep) {
-    cudaMemset(y.p, 0xFF, y.n * sizeof(bf16_t));
-    cudaMemset(dx.p, 0xFF, dx.n * sizeof(bf16_t));
-    cudaMemset(dw.p, 0xFF, dw.n * sizeof(float));
-    cudaDeviceSynchronize();
-    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    expect_same_bits(widen(y0), widen(y.get()), "graph bf16 fprop");
-    expect_same_bits(widen(dx0), widen(dx.get()), "graph bf16 dgrad");
-    expect_same_bits(dw0, dw.get(), "graph bf16 wgrad");
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  }, y, dx, dw, "BF16 kernels");
   cudaStreamDestroy(s);
 }
 

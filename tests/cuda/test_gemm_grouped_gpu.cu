@@ -222,33 +222,11 @@ TEST(GemmGroupedGpuGraph, ReplayEqualsEager) {
   GBuf<float> dw(nw);
   cudaStream_t s;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-  const auto step = [&] {
+  expect_graph_replays_equal_eager(s, [&] {
     gg.fprop(seg, p.n, p.k, v.x, v.w, y.span(), s);
     gg.dgrad(seg, p.n, p.k, v.dy, v.wt, dx.span(), s);
     gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::f32(dw.p, nw), s);
-  };
-  step();
-  const auto y0 = y.get(), dx0 = dx.get();
-  const auto dw0 = dw.get();
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  step();
-  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (int rep = 0; rep < 2; ++rep) {
-    cudaMemset(y.p, 0xFF, y.n * sizeof(bf16_t));
-    cudaMemset(dx.p, 0xFF, dx.n * sizeof(bf16_t));
-    cudaMemset(dw.p, 0xFF, dw.n * sizeof(float));
-    cudaDeviceSynchronize();
-    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    expect_same_bits(widen(y0), widen(y.get()), "graph fprop");
-    expect_same_bits(widen(dx0), widen(dx.get()), "graph dgrad");
-    expect_same_bits(dw0, dw.get(), "graph wgrad");
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  }, y, dx, dw, "grouped FP8");
   cudaStreamDestroy(s);
 }
 

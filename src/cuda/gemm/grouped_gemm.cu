@@ -442,6 +442,27 @@ namespace {
 void check_bf16_span(int64_t have, int64_t want, const char* what, const char* name) {
   FLOWMOE_CHECK(have >= want, what << ": " << name << " holds " << have << " elements, expected " << want);
 }
+// fprop (n_out = N, k_red = K, B = W K-major) and dgrad (n_out = K, k_red = N, B = W read MN-major):
+// A [capacity, k_red], W E x [N, K], D [capacity, n_out].
+sm90::Bf16RowsArgs bf16_rows_args(const gemm::DeviceSegments& seg, int64_t n_out, int64_t k_red,
+                                  gemm::Span<const bf16_t> a, gemm::Span<const bf16_t> w, gemm::Span<bf16_t> d,
+                                  bool w_mn_major, const char* what) {
+  check_bf16_span(a.size, seg.capacity * k_red, what, w_mn_major ? "dy" : "x");
+  check_bf16_span(w.size, int64_t(seg.num_segments) * n_out * k_red, what, "w");
+  check_bf16_span(d.size, seg.capacity * n_out, what, w_mn_major ? "dx" : "y");
+  sm90::Bf16RowsArgs r;
+  r.offsets = seg.offsets;
+  r.num_experts = seg.num_segments;
+  r.m = seg.capacity;
+  r.n_out = n_out;
+  r.k_red = k_red;
+  r.a = a.data;
+  r.b = w.data;
+  r.b_mn_major = w_mn_major;
+  r.d = d.data;
+  r.status = seg.status;
+  return r;
+}
 }  // namespace
 
 void GroupedGemm::fprop_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> x,
@@ -449,20 +470,7 @@ void GroupedGemm::fprop_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Sp
   const char* what = "BF16 fprop (device segments)";
   check_device_segments(seg, what);
   if (seg.capacity == 0) return;  // no rows: nothing to compute or write
-  check_bf16_span(x.size, seg.capacity * k, what, "x");
-  check_bf16_span(w.size, int64_t(seg.num_segments) * n * k, what, "w");
-  check_bf16_span(y.size, seg.capacity * n, what, "y");
-  sm90::Bf16RowsArgs a;
-  a.offsets = seg.offsets;
-  a.num_experts = seg.num_segments;
-  a.m = seg.capacity;
-  a.n_out = n;
-  a.k_red = k;
-  a.a = x.data;
-  a.b = w.data;
-  a.d = y.data;
-  a.status = seg.status;
-  sm90::bf16_grouped_rows(a, what, stream);
+  sm90::bf16_grouped_rows(bf16_rows_args(seg, n, k, x, w, y, false, what), what, stream);
   ++impl_->stats.bf16_kernel_calls;
 }
 
@@ -471,21 +479,7 @@ void GroupedGemm::dgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Sp
   const char* what = "BF16 dgrad (device segments)";
   check_device_segments(seg, what);
   if (seg.capacity == 0) return;
-  check_bf16_span(dy.size, seg.capacity * n, what, "dy");
-  check_bf16_span(w.size, int64_t(seg.num_segments) * n * k, what, "w");
-  check_bf16_span(dx.size, seg.capacity * k, what, "dx");
-  sm90::Bf16RowsArgs a;
-  a.offsets = seg.offsets;
-  a.num_experts = seg.num_segments;
-  a.m = seg.capacity;
-  a.n_out = k;
-  a.k_red = n;
-  a.a = dy.data;
-  a.b = w.data;
-  a.b_mn_major = true;  // W_e [N, K] read as stored
-  a.d = dx.data;
-  a.status = seg.status;
-  sm90::bf16_grouped_rows(a, what, stream);
+  sm90::bf16_grouped_rows(bf16_rows_args(seg, k, n, dy, w, dx, true, what), what, stream);  // W_e [N, K] as stored
   ++impl_->stats.bf16_kernel_calls;
 }
 

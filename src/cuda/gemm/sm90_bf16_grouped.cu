@@ -284,6 +284,19 @@ void launch(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mou
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 
+// The kernel parameters both entry points share (n, k: the output's columns and the reduction, or
+// dW's rows and columns).
+Params make_params(const int32_t* offsets, int experts, int64_t m, int64_t n, int64_t k, DeviceStatus* status) {
+  Params p{};
+  p.offsets = offsets;
+  p.num_experts = experts;
+  p.m = int(m);
+  p.n = int(n);
+  p.k = int(k);
+  p.bad_segments = status ? &status->bad_segments : nullptr;
+  return p;
+}
+
 const char* common_unsupported(const int32_t* offsets, int experts, int64_t m, int64_t n, int64_t k) {
   constexpr int64_t kBig = int64_t(1) << 31;
   if (experts < 1 || experts > kMaxGroupedExperts) return "the expert count is not 1 .. 1024";
@@ -310,14 +323,8 @@ void bf16_grouped_rows(const Bf16RowsArgs& a, const char* what, cudaStream_t str
   FLOWMOE_CHECK(why == nullptr, what << " (grouped sm_90a BF16 kernel): " << why << " (experts " << a.num_experts
                                      << ", m " << a.m << ", n " << a.n_out << ", k " << a.k_red << ")");
   if (a.m == 0) return;
-  Params p{};
-  p.offsets = a.offsets;
-  p.num_experts = a.num_experts;
-  p.m = int(a.m);
-  p.n = int(a.n_out);
-  p.k = int(a.k_red);
+  Params p = make_params(a.offsets, a.num_experts, a.m, a.n_out, a.k_red, a.status);
   p.d = a.d;
-  p.bad_segments = a.status ? &a.status->bad_segments : nullptr;
   const bool wide = a.n_out % 256 == 0;
   const int bn = wide ? 256 : 128;
   const CUtensorMap ma = bf16_map(a.a, a.m, a.k_red, kTile, what);
@@ -350,15 +357,9 @@ void bf16_grouped_wgrad(const Bf16WgradArgs& a, const char* what, cudaStream_t s
       FLOWMOE_CUDA_CHECK(cudaMemsetAsync(a.dw, 0, sizeof(float) * a.num_experts * a.n * a.k, stream));
     return;
   }
-  Params p{};
-  p.offsets = a.offsets;
-  p.num_experts = a.num_experts;
-  p.m = int(a.m);
-  p.n = int(a.n);
-  p.k = int(a.k);
+  Params p = make_params(a.offsets, a.num_experts, a.m, a.n, a.k, a.status);
   p.dw = a.dw;
   p.accumulate = a.accumulate;
-  p.bad_segments = a.status ? &a.status->bad_segments : nullptr;
   const CUtensorMap ma = bf16_map(a.dy, a.m, a.n, 64, what);
   const CUtensorMap mb = bf16_map(a.x, a.m, a.k, 64, what);
   const CUtensorMap mdw = make_tensor_map_2d(a.dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(a.num_experts) * a.n,
