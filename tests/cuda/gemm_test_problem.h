@@ -148,10 +148,10 @@ inline void expect_graph_replays_equal_eager(cudaStream_t s, const std::function
   ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   for (int rep = 0; rep < 2; ++rep) {
-    cudaMemset(y.p, 0xFF, y.n * sizeof(bf16_t));
-    cudaMemset(dx.p, 0xFF, dx.n * sizeof(bf16_t));
-    cudaMemset(dw.p, 0xFF, dw.n * sizeof(float));
-    cudaDeviceSynchronize();
+    ASSERT_EQ(cudaMemset(y.p, 0xFF, y.n * sizeof(bf16_t)), cudaSuccess);
+    ASSERT_EQ(cudaMemset(dx.p, 0xFF, dx.n * sizeof(bf16_t)), cudaSuccess);
+    ASSERT_EQ(cudaMemset(dw.p, 0xFF, dw.n * sizeof(float)), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
     expect_same_bits(widen(y0), widen(y.get()), what + ": graph fprop");

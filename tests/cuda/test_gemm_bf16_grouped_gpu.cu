@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -143,6 +144,11 @@ INSTANTIATE_TEST_SUITE_P(Ragged, GemmBf16GroupedGpu,
                                            RowsCase{"all_empty", {0, 0, 0, 40}, 128, 128, 1},
                                            RowsCase{"one_token", {1}, 384, 128, 0},
                                            RowsCase{"over_65536_rows", {65601, 2}, 128, 128, 0},
+                                           RowsCase{"forty_experts", [] {
+                                             std::vector<int32_t> c;
+                                             for (int e = 0; e < 40; ++e) c.push_back((e * 37) % 131);
+                                             return c;
+                                           }(), 128, 128, 0},
                                            // 152 fprop tiles: CTAs take a second tile (ring phases carry on)
                                            RowsCase{"tiles_past_one_wave", {1500, 1, 0, 2000, 1100}, 1024, 128, 0}),
                          [](const ::testing::TestParamInfo<RowsCase>& i) { return std::string(i.param.name); });
@@ -150,11 +156,13 @@ INSTANTIATE_TEST_SUITE_P(Ragged, GemmBf16GroupedGpu,
 // wgrad on 128-aligned device offsets: within tolerance of the reference (= onto a NaN-filled
 // output, so empty experts must be zeroed), += adds onto the old values and leaves empty experts
 // untouched, and exact sums give the reference's bits. k = 384: 128-wide tiles; k = 512 and 1024:
-// 256-wide.
+// 256-wide. `tail` trailing segments lie outside the GEMM (tokens past offsets[E], within the
+// capacity: never part of a gradient).
 struct WgradCase {
   const char* name;
   std::vector<int32_t> counts;
   int64_t n, k;
+  int tail;
 };
 std::ostream& operator<<(std::ostream& os, const WgradCase& c) { return os << c.name; }
 class GemmBf16GroupedGpuWgrad : public ::testing::TestWithParam<WgradCase> {};
@@ -164,26 +172,27 @@ TEST_P(GemmBf16GroupedGpuWgrad, OverwriteAndAccumulateMatchReference) {
   const WgradCase& c = GetParam();
   for (const bool small : {false, true}) {
     const Bf16Problem p = make_bf16(c.counts, c.n, c.k, small ? 77u : 78u, small, true);
+    const int E = p.E - c.tail;
     GBuf<bf16_t> x(p.x), dy(p.dy);
     GBuf<int32_t> off(p.seg.offsets);
-    const int64_t nw = int64_t(p.E) * p.n * p.k;
+    const int64_t nw = int64_t(E) * p.n * p.k;
     GBuf<float> dw(nw);
     cuda::GroupedGemm gg(env_gemm_options());
-    const gemm::DeviceSegments seg{off.p, p.E, p.m, nullptr};
+    const gemm::DeviceSegments seg{off.p, E, p.m, nullptr};
     gg.wgrad_bf16(seg, p.n, p.k, dy.cspan(), x.cspan(), gemm::WgradOut::f32(dw.p, nw), 0);
     const auto got = dw.get();
     if (small) {
-      expect_same_bits(p.dw, got, std::string(c.name) + " bf16 wgrad (exact sums)");
+      expect_same_bits(prefix(p.dw, nw), got, std::string(c.name) + " bf16 wgrad (exact sums)");
       continue;
     }
-    EXPECT_TRUE(close(got, p.dw, p.sdw, kT32, std::string(c.name) + " bf16 grouped wgrad ="));
+    EXPECT_TRUE(close(got, prefix(p.dw, nw), prefix(p.sdw, nw), kT32, std::string(c.name) + " bf16 grouped wgrad ="));
     std::vector<float> g0(nw), want(nw);
     for (int64_t i = 0; i < nw; ++i) g0[i] = float((i * 37) % 101) - 50.0f, want[i] = g0[i] + p.dw[i];
     dw.put(g0);
     gg.wgrad_bf16(seg, p.n, p.k, dy.cspan(), x.cspan(), gemm::WgradOut::accumulate(dw.p, nw), 0);
     const auto acc = dw.get();
-    EXPECT_TRUE(close(acc, want, p.sdw, {2 * kU, 1.0 / 16384}, std::string(c.name) + " bf16 grouped wgrad +="));
-    for (int e = 0; e < p.E; ++e)
+    EXPECT_TRUE(close(acc, want, prefix(p.sdw, nw), {2 * kU, 1.0 / 16384}, std::string(c.name) + " bf16 grouped wgrad +="));
+    for (int e = 0; e < E; ++e)
       if (c.counts[e] == 0)
         for (int64_t i = 0; i < p.n * p.k; ++i)
           ASSERT_EQ(acc[e * p.n * p.k + i], g0[e * p.n * p.k + i]) << "empty expert " << e << " must be untouched";
@@ -191,11 +200,17 @@ TEST_P(GemmBf16GroupedGpuWgrad, OverwriteAndAccumulateMatchReference) {
   }
 }
 INSTANTIATE_TEST_SUITE_P(Tiles, GemmBf16GroupedGpuWgrad,
-                         ::testing::Values(WgradCase{"ragged_k384", {256, 0, 128, 384, 0, 128}, 256, 384},
-                                           WgradCase{"long_k512", {1024, 0, 640}, 128, 512},
+                         ::testing::Values(WgradCase{"ragged_k384_tail", {256, 0, 128, 384, 0, 128, 256}, 256, 384, 1},
+                                           WgradCase{"long_k512", {1024, 0, 640}, 128, 512, 0},
                                            // 160 to 224 tiles of 128 x 256: CTAs refill their epilogue
                                            // buffers while the previous tile's bulk operations drain
-                                           WgradCase{"tiles_past_one_wave", {128, 256, 0, 128, 128, 128, 0}, 1024, 1024}),
+                                           WgradCase{"tiles_past_one_wave", {128, 256, 0, 128, 128, 128, 0}, 1024, 1024, 0},
+                                           // more than 32 experts: every lane of the offset check has several
+                                           WgradCase{"forty_experts", [] {
+                                             std::vector<int32_t> c;
+                                             for (int e = 0; e < 40; ++e) c.push_back(128 * (e % 3));
+                                             return c;
+                                           }(), 128, 128, 0}),
                          [](const ::testing::TestParamInfo<WgradCase>& i) { return std::string(i.param.name); });
 
 // Malformed device offsets: counted once per call in bad_segments, outputs untouched; bad shapes
@@ -241,25 +256,38 @@ TEST(GemmBf16GroupedGpuErrors, MalformedOffsetsAndBadShapes) {
     for (float f : dw.get()) ASSERT_EQ(f, 0.0f) << "overwrite with no rows gives zero gradients";
     EXPECT_TRUE(is_poison(y.get(), 0));
   }
-  EXPECT_THROW(gg.fprop_bf16(seg, 100, p.k, x.cspan(), w.cspan(), y.span(), 0), Error) << "n not a multiple of 128";
-  EXPECT_THROW(gg.dgrad_bf16(seg, p.n, 64, dy.cspan(), w.cspan(), y.span(), 0), Error) << "k not a multiple of 128";
-  EXPECT_THROW(gg.fprop_bf16(gemm::DeviceSegments{nullptr, p.E, p.m, nullptr}, p.n, p.k, x.cspan(), w.cspan(),
-                             y.span(), 0),
-               Error);
-  EXPECT_THROW(gg.fprop_bf16(gemm::DeviceSegments{off.p, 2000, p.m, nullptr}, p.n, p.k, x.cspan(), w.cspan(),
-                             y.span(), 0),
-               Error)
-      << "more experts than the kernel takes";
-  EXPECT_THROW(gg.fprop_bf16(seg, p.n, p.k, x.cspan(), w.cspan(), gemm::Span<bf16_t>{y.p, 10}, 0), Error)
-      << "output too small";
-  EXPECT_THROW(gg.fprop_bf16(seg, p.n, p.k, x.cspan(), gemm::Span<const bf16_t>{w.p, 10}, y.span(), 0), Error)
-      << "weights too small";
-  EXPECT_THROW(gg.wgrad_bf16(seg, p.n, p.k, dy.cspan(), x.cspan(), gemm::WgradOut::bf16(nullptr, 0), 0), Error)
-      << "BF16 wgrad output";
+  // each error says what was wrong (its message checked), before anything is launched
+  const auto expect_error = [](const std::function<void()>& call, const char* says) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected one saying \"" << says << "\"";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  using CB = gemm::Span<const bf16_t>;
+  expect_error([&] { gg.fprop_bf16(seg, 100, p.k, x.cspan(), w.cspan(), y.span(), 0); }, "multiples of 128");
+  expect_error([&] { gg.dgrad_bf16(seg, p.n, 64, dy.cspan(), w.cspan(), y.span(), 0); }, "multiples of 128");
+  expect_error([&] { gg.fprop_bf16(gemm::DeviceSegments{off.p, p.E, 0, nullptr}, 100, p.k, {x.p, 0}, w.cspan(),
+                                   {y.p, 0}, 0); },
+               "multiples of 128");  // (checked with no rows too)
+  expect_error([&] { gg.fprop_bf16(gemm::DeviceSegments{nullptr, p.E, p.m, nullptr}, p.n, p.k, x.cspan(), w.cspan(),
+                                   y.span(), 0); },
+               "offsets");
+  // (a weight span as large as 2000 experts need, so that the expert limit is what is hit)
+  expect_error([&] { gg.fprop_bf16(gemm::DeviceSegments{off.p, 2000, p.m, nullptr}, p.n, p.k, x.cspan(),
+                                   CB{w.p, int64_t(2000) * p.n * p.k}, y.span(), 0); },
+               "expert count");
+  expect_error([&] { gg.fprop_bf16(seg, p.n, p.k, x.cspan(), w.cspan(), gemm::Span<bf16_t>{y.p, 10}, 0); }, "y holds");
+  expect_error([&] { gg.fprop_bf16(seg, p.n, p.k, x.cspan(), CB{w.p, 10}, y.span(), 0); }, "w holds");
+  expect_error([&] { gg.wgrad_bf16(seg, p.n, p.k, dy.cspan(), x.cspan(), gemm::WgradOut::bf16(nullptr, 0), 0); },
+               "FP32 gradients");
+  expect_error([&] { gg.wgrad_bf16(seg, p.n, p.k, dy.cspan(), x.cspan(), gemm::WgradOut::f32(nullptr, 2 * p.n * p.k),
+                                   0); },
+               "null gradient");
   GBuf<bf16_t> wide(x.n + 8);
-  EXPECT_THROW(gg.fprop_bf16(seg, p.n, p.k, gemm::Span<const bf16_t>{wide.p + 1, int64_t(x.n)}, w.cspan(), y.span(), 0),
-               Error)
-      << "input not 16-byte aligned";
+  expect_error([&] { gg.fprop_bf16(seg, p.n, p.k, CB{wide.p + 1, int64_t(x.n)}, w.cspan(), y.span(), 0); },
+               "16-byte aligned");
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 

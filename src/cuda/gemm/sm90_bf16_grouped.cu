@@ -18,8 +18,9 @@
 // CTA: 3 warpgroups. Warpgroup 0: one thread issues the TMA loads of a ring of stages, 64
 // reduction elements deep (128-byte swizzle: a K-major tile is one box of 128-byte rows, an
 // MN-major one boxes of 64 k-rows x 64 elements). Warpgroups 1 and 2: output rows 0-63 and 64-127;
-// per stage and 128-wide half four m64n128k16 WGMMAs straight into the FP32 accumulators, one
-// stage's group left running while the next is issued (its stage released when it completes).
+// per stage four WGMMAs (m64nKBNk16, one per 16-deep step over all kBN columns) straight into the
+// FP32 accumulators, one stage's group left running while the next is issued (its stage released
+// when it completes).
 // Epilogue, through shared memory by TMA while the warpgroup computes its next tile: fprop and
 // dgrad stage BF16 halves (the FP8 kernel's epilogue: rows_tma_epilogue.cuh; an expert's partial
 // last tile from the fragments, rows below M_e only), wgrad FP32 halves stored or reduce-added
@@ -321,7 +322,8 @@ const char* bf16_rows_unsupported(const Bf16RowsArgs& a) {
 void bf16_grouped_rows(const Bf16RowsArgs& a, const char* what, cudaStream_t stream) {
   const char* why = bf16_rows_unsupported(a);
   FLOWMOE_CHECK(why == nullptr, what << " (grouped sm_90a BF16 kernel): " << why << " (experts " << a.num_experts
-                                     << ", m " << a.m << ", n " << a.n_out << ", k " << a.k_red << ")");
+                                     << ", m " << a.m << ", output columns " << a.n_out << ", reduction "
+                                     << a.k_red << ")");
   if (a.m == 0) return;
   Params p = make_params(a.offsets, a.num_experts, a.m, a.n_out, a.k_red, a.status);
   p.d = a.d;
@@ -342,8 +344,9 @@ void bf16_grouped_rows(const Bf16RowsArgs& a, const char* what, cudaStream_t str
 
 const char* bf16_wgrad_unsupported(const Bf16WgradArgs& a) {
   if (const char* why = common_unsupported(a.offsets, a.num_experts, a.m, a.n, a.k)) return why;
+  if (!a.dw) return "a null gradient pointer";
   if (a.m == 0) return nullptr;
-  if (!a.dy || !a.x || !a.dw) return "a null operand pointer";
+  if (!a.dy || !a.x) return "a null operand pointer";
   if (!aligned16(a.dy) || !aligned16(a.x) || !aligned16(a.dw)) return "operands or gradient not 16-byte aligned";
   return nullptr;
 }

@@ -280,10 +280,9 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                                                       << "; expected -1 (the default) or a byte count >= 0");
   };
   if (options.sync_free) {
-    const Recipe r = cfg.recipe;
     FLOWMOE_CHECK(cfg.comm == nullptr, what << ": CudaLayerOptions::sync_free needs one GPU (no communicator): the "
                                                "expert-parallel exchange sizes its messages on the host");
-    FLOWMOE_CHECK(cfg.align == 128, what << ": CudaLayerOptions::sync_free needs align = 128 (the wgrad kernel's "
+    FLOWMOE_CHECK(cfg.align == 128, what << ": CudaLayerOptions::sync_free needs align = 128 (the wgrad kernels' "
                                             "128-token blocks); align is " << cfg.align);
   }
   if (cfg.comm == nullptr) {

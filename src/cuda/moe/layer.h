@@ -189,7 +189,7 @@ class CudaMoeLayer final : public MoeLayer {
   Communicator* const comm_;  // null: single GPU, all experts local
   const int64_t max_tokens_, max_rows_;
   bool dedup_ = false;        // deduplicated EP dispatch (CudaLayerOptions::ep_dedup; not fp8-naive)
-  bool grouped_gemm_ = true;  // FP8 fprop/dgrad by the grouped kernel (CudaLayerOptions::fprop_dgrad)
+  bool grouped_gemm_ = true;  // fprop/dgrad (bf16: and wgrad) by flowmoe's kernels (CudaLayerOptions::fprop_dgrad)
   bool sync_free_ = false;    // CudaLayerOptions::sync_free: Mp_ is the capacity max_rows_
   bool fused_swiglu_ = false; // GEMM1 + SwiGLU in one kernel (CudaLayerOptions::fused_swiglu): w1 interleaved
   int64_t direct_bytes_ = -1; // dispatch_rows / combine_rows message grouping (comm.h)
