@@ -255,6 +255,10 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
 
 // ---- FP8 on device segments: flowmoe's sm_90a kernels, one launch each ----------------------
 namespace {
+// A span of `have` elements where the call needs `want` (every device-segment entry's size check).
+void check_span_holds(int64_t have, int64_t want, const char* what, const char* name) {
+  FLOWMOE_CHECK(have >= want, what << ": " << name << " holds " << have << " elements, expected " << want);
+}
 void check_device_segments(const gemm::DeviceSegments& seg, const char* what) {
   FLOWMOE_CHECK(seg.offsets != nullptr && seg.num_segments >= 1 && seg.capacity >= 0,
                 what << ": device segments need offsets, at least one segment and a capacity >= 0 (got "
@@ -274,8 +278,7 @@ sm90::RowwiseGroupedArgs rowwise_args(const gemm::DeviceSegments& seg, int64_t n
   check_view(b, Layout::kWeight128x128, b.scale_format, what);
   check_shape(a, seg.capacity, k_red, what, "the activation");
   check_shape(b, int64_t(seg.num_segments) * n_out, k_red, what, "the stacked weights");
-  FLOWMOE_CHECK(d.data == nullptr || d.size >= seg.capacity * n_out,
-                what << ": the output holds " << d.size << " elements, expected " << seg.capacity * n_out);
+  if (d.data != nullptr) check_span_holds(d.size, seg.capacity * n_out, what, "the output");
   sm90::RowwiseGroupedArgs r;
   r.offsets = seg.offsets;
   r.num_experts = seg.num_segments;
@@ -353,8 +356,7 @@ void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const Q
   impl_->require_fp8(what);
   check_device_segments(seg, what);
   FLOWMOE_CHECK(dw.kind != WgradOut::Kind::kBf16, what << ": the kernel writes FP32 gradients (BF16 output asked)");
-  FLOWMOE_CHECK(dw.size >= int64_t(seg.num_segments) * n * k,
-                what << ": the output holds " << dw.size << " elements, expected " << int64_t(seg.num_segments) * n * k);
+  check_span_holds(dw.size, int64_t(seg.num_segments) * n * k, what, "the output");
   if (seg.capacity == 0) {  // no rows: the gradients are zero (overwrite) or unchanged (accumulate)
     if (dw.kind == WgradOut::Kind::kF32)
       FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw.data, 0, sizeof(float) * seg.num_segments * n * k, stream));
@@ -439,17 +441,14 @@ void GroupedGemm::wgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<con
 
 // ---- BF16 on device segments: flowmoe's sm_90a kernels, one launch each -------------------------
 namespace {
-void check_bf16_span(int64_t have, int64_t want, const char* what, const char* name) {
-  FLOWMOE_CHECK(have >= want, what << ": " << name << " holds " << have << " elements, expected " << want);
-}
 // fprop (n_out = N, k_red = K, B = W K-major) and dgrad (n_out = K, k_red = N, B = W read MN-major):
 // A [capacity, k_red], W E x [N, K], D [capacity, n_out].
 sm90::Bf16RowsArgs bf16_rows_args(const gemm::DeviceSegments& seg, int64_t n_out, int64_t k_red,
                                   gemm::Span<const bf16_t> a, gemm::Span<const bf16_t> w, gemm::Span<bf16_t> d,
                                   bool w_mn_major, const char* what) {
-  check_bf16_span(a.size, seg.capacity * k_red, what, w_mn_major ? "dy" : "x");
-  check_bf16_span(w.size, int64_t(seg.num_segments) * n_out * k_red, what, "w");
-  check_bf16_span(d.size, seg.capacity * n_out, what, w_mn_major ? "dx" : "y");
+  check_span_holds(a.size, seg.capacity * k_red, what, w_mn_major ? "dy" : "x");
+  check_span_holds(w.size, int64_t(seg.num_segments) * n_out * k_red, what, "w");
+  check_span_holds(d.size, seg.capacity * n_out, what, w_mn_major ? "dx" : "y");
   sm90::Bf16RowsArgs r;
   r.offsets = seg.offsets;
   r.num_experts = seg.num_segments;
@@ -488,9 +487,9 @@ void GroupedGemm::wgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Sp
   check_device_segments(seg, what);
   FLOWMOE_CHECK(dw.kind == WgradOut::Kind::kF32 || dw.kind == WgradOut::Kind::kF32Accumulate,
                 what << ": the kernel writes FP32 gradients (BF16 output asked)");
-  check_bf16_span(dw.size, int64_t(seg.num_segments) * n * k, what, "dw");
-  check_bf16_span(dy.size, seg.capacity * n, what, "dy");
-  check_bf16_span(x.size, seg.capacity * k, what, "x");
+  check_span_holds(dw.size, int64_t(seg.num_segments) * n * k, what, "dw");
+  check_span_holds(dy.size, seg.capacity * n, what, "dy");
+  check_span_holds(x.size, seg.capacity * k, what, "x");
   sm90::Bf16WgradArgs a;
   a.offsets = seg.offsets;
   a.num_experts = seg.num_segments;

@@ -42,9 +42,9 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   dedup_ = comm_ != nullptr && rc != Recipe::kFp8Naive && options.ep_dedup;
   using FD = CudaLayerOptions::FpropDgrad;
   sync_free_ = options.sync_free;
-  // (bf16: kAuto keeps cuBLASLt, see CudaLayerOptions::fprop_dgrad)
+  // (kAuto's rule was measured for the FP8 kernels: bf16 keeps cuBLASLt, CudaLayerOptions::fprop_dgrad)
   grouped_gemm_ = sync_free_ || options.fprop_dgrad == FD::kGrouped ||
-                  (options.fprop_dgrad == FD::kAuto && rc != Recipe::kBf16 &&
+                  (options.fprop_dgrad == FD::kAuto && recipe_spec(rc).uses_fp8() &&
                    max_rows_ <= CudaLayerOptions::kGroupedAutoRows * El_);
   fused_swiglu_ = options.fused_swiglu && grouped_gemm_ && (rc == Recipe::kFlow || rc == Recipe::kFlowFp4);
   if (comm_)  // agreed across ranks by make_cuda_layer
