@@ -59,6 +59,28 @@ struct CopyPiece {
   int64_t bytes = 0;
 };
 
+// Device-side access to the peers' memory (expert parallelism without host synchronisation,
+// CudaLayerOptions::sync_free; docs/EP.md §8). A communicator whose kernels can read the other
+// ranks' device buffers offers one (Communicator::device_peers): the device SimWorld, every rank
+// on one GPU. (NVLink peers under NCCL 2.28's device API would be the multi-GPU one; not yet.)
+class DevicePeers {
+ public:
+  virtual ~DevicePeers() = default;
+  // Collective, host, blocking: at set-up only, never inside a captured step. Every rank passes
+  // one device buffer of its own; returns a device array [world] of every rank's pointer in rank
+  // order, owned by this object (valid as long as the communicator).
+  virtual void* const* share(void* mine) = 0;
+  // Enqueues on `stream` (a cudaStream_t) a barrier of every rank, run on the device: what this
+  // rank enqueues on `stream` after it starts only when every rank has completed what it enqueued
+  // before its matching barrier (every rank calls barrier the same number of times). No host
+  // wait, so a CUDA graph can capture it. Bounded by the communicator's timeout: a rank that does
+  // not arrive makes the waiting ranks give up (what runs after then reads incomplete data, and
+  // failed() says so).
+  virtual void barrier(void* stream) = 0;
+  // Host, synchronising the device: "" or what went wrong on the device (a barrier timed out).
+  virtual std::string failed() = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -97,6 +119,9 @@ class Communicator {
   // stage (up to the padded rows x (2H + 4) bytes). bytes 0: may return null.
   virtual void* scratch(int64_t bytes) = 0;
 
+  // Device-side peer access (DevicePeers above), or null when the backend has none (host
+  // SimWorld; NCCL).
+  virtual DevicePeers* device_peers() { return nullptr; }
   virtual void barrier() = 0;
   // Waits for everything issued so far (NCCL: the stream), at most timeout_s(); throws CommError
   // on an asynchronous error or a timeout (and aborts the communicator). Sim: checks the error.
@@ -187,6 +212,9 @@ class SimWorld {
     std::function<void(int rank, const std::vector<CopyPiece>& pieces)> copy_local;
     // Communicator::scratch of a device world: device memory of the rank, grown as asked.
     std::function<void*(int rank, int64_t bytes)> scratch;
+    // Communicator::device_peers of a device world (optional): the rank's DevicePeers, made on
+    // its first call with that rank's communicator and owned by the copier.
+    std::function<DevicePeers*(Communicator& comm)> device_peers;
   };
   explicit SimWorld(int world_size, double timeout_s = 30.0);
   // space kHost: the constructor above (copier unused). kDevice: copier.copy and copier.wait must
@@ -367,6 +395,13 @@ DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
                                   const int32_t* send_counts, int64_t tokens,
                                   bool config_agreed = false,
                                   const int32_t* send_tokens = nullptr);  // [world] or null
+
+// The same plan made locally from every rank's counts at once, no collective (the sync-free CUDA
+// layer gathers them on the device): counts_all [world * E_total] (row q: the rows rank q routes
+// to each global expert), tokens_all [world * world] (row q: the tokens rank q sends to each rank
+// in a deduplicated dispatch) or null; `tokens`: this rank's T.
+DispatchPlan plan_from_all_counts(const EpConfig& cfg, int rank, int world, const int32_t* counts_all,
+                                  int64_t tokens, const int32_t* tokens_all = nullptr);
 
 // One row stream moved by the plan: row i of the send order (row_bytes each, send rows) to its
 // padded row on the receiving rank. Forward direction (dispatch) or reverse (combine: padded rows

@@ -77,6 +77,9 @@ std::string DispatchPlan::describe() const {
 }
 
 namespace {
+DispatchPlan make_plan(const EpConfig& cfg, int rank, int world, int64_t tokens, const int32_t* send_counts,
+                       const std::vector<int32_t>& recv_counts, const int32_t* send_tokens,
+                       const std::vector<int32_t>& recv_tokens);
 DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int32_t* send_counts,
                              int64_t tokens, const std::string& local_error,
                              const int32_t* send_tokens = nullptr);
@@ -119,6 +122,23 @@ DispatchPlan plan_dispatch_counts(Communicator& comm, const EpConfig& cfg,
   return exchange_counts(comm, cfg, send_counts, tokens, local_error, send_tokens);
 }
 
+DispatchPlan plan_from_all_counts(const EpConfig& cfg, int rank, int world, const int32_t* counts_all,
+                                  int64_t tokens, const int32_t* tokens_all) {
+  FLOWMOE_CHECK(world >= 1 && rank >= 0 && rank < world,
+                "plan_from_all_counts: rank " << rank << " of " << world << "; expected 0 <= rank < world");
+  cfg.validate(world);
+  FLOWMOE_CHECK(counts_all != nullptr, "plan_from_all_counts: counts_all is null");
+  const int E = cfg.num_experts, El = E / world;
+  std::vector<int32_t> recv_counts(static_cast<size_t>(world) * El), recv_tokens(world, 0);
+  for (int p = 0; p < world; ++p) {
+    for (int l = 0; l < El; ++l)
+      recv_counts[static_cast<size_t>(p) * El + l] = counts_all[static_cast<size_t>(p) * E + rank * El + l];
+    if (tokens_all) recv_tokens[p] = tokens_all[static_cast<size_t>(p) * world + rank];
+  }
+  return make_plan(cfg, rank, world, tokens, counts_all + static_cast<size_t>(rank) * E, recv_counts,
+                   tokens_all ? tokens_all + static_cast<size_t>(rank) * world : nullptr, recv_tokens);
+}
+
 namespace {
 // The count all-to-all and both layouts; cfg agreed on every rank (check_uniform). One
 // alltoall_i32 also agrees on the ranks' local errors. The message to each peer p is
@@ -150,8 +170,23 @@ DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int3
                           " rejected its input (its own error message says why); rank " +
                           std::to_string(comm.rank()) + " stops too");
 
+  std::vector<int32_t> recv_counts(static_cast<size_t>(world) * El), recv_tokens(world);
+  for (int p = 0; p < world; ++p) {
+    const int32_t* msg = in.data() + static_cast<size_t>(p) * m;
+    std::copy(msg + 1, msg + 1 + El, recv_counts.begin() + static_cast<size_t>(p) * El);
+    recv_tokens[p] = msg[1 + El];
+  }
+  return make_plan(cfg, comm.rank(), world, tokens, send_counts, recv_counts, send_tokens, recv_tokens);
+}
+
+// Both layouts of the plan from this rank's send counts ([world * El]) and token counts ([world]
+// or null) and what every rank routes to it (recv_counts [world * El], recv_tokens [world]).
+DispatchPlan make_plan(const EpConfig& cfg, int rank, int world, int64_t tokens, const int32_t* send_counts,
+                       const std::vector<int32_t>& recv_counts, const int32_t* send_tokens,
+                       const std::vector<int32_t>& recv_tokens) {
+  const int El = std::max(1, cfg.num_experts / std::max(1, world));
   DispatchPlan plan;
-  plan.rank = comm.rank();
+  plan.rank = rank;
   plan.world = world;
   plan.num_experts = cfg.num_experts;
   plan.local_experts = El;
@@ -166,15 +201,10 @@ DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int3
   plan.send_offsets.assign(n + 1, 0);
   for (int g = 0; g < n; ++g) plan.send_offsets[g + 1] = plan.send_offsets[g] + plan.send_counts[g];
   // recv_counts[p*El + l] = rows rank p routes to this rank's local expert l
-  plan.recv_counts.assign(n, 0);
+  plan.recv_counts = recv_counts;
+  plan.recv_tokens = recv_tokens;
   plan.send_tokens.assign(world, 0);
-  plan.recv_tokens.assign(world, 0);
-  for (int p = 0; p < world; ++p) {
-    const int32_t* msg = in.data() + static_cast<size_t>(p) * m;
-    std::copy(msg + 1, msg + 1 + El, plan.recv_counts.begin() + static_cast<size_t>(p) * El);
-    plan.recv_tokens[p] = msg[1 + El];
-    plan.send_tokens[p] = send_tokens ? send_tokens[p] : 0;
-  }
+  for (int p = 0; p < world; ++p) plan.send_tokens[p] = send_tokens ? send_tokens[p] : 0;
 
   plan.expert_counts.assign(El, 0);
   for (int p = 0; p < world; ++p)
@@ -186,7 +216,7 @@ DispatchPlan exchange_counts(Communicator& comm, const EpConfig& cfg, const int3
     if (acc > 0x7FFFFFFF)
       throw CommError(__FILE__, __LINE__,
                       "plan_dispatch: " + std::to_string(acc) + " received padded rows on rank " +
-                          std::to_string(comm.rank()) + " do not fit int32 row indices");
+                          std::to_string(rank) + " do not fit int32 row indices");
     plan.padded_offsets[l + 1] = static_cast<int32_t>(acc);
   }
   // Chunk (p, l) lands after the chunks of ranks p' < p inside expert l's segment.

@@ -182,6 +182,11 @@ class SimComm final : public Communicator {
     return scratch_.empty() ? nullptr : scratch_.data();
   }
 
+  DevicePeers* device_peers() override {
+    if (w_->space != MemorySpace::kDevice || !w_->copier.device_peers) return nullptr;
+    return w_->copier.device_peers(*this);
+  }
+
   void barrier() override {
     Post p;
     p.op = SimOp::kBarrier;

@@ -548,6 +548,46 @@ TEST(Dispatch, PlanCarriesTokensPerRank) {
   EXPECT_NE(errs[0].find("rank 1 rejected its input"), std::string::npos) << errs[0];
 }
 
+// plan_from_all_counts (the sync-free CUDA layer's report, made from every rank's counts at once)
+// gives every field of the collective plan_dispatch_counts, for random counts, with and without
+// token counts; and rejects a rank outside the world.
+TEST(Dispatch, PlanFromAllCountsEqualsTheCollectivePlan) {
+  for (int n : kWorlds) {
+    const int E = 3 * n;
+    std::mt19937 rng(77 + n);
+    std::vector<int32_t> all(size_t(n) * E), toks(size_t(n) * n);
+    for (int32_t& v : all) v = int32_t(rng() % 40);
+    for (int32_t& v : toks) v = int32_t(rng() % 9);
+    const EpConfig cfg{E, 3, 8, 16, WireFormat::kFp8, true};
+    SimWorld world(n, 10.0);
+    const auto errs = world.run([&](Communicator& c) {
+      const int me = c.rank();
+      for (bool with_tokens : {true, false}) {
+        const DispatchPlan a = plan_dispatch_counts(c, cfg, all.data() + size_t(me) * E, 200, true,
+                                                    with_tokens ? toks.data() + size_t(me) * n : nullptr);
+        const DispatchPlan b = plan_from_all_counts(cfg, me, n, all.data(), 200, with_tokens ? toks.data() : nullptr);
+        EXPECT_EQ(a.describe(), b.describe());
+        EXPECT_EQ(a.send_counts, b.send_counts);
+        EXPECT_EQ(a.send_offsets, b.send_offsets);
+        EXPECT_EQ(a.recv_counts, b.recv_counts);
+        EXPECT_EQ(a.expert_counts, b.expert_counts);
+        EXPECT_EQ(a.padded_offsets, b.padded_offsets);
+        EXPECT_EQ(a.recv_offsets, b.recv_offsets);
+        EXPECT_EQ(a.send_tokens, b.send_tokens);
+        EXPECT_EQ(a.recv_tokens, b.recv_tokens);
+      }
+    });
+    expect_all_ok(errs);
+  }
+  std::vector<int32_t> all(8, 1);
+  try {
+    plan_from_all_counts({4, 2, 8, 16, WireFormat::kBf16, true}, 2, 2, all.data(), 4);
+    ADD_FAILURE() << "rank 2 of 2 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 2 of 2"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Dispatch, DirectBytesFromTheSettings) {
   std::map<std::string, std::string> env;
   const SettingLookup lookup = [&](const char* name) -> const char* {

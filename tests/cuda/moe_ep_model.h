@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cuda/device_buffer.h"
+#include "flowmoe/cuda/moe_debug.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/token.h"
@@ -107,6 +108,7 @@ struct Out {
   std::vector<float> dw1, dw2, dwr;  // from zero; dw1/dw2 of the layer's (local) experts
   CastReport rep;
   MoeStatus st;
+  int64_t host_syncs = -1;  // the layer's count (moe_debug.h)
 };
 
 // Forward + backward of one CUDA layer whose weights are experts [e0, e0 + n) of the model.
@@ -117,13 +119,15 @@ inline Out run_gpu_one(const MoeConfig& cfg, const Model& m, int e0, int n, cons
     throw std::runtime_error("cudaStreamCreate");
   Out o;
   {
-    std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s, options);
+    // buffers first: with sync_free and several ranks, a peer's step may already wait at a device
+    // barrier once the layers exist, and cudaMalloc can wait for the device to idle
     Dev<float> w1(int64_t(n) * 2 * kF * kH, s, m.w1.data() + int64_t(e0) * 2 * kF * kH);
     Dev<float> w2(int64_t(n) * kH * kF, s, m.w2.data() + int64_t(e0) * kH * kF);
     Dev<float> wr(m.wr.size(), s, m.wr.data());
     Dev<float> bias(kE, s, m.bias.empty() ? nullptr : m.bias.data());
     Dev<bf16_t> dx_in(T * kH, s, x), dy_in(T * kH, s, dy), y(T * kH, s), dx(T * kH, s);
     Dev<float> dw1(int64_t(n) * 2 * kF * kH, s), dw2(int64_t(n) * kH * kF, s), dwr(m.wr.size(), s);
+    std::unique_ptr<MoeLayer> layer = make_cuda_layer(cfg, s, options);
     layer->set_weights(MoeWeights{w1.p, w2.p, wr.p, m.bias.empty() ? nullptr : bias.p});
     layer->forward(dx_in.p, T, y.p);
     layer->backward(dy_in.p, dx.p, MoeGrads{dw1.p, dw2.p, dwr.p});
@@ -134,6 +138,7 @@ inline Out run_gpu_one(const MoeConfig& cfg, const Model& m, int e0, int n, cons
     o.dwr = dwr.get(s);
     o.rep = layer->cast_report();
     o.st = layer->status();
+    o.host_syncs = cuda::moe::counters(layer.get()).host_syncs;
   }
   cudaStreamDestroy(s);
   return o;

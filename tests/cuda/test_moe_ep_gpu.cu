@@ -123,6 +123,7 @@ void expect_ep_gpu(const Model& m, int W, const CudaLayerOptions& options = Cuda
     EXPECT_EQ(bit_diff(o.dw1, one.dw1, r * n1, n1, rn + " dW1"), 0);
     EXPECT_EQ(bit_diff(o.dw2, one.dw2, r * n2, n2, rn + " dW2"), 0);
     EXPECT_EQ(o.st.nonfinite, 0) << rn;
+    if (options.sync_free) EXPECT_EQ(o.host_syncs, 0) << rn;
     // dWr: this rank's contribution = one GPU on this rank's tokens alone (so are y and dx)
     MoeConfig own_cfg = m.cfg;
     own_cfg.max_tokens = m.max_tokens();
@@ -198,6 +199,24 @@ TEST_P(MoeEpGpuRecipe, RankWithNoRows) {
   m.bias.assign(kE, 0.0f);
   m.bias[0] = m.bias[1] = 100.0f;
   expect_ep_gpu(m, 2);
+}
+
+// CudaLayerOptions::sync_free with expert parallelism (docs/EP.md §8): the plan made on the device
+// from every rank's counts and the rows pulled from the peers' buffers give everything the
+// synchronous exchange gives above (one GPU's bits, the CPU EP layer's report and wire bytes),
+// deduplicated or not, with a rank whose experts receive no row, and no host synchronisation.
+TEST_P(MoeEpGpuRecipe, SyncFreeEqualsOneGpu) {
+  REQUIRE_DEVICE();
+  CudaLayerOptions sf;
+  sf.sync_free = true;
+  expect_ep_gpu(make_model(GetParam(), {37, 64}, 128, RouterScore::kSoftmax, false, 105), 2, sf);
+  expect_ep_gpu(make_model(GetParam(), {37, 64, 1, 50}, 128, RouterScore::kSigmoid, true, 106), 4, sf);
+  Model none = make_model(GetParam(), {37, 64}, 128, RouterScore::kSoftmax, false, 9);
+  none.bias.assign(kE, 0.0f);
+  none.bias[0] = none.bias[1] = 100.0f;
+  expect_ep_gpu(none, 2, sf);
+  sf.ep_dedup = false;
+  expect_ep_gpu(make_model(GetParam(), {37, 64, 1, 50}, 128, RouterScore::kSigmoid, true, 107), 4, sf);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllRecipes, MoeEpGpuRecipe, ::testing::ValuesIn(all_recipes()),

@@ -5,8 +5,13 @@
 // exchange, so the peers' send buffers are never released while being read and the received
 // bytes are complete when exchange() returns; copy_local runs the NCCL communicator's batched
 // copy kernel (flowmoe/cuda/copy_pieces.h) on the rank's stream and waits for it.
+// Its DevicePeers (Communicator::device_peers): every rank's buffers are addressable from every
+// kernel (one GPU, one process), so share() is a host exchange of pointers, and the barrier is a
+// one-block kernel on the rank's stream that publishes the rank's barrier count and waits on the
+// device until every rank's count has reached it (the sync-free expert-parallel layer's exchange).
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,16 +23,114 @@
 namespace flowmoe {
 namespace {
 
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release(unsigned* p, unsigned v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// arrived[q]: how many barriers rank q has reached (wraps; compared as a signed difference);
+// count: this rank's own, kept on the device so that graph replays and eager calls count alike.
+__global__ void sim_barrier_kernel(unsigned* arrived, unsigned* count, int rank, int world,
+                                   unsigned long long timeout_ns, unsigned* failed) {
+  __shared__ unsigned target;
+  if (threadIdx.x == 0) {
+    target = *count + 1u;
+    *count = target;
+    __threadfence();  // this rank's earlier writes (earlier kernels: already complete) before the count
+    store_release(arrived + rank, target);
+  }
+  __syncthreads();
+  const unsigned long long t0 = global_ns();
+  for (int q = threadIdx.x; q < world; q += blockDim.x)
+    while (int(load_acquire(arrived + q) - target) < 0) {
+      if (load_acquire(failed) != 0u) break;
+      if (global_ns() - t0 > timeout_ns) {
+        atomicExch(failed, 1u);
+        break;
+      }
+      __nanosleep(200);
+    }
+  __syncthreads();
+  __threadfence();
+}
+
+// World-wide barrier state: arrived [W], count [W], failed [1] (device, zeroed).
+class SimDevicePeers final : public DevicePeers {
+ public:
+  SimDevicePeers(Communicator& comm, int device, unsigned* state, cudaStream_t copy_stream)
+      : comm_(comm), device_(device), state_(state), stream_(copy_stream) {}
+  ~SimDevicePeers() override {
+    cudaSetDevice(device_);
+    for (void* p : tables_) cudaFree(p);
+  }
+  void* const* share(void* mine) override {
+    const int W = comm_.world_size();
+    // allocate before the rendezvous: a peer that leaves it may start device barriers at once,
+    // and cudaMalloc can wait for the device to idle
+    FLOWMOE_CUDA_CHECK(cudaSetDevice(device_));
+    void* table = nullptr;
+    FLOWMOE_CUDA_CHECK(cudaMalloc(&table, sizeof(void*) * W));
+    tables_.push_back(table);
+    int32_t half[2];
+    static_assert(sizeof(void*) == 8, "64-bit pointers");
+    std::memcpy(half, &mine, sizeof(void*));
+    std::vector<int32_t> send(size_t(W) * 2), recv(size_t(W) * 2);
+    for (int p = 0; p < W; ++p) std::memcpy(&send[size_t(p) * 2], half, sizeof(half));
+    comm_.alltoall_i32(send.data(), recv.data(), 2);
+    std::vector<void*> ptrs(W);
+    for (int p = 0; p < W; ++p) std::memcpy(&ptrs[p], &recv[size_t(p) * 2], sizeof(void*));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(table, ptrs.data(), sizeof(void*) * W, cudaMemcpyHostToDevice, stream_));
+    FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return static_cast<void* const*>(table);
+  }
+  void barrier(void* stream) override {
+    const int W = comm_.world_size();
+    const double t = comm_.timeout_s() * 1e9;
+    sim_barrier_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(
+        state_, state_ + W + comm_.rank(), comm_.rank(), W, static_cast<unsigned long long>(t), state_ + 2 * W);
+    FLOWMOE_CUDA_CHECK(cudaGetLastError());
+  }
+  std::string failed() override {
+    unsigned f = 0;
+    FLOWMOE_CUDA_CHECK(cudaSetDevice(device_));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(&f, state_ + 2 * comm_.world_size(), sizeof(f), cudaMemcpyDeviceToHost, stream_));
+    FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (f == 0) return "";
+    return "device SimWorld: a device barrier waited longer than the timeout (" + std::to_string(comm_.timeout_s()) +
+           " s) for a rank that did not arrive; the exchanges after it read incomplete data";
+  }
+
+ private:
+  Communicator& comm_;
+  int device_;
+  unsigned* state_;
+  cudaStream_t stream_;
+  std::vector<void*> tables_;
+};
+
 struct DeviceCopyState {
   int device = 0;
   std::vector<cudaStream_t> streams;  // one per rank
   std::vector<void*> scratch;         // Communicator::scratch of each rank
   std::vector<int64_t> scratch_bytes;
+  unsigned* barrier_state = nullptr;                  // SimDevicePeers' arrived, count, failed
+  std::vector<std::unique_ptr<SimDevicePeers>> peers;  // per rank, made on first use
   ~DeviceCopyState() {
     if (streams.empty()) return;
     int cur = 0;
     const bool have = cudaGetDevice(&cur) == cudaSuccess;
     cudaSetDevice(device);
+    peers.clear();
+    if (barrier_state) cudaFree(barrier_state);
     for (cudaStream_t s : streams)
       if (s) cudaStreamDestroy(s);
     for (void* p : scratch)
@@ -51,6 +154,9 @@ std::unique_ptr<SimWorld> make_device_sim_world(int world_size, double timeout_s
   st->streams.assign(world_size, nullptr);
   st->scratch.assign(world_size, nullptr);
   st->scratch_bytes.assign(world_size, 0);
+  st->peers.resize(world_size);
+  FLOWMOE_CUDA_CHECK(cudaMalloc(&st->barrier_state, sizeof(unsigned) * (2 * size_t(world_size) + 1)));
+  FLOWMOE_CUDA_CHECK(cudaMemset(st->barrier_state, 0, sizeof(unsigned) * (2 * size_t(world_size) + 1)));
   for (int r = 0; r < world_size; ++r)
     FLOWMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st->streams[r], cudaStreamNonBlocking));
   SimWorld::Copier c;
@@ -77,6 +183,12 @@ std::unique_ptr<SimWorld> make_device_sim_world(int world_size, double timeout_s
       st->scratch_bytes[rank] = bytes;
     }
     return st->scratch[rank];
+  };
+  // each rank's thread makes (and then only uses) its own slot
+  c.device_peers = [st](Communicator& comm) -> DevicePeers* {
+    std::unique_ptr<SimDevicePeers>& p = st->peers[comm.rank()];
+    if (!p) p.reset(new SimDevicePeers(comm, st->device, st->barrier_state, st->streams[comm.rank()]));
+    return p.get();
   };
   return std::unique_ptr<SimWorld>(new SimWorld(world_size, timeout_s, MemorySpace::kDevice, c));
 }

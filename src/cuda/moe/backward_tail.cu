@@ -17,13 +17,26 @@ void CudaMoeLayer::backward_tail(const MoeGrads& g, bf16_t* dx) {
   const bf16_t* rows = ws_.expert.dx_rows;  // [Mp, H] padded (one GPU)
   const int32_t* map = r.tokens.row_map;
   cudaStream_t rs = stream_;  // the stream of the tail below
-  if (!comm_ && streams_.tail()) {  // one GPU: from the dX rows on, next to GEMM1 wgrad
+  if ((!comm_ || device_ep()) && streams_.tail()) {  // from the dX rows on, next to GEMM1 wgrad
     FLOWMOE_CHECK(dx_ready_marked_, "MoeLayer::backward: internal error: the recipe did not mark the dX rows");
     dx_ready_marked_ = false;
     FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(streams_.tail(), streams_.dx_ready(), 0));
     rs = streams_.tail();
   }
-  if (comm_) {
+  if (device_ep()) {  // the same combine as pulls on the tail's stream, no host wait
+    auto s = bwd(rs != stream_ ? "combine dX rows + dprob (tail stream)" : "combine dX rows + dprob", rs);
+    EpBuffers& ep = ws_.ep;
+    if (rs == stream_) {
+      FLOWMOE_CHECK(dx_ready_marked_, "MoeLayer::backward: internal error: the recipe did not mark the dX rows");
+      dx_ready_marked_ = false;
+    }
+    pull_exchange(ep.combine_pieces, combine_piece_count(),
+                  {{rows, ep.combined_rows, 2 * H_}, {ep.row_dprob, ep.combined_dprobs, int64_t(sizeof(float))}}, rs);
+    pending_wire_.push_back({PendingWire::kCombine, MoePass::kBackward, report_names::kCombineDx,
+                             report_names::kCombineDxFormat, WireFormat::kBf16, 2 * H_ + int64_t(sizeof(float))});
+    rows = ep.combined_rows;
+    map = r.tokens.row_map_unpadded;
+  } else if (comm_) {
     // combine: the dX rows (BF16) and each row's d loss / d prob (FP32, summed over the F/128
     // partial sums in gather_row_dprobs' order) go back to the token's rank in one exchange, into
     // send order; the slot sums then run there, in slot order, as on one GPU. Waits (host) for the
@@ -49,7 +62,8 @@ void CudaMoeLayer::backward_tail(const MoeGrads& g, bf16_t* dx) {
     if (comm_ == nullptr)
       gather_row_dprobs(r.dprob_partials, F_ / 128, Mp_, r.tokens.row_map, T_, K_, r.dprobs, rs);
     else  // one "tile": the sums that came back (x + nothing = x, canonicalised as on one GPU)
-      gather_row_dprobs(ws_.ep.combined_dprobs, 1, plan_.send_rows(), map, T_, K_, r.dprobs, rs);
+      gather_row_dprobs(ws_.ep.combined_dprobs, 1, device_ep() ? T_ * K_ : plan_.send_rows(), map, T_, K_, r.dprobs,
+                        rs);
     router_backward(r.logits, T_, rc, r.ids, r.dprobs, cfg_.aux_loss_alpha > 0.0f ? r.aux_coef : nullptr, 1.0f,
                     r.dlogits, rs); }
   if (g.dwr) { auto s = bwd(on_tail ? "router dWr (tail stream)" : "router dWr", rs);

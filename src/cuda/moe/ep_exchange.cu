@@ -39,12 +39,17 @@ void CudaMoeLayer::ep_exchange(const std::function<void()>& fn) {
 // of every receive buffer are zero.
 void CudaMoeLayer::ep_dispatch(MoePass pass, const char* name, WireFormat f, std::vector<RowStream> streams) {
   EpBuffers& ep = ws_.ep;
-  const DispatchPlan p = ep_detail::plan_for(plan_, pass, f);
   if (pass == MoePass::kForward) {
     ep_gather_rows(ws_.routing.probs, int64_t(sizeof(float)), true, ws_.routing.tokens.row_map_unpadded, T_, K_,
                    ep.send_probs, stream_);
     streams.push_back({ep.send_probs, ws_.routing.row_prob, int64_t(sizeof(float))});
   }
+  if (device_ep()) {  // the plan's pieces on the device, padding pieces zero-filled
+    pull_exchange(ep.dispatch_pieces, dispatch_piece_count(), streams, stream_);
+    pending_wire_.push_back({PendingWire::kDispatch, pass, name, "", f, 0});
+    return;
+  }
+  const DispatchPlan p = ep_detail::plan_for(plan_, pass, f);
   // the exchange writes every row but the padding: one batched fill of El ranges per stream
   std::vector<CopyPiece> pad;
   for (const RowStream& st : streams)
@@ -80,6 +85,20 @@ void CudaMoeLayer::dedup_exchange(MoePass pass, const char* name, const std::str
     streams.push_back({ep.send_ids, ep.recv_ids, int64_t(sizeof(int32_t)) * K_});
     streams.push_back({ep.send_token_probs, ep.recv_probs, int64_t(sizeof(float)) * K_});
   }
+  int64_t row_bytes = 0;
+  for (const RowStream& st : streams) row_bytes += st.row_bytes;
+  const std::string wire_format =
+      format + (fwd ? " + k ids + k probs" : "") + " (deduplicated: one row per token and rank)";
+  if (device_ep()) {
+    // the received tokens' count stays on the device: the slots past it keep ids -1 (no expert),
+    // and the routing below runs over every slot (W * max_tokens)
+    if (fwd)
+      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ep.recv_ids, 0xFF, sizeof(int32_t) * size_t(W) * max_tokens_ * K_, stream_));
+    pull_exchange(ep.dedup_pieces, W, streams, stream_);
+    pending_wire_.push_back({PendingWire::kDedup, pass, name, wire_format, WireFormat::kBf16, row_bytes});
+    if (fwd) route_received_tokens(int64_t(W) * max_tokens_);
+    return;
+  }
   std::vector<int64_t> so(W + 1, 0), ro(W + 1, 0);
   for (int p = 0; p < W; ++p) {
     so[p + 1] = so[p] + plan_.send_tokens[p];
@@ -89,8 +108,6 @@ void CudaMoeLayer::dedup_exchange(MoePass pass, const char* name, const std::str
                 "MoeLayer: " << ro[W] << " tokens received; expected at most " << int64_t(W) * max_tokens_);
   std::vector<P2pOp> sends, recvs;
   std::vector<CopyPiece> own;
-  int64_t row_bytes = 0;
-  for (const RowStream& st : streams) row_bytes += st.row_bytes;
   for (int p = 0; p < W; ++p)
     for (const RowStream& st : streams) {
       uint8_t* src = const_cast<uint8_t*>(static_cast<const uint8_t*>(st.send)) + so[p] * st.row_bytes;
@@ -105,24 +122,33 @@ void CudaMoeLayer::dedup_exchange(MoePass pass, const char* name, const std::str
     }
   cuda::comm::copy_pieces(own, stream_);
   ep_exchange([&] { comm_->exchange(sends, recvs); });
-  if (fwd) {
-    dedup_recv_tokens_ = ro[W];
-    Routing& rr = ep.received_tokens;
-    rr.tokens = dedup_recv_tokens_;
-    if (rr.tokens > 0) {
-      ep_local_ids(ep.recv_ids, rr.tokens, K_, El_, me, ep.recv_local_ids, stream_);
-      build_routing(ep.recv_local_ids, rr, nullptr, stream_);
-      scatter_row_probs(ep.recv_probs, rr.row_map, rr.tokens, K_, ws_.routing.row_prob, stream_);
-    }
-  }
+  if (fwd) route_received_tokens(ro[W]);
+  rep_.wire.push_back(dedup_transfer(pass, name, wire_format, row_bytes, plan_));
+}
+
+// The received tokens (n slots: rank 0's first, each rank's in token order) over the local
+// experts: the padded layout of the plan, row for row, and each row's probability.
+void CudaMoeLayer::route_received_tokens(int64_t n) {
+  EpBuffers& ep = ws_.ep;
+  dedup_recv_tokens_ = n;
+  Routing& rr = ep.received_tokens;
+  rr.tokens = n;
+  if (n == 0) return;
+  ep_local_ids(ep.recv_ids, n, K_, El_, comm_->rank(), ep.recv_local_ids, stream_);
+  build_routing(ep.recv_local_ids, rr, nullptr, stream_);
+  scatter_row_probs(ep.recv_probs, rr.row_map, n, K_, ws_.routing.row_prob, stream_);
+}
+
+WireTransfer CudaMoeLayer::dedup_transfer(MoePass pass, const std::string& name, const std::string& format,
+                                          int64_t row_bytes, const DispatchPlan& plan) {
   WireTransfer w;
   w.pass = pass;
   w.name = name;
-  w.format = format + (fwd ? " + k ids + k probs" : "") + " (deduplicated: one row per token and rank)";
-  for (int p = 0; p < W; ++p)
-    if (p != me) w.rows += so[p + 1] - so[p];
+  w.format = format;
+  for (int p = 0; p < plan.world; ++p)
+    if (p != plan.rank) w.rows += plan.send_tokens[p];
   w.bytes = w.rows * row_bytes;
-  rep_.wire.push_back(w);
+  return w;
 }
 
 // token rows [T, H] bf16 -> padded rows [Mp, H] bf16 of the local experts
@@ -200,8 +226,7 @@ void CudaMoeLayer::move_mxfp4(const QTensorView& tok, const QTensorView& rows) {
 // the scales are transposed into x_recv_f32's scales ([H/128][Mp]) and the rows dequantized into
 // out [Mp, H] bf16 (padding rows: code 0 x scale 0 = +0, the zero rows one GPU's permute+pad
 // writes). Dequantization is element-wise, so this gives the bits of dequantize-then-permute.
-// Returns the elements counted for the report: the received routed rows (as the CPU layer).
-int64_t CudaMoeLayer::move_naive(bf16_t* out, MoePass pass, const char* name) {
+void CudaMoeLayer::move_naive(bf16_t* out, MoePass pass, const char* name) {
   const Routing& routing = ws_.routing.tokens;
   EpBuffers& ep = ws_.ep;
   const QTensorView& entry = ws_.expert.entry_f32;
@@ -213,7 +238,6 @@ int64_t CudaMoeLayer::move_naive(bf16_t* out, MoePass pass, const char* name) {
               {{ep.send_rows, recv.codes, H_}, {ep.send_scales, ep.recv_scales, 4 * nc}});
   ep_transpose_scales(ep.recv_scales, Mp_, nc, 4, recv.f32(), Mp_, stream_);
   dequantize_row_fp32_scale(recv.codes, recv.f32(), Mp_, H_, nullptr, El_, out, stream_);
-  return held_ * H_;
 }
 
 // expert output rows [Mp, H] -> y [T, H] (plain sum in slot order; EP: the rows come back to the
@@ -226,8 +250,14 @@ void CudaMoeLayer::combine_y(bf16_t* y) {
     return;
   }
   bf16_t* back = ws_.ep.combined_rows;
-  ep_exchange([&] { combine_rows(*comm_, plan_, {{rows, back, 2 * H_}}, direct_bytes_); });
-  log_combine(MoePass::kForward, report_names::kCombineOutput, report_names::kCombineOutputFormat, 2 * H_);
+  if (device_ep()) {
+    pull_exchange(ws_.ep.combine_pieces, combine_piece_count(), {{rows, back, 2 * H_}}, stream_);
+    pending_wire_.push_back({PendingWire::kCombine, MoePass::kForward, report_names::kCombineOutput,
+                             report_names::kCombineOutputFormat, WireFormat::kBf16, 2 * H_});
+  } else {
+    ep_exchange([&] { combine_rows(*comm_, plan_, {{rows, back, 2 * H_}}, direct_bytes_); });
+    log_combine(MoePass::kForward, report_names::kCombineOutput, report_names::kCombineOutputFormat, 2 * H_);
+  }
   // the unpadded map addresses the send-order rows that just came back; same kernel and
   // arithmetic as unpermute_unpad (token.h)
   unpermute(back, nullptr, H_, routing, y, stream_);

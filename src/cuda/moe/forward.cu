@@ -72,10 +72,9 @@ void CudaMoeLayer::naive_entry(MoePass pass, const bf16_t* in, bf16_t* out) {
     { auto s = stage(pass, f ? "permute+pad x (bf16)" : "permute+pad dy (bf16)");
       permute_pad_bf16(b.entry_dequantized, H_, ws_.routing.tokens, out, stream_); }
   } else {
-    int64_t n = 0;
     { auto s = stage(pass, f ? "dispatch x (fp8, fp32 scales) + dequantize" : "dispatch dy (fp8, fp32 scales) + dequantize");
-      n = move_naive(out, pass, f ? report_names::kDispatchX : report_names::kDispatchDy); }
-    log(pass, CastKind::kDequantize, deq, 1, 1, n);
+      move_naive(out, pass, f ? report_names::kDispatchX : report_names::kDispatchDy); }
+    log_held(pass, CastKind::kDequantize, deq, 1, 1, H_);  // the received routed rows (as the CPU layer)
   }
 }
 

@@ -80,6 +80,34 @@ void ep_peer_ids(const int32_t* ids, int64_t t, int topk, int el, int32_t* peers
 void ep_local_ids(const int32_t* ids, int64_t n, int topk, int el, int rank, int32_t* local,
                   cudaStream_t stream);
 
+// ---- expert parallelism without host synchronisation (src/cuda/moe/ep_device.cu) ---------------
+// The plan made on the device from every rank's counts, and row movement as pulls: each rank's
+// kernels read the rows it receives straight from the peers' buffers (Communicator::device_peers).
+// One piece: rows [src_row, src_row + rows) of rank `peer`'s buffer to rows [dst_row, ...) of this
+// rank's; peer -1: zero rows (the padding of a segment).
+struct EpPiece {
+  int32_t peer, src_row, dst_row, rows;
+};
+// matrix[q * n + i] = peer_arrays[q][i] for every rank q < world (peer_arrays: device [world]).
+void ep_gather_peer_ints(const int32_t* const* peer_arrays, int world, int n, int32_t* matrix,
+                         cudaStream_t stream);
+// From counts [world, world * el] (rows rank q routes to global expert g) and, for the
+// deduplicated dispatch, tokens [world, world] (tokens rank q sends to rank p; null otherwise),
+// what DispatchPlan computes for rank `rank` (comm.h): local_offsets [el + 1] (the padded
+// offsets of the local segments, align A), and the pieces of
+//   dispatch [world * el + el]: (q, l) rank q's send rows of local expert l into the segment after
+//            ranks q' < q, then one zero piece per segment for its padding;
+//   combine  [world * el]: (p, l) this rank's rows that rank p's local expert l computed, back
+//            into this rank's send order;
+//   dedup    [world] (or null): rank q's tokens for this rank after ranks q' < q's.
+void ep_device_plan(const int32_t* counts, const int32_t* tokens, int world, int el, int rank, int align,
+                    int32_t* local_offsets, EpPiece* dispatch, EpPiece* combine, EpPiece* dedup,
+                    cudaStream_t stream);
+// Copies the rows of pieces[0, n) (row_bytes each) from peer_bases[piece.peer] (device [world]) to
+// dst; rows are 16-byte copies where aligned. Reads the peers' memory around the L1 cache.
+void ep_pull_rows(const EpPiece* pieces, int n, void* const* peer_bases, int64_t row_bytes, void* dst,
+                  cudaStream_t stream);
+
 }  // namespace moe
 }  // namespace cuda
 }  // namespace flowmoe

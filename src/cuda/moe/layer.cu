@@ -49,7 +49,7 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   fused_swiglu_ = options.fused_swiglu && grouped_gemm_ && (rc == Recipe::kFlow || rc == Recipe::kFlowFp4);
   if (comm_)  // agreed across ranks by make_cuda_layer
     direct_bytes_ = options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes;
-  ws_.allocate(arena_, cfg_, dedup_);
+  ws_.allocate(arena_, cfg_, dedup_, /*device_plan=*/sync_free_ && comm_ != nullptr);
 
   // flow / flow-fp4: the column copies for wgrad on the side stream
   const bool side = (rc == Recipe::kFlow || rc == Recipe::kFlowFp4) && options.side_stream;
@@ -65,8 +65,9 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   gemm_workspace_ = gemm_->device_bytes();
   clock_.create();
   // One GPU: the backward's tail (router backward, dWr, dx) needs only the dX rows of GEMM1
-  // dgrad, so it can run on its own stream, above the GEMMs' priority, while GEMM1 wgrad computes.
-  const bool tail = !comm_ && options.tail_stream;
+  // dgrad, so it can run on its own stream, above the GEMMs' priority, while GEMM1 wgrad computes
+  // (sync-free EP: the tail starts with the combine of the dX rows).
+  const bool tail = (!comm_ || sync_free_) && options.tail_stream;
   streams_.create(stream_, side, tail, /*dx_event=*/comm_ || tail);
 }
 
@@ -166,6 +167,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   rep_.drop_ops(MoePass::kForward);
   rep_.drop_ops(MoePass::kBackward);
   pending_ops_.clear();
+  pending_wire_.clear();
   rep_.saved.clear();
   rep_.columns.clear();
   rep_.wire.clear();
@@ -198,6 +200,9 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   pending_ops_.erase(std::remove_if(pending_ops_.begin(), pending_ops_.end(),
                                     [](const PendingOp& p) { return p.pass == MoePass::kBackward; }),
                      pending_ops_.end());
+  pending_wire_.erase(std::remove_if(pending_wire_.begin(), pending_wire_.end(),
+                                     [](const PendingWire& w) { return w.pass == MoePass::kBackward; }),
+                      pending_wire_.end());
   rep_.wire.erase(std::remove_if(rep_.wire.begin(), rep_.wire.end(),
                                  [](const WireTransfer& w) { return w.pass == MoePass::kBackward; }),
                   rep_.wire.end());
@@ -280,8 +285,10 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                                                       << "; expected -1 (the default) or a byte count >= 0");
   };
   if (options.sync_free) {
-    FLOWMOE_CHECK(cfg.comm == nullptr, what << ": CudaLayerOptions::sync_free needs one GPU (no communicator): the "
-                                               "expert-parallel exchange sizes its messages on the host");
+    FLOWMOE_CHECK(cfg.comm == nullptr || cfg.comm->device_peers() != nullptr,
+                  what << ": CudaLayerOptions::sync_free with expert parallelism needs a communicator whose kernels "
+                          "reach the peers' memory (Communicator::device_peers: make_device_sim_world's ranks); "
+                          "this one (" << cfg.comm->backend() << ") sizes its messages on the host");
     FLOWMOE_CHECK(cfg.align == 128, what << ": CudaLayerOptions::sync_free needs align = 128 (the wgrad kernels' "
                                             "128-token blocks); align is " << cfg.align);
   }
@@ -297,7 +304,8 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
   ep_detail::check_uniform_config(comm, what, cfg,
                                   {{"deduplicated dispatch (CudaLayerOptions::ep_dedup)", options.ep_dedup ? 1 : 0},
                                    {"EP message grouping (CudaLayerOptions::ep_direct_bytes)",
-                                    options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes}});
+                                    options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes},
+                                   {"no host synchronisation (CudaLayerOptions::sync_free)", options.sync_free ? 1 : 0}});
   std::unique_ptr<MoeLayer> layer;
   collective_checks(&comm, what, [&] {
     cfg.validate();
@@ -308,6 +316,8 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                           "communicator (NCCL, or make_device_sim_world's ranks)");
     layer.reset(new cuda::moe::CudaMoeLayer(cfg, stream, options));
   });
+  // every rank built its layer: the peers' addresses of the buffers the sync-free exchange reads
+  if (options.sync_free) static_cast<cuda::moe::CudaMoeLayer*>(layer.get())->share_ep_buffers();
   return layer;
 }
 

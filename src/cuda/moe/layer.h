@@ -93,13 +93,29 @@ class CudaMoeLayer final : public MoeLayer {
   void ep_exchange(const std::function<void()>& fn);
   void ep_dispatch(MoePass pass, const char* name, WireFormat f, std::vector<RowStream> streams);
   void dedup_exchange(MoePass pass, const char* name, const std::string& format, std::vector<RowStream> streams);
+  void route_received_tokens(int64_t n);  // dedup: the received token slots over the local experts
   void move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name);
   void move_fp8(const QTensorView& tok, const QTensorView& rows, MoePass pass, const char* name);
   void move_mxfp4(const QTensorView& tok, const QTensorView& rows);
-  int64_t move_naive(bf16_t* out, MoePass pass, const char* name);
+  void move_naive(bf16_t* out, MoePass pass, const char* name);
   void combine_y(bf16_t* y);
   void mark_dx_rows_ready();  // after GEMM1 dgrad: the tail (one GPU) or the EP combine may start
   void log_combine(MoePass pass, const std::string& name, const std::string& format, int64_t row_bytes);
+  EpConfig ep_config() const;  // the plan's configuration (forward wire format, probabilities)
+  // The report's entry of a deduplicated exchange: one row of row_bytes per (token, peer rank).
+  static WireTransfer dedup_transfer(MoePass pass, const std::string& name, const std::string& format,
+                                     int64_t row_bytes, const DispatchPlan& plan);
+
+  // ---- expert parallelism without host synchronisation (ep_device.cu; sync_free with comm_) -----
+ public:
+  void share_ep_buffers();  // make_cuda_layer, once every rank built its layer (collective)
+ private:
+  void plan_on_device();    // route(): the plan from every rank's device counts
+  void pull_exchange(const EpPiece* pieces, int n, const std::vector<RowStream>& streams, cudaStream_t s);
+  void* const* peer_table(const void* mine) const;  // the peers' addresses of a shared buffer
+  int dispatch_piece_count() const;
+  int combine_piece_count() const;
+  bool device_ep() const { return sync_free_ && comm_ != nullptr; }
 
   // ---- forward per recipe (forward.cu) ---------------------------------------------------------
   void forward_bf16(bf16_t* y);
@@ -151,6 +167,8 @@ class CudaMoeLayer final : public MoeLayer {
   void log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t elements);
   // An operator over the padded rows: Mp x cols elements (sync_free: resolved when the report is read).
   void log_rows(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t cols);
+  // An operator over the rows the local experts hold: held x cols elements (sync_free: resolved later).
+  void log_held(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t cols);
   // The row counts the report needs: padded rows, rows held, 128-row blocks.
   struct RowCounts {
     int64_t padded = 0, held = 0, blocks = 0;
@@ -215,15 +233,25 @@ class CudaMoeLayer final : public MoeLayer {
   DispatchPlan plan_;             // EP: of the latest forward (backward reuses it)
   int64_t dedup_recv_tokens_ = 0; // EP dedup: tokens received by the forward's dispatch
   int64_t host_syncs_ = 0;
+  DevicePeers* peers_ = nullptr;  // sync-free EP: comm_->device_peers()
+  std::vector<std::pair<const void*, void* const*>> peer_tables_;  // buffer -> its peers' addresses
 
   // ---- report ----------------------------------------------------------------------------------
   struct PendingOp {  // sync_free: an operator of the step, elements + Mp * row_cols
     MoePass pass;
     CastKind kind;
     std::string name;
-    int64_t calls, outputs, elements, row_cols;
+    int64_t calls, outputs, elements, row_cols, held_cols;  // + held rows * held_cols
   };
   std::vector<PendingOp> pending_ops_;
+  struct PendingWire {  // sync-free EP: an exchange of the step, sized from the plan when resolved
+    enum Kind { kDispatch, kDedup, kCombine } kind;
+    MoePass pass;
+    std::string name, format;
+    WireFormat wire;    // kDispatch
+    int64_t row_bytes;  // kDedup, kCombine
+  };
+  std::vector<PendingWire> pending_wire_;
   mutable CastReport rep_;
   mutable MoeStatus mstatus_;
   mutable bool stats_valid_ = false;

@@ -12,16 +12,23 @@ namespace moe {
 void CudaMoeLayer::log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
                        int64_t elements) {
   if (sync_free_ && pass != MoePass::kWeightUpdate)  // (weight updates: no row counts, kept)
-    pending_ops_.push_back({pass, kind, name, calls, outputs, elements, 0});
+    pending_ops_.push_back({pass, kind, name, calls, outputs, elements, 0, 0});
   else
     rep_.add_op(pass, kind, name, calls, outputs, elements);
 }
 void CudaMoeLayer::log_rows(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
                             int64_t cols) {
   if (sync_free_)
-    pending_ops_.push_back({pass, kind, name, calls, outputs, 0, cols});
+    pending_ops_.push_back({pass, kind, name, calls, outputs, 0, cols, 0});
   else
     rep_.add_op(pass, kind, name, calls, outputs, Mp_ * cols);
+}
+void CudaMoeLayer::log_held(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
+                            int64_t cols) {
+  if (sync_free_)
+    pending_ops_.push_back({pass, kind, name, calls, outputs, 0, 0, cols});
+  else
+    rep_.add_op(pass, kind, name, calls, outputs, held_ * cols);
 }
 
 void CudaMoeLayer::save_rows(const std::string& name, const std::string& format, int64_t bytes, double per_row,
@@ -70,25 +77,48 @@ void CudaMoeLayer::save_tokens(const std::string& name, const std::string& forma
 }
 
 // sync_free: the counts route() copied to the host (pinned, stream-ordered: read after the stream
-// synchronisation of read_status) give the padded rows, the routed rows and the blocks; the step's
-// operators and saved tensors are then entered as the synchronous layer enters them.
+// synchronisation of read_status) give the padded rows, the routed rows and the blocks (with
+// expert parallelism: every rank's counts, the plan made again on the host, and the exchanges'
+// rows and bytes); the step's operators and saved tensors are then entered as the synchronous
+// layer enters them.
 void CudaMoeLayer::resolve_report() const {
-  const int32_t* counts = ws_.routing.host_counts;
-  std::vector<int32_t> padded(E_);
+  RowCounts rc;
   int64_t routed = 0;
-  for (int e = 0; e < E_; ++e) {
-    routed += counts[e];
-    padded[e] = (counts[e] + cfg_.align - 1) / cfg_.align * cfg_.align;
+  if (comm_ == nullptr) {
+    const int32_t* counts = ws_.routing.host_counts;
+    std::vector<int32_t> padded(E_);
+    for (int e = 0; e < E_; ++e) {
+      routed += counts[e];
+      padded[e] = (counts[e] + cfg_.align - 1) / cfg_.align * cfg_.align;
+    }
+    const Segments seg = Segments::from_counts(padded);
+    rc = {seg.num_tokens(), routed, seg.num_blocks()};
+  } else {
+    const int W = comm_->world_size(), me = comm_->rank();
+    const int32_t* m = ws_.ep.host_matrices;
+    const DispatchPlan plan = plan_from_all_counts(ep_config(), me, W, m, T_, dedup_ ? m + int64_t(W) * E_ : nullptr);
+    for (int g = 0; g < E_; ++g) routed += m[int64_t(me) * E_ + g];
+    rc = {plan.padded_rows(), plan.recv_rows(), plan.padded_segments().num_blocks()};
+    rep_.wire.clear();
+    for (const PendingWire& w : pending_wire_) {
+      if (w.pass == MoePass::kBackward && !backward_done_) continue;
+      if (w.kind == PendingWire::kDispatch) {
+        rep_.wire.push_back(ep_detail::dispatch_transfer(w.pass, w.name, ep_detail::plan_for(plan, w.pass, w.wire)));
+      } else if (w.kind == PendingWire::kCombine) {
+        rep_.wire.push_back(ep_detail::combine_transfer(w.pass, w.name, w.format, w.row_bytes, plan));
+      } else {
+        rep_.wire.push_back(dedup_transfer(w.pass, w.name, w.format, w.row_bytes, plan));
+      }
+    }
   }
-  const Segments seg = Segments::from_counts(padded);
-  const RowCounts rc{seg.num_tokens(), routed, seg.num_blocks()};
   rep_.routed_rows = routed;
   rep_.padded_rows = rc.padded;
   rep_.drop_ops(MoePass::kForward);
   rep_.drop_ops(MoePass::kBackward);
   for (const PendingOp& p : pending_ops_)
     if (p.pass != MoePass::kBackward || backward_done_)
-      rep_.add_op(p.pass, p.kind, p.name, p.calls, p.outputs, p.elements + rc.padded * p.row_cols);
+      rep_.add_op(p.pass, p.kind, p.name, p.calls, p.outputs,
+                  p.elements + rc.padded * p.row_cols + rc.held * p.held_cols);
   rep_.saved.clear();
   save_activations(rc);
 }
@@ -104,6 +134,10 @@ void CudaMoeLayer::read_status() const {
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.host_status + kHostStatusWeights, r.weight_status + 1, sizeof(DeviceStatus),
                                        cudaMemcpyDeviceToHost, stream_));
   FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (device_ep()) {  // a device barrier that timed out: the exchanges after it read incomplete rows
+    const std::string failed = peers_->failed();
+    if (!failed.empty()) throw CommError(__FILE__, __LINE__, "MoeLayer (rank " + std::to_string(comm_->rank()) + "): " + failed);
+  }
   const DeviceStatus* s = r.host_status;
   rep_.forward_stats.nonfinite = int64_t(s[kStatusFwd].nonfinite);
   rep_.forward_stats.underflow = int64_t(s[kStatusFwd].underflow + s[kStatusFwdAux].underflow);

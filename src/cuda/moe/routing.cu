@@ -1,6 +1,7 @@
 // The CUDA layer's routing (every recipe): router logits, top-k, aux loss, the routing tables, the
 // one host synchronisation of a forward (the per-expert counts the grouped GEMM's per-expert
-// launches need on the host) and, with expert parallelism, the dispatch plan.
+// launches need on the host; none with sync_free) and, with expert parallelism, the dispatch plan
+// (sync_free: made on the device, ep_device.cu).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -50,6 +51,7 @@ void CudaMoeLayer::route(const bf16_t* x) {
     build_routing(r.ids, r.tokens, st_fwd_aux(), stream_);
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.host_counts, r.tokens.counts, sizeof(int32_t) * E_, cudaMemcpyDeviceToHost,
                                        stream_));
+    if (comm_) plan_on_device();
     Mp_ = max_rows_;
     blocks_ = segment_max_blocks(Mp_, El_);
     routed_ = held_ = 0;  // unknown here (resolve_report)
@@ -99,13 +101,7 @@ void CudaMoeLayer::route(const bf16_t* x) {
   }
 }
 
-// Expert parallelism: the plan from the per-expert counts just fetched (collective: count
-// all-to-all), the CPU layer's plan (plan_dispatch_counts gives what plan_dispatch gives without the
-// send routing, which lives on the device here as row_map_unpadded). From here on Mp_, seg_ and
-// the device offsets describe this rank's El local expert segments of the rows every rank sends.
-void CudaMoeLayer::plan_expert_parallel() {
-  EpBuffers& ep = ws_.ep;
-  auto s = fwd("dispatch plan (count all-to-all)");
+EpConfig CudaMoeLayer::ep_config() const {
   EpConfig ec;
   ec.num_experts = E_;
   ec.topk = K_;
@@ -113,8 +109,18 @@ void CudaMoeLayer::plan_expert_parallel() {
   ec.align = cfg_.align;
   ec.format = ep_detail::forward_wire_format(cfg_.recipe);
   ec.with_probs = true;
+  return ec;
+}
+
+// Expert parallelism: the plan from the per-expert counts just fetched (collective: count
+// all-to-all), the CPU layer's plan (plan_dispatch_counts gives what plan_dispatch gives without the
+// send routing, which lives on the device here as row_map_unpadded). From here on Mp_, seg_ and
+// the device offsets describe this rank's El local expert segments of the rows every rank sends.
+void CudaMoeLayer::plan_expert_parallel() {
+  EpBuffers& ep = ws_.ep;
+  auto s = fwd("dispatch plan (count all-to-all)");
   // the configuration was agreed on at construction (make_cuda_layer): one collective here
-  plan_ = plan_dispatch_counts(*comm_, ec, ws_.routing.host_counts, T_, /*config_agreed=*/true,
+  plan_ = plan_dispatch_counts(*comm_, ep_config(), ws_.routing.host_counts, T_, /*config_agreed=*/true,
                                dedup_ ? ep.host_tokens_to_rank : nullptr);
   Mp_ = plan_.padded_rows();
   FLOWMOE_CHECK(Mp_ <= max_rows_, "MoeLayer::forward: " << Mp_ << " padded rows received; the workspaces hold "

@@ -63,7 +63,7 @@ Routing alloc_routing(DeviceArena& a, int64_t tokens, int topk, int experts, int
 
 }  // namespace
 
-void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup) {
+void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup, bool device_plan) {
   // rows: cfg.max_rows() in whole 128-row blocks (the sync-free layer's capacity, which the wgrad
   // kernel reads as 128-token blocks through TMA)
   const int64_t R = workspace_rows(cfg), Tm = cfg.max_tokens, H = cfg.hidden, F = cfg.ffn, E = cfg.num_experts;
@@ -129,6 +129,15 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup) {
       p.recv_probs = a.device<float>(Wt * K);
       p.recv_local_ids = a.device<int32_t>(Wt * K);
       p.received_tokens = alloc_routing(a, Wt, int(K), int(El), cfg.align, true, false);
+    }
+    if (device_plan) {
+      const int64_t W = comm->world_size();
+      p.count_matrix = a.device<int32_t>(W * E + W * W);
+      p.token_matrix = p.count_matrix + W * E;
+      p.host_matrices = a.pinned<int32_t>(W * E + W * W);
+      p.dispatch_pieces = a.device<EpPiece>(W * El + El);
+      p.combine_pieces = a.device<EpPiece>(W * El);
+      p.dedup_pieces = a.device<EpPiece>(W);
     }
   }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cuda/moe/kernels.cuh"
 #include "flowmoe/cuda/qtensor_view.h"
 #include "flowmoe/cuda/convert.h"
 #include "flowmoe/moe.h"
@@ -171,6 +172,14 @@ struct EpBuffers {
   float* recv_probs = nullptr;        // [W*Tm, k]
   int32_t* recv_local_ids = nullptr;  // [W*Tm, k] local expert ids (-1: another rank's)
   Routing received_tokens;            // the received tokens over the El local experts
+
+  // Sync-free expert parallelism (CudaLayerOptions::sync_free; ep_device.cu): the plan on the device.
+  int32_t* count_matrix = nullptr;    // [W, E] rows each rank routes to each global expert
+  int32_t* token_matrix = nullptr;    // [W, W] tokens each rank sends to each rank (dedup; right after count_matrix)
+  int32_t* host_matrices = nullptr;   // [W*E + W*W] pinned: both, copied each forward for the report
+  EpPiece* dispatch_pieces = nullptr; // [W*El + El]
+  EpPiece* combine_pieces = nullptr;  // [W*El]
+  EpPiece* dedup_pieces = nullptr;    // [W]
 };
 
 struct Workspace {
@@ -179,7 +188,8 @@ struct Workspace {
   ExpertBuffers expert;
   EpBuffers ep;
   // dedup: the deduplicated EP dispatch's buffers
-  void allocate(DeviceArena& arena, const MoeConfig& cfg, bool dedup);
+  // device_plan: the sync-free expert-parallel plan buffers (EpBuffers, last group)
+  void allocate(DeviceArena& arena, const MoeConfig& cfg, bool dedup, bool device_plan);
 };
 
 }  // namespace moe
