@@ -558,14 +558,14 @@ TEST(Dispatch, PlanFromAllCountsEqualsTheCollectivePlan) {
     std::vector<int32_t> all(size_t(n) * E), toks(size_t(n) * n);
     for (int32_t& v : all) v = int32_t(rng() % 40);
     for (int32_t& v : toks) v = int32_t(rng() % 9);
-    const EpConfig cfg{E, 3, 8, 16, WireFormat::kFp8, true};
+    const EpConfig cfg{E, 3, 8, 16, WireFormat::kBf16, true};
     SimWorld world(n, 10.0);
     const auto errs = world.run([&](Communicator& c) {
       const int me = c.rank();
       for (bool with_tokens : {true, false}) {
-        const DispatchPlan a = plan_dispatch_counts(c, cfg, all.data() + size_t(me) * E, 200, true,
+        const DispatchPlan a = plan_dispatch_counts(c, cfg, all.data() + size_t(me) * E, 2000, true,
                                                     with_tokens ? toks.data() + size_t(me) * n : nullptr);
-        const DispatchPlan b = plan_from_all_counts(cfg, me, n, all.data(), 200, with_tokens ? toks.data() : nullptr);
+        const DispatchPlan b = plan_from_all_counts(cfg, me, n, all.data(), 2000, with_tokens ? toks.data() : nullptr);
         EXPECT_EQ(a.describe(), b.describe());
         EXPECT_EQ(a.send_counts, b.send_counts);
         EXPECT_EQ(a.send_offsets, b.send_offsets);
