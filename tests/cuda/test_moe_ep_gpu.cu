@@ -63,7 +63,7 @@ Out run_cpu_one(const MoeConfig& cfg, const Model& m, int e0, int n, const bf16_
 // and CUDA layers; otherwise host SimWorld and CPU layers.
 std::vector<Out> run_ep(const Model& m, int W, bool gpu, const CudaLayerOptions& options = CudaLayerOptions()) {
   const int El = kE / W;
-  std::unique_ptr<SimWorld> world = gpu ? make_device_sim_world(W, 60.0)
+  std::unique_ptr<SimWorld> world = gpu ? make_device_sim_world(W, options.sync_free ? 20.0 : 60.0)
                                         : std::unique_ptr<SimWorld>(new SimWorld(W, 60.0));
   std::vector<Out> out(W);
   const std::vector<std::string> errs = world->run([&](Communicator& comm) {

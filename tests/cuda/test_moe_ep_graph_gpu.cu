@@ -9,9 +9,12 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/gpu_test_util.h"
@@ -25,6 +28,16 @@
 namespace flowmoe {
 namespace {
 
+// The simulated ranks share one GPU, and a device barrier waits on the GPU, so two things CUDA does
+// by default could make one rank's waiting barrier block the peer it waits for:
+//   * lazy module loading: a kernel's first launch loads its module, and the load waits for the
+//     work in flight, which a peer's barrier kernel then is (NVIDIA's documented advice for kernels
+//     that wait on each other: load eagerly);
+//   * two ranks' streams on one hardware queue (8 by default; 32, the most, here).
+// Both set before the process makes its CUDA context (this test binary's, for every test in it).
+[[maybe_unused]] const int kEagerModules = setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
+[[maybe_unused]] const int kHardwareQueues = setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+
 using namespace testutil;  // REQUIRE_DEVICE
 using namespace eptest;    // Dev, Model, make_model, kH, kF, kE, kK
 
@@ -33,12 +46,12 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), sizeof(T) * a.size()) == 0);
 }
 
-void expect_graph_replays_equal_eager(Recipe recipe, int W, bool dedup) {
+void expect_graph_replays_equal_eager(Recipe recipe, int W, bool dedup, bool side_stream) {
   const std::vector<int64_t> tokens = W == 2 ? std::vector<int64_t>{37, 64} : std::vector<int64_t>{37, 64, 1, 50};
   const Model m = make_model(recipe, tokens, 128, RouterScore::kSigmoid, true, uint32_t(300 + W));
   const int El = kE / W;
   const int64_t n1 = int64_t(El) * 2 * kF * kH, n2 = int64_t(El) * kH * kF;
-  std::unique_ptr<SimWorld> world = make_device_sim_world(W, 60.0);
+  std::unique_ptr<SimWorld> world = make_device_sim_world(W, 20.0);
   const std::vector<std::string> errs = world->run([&](Communicator& comm) {
     const int r = comm.rank();
     const int64_t T = m.tokens[r];
@@ -48,6 +61,7 @@ void expect_graph_replays_equal_eager(Recipe recipe, int W, bool dedup) {
     CudaLayerOptions o;
     o.sync_free = true;
     o.ep_dedup = dedup;
+    o.side_stream = side_stream;
     cudaStream_t s = nullptr;
     FLOWMOE_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess, "cudaStreamCreate");
     {
@@ -74,10 +88,12 @@ void expect_graph_replays_equal_eager(Recipe recipe, int W, bool dedup) {
       };
       poison();
       cuda::moe::LayerStepGraph graph(layer.get(), s, {x.p, T, y.p, dy.p, dx.p, g});
+      FLOWMOE_CHECK(cudaStreamSynchronize(s) == cudaSuccess, "upload");
       comm.barrier();
       for (int i = 0; i < 3; ++i) {
         graph.replay();
-        const std::string at = "rank " + std::to_string(r) + " replay " + std::to_string(i) + ": ";
+        const std::string failed = comm.device_peers()->failed();
+        const std::string at = "rank " + std::to_string(r) + " replay " + std::to_string(i) + " (" + failed + "): ";
         FLOWMOE_CHECK(same_bits(y.get(s), y0), at << "y differs from the eager step");
         FLOWMOE_CHECK(same_bits(dx.get(s), dx0), at << "dx differs from the eager step");
         FLOWMOE_CHECK(same_bits(dw1.get(s), dw10), at << "dW1 differs from the eager step");
@@ -94,15 +110,18 @@ void expect_graph_replays_equal_eager(Recipe recipe, int W, bool dedup) {
     cudaStreamDestroy(s);
   });
   for (int r = 0; r < W; ++r)
-    EXPECT_EQ(errs[r], "") << recipe_name(recipe) << " W=" << W << (dedup ? "" : " (no dedup)") << " rank " << r;
+    EXPECT_EQ(errs[r], "") << recipe_name(recipe) << " W=" << W << (dedup ? "" : " (no dedup)")
+                           << (side_stream ? " (side stream)" : "") << " rank " << r;
 }
 
 TEST(MoeEpSyncFreeGpu, GraphReplaysEqualEagerEveryRecipe) {
   REQUIRE_DEVICE();
-  for (Recipe rc : all_recipes()) expect_graph_replays_equal_eager(rc, 2, true);
-  expect_graph_replays_equal_eager(Recipe::kFlow, 4, true);
-  expect_graph_replays_equal_eager(Recipe::kFlow, 4, false);
-  expect_graph_replays_equal_eager(Recipe::kFlowFp4, 4, true);
+  for (Recipe rc : all_recipes()) expect_graph_replays_equal_eager(rc, 2, true, false);
+  expect_graph_replays_equal_eager(Recipe::kFlow, 4, true, false);
+  expect_graph_replays_equal_eager(Recipe::kFlow, 4, false, false);
+  expect_graph_replays_equal_eager(Recipe::kFlowFp4, 4, true, false);
+  expect_graph_replays_equal_eager(Recipe::kFlow, 2, true, true);
+  expect_graph_replays_equal_eager(Recipe::kFlow, 4, true, true);
 }
 
 // The device world's DevicePeers: share() gives every rank every rank's pointer in rank order;
@@ -133,18 +152,24 @@ TEST(MoeEpSyncFreeGpu, DevicePeersShareAndBarrier) {
     });
     for (int r = 0; r < W; ++r) EXPECT_EQ(errs[r], "") << "rank " << r;
   }
+  // rank 1's barrier kernel waits 2 s behind a host function on its stream: rank 0's gives up after
+  // the world's 0.5 s timeout, failed() says who and where; a later barrier of rank 1 passes
   std::unique_ptr<SimWorld> world = make_device_sim_world(2, 0.5);
   const std::vector<std::string> errs = world->run([&](Communicator& comm) {
-    if (comm.rank() == 1) return;  // never arrives
     cudaStream_t s = nullptr;
     FLOWMOE_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess, "stream");
+    if (comm.rank() == 1)
+      FLOWMOE_CHECK(cudaLaunchHostFunc(s, [](void*) { std::this_thread::sleep_for(std::chrono::seconds(2)); },
+                                       nullptr) == cudaSuccess, "host function");
     comm.device_peers()->barrier(s);
     FLOWMOE_CHECK(cudaStreamSynchronize(s) == cudaSuccess, "sync");
     const std::string f = comm.device_peers()->failed();
-    FLOWMOE_CHECK(f.find("timeout") != std::string::npos, "expected a timeout, got '" << f << "'");
+    FLOWMOE_CHECK(f.find("rank 0 waited at its device barrier #1 longer than the timeout") != std::string::npos,
+                  "rank " << comm.rank() << ": expected rank 0's timeout, got '" << f << "'");
     cudaStreamDestroy(s);
   });
   EXPECT_EQ(errs[0], "");
+  EXPECT_EQ(errs[1], "");
 }
 
 // A device-memory communicator without device peer access (NCCL's today) cannot run the sync-free

@@ -7,8 +7,9 @@
 // copy kernel (flowmoe/cuda/copy_pieces.h) on the rank's stream and waits for it.
 // Its DevicePeers (Communicator::device_peers): every rank's buffers are addressable from every
 // kernel (one GPU, one process), so share() is a host exchange of pointers, and the barrier is a
-// one-block kernel on the rank's stream that publishes the rank's barrier count and waits on the
-// device until every rank's count has reached it (the sync-free expert-parallel layer's exchange).
+// host rendezvous of the ranks' threads (at enqueue time) plus a one-block kernel on the rank's
+// stream that publishes the rank's barrier count and waits on the device until every rank's count
+// has reached it (the sync-free expert-parallel layer's exchange).
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -53,8 +54,8 @@ __global__ void sim_barrier_kernel(unsigned* arrived, unsigned* count, int rank,
   for (int q = threadIdx.x; q < world; q += blockDim.x)
     while (int(load_acquire(arrived + q) - target) < 0) {
       if (load_acquire(failed) != 0u) break;
-      if (global_ns() - t0 > timeout_ns) {
-        atomicExch(failed, 1u);
+      if (global_ns() - t0 > timeout_ns) {  // the first to give up says who and where
+        atomicCAS(failed, 0u, (target << 12) | unsigned(rank + 1));
         break;
       }
       __nanosleep(200);
@@ -93,6 +94,12 @@ class SimDevicePeers final : public DevicePeers {
     return static_cast<void* const*>(table);
   }
   void barrier(void* stream) override {
+    // First a host rendezvous of the ranks' threads, so that no rank's barrier kernel waits for a
+    // peer that has not yet enqueued its own: a thread blocked in CUDA (a kernel's first launch
+    // loads its module lazily, which can wait for the whole GPU to idle) would otherwise never
+    // enqueue it while the GPU spins. The rendezvous waits on threads, never on the GPU, and a
+    // captured step's replays make no host calls at all.
+    comm_.barrier();
     const int W = comm_.world_size();
     const double t = comm_.timeout_s() * 1e9;
     sim_barrier_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(
@@ -105,7 +112,8 @@ class SimDevicePeers final : public DevicePeers {
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(&f, state_ + 2 * comm_.world_size(), sizeof(f), cudaMemcpyDeviceToHost, stream_));
     FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (f == 0) return "";
-    return "device SimWorld: a device barrier waited longer than the timeout (" + std::to_string(comm_.timeout_s()) +
+    return "device SimWorld: rank " + std::to_string(int(f & 4095u) - 1) + " waited at its device barrier #" +
+           std::to_string(f >> 12) + " longer than the timeout (" + std::to_string(comm_.timeout_s()) +
            " s) for a rank that did not arrive; the exchanges after it read incomplete data";
   }
 

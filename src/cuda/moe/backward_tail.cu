@@ -17,19 +17,17 @@ void CudaMoeLayer::backward_tail(const MoeGrads& g, bf16_t* dx) {
   const bf16_t* rows = ws_.expert.dx_rows;  // [Mp, H] padded (one GPU)
   const int32_t* map = r.tokens.row_map;
   cudaStream_t rs = stream_;  // the stream of the tail below
-  if ((!comm_ || device_ep()) && streams_.tail()) {  // from the dX rows on, next to GEMM1 wgrad
+  if (!comm_ && streams_.tail()) {  // one GPU: from the dX rows on, next to GEMM1 wgrad
     FLOWMOE_CHECK(dx_ready_marked_, "MoeLayer::backward: internal error: the recipe did not mark the dX rows");
     dx_ready_marked_ = false;
     FLOWMOE_CUDA_CHECK(cudaStreamWaitEvent(streams_.tail(), streams_.dx_ready(), 0));
     rs = streams_.tail();
   }
-  if (device_ep()) {  // the same combine as pulls on the tail's stream, no host wait
-    auto s = bwd(rs != stream_ ? "combine dX rows + dprob (tail stream)" : "combine dX rows + dprob", rs);
+  if (device_ep()) {  // the same combine as pulls, after GEMM1 wgrad on the layer's stream, no host wait
+    auto s = bwd("combine dX rows + dprob (after GEMM1 wgrad)");
     EpBuffers& ep = ws_.ep;
-    if (rs == stream_) {
-      FLOWMOE_CHECK(dx_ready_marked_, "MoeLayer::backward: internal error: the recipe did not mark the dX rows");
-      dx_ready_marked_ = false;
-    }
+    FLOWMOE_CHECK(dx_ready_marked_, "MoeLayer::backward: internal error: the recipe did not mark the dX rows");
+    dx_ready_marked_ = false;
     pull_exchange(ep.combine_pieces, combine_piece_count(),
                   {{rows, ep.combined_rows, 2 * H_}, {ep.row_dprob, ep.combined_dprobs, int64_t(sizeof(float))}}, rs);
     pending_wire_.push_back({PendingWire::kCombine, MoePass::kBackward, report_names::kCombineDx,

@@ -37,6 +37,8 @@ LayerStepGraph::LayerStepGraph(MoeLayer* layer, cudaStream_t stream, const Step&
   const cudaError_t e = cudaGraphInstantiate(&exec_, graph, 0);
   cudaGraphDestroy(graph);
   FLOWMOE_CHECK(e == cudaSuccess, what << ": cudaGraphInstantiate failed: " << cudaGetErrorString(e));
+  // upload now (stream-ordered) rather than at the first replay
+  FLOWMOE_CUDA_CHECK(cudaGraphUpload(exec_, stream));
 }
 
 LayerStepGraph::~LayerStepGraph() {

@@ -61,13 +61,18 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
     gopt.pool_priority = options.gemm_pool_priority;
   else if (side)
     gopt.pool_priority = 1;
+  // sync_free: every GEMM is one launch of a grouped kernel, no per-expert pool to spread over
+  // (fewer streams also keep the simulated ranks of one GPU on separate hardware queues)
+  if (sync_free_) gopt.streams = 1;
   gemm_.reset(new GroupedGemm(gopt));
   gemm_workspace_ = gemm_->device_bytes();
   clock_.create();
   // One GPU: the backward's tail (router backward, dWr, dx) needs only the dX rows of GEMM1
-  // dgrad, so it can run on its own stream, above the GEMMs' priority, while GEMM1 wgrad computes
-  // (sync-free EP: the tail starts with the combine of the dX rows).
-  const bool tail = (!comm_ || sync_free_) && options.tail_stream;
+  // dgrad, so it can run on its own stream, above the GEMMs' priority, while GEMM1 wgrad computes.
+  // (EP: the combine of the dX rows overlaps the wgrad instead; sync-free EP keeps its device
+  // barriers on the layer's stream: in a CUDA graph a parallel branch may run on a hardware queue
+  // the simulated ranks of one GPU share, where one rank's waiting barrier would block another's.)
+  const bool tail = !comm_ && options.tail_stream;
   streams_.create(stream_, side, tail, /*dx_event=*/comm_ || tail);
 }
 
