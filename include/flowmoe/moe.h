@@ -307,8 +307,11 @@ struct CudaLayerOptions {
   // kernels). set_weights does not synchronise either (it can be captured
   // too): instead of throwing NonFiniteError, it counts the non-finite weights, which status()
   // adds to its nonfinite count from the next forward on (until the next set_weights). Every
-  // recipe, one GPU (no communicator), align 128 (the wgrad kernels' token blocks); make_cuda_layer
-  // rejects anything else.
+  // recipe, align 128 (the wgrad kernels' token blocks). With expert parallelism the communicator
+  // must offer device-side peer access (Communicator::device_peers: make_device_sim_world's ranks
+  // today, not NCCL): every rank's counts are read on the device, the plan is made there and the
+  // rows are pulled from the peers' buffers between device barriers (docs/EP.md §8); the same bits
+  // as the synchronous exchange. make_cuda_layer rejects anything else.
   bool sync_free = false;
   // flow / flow-fp4 with the grouped kernel running GEMM1 (fprop_dgrad above): SwiGLU*prob and the
   // quantizations of a' and the saved h run in GEMM1's epilogue (GroupedGemm::fprop_swiglu; W1

@@ -8,6 +8,7 @@
 //   streams.h/.cu   side stream (fork / mark / join), tail stream, stage clock
 //   routing.cu      router, routing tables, the one host sync, the EP dispatch plan
 //   ep_exchange.cu  token movement: permute+pad / unpermute on one GPU, dispatch / combine with EP
+//   ep_device.cu    EP without host synchronisation (sync_free): the plan on the device, pulls
 //   forward.cu      forward per recipe (forward_bf16, forward_blockwise, forward_naive, forward_flow)
 //   backward.cu     backward per recipe: GEMM2 / GEMM1 dgrad + wgrad (backward_*, fp8_gemm*_grads)
 //   backward_tail.cu the common tail: dprobs, router backward, dWr, dx (tail stream / EP combine)
