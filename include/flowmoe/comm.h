@@ -68,16 +68,19 @@ class DevicePeers {
   virtual ~DevicePeers() = default;
   // Collective, host, blocking: at set-up only, never inside a captured step. Every rank passes
   // one device buffer of its own; returns a device array [world] of every rank's pointer in rank
-  // order, owned by this object (valid as long as the communicator).
+  // order, owned by this object (valid, and allocated, as long as the communicator).
   virtual void* const* share(void* mine) = 0;
   // Enqueues on `stream` (a cudaStream_t) a barrier of every rank, run on the device: what this
   // rank enqueues on `stream` after it starts only when every rank has completed what it enqueued
-  // before its matching barrier (every rank calls barrier the same number of times). No host
-  // wait, so a CUDA graph can capture it. Bounded by the communicator's timeout: a rank that does
-  // not arrive makes the waiting ranks give up (what runs after then reads incomplete data, and
-  // failed() says so).
+  // before its matching barrier. Every rank calls barrier the same number of times, and a rank's
+  // barriers are ordered (one stream, or streams ordered by events). The host never waits for the
+  // GPU here (the device SimWorld's threads do meet on the host first), so a CUDA graph can
+  // capture it. Bounded by the communicator's timeout: a rank that does not arrive makes the
+  // waiting ranks give up, and the communicator is failed for good (every later barrier returns
+  // at once; what runs after reads incomplete data; failed() says so).
   virtual void barrier(void* stream) = 0;
-  // Host, synchronising the device: "" or what went wrong on the device (a barrier timed out).
+  // Host: "" or what went wrong on the device (which rank's barrier timed out). Reads the device
+  // flag after its own copy: call it after synchronising the stream the barriers ran on.
   virtual std::string failed() = 0;
 };
 

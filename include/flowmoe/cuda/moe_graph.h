@@ -46,7 +46,11 @@ class LayerStepGraph {
   // Captures forward + backward on `stream`, the stream the layer was made with. Throws
   // flowmoe::Error (nothing captured, the layer usable) unless `layer` is a sync_free CUDA layer
   // with weights, or when the capture fails (with Step::weights: call set_weights again before
-  // using the layer, its weight buffers were not written).
+  // using the layer, its weight buffers were not written). Expert parallelism (a sync_free layer
+  // over a communicator with device peer access, docs/EP.md §8): capturing runs the step's host
+  // code, collectives included, so every rank captures at the same time; every rank then replays
+  // the same number of times (the device barriers pair the ranks' replays). The graph is uploaded
+  // here: with simulated ranks on one GPU, let every rank finish its capture before any replays.
   LayerStepGraph(MoeLayer* layer, cudaStream_t stream, const Step& step);
   ~LayerStepGraph();
   LayerStepGraph(const LayerStepGraph&) = delete;

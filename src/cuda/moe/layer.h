@@ -17,7 +17,8 @@
 //
 // Synchronisation: one per forward (the per-expert padded counts, which the grouped GEMM's
 // per-expert launches need on the host, fetched right after routing); backward reuses them and
-// does not synchronise. set_weights synchronises once (non-finite check of the masters).
+// does not synchronise. None with sync_free (the counts stay on the device; with EP the plan too).
+// set_weights synchronises once (non-finite check of the masters; not with sync_free).
 // cast_report() and status() synchronise to read the device counters.
 #pragma once
 
