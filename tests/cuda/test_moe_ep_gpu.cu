@@ -99,12 +99,49 @@ std::string case_name(const Model& m, int W) {
   return s + "} " + m.cfg.describe();
 }
 
+// A sync-free EP layer's report (remade from the count matrices when read) against the synchronous
+// EP layer's: every operator with its elements, the saved tensors, the wire entries, the rows.
+void expect_same_report(const CastReport& a, const CastReport& b, const std::string& what) {
+  EXPECT_EQ(a.routed_rows, b.routed_rows) << what;
+  EXPECT_EQ(a.padded_rows, b.padded_rows) << what;
+  ASSERT_EQ(a.ops.size(), b.ops.size()) << what;
+  for (size_t i = 0; i < a.ops.size(); ++i) {
+    EXPECT_EQ(a.ops[i].name, b.ops[i].name) << what;
+    EXPECT_EQ(a.ops[i].pass, b.ops[i].pass) << what << " " << b.ops[i].name;
+    EXPECT_EQ(a.ops[i].calls, b.ops[i].calls) << what << " " << b.ops[i].name;
+    EXPECT_EQ(a.ops[i].outputs, b.ops[i].outputs) << what << " " << b.ops[i].name;
+    EXPECT_EQ(a.ops[i].elements, b.ops[i].elements) << what << " " << b.ops[i].name;
+  }
+  ASSERT_EQ(a.saved.size(), b.saved.size()) << what;
+  for (size_t i = 0; i < a.saved.size(); ++i) {
+    EXPECT_EQ(a.saved[i].name, b.saved[i].name) << what;
+    EXPECT_EQ(a.saved[i].format, b.saved[i].format) << what << " " << b.saved[i].name;
+    EXPECT_EQ(a.saved[i].bytes, b.saved[i].bytes) << what << " " << b.saved[i].name;
+    EXPECT_EQ(a.saved[i].bytes_per_token_unpadded, b.saved[i].bytes_per_token_unpadded) << what << " " << b.saved[i].name;
+  }
+  ASSERT_EQ(a.wire.size(), b.wire.size()) << what;
+  for (size_t i = 0; i < a.wire.size(); ++i) {
+    EXPECT_EQ(a.wire[i].name, b.wire[i].name) << what;
+    EXPECT_EQ(a.wire[i].pass, b.wire[i].pass) << what << " " << b.wire[i].name;
+    EXPECT_EQ(a.wire[i].format, b.wire[i].format) << what << " " << b.wire[i].name;
+    EXPECT_EQ(a.wire[i].rows, b.wire[i].rows) << what << " " << b.wire[i].name;
+    EXPECT_EQ(a.wire[i].bytes, b.wire[i].bytes) << what << " " << b.wire[i].name;
+  }
+}
+
 // The EP CUDA layer against one CUDA layer holding all experts (bits) and the CPU EP layer
-// (tolerance, wire bytes).
+// (tolerance, wire bytes); sync_free: also against the synchronous EP layer's report, exactly.
 void expect_ep_gpu(const Model& m, int W, const CudaLayerOptions& options = CudaLayerOptions()) {
   const int El = kE / W;
   const std::string name = case_name(m, W);
   const std::vector<Out> ep = run_ep(m, W, true, options);
+  if (options.sync_free) {
+    CudaLayerOptions sync = options;
+    sync.sync_free = false;
+    const std::vector<Out> ref = run_ep(m, W, true, sync);
+    for (int r = 0; r < W; ++r)
+      expect_same_report(ep[r].rep, ref[r].rep, name + " rank " + std::to_string(r) + " (sync-free vs synchronous EP)");
+  }
   const std::vector<Out> cpu = run_ep(m, W, false);
   MoeConfig one_cfg = m.cfg;
   one_cfg.max_tokens = m.total_tokens();

@@ -13,11 +13,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "cuda/gpu_test_util.h"
+#include "cuda/moe/kernels.cuh"
 #include "cuda/moe_ep_model.h"
 #include "flowmoe/comm.h"
 #include "flowmoe/cuda/moe_debug.h"
@@ -92,6 +94,7 @@ void expect_graph_replays_equal_eager(Recipe recipe, int W, bool dedup, bool sid
       comm.barrier();
       for (int i = 0; i < 3; ++i) {
         graph.replay();
+        FLOWMOE_CHECK(cudaStreamSynchronize(s) == cudaSuccess, "replay");
         const std::string failed = comm.device_peers()->failed();
         const std::string at = "rank " + std::to_string(r) + " replay " + std::to_string(i) + " (" + failed + "): ";
         FLOWMOE_CHECK(same_bits(y.get(s), y0), at << "y differs from the eager step");
@@ -124,6 +127,61 @@ TEST(MoeEpSyncFreeGpu, GraphReplaysEqualEagerEveryRecipe) {
   expect_graph_replays_equal_eager(Recipe::kFlow, 4, true, true);
 }
 
+// ep_device_plan (one block, on the device) against plan_from_all_counts (the host's DispatchPlan)
+// for random count matrices with empty experts: the local offsets and every piece of the dispatch
+// (with the padding pieces), the combine and the deduplicated dispatch, for every rank.
+TEST(MoeEpSyncFreeGpu, DevicePlanEqualsTheHostPlan) {
+  REQUIRE_DEVICE();
+  std::mt19937 rng(2026);
+  for (int W : {1, 2, 3, 8})
+    for (int El : {1, 4, 32})
+      for (int A : {16, 128}) {
+        const int E = W * El;
+        std::vector<int32_t> C(size_t(W) * E), D(size_t(W) * W);
+        for (int32_t& c : C) c = rng() % 3 == 0 ? 0 : int32_t(rng() % 300);
+        for (int32_t& d : D) d = rng() % 4 == 0 ? 0 : int32_t(rng() % 500);
+        const EpConfig cfg{E, 1, 128, A, WireFormat::kFp8, true};
+        std::vector<DispatchPlan> plan;
+        for (int r = 0; r < W; ++r) plan.push_back(plan_from_all_counts(cfg, r, W, C.data(), 1 << 20, D.data()));
+        Dev<int32_t> dC(C.size(), nullptr, C.data()), dD(D.size(), nullptr, D.data()), off(El + 1, nullptr);
+        Dev<cuda::moe::EpPiece> disp(W * El + El, nullptr), comb(W * El, nullptr), dedup(W, nullptr);
+        for (int me = 0; me < W; ++me) {
+          const std::string at = "W=" + std::to_string(W) + " El=" + std::to_string(El) + " A=" + std::to_string(A) +
+                                 " rank " + std::to_string(me);
+          cuda::moe::ep_device_plan(dC.p, dD.p, W, El, me, A, off.p, disp.p, comb.p, dedup.p, nullptr);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << at;
+          const DispatchPlan& p = plan[me];
+          const std::vector<int32_t> o = off.get(nullptr);
+          EXPECT_EQ(o, p.padded_offsets) << at;
+          const std::vector<cuda::moe::EpPiece> d = disp.get(nullptr), c = comb.get(nullptr), t = dedup.get(nullptr);
+          auto expect = [&](const cuda::moe::EpPiece& got, int peer, int64_t src, int64_t dst, int64_t rows,
+                            const std::string& what) {
+            EXPECT_TRUE(got.peer == peer && got.src_row == src && got.dst_row == dst && got.rows == rows)
+                << at << " " << what << ": got (" << got.peer << ", " << got.src_row << ", " << got.dst_row << ", "
+                << got.rows << "), expected (" << peer << ", " << src << ", " << dst << ", " << rows << ")";
+          };
+          for (int q = 0; q < W; ++q)
+            for (int l = 0; l < El; ++l) {
+              const int g = me * El + l, i = q * El + l;
+              expect(d[i], q, plan[q].send_offsets[g], p.recv_offsets[i], p.recv_counts[i], "dispatch " + std::to_string(i));
+              const int h = q * El + l;  // combine: this rank's rows of rank q's expert l
+              expect(c[h], q, plan[q].recv_offsets[me * El + l], p.send_offsets[h], p.send_counts[h],
+                     "combine " + std::to_string(h));
+            }
+          for (int l = 0; l < El; ++l) {
+            const int64_t end = int64_t(p.padded_offsets[l]) + p.expert_counts[l];
+            expect(d[W * El + l], -1, 0, end, p.padded_offsets[l + 1] - end, "padding " + std::to_string(l));
+          }
+          for (int q = 0; q < W; ++q) {
+            int64_t src = 0, dst = 0;
+            for (int r = 0; r < me; ++r) src += plan[q].send_tokens[r];
+            for (int r = 0; r < q; ++r) dst += p.recv_tokens[r];
+            expect(t[q], q, src, dst, p.recv_tokens[q], "dedup " + std::to_string(q));
+          }
+        }
+      }
+}
+
 // The device world's DevicePeers: share() gives every rank every rank's pointer in rank order;
 // barriers in sequence pass; a barrier a peer never reaches gives up after the timeout and
 // failed() says so.
@@ -136,7 +194,7 @@ TEST(MoeEpSyncFreeGpu, DevicePeersShareAndBarrier) {
     const std::vector<std::string> errs = world->run([&](Communicator& comm) {
       DevicePeers* peers = comm.device_peers();
       FLOWMOE_CHECK(peers != nullptr, "no device peers");
-      Dev<int32_t> buf(4, nullptr);
+      Dev<int32_t> buf(4, nullptr), seen(2, nullptr);  // (allocated before any barrier runs)
       mine[comm.rank()] = buf.p;
       void* const* table = peers->share(buf.p);
       std::vector<void*> got(W);
@@ -146,6 +204,33 @@ TEST(MoeEpSyncFreeGpu, DevicePeersShareAndBarrier) {
       FLOWMOE_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess, "stream");
       for (int i = 0; i < 5; ++i) peers->barrier(s);
       FLOWMOE_CHECK(cudaStreamSynchronize(s) == cudaSuccess, "sync");
+      // Ordering, with the writer (read-after-write) and then the reader (write-after-read) held
+      // back 300 ms by a host function on its stream: without the device barrier rank 0 would read
+      // rank 1's buffer before the write, or after the overwrite.
+      auto hold = [&] {
+        FLOWMOE_CHECK(cudaLaunchHostFunc(
+                          s, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); },
+                          nullptr) == cudaSuccess,
+                      "host function");
+      };
+      if (comm.rank() == 1) {
+        hold();
+        cudaMemsetAsync(buf.p, 0x11, sizeof(int32_t), s);
+      }
+      peers->barrier(s);
+      if (comm.rank() == 0) {
+        cudaMemcpyAsync(seen.p, got[1], sizeof(int32_t), cudaMemcpyDeviceToDevice, s);
+        hold();
+        cudaMemcpyAsync(seen.p + 1, got[1], sizeof(int32_t), cudaMemcpyDeviceToDevice, s);
+      }
+      peers->barrier(s);
+      if (comm.rank() == 1) cudaMemsetAsync(buf.p, 0x22, sizeof(int32_t), s);
+      FLOWMOE_CHECK(cudaStreamSynchronize(s) == cudaSuccess, "sync");
+      if (comm.rank() == 0) {
+        const std::vector<int32_t> v = seen.get(s);
+        FLOWMOE_CHECK(v[0] == 0x11111111 && v[1] == 0x11111111,
+                      "rank 0 read " << std::hex << v[0] << ", " << v[1] << " from rank 1; expected 11111111 twice");
+      }
       FLOWMOE_CHECK(peers->failed().empty(), "rank " << comm.rank() << ": " << peers->failed());
       comm.barrier();  // every rank has read its table before the buffers go
       cudaStreamDestroy(s);
@@ -153,7 +238,8 @@ TEST(MoeEpSyncFreeGpu, DevicePeersShareAndBarrier) {
     for (int r = 0; r < W; ++r) EXPECT_EQ(errs[r], "") << "rank " << r;
   }
   // rank 1's barrier kernel waits 2 s behind a host function on its stream: rank 0's gives up after
-  // the world's 0.5 s timeout, failed() says who and where; a later barrier of rank 1 passes
+  // the world's 0.5 s timeout and failed() says who and where, on both ranks (the world is failed:
+  // rank 1's barrier then returns at once)
   std::unique_ptr<SimWorld> world = make_device_sim_world(2, 0.5);
   const std::vector<std::string> errs = world->run([&](Communicator& comm) {
     cudaStream_t s = nullptr;

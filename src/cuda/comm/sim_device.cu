@@ -10,6 +10,7 @@
 // host rendezvous of the ranks' threads (at enqueue time) plus a one-block kernel on the rank's
 // stream that publishes the rank's barrier count and waits on the device until every rank's count
 // has reached it (the sync-free expert-parallel layer's exchange).
+#include <cuda.h>  // CUmoduleLoadingMode (the entry point is fetched through the runtime: no libcuda link)
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -39,7 +40,9 @@ __device__ __forceinline__ unsigned long long global_ns() {
 }
 
 // arrived[q]: how many barriers rank q has reached (wraps; compared as a signed difference);
-// count: this rank's own, kept on the device so that graph replays and eager calls count alike.
+// count: this rank's own, kept on the device so that graph replays and eager calls count alike
+// (a plain read-modify-write: a rank's barriers must be ordered, on one stream). failed[0]: the
+// first rank that gave up, + 1 (0: none), failed[1]: its barrier number.
 __global__ void sim_barrier_kernel(unsigned* arrived, unsigned* count, int rank, int world,
                                    unsigned long long timeout_ns, unsigned* failed) {
   __shared__ unsigned target;
@@ -55,7 +58,7 @@ __global__ void sim_barrier_kernel(unsigned* arrived, unsigned* count, int rank,
     while (int(load_acquire(arrived + q) - target) < 0) {
       if (load_acquire(failed) != 0u) break;
       if (global_ns() - t0 > timeout_ns) {  // the first to give up says who and where
-        atomicCAS(failed, 0u, (target << 12) | unsigned(rank + 1));
+        if (atomicCAS(failed, 0u, unsigned(rank + 1)) == 0u) atomicExch(failed + 1, target);
         break;
       }
       __nanosleep(200);
@@ -64,7 +67,8 @@ __global__ void sim_barrier_kernel(unsigned* arrived, unsigned* count, int rank,
   __threadfence();
 }
 
-// World-wide barrier state: arrived [W], count [W], failed [1] (device, zeroed).
+// World-wide barrier state: arrived [W], count [W], failed [2] (device, zeroed). A barrier that
+// timed out fails the world for good, as any CommError does: every later barrier returns at once.
 class SimDevicePeers final : public DevicePeers {
  public:
   SimDevicePeers(Communicator& comm, int device, unsigned* state, cudaStream_t copy_stream)
@@ -107,13 +111,13 @@ class SimDevicePeers final : public DevicePeers {
     FLOWMOE_CUDA_CHECK(cudaGetLastError());
   }
   std::string failed() override {
-    unsigned f = 0;
+    unsigned f[2] = {0, 0};
     FLOWMOE_CUDA_CHECK(cudaSetDevice(device_));
-    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(&f, state_ + 2 * comm_.world_size(), sizeof(f), cudaMemcpyDeviceToHost, stream_));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(f, state_ + 2 * comm_.world_size(), sizeof(f), cudaMemcpyDeviceToHost, stream_));
     FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    if (f == 0) return "";
-    return "device SimWorld: rank " + std::to_string(int(f & 4095u) - 1) + " waited at its device barrier #" +
-           std::to_string(f >> 12) + " longer than the timeout (" + std::to_string(comm_.timeout_s()) +
+    if (f[0] == 0) return "";
+    return "device SimWorld: rank " + std::to_string(int(f[0]) - 1) + " waited at its device barrier #" +
+           std::to_string(f[1]) + " longer than the timeout (" + std::to_string(comm_.timeout_s()) +
            " s) for a rank that did not arrive; the exchanges after it read incomplete data";
   }
 
@@ -124,6 +128,18 @@ class SimDevicePeers final : public DevicePeers {
   cudaStream_t stream_;
   std::vector<void*> tables_;
 };
+
+// Whether the CUDA driver loads modules lazily (cuModuleGetLoadingMode; false when unknown).
+bool lazy_module_loading() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess || fn == nullptr)
+    return false;
+  CUmoduleLoadingMode mode = CU_MODULE_EAGER_LOADING;
+  if (reinterpret_cast<CUresult (*)(CUmoduleLoadingMode*)>(fn)(&mode) != CUDA_SUCCESS) return false;
+  return mode == CU_MODULE_LAZY_LOADING;
+}
 
 struct DeviceCopyState {
   int device = 0;
@@ -163,8 +179,8 @@ std::unique_ptr<SimWorld> make_device_sim_world(int world_size, double timeout_s
   st->scratch.assign(world_size, nullptr);
   st->scratch_bytes.assign(world_size, 0);
   st->peers.resize(world_size);
-  FLOWMOE_CUDA_CHECK(cudaMalloc(&st->barrier_state, sizeof(unsigned) * (2 * size_t(world_size) + 1)));
-  FLOWMOE_CUDA_CHECK(cudaMemset(st->barrier_state, 0, sizeof(unsigned) * (2 * size_t(world_size) + 1)));
+  FLOWMOE_CUDA_CHECK(cudaMalloc(&st->barrier_state, sizeof(unsigned) * (2 * size_t(world_size) + 2)));
+  FLOWMOE_CUDA_CHECK(cudaMemset(st->barrier_state, 0, sizeof(unsigned) * (2 * size_t(world_size) + 2)));
   for (int r = 0; r < world_size; ++r)
     FLOWMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st->streams[r], cudaStreamNonBlocking));
   SimWorld::Copier c;
@@ -194,6 +210,10 @@ std::unique_ptr<SimWorld> make_device_sim_world(int world_size, double timeout_s
   };
   // each rank's thread makes (and then only uses) its own slot
   c.device_peers = [st](Communicator& comm) -> DevicePeers* {
+    FLOWMOE_CHECK(!lazy_module_loading(),
+                  "make_device_sim_world: device barriers between simulated ranks need eager module loading: set "
+                  "CUDA_MODULE_LOADING=EAGER before the process's first CUDA call (lazily, a kernel's first launch "
+                  "waits for the work in flight, which a peer's waiting barrier then is)");
     std::unique_ptr<SimDevicePeers>& p = st->peers[comm.rank()];
     if (!p) p.reset(new SimDevicePeers(comm, st->device, st->barrier_state, st->streams[comm.rank()]));
     return p.get();

@@ -116,6 +116,10 @@ __global__ void pull_rows_kernel(const EpPiece* __restrict__ pieces, void* const
     uint4* d16 = reinterpret_cast<uint4*>(d);
     const uint4* s16 = reinterpret_cast<const uint4*>(s);
     for (int64_t i = first; i < bytes / 16; i += step) d16[i] = s ? __ldcg(s16 + i) : make_uint4(0, 0, 0, 0);
+  } else if (((reinterpret_cast<uintptr_t>(d) | reinterpret_cast<uintptr_t>(s) | uint64_t(bytes)) & 3) == 0) {
+    uint32_t* d4 = reinterpret_cast<uint32_t*>(d);  // e.g. the rows' FP32 probabilities
+    const uint32_t* s4 = reinterpret_cast<const uint32_t*>(s);
+    for (int64_t i = first; i < bytes / 4; i += step) d4[i] = s ? __ldcg(s4 + i) : 0u;
   } else {
     for (int64_t i = first; i < bytes; i += step) d[i] = s ? __ldcg(s + i) : uint8_t(0);
   }

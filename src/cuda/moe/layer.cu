@@ -289,15 +289,17 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                                                       << options.ep_direct_bytes
                                                       << "; expected -1 (the default) or a byte count >= 0");
   };
-  if (options.sync_free) {
+  auto check_sync_free = [&] {
+    if (!options.sync_free) return;
     FLOWMOE_CHECK(cfg.comm == nullptr || cfg.comm->device_peers() != nullptr,
                   what << ": CudaLayerOptions::sync_free with expert parallelism needs a communicator whose kernels "
                           "reach the peers' memory (Communicator::device_peers: make_device_sim_world's ranks); "
                           "this one (" << cfg.comm->backend() << ") sizes its messages on the host");
     FLOWMOE_CHECK(cfg.align == 128, what << ": CudaLayerOptions::sync_free needs align = 128 (the wgrad kernels' "
                                             "128-token blocks); align is " << cfg.align);
-  }
+  };
   if (cfg.comm == nullptr) {
+    check_sync_free();
     cfg.validate();
     check_options();
     return std::unique_ptr<MoeLayer>(new cuda::moe::CudaMoeLayer(cfg, stream, options));
@@ -315,6 +317,7 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
   collective_checks(&comm, what, [&] {
     cfg.validate();
     check_options();
+    check_sync_free();
     FLOWMOE_CHECK(comm.memory_space() == MemorySpace::kDevice,
                   what << ": the CUDA layer moves device memory but the communicator ("
                        << comm.backend() << ") moves host memory; expected a device-memory "
@@ -322,6 +325,7 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
     layer.reset(new cuda::moe::CudaMoeLayer(cfg, stream, options));
   });
   // every rank built its layer: the peers' addresses of the buffers the sync-free exchange reads
+  // (collective; a rank that fails here leaves the others a CommError after the timeout)
   if (options.sync_free) static_cast<cuda::moe::CudaMoeLayer*>(layer.get())->share_ep_buffers();
   return layer;
 }
