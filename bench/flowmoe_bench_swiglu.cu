@@ -3,17 +3,19 @@
 // same run. Medians of CUDA-event timings after warm-up; random data; two input sets alternated so
 // that consecutive repetitions never find their input in L2.
 //
-//   flowmoe_bench_swiglu [--reps N] [--config NAME] [--rows M] [--gemm1-only]
+//   flowmoe_bench_swiglu [--reps N] [--config NAME] [--rows M] [--gemm-only]
 //
 // Targets (issue 4): fused SwiGLU+quantize <= 1.05x the plain BF16 SwiGLU kernel;
 // fused dSwiGLU+quantize (row + col) >= 2.5x the unfused sequence (dSwiGLU -> quantize_row ->
 // quantize_col).
 //
-// Last section (--gemm1-only: only it): GEMM1 of the flow recipes by the grouped sm_90a kernel,
+// Last sections (--gemm-only, or its old name --gemm1-only: only they): GEMM1 of the flow recipes by the grouped sm_90a kernel,
 // alone (BF16 h) against the same kernel with the SwiGLU*p + quantize epilogue (flow: h saved FP8,
 // flow-fp4: MXFP4) and against GEMM1 followed by the separate swiglu_quant / swiglu_quant_h4,
 // at the DeepSeek-V3 (EP8) and V2-Lite expert shapes; the fused outputs are checked bit for bit
-// against the two-kernel ones. Target (issue 19): fused <= 1.05x GEMM1 alone.
+// against the two-kernel ones. Target (issue 19): fused <= 1.05x GEMM1 alone. Then GEMM2's dgrad the
+// same way: alone (BF16 da'), with the dSwiGLU*p + quantize (dh row + col) + dp epilogue (h read as
+// FP8 rows / MXFP4), and followed by dswiglu_quant_fp8h / _fp4h; target: fused <= 1.05x dgrad alone.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -335,6 +337,116 @@ void bench_gemm1(const char* name, int E, int64_t rows_per_expert, int64_t h, in
   for (void* p : std::initializer_list<void*>{doff, prob, st, xc, xs, wc, ws8, wic, wsf, wisf, hb}) cudaFree(p);
 }
 
+// GEMM2-dgrad of one expert shape: E experts of `rows_per_expert` rows, W2^T [F, H] each; dY [m, H].
+void bench_gemm2_dgrad(const char* name, int E, int64_t rows_per_expert, int64_t h, int64_t f) {
+  const int64_t m = E * rows_per_expert, n2 = 2 * f, wn = int64_t(E) * f * h;
+  std::vector<int32_t> off(E + 1);
+  for (int e = 0; e <= E; ++e) off[e] = int32_t(e * rows_per_expert);
+  int32_t* doff = dalloc<int32_t>(E + 1);
+  CK(cudaMemcpy(doff, off.data(), sizeof(int32_t) * (E + 1), cudaMemcpyHostToDevice));
+  std::vector<float> hp(m);
+  for (int64_t r = 0; r < m; ++r) hp[r] = 0.125f + float(r % 7) / 8;
+  float* prob = dalloc<float>(m);
+  CK(cudaMemcpy(prob, hp.data(), sizeof(float) * m, cudaMemcpyHostToDevice));
+  cuda::DeviceStatus* st = dalloc<cuda::DeviceStatus>(1);
+  CK(cudaMemset(st, 0, sizeof(*st)));
+  // dY [m, H] row-wise; W2^T [E][F, H] with GEMM-ready FP32 scales (the layer's); h saved both ways
+  bf16_t* tmp = dalloc<bf16_t>(std::max({m * h, wn, m * n2}));
+  uint8_t *dyc = dalloc<uint8_t>(m * h), *dys = dalloc<uint8_t>(h / 128 * m);
+  fill_bf16(tmp, m * h, 3, 1.0f);
+  cuda::quantize_row(tmp, m, h, dyc, dys, st, 0);
+  const int64_t sblk = (f / 128) * (h / 128);
+  uint8_t *wc = dalloc<uint8_t>(wn), *ws8 = dalloc<uint8_t>(E * sblk), *wtc = dalloc<uint8_t>(wn),
+          *wts8 = dalloc<uint8_t>(E * sblk);
+  float* wsf = dalloc<float>(gemm::weight_scale_f32_elems(E, f, h));
+  fill_bf16(tmp, wn, 4, 1.0f / std::sqrt(float(h)));
+  for (int e = 0; e < E; ++e)
+    cuda::quantize_weight(tmp + e * f * h, f, h, wc + e * f * h, ws8 + e * sblk, wtc + e * f * h, wts8 + e * sblk, st, 0);
+  cuda::weight_scales_to_f32(ws8, E, f, h, wsf, 0);
+  uint8_t *h8c = dalloc<uint8_t>(m * n2), *h8s = dalloc<uint8_t>(n2 / 128 * m), *h4c = dalloc<uint8_t>(m * f),
+          *h4s = dalloc<uint8_t>(m * (n2 / 32));
+  fill_bf16(tmp, m * n2, 5, 2.0f);
+  cuda::quantize_row(tmp, m, n2, h8c, h8s, st, 0);
+  cuda::quantize_mxfp4(tmp, m, n2, h4c, h4s, st, 0);
+  cudaFree(tmp);
+  cudaFree(wtc);
+  cudaFree(wts8);
+  const cuda::QTensorView dy = cuda::row_1x128(dyc, dys, m, h), wt = cuda::weight_128x128_f32(wc, wsf, E, f, h);
+  cuda::SegmentBlocks sb;
+  sb.offsets = doff;
+  sb.num_segments = E;
+  sb.m = m;
+  sb.max_blocks = cuda::segment_max_blocks(m, E);
+  sb.block_start = dalloc<int32_t>(sb.max_blocks);
+  sb.block_end = dalloc<int32_t>(sb.max_blocks);
+  sb.block_offsets = dalloc<int32_t>(E + 1);
+  cuda::build_segment_blocks(sb, st, 0);
+  bf16_t* da = dalloc<bf16_t>(m * f);
+  uint8_t *rc[2], *rs[2], *cc[2], *cs[2];  // [0] fused, [1] two kernels
+  float* dp[2];
+  for (int i = 0; i < 2; ++i) {
+    rc[i] = dalloc<uint8_t>(m * n2), rs[i] = dalloc<uint8_t>(n2 / 128 * m);
+    cc[i] = dalloc<uint8_t>(m * n2), cs[i] = dalloc<uint8_t>(sb.max_blocks * n2);
+    dp[i] = dalloc<float>(f / 128 * m);
+  }
+  cuda::GroupedGemm gg;
+  const gemm::DeviceSegments seg{doff, E, m, st};
+  const auto dgrad = [&] { gg.dgrad(seg, h, f, dy, wt, {da, m * f}, 0); };
+  const auto fused = [&](bool fp4) {
+    gg.dgrad_dswiglu(seg, h, f, dy, wt, prob,
+                     fp4 ? cuda::mxfp4_1x32(h4c, h4s, m, n2) : cuda::row_1x128(h8c, h8s, m, n2),
+                     cuda::row_1x128(rc[0], rs[0], m, n2), cuda::col_128x1(cc[0], cs[0], m, n2, sb.max_blocks), dp[0],
+                     st, 0);
+  };
+  const auto dswiglu = [&](bool fp4) {
+    if (fp4) cuda::dswiglu_quant_fp4h(da, h4c, h4s, f, sb, rc[1], rs[1], cc[1], cs[1], st, 0, prob, dp[1]);
+    else cuda::dswiglu_quant_fp8h(da, h8c, h8s, f, sb, rc[1], rs[1], cc[1], cs[1], st, 0, prob, dp[1]);
+  };
+  const float t_dgrad = median_us([&](int) { dgrad(); });
+  const double flops = 2.0 * m * f * h;
+  std::printf("\n  %s: %d experts x %lld rows, H %lld, F %lld: GEMM2 dgrad alone (BF16 da') %.1f us, %.0f TFLOP/s\n",
+              name, E, (long long)rows_per_expert, (long long)h, (long long)f, t_dgrad, flops / t_dgrad * 1e-6);
+  for (bool fp4 : {false, true}) {
+    const float t_fused = median_us([&](int) { fused(fp4); });
+    const float t_dsw = median_us([&](int) { dswiglu(fp4); });
+    const float t_two = median_us([&](int) { dgrad(); dswiglu(fp4); });
+    fused(fp4);
+    dgrad();
+    dswiglu(fp4);
+    CK(cudaDeviceSynchronize());
+    const bool bits = same_bytes(rc[0], rc[1], m * n2) && same_bytes(rs[0], rs[1], n2 / 128 * m) &&
+                      same_bytes(cc[0], cc[1], m * n2) && same_bytes(cs[0], cs[1], (m / 128) * n2) &&
+                      same_bytes(reinterpret_cast<uint8_t*>(dp[0]), reinterpret_cast<uint8_t*>(dp[1]),
+                                 sizeof(float) * (f / 128) * m);
+    const double r = t_fused / t_dgrad;
+    std::printf("  %-9s fused %.1f us (%.3fx dgrad alone: <= 1.05x %s) | dgrad + %s %.1f us (dswiglu alone %.1f us): "
+                "fused saves %.1f us = %.0f%% of the dSwiGLU kernel | bits %s\n",
+                fp4 ? "flow-fp4" : "flow", t_fused, r, r <= 1.05 ? "PASS" : "FAIL",
+                fp4 ? "dswiglu_quant_fp4h" : "dswiglu_quant_fp8h", t_two, t_dsw, t_two - t_fused,
+                100.0 * (t_two - t_fused) / t_dsw, bits ? "equal" : "DIFFER");
+  }
+  cuda::DeviceStatus hst{};
+  CK(cudaMemcpy(&hst, st, sizeof(hst), cudaMemcpyDeviceToHost));
+  if (hst.nonfinite || hst.bad_segments)
+    std::printf("  WARNING: status nonfinite %llu, bad_segments %llu\n", hst.nonfinite, hst.bad_segments);
+  for (int i = 0; i < 2; ++i)
+    for (void* p : std::initializer_list<void*>{rc[i], rs[i], cc[i], cs[i], dp[i]}) cudaFree(p);
+  for (void* p : std::initializer_list<void*>{doff, prob, st, dyc, dys, wc, ws8, wsf, h8c, h8s, h4c, h4s, da,
+                                              sb.block_start, sb.block_end, sb.block_offsets})
+    cudaFree(p);
+}
+
+void gemm_section() {
+  std::printf("\n## GEMM2 dgrad (grouped sm_90a kernel) with the fused dSwiGLU*p + quantize (row + col) epilogue\n");
+  try {
+    bench_gemm2_dgrad("DeepSeek-V3 EP8", 32, 2048, 7168, 2048);
+    bench_gemm2_dgrad("DeepSeek-V2-Lite", 64, 384, 2048, 1408);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    std::exit(1);
+  }
+}
+
 void gemm1_section() {
   std::printf("\n## GEMM1 (grouped sm_90a kernel) with the fused SwiGLU*p + quantize epilogue\n");
   try {
@@ -356,9 +468,9 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = std::max(3, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--config") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--rows") && i + 1 < argc) rows = std::atoll(argv[++i]);
-    else if (!std::strcmp(argv[i], "--gemm1-only")) gemm1_only = true;
+    else if (!std::strcmp(argv[i], "--gemm-only") || !std::strcmp(argv[i], "--gemm1-only")) gemm1_only = true;
     else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--config NAME] [--rows M] [--gemm1-only]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--reps N] [--config NAME] [--rows M] [--gemm-only]\n", argv[0]);
       return 2;
     }
   }
@@ -377,5 +489,6 @@ int main(int argc, char** argv) {
     bench_config(c, rows);
   }
   gemm1_section();
+  gemm_section();
   return 0;
 }

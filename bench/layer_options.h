@@ -3,7 +3,8 @@
 // none (README "Runtime settings"): FLOWMOE_LAYER_OVERLAP=0 (no side stream),
 // FLOWMOE_LAYER_TAIL_OVERLAP=0|1 (tail stream), FLOWMOE_LAYER_GROUPED_GEMM=0|1|auto (FP8
 // fprop/dgrad by cuBLASLt per expert, the grouped kernel, or the layer's choice),
-// FLOWMOE_LAYER_FUSED_SWIGLU=0|1 (flow recipes: SwiGLU in GEMM1's epilogue), FLOWMOE_EP_DEDUP=0 (every (token, expert) row
+// FLOWMOE_LAYER_FUSED_SWIGLU=0|1 (flow recipes: SwiGLU in GEMM1's epilogue),
+// FLOWMOE_LAYER_FUSED_DSWIGLU=0|1 (flow recipes: dSwiGLU in GEMM2-dgrad's epilogue), FLOWMOE_EP_DEDUP=0 (every (token, expert) row
 // travels), FLOWMOE_EP_DIRECT_BYTES=N, FLOWMOE_GEMM_TUNE / _STREAMS / _PRIORITY / _WGRAD_KERNEL
 // (the GEMM options; a set priority overrides the layer's choice). Needs the CUDA backend.
 #pragma once
@@ -31,6 +32,7 @@ inline CudaLayerOptions layer_options_from_env() {
   flag("FLOWMOE_LAYER_OVERLAP", &o.side_stream);
   flag("FLOWMOE_LAYER_TAIL_OVERLAP", &o.tail_stream);
   flag("FLOWMOE_LAYER_FUSED_SWIGLU", &o.fused_swiglu);
+  flag("FLOWMOE_LAYER_FUSED_DSWIGLU", &o.fused_dswiglu);
   flag("FLOWMOE_EP_DEDUP", &o.ep_dedup);
   if (const char* v = std::getenv("FLOWMOE_LAYER_GROUPED_GEMM")) {
     const std::string g = v;

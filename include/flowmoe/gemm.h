@@ -361,6 +361,23 @@ class GroupedGemm {
                     const cuda::QTensorView& a_row, const cuda::QTensorView& h_saved, DeviceStatus* status,
                     cudaStream_t stream);
 
+  // GEMM2-dgrad of the flow recipes with dSwiGLU*prob and dh's quantizations fused into the
+  // grouped kernel's epilogue (docs/GEMM.md, "The fused dSwiGLU epilogue"). For every row
+  // r < offsets[E] with da' = dy_r . W2 rounded to BF16 (what dgrad writes; n = H, wt = W2^T
+  // [E * F, H]) and the saved h (h_saved: FP8 1x128 rows [capacity, 2F] with scale_ld >= capacity,
+  // or MXFP4 1x32 [capacity, 2F] with dense scales): dh = [dgate, dup] written to dh_row (FP8 1x128
+  // rows [capacity, 2F], tight scales) and dh_col (FP8 128x1 columns over the segments' 128-token
+  // blocks, UE8M0 scales [capacity/128 + E][2F]), and dp's partial sums [F/128][capacity] to
+  // dprob_partials (null: not written; needs row_prob): exactly the bits of dgrad followed by
+  // cuda::dswiglu_quant_fp8h / dswiglu_quant_fp4h on the rows < offsets[E]; da' in BF16 is never
+  // written, other rows are untouched. row_prob: [capacity], or null (plain dSwiGLU). Non-finite
+  // dgate and dup values are counted in status->nonfinite (may be null) as the dSwiGLU kernels
+  // count them; malformed offsets in seg.status. F a positive multiple of 128.
+  void dgrad_dswiglu(const DeviceSegments& seg, int64_t n, int64_t f, const cuda::QTensorView& dy,
+                     const cuda::QTensorView& wt, const float* row_prob, const cuda::QTensorView& h_saved,
+                     const cuda::QTensorView& dh_row, const cuda::QTensorView& dh_col, float* dprob_partials,
+                     DeviceStatus* status, cudaStream_t stream);
+
   // BF16 baseline (FP32 accumulation): x [M, K], w [E][N][K], y [M, N]; dgrad uses W itself.
   void fprop_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> x,
                   Span<const bf16_t> w, Span<bf16_t> y, cudaStream_t stream);

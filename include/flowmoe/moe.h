@@ -320,6 +320,12 @@ struct CudaLayerOptions {
   // default: the fused epilogue does not yet overlap the tensor-core work and measured slower than
   // the two kernels (docs/GEMM.md, "The fused SwiGLU epilogue").
   bool fused_swiglu = false;
+  // flow / flow-fp4 with the grouped kernel running GEMM2's dgrad (fprop_dgrad above): dSwiGLU*prob,
+  // dh's row-wise and column-wise quantizations and dp's partial sums run in GEMM2-dgrad's epilogue
+  // (GroupedGemm::dgrad_dswiglu), so da' in BF16 is never written or read back; false: the dgrad
+  // writes da' in BF16 and a separate dSwiGLU kernel quantizes dh. Same bits either way (docs/GEMM.md,
+  // "The fused dSwiGLU epilogue").
+  bool fused_dswiglu = false;
   // The grouped GEMMs' options (gemm.h): cuBLASLt per expert (BF16, wgrad, grouped_gemm off) and
   // the wgrad kernel's choice.
   gemm::GroupedGemmOptions gemm;

@@ -142,6 +142,8 @@ constexpr char kSwigluQuantRowHMxfp4[] = "SwiGLU*prob + quantize (a' row, h MXFP
 constexpr char kGemm1SwigluQuantRowHRow[] = "GEMM1 epilogue: SwiGLU*prob + quantize (a' row, h row)";
 constexpr char kGemm1SwigluQuantRowHMxfp4[] = "GEMM1 epilogue: SwiGLU*prob + quantize (a' row, h MXFP4)";
 constexpr char kDswigluQuantRowCol[] = "dSwiGLU*prob + quantize (dh row + col)";
+// the same as GEMM2-dgrad's fused epilogue (CudaLayerOptions::fused_dswiglu): one operator, inside the GEMM
+constexpr char kGemm2DgradDswigluQuantRowCol[] = "GEMM2-dgrad epilogue: dSwiGLU*prob + quantize (dh row + col)";
 // saved tensors (SavedTensor::name) other than the recipe's three expert activations
 constexpr char kSavedRouterInput[] = "router input x";
 constexpr char kSavedRouterLogits[] = "router logits";

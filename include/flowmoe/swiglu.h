@@ -35,9 +35,12 @@
 //             f_mul(dA', p); with `dprow_part` also the gradient of prow as partial sums per
 //             128-feature tile, dprow_part [F/128][M] (tile-major like the row scales):
 //               part[b][t] = sum over the features j of tile b of dA'[t, j] * A[t, j]
-//             in this fixed order: lane l = 0..15 sums the features 8l..8l+7 of the tile by
-//             acc = fma(dA', A, acc) in feature order starting from acc = +0.0; the 16 sums are
-//             combined as s_l = s_l + s_(l xor o) for o = 8, 4, 2, 1 and lane 0's value is stored.
+//             in this fixed order: the tile's feature 8g + 2q + i (group g = 0..15, pair q = 0..3,
+//             i = 0, 1) gives the pair value P(g, q) = fma(dA'_1, A_1, fma(dA'_0, A_0, +0.0)); for
+//             each q the 16 groups are summed by the pairwise tree (adjacent groups first:
+//             ((P0 + P1) + (P2 + P3)) + ...), R(q); part = (R(0) + R(1)) + (R(2) + R(3)). (A
+//             half-warp holding a tile, lane g the group g, sums by the butterfly xor 1, 2, 4, 8;
+//             a WGMMA fragment holding pair q of every group sums in the thread, then over its quad.)
 //             The row's gradient is dprow[t] = part[0][t] + part[1][t] + ... (tile order):
 //             sum_dprow_parts. Padding rows (A = 0, finite dA') get 0; a NaN is stored as 0x7FC00000.
 //             dprow_part needs prow.

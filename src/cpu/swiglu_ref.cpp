@@ -140,41 +140,42 @@ template <typename HSrc>
 QuantStats dswiglu_impl(const bf16_t* da, const HSrc& h, int64_t m, int64_t f, bf16_t* dh,
                         const float* prow, float* dprow_part) {
   QuantStats st;
-  constexpr int kLanes = 16, kPerLane = kT / kLanes;  // a half-warp holds a tile, 8 values a lane
+  // swiglu.h's order of dp: feature 8 g + 2 q + i of a tile (group g = 0..15, pair q = 0..3)
+  constexpr int kGroups = kT / 8;
   for (int64_t t = 0; t < m; ++t) {
     for (int64_t b = 0; b < f / kT; ++b) {
-      float lane_sum[kLanes];
-      for (int l = 0; l < kLanes; ++l) {
-        float acc = 0.0f;
-        for (int i = 0; i < kPerLane; ++i) {
-          const int64_t j = b * kT + l * kPerLane + i;
-          const float d = bf16_to_f32(da[t * f + j]);
-          float dgate, dup;
-          if (prow) {
-            const SwigluGradProb g = dswiglu_prob_f32(d, prow[t], h.gate(t, j), h.up(t, j));
-            dgate = g.dgate;
-            dup = g.dup;
-            acc = f_fma(d, g.a, acc);
-          } else {
-            const SwigluGrad g = dswiglu_f32(d, h.gate(t, j), h.up(t, j));
-            dgate = g.dgate;
-            dup = g.dup;
+      float pair[kGroups][4];
+      for (int g = 0; g < kGroups; ++g) {
+        for (int q = 0; q < 4; ++q) {
+          float acc = 0.0f;
+          for (int i = 0; i < 2; ++i) {
+            const int64_t j = b * kT + 8 * g + 2 * q + i;
+            const float d = bf16_to_f32(da[t * f + j]);
+            float dgate, dup;
+            if (prow) {
+              const SwigluGradProb gr = dswiglu_prob_f32(d, prow[t], h.gate(t, j), h.up(t, j));
+              dgate = gr.dgate;
+              dup = gr.dup;
+              acc = f_fma(d, gr.a, acc);
+            } else {
+              const SwigluGrad gr = dswiglu_f32(d, h.gate(t, j), h.up(t, j));
+              dgate = gr.dgate;
+              dup = gr.dup;
+            }
+            const bf16_t dg = bf16_canonical(dgate), du = bf16_canonical(dup);
+            dh[t * 2 * f + j] = dg;
+            dh[t * 2 * f + f + j] = du;
+            st.nonfinite += !f32_is_finite(bf16_to_f32(dg));
+            st.nonfinite += !f32_is_finite(bf16_to_f32(du));
           }
-          const bf16_t dg = bf16_canonical(dgate), du = bf16_canonical(dup);
-          dh[t * 2 * f + j] = dg;
-          dh[t * 2 * f + f + j] = du;
-          st.nonfinite += !f32_is_finite(bf16_to_f32(dg));
-          st.nonfinite += !f32_is_finite(bf16_to_f32(du));
+          pair[g][q] = acc;
         }
-        lane_sum[l] = acc;
       }
       if (!dprow_part) continue;
-      for (int o = kLanes / 2; o > 0; o /= 2) {  // the butterfly: every lane gets the same sum
-        float next[kLanes];
-        for (int l = 0; l < kLanes; ++l) next[l] = f_add(lane_sum[l], lane_sum[l ^ o]);
-        std::copy(next, next + kLanes, lane_sum);
-      }
-      dprow_part[b * m + t] = f32_canonical(lane_sum[0]);
+      for (int w = 1; w < kGroups; w *= 2)  // each pair position: the pairwise tree over the groups
+        for (int g = 0; g < kGroups; g += 2 * w)
+          for (int q = 0; q < 4; ++q) pair[g][q] = f_add(pair[g][q], pair[g + w][q]);
+      dprow_part[b * m + t] = f32_canonical(f_add(f_add(pair[0][0], pair[0][1]), f_add(pair[0][2], pair[0][3])));
     }
   }
   return st;

@@ -4,8 +4,9 @@
 // as MXFP4). Every output byte equal, including the bytes neither path may write (rows past
 // offsets[E], the poisoned tail), and the same non-finite count, on ragged experts (0, 1, 129, 300
 // rows), rows with widely spread magnitudes, and injected NaN / Inf (also a row whose a' overflows
-// while h stays finite). Then the layer: flow and flow-fp4 with CudaLayerOptions::fused_swiglu on
-// and off give the same y, dx, dW1, dW2, dWr and status. GPU label.
+// while h stays finite). Then the layer: flow and flow-fp4 with CudaLayerOptions::fused_swiglu and
+// fused_dswiglu (GEMM2-dgrad's epilogue, test_gemm_dswiglu_fused_gpu.cu) on and off give the same
+// y, dx, dW1, dW2, dWr and status. GPU label.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -188,9 +189,10 @@ struct LayerOut {
   std::vector<float> dw1, dw2, dwr;
   MoeStatus st;
   int64_t fused_fwd = 0;  // CastKind::kFused operators of the forward
+  int64_t fused_bwd = 0;  // and of the backward
 };
 
-LayerOut run_layer(Recipe r, bool fused, bool sync_free, int64_t T) {
+LayerOut run_layer(Recipe r, bool fused, bool sync_free, int64_t T, bool fused_bwd = false) {
   constexpr int64_t H = 256, F = 384;
   constexpr int E = 8, K = 2, Tmax = 300;
   std::mt19937 rng(4242);
@@ -208,6 +210,7 @@ LayerOut run_layer(Recipe r, bool fused, bool sync_free, int64_t T) {
   CudaLayerOptions o;
   o.fprop_dgrad = CudaLayerOptions::FpropDgrad::kGrouped;
   o.fused_swiglu = fused;
+  o.fused_dswiglu = fused_bwd;
   o.sync_free = sync_free;
   cudaStream_t s = nullptr;
   if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) throw std::runtime_error("stream");
@@ -224,6 +227,7 @@ LayerOut run_layer(Recipe r, bool fused, bool sync_free, int64_t T) {
     }
     out = LayerOut{y.get(s), dx.get(s), dw1.get(s), dw2.get(s), dwr.get(s), layer->status()};
     out.fused_fwd = layer->cast_report().count(MoePass::kForward, CastKind::kFused);
+    out.fused_bwd = layer->cast_report().count(MoePass::kBackward, CastKind::kFused);
   }
   cudaStreamDestroy(s);
   return out;
@@ -246,6 +250,27 @@ TEST_P(MoeFusedSwigluGpu, SameBitsAsTwoKernels) {
       EXPECT_EQ(a.st.nonfinite, b.st.nonfinite) << what;
       EXPECT_EQ(a.st.underflow, b.st.underflow) << what;
       EXPECT_EQ(a.fused_fwd, b.fused_fwd) << what << ": the SwiGLU operator counted once either way";
+    }
+}
+
+TEST_P(MoeFusedSwigluGpu, SameBitsWithTheFusedDswiglu) {
+  REQUIRE_SM90();
+  for (bool sync_free : {false, true})
+    for (int64_t T : {int64_t(300), int64_t(1)}) {
+      const LayerOut a = run_layer(GetParam(), false, sync_free, T);
+      for (bool fwd_too : {false, true}) {
+        const std::string what = std::string(recipe_name(GetParam())) + " T=" + std::to_string(T) +
+                                 (sync_free ? " sync-free" : "") + (fwd_too ? " fused fwd + bwd" : " fused bwd");
+        const LayerOut b = run_layer(GetParam(), fwd_too, sync_free, T, /*fused_bwd=*/true);
+        expect_same_bits(a.y, b.y, what + ": y");
+        expect_same_bits(a.dx, b.dx, what + ": dx");
+        expect_same_bits(a.dw1, b.dw1, what + ": dW1");
+        expect_same_bits(a.dw2, b.dw2, what + ": dW2");
+        expect_same_bits(a.dwr, b.dwr, what + ": dWr");
+        EXPECT_EQ(a.st.nonfinite, b.st.nonfinite) << what;
+        EXPECT_EQ(a.st.underflow, b.st.underflow) << what;
+        EXPECT_EQ(a.fused_bwd, b.fused_bwd) << what << ": the dSwiGLU operator counted once either way";
+      }
     }
 }
 

@@ -350,6 +350,54 @@ void GroupedGemm::fprop_swiglu(const DeviceSegments& seg, int64_t f, int64_t k, 
   ++impl_->stats.grouped_kernel_calls;
 }
 
+void GroupedGemm::dgrad_dswiglu(const DeviceSegments& seg, int64_t n, int64_t f, const QTensorView& dy,
+                                const QTensorView& wt, const float* row_prob, const QTensorView& h_saved,
+                                const QTensorView& dh_row, const QTensorView& dh_col, float* dprob_partials,
+                                DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "FP8 dgrad + dSwiGLU epilogue (device segments)";
+  impl_->require_fp8(what);
+  check_device_segments(seg, what);
+  FLOWMOE_CHECK(f > 0 && f % kFp8Block == 0,
+                what << ": F = " << f << " is not a positive multiple of 128 (W2^T is [F, H] per expert)");
+  if (seg.capacity == 0) return;  // no rows: nothing to compute or write
+  const bool mxfp4 = h_saved.layout == Layout::kMxfp4Row1x32;
+  check_view(h_saved, mxfp4 ? Layout::kMxfp4Row1x32 : Layout::kRow1x128, ScaleFormat::kUe8m0, what);
+  check_view(dh_row, Layout::kRow1x128, ScaleFormat::kUe8m0, what);
+  check_view(dh_col, Layout::kCol128x1, ScaleFormat::kUe8m0, what);
+  check_shape(h_saved, seg.capacity, 2 * f, what, "h (h_saved)");
+  check_shape(dh_row, seg.capacity, 2 * f, what, "dh (dh_row)");
+  check_shape(dh_col, seg.capacity, 2 * f, what, "dh (dh_col)");
+  FLOWMOE_CHECK(!mxfp4 || h_saved.scale_ld == 2 * f / kFp4Block,
+                what << ": the MXFP4 h scales must be dense [capacity][2F/32] (scale_ld " << h_saved.scale_ld
+                     << ", expected " << 2 * f / kFp4Block << ")");
+  FLOWMOE_CHECK(dh_row.scale_ld == seg.capacity,
+                what << ": dh_row's scales must be the tight grid [2F/128][capacity] (scale_ld " << dh_row.scale_ld
+                     << ", expected " << seg.capacity << ")");
+  const int64_t blocks = (seg.capacity + kFp8Block - 1) / kFp8Block + seg.num_segments;
+  FLOWMOE_CHECK(dh_col.scale_rows >= blocks && dh_col.scale_ld == 2 * f,
+                what << ": dh_col's scales must be [capacity/128 + E][2F] (have [" << dh_col.scale_rows << "]["
+                     << dh_col.scale_ld << "], expected at least [" << blocks << "][" << 2 * f << "])");
+  FLOWMOE_CHECK(dh_col.offsets == nullptr || dh_col.offsets == seg.offsets,
+                what << ": dh_col's segment offsets are not the GEMM's");
+  FLOWMOE_CHECK(row_prob != nullptr || dprob_partials == nullptr,
+                what << ": dprob_partials (the gradient of the routing probabilities) needs row_prob");
+  sm90::DswigluEpilogueArgs s;
+  s.f = f;
+  s.prob = row_prob;
+  s.h_mxfp4 = mxfp4;
+  s.h_codes = h_saved.codes;
+  s.h_scales = h_saved.ue8m0();
+  s.h_scale_ld = h_saved.scale_ld;
+  s.row_codes = dh_row.codes;
+  s.row_scales = dh_row.ue8m0();
+  s.col_codes = dh_col.codes;
+  s.col_scales = dh_col.ue8m0();
+  s.dprob_partials = dprob_partials;
+  s.status = status;
+  sm90::fp8_grouped_rowwise_dswiglu(rowwise_args(seg, f, n, dy, wt, {nullptr, 0}, what), s, what, stream);
+  ++impl_->stats.grouped_kernel_calls;
+}
+
 void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const QTensorView& dy_col,
                         const QTensorView& x_col, const WgradOut& dw, cudaStream_t stream) {
   const char* what = "FP8 wgrad (device segments)";

@@ -23,7 +23,10 @@
 // stores that overlap the next tile's math; a partial half stores BF16 pairs from the fragments,
 // rows below M_e only. GEMM1 of the flow recipes can instead end in the fused SwiGLU epilogue
 // (Epi::kSwigluH8 / kSwigluH4, kBN = 256 over W1 interleaved in 128-row gate/up blocks:
-// sm90_grouped_swiglu_epilogue.cuh), which writes a' and the saved h quantized and no BF16 h.
+// sm90_grouped_swiglu_epilogue.cuh), which writes a' and the saved h quantized and no BF16 h;
+// GEMM2-dgrad of the flow recipes in the fused dSwiGLU epilogue (Epi::kDswigluH8 / kDswigluH4,
+// kBN = 128: sm90_grouped_dswiglu_epilogue.cuh), which reads the saved h (cp.async at each tile's
+// start) and writes dh row-wise and column-wise and dp's partial sums, no BF16 da'.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -34,6 +37,7 @@
 #include "cuda/common.cuh"
 #include "cuda/gemm/grouped_row_schedule.cuh"
 #include "cuda/gemm/sm90_fp8_grouped_1x128.h"
+#include "cuda/gemm/sm90_grouped_dswiglu_epilogue.cuh"
 #include "cuda/gemm/sm90_grouped_swiglu_epilogue.cuh"
 #include "cuda/sm90/fence.cuh"
 #include "cuda/sm90/mbarrier.cuh"
@@ -56,16 +60,17 @@ constexpr int kSchedBytes = 2 * (kMaxGroupedExperts + 1) * 4;  // offsets and ti
 // The configuration of one feature-tile width: 128 (any n_out) or 256 (n_out a multiple of 256:
 // the same A tile feeds twice the math, a quarter less operand traffic per FLOP). Shared memory
 // (227 KB per CTA) holds the ring of stages and the BF16 output tile the epilogue stages for its
-// TMA stores (64 KB at kBN = 256, 32 KB at 128); kStages is what the rest leaves (>= 3: two loads in
-// flight while one stage is read).
-template <int kBN>
+// TMA stores (64 KB at kBN = 256, 32 KB at 128), or the dSwiGLU epilogue's buffers (70 KB);
+// kStages is what the rest leaves (>= 3: two loads in flight while one stage is read).
+template <int kBN, Epi kEpi>
 struct Cfg {
   static constexpr int kHalves = kBN / 128;                      // 128-feature halves (B scale blocks)
   static constexpr int kStageBytes = kTile * kTile + kBN * kTile;  // A tile + B tile, FP8
-  static constexpr int kStages = kBN == 256 ? 3 : 5;
+  static constexpr int kStages = kBN == 256 ? 3 : is_dswiglu(kEpi) ? 4 : 5;
   static constexpr int kScaleFloats = kTile + 4;                 // per stage: 128 A scales, B's per half
   static constexpr int kBoxes = kBN / 64;                        // TMA store boxes per warpgroup
-  static constexpr int kEpiBytes = 2 * 64 * kBN * 2;             // both warpgroups' 64 x kBN BF16 halves
+  static constexpr int kEpiBytes =                               // both warpgroups' 64 x kBN BF16 halves
+      is_dswiglu(kEpi) ? DswigluSmem::kBytes : 2 * 64 * kBN * 2;
   static constexpr int kSmemBytes = kStages * kStageBytes + kEpiBytes + kStages * kScaleFloats * 4 +
                                     kSchedBytes + 2 * kStages * 8 + 16 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit: fewer stages");
@@ -85,6 +90,7 @@ struct Params {
   bf16_t* d;  // Epi::kBf16
   unsigned long long* bad_segments;
   SwigluEpiParams swiglu;  // the SwiGLU epilogues
+  DswigluEpiParams dswiglu;  // the dSwiGLU epilogues
 };
 
 
@@ -93,10 +99,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_rowwise_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                            const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params p) {
 #ifdef FLOWMOE_SM90A
-  using C = Cfg<kBN>;
-  static_assert(kEpi == Epi::kBf16 || kBN == 256, "the SwiGLU epilogue needs gate and up in one 256-wide tile");
-  static_assert(kEpi == Epi::kBf16 || SwigluStage<kEpi>::kBytes <= C::kBoxes * kBoxBytes,
+  using C = Cfg<kBN, kEpi>;
+  constexpr bool kDswiglu = is_dswiglu(kEpi), kH4 = kEpi == Epi::kDswigluH4;
+  static_assert(!is_swiglu(kEpi) || kBN == 256, "the SwiGLU epilogue needs gate and up in one 256-wide tile");
+  static_assert(!is_swiglu(kEpi) || SwigluStage<kEpi>::kBytes <= C::kBoxes * kBoxBytes,
                 "the SwiGLU epilogue's codes must fit the warpgroup's staging buffer");
+  static_assert(!kDswiglu || kBN == 128, "the dSwiGLU epilogue takes 128-feature tiles (one row tile of dh)");
   constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kScaleFloats = C::kScaleFloats;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -185,7 +193,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int ci = wg - 1;                   // token rows 64 ci .. 64 ci + 63 of the tile
   const int r0 = 16 * warp + lane / 4;     // fragment rows r0 and r0 + 8 (of the half tile)
   const int c0 = 2 * (lane % 4);           // fragment columns 8 j + c0, + 1 (of a 128-feature half)
-  uint8_t* ebuf = epi + ci * (C::kBoxes * kBoxBytes);  // this warpgroup's BF16 half tile
+  uint8_t* ebuf = epi + ci * (kDswiglu ? DswigluSmem::kWgBytes : C::kBoxes * kBoxBytes);  // this warpgroup's
+  uint32_t* dexch = reinterpret_cast<uint32_t*>(epi + 2 * DswigluSmem::kWgBytes);  // dSwiGLU: both warpgroups'
+  uint16_t* dcodes = reinterpret_cast<uint16_t*>(epi + 2 * DswigluSmem::kWgBytes + DswigluSmem::kExchBytes);
   float acc[C::kHalves][64], blk[64];
   uint32_t it = 0;
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
@@ -196,6 +206,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int h = 0; h < C::kHalves; ++h)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+    DswigluRowIn din;
+    if constexpr (kDswiglu) din = dswiglu_tile_start<kH4>(ebuf, p.dswiglu, int64_t(off) + local0, me - local0, nt, t);
     for (int kb = 0; kb < kb_count; ++kb, ++it) {
       const int s = it % kStages;
       mbar_wait(&full[s], (it / kStages) & 1);
@@ -226,7 +238,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // A partial half (the expert's last token tile) stores BF16 pairs from the fragments, rows below
     // M_e only (the others belong to the next expert or lie past the segments). (The BF16 kernel's
     // rows_tma_epilogue.cuh is this code as a function; here it stays inline: see that file.)
-    if constexpr (kEpi != Epi::kBf16) {
+    if constexpr (kDswiglu) {
+      const int64_t block = s_start[rt.e] / n_tiles + rt.local0 / kTile;  // the expert's 128-token block
+      dswiglu_epilogue<kH4>(acc[0], ebuf, dexch, dcodes, p.dswiglu, din, int64_t(off) + local0, me - local0, nt,
+                            block, t, ci, 1 + ci);
+    } else if constexpr (kEpi != Epi::kBf16) {
       swiglu_epilogue<kEpi>(acc, ebuf, p.swiglu, int64_t(off) + local0, me - local0, nt, t, 1 + ci);
     } else if (local0 + 64 <= me) {
       if (t == 0) bulk_wait_read_all();
@@ -276,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <int kBN, Epi kEpi>
 void allow_smem() {
   FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_rowwise_kernel<kBN, kEpi>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<kBN>::kSmemBytes));
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<kBN, kEpi>::kSmemBytes));
 }
 
 // SMs of the current device; the kernels' shared-memory limit raised once per device.
@@ -286,6 +302,8 @@ int sm_count() {
     allow_smem<256, Epi::kBf16>();
     allow_smem<256, Epi::kSwigluH8>();
     allow_smem<256, Epi::kSwigluH4>();
+    allow_smem<128, Epi::kDswigluH8>();
+    allow_smem<128, Epi::kDswigluH4>();
   });
 }
 
@@ -355,9 +373,9 @@ void fp8_grouped_rowwise(const RowwiseGroupedArgs& a, const char* what, cudaStre
   CUtensorMap ma, mb, md;
   const Params p = make_params(a, true, what, ma, mb, md);
   if (a.n_out % 256 == 0)
-    grouped_rowwise_kernel<256, Epi::kBf16><<<grid_size(a, 256), kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
+    grouped_rowwise_kernel<256, Epi::kBf16><<<grid_size(a, 256), kThreads, Cfg<256, Epi::kBf16>::kSmemBytes, stream>>>(ma, mb, md, p);
   else
-    grouped_rowwise_kernel<128, Epi::kBf16><<<grid_size(a, 128), kThreads, Cfg<128>::kSmemBytes, stream>>>(ma, mb, md, p);
+    grouped_rowwise_kernel<128, Epi::kBf16><<<grid_size(a, 128), kThreads, Cfg<128, Epi::kBf16>::kSmemBytes, stream>>>(ma, mb, md, p);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -394,9 +412,57 @@ void fp8_grouped_rowwise_swiglu(const RowwiseGroupedArgs& a, const SwigluEpilogu
   p.swiglu.nonfinite = s.status ? &s.status->nonfinite : nullptr;
   const int grid = grid_size(a, 256);
   if (s.h_mxfp4)
-    grouped_rowwise_kernel<256, Epi::kSwigluH4><<<grid, kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
+    grouped_rowwise_kernel<256, Epi::kSwigluH4><<<grid, kThreads, Cfg<256, Epi::kSwigluH4>::kSmemBytes, stream>>>(ma, mb, md, p);
   else
-    grouped_rowwise_kernel<256, Epi::kSwigluH8><<<grid, kThreads, Cfg<256>::kSmemBytes, stream>>>(ma, mb, md, p);
+    grouped_rowwise_kernel<256, Epi::kSwigluH8><<<grid, kThreads, Cfg<256, Epi::kSwigluH8>::kSmemBytes, stream>>>(ma, mb, md, p);
+  FLOWMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+const char* dswiglu_grouped_unsupported(const RowwiseGroupedArgs& a, const DswigluEpilogueArgs& s) {
+  if (const char* why = unsupported(a, false)) return why;
+  if (a.d != nullptr) return "a BF16 output given: the dSwiGLU epilogue writes dh and dp only";
+  if (s.f <= 0 || a.n_out != s.f) return "the output features are not F (da' is [m, F])";
+  if (a.m == 0) return nullptr;
+  if (!s.h_codes || !s.h_scales || !s.row_codes || !s.row_scales || !s.col_codes || !s.col_scales)
+    return "a null h or dh pointer";
+  if (s.dprob_partials && !s.prob) return "dp's partial sums asked without the routing probabilities";
+  if (!aligned16(s.h_codes) || !aligned16(s.row_codes) || !aligned16(s.col_codes))
+    return "the h or dh codes are not 16-byte aligned";
+  if ((reinterpret_cast<uintptr_t>(s.col_scales) & 1u) != 0) return "the column-wise dh scales are not 2-byte aligned";
+  if (s.h_mxfp4 && (reinterpret_cast<uintptr_t>(s.h_scales) & 3u) != 0) return "the MXFP4 h scales are not 4-byte aligned";
+  if (!s.h_mxfp4 && s.h_scale_ld < a.m) return "the h scale grid's leading dimension is below the token count";
+  return nullptr;
+}
+
+void fp8_grouped_rowwise_dswiglu(const RowwiseGroupedArgs& a, const DswigluEpilogueArgs& s, const char* what,
+                                 cudaStream_t stream) {
+  const char* why = dswiglu_grouped_unsupported(a, s);
+  FLOWMOE_CHECK(why == nullptr, what << " (grouped sm_90a kernel, dSwiGLU epilogue): " << why << " (experts "
+                                     << a.num_experts << ", m " << a.m << ", n " << a.n_out << ", k " << a.k_red
+                                     << ", F " << s.f << ")");
+  if (a.m == 0) return;
+  CUtensorMap ma, mb, md;
+  Params p = make_params(a, false, what, ma, mb, md);
+  DswigluEpiParams& q = p.dswiglu;
+  q.prob = s.prob;
+  q.h_codes = s.h_codes;
+  q.h_scales = s.h_scales;
+  q.h_scale_ld = s.h_scale_ld;
+  q.m = a.m;
+  q.row_codes = s.row_codes;
+  q.row_scales = s.row_scales;
+  q.col_codes = s.col_codes;
+  q.col_scales = s.col_scales;
+  q.dpart = s.dprob_partials;
+  q.f = int(s.f);
+  q.nonfinite = s.status ? &s.status->nonfinite : nullptr;
+  const int grid = grid_size(a, 128);
+  if (s.h_mxfp4)
+    grouped_rowwise_kernel<128, Epi::kDswigluH4><<<grid, kThreads, Cfg<128, Epi::kDswigluH4>::kSmemBytes, stream>>>(
+        ma, mb, md, p);
+  else
+    grouped_rowwise_kernel<128, Epi::kDswigluH8><<<grid, kThreads, Cfg<128, Epi::kDswigluH8>::kSmemBytes, stream>>>(
+        ma, mb, md, p);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 

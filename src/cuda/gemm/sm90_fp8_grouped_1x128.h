@@ -77,6 +77,30 @@ const char* swiglu_grouped_unsupported(const RowwiseGroupedArgs& a, const Swiglu
 void fp8_grouped_rowwise_swiglu(const RowwiseGroupedArgs& a, const SwigluEpilogueArgs& s, const char* what,
                                 cudaStream_t stream);
 
+// GEMM2-dgrad of the flow recipes with the dSwiGLU epilogue (sm90_grouped_dswiglu_epilogue.cuh): the
+// dgrad above (A = dY, B = W2^T, n_out = F; d must be null: da' in BF16 is not written), then per
+// row r < offsets[E] from da' rounded to BF16 and the saved h: dh = [dgate, dup] (with the routing
+// probability when given) as FP8 1x128 row tiles [m, 2F] and FP8 128x1 column tiles [2F, m] over
+// the experts' 128-token blocks, and dp's partial sums [F/128][m]: the bits of fp8_grouped_rowwise
+// followed by cuda::dswiglu_quant_fp8h / dswiglu_quant_fp4h.
+struct DswigluEpilogueArgs {
+  int64_t f = 0;                    // F: features of da'
+  const float* prob = nullptr;      // [m] routing probability per row, or null (plain dSwiGLU)
+  bool h_mxfp4 = false;             // h saved as MXFP4 (flow-fp4) instead of FP8 rows (flow)
+  const uint8_t* h_codes = nullptr; // FP8: E4M3 [m, 2F]; MXFP4: E2M1 [m, F] (two per byte); 16-byte aligned
+  const uint8_t* h_scales = nullptr;  // FP8: UE8M0 [2F/128][h_scale_ld]; MXFP4: [m][2F/32], 4-byte aligned
+  int64_t h_scale_ld = 0;           // FP8 only, >= m
+  uint8_t* row_codes = nullptr;     // dh row-wise E4M3 [m, 2F], 16-byte aligned
+  uint8_t* row_scales = nullptr;    // UE8M0 [2F/128][m]
+  uint8_t* col_codes = nullptr;     // dh column-wise E4M3 [2F, m], 16-byte aligned
+  uint8_t* col_scales = nullptr;    // UE8M0 [ceil(m/128) + E][2F] (the segment blocks), 2-byte aligned
+  float* dprob_partials = nullptr;  // [F/128][m] (needs prob), or null
+  DeviceStatus* status = nullptr;   // non-finite dgate and dup values counted in status->nonfinite
+};
+const char* dswiglu_grouped_unsupported(const RowwiseGroupedArgs& a, const DswigluEpilogueArgs& s);
+void fp8_grouped_rowwise_dswiglu(const RowwiseGroupedArgs& a, const DswigluEpilogueArgs& s, const char* what,
+                                 cudaStream_t stream);
+
 }  // namespace sm90
 }  // namespace cuda
 }  // namespace flowmoe

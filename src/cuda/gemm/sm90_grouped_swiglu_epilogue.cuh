@@ -26,8 +26,11 @@ namespace flowmoe {
 namespace cuda {
 namespace sm90 {
 
-// What the grouped kernel's epilogue writes.
-enum class Epi { kBf16, kSwigluH8, kSwigluH4 };
+// What the grouped kernel's epilogue writes: BF16 D; GEMM1's SwiGLU (h saved as FP8 rows or
+// MXFP4); GEMM2-dgrad's dSwiGLU (sm90_grouped_dswiglu_epilogue.cuh; h read as FP8 rows or MXFP4).
+enum class Epi { kBf16, kSwigluH8, kSwigluH4, kDswigluH8, kDswigluH4 };
+constexpr bool is_swiglu(Epi e) { return e == Epi::kSwigluH8 || e == Epi::kSwigluH4; }
+constexpr bool is_dswiglu(Epi e) { return e == Epi::kDswigluH8 || e == Epi::kDswigluH4; }
 
 // The SwiGLU epilogue's outputs (kernel parameters).
 struct SwigluEpiParams {

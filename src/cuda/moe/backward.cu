@@ -53,7 +53,7 @@ void CudaMoeLayer::backward_blockwise(const bf16_t* dy, const MoeGrads& g) {
     quantize_col(b.dh, 2 * F_, sb, b.dh_col.codes, b.dh_col.ue8m0(), b.dh_row.codes, b.dh_row.ue8m0(), st_bwd(),
                  stream_); }
   log_rows(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhBoth, 1, 2, 2 * F_);
-  fp8_gemm1_grads(g, b.x_perm_col, -1);
+  fp8_gemm1_grads(g, b.dh_row, b.dh_col, b.x_perm_col, -1);
 }
 
 // The UE8M0 recipes' backward GEMMs (blockwise, flow, flow-fp4), each dgrad followed by the wgrad
@@ -70,15 +70,16 @@ void CudaMoeLayer::fp8_gemm2_grads(const MoeGrads& g, int side) {
 }
 // GEMM1: dgrad from dh row-wise into the dX rows, then mark_dx_rows_ready; wgrad from dh's column
 // copy and x_perm's (`x_perm_col`) into dW1.
-void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& x_perm_col, int side) {
+void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& dh_row, const QTensorView& dh_col,
+                                   const QTensorView& x_perm_col, int side) {
   ExpertBuffers& b = ws_.expert;
   { auto s = bwd("GEMM1 dgrad (fp8)");
-    fp8_dgrad(b.dh_row, 2 * F_, H_, ws_.weights.w1t, b.dx_rows, st_bwd_aux()); }
+    fp8_dgrad(dh_row, 2 * F_, H_, ws_.weights.w1t, b.dx_rows, st_bwd_aux()); }
   mark_dx_rows_ready();
   if (side >= 0) streams_.join(side);
   if (!g.dw1) return;
   auto s = bwd("GEMM1 wgrad (fp8)");
-  fp8_wgrad(b.dh_col, 2 * F_, x_perm_col, H_, g.dw1);
+  fp8_wgrad(dh_col, 2 * F_, x_perm_col, H_, g.dw1);
 }
 
 // ---- fp8-naive -----------------------------------------------------------------------------------
@@ -157,10 +158,26 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
     streams_.mark(LayerStreams::kSideB);
   }
   log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm2Grad).op, 1, 1, H_);
+  const QTensorView& hs = b.h_saved;
+  if (fused_dswiglu_) {
+    {  // one kernel: GEMM2 dgrad with dSwiGLU*prob and dh's quantizations in its epilogue (no BF16 da')
+      auto s = bwd(fp4 ? "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from mxfp4 h)"
+                       : "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
+      gemm_->dgrad_dswiglu(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, H_, F_,
+                           gemm_rows(b.dy_row, H_), ws_.weights.w2t, ws_.routing.row_prob, hs, b.dh_row_fused,
+                           b.dh_col_fused, ws_.routing.dprob_partials, st_bwd(), stream_);
+    }
+    log_rows(MoePass::kBackward, CastKind::kFused, report_names::kGemm2DgradDswigluQuantRowCol, 1, 2, 2 * F_);
+    streams_.join(LayerStreams::kSideA);
+    if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)"); fp8_wgrad(b.dy_col, H_, b.a_col, F_, g.dw2); }
+    log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, H_);
+    fp8_gemm1_grads(g, b.dh_row_fused, b.dh_col_fused, b.x_perm_col_flow, LayerStreams::kSideB);
+    streams_.join(LayerStreams::kSideB);
+    return;
+  }
   fp8_gemm2_grads(g, LayerStreams::kSideA);  // the wgrad after dY's column copy
   // the dSwiGLU below overwrites dY's row and column copies
   streams_.join(LayerStreams::kSideA);  // (also when there is no wgrad of W2: the transpose read dY row)
-  const QTensorView& hs = b.h_saved;
   if (!fp4) {
     auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
     dswiglu_quant_fp8h(b.da, hs.codes, hs.ue8m0(), F_, sb, b.dh_row.codes, b.dh_row.ue8m0(), b.dh_col.codes,
@@ -172,7 +189,7 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
   }
   log_rows(MoePass::kBackward, CastKind::kFused, report_names::kDswigluQuantRowCol, 1, 2, 2 * F_);
   log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, H_);
-  fp8_gemm1_grads(g, b.x_perm_col_flow, LayerStreams::kSideB);  // the wgrad after x_perm's column copy
+  fp8_gemm1_grads(g, b.dh_row, b.dh_col, b.x_perm_col_flow, LayerStreams::kSideB);  // the wgrad after x_perm's column copy
   streams_.join(LayerStreams::kSideB);  // the side stream idle before the next forward reuses x_perm
 }
 

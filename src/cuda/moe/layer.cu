@@ -47,9 +47,10 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
                   (options.fprop_dgrad == FD::kAuto && recipe_spec(rc).uses_fp8() &&
                    max_rows_ <= CudaLayerOptions::kGroupedAutoRows * El_);
   fused_swiglu_ = options.fused_swiglu && grouped_gemm_ && (rc == Recipe::kFlow || rc == Recipe::kFlowFp4);
+  fused_dswiglu_ = options.fused_dswiglu && grouped_gemm_ && (rc == Recipe::kFlow || rc == Recipe::kFlowFp4);
   if (comm_)  // agreed across ranks by make_cuda_layer
     direct_bytes_ = options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes;
-  ws_.allocate(arena_, cfg_, dedup_, /*device_plan=*/sync_free_ && comm_ != nullptr);
+  ws_.allocate(arena_, cfg_, dedup_, /*device_plan=*/sync_free_ && comm_ != nullptr, fused_swiglu_, fused_dswiglu_);
 
   // flow / flow-fp4: the column copies for wgrad on the side stream
   const bool side = (rc == Recipe::kFlow || rc == Recipe::kFlowFp4) && options.side_stream;

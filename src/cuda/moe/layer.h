@@ -133,7 +133,8 @@ class CudaMoeLayer final : public MoeLayer {
   void backward_naive(const bf16_t* dy, const MoeGrads& g);
   void backward_flow(const bf16_t* dy, const MoeGrads& g);
   void fp8_gemm2_grads(const MoeGrads& g, int side);
-  void fp8_gemm1_grads(const MoeGrads& g, const QTensorView& x_perm_col, int side);
+  void fp8_gemm1_grads(const MoeGrads& g, const QTensorView& dh_row, const QTensorView& dh_col,
+                       const QTensorView& x_perm_col, int side);
   void naive_col(const QTensorView& row, int64_t c, const QTensorView& col, WgradOperand what);
   void backward_tail(const MoeGrads& g, bf16_t* dx);
 
@@ -211,6 +212,7 @@ class CudaMoeLayer final : public MoeLayer {
   bool dedup_ = false;        // deduplicated EP dispatch (CudaLayerOptions::ep_dedup; not fp8-naive)
   bool grouped_gemm_ = true;  // fprop/dgrad (bf16: and wgrad) by flowmoe's kernels (CudaLayerOptions::fprop_dgrad)
   bool sync_free_ = false;    // CudaLayerOptions::sync_free: Mp_ is the capacity max_rows_
+  bool fused_dswiglu_ = false;  // GEMM2 dgrad + dSwiGLU in one kernel (CudaLayerOptions::fused_dswiglu)
   bool fused_swiglu_ = false; // GEMM1 + SwiGLU in one kernel (CudaLayerOptions::fused_swiglu): w1 interleaved
   int64_t direct_bytes_ = -1; // dispatch_rows / combine_rows message grouping (comm.h)
 

@@ -63,7 +63,8 @@ Routing alloc_routing(DeviceArena& a, int64_t tokens, int topk, int experts, int
 
 }  // namespace
 
-void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup, bool device_plan) {
+void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup, bool device_plan, bool fused_swiglu,
+                         bool fused_dswiglu) {
   // rows: cfg.max_rows() in whole 128-row blocks (the sync-free layer's capacity, which the wgrad
   // kernel reads as 128-token blocks through TMA)
   const int64_t R = workspace_rows(cfg), Tm = cfg.max_tokens, H = cfg.hidden, F = cfg.ffn, E = cfg.num_experts;
@@ -167,8 +168,9 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup, bool 
   ExpertBuffers& x = expert;
   x.y_rows = a.device<bf16_t>(R * H);
   x.x_perm_staging = x.dy_rows = x.dx_rows = x.y_rows;
-  x.h = a.device<bf16_t>(R * 2 * F);
-  x.a = a.device<bf16_t>(R * F);
+  const bool flow = rc == Recipe::kFlow || rc == Recipe::kFlowFp4;
+  x.h = flow && fused_swiglu ? nullptr : a.device<bf16_t>(R * 2 * F);
+  x.a = flow && fused_dswiglu ? nullptr : a.device<bf16_t>(R * F);
   if (rc == Recipe::kBf16) {
     x.x_perm = a.device<bf16_t>(R * H);
     x.da = a.device<bf16_t>(R * F);
@@ -220,6 +222,14 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup, bool 
         x.h_saved = mxfp4_1x32(codes, a.device<uint8_t>(R * (2 * F / 32)), R, 2 * F);
       }
       x.a_col = col_128x1(a.device<uint8_t>(F * R), a.device<uint8_t>(MB * F), R, F, MB);
+      if (fused_dswiglu) {
+        x.dh_row_fused = row_1x128(a.device<uint8_t>(R * 2 * F), a.device<uint8_t>((2 * F / 128) * R), R, 2 * F);
+        uint8_t* h_bytes = reinterpret_cast<uint8_t*>(x.h);  // free in the backward: h is saved quantized
+        if (h_bytes && 2 * F * R + MB * 2 * F <= int64_t(sizeof(bf16_t)) * R * 2 * F)
+          x.dh_col_fused = col_128x1(h_bytes, h_bytes + 2 * F * R, R, 2 * F, MB);
+        else
+          x.dh_col_fused = col_128x1(a.device<uint8_t>(2 * F * R), a.device<uint8_t>(MB * 2 * F), R, 2 * F, MB);
+      }
       if (rc == Recipe::kFlow) {
         uint8_t* codes = a.device<uint8_t>(R * H);
         x.x_perm_row = row_1x128(codes, a.device<uint8_t>((H / 128) * R), R, H);

@@ -101,8 +101,9 @@ struct ExpertBuffers {
                                      // last read by GEMM2's grads
   bf16_t* dx_rows = nullptr;         // backward: GEMM1 dgrad output, read by the tail
   bf16_t* x_perm = nullptr;          // [R, H] bf16 recipe: GEMM1 input (saved)
-  bf16_t* h = nullptr;               // [R, 2F] GEMM1 output (saved in bf16, blockwise, fp8-naive)
-  bf16_t* a = nullptr;               // [R, F] a' in BF16 (saved in bf16)
+  bf16_t* h = nullptr;               // [R, 2F] GEMM1 output (saved in bf16, blockwise, fp8-naive; null
+                                     // with the fused SwiGLU)
+  bf16_t* a = nullptr;               // [R, F] a' in BF16 (saved in bf16; null with the fused dSwiGLU)
   bf16_t* da = nullptr;              // [R, F] d a' (FP8 recipes: the allocation of `a`)
   bf16_t* dh = nullptr;              // [R, 2F] (flow: the allocation of `h`, scratch there)
 
@@ -133,6 +134,10 @@ struct ExpertBuffers {
   // flow-fp4 with the fused SwiGLU: GEMM1's FP8 input [R, H] in the storage of dy_col (backward
   // only), since the kernel that reads it writes a_row, whose storage x_perm_fp8 shares
   QTensorView x_perm_fp8_fused;
+  // flow / flow-fp4 with the fused dSwiGLU: dh row-wise [R, 2F] (its own allocation: the kernel that
+  // writes it reads dY row-wise, whose storage dh_row shares) and column-wise [2F over R] (in BF16
+  // h's storage when there is one, scales dense [MB][2F]), which GEMM1's grads read
+  QTensorView dh_row_fused, dh_col_fused;
   QTensorView x_perm_f32;   // fp8-naive: x_perm row-wise, FP32 scales (expert-packed)
   QTensorView a_f32;        // fp8-naive: a' row-wise, FP32 scales (expert-packed)
 
@@ -189,7 +194,10 @@ struct Workspace {
   EpBuffers ep;
   // dedup: the deduplicated EP dispatch's buffers
   // device_plan: the sync-free expert-parallel plan buffers (EpBuffers, last group)
-  void allocate(DeviceArena& arena, const MoeConfig& cfg, bool dedup, bool device_plan);
+  // fused_swiglu / fused_dswiglu (flow recipes): GEMM1's and GEMM2-dgrad's fused epilogues, which
+  // leave out BF16 h and da' (ExpertBuffers::h, a) and write dh into dh_row_fused / dh_col_fused
+  void allocate(DeviceArena& arena, const MoeConfig& cfg, bool dedup, bool device_plan, bool fused_swiglu = false,
+                bool fused_dswiglu = false);
 };
 
 }  // namespace moe

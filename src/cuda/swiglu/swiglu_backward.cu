@@ -55,9 +55,9 @@ dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
     unpack8(vu[i], xu);
     uint4 dg, du;
     if constexpr (kProb) {
-      float acc = 0.0f;
-      dswiglu8_prob(xd, p[i], xg, xu, dg, du, acc);
-      acc = tile_sum16(acc);
+      float pair[4];
+      dswiglu8_prob(xd, p[i], xg, xu, dg, du, pair);
+      const float acc = tile_sum16(pair);
       if (dpart && lane == 0 && r < mb) dpart[kb * m + r] = f32_canonical(acc);
     } else {
       dswiglu8(xd, xg, xu, dg, du);
@@ -177,9 +177,9 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
       }
       uint4 dg, du;
       if constexpr (kProb) {
-        float acc = 0.0f;
-        dswiglu8_prob(xd, pr[i], xg, xu, dg, du, acc);
-        acc = tile_sum16(acc);
+        float pair[4];
+        dswiglu8_prob(xd, pr[i], xg, xu, dg, du, pair);
+        const float acc = tile_sum16(pair);
         if (dpart && lane == 0 && row < n) dpart[kt * m + r] = f32_canonical(acc);
       } else {
         dswiglu8(xd, xg, xu, dg, du);

@@ -78,29 +78,32 @@ __device__ __forceinline__ void dswiglu8(const float (&da)[8], const float (&g)[
   du = make_uint4(b[0], b[1], b[2], b[3]);
 }
 
-// The same with the routing probability p (num::dswiglu_prob_f32), accumulating this lane's share
-// of dp: acc = fma(da[i], a[i], acc) for its 8 features in order.
+// The same with the routing probability p (num::dswiglu_prob_f32), and this lane's four pair
+// values of dp (swiglu.h's order): pair[q] = fma(da[2q+1], a[2q+1], fma(da[2q], a[2q], +0)).
 __device__ __forceinline__ void dswiglu8_prob(const float (&da)[8], float p, const float (&g)[8],
-                                              const float (&u)[8], uint4& dg, uint4& du, float& acc) {
+                                              const float (&u)[8], uint4& dg, uint4& du, float (&pair)[4]) {
   uint32_t a[4], b[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const SwigluGradProb lo = dswiglu_prob_f32(da[2 * q], p, g[2 * q], u[2 * q]);
     const SwigluGradProb hi = dswiglu_prob_f32(da[2 * q + 1], p, g[2 * q + 1], u[2 * q + 1]);
-    acc = f_fma(da[2 * q], lo.a, acc);
-    acc = f_fma(da[2 * q + 1], hi.a, acc);
+    pair[q] = f_fma(da[2 * q + 1], hi.a, f_fma(da[2 * q], lo.a, 0.0f));
     a[q] = pack_bf16x2(lo.dgate, hi.dgate);
     b[q] = pack_bf16x2(lo.dup, hi.dup);
   }
   dg = make_uint4(a[0], a[1], a[2], a[3]);
   du = make_uint4(b[0], b[1], b[2], b[3]);
 }
-// dp partial of a 1x128 tile held by a half-warp: the 16 lane sums combined by the butterfly
-// (xor 8, 4, 2, 1; every lane ends with the same value, f_add being commutative).
-__device__ __forceinline__ float tile_sum16(float acc) {
+// dp partial of a 1x128 tile held by a half-warp, lane l holding the 8-feature group l: each pair
+// position q summed over the 16 groups by the butterfly (xor 1, 2, 4, 8: the pairwise tree, adjacent
+// groups first; every lane ends with the same sums, f_add being commutative), then
+// (q0 + q1) + (q2 + q3) (swiglu.h's order, which GEMM2-dgrad's fused epilogue also follows).
+__device__ __forceinline__ float tile_sum16(float (&pair)[4]) {
 #pragma unroll
-  for (int o = 8; o > 0; o >>= 1) acc = f_add(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-  return acc;
+  for (int o = 1; o < 16; o <<= 1)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) pair[q] = f_add(pair[q], __shfl_xor_sync(0xffffffffu, pair[q], o));
+  return f_add(f_add(pair[0], pair[1]), f_add(pair[2], pair[3]));
 }
 
 __device__ __forceinline__ void unpack8(const uint4& v, float (&x)[8]) {
