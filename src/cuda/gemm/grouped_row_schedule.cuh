@@ -45,18 +45,23 @@ __device__ __forceinline__ void build_row_tile_schedule(const int* s_off, int E,
 }
 
 // Tile `tile` of that schedule: its expert, the expert's first row and row count, the token tile's
-// first row within the expert and the feature tile.
+// first row within the expert and the feature tile. Within an expert the token tiles run fastest (a
+// wave of CTAs shares the expert's weight rows in L2), or with `features_fastest` the feature tiles
+// (a wave shares the token rows: where the activation rows are long, e.g. GEMM2's dgrad over
+// H = 7168, 132 token tiles of them would not fit L2 and each feature tile would read them again
+// from memory).
 struct RowTile {
   int e, off, rows, local0, nt;
 };
-__device__ __forceinline__ RowTile row_tile(const int* s_off, const int* s_start, int E, int tile) {
+__device__ __forceinline__ RowTile row_tile(const int* s_off, const int* s_start, int E, int tile,
+                                            bool features_fastest = false, int n_tiles = 1) {
   RowTile r;
   r.e = detail::last_at_or_below(s_start, E, tile);
   r.off = s_off[r.e];
   r.rows = s_off[r.e + 1] - r.off;
   const int mt_count = (r.rows + 127) / 128, i = tile - s_start[r.e];
-  r.local0 = (i % mt_count) * 128;  // token tiles fastest: a wave of CTAs shares the expert's weights in L2
-  r.nt = i / mt_count;
+  r.local0 = (features_fastest ? i / n_tiles : i % mt_count) * 128;
+  r.nt = features_fastest ? i % n_tiles : i / mt_count;
   return r;
 }
 #endif  // FLOWMOE_SM90A

@@ -60,13 +60,13 @@ constexpr int kSchedBytes = 2 * (kMaxGroupedExperts + 1) * 4;  // offsets and ti
 // The configuration of one feature-tile width: 128 (any n_out) or 256 (n_out a multiple of 256:
 // the same A tile feeds twice the math, a quarter less operand traffic per FLOP). Shared memory
 // (227 KB per CTA) holds the ring of stages and the BF16 output tile the epilogue stages for its
-// TMA stores (64 KB at kBN = 256, 32 KB at 128), or the dSwiGLU epilogue's buffers (70 KB);
+// TMA stores (64 KB at kBN = 256, 32 KB at 128), or the dSwiGLU epilogue's buffers (108 KB);
 // kStages is what the rest leaves (>= 3: two loads in flight while one stage is read).
 template <int kBN, Epi kEpi>
 struct Cfg {
   static constexpr int kHalves = kBN / 128;                      // 128-feature halves (B scale blocks)
   static constexpr int kStageBytes = kTile * kTile + kBN * kTile;  // A tile + B tile, FP8
-  static constexpr int kStages = kBN == 256 ? 3 : is_dswiglu(kEpi) ? 4 : 5;
+  static constexpr int kStages = kBN == 256 || is_dswiglu(kEpi) ? 3 : 5;
   static constexpr int kScaleFloats = kTile + 4;                 // per stage: 128 A scales, B's per half
   static constexpr int kBoxes = kBN / 64;                        // TMA store boxes per warpgroup
   static constexpr int kEpiBytes =                               // both warpgroups' 64 x kBN BF16 halves
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 0 && lane == 0) {  // the TMA loads of the code tiles
       uint32_t it = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const RowTile rt = row_tile(s_off, s_start, E, tile);
+        const RowTile rt = row_tile(s_off, s_start, E, tile, kDswiglu, n_tiles);
         const int row_a = rt.off + rt.local0, row_b = rt.e * p.n_out + rt.nt * kBN;
         for (int kb = 0; kb < kb_count; ++kb, ++it) {
           const int s = it % kStages;
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t sw = warp - 1;
       uint32_t it = 0;
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const RowTile rt = row_tile(s_off, s_start, E, tile);
+        const RowTile rt = row_tile(s_off, s_start, E, tile, kDswiglu, n_tiles);
         const int off = rt.off, me = rt.rows;
         const int lr = rt.local0 + 4 * lane;  // first of this lane's rows in the expert
         const int64_t b_row = (int64_t(rt.e) * (p.n_out / kTile) + rt.nt * C::kHalves + lane) * p.b_ld;
@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[C::kHalves][64], blk[64];
   uint32_t it = 0;
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-    const RowTile rt = row_tile(s_off, s_start, E, tile);
+    const RowTile rt = row_tile(s_off, s_start, E, tile, kDswiglu, n_tiles);
     const int off = rt.off, me = rt.rows;
     const int nt = rt.nt, local0 = rt.local0 + 64 * ci;  // first row of this half
 #pragma unroll

@@ -19,10 +19,17 @@
 //    then the 8 warps' maxima meet in shared memory behind a barrier of both warpgroups.
 //
 // Shared memory (per warpgroup, kWgBytes): the saved h tile of its 64 rows, loaded by cp.async
-// when the tile starts (it lands during the mainloop), and the row-wise codes staged for 16-byte
-// row stores; both are then overlaid by the column-wise codes [256 columns][64 tokens], staged for
-// 16-byte token-run stores. Rows past the expert's (the last token tile's tail) are computed on
-// zeros and never written.
+// when the tile starts (it lands during the mainloop); da' staged as BF16 pairs (D), overwritten in
+// place by dgate, and dup (U), both at the thread's own fragment positions; the row-wise codes
+// staged for 16-byte row stores over the dead h tile, then the column-wise codes [256 columns][64
+// tokens] for 16-byte token-run stores. Rows past the expert's (the last token tile's tail) are
+// computed on zeros and never written.
+//
+// Code size. The loops over the 16 column groups are not unrolled: unrolled, the epilogue's 64
+// values per thread were ~100 KB of straight-line SASS, and the warps stalled on instruction fetch
+// (ncu: 4.5 "no instruction" stall cycles per issue against 0.05 for the plain dgrad), the
+// mainloop's code evicted with it. So the values go through shared memory between the steps
+// (the D / U stages), and only the column maxima exchange is unrolled.
 #pragma once
 
 #include "cuda/gemm/sm90_grouped_swiglu_epilogue.cuh"  // Epi, absmax_bf16_words, nonfinite_bf16x2
@@ -52,16 +59,21 @@ struct DswigluEpiParams {
 // Shared memory of the epilogue.
 struct DswigluSmem {
   static constexpr int kHBytes = 2 * 64 * 128;       // gate and up of 64 rows (FP8; MXFP4 uses half)
-  static constexpr int kRowPitch = 256 + 16;         // row-wise codes: dgate 128 B, dup 128 B
+  static constexpr int kRowStage = 64 * 256;         // row-wise codes: dgate 128 B, dup 128 B per row
   static constexpr int kColPitch = 64 + 16;          // column-wise codes: 64 tokens per column
-  static constexpr int kRowStage = 64 * kRowPitch;
   static constexpr int kColStage = 256 * kColPitch;
-  static constexpr int kWgBytes =
-      kHBytes + kRowStage > kColStage ? kHBytes + kRowStage : kColStage;  // per consumer warpgroup
+  static constexpr int kFirst = kColStage;           // h, then the row-wise codes, then the column-wise
+  static constexpr int kPairs = 64 * 64 * 4;         // [64 rows][64 pairs] BF16x2 words
+  static constexpr int kD = kFirst, kU = kFirst + kPairs;
+  static constexpr int kWgBytes = kFirst + 2 * kPairs;  // per consumer warpgroup
   static constexpr int kExchBytes = 8 * 128 * 4;     // [8 warps][128 column pairs] BF16x2 maxima
   static constexpr int kCodeBytes = 128 * 2;         // [128 column pairs] scale code pairs
   static constexpr int kBytes = 2 * kWgBytes + kExchBytes + kCodeBytes;
+  static_assert(kHBytes <= kFirst && kRowStage <= kFirst, "the h tile and the row-wise codes overlay the first buffer");
 };
+// Word of pair p (columns 2p, 2p + 1) of `row` in a D / U stage: pairs XOR-swizzled by the row so
+// that a warp's 8 rows x 4 quad lanes hit 32 different banks.
+__device__ __forceinline__ int pair_word(int row, int p) { return row * 64 + (p ^ ((row & 7) << 2)); }
 
 // The saved h's per-row inputs a thread needs (its rows r0 and r0 + 8), read from global memory
 // when the tile starts so that their latency hides behind the mainloop.
@@ -166,83 +178,123 @@ __device__ __forceinline__ void dswiglu_epilogue(const float (&acc)[64], uint8_t
   using S = DswigluSmem;
   const int warp = t / 32, lane = t % 32, quad = lane % 4, r0 = 16 * warp + lane / 4, c0 = 2 * quad;
   const int64_t f = q.f;
-  // da' as GEMM2-dgrad's BF16 output (RN), zeros past the rows; the accumulators die here
-  uint32_t dw[2][16];
+  uint32_t* D = reinterpret_cast<uint32_t*>(buf + S::kD);
+  uint32_t* U = reinterpret_cast<uint32_t*>(buf + S::kU);
+  // da' as GEMM2-dgrad's BF16 output (RN), zeros past the rows, into D at the thread's own positions
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
     const bool valid = r0 + 8 * rh < rows;
 #pragma unroll
     for (int j = 0; j < 16; ++j)
-      dw[rh][j] = valid ? pack_bf16x2(acc[4 * j + 2 * rh], acc[4 * j + 2 * rh + 1]) : 0u;
+      D[pair_word(r0 + 8 * rh, 4 * j + quad)] = valid ? pack_bf16x2(acc[4 * j + 2 * rh], acc[4 * j + 2 * rh + 1]) : 0u;
   }
   cp_async_wait_all();
   named_sync(bar, 128);  // every thread's h chunks have landed
 
-  // dgate and dup (BF16, as dswiglu8 / dswiglu8_prob form them), dp per row
-  uint32_t gw[2][16], uw[2][16];
-  uint8_t* rstage = buf + S::kHBytes;
-  int nbad = 0;
+  // dgate and dup (BF16, as dswiglu8 / dswiglu8_prob form them) over D and into U; the rows' BF16
+  // maxima; dp's pairwise tree over the groups, as a stack of 4 levels per row (level L holds the
+  // left sum while bit L of the group index is 0)
+  uint32_t mg[2] = {0, 0}, mu[2] = {0, 0};
+  float lvl[2][4] = {}, dp[2] = {0.0f, 0.0f};
+#pragma unroll 1
+  for (int j = 0; j < 16; ++j) {
+    const int c = 8 * j + c0;
 #pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const int row = r0 + 8 * rh;
-    const bool valid = row < rows;
-    const int64_t grow = row0 + row;
-    float pair[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int c = 8 * j + c0;
+    for (int rh = 0; rh < 2; ++rh) {
+      const int row = r0 + 8 * rh, w = pair_word(row, 4 * j + quad);
       const float2 g = dswiglu_h_pair<kFp4>(buf, 0, row, c, in.sg[rh]);
       const float2 u = dswiglu_h_pair<kFp4>(buf, 1, row, c, in.su[rh]);
-      const float d0 = bf16_lo(dw[rh][j]), d1 = bf16_hi(dw[rh][j]);
+      const uint32_t dw = D[w];
+      const float d0 = bf16_lo(dw), d1 = bf16_hi(dw);
+      uint32_t gw, uw;
       if (q.prob) {
         const SwigluGradProb lo = dswiglu_prob_f32(d0, in.p[rh], g.x, u.x);
         const SwigluGradProb hi = dswiglu_prob_f32(d1, in.p[rh], g.y, u.y);
-        pair[j] = f_fma(d1, hi.a, f_fma(d0, lo.a, 0.0f));
-        gw[rh][j] = pack_bf16x2(lo.dgate, hi.dgate);
-        uw[rh][j] = pack_bf16x2(lo.dup, hi.dup);
+        float v = f_fma(d1, hi.a, f_fma(d0, lo.a, 0.0f));
+        if (j & 1) {
+          v = f_add(lvl[rh][0], v);
+          if (j & 2) {
+            v = f_add(lvl[rh][1], v);
+            if (j & 4) {
+              v = f_add(lvl[rh][2], v);
+              if (j & 8) dp[rh] = f_add(lvl[rh][3], v);
+              else lvl[rh][3] = v;
+            } else {
+              lvl[rh][2] = v;
+            }
+          } else {
+            lvl[rh][1] = v;
+          }
+        } else {
+          lvl[rh][0] = v;
+        }
+        gw = pack_bf16x2(lo.dgate, hi.dgate);
+        uw = pack_bf16x2(lo.dup, hi.dup);
       } else {
         const SwigluGrad lo = dswiglu_f32(d0, g.x, u.x);
         const SwigluGrad hi = dswiglu_f32(d1, g.y, u.y);
-        gw[rh][j] = pack_bf16x2(lo.dgate, hi.dgate);
-        uw[rh][j] = pack_bf16x2(lo.dup, hi.dup);
+        gw = pack_bf16x2(lo.dgate, hi.dgate);
+        uw = pack_bf16x2(lo.dup, hi.dup);
       }
-    }
-    if (q.prob) {  // dp: the pairwise tree over the groups in the thread, then the quad
-#pragma unroll
-      for (int w = 1; w < 16; w *= 2)
-#pragma unroll
-        for (int j = 0; j < 16; j += 2 * w) pair[j] = f_add(pair[j], pair[j + w]);
-      float s = f_add(pair[0], __shfl_xor_sync(0xffffffffu, pair[0], 1));
-      s = f_add(s, __shfl_xor_sync(0xffffffffu, s, 2));
-      if (q.dpart && valid && quad == 0) q.dpart[nt * q.m + grow] = f32_canonical(s);
-    }
-    // row-wise: one 1x128 tile of dgate and one of dup per row (quantize_tile8's steps)
-    const BlockScale sg = e4m3_scale_bf16(detail::group_max_u(absmax_bf16_words<16>(gw[rh]), 4));
-    const BlockScale su = e4m3_scale_bf16(detail::group_max_u(absmax_bf16_words<16>(uw[rh]), 4));
-    const float ig = detail::inv_pow2(sg.e), iu = detail::inv_pow2(su.e);
-    uint8_t* srow = rstage + row * S::kRowPitch;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      *reinterpret_cast<uint16_t*>(srow + 8 * j + c0) = static_cast<uint16_t>(
-          sg.bad ? 0x7F7Fu : e4m3_encode2(bf16_lo(gw[rh][j]), bf16_hi(gw[rh][j]), ig, sg.e));
-      *reinterpret_cast<uint16_t*>(srow + 128 + 8 * j + c0) = static_cast<uint16_t>(
-          su.bad ? 0x7F7Fu : e4m3_encode2(bf16_lo(uw[rh][j]), bf16_hi(uw[rh][j]), iu, su.e));
-    }
-    if (valid && quad == 0) {
-      q.row_scales[nt * q.m + grow] = sg.code();
-      q.row_scales[(f / 128 + nt) * q.m + grow] = su.code();
-    }
-    if (__any_sync(0xffffffffu, sg.bad || su.bad)) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) nbad += nonfinite_bf16x2(gw[rh][j]) + nonfinite_bf16x2(uw[rh][j]);
+      D[w] = gw;
+      U[w] = uw;
+      mg[rh] = __vmaxu2(mg[rh], gw & 0x7FFF7FFFu);
+      mu[rh] = __vmaxu2(mu[rh], uw & 0x7FFF7FFFu);
     }
   }
+  // dp: the thread's sum, then the quad's (q0 + q1) + (q2 + q3)
+  if (q.prob) {
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      float s = f_add(dp[rh], __shfl_xor_sync(0xffffffffu, dp[rh], 1));
+      s = f_add(s, __shfl_xor_sync(0xffffffffu, s, 2));
+      if (q.dpart && r0 + 8 * rh < rows && quad == 0) q.dpart[nt * q.m + row0 + r0 + 8 * rh] = f32_canonical(s);
+    }
+  }
+  // row-wise: one 1x128 tile of dgate and one of dup per row (quantize_tile8's steps)
+  BlockScale sg[2], su[2];
+  int nbad = 0;
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    sg[rh] = e4m3_scale_bf16(detail::group_max_u(max(mg[rh] & 0xFFFFu, mg[rh] >> 16), 4));
+    su[rh] = e4m3_scale_bf16(detail::group_max_u(max(mu[rh] & 0xFFFFu, mu[rh] >> 16), 4));
+    const int64_t grow = row0 + r0 + 8 * rh;
+    if (r0 + 8 * rh < rows && quad == 0) {
+      q.row_scales[nt * q.m + grow] = sg[rh].code();
+      q.row_scales[(f / 128 + nt) * q.m + grow] = su[rh].code();
+    }
+  }
+  if (__any_sync(0xffffffffu, sg[0].bad || su[0].bad || sg[1].bad || su[1].bad)) {
+#pragma unroll 1
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const int w = pair_word(r0 + 8 * rh, 4 * j + quad);
+        nbad += nonfinite_bf16x2(D[w]) + nonfinite_bf16x2(U[w]);
+      }
+  }
   detail::warp_count(q.nonfinite, nbad);
+  named_sync(bar, 128);  // every thread is past its reads of the h tile: the row-wise codes go there
+  uint8_t* rstage = buf;  // [64 rows][256 B], 16-byte chunk c of row r at c ^ (r % 8)
+  const float ig[2] = {detail::inv_pow2(sg[0].e), detail::inv_pow2(sg[1].e)};
+  const float iu[2] = {detail::inv_pow2(su[0].e), detail::inv_pow2(su[1].e)};
+#pragma unroll 1
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int row = r0 + 8 * rh, w = pair_word(row, 4 * j + quad);
+      const uint32_t gw = D[w], uw = U[w];
+      uint8_t* srow = rstage + row * 256 + (8 * j + c0) % 16;
+      *reinterpret_cast<uint16_t*>(srow + (((j / 2) ^ (row & 7)) << 4)) = static_cast<uint16_t>(
+          sg[rh].bad ? 0x7F7Fu : e4m3_encode2(bf16_lo(gw), bf16_hi(gw), ig[rh], sg[rh].e));
+      *reinterpret_cast<uint16_t*>(srow + (((8 + j / 2) ^ (row & 7)) << 4)) = static_cast<uint16_t>(
+          su[rh].bad ? 0x7F7Fu : e4m3_encode2(bf16_lo(uw), bf16_hi(uw), iu[rh], su[rh].e));
+    }
   named_sync(bar, 128);  // the row-wise codes are staged
   for (int i = t; i < 64 * 16; i += 128) {  // 16-byte chunks: dgate columns 128 nt .., dup f + 128 nt ..
     const int row = i / 16, c = i % 16;
     if (row >= rows) break;  // i grows with the row
-    const uint4 v = *reinterpret_cast<const uint4*>(rstage + row * S::kRowPitch + 16 * c);
+    const uint4 v = *reinterpret_cast<const uint4*>(rstage + row * 256 + ((c ^ (row & 7)) << 4));
     *reinterpret_cast<uint4*>(q.row_codes + (row0 + row) * 2 * f + (c < 8 ? 0 : f) + 128 * nt + 16 * (c % 8)) = v;
   }
 
@@ -252,8 +304,9 @@ __device__ __forceinline__ void dswiglu_epilogue(const float (&acc)[64], uint8_t
   uint32_t m32[32];
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
-    m32[j] = __vmaxu2(gw[0][j] & 0x7FFF7FFFu, gw[1][j] & 0x7FFF7FFFu);
-    m32[16 + j] = __vmaxu2(uw[0][j] & 0x7FFF7FFFu, uw[1][j] & 0x7FFF7FFFu);
+    const int w0 = pair_word(r0, 4 * j + quad), w1 = pair_word(r0 + 8, 4 * j + quad);
+    m32[j] = __vmaxu2(D[w0] & 0x7FFF7FFFu, D[w1] & 0x7FFF7FFFu);
+    m32[16 + j] = __vmaxu2(U[w0] & 0x7FFF7FFFu, U[w1] & 0x7FFF7FFFu);
   }
   const bool b2 = lane & 4, b3 = lane & 8, b4 = lane & 16;
   uint32_t m16[16], m8[8], m4[4];
@@ -272,10 +325,10 @@ __device__ __forceinline__ void dswiglu_epilogue(const float (&acc)[64], uint8_t
     const uint32_t other = __shfl_xor_sync(0xffffffffu, b4 ? m8[k] : m8[4 + k], 16);
     m4[k] = __vmaxu2(b4 ? m8[4 + k] : m8[k], other);
   }
-  const int w0 = 16 * b2 + 8 * b3 + 4 * b4;  // the first of this lane's 4 words
+  const int wfirst = 16 * b2 + 8 * b3 + 4 * b4;  // the first of this lane's 4 words
 #pragma unroll
-  for (int k = 0; k < 4; ++k) exch[(4 * ci + warp) * 128 + (w0 + k) * 4 + quad] = m4[k];
-  named_sync(3, 256);  // both warpgroups' maxima are in
+  for (int k = 0; k < 4; ++k) exch[(4 * ci + warp) * 128 + (wfirst + k) * 4 + quad] = m4[k];
+  named_sync(3, 256);  // both warpgroups' maxima are in (and each is past its row-wise stores)
   if (ci == 0) {  // column pair i = w * 4 + quad: the block's scale codes
     const int i = t, w = i / 4, qd = i % 4;
     uint32_t mx = 0;
@@ -287,12 +340,14 @@ __device__ __forceinline__ void dswiglu_epilogue(const float (&acc)[64], uint8_t
     const int64_t feat = (w < 16 ? 0 : f) + 128 * nt + 8 * (w % 16) + 2 * qd;
     *reinterpret_cast<uint16_t*>(q.col_scales + block * 2 * f + feat) = pair_code;
   }
-  named_sync(3, 256);  // the codes are in (and every thread is past its row-wise reads of buf)
+  named_sync(3, 256);  // the codes are in
   uint8_t* cstage = buf;  // [256 columns][kColPitch]: column side * 128 + c, token row
-#pragma unroll
+#pragma unroll 1
   for (int w = 0; w < 32; ++w) {
     const uint32_t code = codes[w * 4 + quad];
-    const uint32_t v0 = w < 16 ? gw[0][w] : uw[0][w - 16], v1 = w < 16 ? gw[1][w] : uw[1][w - 16];
+    const uint32_t* src = w < 16 ? D : U;
+    const int p = 4 * (w % 16) + quad;
+    const uint32_t v0 = src[pair_word(r0, p)], v1 = src[pair_word(r0 + 8, p)];
     const int col = (w < 16 ? 0 : 128) + 8 * (w % 16) + c0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // column col + h: the low (h = 0) or high BF16 of each row's word
@@ -308,6 +363,7 @@ __device__ __forceinline__ void dswiglu_epilogue(const float (&acc)[64], uint8_t
   }
   named_sync(bar, 128);  // the column-wise codes are staged
   const bool vec = (q.m % 16 == 0) && (row0 % 16 == 0);  // 16-byte aligned token runs
+#pragma unroll 1
   for (int i = t; i < 256 * 4; i += 128) {  // 16 tokens of one column per task
     const int col = i / 4, t0 = 16 * (i % 4);
     if (t0 >= rows) continue;

@@ -163,9 +163,13 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
     {  // one kernel: GEMM2 dgrad with dSwiGLU*prob and dh's quantizations in its epilogue (no BF16 da')
       auto s = bwd(fp4 ? "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from mxfp4 h)"
                        : "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
+      // the step's views: Mp_ rows (the buffers hold the largest step's)
+      const QTensorView h_in = fp4 ? mxfp4_1x32(hs.codes, hs.ue8m0(), Mp_, 2 * F_) : row_1x128(hs.codes, hs.ue8m0(), Mp_, 2 * F_);
       gemm_->dgrad_dswiglu(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, H_, F_,
-                           gemm_rows(b.dy_row, H_), ws_.weights.w2t, ws_.routing.row_prob, hs, b.dh_row_fused,
-                           b.dh_col_fused, ws_.routing.dprob_partials, st_bwd(), stream_);
+                           gemm_rows(b.dy_row, H_), ws_.weights.w2t, ws_.routing.row_prob, h_in,
+                           row_1x128(b.dh_row_fused.codes, b.dh_row_fused.ue8m0(), Mp_, 2 * F_),
+                           col_128x1(b.dh_col_fused.codes, b.dh_col_fused.ue8m0(), Mp_, 2 * F_, segment_max_blocks(Mp_, El_)),
+                           ws_.routing.dprob_partials, st_bwd(), stream_);
     }
     log_rows(MoePass::kBackward, CastKind::kFused, report_names::kGemm2DgradDswigluQuantRowCol, 1, 2, 2 * F_);
     streams_.join(LayerStreams::kSideA);
