@@ -256,19 +256,33 @@ bool same_bytes(const uint8_t* a, const uint8_t* b, size_t n) {
   return std::memcmp(ha.data(), hb.data(), n) == 0;
 }
 
+// E experts of `rows_per_expert` rows each, on the device: the offsets, a routing probability per
+// row (0.125 .. 0.875), a zeroed status.
+struct UniformExperts {
+  int32_t* offsets;
+  float* prob;
+  cuda::DeviceStatus* status;
+};
+UniformExperts uniform_experts(int E, int64_t rows_per_expert) {
+  const int64_t m = E * rows_per_expert;
+  std::vector<int32_t> off(E + 1);
+  for (int e = 0; e <= E; ++e) off[e] = int32_t(e * rows_per_expert);
+  std::vector<float> hp(m);
+  for (int64_t r = 0; r < m; ++r) hp[r] = 0.125f + float(r % 7) / 8;
+  UniformExperts u{dalloc<int32_t>(E + 1), dalloc<float>(m), dalloc<cuda::DeviceStatus>(1)};
+  CK(cudaMemcpy(u.offsets, off.data(), sizeof(int32_t) * (E + 1), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(u.prob, hp.data(), sizeof(float) * m, cudaMemcpyHostToDevice));
+  CK(cudaMemset(u.status, 0, sizeof(*u.status)));
+  return u;
+}
+
 // One expert shape: E experts of `rows_per_expert` rows, W1 [2F, H] each.
 void bench_gemm1(const char* name, int E, int64_t rows_per_expert, int64_t h, int64_t f) {
   const int64_t m = E * rows_per_expert, n = 2 * f, wn = int64_t(E) * n * h;
-  std::vector<int32_t> off(E + 1);
-  for (int e = 0; e <= E; ++e) off[e] = int32_t(e * rows_per_expert);
-  int32_t* doff = dalloc<int32_t>(E + 1);
-  CK(cudaMemcpy(doff, off.data(), sizeof(int32_t) * (E + 1), cudaMemcpyHostToDevice));
-  std::vector<float> hp(m);
-  for (int64_t r = 0; r < m; ++r) hp[r] = 0.125f + float(r % 7) / 8;
-  float* prob = dalloc<float>(m);
-  CK(cudaMemcpy(prob, hp.data(), sizeof(float) * m, cudaMemcpyHostToDevice));
-  cuda::DeviceStatus* st = dalloc<cuda::DeviceStatus>(1);
-  CK(cudaMemset(st, 0, sizeof(*st)));
+  const UniformExperts ue = uniform_experts(E, rows_per_expert);
+  int32_t* doff = ue.offsets;
+  float* prob = ue.prob;
+  cuda::DeviceStatus* st = ue.status;
   // x [m, H] and W1 quantized as the layer does (row-wise 1x128; 128x128 with GEMM-ready FP32 scales)
   bf16_t* tmp = dalloc<bf16_t>(std::max(m * h, wn));
   uint8_t *xc = dalloc<uint8_t>(m * h), *xs = dalloc<uint8_t>(h / 128 * m);
@@ -340,16 +354,10 @@ void bench_gemm1(const char* name, int E, int64_t rows_per_expert, int64_t h, in
 // GEMM2-dgrad of one expert shape: E experts of `rows_per_expert` rows, W2^T [F, H] each; dY [m, H].
 void bench_gemm2_dgrad(const char* name, int E, int64_t rows_per_expert, int64_t h, int64_t f) {
   const int64_t m = E * rows_per_expert, n2 = 2 * f, wn = int64_t(E) * f * h;
-  std::vector<int32_t> off(E + 1);
-  for (int e = 0; e <= E; ++e) off[e] = int32_t(e * rows_per_expert);
-  int32_t* doff = dalloc<int32_t>(E + 1);
-  CK(cudaMemcpy(doff, off.data(), sizeof(int32_t) * (E + 1), cudaMemcpyHostToDevice));
-  std::vector<float> hp(m);
-  for (int64_t r = 0; r < m; ++r) hp[r] = 0.125f + float(r % 7) / 8;
-  float* prob = dalloc<float>(m);
-  CK(cudaMemcpy(prob, hp.data(), sizeof(float) * m, cudaMemcpyHostToDevice));
-  cuda::DeviceStatus* st = dalloc<cuda::DeviceStatus>(1);
-  CK(cudaMemset(st, 0, sizeof(*st)));
+  const UniformExperts ue = uniform_experts(E, rows_per_expert);
+  int32_t* doff = ue.offsets;
+  float* prob = ue.prob;
+  cuda::DeviceStatus* st = ue.status;
   // dY [m, H] row-wise; W2^T [E][F, H] with GEMM-ready FP32 scales (the layer's); h saved both ways
   bf16_t* tmp = dalloc<bf16_t>(std::max({m * h, wn, m * n2}));
   uint8_t *dyc = dalloc<uint8_t>(m * h), *dys = dalloc<uint8_t>(h / 128 * m);

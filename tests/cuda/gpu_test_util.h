@@ -15,15 +15,29 @@
 #include <cstring>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "cuda/device_buffer.h"
+#include "flowmoe/cuda/status.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/tensor.h"  // bf16_t
 
 namespace flowmoe {
 namespace testutil {
+
+// A DeviceStatus in managed memory, zeroed: kernels count into it, the test reads it after a sync.
+struct ManagedStatus {
+  cuda::DeviceStatus* p = nullptr;
+  ManagedStatus() {
+    if (cudaMallocManaged(&p, sizeof(*p)) != cudaSuccess) throw std::runtime_error("cudaMallocManaged");
+    *p = cuda::DeviceStatus{};
+  }
+  ~ManagedStatus() { cudaFree(p); }
+  ManagedStatus(const ManagedStatus&) = delete;
+  ManagedStatus& operator=(const ManagedStatus&) = delete;
+};
 
 // ---- device checks ----------------------------------------------------------------------------
 inline bool have_device() {

@@ -33,15 +33,6 @@ constexpr int64_t kH = 256, kF = 384;  // dgrad: K = H = 256 -> F = 384 (3 outpu
 const std::vector<int> kCounts = {0, 1, 129, 300, 0, 128, 7, 64, 200};
 constexpr int64_t kTailRows = 40;  // rows past offsets[E]: neither path may write them
 
-struct Managed {
-  cuda::DeviceStatus* p = nullptr;
-  Managed() {
-    if (cudaMallocManaged(&p, sizeof(*p)) != cudaSuccess) throw std::runtime_error("cudaMallocManaged");
-    *p = cuda::DeviceStatus{};
-  }
-  ~Managed() { cudaFree(p); }
-};
-
 struct Case {
   bool mxfp4_h;       // flow-fp4 (h saved MXFP4) or flow (h saved FP8 rows)
   bool f32_w_scales;  // W2^T's scales GEMM-ready FP32 (the layer's) or UE8M0
@@ -83,7 +74,7 @@ void run_case(const Case& c) {
   DBuf<bf16_t> dy_bf(to_bf16(dyf)), h_bf(to_bf16(hf)), w_bf(wb);
   DBuf<float> d_prob(prob);
   DBuf<int32_t> d_off(off);
-  Managed quant_st, ref_st, fused_st;
+  ManagedStatus quant_st, ref_st, fused_st;
   DBuf<uint8_t> dy_c(m * kH), dy_s((kH / 128) * m);
   cuda::quantize_row(dy_bf.p, m, kH, dy_c.p, dy_s.p, quant_st.p, 0);
   const cuda::QTensorView dy = cuda::row_1x128(dy_c.p, dy_s.p, m, kH);

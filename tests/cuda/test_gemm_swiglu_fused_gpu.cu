@@ -35,15 +35,6 @@ constexpr int64_t kK = 256, kF = 384;  // 3 gate + 3 up blocks per expert: 3 out
 const std::vector<int> kCounts = {0, 1, 129, 300, 0, 128, 7};
 constexpr int64_t kTailRows = 40;  // rows past offsets[E]: neither path may write them
 
-struct Managed {
-  cuda::DeviceStatus* p = nullptr;
-  Managed() {
-    if (cudaMallocManaged(&p, sizeof(*p)) != cudaSuccess) throw std::runtime_error("cudaMallocManaged");
-    *p = cuda::DeviceStatus{};
-  }
-  ~Managed() { cudaFree(p); }
-};
-
 struct Case {
   bool mxfp4_h;       // flow-fp4 (h saved MXFP4) or flow (h saved FP8 rows)
   bool f32_w_scales;  // W1's scales GEMM-ready FP32 (the layer's) or UE8M0
@@ -80,7 +71,7 @@ void run_case(const Case& c) {
   DBuf<bf16_t> x_bf(xb), w_bf(wb);
   DBuf<float> d_prob(prob);
   DBuf<int32_t> d_off(off);
-  Managed quant_st, ref_st, fused_st;
+  ManagedStatus quant_st, ref_st, fused_st;
   DBuf<uint8_t> x_c(m * kK), x_s((kK / 128) * m);
   cuda::quantize_row(x_bf.p, m, kK, x_c.p, x_s.p, quant_st.p, 0);
   const cuda::QTensorView x = cuda::row_1x128(x_c.p, x_s.p, m, kK);
@@ -233,6 +224,17 @@ LayerOut run_layer(Recipe r, bool fused, bool sync_free, int64_t T, bool fused_b
   return out;
 }
 
+// Every output, gradient and counter of two layer runs bit for bit.
+void expect_same_layer(const LayerOut& a, const LayerOut& b, const std::string& what) {
+  expect_same_bits(a.y, b.y, what + ": y");
+  expect_same_bits(a.dx, b.dx, what + ": dx");
+  expect_same_bits(a.dw1, b.dw1, what + ": dW1");
+  expect_same_bits(a.dw2, b.dw2, what + ": dW2");
+  expect_same_bits(a.dwr, b.dwr, what + ": dWr");
+  EXPECT_EQ(a.st.nonfinite, b.st.nonfinite) << what;
+  EXPECT_EQ(a.st.underflow, b.st.underflow) << what;
+}
+
 class MoeFusedSwigluGpu : public ::testing::TestWithParam<Recipe> {};
 
 TEST_P(MoeFusedSwigluGpu, SameBitsAsTwoKernels) {
@@ -242,13 +244,7 @@ TEST_P(MoeFusedSwigluGpu, SameBitsAsTwoKernels) {
       const std::string what = std::string(recipe_name(GetParam())) + " T=" + std::to_string(T) +
                                (sync_free ? " sync-free" : "");
       const LayerOut a = run_layer(GetParam(), false, sync_free, T), b = run_layer(GetParam(), true, sync_free, T);
-      expect_same_bits(a.y, b.y, what + ": y");
-      expect_same_bits(a.dx, b.dx, what + ": dx");
-      expect_same_bits(a.dw1, b.dw1, what + ": dW1");
-      expect_same_bits(a.dw2, b.dw2, what + ": dW2");
-      expect_same_bits(a.dwr, b.dwr, what + ": dWr");
-      EXPECT_EQ(a.st.nonfinite, b.st.nonfinite) << what;
-      EXPECT_EQ(a.st.underflow, b.st.underflow) << what;
+      expect_same_layer(a, b, what);
       EXPECT_EQ(a.fused_fwd, b.fused_fwd) << what << ": the SwiGLU operator counted once either way";
     }
 }
@@ -262,13 +258,7 @@ TEST_P(MoeFusedSwigluGpu, SameBitsWithTheFusedDswiglu) {
         const std::string what = std::string(recipe_name(GetParam())) + " T=" + std::to_string(T) +
                                  (sync_free ? " sync-free" : "") + (fwd_too ? " fused fwd + bwd" : " fused bwd");
         const LayerOut b = run_layer(GetParam(), fwd_too, sync_free, T, /*fused_bwd=*/true);
-        expect_same_bits(a.y, b.y, what + ": y");
-        expect_same_bits(a.dx, b.dx, what + ": dx");
-        expect_same_bits(a.dw1, b.dw1, what + ": dW1");
-        expect_same_bits(a.dw2, b.dw2, what + ": dW2");
-        expect_same_bits(a.dwr, b.dwr, what + ": dWr");
-        EXPECT_EQ(a.st.nonfinite, b.st.nonfinite) << what;
-        EXPECT_EQ(a.st.underflow, b.st.underflow) << what;
+        expect_same_layer(a, b, what);
         EXPECT_EQ(a.fused_bwd, b.fused_bwd) << what << ": the dSwiGLU operator counted once either way";
       }
     }

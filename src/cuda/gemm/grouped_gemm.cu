@@ -268,7 +268,18 @@ void check_shape(const QTensorView& v, int64_t rows, int64_t cols, const char* w
   FLOWMOE_CHECK(v.rows == rows && v.cols == cols, what << ": " << name << " is [" << v.rows << ", " << v.cols
                                                        << "], expected [" << rows << ", " << cols << "]");
 }
-// d.data null: no BF16 output (the SwiGLU epilogue)
+// The saved h of the flow recipes' epilogues: FP8 1x128 rows or MXFP4 1x32 (dense scales) [capacity,
+// 2F]. Returns whether it is MXFP4.
+bool check_saved_h(const QTensorView& h, int64_t capacity, int64_t f, const char* what) {
+  const bool mxfp4 = h.layout == Layout::kMxfp4Row1x32;
+  check_view(h, mxfp4 ? Layout::kMxfp4Row1x32 : Layout::kRow1x128, ScaleFormat::kUe8m0, what);
+  check_shape(h, capacity, 2 * f, what, "h (h_saved)");
+  FLOWMOE_CHECK(!mxfp4 || h.scale_ld == 2 * f / kFp4Block,
+                what << ": the MXFP4 h scales must be dense [capacity][2F/32] (scale_ld " << h.scale_ld << ", expected "
+                     << 2 * f / kFp4Block << ")");
+  return mxfp4;
+}
+// d.data null: no BF16 output (the SwiGLU epilogues)
 sm90::RowwiseGroupedArgs rowwise_args(const gemm::DeviceSegments& seg, int64_t n_out, int64_t k_red,
                                       const QTensorView& a, const QTensorView& b, gemm::Span<bf16_t> d,
                                       const char* what) {
@@ -326,14 +337,9 @@ void GroupedGemm::fprop_swiglu(const DeviceSegments& seg, int64_t f, int64_t k, 
   FLOWMOE_CHECK(f > 0 && f % kFp8Block == 0,
                 what << ": F = " << f << " is not a positive multiple of 128 (W1 is [2F, K] per expert)");
   if (seg.capacity == 0) return;  // no rows: nothing to compute or write
-  const bool mxfp4 = h_saved.layout == Layout::kMxfp4Row1x32;
+  const bool mxfp4 = check_saved_h(h_saved, seg.capacity, f, what);
   check_view(a_row, Layout::kRow1x128, ScaleFormat::kUe8m0, what);
-  check_view(h_saved, mxfp4 ? Layout::kMxfp4Row1x32 : Layout::kRow1x128, ScaleFormat::kUe8m0, what);
   check_shape(a_row, seg.capacity, f, what, "a' (a_row)");
-  check_shape(h_saved, seg.capacity, 2 * f, what, "h (h_saved)");
-  FLOWMOE_CHECK(!mxfp4 || h_saved.scale_ld == 2 * f / kFp4Block,
-                what << ": the MXFP4 h scales must be dense [capacity][2F/32] (scale_ld " << h_saved.scale_ld
-                     << ", expected " << 2 * f / kFp4Block << ")");
   sm90::SwigluEpilogueArgs s;
   s.f = f;
   s.prob = row_prob;
@@ -360,16 +366,11 @@ void GroupedGemm::dgrad_dswiglu(const DeviceSegments& seg, int64_t n, int64_t f,
   FLOWMOE_CHECK(f > 0 && f % kFp8Block == 0,
                 what << ": F = " << f << " is not a positive multiple of 128 (W2^T is [F, H] per expert)");
   if (seg.capacity == 0) return;  // no rows: nothing to compute or write
-  const bool mxfp4 = h_saved.layout == Layout::kMxfp4Row1x32;
-  check_view(h_saved, mxfp4 ? Layout::kMxfp4Row1x32 : Layout::kRow1x128, ScaleFormat::kUe8m0, what);
+  const bool mxfp4 = check_saved_h(h_saved, seg.capacity, f, what);
   check_view(dh_row, Layout::kRow1x128, ScaleFormat::kUe8m0, what);
   check_view(dh_col, Layout::kCol128x1, ScaleFormat::kUe8m0, what);
-  check_shape(h_saved, seg.capacity, 2 * f, what, "h (h_saved)");
   check_shape(dh_row, seg.capacity, 2 * f, what, "dh (dh_row)");
   check_shape(dh_col, seg.capacity, 2 * f, what, "dh (dh_col)");
-  FLOWMOE_CHECK(!mxfp4 || h_saved.scale_ld == 2 * f / kFp4Block,
-                what << ": the MXFP4 h scales must be dense [capacity][2F/32] (scale_ld " << h_saved.scale_ld
-                     << ", expected " << 2 * f / kFp4Block << ")");
   FLOWMOE_CHECK(dh_row.scale_ld == seg.capacity,
                 what << ": dh_row's scales must be the tight grid [2F/128][capacity] (scale_ld " << dh_row.scale_ld
                      << ", expected " << seg.capacity << ")");
