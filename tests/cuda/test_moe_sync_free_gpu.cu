@@ -61,10 +61,12 @@ struct LayerRun {
   std::unique_ptr<StreamBuf<float>> dw1, dw2, dwr, w1, w2, wr, bias;
   std::unique_ptr<StreamBuf<bf16_t>> x, dy, y, dx;
   MoeGrads g;
-  LayerRun(const Model& m, Recipe r, bool sync_free, bool accumulate) {
+  // fused: flow's GEMM epilogues (CudaLayerOptions::fused_swiglu and fused_dswiglu)
+  LayerRun(const Model& m, Recipe r, bool sync_free, bool accumulate, bool fused = false) {
     if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) throw std::runtime_error("stream");
     CudaLayerOptions o;
     o.sync_free = sync_free;
+    o.fused_swiglu = o.fused_dswiglu = fused;
     // bf16: the sync-free layer's GEMMs are the BF16 kernels, whose bits the default layer gives
     // with fprop_dgrad = kGrouped (its default, cuBLASLt, sums in another order: BF16CloseToCublasLt)
     if (r == Recipe::kBf16 && !sync_free) o.fprop_dgrad = CudaLayerOptions::FpropDgrad::kGrouped;
@@ -160,6 +162,34 @@ TEST_P(MoeSyncFreeGpu, GraphReplayEqualsEagerStep) {
   }
   EXPECT_EQ(cuda::moe::counters(graph.layer.get()).host_syncs, 0);
   EXPECT_EQ(graph.layer->cast_report().to_string(), eager.layer->cast_report().to_string());
+}
+
+// flow's fused GEMM epilogues (SwiGLU in GEMM1's, dSwiGLU in GEMM2-dgrad's) captured and replayed:
+// every replay gives the bits of the eager step without them.
+TEST(MoeSyncFreeGpuFused, GraphReplayEqualsTheUnfusedEagerStep) {
+  REQUIRE_SM90();
+  const Model m(300);
+  for (Recipe r : {Recipe::kFlow, Recipe::kFlowFp4}) {
+    const std::string what = std::string(recipe_name(r)) + " fused epilogues";
+    LayerRun eager(m, r, true, false), graph(m, r, true, false, /*fused=*/true);
+    eager.step(m.T);
+    const LayerRun::Out want = eager.out();
+    const MoeStatus want_status = eager.layer->status();
+    cuda::moe::LayerStepGraph g(graph.layer.get(), graph.s,
+                                {graph.x->p, m.T, graph.y->p, graph.dy->p, graph.dx->p, graph.g});
+    for (int rep = 0; rep < 2; ++rep) {
+      for (auto* b : {graph.dw1.get(), graph.dw2.get(), graph.dwr.get()})
+        ASSERT_EQ(cudaMemsetAsync(b->p, 0xFF, b->n * sizeof(float), graph.s), cudaSuccess);
+      ASSERT_EQ(cudaMemsetAsync(graph.y->p, 0xFF, graph.y->n * sizeof(bf16_t), graph.s), cudaSuccess);
+      g.replay();
+      ASSERT_EQ(cudaStreamSynchronize(graph.s), cudaSuccess);
+      expect_same(want, graph.out(), what + " replay " + std::to_string(rep));
+      const MoeStatus st = graph.layer->status();
+      EXPECT_EQ(st.nonfinite, want_status.nonfinite) << what;
+      EXPECT_EQ(st.underflow, want_status.underflow) << what;
+    }
+    EXPECT_EQ(cuda::moe::counters(graph.layer.get()).host_syncs, 0) << what;
+  }
 }
 
 // A training step in one graph: LayerStepGraph::Step::weights puts set_weights (BF16 copies and FP8
