@@ -345,7 +345,7 @@ class GroupedGemm {
              const cuda::QTensorView& x_col, const WgradOut& dw, cudaStream_t stream);
 
   // GEMM1 of the flow recipes with SwiGLU*prob and the quantizations fused into the grouped
-  // kernel's epilogue (docs/GEMM.md, "The fused SwiGLU epilogue"). For every row r < offsets[E]
+  // kernel's epilogue (docs/EPILOGUES.md §1). For every row r < offsets[E]
   // (expert e) with h = x_r . W1_e^T rounded to BF16 (what fprop writes, gate = h[0, F),
   // up = h[F, 2F)): a'_r = row_prob[r] * silu(gate) * up written to a_row (FP8 1x128 row tiles,
   // [capacity, F], UE8M0 scales [F/128][scale_ld]) and h written to h_saved (FP8 1x128 rows
@@ -362,7 +362,7 @@ class GroupedGemm {
                     cudaStream_t stream);
 
   // GEMM2-dgrad of the flow recipes with dSwiGLU*prob and dh's quantizations fused into the
-  // grouped kernel's epilogue (docs/GEMM.md, "The fused dSwiGLU epilogue"). For every row
+  // grouped kernel's epilogue (docs/EPILOGUES.md §2). For every row
   // r < offsets[E] with da' = dy_r . W2 rounded to BF16 (what dgrad writes; n = H, wt = W2^T
   // [E * F, H]) and the saved h (h_saved: FP8 1x128 rows [capacity, 2F] with scale_ld >= capacity,
   // or MXFP4 1x32 [capacity, 2F] with dense scales): dh = [dgate, dup] written to dh_row (FP8 1x128

@@ -319,13 +319,13 @@ struct CudaLayerOptions {
   // GEMM1 writes h in BF16 and a separate SwiGLU kernel quantizes it. Same bits either way. Off by
   // default: the fused epilogue does not overlap the tensor-core work and measured slower than the
   // two kernels as a GEMM (the layer's step within +-2%); on, the layer holds no BF16 h buffer
-  // ([Mp, 2F], 0.53 GiB at v3-ep8) (docs/GEMM.md, "The fused SwiGLU epilogue").
+  // ([Mp, 2F], 0.53 GiB at v3-ep8) (docs/EPILOGUES.md §1).
   bool fused_swiglu = false;
   // flow / flow-fp4 with the grouped kernel running GEMM2's dgrad (fprop_dgrad above): dSwiGLU*prob,
   // dh's row-wise and column-wise quantizations and dp's partial sums run in GEMM2-dgrad's epilogue
   // (GroupedGemm::dgrad_dswiglu), so da' in BF16 is never written or read back; false: the dgrad
   // writes da' in BF16 and a separate dSwiGLU kernel quantizes dh. Same bits either way. Off by
-  // default: measured slower (the step 2-6% longer; docs/GEMM.md, "The fused dSwiGLU epilogue"). With
+  // default: measured slower (the step 2-6% longer; docs/EPILOGUES.md §2). With
   // both epilogues on, the layer holds neither BF16 h nor da' (0.26 GiB less at v3-ep8).
   bool fused_dswiglu = false;
   // The grouped GEMMs' options (gemm.h): cuBLASLt per expert (BF16, wgrad, grouped_gemm off) and
