@@ -140,27 +140,33 @@ TEST_P(MoeSyncFreeGpu, SameBitsStatusAndReportWithoutHostSync) {
   }
 }
 
-TEST_P(MoeSyncFreeGpu, GraphReplayEqualsEagerStep) {
-  REQUIRE_SM90();
-  const Model m(300);
-  LayerRun eager(m, GetParam(), true, false), graph(m, GetParam(), true, false);  // gradients overwritten
-  eager.step(m.T);
+// `graph`'s step captured once and replayed twice, its outputs poisoned before each replay: every
+// replay gives `eager`'s outputs, gradients and status counters (eager has run its step), with no
+// host synchronisation.
+void expect_replays_equal(LayerRun& graph, LayerRun& eager, int64_t T, const std::string& what) {
   const LayerRun::Out want = eager.out();
   const MoeStatus want_status = eager.layer->status();
-  cuda::moe::LayerStepGraph g(graph.layer.get(), graph.s,
-                              {graph.x->p, m.T, graph.y->p, graph.dy->p, graph.dx->p, graph.g});
+  cuda::moe::LayerStepGraph g(graph.layer.get(), graph.s, {graph.x->p, T, graph.y->p, graph.dy->p, graph.dx->p, graph.g});
   for (int rep = 0; rep < 2; ++rep) {
     for (auto* b : {graph.dw1.get(), graph.dw2.get(), graph.dwr.get()})
       ASSERT_EQ(cudaMemsetAsync(b->p, 0xFF, b->n * sizeof(float), graph.s), cudaSuccess);
     ASSERT_EQ(cudaMemsetAsync(graph.y->p, 0xFF, graph.y->n * sizeof(bf16_t), graph.s), cudaSuccess);
     g.replay();
     ASSERT_EQ(cudaStreamSynchronize(graph.s), cudaSuccess);
-    expect_same(want, graph.out(), std::string(recipe_name(GetParam())) + " replay " + std::to_string(rep));
+    expect_same(want, graph.out(), what + " replay " + std::to_string(rep));
     const MoeStatus st = graph.layer->status();
-    EXPECT_EQ(st.nonfinite, want_status.nonfinite);
-    EXPECT_EQ(st.underflow, want_status.underflow);
+    EXPECT_EQ(st.nonfinite, want_status.nonfinite) << what;
+    EXPECT_EQ(st.underflow, want_status.underflow) << what;
   }
-  EXPECT_EQ(cuda::moe::counters(graph.layer.get()).host_syncs, 0);
+  EXPECT_EQ(cuda::moe::counters(graph.layer.get()).host_syncs, 0) << what;
+}
+
+TEST_P(MoeSyncFreeGpu, GraphReplayEqualsEagerStep) {
+  REQUIRE_SM90();
+  const Model m(300);
+  LayerRun eager(m, GetParam(), true, false), graph(m, GetParam(), true, false);  // gradients overwritten
+  eager.step(m.T);
+  expect_replays_equal(graph, eager, m.T, recipe_name(GetParam()));
   EXPECT_EQ(graph.layer->cast_report().to_string(), eager.layer->cast_report().to_string());
 }
 
@@ -173,22 +179,7 @@ TEST(MoeSyncFreeGpuFused, GraphReplayEqualsTheUnfusedEagerStep) {
     const std::string what = std::string(recipe_name(r)) + " fused epilogues";
     LayerRun eager(m, r, true, false), graph(m, r, true, false, /*fused=*/true);
     eager.step(m.T);
-    const LayerRun::Out want = eager.out();
-    const MoeStatus want_status = eager.layer->status();
-    cuda::moe::LayerStepGraph g(graph.layer.get(), graph.s,
-                                {graph.x->p, m.T, graph.y->p, graph.dy->p, graph.dx->p, graph.g});
-    for (int rep = 0; rep < 2; ++rep) {
-      for (auto* b : {graph.dw1.get(), graph.dw2.get(), graph.dwr.get()})
-        ASSERT_EQ(cudaMemsetAsync(b->p, 0xFF, b->n * sizeof(float), graph.s), cudaSuccess);
-      ASSERT_EQ(cudaMemsetAsync(graph.y->p, 0xFF, graph.y->n * sizeof(bf16_t), graph.s), cudaSuccess);
-      g.replay();
-      ASSERT_EQ(cudaStreamSynchronize(graph.s), cudaSuccess);
-      expect_same(want, graph.out(), what + " replay " + std::to_string(rep));
-      const MoeStatus st = graph.layer->status();
-      EXPECT_EQ(st.nonfinite, want_status.nonfinite) << what;
-      EXPECT_EQ(st.underflow, want_status.underflow) << what;
-    }
-    EXPECT_EQ(cuda::moe::counters(graph.layer.get()).host_syncs, 0) << what;
+    expect_replays_equal(graph, eager, m.T, what);
   }
 }
 

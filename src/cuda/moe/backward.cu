@@ -63,10 +63,14 @@ void CudaMoeLayer::fp8_gemm2_grads(const MoeGrads& g, int side) {
   ExpertBuffers& b = ws_.expert;
   { auto s = bwd("GEMM2 dgrad (fp8)");
     fp8_dgrad(b.dy_row, H_, F_, ws_.weights.w2t, b.da, st_bwd_aux()); }
+  fp8_gemm2_wgrad(g, side);
+}
+// GEMM2's wgrad alone (after the side event `side`, or -1), from dY's and a''s column copies.
+void CudaMoeLayer::fp8_gemm2_wgrad(const MoeGrads& g, int side) {
   if (side >= 0) streams_.join(side);
   if (!g.dw2) return;
   auto s = bwd("GEMM2 wgrad (fp8)");
-  fp8_wgrad(b.dy_col, H_, b.a_col, F_, g.dw2);
+  fp8_wgrad(ws_.expert.dy_col, H_, ws_.expert.a_col, F_, g.dw2);
 }
 // GEMM1: dgrad from dh row-wise into the dX rows, then mark_dx_rows_ready; wgrad from dh's column
 // copy and x_perm's (`x_perm_col`) into dW1.
@@ -158,31 +162,39 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
     streams_.mark(LayerStreams::kSideB);
   }
   log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm2Grad).op, 1, 1, H_);
-  const QTensorView& hs = b.h_saved;
   if (fused_dswiglu_) {
     {  // one kernel: GEMM2 dgrad with dSwiGLU*prob and dh's quantizations in its epilogue (no BF16 da')
       auto s = bwd(fp4 ? "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from mxfp4 h)"
                        : "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
       // the step's views: Mp_ rows (the buffers hold the largest step's)
-      const QTensorView h_in = fp4 ? mxfp4_1x32(hs.codes, hs.ue8m0(), Mp_, 2 * F_) : row_1x128(hs.codes, hs.ue8m0(), Mp_, 2 * F_);
       gemm_->dgrad_dswiglu(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, H_, F_,
-                           gemm_rows(b.dy_row, H_), ws_.weights.w2t, ws_.routing.row_prob, h_in,
+                           gemm_rows(b.dy_row, H_), ws_.weights.w2t, ws_.routing.row_prob, saved_h(),
                            row_1x128(b.dh_row_fused.codes, b.dh_row_fused.ue8m0(), Mp_, 2 * F_),
                            col_128x1(b.dh_col_fused.codes, b.dh_col_fused.ue8m0(), Mp_, 2 * F_, segment_max_blocks(Mp_, El_)),
                            ws_.routing.dprob_partials, st_bwd(), stream_);
     }
     log_rows(MoePass::kBackward, CastKind::kFused, report_names::kGemm2DgradDswigluQuantRowCol, 1, 2, 2 * F_);
-    streams_.join(LayerStreams::kSideA);
-    if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)"); fp8_wgrad(b.dy_col, H_, b.a_col, F_, g.dw2); }
-    log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, H_);
-    fp8_gemm1_grads(g, b.dh_row_fused, b.dh_col_fused, b.x_perm_col_flow, LayerStreams::kSideB);
-    streams_.join(LayerStreams::kSideB);
-    return;
+    fp8_gemm2_wgrad(g, LayerStreams::kSideA);  // after dY's column copy; dh did not overwrite dY's copies
+  } else {
+    fp8_gemm2_grads(g, LayerStreams::kSideA);  // the wgrad after dY's column copy
+    // the dSwiGLU below overwrites dY's row and column copies
+    streams_.join(LayerStreams::kSideA);  // (also when there is no wgrad of W2: the transpose read dY row)
+    backward_flow_dswiglu();
   }
-  fp8_gemm2_grads(g, LayerStreams::kSideA);  // the wgrad after dY's column copy
-  // the dSwiGLU below overwrites dY's row and column copies
-  streams_.join(LayerStreams::kSideA);  // (also when there is no wgrad of W2: the transpose read dY row)
-  if (!fp4) {
+  log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, H_);
+  // the wgrad after x_perm's column copy
+  fp8_gemm1_grads(g, fused_dswiglu_ ? b.dh_row_fused : b.dh_row, fused_dswiglu_ ? b.dh_col_fused : b.dh_col,
+                  b.x_perm_col_flow, LayerStreams::kSideB);
+  streams_.join(LayerStreams::kSideB);  // the side stream idle before the next forward reuses x_perm
+}
+
+// flow's unfused dSwiGLU*prob + quantize: from da' (BF16) and the saved h into dh's row and column
+// copies (the storage of dY's).
+void CudaMoeLayer::backward_flow_dswiglu() {
+  ExpertBuffers& b = ws_.expert;
+  const QTensorView& hs = b.h_saved;
+  const SegmentBlocks sb = blocks();
+  if (hs.layout != Layout::kMxfp4Row1x32) {
     auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
     dswiglu_quant_fp8h(b.da, hs.codes, hs.ue8m0(), F_, sb, b.dh_row.codes, b.dh_row.ue8m0(), b.dh_col.codes,
                        b.dh_col.ue8m0(), st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials);
@@ -192,9 +204,6 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
                        b.dh_col.ue8m0(), st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials);
   }
   log_rows(MoePass::kBackward, CastKind::kFused, report_names::kDswigluQuantRowCol, 1, 2, 2 * F_);
-  log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, H_);
-  fp8_gemm1_grads(g, b.dh_row, b.dh_col, b.x_perm_col_flow, LayerStreams::kSideB);  // the wgrad after x_perm's column copy
-  streams_.join(LayerStreams::kSideB);  // the side stream idle before the next forward reuses x_perm
 }
 
 }  // namespace moe

@@ -128,9 +128,8 @@ void CudaMoeLayer::forward_flow(bf16_t* y) {
     // one kernel: GEMM1 on the interleaved W1 with SwiGLU*prob and both quantizations in its epilogue
     auto s = fwd(fp4 ? "GEMM1 fprop (fp8) + SwiGLU*prob + quantize (a' row, h mxfp4)"
                      : "GEMM1 fprop (fp8) + SwiGLU*prob + quantize (a' row, h row)");
-    const QTensorView h_out = fp4 ? mxfp4_1x32(hs.codes, hs.ue8m0(), Mp_, 2 * F_) : row_1x128(hs.codes, hs.ue8m0(), Mp_, 2 * F_);
     gemm_->fprop_swiglu(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_fwd_aux()}, F_, H_, gemm_rows(x_in, H_),
-                        w.w1, ws_.routing.row_prob, row_1x128(ar.codes, ar.ue8m0(), Mp_, F_), h_out, st_fwd(), stream_);
+                        w.w1, ws_.routing.row_prob, row_1x128(ar.codes, ar.ue8m0(), Mp_, F_), saved_h(), st_fwd(), stream_);
     log_rows(MoePass::kForward, CastKind::kFused,
              fp4 ? report_names::kGemm1SwigluQuantRowHMxfp4 : report_names::kGemm1SwigluQuantRowHRow, 1, 2, 2 * F_);
   } else {

@@ -133,6 +133,8 @@ class CudaMoeLayer final : public MoeLayer {
   void backward_naive(const bf16_t* dy, const MoeGrads& g);
   void backward_flow(const bf16_t* dy, const MoeGrads& g);
   void fp8_gemm2_grads(const MoeGrads& g, int side);
+  void fp8_gemm2_wgrad(const MoeGrads& g, int side);
+  void backward_flow_dswiglu();
   void fp8_gemm1_grads(const MoeGrads& g, const QTensorView& dh_row, const QTensorView& dh_col,
                        const QTensorView& x_perm_col, int side);
   void naive_col(const QTensorView& row, int64_t c, const QTensorView& col, WgradOperand what);
@@ -152,6 +154,7 @@ class CudaMoeLayer final : public MoeLayer {
   void fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st);
   void fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st);
   QTensorView gemm_rows(const QTensorView& rows, int64_t c) const;  // `rows` as the [Mp, c] the GEMM reads
+  QTensorView saved_h() const;  // flow's saved h as this step's [Mp, 2F] view (FP8 rows or MXFP4)
   // FP8 wgrad dW [El, n, k] from the column-wise copies of the gradient [n over Mp] and the input
   // [k over Mp] (UE8M0 scales, converted to FP32 on the way): cuBLASLt per expert or the kernel on
   // host segments, or the kernel on device segments (sync_free).

@@ -45,6 +45,11 @@ QTensorView CudaMoeLayer::gemm_rows(const QTensorView& rows, int64_t c) const {
   }
   return v;
 }
+QTensorView CudaMoeLayer::saved_h() const {
+  const QTensorView& h = ws_.expert.h_saved;
+  return h.layout == Layout::kMxfp4Row1x32 ? mxfp4_1x32(h.codes, h.ue8m0(), Mp_, 2 * F_)
+                                           : row_1x128(h.codes, h.ue8m0(), Mp_, 2 * F_);
+}
 void CudaMoeLayer::fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out,
                              DeviceStatus* st) {
   if (grouped_gemm_) {
