@@ -61,7 +61,7 @@ struct QTensor {
   std::string describe() const;  // e.g. "row-wise 1x128 e4m3 [4096, 7168]"
 };
 
-// What a conversion saw (docs/FILES.md defines each counter; the CLI prints them as they are).
+// What a conversion saw (docs/NPY_FILES.md defines each counter; the CLI prints them as they are).
 // `nonfinite`: non-finite elements met (their tiles are marked NaN), including those a stepwise
 //   path produced itself (`overflow`).
 // `underflow`: elements whose value an exact layout conversion could not keep (rounded into the

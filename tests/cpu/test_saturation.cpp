@@ -1,6 +1,6 @@
 // Decoded saturation (docs/NUMERICS.md, issue 20): finite input never quantizes to codes that
 // decode to +-Inf, in every layout, for float32 and BF16 input at the top of the binary32 range;
-// below the thresholds nothing changes. Also the `flushed` and `overflow` counters (docs/FILES.md).
+// below the thresholds nothing changes. Also the `flushed` and `overflow` counters (docs/NPY_FILES.md).
 #include <gtest/gtest.h>
 
 #include <cfloat>

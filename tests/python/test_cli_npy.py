@@ -142,7 +142,7 @@ def seg_blocks(offsets):
     return blocks
 
 
-# numpy decoders of the stored layouts (docs/FILES.md) -> logical [M, K] float32
+# numpy decoders of the stored layouts (docs/NPY_FILES.md) -> logical [M, K] float32
 def np_dequant_row(p):
     codes, scales = np.load(p + ".codes.npy"), np.load(p + ".scales.npy")
     return decode_e4m3(codes) * np.repeat(decode_ue8m0(scales).T, 128, axis=1)

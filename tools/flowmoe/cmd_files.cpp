@@ -1,4 +1,4 @@
-// File subcommands: quantize, dequantize, transpose, fp4-to-fp8 (layouts in docs/FILES.md).
+// File subcommands: quantize, dequantize, transpose, fp4-to-fp8 (layouts in docs/NPY_FILES.md).
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -86,7 +86,7 @@ const char kQuantizeUsage[] =
     "Prints 'input:', then one 'wrote PATH DTYPE [SHAPE]' line per file, then 'layout:',\n"
     "'nonfinite: N' and 'flushed: N' (non-zero inputs encoded as zero) lines per tensor.\n"
     "Inputs at the top of the float32 range saturate so that nothing decodes to Inf.\n"
-    "See docs/FILES.md.\n";
+    "See docs/NPY_FILES.md.\n";
 
 template <typename T>
 int quantize_typed(const T* x, const HpInput& in, const std::string& layout, const std::string& seg_counts,
@@ -224,7 +224,7 @@ const char kTransposeUsage[] =
     "The input set is read completely before anything is written, and the output set appears\n"
     "whole or not at all, so OUTPREFIX may equal PREFIX (the row set is replaced atomically).\n"
     "Prints the 'wrote' lines, then 'layout:', 'nonfinite: N' and, for aware, 'underflow: N';\n"
-    "for naive 'overflow: N' and 'flushed: N' (counters defined in docs/FILES.md).\n";
+    "for naive 'overflow: N' and 'flushed: N' (counters defined in docs/NPY_FILES.md).\n";
 
 // Non-finite input to a conversion (NaN-marked tiles or NaN codes in the source files), and
 // values a stepwise path's BF16 intermediate overflowed to Inf, are an error as for 'quantize':
@@ -284,7 +284,7 @@ const char kFp4ToFp8Usage[] =
     "beyond, values round into the E4M3 subnormals and are counted as 'underflow'.\n"
     "The input set is read completely first and the output set appears whole or not at all.\n"
     "Prints the 'wrote' lines, then 'layout:', 'nonfinite: N' and, for row and col,\n"
-    "'underflow: N'; for col-stepwise 'overflow: N' and 'flushed: N' (docs/FILES.md).\n"
+    "'underflow: N'; for col-stepwise 'overflow: N' and 'flushed: N' (docs/NPY_FILES.md).\n"
     "\n"
     "options:\n"
     "  --to T            row, col or col-stepwise (required)\n"

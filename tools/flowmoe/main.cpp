@@ -37,7 +37,7 @@ void print_top_usage(std::ostream& os, const std::vector<Command>& cmds) {
   }
   os << "\n"
         "Run 'flowmoe <command> --help' for the options of one command.\n"
-        "File layouts are described in docs/FILES.md.\n"
+        "File layouts are described in docs/NPY_FILES.md.\n"
         "Exit status: 0 ok, 1 error (bad data, non-finite input, I/O), 2 usage error.\n";
 }
 

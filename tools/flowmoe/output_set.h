@@ -1,4 +1,4 @@
-// All-or-nothing output of a set of .npy files (docs/FILES.md, "How files are written").
+// All-or-nothing output of a set of .npy files (docs/NPY_FILES.md, "How files are read and written").
 //
 // Every file is first written under a temporary name in its own directory
 // (".flowmoe-<pid>-<n>.tmp"); commit() then moves existing files of those names aside, renames

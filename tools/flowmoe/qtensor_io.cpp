@@ -117,7 +117,7 @@ bool file_exists(const std::string& path) { return std::ifstream(path, std::ios:
 void save_qtensor(const QTensor& q, const std::string& prefix, OutputSet* out) {
   const std::vector<int64_t> cs = code_shape(q.layout, q.rows, q.cols);
   const std::vector<int64_t> ss = scale_shape(q.layout, q.rows, q.cols, q.segments);
-  // Sanity: the library produced exactly the layout documented in FILES.md.
+  // Sanity: the library produced exactly the layout documented in docs/NPY_FILES.md.
   FLOWMOE_CHECK(static_cast<int64_t>(q.codes.size()) == cs[0] * cs[1],
                 "internal: " << q.describe() << " has " << q.codes.size() << " code bytes, expected "
                              << npy_shape_str(cs));

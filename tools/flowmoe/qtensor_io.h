@@ -1,4 +1,4 @@
-// Quantized tensors <-> .npy files (the layouts are described in docs/FILES.md):
+// Quantized tensors <-> .npy files (the layouts are described in docs/NPY_FILES.md):
 //
 //   layout  PREFIX.codes.npy (uint8)   PREFIX.scales.npy (uint8 ue8m0)   extra
 //   row     [M, K]                     [K/128, M]
@@ -49,7 +49,7 @@ QTensor load_qtensor(Layout l, const std::string& prefix, const std::string& sha
 
 bool file_exists(const std::string& path);
 
-// Which counters an operation counts (docs/FILES.md defines them): quantize counts `flushed`, the
+// Which counters an operation counts (docs/NPY_FILES.md defines them): quantize counts `flushed`, the
 // exact conversions `underflow`, the stepwise paths (naive transpose, FP4->FP8 col-stepwise)
 // `overflow` and `flushed`. Every operation counts `nonfinite`.
 enum class Counted { kQuantize, kExact, kStepwise };
