@@ -1,5 +1,5 @@
 // What every kernel benchmark (bench/*.cu) shares: checked CUDA calls (CK: print and exit),
-// device allocation, the device check, ragged expert segments, and the timing harness of bench/timing.h (CUDA events around each call after
+// device allocation, the device check, ragged expert segments, and the timing harness of tools/common/timing.h (CUDA events around each call after
 // warm-up, many repetitions, median; the copy ceiling measured in the same run).
 #pragma once
 

@@ -14,7 +14,7 @@
 // would after routing. Per kernel configuration (--kernel: example 68's cooperative one, a
 // ping-pong one, or both with the faster reported, the default): one checked launch, then 3
 // warm-ups and `reps` launches each between two CUDA events; us = the median per-launch time
-// (bench/timing.h), TFLOP/s = 2*M*N*K / us. --raster / --swizzle set the tile scheduler (default
+// (tools/common/timing.h), TFLOP/s = 2*M*N*K / us. --raster / --swizzle set the tile scheduler (default
 // along M, swizzle 1: CUTLASS's defaults); --sweep times raster m/n x swizzle 1/2/4/8 and keeps the
 // fastest (sched= names it), so the baseline is CUTLASS at its best launch settings.
 // The check: the output is NaN-filled first; afterwards every element must be finite (every row

@@ -33,16 +33,16 @@
 #include <string>
 #include <vector>
 
-#include "cuda/moe/kernels.cuh"
-#include "flowmoe/cuda/moe_debug.h"
 #include "flowmoe/comm.h"
 #include "flowmoe/cuda/convert.h"
+#include "flowmoe/cuda/ep_rows.h"
+#include "flowmoe/cuda/moe_debug.h"
 #include "flowmoe/error.h"
 #include "flowmoe/settings.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/token.h"
-#include "layer_options.h"
-#include "timing.h"
+#include "layer_options.h"  // tools/common/: the layer's options from the environment
+#include "timing.h"         // tools/common/: the timing harness
 
 namespace flowmoe {
 namespace {

@@ -24,8 +24,8 @@
 
 #include "flowmoe/cuda/moe_debug.h"
 #include "flowmoe/cuda/moe_graph.h"
-#include "layer_options.h"  // bench/: the layer's options from the environment
-#include "timing.h"         // bench/: the benchmarks' timing harness
+#include "layer_options.h"  // tools/common/: the layer's options from the environment
+#include "timing.h"         // tools/common/: the timing harness the benchmarks share
 #endif
 
 namespace flowmoe {

@@ -1,5 +1,7 @@
-// The benchmarks' one timing harness: the kernel benchmarks (bench/*.cu), the expert-parallel
-// benchmark (bench/ep/) and `flowmoe bench` (tools/flowmoe/cmd_bench.cpp) time with it.
+// The one timing harness of the programs that time flowmoe: the kernel benchmarks (bench/*.cu,
+// through bench/bench_util.cuh), the expert-parallel benchmark (bench/ep/) and `flowmoe bench`
+// (tools/flowmoe/cmd_bench.cpp) time with it. It lives in tools/common/, the folder of helpers
+// that tools/ and bench/ share (docs/ARCHITECTURE.md §1, layer 7); it includes public headers only.
 //   time_events   a call timed by CUDA events, `reps` times after `warmup` untimed calls: median,
 //                 minimum and (optionally) the host's enqueue time;
 //   time_phases   a step of consecutive phases (forward, backward) timed by events between the

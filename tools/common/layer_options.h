@@ -1,5 +1,6 @@
 // The CUDA layer's options from the environment, for the programs that time the layer
-// (`flowmoe bench`, tools/flowmoe/cmd_bench.cpp; bench/ep/flowmoe_bench_ep.cu). The library reads
+// (`flowmoe bench`, tools/flowmoe/cmd_bench.cpp; bench/ep/flowmoe_bench_ep.cu); shared from
+// tools/common/ (docs/ARCHITECTURE.md §1, layer 7). The library reads
 // none (README "Runtime settings"): FLOWMOE_LAYER_OVERLAP=0 (no side stream),
 // FLOWMOE_LAYER_TAIL_OVERLAP=0|1 (tail stream), FLOWMOE_LAYER_GROUPED_GEMM=0|1|auto (FP8
 // fprop/dgrad by cuBLASLt per expert, the grouped kernel, or the layer's choice),
