@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/fnv.h"
+#include "common/moe_config.h"
 #include "common/reference.h"
 #include "flowmoe/comm.h"
 #include "flowmoe/moe.h"
@@ -57,25 +58,12 @@ void run_rank(const Case& c, Communicator* comm, int rank, Fnv* h) {
   for (float& v : w2) v = static_cast<float>(rng.normal() / std::sqrt(double(kF)));
   for (float& v : wr) v = static_cast<float>(rng.normal() / std::sqrt(double(kH)));
   for (float& v : bias) v = static_cast<float>(0.1 * rng.normal());
-  MoeConfig cfg;
-  cfg.hidden = kH;
-  cfg.ffn = kF;
-  cfg.num_experts = kE;
-  cfg.topk = kK;
-  cfg.align = c.extras ? 32 : 16;
-  cfg.recipe = c.recipe;
-  cfg.transpose_exponent = c.exponent;
   int64_t max_t = 0;
   for (int64_t t : c.tokens) max_t = std::max(max_t, t);
-  cfg.max_tokens = max_t;
-  cfg.comm = comm;
-  if (c.extras) {
-    cfg.router = RouterScore::kSigmoid;
-    cfg.router_renormalize = true;
-    cfg.router_scale = 2.5f;
-    cfg.aux_loss_alpha = 0.01f;
-    cfg.check_columns = true;
-  }
+  flowmoe_test::MoeConfigBuilder b = flowmoe_test::moe_config(kH, kF, kE, kK);
+  b.align(c.extras ? 32 : 16).recipe(c.recipe).exponent(c.exponent).max_tokens(max_t).comm(comm);
+  if (c.extras) b.router(RouterScore::kSigmoid, true, 2.5f).aux_loss(0.01f).check_columns();
+  const MoeConfig cfg = b;
   const int El = kE / c.world;
   const int64_t T = c.tokens[rank];
   flowmoe_test::Rng data(77 + rank);

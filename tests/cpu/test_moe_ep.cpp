@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "common/moe_config.h"
 #include "common/reference.h"
 #include "flowmoe/comm.h"
 #include "flowmoe/error.h"
@@ -71,16 +72,10 @@ struct Model {
 Model make_model(Recipe recipe, const std::vector<int64_t>& tokens, int align, RouterScore score,
                  bool renorm, uint64_t seed) {
   Model m;
-  MoeConfig& c = m.cfg;
-  c.hidden = kH;
-  c.ffn = kF;
-  c.num_experts = kE;
-  c.topk = kK;
-  c.router = score;
-  c.router_renormalize = renorm;
-  if (renorm) c.router_scale = 2.5f;
-  c.align = align;
-  c.recipe = recipe;
+  m.cfg = flowmoe_test::moe_config(kH, kF, kE, kK)
+              .router(score, renorm, renorm ? 2.5f : 1.0f)
+              .align(align)
+              .recipe(recipe);
   m.tokens = tokens;
   Rng rng(seed);
   m.w1.resize(int64_t(kE) * 2 * kF * kH);
@@ -435,15 +430,7 @@ double seconds_since(Clock::time_point t0) {
 }
 
 MoeConfig small_cfg(Recipe r) {
-  MoeConfig c;
-  c.hidden = kH;
-  c.ffn = kF;
-  c.num_experts = kE;
-  c.topk = kK;
-  c.align = 16;
-  c.recipe = r;
-  c.max_tokens = 16;
-  return c;
+  return flowmoe_test::moe_config(kH, kF, kE, kK).align(16).recipe(r).max_tokens(16);
 }
 
 // A configuration that differs between ranks is a CommError naming the field on every rank, at

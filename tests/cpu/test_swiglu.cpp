@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/reference.h"
+#include "common/swiglu_data.h"
 #include "flowmoe/cpu/convert.h"
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
@@ -182,49 +183,10 @@ TEST(SwigluMath, NonFiniteInputAlwaysGivesANonFiniteOutput) {
 // ================================================================================================
 // Tensors
 // ================================================================================================
-enum class HDist { kNormal, kHeavy, kWide, kTiny, kNearMax, kNonFinite };
-const char* hdist_name(HDist d) {
-  switch (d) {
-    case HDist::kNormal: return "normal";
-    case HDist::kHeavy: return "heavy";
-    case HDist::kWide: return "wide";
-    case HDist::kTiny: return "tiny";
-    case HDist::kNearMax: return "nearmax";
-    case HDist::kNonFinite: return "nonfinite";
-  }
-  return "?";
-}
-// n BF16 values. Every `zero_row_every`-th row of `cols` is zero (padding rows).
-std::vector<bf16_t> make_bf16(HDist d, int64_t rows, int64_t cols, uint64_t seed, int64_t zero_row_every = 0) {
-  Rng rng(seed);
-  std::vector<bf16_t> v(static_cast<size_t>(rows * cols));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      double x = rng.normal();
-      switch (d) {
-        case HDist::kNormal: break;
-        case HDist::kHeavy:
-          if (rng.uniform() < 0.005) x *= rng.uniform(100.0, 1000.0);
-          break;
-        case HDist::kWide: x = rng.sign() * std::exp2(rng.uniform(-24.0, 7.5)); break;  // |g| up to 181
-        case HDist::kTiny: x = std::ldexp(x, -128); break;                             // BF16 subnormals
-        case HDist::kNearMax:
-          x = rng.sign() * (rng.uniform() < 0.3 ? 3e38 : std::exp2(rng.uniform(60.0, 127.0)));
-          break;
-        case HDist::kNonFinite: {
-          const double u = rng.uniform();
-          if (u < 0.001) x = NAN;
-          else if (u < 0.002) x = INFINITY;
-          else if (u < 0.003) x = -INFINITY;
-          break;
-        }
-      }
-      if (zero_row_every > 0 && r % zero_row_every == 1) x = 0;
-      v[r * cols + c] = num::bf16_canonical(static_cast<float>(x));
-    }
-  }
-  return v;
-}
+// HDist, hdist_name, make_bf16: the generator shared with the GPU tests (tests/common/swiglu_data.h).
+using flowmoe_test::HDist;
+using flowmoe_test::hdist_name;
+using flowmoe_test::make_bf16;
 
 void expect_same(const QTensor& want, const QTensor& got, const std::string& what) {
   EXPECT_EQ(want.layout, got.layout) << what;

@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "common/moe_config.h"
 #include "cuda/device_buffer.h"
 #include "flowmoe/cuda/moe_debug.h"
 #include "flowmoe/moe.h"
@@ -74,16 +75,10 @@ struct Model {
 inline Model make_model(Recipe recipe, const std::vector<int64_t>& tokens, int align, RouterScore score,
                  bool renorm, uint32_t seed) {
   Model m;
-  MoeConfig& c = m.cfg;
-  c.hidden = kH;
-  c.ffn = kF;
-  c.num_experts = kE;
-  c.topk = kK;
-  c.router = score;
-  c.router_renormalize = renorm;
-  if (renorm) c.router_scale = 2.5f;
-  c.align = align;
-  c.recipe = recipe;
+  m.cfg = flowmoe_test::moe_config(kH, kF, kE, kK)
+              .router(score, renorm, renorm ? 2.5f : 1.0f)
+              .align(align)
+              .recipe(recipe);
   m.tokens = tokens;
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);

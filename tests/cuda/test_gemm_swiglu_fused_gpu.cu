@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "common/moe_config.h"
 #include "cuda/gpu_test_util.h"
 #include "flowmoe/cuda/convert.h"
 #include "flowmoe/cuda/qtensor_view.h"
@@ -190,14 +191,7 @@ LayerOut run_layer(Recipe r, bool fused, bool sync_free, int64_t T, bool fused_b
   const std::vector<float> w1 = normal_f32(E * 2 * F * H, 1.0f / 16, rng), w2 = normal_f32(E * H * F, 1.0f / 20, rng);
   const std::vector<float> wr = normal_f32(E * H, 1.0f / 16, rng);
   const std::vector<bf16_t> x = normal_bf16(Tmax * H, 1.0f, rng), dy = normal_bf16(Tmax * H, 1.0f, rng);
-  MoeConfig cfg;
-  cfg.hidden = H;
-  cfg.ffn = F;
-  cfg.num_experts = E;
-  cfg.topk = K;
-  cfg.align = 128;
-  cfg.recipe = r;
-  cfg.max_tokens = Tmax;
+  const MoeConfig cfg = flowmoe_test::moe_config(H, F, E, K).align(128).recipe(r).max_tokens(Tmax);
   CudaLayerOptions o;
   o.fprop_dgrad = CudaLayerOptions::FpropDgrad::kGrouped;
   o.fused_swiglu = fused;

@@ -27,6 +27,7 @@
 #include "flowmoe/comm.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
+#include "common/moe_config.h"
 #include "common/fnv.h"
 #include "cuda/gpu_test_util.h"
 
@@ -77,19 +78,13 @@ std::string run_rank(const Case& c, Recipe r, bool accumulate, Communicator* com
   }
   const int64_t T = c.tokens[rank];
 
-  MoeConfig cfg;
-  cfg.hidden = H;
-  cfg.ffn = F;
-  cfg.num_experts = c.experts;
-  cfg.topk = c.topk;
-  cfg.router = c.score;
-  cfg.router_renormalize = c.renorm;
-  cfg.router_scale = c.scale;
-  cfg.aux_loss_alpha = c.aux;
-  cfg.align = c.align;
-  cfg.recipe = r;
-  cfg.max_tokens = max_t;
-  cfg.comm = comm;
+  const MoeConfig cfg = flowmoe_test::moe_config(H, F, c.experts, c.topk)
+                            .router(c.score, c.renorm, c.scale)
+                            .aux_loss(c.aux)
+                            .align(c.align)
+                            .recipe(r)
+                            .max_tokens(max_t)
+                            .comm(comm);
 
   cudaStream_t s = nullptr;
   if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) throw std::runtime_error("stream");

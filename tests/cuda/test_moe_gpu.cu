@@ -28,6 +28,7 @@
 #include "flowmoe/error.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
+#include "common/moe_config.h"
 #include "cuda/gpu_test_util.h"
 
 namespace flowmoe {
@@ -60,20 +61,13 @@ const Shape kShapes[] = {
 };
 
 MoeConfig make_cfg(const Shape& s, Recipe r) {
-  MoeConfig c;
-  c.hidden = s.hidden;
-  c.ffn = s.ffn;
-  c.num_experts = s.experts;
-  c.topk = s.topk;
-  c.router = s.score;
-  c.router_renormalize = s.renorm;
-  c.router_scale = s.scale;
-  c.aux_loss_alpha = s.aux;
-  c.align = s.align;
-  c.recipe = r;
-  c.max_tokens = s.max_tokens;
-  if (s.column_amax) c.transpose_exponent = cpu::TransposeExponent::kColumnAmax;
-  return c;
+  return flowmoe_test::moe_config(s.hidden, s.ffn, s.experts, s.topk)
+      .router(s.score, s.renorm, s.scale)
+      .aux_loss(s.aux)
+      .align(s.align)
+      .recipe(r)
+      .max_tokens(s.max_tokens)
+      .exponent(s.column_amax ? cpu::TransposeExponent::kColumnAmax : cpu::TransposeExponent::kRowMax);
 }
 
 struct Data {

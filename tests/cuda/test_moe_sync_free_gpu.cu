@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/moe_config.h"
 #include "cuda/gpu_test_util.h"
 #include "flowmoe/cuda/moe_debug.h"
 #include "flowmoe/cuda/moe_graph.h"
@@ -41,16 +42,7 @@ struct Model {
     dy = normal_bf16(T * H, 1.0f, rng);
   }
   MoeConfig config(Recipe r) const {
-    MoeConfig c;
-    c.hidden = H;
-    c.ffn = F;
-    c.num_experts = E;
-    c.topk = K;
-    c.aux_loss_alpha = 0.01f;
-    c.align = 128;
-    c.recipe = r;
-    c.max_tokens = T;
-    return c;
+    return flowmoe_test::moe_config(H, F, E, K).aux_loss(0.01f).align(128).recipe(r).max_tokens(T);
   }
 };
 
