@@ -158,23 +158,52 @@ int run_quantize(const Args& args) {
   return quantize_typed(in.f32.data(), in, layout, seg_counts, prefix);
 }
 
+// ---- quantized sets that decode beyond binary32 ----------------------------------------------
+
+// A finite code under a scale too large for it (e.g. scale code 0xFE = 2^127 under an E4M3 code of
+// magnitude 2 or more) decodes to +-Inf. No quantizer writes such an element (SPEC §2, "finite
+// stays finite"), so every command that reads a quantized set treats it alike: an error (exit 1,
+// nothing written) unless --allow-nonfinite, and then counted as 'overflow' (and 'nonfinite').
+// Returns the number of such elements of `q`; `decoded` receives q's logical matrix.
+int64_t check_decodes_finite(const QTensor& q, const std::string& prefix, bool allow, std::vector<float>* decoded) {
+  decoded->assign(static_cast<size_t>(q.rows * q.cols), 0.0f);
+  cpu::dequantize(q, decoded->data());
+  int64_t n = 0, first = -1;
+  for (size_t i = 0; i < decoded->size(); ++i) {
+    const float v = (*decoded)[i];
+    if (num::f32_is_finite(v) || v != v) continue;  // finite, or NaN (a NaN-marked tile or code)
+    if (n++ == 0) first = static_cast<int64_t>(i);
+  }
+  if (n == 0 || allow) return n;
+  FLOWMOE_CHECK(false, prefix << ": " << n << " finite code(s) overflowed to Inf when decoded (code x scale "
+                              << "beyond the float32 range, the first at [" << first / q.cols << ", "
+                              << first % q.cols << "] of the " << q.rows << " x " << q.cols
+                              << " matrix, e.g. scale code 0xFE (2^127) under a code of magnitude 2 or more); "
+                              << "no quantizer writes such a set; nothing was written (pass --allow-nonfinite "
+                              << "to convert it anyway, counted as 'overflow')");
+  return n;
+}
+
 // ---- dequantize ----------------------------------------------------------------------------
 
 const char kDequantizeUsage[] =
     "usage: flowmoe dequantize --layout row|col|weight|mxfp4 [--shape M,K] [--segments a,b,...]\n"
-    "                          [--bf16] PREFIX OUT.npy\n"
+    "                          [--bf16] [--allow-nonfinite] PREFIX OUT.npy\n"
     "\n"
     "Reads PREFIX.codes.npy and PREFIX.scales.npy (and PREFIX.segments.npy for col) as written by\n"
     "'flowmoe quantize' and writes the logical matrix [M, K] ([N, K] for weight; a col tensor\n"
     "comes back un-transposed) as float32, exact, or with --bf16 as uint16 bfloat16 bits\n"
-    "(round to nearest even). Tiles with a NaN scale decode to NaN.\n"
+    "(round to nearest even). Tiles with a NaN scale decode to NaN. A set with an element whose\n"
+    "code x scale is beyond float32 (which no quantizer writes) is an error unless --allow-nonfinite;\n"
+    "then those elements decode to +-Inf and an 'overflow: N' line counts them.\n"
     "\n"
     "options:\n"
     "  --layout L        layout of PREFIX (required)\n"
     "  --shape M,K       logical shape; checked against the files (default: inferred from\n"
     "                    PREFIX.codes.npy)\n"
     "  --segments a,b,c  col only, when PREFIX.segments.npy is absent (default: one segment)\n"
-    "  --bf16            write uint16 bfloat16 bits instead of float32\n";
+    "  --bf16            write uint16 bfloat16 bits instead of float32\n"
+    "  --allow-nonfinite  decode a set whose elements overflow float32 (to +-Inf, counted)\n";
 
 int run_dequantize(const Args& args) {
   args.expect_positional({"PREFIX", "OUT.npy"});
@@ -182,19 +211,20 @@ int run_dequantize(const Args& args) {
   const QTensor q = load_qtensor(l, args.positional()[0], args.get("shape"), args.get("segments"));
   const std::string& out = args.positional()[1];
   const std::vector<int64_t> shape = {q.rows, q.cols};
+  std::vector<float> y;
+  const int64_t overflow = check_decodes_finite(q, args.positional()[0], args.flag("allow-nonfinite"), &y);
   OutputSet set;
   if (args.flag("bf16")) {
-    std::vector<bf16_t> y(static_cast<size_t>(q.rows * q.cols));
-    cpu::dequantize(q, y.data());
-    set.add(out, kNpyU16, shape, y.data());
+    std::vector<bf16_t> yb(static_cast<size_t>(q.rows * q.cols));
+    cpu::dequantize(q, yb.data());
+    set.add(out, kNpyU16, shape, yb.data());
     set.commit();
   } else {
-    std::vector<float> y(static_cast<size_t>(q.rows * q.cols));
-    cpu::dequantize(q, y.data());
     set.add(out, kNpyF32, shape, y.data());
     set.commit();
   }
   std::cout << "layout: " << q.describe() << "\n";
+  if (overflow > 0) std::cout << "overflow: " << overflow << "\n";
   return 0;
 }
 
@@ -218,8 +248,8 @@ const char kTransposeUsage[] =
     "                    column-amax (the block's own amax: equals naive bit for bit, one pass)\n"
     "  --shape M,K       logical shape; checked against the files (default: inferred)\n"
     "  --segments a,b,c  token counts per expert segment of the output (default: one segment)\n"
-    "  --allow-nonfinite  write the result even if the input holds NaN-marked tiles or NaN codes\n"
-    "                    (or, naive, values that overflow the BF16 intermediate)\n"
+    "  --allow-nonfinite  write the result even if the input holds NaN-marked tiles or NaN codes,\n"
+    "                    or elements whose code x scale overflows float32 (counted as 'overflow')\n"
     "\n"
     "The input set is read completely before anything is written, and the output set appears\n"
     "whole or not at all, so OUTPREFIX may equal PREFIX (the row set is replaced atomically).\n"
@@ -257,9 +287,15 @@ int run_transpose(const Args& args) {
   const TransposeExponent exponent = parse_exponent(args, method == "aware", "--method aware");
   const QTensor row = load_qtensor(Layout::kRow1x128, args.positional()[0], args.get("shape"), "");
   const Segments seg = segments_from_option(args.get("segments"), row.rows);
+  std::vector<float> decoded;
+  const int64_t overflow = check_decodes_finite(row, args.positional()[0], args.flag("allow-nonfinite"), &decoded);
   QTensor col;
-  const QuantStats st = method == "aware" ? cpu::scaling_aware_transpose(row, seg, &col, exponent)
-                                          : cpu::naive_col_copy(row, seg, &col);
+  QuantStats st = method == "aware" ? cpu::scaling_aware_transpose(row, seg, &col, exponent)
+                                    : cpu::naive_col_copy(row, seg, &col);
+  if (method == "aware") {  // the naive path counts them itself (its BF16 intermediate overflows)
+    st.overflow += overflow;
+    st.nonfinite += overflow;
+  }
   check_conversion_nonfinite(st, args, args.positional()[0]);
   OutputSet out;
   save_qtensor(col, args.positional()[1], &out);
@@ -293,7 +329,8 @@ const char kFp4ToFp8Usage[] =
     "                    col-stepwise bit for bit, one pass)\n"
     "  --shape M,K       logical shape; checked against the files (default: inferred)\n"
     "  --segments a,b,c  col and col-stepwise only: token counts per expert segment\n"
-    "  --allow-nonfinite  write the result even if the input holds NaN-marked blocks\n";
+    "  --allow-nonfinite  write the result even if the input holds NaN-marked blocks, or elements\n"
+    "                    whose code x scale overflows float32 (counted as 'overflow')\n";
 
 int run_fp4_to_fp8(const Args& args) {
   args.expect_positional({"PREFIX", "OUTPREFIX"});
@@ -301,6 +338,8 @@ int run_fp4_to_fp8(const Args& args) {
   if (to == "row" && args.has("segments")) throw UsageError("--segments applies to --to col and col-stepwise only");
   const TransposeExponent exponent = parse_exponent(args, to == "col", "--to col");
   const QTensor fp4 = load_qtensor(Layout::kMxfp4Row1x32, args.positional()[0], args.get("shape"), "");
+  std::vector<float> decoded;
+  const int64_t overflow = check_decodes_finite(fp4, args.positional()[0], args.flag("allow-nonfinite"), &decoded);
   QTensor out;
   QuantStats st;
   if (to == "row") {
@@ -309,6 +348,10 @@ int run_fp4_to_fp8(const Args& args) {
   } else {
     const Segments seg = segments_from_option(args.get("segments"), fp4.rows);
     st = to == "col" ? cpu::fp4_to_fp8_col(fp4, seg, &out, exponent) : cpu::fp4_to_fp8_col_stepwise(fp4, seg, &out);
+  }
+  if (to != "col-stepwise") {  // the stepwise path counts them itself (its BF16 intermediate overflows)
+    st.overflow += overflow;
+    st.nonfinite += overflow;
   }
   check_conversion_nonfinite(st, args, args.positional()[0]);
   OutputSet set;
@@ -330,7 +373,7 @@ Command quantize_command() {
 Command dequantize_command() {
   return {"dequantize", "decode quantized .npy files back to float32 or bfloat16",
           kDequantizeUsage,
-          {{"layout", true}, {"shape", true}, {"segments", true}, {"bf16", false}},
+          {{"layout", true}, {"shape", true}, {"segments", true}, {"bf16", false}, {"allow-nonfinite", false}},
           run_dequantize};
 }
 

@@ -4,6 +4,8 @@
 // NumPy writes there: quoted strings, True/False and tuples of integers.
 #include "npy.h"
 
+#include <sys/stat.h>
+
 #include <cctype>
 #include <cerrno>
 #include <fstream>
@@ -219,6 +221,22 @@ std::string npy_dtype_name(const std::string& dtype) {
   return "'" + dtype + "'";
 }
 
+void check_regular_input(const std::string& path) {
+  // stat() never opens the file: a FIFO without a writer would block open() forever, and one with
+  // a writer would be read as a stream of unknown size. A missing path is left to the caller's open.
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) return;
+  if (S_ISREG(st.st_mode)) return;
+  const char* what = S_ISDIR(st.st_mode)    ? "a directory"
+                     : S_ISFIFO(st.st_mode) ? "a FIFO (named pipe)"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                     : S_ISCHR(st.st_mode)  ? "a character device"
+                     : S_ISBLK(st.st_mode)  ? "a block device"
+                                            : "not a regular file";
+  FLOWMOE_CHECK(false, path << ": is " << what << "; expected a regular .npy file (flowmoe reads inputs "
+                            << "whole, with their size known, so pipes and devices are refused)");
+}
+
 std::string npy_shape_str(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
@@ -227,6 +245,7 @@ std::string npy_shape_str(const std::vector<int64_t>& shape) {
 
 NpyArray npy_load(const std::string& path) {
   FLOWMOE_CHECK(host_is_little_endian(), "npy_load: only little-endian hosts are supported");
+  check_regular_input(path);
   std::ifstream f(path, std::ios::binary);
   FLOWMOE_CHECK(f.is_open(), path << ": cannot open for reading (expected an existing .npy file)");
   f.seekg(0, std::ios::end);

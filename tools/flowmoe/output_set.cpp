@@ -87,20 +87,21 @@ void OutputSet::add(const std::string& path, const char* dtype, const std::vecto
 
 void OutputSet::commit() {
   FLOWMOE_CHECK(!committed_, "internal: OutputSet committed twice");
+  // On a failed rename, rollback() clears items_: the message takes a copy of the path first.
   for (Item& it : items_) {
     if (exists_no_follow(it.path)) {
       it.backup = temp_name(it.path, ".old");
       if (std::rename(it.path.c_str(), it.backup.c_str()) != 0) {
-        const std::string why = std::strerror(errno);
+        const std::string why = std::strerror(errno), path = it.path;
         rollback();
-        throw Error(__FILE__, __LINE__, it.path + ": cannot replace it (" + why + "); nothing was written");
+        throw Error(__FILE__, __LINE__, path + ": cannot replace it (" + why + "); nothing was written");
       }
       it.backed_up = true;
     }
     if (std::rename(it.tmp.c_str(), it.path.c_str()) != 0) {
-      const std::string why = std::strerror(errno);
+      const std::string why = std::strerror(errno), path = it.path;
       rollback();
-      throw Error(__FILE__, __LINE__, it.path + ": cannot create it (" + why + "); nothing was written");
+      throw Error(__FILE__, __LINE__, path + ": cannot create it (" + why + "); nothing was written");
     }
     it.installed = true;
   }

@@ -1,6 +1,8 @@
 // Quantized tensors <-> .npy files, with validation of every size (see qtensor_io.h).
 #include "qtensor_io.h"
 
+#include <sys/stat.h>
+
 #include <fstream>
 #include <iostream>
 #include <tuple>
@@ -19,9 +21,7 @@ void check_offsets(const Segments& seg, int64_t m, const std::string& where) {
   try {
     seg.validate(m);
   } catch (const Error& e) {
-    std::string msg = e.what();  // "file:line: message": keep the message
-    const size_t at = msg.find(": ");
-    throw Error(__FILE__, __LINE__, where + ": " + (at == std::string::npos ? msg : msg.substr(at + 2)));
+    throw Error(__FILE__, __LINE__, where + ": " + e.message());  // the message, without its location
   }
 }
 
@@ -112,7 +112,11 @@ Segments segments_from_option(const std::string& counts, int64_t m) {
   return Segments::from_counts(c);
 }
 
-bool file_exists(const std::string& path) { return std::ifstream(path, std::ios::binary).is_open(); }
+// stat(), not open(): opening a FIFO would block (npy_load then refuses anything not a regular file).
+bool file_exists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
 
 void save_qtensor(const QTensor& q, const std::string& prefix, OutputSet* out) {
   const std::vector<int64_t> cs = code_shape(q.layout, q.rows, q.cols);
@@ -211,6 +215,8 @@ void print_stats(const QTensor& q, const QuantStats& st, Counted c) {
   std::cout << "layout: " << q.describe() << "\n"
             << "nonfinite: " << st.nonfinite << "\n";
   if (c == Counted::kExact) std::cout << "underflow: " << st.underflow << "\n";
+  // exact conversions of a set that decodes beyond float32 (--allow-nonfinite; cmd_files.cpp)
+  if (c == Counted::kExact && st.overflow > 0) std::cout << "overflow: " << st.overflow << "\n";
   if (c == Counted::kStepwise) std::cout << "overflow: " << st.overflow << "\n";
   if (c != Counted::kExact) std::cout << "flushed: " << st.flushed << "\n";
 }
