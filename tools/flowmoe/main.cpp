@@ -13,9 +13,22 @@
 namespace flowmoe { namespace cli { Command bench_command(); } }  // cmd_bench.cpp (GPU layer benchmark)
 namespace flowmoe { namespace cli { Command launch_command(); Command bench_ep_command(); } }  // cmd_launch.cpp
 
+#ifndef FLOWMOE_VERSION
+#define FLOWMOE_VERSION "unknown"  // CMake defines it from project(VERSION)
+#endif
+
 namespace {
 
 using flowmoe::cli::Command;
+
+void print_version(std::ostream& os) {
+#if defined(FLOWMOE_HAVE_CUDA)
+  const char* backends = "CPU reference and CUDA (sm_90a)";
+#else
+  const char* backends = "CPU reference only (built without nvcc or with FLOWMOE_ENABLE_CUDA=OFF)";
+#endif
+  os << "flowmoe " << FLOWMOE_VERSION << "\nbackends: " << backends << "\n";
+}
 
 std::vector<Command> all_commands() {
   using namespace flowmoe::cli;
@@ -26,6 +39,7 @@ std::vector<Command> all_commands() {
 
 void print_top_usage(std::ostream& os, const std::vector<Command>& cmds) {
   os << "usage: flowmoe <command> [options] [args]\n"
+        "       flowmoe --version\n"
         "\n"
         "FP8 / MXFP4 numerics for MoE training: CPU reference conversions and .npy file tools.\n"
         "\n"
@@ -36,21 +50,10 @@ void print_top_usage(std::ostream& os, const std::vector<Command>& cmds) {
     os << "  " << name << c.summary << "\n";
   }
   os << "\n"
-        "Run 'flowmoe <command> --help' for the options of one command.\n"
+        "Run 'flowmoe <command> --help' for the options of one command, 'flowmoe --version' for\n"
+        "the version and the backends built in.\n"
         "File layouts are described in docs/NPY_FILES.md.\n"
         "Exit status: 0 ok, 1 error (bad data, non-finite input, I/O), 2 usage error.\n";
-}
-
-// flowmoe::Error messages start with "/path/to/file.cpp:LINE: " (or .h); keep only the file's base
-// name so the message stays readable on a terminal.
-std::string readable(const char* what) {
-  std::string s = what;
-  size_t colon = s.find(".cpp:");
-  if (colon == std::string::npos) colon = s.find(".h:");
-  const size_t end = colon == std::string::npos ? colon : s.find(": ", colon);
-  if (end == std::string::npos) return s;
-  const size_t slash = s.rfind('/', colon);
-  return slash == std::string::npos ? s : s.substr(slash + 1);
 }
 
 }  // namespace
@@ -65,6 +68,10 @@ int main(int argc, char** argv) {
   const std::string name = argv[1];
   if (name == "--help" || name == "-h" || name == "help") {
     print_top_usage(std::cout, cmds);
+    return 0;
+  }
+  if (name == "--version" || name == "-V" || name == "version") {
+    print_version(std::cout);
     return 0;
   }
   const Command* cmd = nullptr;
@@ -90,7 +97,7 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const flowmoe::Error& e) {
     std::cout.flush();
-    std::cerr << "flowmoe " << cmd->name << ": error: " << readable(e.what()) << "\n";
+    std::cerr << "flowmoe " << cmd->name << ": error: " << e.what() << "\n";
     return 1;
   } catch (const std::bad_alloc&) {
     std::cerr << "flowmoe " << cmd->name << ": error: out of memory\n";
