@@ -5,6 +5,7 @@
 # flowmoe.torch.MoE from there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 py=python3
 [ -x .venv-test/bin/python ] && py=.venv-test/bin/python
 out=${FLOWMOE_SMOKE_DIR:-build-python-smoke}

