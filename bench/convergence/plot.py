@@ -11,7 +11,9 @@ and writes:
                          the seed-to-seed spread
     <out>/table.md       final validation loss, delta vs bf16 in %, tokens/s, peak memory, saved
                          activation bytes per token (per MoE layer), nonfinite / underflow counts,
-                         skipped steps
+                         skipped steps, and the guards (issue 30): the fewest weight refreshes of a
+                         MoE layer, the least any layer's w1 / w2 / wr moved from its initial
+                         weights (relative Frobenius norm), the fresh-layer check
 The figures need matplotlib; without it the JSON and the table are still written.
 """
 
@@ -21,7 +23,7 @@ import json
 import os
 import sys
 
-ORDER = ["bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"]
+ORDER = ["torch-bf16", "bf16", "blockwise", "fp8-naive", "flow", "flow-fp4", "flow-colamax", "frozen"]
 BASE = "bf16"
 
 
@@ -89,26 +91,43 @@ def comparable(r, ref):
     return None
 
 
+def guard_cell(r):
+    """The guards of a run in a few words ("—" for runs written before the guards existed)."""
+    g = r.get("moe_guard")
+    if not g:
+        return "— (no guard fields)"
+    if not g["ok"]:
+        return f"FAILED ({len(g['failures'])})"
+    layers = g["layers"]
+    moved = "/".join(f"{100 * min(e['moved'][n] for e in layers):.1f}" for n in ("w1", "w2", "wr"))
+    wu = [e["weight_updates"] for e in layers if e["weight_updates"] is not None]
+    fresh = all(e["fresh_check"] == "identical" for e in layers)
+    parts = [f"{min(wu)} refreshes" if wu else "reads masters", f"moved {moved}%"]
+    if g.get("frozen_experts"):
+        parts[1] = "frozen"
+    return ", ".join(parts) + (", fresh ok" if fresh else "")
+
+
 def table(runs):
     base = runs.get(BASE, {}).get("final_val_loss")
     ref = runs.get(BASE) or next(iter(runs.values()))
     rows = ["| run | final val loss | Δ vs bf16 | tokens/s | peak memory GiB (device used) | saved B/token per MoE layer (unpadded) "
-            "| nonfinite | underflow | skipped steps |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| nonfinite | underflow | skipped steps | guards (refreshes, moved w1/w2/wr) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in runs.items():
         v = r.get("final_val_loss")
         d = delta_pct(v, base)
         mem, used = r.get("peak_memory_bytes"), r.get("device_memory_used_bytes")
         sv, su = saved_per_layer(r), saved_per_layer(r, "unpadded_per_layer")
         why = comparable(r, ref)
-        rows.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+        rows.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
             name if why is None else f"{name} ({why})",
             f"{v:.4f}" if v is not None else "—",
             "—" if d is None or name == BASE else f"{d:+.2f}%",
             f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "—",
             ("—" if not mem else f"{mem / 2**30:.2f}") + ("" if not used else f" ({used / 2**30:.2f})"),
             "—" if sv is None else f"{sv:,.0f}" + ("" if su is None else f" ({su:,.0f})"),
-            r.get("nonfinite", "—"), r.get("underflow", "—"), r.get("skipped_steps", "—")))
+            r.get("nonfinite", "—"), r.get("underflow", "—"), r.get("skipped_steps", "—"), guard_cell(r)))
     first = next(iter(runs.values()))
     m = first["model"]
     note = (f"\nModel: {m['layers']} layers, H {m['hidden']}, {m['heads']} heads, {m['experts']} experts of "

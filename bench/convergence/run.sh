@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# The convergence experiment of issue 17 (docs/CONVERGENCE.md): the same byte-level MoE language
-# model, data order, initialisation and step count trained with each flowmoe recipe, plus bf16
-# with a second seed (the seed-to-seed spread), on one GPU.
+# The convergence experiment of issue 17 (docs/CONVERGENCE.md), with the guards and arms of issue 30:
+# the same byte-level MoE language model, data order, initialisation and step count trained with
+# each flowmoe recipe, the plain PyTorch BF16 MoE (an independent baseline: a defect shared by all
+# flowmoe recipes shows up against it), a frozen-experts control, and other seeds, on one GPU.
 #
-#   bench/convergence/run.sh                       # all six runs, then plot.py
+#   bench/convergence/run.sh                       # the default runs below, then plot.py
 #   bench/convergence/run.sh bf16 blockwise        # some runs (split over device calls)
 #   DATA=/path/shakespeare.bin STEPS=2000 bench/convergence/run.sh flow flow-fp4 bf16-seed1
 #
-# Runs: bf16 blockwise fp8-naive flow flow-fp4 bf16-seed1 (a recipe name = seed 0;
-# <recipe>-seed<N> = that recipe with seed N). Each writes $OUT/runs/<run>.json and .log; the last
-# step merges every run found under $OUT/runs into $OUT/results.json and, where matplotlib is
-# installed, draws the figures (plot.py; else run plot.py later on a machine that has it).
+# Run names: ARM or ARM-seed<N> (seed 0 without the suffix). ARM is a flowmoe recipe (bf16,
+# blockwise, fp8-naive, flow, flow-fp4), flow-colamax (flow with --exponent column-amax),
+# torch-bf16 (--moe torch: flowmoe.reference_moe) or frozen (--moe torch --freeze-experts: experts
+# and routers keep their initial weights). Default: torch-bf16 bf16 blockwise fp8-naive flow
+# flow-fp4 frozen bf16-seed1. Each writes $OUT/runs/<run>.json and .log; the JSON holds the guard
+# fields of every MoE layer ("moe_guard": weight refreshes, how far w1/w2/wr moved, the
+# fresh-layer check). A run whose guards fail exits with status 3 (the experts were not trained or
+# a layer computed with stale weights): this script stops there, after plot.py, with that status.
+# The last step merges every run found under $OUT/runs into $OUT/results.json and, where
+# matplotlib is installed, draws the figures (plot.py; else run plot.py later where it is).
 #
 # Environment: OUT (default docs/convergence), DATA (corpus: a file from `python -m flowmoe.data
 # prepare`, default the installed `shakespeare` package), STEPS (2000), BATCH (8), PYTHON
-# (python3), EXTRA (more flowmoe.train arguments, the same for every run), CONFIG (--small; --tiny
-# for a smoke run of this script on a CPU).
+# (python3), EXTRA (more flowmoe.train arguments, the same for every run, e.g. --guard-every 500),
+# CONFIG (--small; --tiny for a smoke run of this script on a CPU).
 #
 # Size (the `small` configuration of flowmoe.train): 8 layers, H 768, 6 heads of 128, 16 experts
 # of F 512, top-2 softmax, aux loss 0.01, sequences of 512 bytes, 8 per step (4096 tokens),
@@ -25,8 +32,8 @@
 # step, every expert segment at least one 128-row block), H and F multiples of 128 as the layer
 # requires, deep enough (8) that quantization error compounds through the residual stream, and
 # small enough that a step is dominated by launch overhead rather than GEMMs: 15-30 ms, i.e.
-# 30-60 s for 2000 steps plus validation and start-up, so the six runs take 5-8 minutes of one
-# H200. A larger model would not finish 2000 steps x 6 runs in the ~10 minutes of device time.
+# 30-60 s for 2000 steps plus validation and start-up, so the runs take 5-8 minutes of one
+# H200.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
@@ -44,15 +51,30 @@ if ! "$PYTHON" -c "import flowmoe.train" 2>/dev/null; then
 fi
 mkdir -p "$OUT/runs"
 RUNS=("$@")
-[ ${#RUNS[@]} -eq 0 ] && RUNS=(bf16 blockwise fp8-naive flow flow-fp4 bf16-seed1)
+[ ${#RUNS[@]} -eq 0 ] && RUNS=(torch-bf16 bf16 blockwise fp8-naive flow flow-fp4 frozen bf16-seed1)
+status=0
 for run in "${RUNS[@]}"; do
-  recipe=${run%%-seed*}
+  arm=${run%%-seed*}
   seed=0
   [[ "$run" == *-seed* ]] && seed=${run##*-seed}
-  echo "=== $run: recipe $recipe, seed $seed, $STEPS steps, batch $BATCH"
+  case "$arm" in
+    torch-bf16) args=(--moe torch --recipe bf16) ;;
+    frozen) args=(--moe torch --recipe bf16 --freeze-experts) ;;
+    flow-colamax) args=(--moe flowmoe --recipe flow --exponent column-amax) ;;
+    bf16|blockwise|fp8-naive|flow|flow-fp4) args=(--moe flowmoe --recipe "$arm") ;;
+    *) echo "run.sh: unknown run '$run' (arms: bf16 blockwise fp8-naive flow flow-fp4 flow-colamax torch-bf16 frozen)" >&2; exit 2 ;;
+  esac
+  echo "=== $run: ${args[*]}, seed $seed, $STEPS steps, batch $BATCH"
+  rc=0
   # shellcheck disable=SC2086
-  "$PYTHON" -m flowmoe.train "$CONFIG" --moe flowmoe --recipe "$recipe" --seed "$seed" \
+  "$PYTHON" -m flowmoe.train "$CONFIG" "${args[@]}" --seed "$seed" \
       --steps "$STEPS" --batch "$BATCH" --name "$run" --json "$OUT/runs/$run.json" \
-      "${DATA_ARG[@]}" $EXTRA 2>&1 | tee "$OUT/runs/$run.log"
+      "${DATA_ARG[@]}" $EXTRA 2>&1 | tee "$OUT/runs/$run.log" || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "=== $run failed (exit status $rc; 3 = a guard: experts not trained or stale weights)" >&2
+    status=$rc
+    break
+  fi
 done
 "$PYTHON" bench/convergence/plot.py --out "$OUT"
+exit $status

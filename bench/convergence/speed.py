@@ -16,6 +16,11 @@ clipping, fused AdamW; timed with a device synchronisation at the end of every s
 
 Printed: per model, step ms, tokens/s, model TFLOP/s (6 x active parameters + attention),
 peak memory, and the speed-up over the PyTorch BF16 model (target: flow >= 1.4x).
+
+The trainer's guards (flowmoe/train_guards.py, issue 30) run here too, so a fast step that does
+not train the experts cannot pass for a result: every model's JSON entry holds "moe_guard" (per
+MoE layer: weight refreshes, how far w1/w2/wr moved, the fresh-layer check after the last step),
+and the script exits with status 3 when a guard failed (the table is still printed and written).
 """
 
 import argparse
@@ -35,6 +40,7 @@ import torch
 
 from flowmoe.lm import LMConfig, MoELM
 from flowmoe.train import device_used_bytes, train_step
+from flowmoe.train_guards import MoEGuard, summary_line
 
 V2_LITE = dict(layers=4, hidden=2048, heads=16, ffn=1408, experts=64, topk=6, seq_len=2048)
 TINY = dict(layers=2, hidden=128, heads=2, ffn=128, experts=4, topk=2, seq_len=64)
@@ -50,6 +56,7 @@ def measure(name, impl, recipe, cfg, batch, warmup, reps, device, seed):
     tokens_per_step = batch * cfg.seq_len
     torch.manual_seed(seed)
     model = MoELM(cfg, moe=impl, recipe=recipe, max_tokens=tokens_per_step, device=device, seed=seed)
+    guard = MoEGuard(model)  # the initial MoE weights, on the host
     opt = make_optimizer(model, _Opt(1e-4), device)
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, cfg.vocab, (batch, cfg.seq_len + 1), generator=g).to(device)
@@ -67,6 +74,7 @@ def measure(name, impl, recipe, cfg, batch, warmup, reps, device, seed):
             torch.cuda.synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+        guard.after_step(ok)
     step = statistics.median(times)
     r = {
         "name": name, "moe": impl, "recipe": recipe,
@@ -78,6 +86,8 @@ def measure(name, impl, recipe, cfg, batch, warmup, reps, device, seed):
         "device_memory_used_bytes": device_used_bytes(device),  # + native workspaces, context
         "first_loss": losses[0], "last_loss": losses[-1],
     }
+    guard.fresh_check(warmup + reps)  # after the figures: its layers count in none of them
+    r["moe_guard"] = guard.report()
     for m in model.moe_layers():  # free flowmoe's native workspaces before the next model
         if hasattr(m, "release"):
             m.release()
@@ -117,7 +127,9 @@ def main(argv=None):
     for name, impl, recipe in plan:
         r = measure(name, impl, recipe, cfg, args.batch, args.warmup, args.reps, device, args.seed)
         results.append(r)
-        print(f"# {name}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s", flush=True)
+        print(f"# {name}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s; "
+              + (summary_line(r["moe_guard"]) if r["moe_guard"]["ok"] else
+                 "GUARD FAILED: " + "; ".join(r["moe_guard"]["failures"])), flush=True)
     base = next((r for r in results if r["name"] == "torch-bf16"), None)
     print("| model | step ms | tokens/s | model TFLOP/s | peak GiB (PyTorch) | device used GiB | vs PyTorch BF16 MoE |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -133,6 +145,12 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"model": cfg.__dict__, "batch": args.batch, "warmup": args.warmup, "reps": args.reps,
                        "torch": torch.__version__, "results": results}, f, indent=1)
+    failed = [r["name"] for r in results if not r["moe_guard"]["ok"]]
+    if failed:
+        print(f"speed.py: the MoE guards failed for {', '.join(failed)} (the experts were not trained or "
+              "a layer computed with stale weights): these speeds are not of a working training step",
+              file=sys.stderr)
+        return 3
     return 0
 
 

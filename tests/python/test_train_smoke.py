@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import unittest
+from unittest import mock
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # `--flowmoe-lib PATH` (ctest passes its build's libflowmoe_capi.so): the source tree's package
@@ -119,6 +120,133 @@ class TrainSmoke(unittest.TestCase):
                 r = tiny_run("--moe", "flowmoe", "--recipe", recipe, "--seed", "2", steps=16)
                 self.check_learns(r)
                 self.assertEqual(r["nonfinite"], 0)
+
+
+def optimizer_without_moe(model, args, device):
+    """The defect the guards exist for: an optimizer that never updates the experts and routers
+    (as fused AdamW's unseen updates left them), though they require gradients."""
+    moe = {id(p) for m in model.moe_layers() for p in (m.w1, m.w2, m.wr)}
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad and id(p) not in moe],
+                             lr=args.lr)
+
+
+def stale_forward(forward):
+    """MoE.forward computing with the weights each layer had at its first forward, whatever the
+    optimizer did to them since: a layer computing with stale weights, however the staleness came
+    about (as unseen fused-AdamW updates once caused). Gradients still flow to the parameters."""
+    def wrapped(self, x, *a, **kw):
+        ps = (self.w1, self.w2, self.wr)
+        if not hasattr(self, "_test_first_weights"):
+            self._test_first_weights = [p.detach().clone() for p in ps]
+        now = [p.data for p in ps]
+        for p, old in zip(ps, self._test_first_weights):
+            p.data = old
+        try:
+            return forward(self, x, *a, **kw)
+        finally:
+            for p, t in zip(ps, now):
+                p.data = t
+    return wrapped
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
+class Guards(unittest.TestCase):
+    def check_guard_fields(self, r, steps, frozen=False):
+        g = r["moe_guard"]
+        self.assertTrue(g["ok"], g["failures"])
+        self.assertEqual(g["frozen_experts"], frozen)
+        self.assertEqual(len(g["layers"]), r["model"]["layers"])
+        for e in g["layers"]:
+            self.assertEqual(e["trainable"], not frozen)
+            self.assertEqual(e["fresh_check"], "identical")
+            self.assertEqual(e["stale_steps"], 0)
+            self.assertEqual(e["optimizer_updates"], steps)
+            for n in ("w1", "w2", "wr"):
+                if frozen:
+                    self.assertEqual(e["moved"][n], 0.0)
+                    self.assertFalse(e["changed"][n])
+                else:
+                    self.assertGreater(e["moved"][n], 1e-4, (n, e))
+                    self.assertTrue(e["changed"][n])
+
+    def test_torch_moe_guard_fields(self):
+        r = tiny_run("--moe", "torch", steps=6)
+        self.check_guard_fields(r, 6)
+        self.assertEqual(r["weight_updates_per_layer"], [None, None])  # reads its masters every forward
+
+    def test_freeze_experts_control(self):
+        r = tiny_run("--moe", "torch", "--freeze-experts", steps=6)
+        self.check_guard_fields(r, 6, frozen=True)
+        self.assertEqual(r["name"], "torch-bf16-frozen")
+        self.assertTrue(r["frozen_experts"])
+
+    def test_guard_fires_when_the_experts_are_not_updated(self):
+        from flowmoe import train
+        with mock.patch.object(train, "make_optimizer", optimizer_without_moe):
+            with self.assertRaisesRegex(train.GuardFailure, "never changed"):
+                tiny_run("--moe", "torch", steps=4)
+            with tempfile.TemporaryDirectory() as d:  # the JSON is written first; the exit status is 3
+                out = os.path.join(d, "r.json")
+                rc = train.main(["--tiny", "--device", "cpu", "--data", DOCS, "--steps", "3", "--quiet",
+                                 "--moe", "torch", "--json", out])
+                self.assertEqual(rc, 3)
+                import json
+                with open(out) as f:
+                    g = json.load(f)["moe_guard"]
+                self.assertFalse(g["ok"])
+                self.assertEqual(len(g["failures"]), 2)  # one per layer
+
+    def test_guard_state_survives_resume(self):
+        with tempfile.TemporaryDirectory() as d:
+            tiny_run("--moe", "torch", "--ckpt-dir", d, "--stop-after", "3", steps=6)
+            r = tiny_run("--moe", "torch", "--ckpt-dir", d, "--resume", steps=6)
+        full = tiny_run("--moe", "torch", steps=6)
+        self.assertTrue(r["moe_guard"]["ok"])
+        for a, b in zip(r["moe_guard"]["layers"], full["moe_guard"]["layers"]):
+            self.assertEqual(a["moved"], b["moved"])  # measured from the same initial weights
+
+    @unittest.skipUnless(have_flowmoe_torch(), "flowmoe.torch is not importable (native library not built)")
+    def test_flowmoe_refreshes_every_step(self):
+        r = tiny_run("--moe", "flowmoe", "--recipe", "flow", "--guard-every", "3", steps=6)
+        self.check_guard_fields(r, 6)
+        for e in r["moe_guard"]["layers"]:
+            # the first forward, then one per update: the training forwards and the validations
+            self.assertGreaterEqual(e["weight_updates"], 6)
+            self.assertEqual([c for _, c in e["fresh_checks"]], ["identical"] * 2)  # steps 3 and 6
+
+    @unittest.skipUnless(have_flowmoe_torch(), "flowmoe.torch is not importable (native library not built)")
+    def test_flowmoe_freeze_experts(self):
+        r = tiny_run("--moe", "flowmoe", "--recipe", "flow", "--freeze-experts", steps=4)
+        self.check_guard_fields(r, 4, frozen=True)
+        self.assertTrue(all(n >= 1 for n in r["weight_updates_per_layer"]))
+
+    @unittest.skipUnless(have_flowmoe_torch(), "flowmoe.torch is not importable (native library not built)")
+    def test_guard_fires_on_stale_weights(self):
+        from flowmoe import train
+        from flowmoe.torch import MoE
+        with mock.patch.object(MoE, "forward", stale_forward(MoE.forward)):
+            with self.assertRaises(train.GuardFailure) as ctx:
+                tiny_run("--moe", "flowmoe", "--recipe", "bf16", steps=4)
+        msg = str(ctx.exception)
+        self.assertIn("a fresh layer with the same state computes other outputs", msg)
+        self.assertIn("stale weights", msg)
+
+    @unittest.skipUnless(have_flowmoe_torch(), "flowmoe.torch is not importable (native library not built)")
+    def test_fresh_check_sees_a_stale_layer(self):
+        """The independent check alone, on a layer that keeps computing with its first weights."""
+        from flowmoe.lm import LMConfig, MoELM
+        from flowmoe.torch import MoE
+        from flowmoe.train_guards import MoEGuard
+        cfg = LMConfig(layers=1, hidden=128, heads=2, ffn=128, experts=4, topk=2, seq_len=16)
+        model = MoELM(cfg, moe="flowmoe", recipe="flow", max_tokens=64, seed=0)
+        guard = MoEGuard(model)
+        self.assertEqual(guard.fresh_check(0), ["identical"])
+        with mock.patch.object(MoE, "forward", stale_forward(MoE.forward)):
+            self.assertEqual(guard.fresh_check(1), ["identical"])  # nothing changed yet
+            with torch.no_grad():
+                model.moe_layers()[0].w1.mul_(1.5)  # an optimizer step the layer does not follow
+            self.assertTrue(guard.fresh_check(2)[0].startswith("differs"), guard.checks)
+        self.assertEqual(guard.fresh_check(3), ["identical"])  # the real forward follows it
 
 
 @unittest.skipIf(torch is None, "torch is not installed")
