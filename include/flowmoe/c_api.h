@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define FLOWMOE_CAPI_VERSION 1
+#define FLOWMOE_CAPI_VERSION 2
 
 enum flowmoe_status_code {
   FLOWMOE_OK = 0,
@@ -33,6 +33,7 @@ enum flowmoe_status_code {
 
 typedef struct flowmoe_layer flowmoe_layer;
 typedef struct flowmoe_comm flowmoe_comm;
+typedef struct flowmoe_step flowmoe_step;
 
 // ---- library ----------------------------------------------------------------------------------
 int flowmoe_capi_version(void);  // FLOWMOE_CAPI_VERSION of the built library
@@ -74,6 +75,9 @@ typedef struct flowmoe_cuda_options {
   // CudaLayerOptions::sync_free: no host synchronisation in forward and backward (one GPU, align
   // 128; the same bits as the default, bf16's as its grouped BF16 kernels give them).
   int32_t sync_free;
+  // CudaLayerOptions::caller_memory: the weight copies, saved activations and scratch live in
+  // regions the caller binds (flowmoe_layer_memory_plan, flowmoe_layer_bind_memory).
+  int32_t caller_memory;
 } flowmoe_cuda_options;
 // flowmoe_layer_create_cuda with options (null: the defaults).
 int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm, int device,
@@ -91,6 +95,17 @@ int flowmoe_layer_forward(flowmoe_layer* layer, const uint16_t* x, int64_t token
 // (MoeGrads::accumulate).
 int flowmoe_layer_backward(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
                            float* dw2, float* dwr, int accumulate);
+
+// Caller memory (moe.h MoeMemoryPlan, MoeMemory): out = {weights, saved, transient} bytes (all 0
+// for a layer that owns its memory); bind the regions the next calls use (set_weights: weights +
+// transient; forward, backward: all three, the backward with its forward's weights and saved).
+int flowmoe_layer_memory_plan(flowmoe_layer* layer, int64_t out[3]);
+int flowmoe_layer_bind_memory(flowmoe_layer* layer, void* weights, void* saved, void* transient);
+// Several forwards in flight (moe.h MoeLayer::take_step): after a forward, its state as a handle;
+// before its backward, resume puts it back (once; the handle is then empty, destroy it anyway).
+int flowmoe_layer_take_step(flowmoe_layer* layer, flowmoe_step** out);
+int flowmoe_layer_resume_step(flowmoe_layer* layer, flowmoe_step* step);
+int flowmoe_step_destroy(flowmoe_step* step);  // null is allowed
 
 typedef struct flowmoe_layer_status {
   int64_t nonfinite;  // MoeStatus

@@ -218,11 +218,43 @@ struct MoeStatus {
   float aux_loss = 0.0f;  // load-balancing loss of the last forward (0 when aux_loss_alpha is 0)
 };
 
+// ---- steps in flight and caller-owned memory ----------------------------------------------------
+// What one forward leaves for its backward on the host: the routing's row counts and segments, the
+// EP plan (CUDA), or the whole saved state (CPU: routing, saved activations, the weight copies the
+// forward used). Opaque; made by MoeLayer::take_step, consumed by MoeLayer::resume_step.
+class MoeStep {
+ public:
+  virtual ~MoeStep() = default;
+};
+
+// The device memory a CUDA layer built with CudaLayerOptions::caller_memory asks its caller for,
+// in bytes (MoeLayer::memory_plan; all zero for a layer that owns its memory):
+//   weights    the weight copies set_weights writes and forward / backward read (per weight update)
+//   saved      what a forward saves for its backward (per forward in flight; its backward may use
+//              it as scratch)
+//   transient  scratch of one call (set_weights, forward or backward), free once the call's work
+//              on the layer's stream is done; its contents never carry over
+struct MoeMemoryPlan {
+  int64_t weights = 0, saved = 0, transient = 0;
+};
+// Device addresses of the three regions (each 256-byte aligned, at least the planned size). The
+// contents of `weights` and `saved` are position-independent: a region may move between calls
+// (e.g. offloaded to the host and brought back) as long as its bytes are unchanged.
+struct MoeMemory {
+  void* weights = nullptr;
+  void* saved = nullptr;
+  void* transient = nullptr;
+};
+
 // ---- the layer --------------------------------------------------------------------------------
 // Call order: set_weights (after construction and after every weight update), then any number of
 // (forward, backward) pairs; backward uses what the latest forward saved and takes the same T.
+// Several forwards in flight: take_step() after each forward moves its state out of the layer,
+// resume_step(step) before its backward moves it back (any order of the backwards; with the CUDA
+// layer this needs caller memory, each forward with its own saved region).
 // Not thread-safe. The CUDA backend allocates its workspaces at construction for cfg.max_tokens
-// (steady-state calls allocate nothing); the CPU reference allocates per call.
+// (steady-state calls allocate nothing) or, with CudaLayerOptions::caller_memory, uses the memory
+// bound by bind_memory; the CPU reference allocates per call.
 class MoeLayer {
  public:
   virtual ~MoeLayer() = default;
@@ -250,6 +282,18 @@ class MoeLayer {
   virtual const CastReport& cast_report() const = 0;
   double saved_bytes_per_token() const { return cast_report().saved_bytes_per_token(); }
   virtual MoeStatus status() const = 0;
+
+  // After a forward: its state, moved out of the layer (the layer then has no forward to back-
+  // propagate until resume_step). Before that forward's backward: resume_step puts it back.
+  virtual std::unique_ptr<MoeStep> take_step() = 0;
+  virtual void resume_step(std::unique_ptr<MoeStep> step) = 0;
+
+  // Caller-owned memory (CUDA layer with CudaLayerOptions::caller_memory): the sizes to provide,
+  // and the regions the next calls use (set_weights: weights + transient; forward and backward:
+  // all three, the backward with its forward's weights and saved bytes). Others: a plan of zeros,
+  // and bind_memory accepts only null addresses.
+  virtual MoeMemoryPlan memory_plan() const { return MoeMemoryPlan(); }
+  virtual void bind_memory(const MoeMemory& memory);
 
  protected:
   explicit MoeLayer(const MoeConfig& cfg) : cfg_(cfg) {}
@@ -328,6 +372,14 @@ struct CudaLayerOptions {
   // default: measured slower (the step 2-6% longer; docs/EPILOGUES.md §2). With
   // both epilogues on, the layer holds neither BF16 h nor da' (0.26 GiB less at v3-ep8).
   bool fused_dswiglu = false;
+  // The weight copies, saved activations and scratch come from the caller (MoeLayer::memory_plan,
+  // bind_memory) instead of the layer's own allocations: the PyTorch op takes them from PyTorch's
+  // caching allocator, so the scratch is shared by every layer and the saved bytes live as long as
+  // autograd keeps them. The layer keeps only its counters, pinned host words and the GEMM
+  // workspace. Needed for several forwards in flight (take_step). Not with expert parallelism
+  // without host synchronisation (its buffers are shared with the peers once, at construction)
+  // nor with LayerStepGraph (which captures the layer's own addresses). Same bits as the default.
+  bool caller_memory = false;
   // The grouped GEMMs' options (gemm.h): cuBLASLt per expert (BF16, wgrad, grouped_gemm off) and
   // the wgrad kernel's choice.
   gemm::GroupedGemmOptions gemm;

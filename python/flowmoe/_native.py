@@ -10,12 +10,12 @@ import ctypes
 import json
 import os
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from ._errors import CommError, FlowmoeError, NonFiniteError
 
 LIBRARY_NAME = "libflowmoe_capi.so"
-CAPI_VERSION = 1
+CAPI_VERSION = 2
 
 OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED = 0, 1, 2, 3, 4
 
@@ -43,7 +43,7 @@ class Config(ctypes.Structure):
 
 
 class CudaOptions(ctypes.Structure):
-    _fields_ = [("sync_free", ctypes.c_int32)]
+    _fields_ = [("sync_free", ctypes.c_int32), ("caller_memory", ctypes.c_int32)]
 
 
 class LayerStatus(ctypes.Structure):
@@ -100,6 +100,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_forward": (c_int, [vp, vp, i64, vp]),
         "flowmoe_layer_backward": (c_int, [vp, vp, vp, vp, vp, vp, c_int]),
         "flowmoe_layer_status_get": (c_int, [vp, ctypes.POINTER(LayerStatus)]),
+        "flowmoe_layer_memory_plan": (c_int, [vp, ctypes.POINTER(i64)]),
+        "flowmoe_layer_bind_memory": (c_int, [vp, vp, vp, vp]),
+        "flowmoe_layer_take_step": (c_int, [vp, ctypes.POINTER(vp)]),
+        "flowmoe_layer_resume_step": (c_int, [vp, vp]),
+        "flowmoe_step_destroy": (c_int, [vp]),
         "flowmoe_layer_cast_report": (c_int, [vp, c_int, ctypes.POINTER(ctypes.c_char_p)]),
         "flowmoe_set_callback_error": (None, [ctypes.c_char_p]),
         "flowmoe_comm_create_host": (c_int, [c_int, c_int, ctypes.POINTER(HostCommOps), ctypes.c_double,
@@ -256,7 +261,7 @@ class Layer:
     """A MoE layer handle (moe.h MoeLayer) on raw addresses."""
 
     def __init__(self, config: Config, comm: Optional[Comm] = None, device: Optional[int] = None,
-                 stream: int = 0, sync_free: bool = False):
+                 stream: int = 0, sync_free: bool = False, caller_memory: bool = False):
         self._comm = comm  # the layer does not own its communicator: keep it alive
         self.config = config
         handle = ctypes.c_void_p()
@@ -264,7 +269,7 @@ class Layer:
         if device is None:
             check(lib().flowmoe_layer_create_cpu(ctypes.byref(config), comm_h, ctypes.byref(handle)))
         else:
-            opts = CudaOptions(int(bool(sync_free)))
+            opts = CudaOptions(int(bool(sync_free)), int(bool(caller_memory)))
             check(lib().flowmoe_layer_create_cuda_opts(ctypes.byref(config), comm_h, int(device),
                                                        ctypes.c_void_p(stream or None), ctypes.byref(opts),
                                                        ctypes.byref(handle)))
@@ -290,6 +295,27 @@ class Layer:
         check(lib().flowmoe_layer_backward(self.handle, dy, dx, dw1 or None, dw2 or None, dwr or None,
                                            int(bool(accumulate))))
 
+    def memory_plan(self) -> tuple:
+        """(weights, saved, transient) bytes the caller provides (all 0: the layer owns its memory)."""
+        out = (ctypes.c_int64 * 3)()
+        check(lib().flowmoe_layer_memory_plan(self.handle, out))
+        return int(out[0]), int(out[1]), int(out[2])
+
+    def bind_memory(self, weights: int, saved: int, transient: int) -> None:
+        check(lib().flowmoe_layer_bind_memory(self.handle, weights or None, saved or None, transient or None))
+
+    def take_step(self) -> "Step":
+        handle = ctypes.c_void_p()
+        check(lib().flowmoe_layer_take_step(self.handle, ctypes.byref(handle)))
+        return Step(handle.value)
+
+    def resume_step(self, step: "Step") -> None:
+        if step.handle is None:
+            raise FlowmoeError("flowmoe: this forward's step is gone (its backward ran already, or the "
+                               "step was released); each forward backs one backward")
+        check(lib().flowmoe_layer_resume_step(self.handle, step.handle))
+        step.close()
+
     def status(self) -> dict:
         s = LayerStatus()
         check(lib().flowmoe_layer_status_get(self.handle, ctypes.byref(s)))
@@ -313,5 +339,19 @@ class Layer:
             pass
 
 
-def addresses(items: Sequence) -> list:
-    return [int(a) if a else 0 for a in items]
+class Step:
+    """What one forward left for its backward on the host (moe.h MoeStep); freed with the object."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def close(self) -> None:
+        if getattr(self, "handle", None):
+            h, self.handle = self.handle, None
+            lib().flowmoe_step_destroy(h)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -7,123 +7,82 @@ tensors the CUDA backend (Hopper).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from typing import Optional
 
 import torch
 from torch import nn
 
-from . import _native
+from . import _native, _ops
 from ._errors import FlowmoeError
 
-__all__ = ["MoE", "FlowmoeError"]
-
-_RECIPES = ("bf16", "blockwise", "fp8-naive", "flow", "flow-fp4")
+__all__ = ["MoE", "FlowmoeError", "microbatch"]
 _ROUTERS = ("softmax", "sigmoid")
 _ALIGNS = (16, 32, 64, 128)
 
 
-def _addr(t: Optional[torch.Tensor]) -> int:
-    return t.data_ptr() if t is not None else 0
+_optimizer_steps = 0  # optimizer.step() calls of any optimizer in this process (global post-hook)
+_hook_handle = None
+
+
+def _count_optimizer_step(_optimizer, _args, _kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _install_optimizer_hook() -> None:
+    global _hook_handle
+    if _hook_handle is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _hook_handle = register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+_microbatch = threading.local()
+
+
+@contextlib.contextmanager
+def microbatch(first: bool):
+    """Gradient accumulation over micro-batches: inside ``with microbatch(first=False):`` the
+    modules' forwards reuse the weight copies of the latest refresh (as ``forward(x,
+    is_first_microbatch=False)``); ``first=True`` refreshes them. See MoE.forward."""
+    old = getattr(_microbatch, "first", None)
+    _microbatch.first = bool(first)
+    try:
+        yield
+    finally:
+        _microbatch.first = old
 
 
 class _Runner:
-    """The native layer of one module on one device and stream, plus the bookkeeping around it:
-    which weights it holds (parameter versions and addresses), which forward it saved."""
+    """The native layer of one module on one device and stream. A CUDA layer takes all its memory
+    from PyTorch (caller memory): ``plan`` = (weights, saved, transient) bytes per call."""
 
     def __init__(self, layer: _native.Layer, device: torch.device, stream, max_tokens: int):
         self.layer = layer
         self.device = device
         self.stream = stream  # torch.cuda.Stream of a CUDA layer, None for CPU
         self.max_tokens = max_tokens
-        self.weights_key = None
-        self.forward_seq = 0  # number of the latest forward (backward must belong to it)
+        self.plan = layer.memory_plan()
 
-    # ---- CUDA stream handling: the layer is ordered on self.stream; a different current stream
-    # is joined with events both ways (docs/PYTHON.md).
-    def enter(self):
+    @contextlib.contextmanager
+    def ordered(self):
+        """The layer's work ordered after the caller's current stream, and the current stream after
+        the layer's (so that PyTorch may reuse the call's transient memory on it right away)."""
         if self.stream is None:
-            return None
+            yield
+            return
         cur = torch.cuda.current_stream(self.device)
-        if cur != self.stream:
-            self.stream.wait_stream(cur)
-            return cur
-        return None
-
-    def leave(self, cur) -> None:
-        if cur is not None:
+        if cur == self.stream:
+            yield
+            return
+        self.stream.wait_stream(cur)
+        try:
+            yield
+        finally:
             cur.wait_stream(self.stream)
-
-
-class _MoEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, module: "MoE", runner: _Runner, x: torch.Tensor, w1, w2, wr):
-        tokens = x.shape[0]
-        y = torch.empty_like(x)
-        cur = runner.enter()
-        try:
-            runner.layer.forward(x.data_ptr(), tokens, y.data_ptr())
-        finally:
-            runner.leave(cur)
-        runner.forward_seq += 1
-        ctx.module = module
-        ctx.runner = runner
-        ctx.seq = runner.forward_seq
-        ctx.tokens = tokens
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        module: MoE = ctx.module
-        runner: _Runner = ctx.runner
-        if module._runner is not runner or runner.forward_seq != ctx.seq:
-            raise FlowmoeError(
-                "flowmoe.torch.MoE: backward of an earlier forward; the layer keeps the activations "
-                "of its latest forward only, so run (forward, backward) pairs in order (two forwards "
-                "before one backward, activation checkpointing and a layer rebuilt in between are not "
-                "supported)")
-        dy = dy.to(torch.bfloat16).contiguous()
-        dx = torch.empty_like(dy)
-        params = (module.w1, module.w2, module.wr)
-        need = [p.requires_grad for p in params]
-        direct = module.grad_mode == "direct"
-        if direct:
-            # PyTorch's .grad semantics, done by the layer itself: a missing .grad is created and
-            # overwritten (MoeGrads::accumulate = false, its old contents never read); an existing
-            # one is accumulated into.
-            existing = [p.grad is not None for p, n in zip(params, need) if n]
-            accumulate = any(existing)
-            bufs = []
-            for p, n in zip(params, need):
-                if not n:
-                    bufs.append(None)
-                    continue
-                if p.grad is None:  # attached to the parameter once the layer has filled it
-                    bufs.append(torch.zeros_like(p) if accumulate else torch.empty_like(p))
-                    continue
-                g = p.grad
-                if g.dtype != torch.float32 or g.device != p.device or not g.is_contiguous() \
-                        or g.shape != p.shape:
-                    raise FlowmoeError(
-                        f"flowmoe.torch.MoE: {module._param_name(p)}.grad is {g.dtype} "
-                        f"{tuple(g.shape)} on {g.device} (contiguous: {g.is_contiguous()}); "
-                        f"expected a contiguous float32 tensor like the parameter")
-                bufs.append(g)
-        else:
-            accumulate = False
-            bufs = [torch.empty_like(p) if n else None for p, n in zip(params, need)]
-        cur = runner.enter()
-        try:
-            runner.layer.backward(dy.data_ptr(), dx.data_ptr(), *[_addr(b) for b in bufs], accumulate)
-        finally:
-            runner.leave(cur)
-        dx_out = dx if ctx.needs_input_grad[2] else None
-        if direct:
-            for p, b in zip(params, bufs):
-                if b is not None and p.grad is None:
-                    p.grad = b
-            return None, None, dx_out, None, None, None
-        return (None, None, dx_out) + tuple(bufs)
 
 
 class MoE(nn.Module):
@@ -133,8 +92,13 @@ class MoE(nn.Module):
     ``wr [E, H]`` (router); with ``ep_group`` w1 and w2 hold this rank's E / world local experts.
     Buffer ``router_bias [E]`` when ``router_bias=True`` (selection only, not differentiated).
 
-    ``forward(x)``: x bf16 (or fp32, converted) ``[T, H]`` or ``[B, S, H]`` -> y of x's shape and
-    dtype. After a forward, ``aux_loss`` is the load-balancing loss (a detached scalar); its
+    ``forward(x, is_first_microbatch=None)``: x bf16 (or fp32, converted) ``[T, H]`` or
+    ``[B, S, H]`` -> y of x's shape and dtype. Every forward re-derives the layer's weight copies
+    from the parameters (one weight pass), so no update can be missed; with gradient accumulation
+    pass ``is_first_microbatch=False`` (or use ``flowmoe.torch.microbatch(first=False)``) on the
+    later micro-batches to reuse them. Gradients reach ``w1``/``w2``/``wr`` through autograd
+    (``grad_mode="main_grad"``: accumulated in place into FP32 ``main_grad`` attributes instead).
+    After a forward, ``aux_loss`` is the load-balancing loss (a detached scalar); its
     gradient is already applied by the layer's backward: do not add it to the loss you
     differentiate (add ``aux_loss.item()`` only to what you log). See docs/PYTHON.md.
     """
@@ -143,16 +107,17 @@ class MoE(nn.Module):
                  renormalize: bool = False, routed_scaling: float = 1.0, aux_loss_coef: float = 0.0,
                  recipe: str = "flow", align: int = 128, max_tokens: Optional[int] = None,
                  router_bias: bool = False, seed: Optional[int] = None, init_std: Optional[float] = None,
-                 ep_group=None, grad_mode: str = "direct", check_finite: Optional[bool] = None,
+                 ep_group=None, grad_mode: str = "autograd", check_finite: Optional[bool] = None,
                  check_columns: bool = False, transpose_exponent: str = "row-max",
                  comm_timeout_s: float = 300.0, sync_free: bool = False, device=None):
         super().__init__()
         for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("topk", topk)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"flowmoe.torch.MoE: {name} = {v!r}; expected a positive int")
-        if recipe not in _RECIPES:
+        recipes = _native.recipe_names()
+        if recipe not in recipes:
             raise ValueError(f"flowmoe.torch.MoE: unknown recipe {recipe!r}; expected one of "
-                             f"{', '.join(_RECIPES)}")
+                             f"{', '.join(recipes)}")
         if router not in _ROUTERS:
             raise ValueError(f"flowmoe.torch.MoE: router {router!r}; expected 'softmax' or 'sigmoid'")
         if align not in _ALIGNS:
@@ -160,8 +125,9 @@ class MoE(nn.Module):
         if transpose_exponent not in ("row-max", "column-amax"):
             raise ValueError(f"flowmoe.torch.MoE: transpose_exponent {transpose_exponent!r}; expected "
                              "'row-max' or 'column-amax'")
-        if grad_mode not in ("direct", "autograd"):
-            raise ValueError(f"flowmoe.torch.MoE: grad_mode {grad_mode!r}; expected 'direct' or 'autograd'")
+        if grad_mode not in ("autograd", "main_grad"):
+            raise ValueError(f"flowmoe.torch.MoE: grad_mode {grad_mode!r}; expected 'autograd' (gradients "
+                             "through autograd into .grad) or 'main_grad' (accumulated into p.main_grad)")
         if sync_free and (align != 128 or ep_group is not None):
             raise ValueError(f"flowmoe.torch.MoE: sync_free needs one GPU (no ep_group) and align 128; "
                              f"got align {align}{', an ep_group' if ep_group is not None else ''}")
@@ -208,8 +174,14 @@ class MoE(nn.Module):
         self._runner: Optional[_Runner] = None
         self._comm = None
         self._comm_device = None
-        self.weight_updates = 0  # set_weights calls (re-quantizations) so far
+        self.weight_updates = 0  # weight refreshes (re-quantizations of the masters) so far
         self._have_forward = False
+        # the copies of the latest refresh and what they were made from (MoE._weights_current)
+        self._wbuf: Optional[torch.Tensor] = None
+        self._wkey = None
+        self._op_id = _ops.register_module(self)
+        _install_optimizer_hook()
+        self.register_load_state_dict_post_hook(MoE._loaded)
 
     # ---- initialisation ------------------------------------------------------------------------
     @torch.no_grad()
@@ -274,17 +246,22 @@ class MoE(nn.Module):
         return self._comm
 
     def _ensure_runner(self, device: torch.device, tokens: int) -> _Runner:
+        """The native layer for `tokens` tokens on `device`, built (or rebuilt larger) when needed. A
+        replaced layer lives on while forwards in flight hold it."""
         r = self._runner
-        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         if r is not None and r.device == device and tokens <= r.max_tokens:
             return r
         if self.max_tokens is not None and tokens > self.max_tokens:
             raise ValueError(f"flowmoe.torch.MoE: {tokens} tokens; expected at most max_tokens = "
                              f"{self.max_tokens}")
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise FlowmoeError(f"flowmoe.torch.MoE: forward inside a CUDA graph capture with {tokens} "
+                               f"tokens needs a layer built beforehand (building it allocates memory): "
+                               f"run one eager forward (a warm-up step) with at least this many tokens on "
+                               f"{device} before capturing")
         max_tokens = self.max_tokens or max(tokens, r.max_tokens if r is not None else 0)
-        if r is not None:
-            self._runner = None
-            r.layer.close()
+        self._runner = None
+        self._wbuf, self._wkey = None, None
         comm = self._ep_comm(device)
         cfg = self._config(max_tokens)
         if device.type == "cuda":
@@ -293,55 +270,66 @@ class MoE(nn.Module):
                                    "without the CUDA backend (no nvcc at build time); reinstall the "
                                    "package where nvcc is found, or run on CPU tensors")
             index = device.index if device.index is not None else torch.cuda.current_device()
+            stream = torch.cuda.current_stream(device)
             with torch.cuda.device(index):
                 layer = _native.Layer(cfg, comm, device=index, stream=stream.cuda_stream,
-                                      sync_free=self.sync_free)
+                                      sync_free=self.sync_free, caller_memory=True)
         else:
+            stream = None
             layer = _native.Layer(cfg, comm)
         self._runner = _Runner(layer, device, stream, max_tokens)
         return self._runner
 
-    def _check_capture(self, xb: torch.Tensor) -> None:
-        """A forward inside a CUDA graph capture: refused, with what to do, where it would
-        synchronise the host or allocate the layer (both forbidden while capturing)."""
-        if not self.sync_free:
-            raise FlowmoeError("flowmoe.torch.MoE: forward inside a CUDA graph capture needs "
-                               "sync_free=True (without it every forward synchronises the host to "
-                               "read the routing counts, which capture forbids)")
-        if self.check_finite:
-            raise FlowmoeError("flowmoe.torch.MoE: check_finite=True synchronises the host, which a "
-                               "CUDA graph capture forbids; capture with check_finite off")
-        r = self._runner
-        if r is None or r.device != xb.device or xb.shape[0] > r.max_tokens:
-            raise FlowmoeError(f"flowmoe.torch.MoE: forward inside a CUDA graph capture with "
-                               f"{xb.shape[0]} tokens needs a layer built beforehand (building it "
-                               f"allocates memory): run one eager forward (a warm-up step) with at "
-                               f"least this many tokens on {xb.device} before capturing")
-
-    def _sync_weights(self, r: _Runner, capturing: bool = False) -> None:
-        """set_weights (BF16 copies and FP8 quantization of the masters) only when a parameter or
-        the router bias changed since the last call: in place (its version counter) or replaced
-        (its address). Always while a CUDA graph is being captured: the graph then re-quantizes
-        the masters at every replay, so replays follow in-place optimizer steps."""
-        ts = (self.w1, self.w2, self.wr, self.router_bias)
-        key = tuple((t._version, t.data_ptr()) if t is not None else None for t in ts)
-        if key == r.weights_key and not capturing:
+    def _check_call(self, xb: torch.Tensor) -> None:
+        """Checks of a forward that need the data or the stream state (run inside the operator)."""
+        if xb.is_cuda and torch.cuda.is_current_stream_capturing():
+            if not self.sync_free:
+                raise FlowmoeError("flowmoe.torch.MoE: forward inside a CUDA graph capture needs "
+                                   "sync_free=True (without it every forward synchronises the host to "
+                                   "read the routing counts, which capture forbids)")
+            if self.check_finite:
+                raise FlowmoeError("flowmoe.torch.MoE: check_finite=True synchronises the host, which a "
+                                   "CUDA graph capture forbids; capture with check_finite off")
             return
-        for name, t in zip(("w1", "w2", "wr", "router_bias"), ts):
-            if t is None:
-                continue
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.device != r.device:
-                raise FlowmoeError(f"flowmoe.torch.MoE: {name} is {t.dtype} on {t.device} "
-                                   f"(contiguous: {t.is_contiguous()}); expected contiguous float32 "
-                                   f"on {r.device}")
-        cur = r.enter()
-        try:
-            r.layer.set_weights(*[_addr(t) for t in ts])
-        finally:
-            r.leave(cur)
-        # (captured: nothing has run yet, so the next eager forward updates again)
-        r.weights_key = None if capturing else key
-        self.weight_updates += 1
+        check = self.check_finite if self.check_finite is not None else xb.device.type == "cpu"
+        if check and not bool(torch.isfinite(xb).all()):
+            bad = int((~torch.isfinite(xb)).sum())
+            raise ValueError(f"flowmoe.torch.MoE: the input holds {bad} non-finite value(s) (after "
+                             "conversion to bfloat16); expected finite values")
+
+    # ---- weights -----------------------------------------------------------------------------------
+    def _weights_key(self):
+        ts = (self.w1, self.w2, self.wr, self.router_bias)
+        return (_optimizer_steps, self._runner,
+                tuple((t._version, t.data_ptr(), t.device) if t is not None else None for t in ts))
+
+    def _weights_current(self) -> bool:
+        """The copies of the latest refresh still stand for the parameters: same layer, no
+        optimizer step anywhere since, no state-dict load, the same tensors at the same versions."""
+        return self._wbuf is not None and self._wkey == self._weights_key()
+
+    @staticmethod
+    def _loaded(module, _incompatible_keys) -> None:
+        module._wkey = None  # the next forward refreshes
+
+    def _params(self):
+        return self.w1, self.w2, self.wr
+
+    def _param_shapes(self):
+        El, H, F = self.local_experts, self.hidden, self.ffn
+        return (El, 2 * F, H), (El, H, F), (self.experts, H)
+
+    def _main_grad(self, i: int) -> torch.Tensor:
+        p = self._params()[i]
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            g = torch.zeros_like(p)
+            p.main_grad = g
+        if g.dtype != torch.float32 or g.shape != p.shape or g.device != p.device or not g.is_contiguous():
+            raise FlowmoeError(f"flowmoe.torch.MoE: {self._param_name(p)}.main_grad is {g.dtype} "
+                               f"{tuple(g.shape)} on {g.device} (contiguous: {g.is_contiguous()}); "
+                               "expected a contiguous float32 tensor like the parameter")
+        return g
 
     # ---- forward -----------------------------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:
@@ -365,23 +353,34 @@ class MoE(nn.Module):
                              f"{x.stride()} is not contiguous; expected a contiguous tensor "
                              "(call .contiguous())")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """y = MoE(x). ``is_first_microbatch``: None (default) refreshes the weight copies from the
+        parameters; True refreshes them and False reuses those of the latest refresh (the later
+        micro-batches of gradient accumulation) unless an optimizer step, a state-dict load or an
+        in-place change of a parameter happened since. ``flowmoe.torch.microbatch(first=...)`` sets
+        it for every module inside its ``with`` block."""
         self._check_input(x)
         xb = x.reshape(-1, self.hidden)
         if xb.dtype != torch.bfloat16:
             xb = xb.to(torch.bfloat16)
-        capturing = xb.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing:
-            self._check_capture(xb)
-        check = self.check_finite if self.check_finite is not None else xb.device.type == "cpu"
-        if check and not bool(torch.isfinite(xb).all()):
-            bad = int((~torch.isfinite(xb)).sum())
-            raise ValueError(f"flowmoe.torch.MoE: the input holds {bad} non-finite value(s) (after "
-                             "conversion to bfloat16); expected finite values")
-        r = self._ensure_runner(xb.device, xb.shape[0])
-        self._sync_weights(r, capturing)
-        y = _MoEFunction.apply(self, r, xb, self.w1, self.w2, self.wr)
-        self._have_forward = True
+        tokens = int(xb.shape[0])
+        compiling = torch.compiler.is_compiling()
+        if is_first_microbatch is None:
+            is_first_microbatch = getattr(_microbatch, "first", None)
+        wbuf = None
+        if not compiling and is_first_microbatch is False and not (
+                xb.is_cuda and torch.cuda.is_current_stream_capturing()):
+            r = self._runner
+            if r is not None and r.device == xb.device and tokens <= r.max_tokens and self._weights_current():
+                wbuf = self._wbuf
+        if wbuf is None:
+            bias = self.router_bias.detach() if self.router_bias is not None else None
+            wbuf = _ops.derive_weights(self.w1.detach(), self.w2.detach(), self.wr.detach(), bias,
+                                       self._op_id, tokens)
+            if not compiling:
+                self._wbuf, self._wkey = wbuf, self._weights_key()
+        keep = torch.is_grad_enabled() and (xb.requires_grad or any(p.requires_grad for p in self._params()))
+        y, _saved, _step = _ops.moe_forward(xb, self.w1, self.w2, self.wr, wbuf, self._op_id, keep)
         return y.reshape(x.shape).to(x.dtype)
 
     # ---- reports -----------------------------------------------------------------------------------
@@ -403,22 +402,16 @@ class MoE(nn.Module):
         """MoeStatus of the current step: {'nonfinite', 'underflow', 'aux_loss'} (forward resets,
         backward adds)."""
         r = self._layer()
-        cur = r.enter()
-        try:
+        with r.ordered():
             return r.layer.status()
-        finally:
-            r.leave(cur)
 
     def cast_report(self, as_text: bool = False):
         """The cast report (moe.h CastReport) of the last set_weights / forward / backward: a dict
         (ops, saved tensors with their bytes, column checks, wire transfers, quantization stats,
         saved_bytes, saved_bytes_per_token, ...) or, with as_text, the library's table."""
         r = self._layer()
-        cur = r.enter()
-        try:
+        with r.ordered():
             return r.layer.cast_report(as_json=not as_text)
-        finally:
-            r.leave(cur)
 
     def saved_bytes(self) -> int:
         """Bytes the last forward saved for backward (codes + scales, padding rows included)."""
@@ -428,13 +421,11 @@ class MoE(nn.Module):
         return float(self.cast_report()["saved_bytes_per_token"])
 
     def release(self) -> None:
-        """Frees the native layer (and communicator); the next forward builds them again."""
-        if self._runner is not None:
-            self._runner.layer.close()
-            self._runner = None
-        if self._comm is not None:
-            self._comm.close()
-            self._comm = None
+        """Drops the native layer (and communicator); the next forward builds them again. Forwards
+        in flight keep the layer they ran on until their backward."""
+        self._runner = None
+        self._comm = None
+        self._wbuf, self._wkey = None, None
 
     def _apply(self, fn, *args, **kwargs):
         # .to(device) / .cuda() move the masters; a dtype conversion (.to(torch.bfloat16), .half())
@@ -454,4 +445,9 @@ class MoE(nn.Module):
         state = self.__dict__.copy()
         state["_runner"] = None
         state["_comm"] = None
+        state["_wbuf"], state["_wkey"] = None, None
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._op_id = _ops.register_module(self)  # a copy is a module of its own

@@ -4,6 +4,7 @@
 #include <exception>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "capi/capi_internal.h"
@@ -15,6 +16,10 @@
 
 struct flowmoe_comm {
   std::unique_ptr<flowmoe::Communicator> comm;
+};
+
+struct flowmoe_step {
+  std::unique_ptr<flowmoe::MoeStep> step;
 };
 
 struct flowmoe_layer {
@@ -189,6 +194,9 @@ int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm
       FLOWMOE_CHECK(options->sync_free == 0 || options->sync_free == 1,
                     what << ": sync_free = " << options->sync_free << "; expected 0 or 1");
       o.sync_free = options->sync_free == 1;
+      FLOWMOE_CHECK(options->caller_memory == 0 || options->caller_memory == 1,
+                    what << ": caller_memory = " << options->caller_memory << "; expected 0 or 1");
+      o.caller_memory = options->caller_memory == 1;
     }
     h->layer = flowmoe::make_cuda_layer(c, static_cast<cudaStream_t>(stream), o);
     *out = h.release();
@@ -246,6 +254,49 @@ int flowmoe_layer_backward(flowmoe_layer* layer, const uint16_t* dy, uint16_t* d
     g.accumulate = accumulate != 0;
     checked(layer, "flowmoe_layer_backward")->layer->backward(dy, dx, g);
   });
+}
+
+int flowmoe_layer_memory_plan(flowmoe_layer* layer, int64_t out[3]) {
+  return guarded("flowmoe_layer_memory_plan", [&] {
+    FLOWMOE_CHECK(out != nullptr, "flowmoe_layer_memory_plan: null output");
+    const flowmoe::MoeMemoryPlan p = checked(layer, "flowmoe_layer_memory_plan")->layer->memory_plan();
+    out[0] = p.weights;
+    out[1] = p.saved;
+    out[2] = p.transient;
+  });
+}
+
+int flowmoe_layer_bind_memory(flowmoe_layer* layer, void* weights, void* saved, void* transient) {
+  return guarded("flowmoe_layer_bind_memory", [&] {
+    flowmoe::MoeMemory m;
+    m.weights = weights;
+    m.saved = saved;
+    m.transient = transient;
+    checked(layer, "flowmoe_layer_bind_memory")->layer->bind_memory(m);
+  });
+}
+
+int flowmoe_layer_take_step(flowmoe_layer* layer, flowmoe_step** out) {
+  return guarded("flowmoe_layer_take_step", [&] {
+    FLOWMOE_CHECK(out != nullptr, "flowmoe_layer_take_step: null output handle");
+    *out = nullptr;
+    std::unique_ptr<flowmoe_step> h(new flowmoe_step);
+    h->step = checked(layer, "flowmoe_layer_take_step")->layer->take_step();
+    *out = h.release();
+  });
+}
+
+int flowmoe_layer_resume_step(flowmoe_layer* layer, flowmoe_step* step) {
+  return guarded("flowmoe_layer_resume_step", [&] {
+    FLOWMOE_CHECK(step != nullptr && step->step,
+                  "flowmoe_layer_resume_step: the step is null or already resumed (each forward's step "
+                  "backs one backward)");
+    checked(layer, "flowmoe_layer_resume_step")->layer->resume_step(std::move(step->step));
+  });
+}
+
+int flowmoe_step_destroy(flowmoe_step* step) {
+  return guarded("flowmoe_step_destroy", [&] { delete step; });
 }
 
 int flowmoe_layer_status_get(flowmoe_layer* layer, flowmoe_layer_status* out) {

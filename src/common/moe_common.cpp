@@ -13,6 +13,14 @@
 
 namespace flowmoe {
 
+// ---- caller memory (only CudaLayerOptions::caller_memory layers take any) ------------------------
+void MoeLayer::bind_memory(const MoeMemory& m) {
+  FLOWMOE_CHECK(m.weights == nullptr && m.saved == nullptr && m.transient == nullptr,
+                "MoeLayer::bind_memory: this " << backend()
+                    << " layer owns its memory (memory_plan() is all zero); expected null regions "
+                       "(only a CUDA layer built with CudaLayerOptions::caller_memory takes memory)");
+}
+
 // ---- configuration ------------------------------------------------------------------------------
 void MoeConfig::validate() const {
   const char* what = "MoeConfig";

@@ -21,7 +21,7 @@ void CpuMoeLayer::backward_bf16(const bf16_t* dy, const MoeGrads& g, bf16_t* dxp
   permute_bf16(dy, dy_rows.data(), MoePass::kBackward, rn::kDispatchDy);
   // GEMM2 dgrad and wgrad
   std::vector<bf16_t> da(Mp_ * F_);
-  dgrad_bf16(dy_rows, weights_.w2_bf16, H_, F_, da.data());
+  dgrad_bf16(dy_rows, sw().w2_bf16, H_, F_, da.data());
   if (g.dw2)
     cpu::grouped_wgrad_bf16_ref(dy_rows.data(), sv.a_bf16.data(), seg, H_, F_, g.dw2,
                                 g.accumulate);
@@ -29,7 +29,7 @@ void CpuMoeLayer::backward_bf16(const bf16_t* dy, const MoeGrads& g, bf16_t* dxp
   st->nonfinite += dswiglu_prob(da.data(), widen(sv.h_bf16.data(), Mp_ * 2 * F_).data(),
                                 route_.row_probs.data(), Mp_, F_, dh.data(), dp);
   // GEMM1 dgrad and wgrad
-  dgrad_bf16(dh, weights_.w1_bf16, 2 * F_, H_, dxp);
+  dgrad_bf16(dh, sw().w1_bf16, 2 * F_, H_, dxp);
   if (g.dw1)
     cpu::grouped_wgrad_bf16_ref(dh.data(), sv.xperm_bf16.data(), seg, 2 * F_, H_, g.dw1,
                                 g.accumulate);
@@ -47,7 +47,7 @@ void CpuMoeLayer::backward_blockwise(const bf16_t* dy, const MoeGrads& g, bf16_t
   log.add(CastKind::kQuantize, rn::kQuantizeDYBoth, 2, Mp_ * H_);
   // GEMM2 dgrad and wgrad
   std::vector<bf16_t> da(Mp_ * F_);
-  dgrad_fp8(dyr, weights_.w2t_fp8, F_, da.data());
+  dgrad_fp8(dyr, sw().w2t_fp8, F_, da.data());
   if (g.dw2) cpu::grouped_wgrad_ref(dyc, sv.a_col, g.dw2, g.accumulate);
   std::vector<bf16_t> dh(Mp_ * 2 * F_);
   st->nonfinite += dswiglu_prob(da.data(), widen(sv.h_bf16.data(), Mp_ * 2 * F_).data(),
@@ -56,7 +56,7 @@ void CpuMoeLayer::backward_blockwise(const bf16_t* dy, const MoeGrads& g, bf16_t
   *st += cpu::quantize_both(dh.data(), Mp_, 2 * F_, seg, &dhr, &dhc);
   log.add(CastKind::kQuantize, rn::kQuantizeDhBoth, 2, Mp_ * 2 * F_);
   // GEMM1 dgrad and wgrad
-  dgrad_fp8(dhr, weights_.w1t_fp8, H_, dxp);
+  dgrad_fp8(dhr, sw().w1t_fp8, H_, dxp);
   if (g.dw1) cpu::grouped_wgrad_ref(dhc, sv.xperm_col, g.dw1, g.accumulate);
   if (cfg_.check_columns) {
     const ColumnMethod m = ColumnMethod::kQuantizeFromBf16;
@@ -91,7 +91,7 @@ void CpuMoeLayer::backward_fp8_naive(const bf16_t* dy, const MoeGrads& g, bf16_t
   const cpu::QTensorF32 dyc = dq_t_q_column(&log, dyr, WgradOperand::kGemm2Grad, st);
   // GEMM2 dgrad: dY [Mp, H] x W2t [F, H]; GEMM2 wgrad with a''s column copy
   std::vector<bf16_t> da(Mp_ * F_);
-  gemm_fp32_scale(dyr, weights_.w2t_fp32s, F_, da.data());
+  gemm_fp32_scale(dyr, sw().w2t_fp32s, F_, da.data());
   const cpu::QTensorF32 acn = dq_t_q_column(&log, sv.a_fp32s, WgradOperand::kGemm2Input, st);
   if (g.dw2) fp32_scale_wgrad(dyc, acn, g.dw2, g.accumulate);
   std::vector<bf16_t> dh(Mp_ * 2 * F_);
@@ -102,7 +102,7 @@ void CpuMoeLayer::backward_fp8_naive(const bf16_t* dy, const MoeGrads& g, bf16_t
   log.add(CastKind::kQuantize, rn::kQuantizeDhFp32Scale, 1, Mp_ * 2 * F_);
   const cpu::QTensorF32 dhc = dq_t_q_column(&log, dhr, WgradOperand::kGemm1Grad, st);
   // GEMM1 dgrad: dh [Mp, 2F] x W1t [H, 2F]; GEMM1 wgrad with x_perm's column copy
-  gemm_fp32_scale(dhr, weights_.w1t_fp32s, H_, dxp);
+  gemm_fp32_scale(dhr, sw().w1t_fp32s, H_, dxp);
   const cpu::QTensorF32 xpc = dq_t_q_column(&log, sv.xperm_fp32s, WgradOperand::kGemm1Input, st);
   if (g.dw1) fp32_scale_wgrad(dhc, xpc, g.dw1, g.accumulate);
   if (cfg_.check_columns) {
@@ -130,7 +130,7 @@ void CpuMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g, bf16_t* dxp
   log.add(CastKind::kConvert, spec_.column(WgradOperand::kGemm2Grad).op, 1, Mp_ * H_);
   // GEMM2 dgrad and wgrad
   std::vector<bf16_t> da(Mp_ * F_);
-  dgrad_fp8(dyr, weights_.w2t_fp8, F_, da.data());
+  dgrad_fp8(dyr, sw().w2t_fp8, F_, da.data());
   if (g.dw2) cpu::grouped_wgrad_ref(dyc, sv.a_col, g.dw2, g.accumulate);
   // fused dSwiGLU * prob + quantize: dh row-wise (GEMM1 dgrad) and column-wise (its wgrad),
   // both from the BF16 dh, with h decoded exactly from its saved FP8 (MXFP4) copy
@@ -146,7 +146,7 @@ void CpuMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g, bf16_t* dxp
   *st += qd;
   log.add(CastKind::kFused, rn::kDswigluQuantRowCol, 2, Mp_ * 2 * F_);
   // GEMM1 dgrad
-  dgrad_fp8(dhr, weights_.w1t_fp8, H_, dxp);
+  dgrad_fp8(dhr, sw().w1t_fp8, H_, dxp);
   // GEMM1 wgrad: x_perm's column copy (flow: scaling-aware transpose of the saved FP8 rows;
   // flow-fp4: FP4RowToFP8Col of the saved MXFP4 rows), then dW1 = dhᵀ · x_perm
   const ColumnSpec& xcol = spec_.column(WgradOperand::kGemm1Input);

@@ -16,13 +16,13 @@ void CpuMoeLayer::forward_bf16(bf16_t* y, QuantStats* st) {
   SavedActivations& sv = saved_;
   sv.xperm_bf16.assign(Mp_ * H_, 0);
   permute_bf16(route_.x.data(), sv.xperm_bf16.data(), MoePass::kForward, rn::kDispatchX);
-  fprop_bf16(sv.xperm_bf16, weights_.w1_bf16, 2 * F_, H_, &sv.h_bf16);  // GEMM1
+  fprop_bf16(sv.xperm_bf16, sw().w1_bf16, 2 * F_, H_, &sv.h_bf16);  // GEMM1
   std::vector<float> a(Mp_ * F_);
   st->nonfinite += swiglu_prob(widen(sv.h_bf16.data(), Mp_ * 2 * F_).data(),
                                route_.row_probs.data(), Mp_, F_, a.data());
   sv.a_bf16 = round_bf16(a);
   std::vector<bf16_t> o;
-  fprop_bf16(sv.a_bf16, weights_.w2_bf16, H_, F_, &o);  // GEMM2
+  fprop_bf16(sv.a_bf16, sw().w2_bf16, H_, F_, &o);  // GEMM2
   unpermute_bf16(o, y);
   save_activation(spec_.gemm1_input, Mp_ * H_ * 2);
   save_activation(spec_.gemm1_output, Mp_ * 2 * F_ * 2);
@@ -38,7 +38,7 @@ void CpuMoeLayer::forward_blockwise(bf16_t* y, QuantStats* st) {
   QTensor xr;
   *st += cpu::quantize_both(xp.data(), Mp_, H_, route_.segments, &xr, &sv.xperm_col);
   log.add(CastKind::kQuantize, rn::kQuantizeXpermBoth, 2, Mp_ * H_);
-  fprop_fp8(xr, weights_.w1_fp8, 2 * F_, &sv.h_bf16);  // GEMM1
+  fprop_fp8(xr, sw().w1_fp8, 2 * F_, &sv.h_bf16);  // GEMM1
   std::vector<float> a(Mp_ * F_);
   st->nonfinite += swiglu_prob(widen(sv.h_bf16.data(), Mp_ * 2 * F_).data(),
                                route_.row_probs.data(), Mp_, F_, a.data());
@@ -47,7 +47,7 @@ void CpuMoeLayer::forward_blockwise(bf16_t* y, QuantStats* st) {
   *st += cpu::quantize_both(ab.data(), Mp_, F_, route_.segments, &ar, &sv.a_col);
   log.add(CastKind::kQuantize, rn::kQuantizeABoth, 2, Mp_ * F_);
   std::vector<bf16_t> o;
-  fprop_fp8(ar, weights_.w2_fp8, H_, &o);  // GEMM2
+  fprop_fp8(ar, sw().w2_fp8, H_, &o);  // GEMM2
   unpermute_bf16(o, y);
   save_activation(spec_.gemm1_input, qbytes(sv.xperm_col));
   save_activation(spec_.gemm1_output, Mp_ * 2 * F_ * 2);
@@ -73,7 +73,7 @@ void CpuMoeLayer::forward_fp8_naive(bf16_t* y, QuantStats* st) {
   *st += cpu::quantize_row_fp32_scale(xp.data(), Mp_, H_, &sv.xperm_fp32s);
   log.add(CastKind::kQuantize, rn::kQuantizeXpermFp32Scale, 1, Mp_ * H_);
   sv.h_bf16.assign(Mp_ * 2 * F_, 0);
-  gemm_fp32_scale(sv.xperm_fp32s, weights_.w1_fp32s, 2 * F_, sv.h_bf16.data());  // GEMM1
+  gemm_fp32_scale(sv.xperm_fp32s, sw().w1_fp32s, 2 * F_, sv.h_bf16.data());  // GEMM1
   std::vector<float> a(Mp_ * F_);
   st->nonfinite += swiglu_prob(widen(sv.h_bf16.data(), Mp_ * 2 * F_).data(),
                                route_.row_probs.data(), Mp_, F_, a.data());
@@ -81,7 +81,7 @@ void CpuMoeLayer::forward_fp8_naive(bf16_t* y, QuantStats* st) {
   *st += cpu::quantize_row_fp32_scale(ab.data(), Mp_, F_, &sv.a_fp32s);
   log.add(CastKind::kQuantize, rn::kQuantizeAFp32Scale, 1, Mp_ * F_);
   std::vector<bf16_t> o(Mp_ * H_);
-  gemm_fp32_scale(sv.a_fp32s, weights_.w2_fp32s, H_, o.data());  // GEMM2
+  gemm_fp32_scale(sv.a_fp32s, sw().w2_fp32s, H_, o.data());  // GEMM2
   unpermute_bf16(o, y);
   save_activation(spec_.gemm1_input, sv.xperm_fp32s.bytes());
   save_activation(spec_.gemm1_output, Mp_ * 2 * F_ * 2);
@@ -112,7 +112,7 @@ void CpuMoeLayer::forward_flow(bf16_t* y, QuantStats* st) {
     if (cfg_.check_columns) sv.xperm_fp8 = xr;  // kept only to compare with the wgrad copy
   }
   std::vector<bf16_t> h;
-  fprop_fp8(xr, weights_.w1_fp8, 2 * F_, &h);  // GEMM1
+  fprop_fp8(xr, sw().w1_fp8, 2 * F_, &h);  // GEMM1
   // fused SwiGLU * prob + quantize: a' row-wise (GEMM2 input), a' column-wise (its wgrad copy,
   // = scaling-aware transpose of the row-wise tiles), h row-wise (saved for dSwiGLU)
   std::vector<float> a(Mp_ * F_);
@@ -133,7 +133,7 @@ void CpuMoeLayer::forward_flow(bf16_t* y, QuantStats* st) {
   log.add(CastKind::kFused, fp4 ? rn::kSwigluQuantRowColHMxfp4 : rn::kSwigluQuantRowColHRow, 3,
           Mp_ * 2 * F_);
   std::vector<bf16_t> o;
-  fprop_fp8(ar, weights_.w2_fp8, H_, &o);  // GEMM2
+  fprop_fp8(ar, sw().w2_fp8, H_, &o);  // GEMM2
   unpermute_bf16(o, y);
   save_activation(spec_.gemm1_input, qbytes(fp4 ? sv.xperm_mxfp4 : sv.xperm_fp8));
   save_activation(spec_.gemm1_output, qbytes(sv.h_quantized));

@@ -47,7 +47,8 @@ void CpuMoeLayer::set_weights(const MoeWeights& w) {
   check_finite(w.w1, n1, "W1");
   check_finite(w.w2, n2, "W2");
   check_finite(w.wr, int64_t(E_) * H_, "Wr");
-  WeightCopies& wc = weights_;
+  std::shared_ptr<WeightCopies> copies = std::make_shared<WeightCopies>();
+  WeightCopies& wc = *copies;
   wc.wr.assign(w.wr, w.wr + int64_t(E_) * H_);
   if (w.router_bias != nullptr)
     wc.router_bias.assign(w.router_bias, w.router_bias + E_);
@@ -89,6 +90,7 @@ void CpuMoeLayer::set_weights(const MoeWeights& w) {
     log.add(CastKind::kQuantize, spec_.quantize_w1, 2, n1);  // blocks + exact transpose
     log.add(CastKind::kQuantize, spec_.quantize_w2, 2, n2);
   }
+  weights_ = std::move(copies);
   have_weights_ = true;
 }
 
@@ -103,6 +105,7 @@ void CpuMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   });
   T_ = tokens;
   have_forward_ = false;
+  step_weights_ = weights_;
   report_.drop_ops(MoePass::kForward);
   report_.drop_ops(MoePass::kBackward);
   report_.saved.clear();
@@ -141,7 +144,7 @@ void CpuMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
       std::remove_if(report_.wire.begin(), report_.wire.end(),
                      [](const WireTransfer& w) { return w.pass == MoePass::kBackward; }),
       report_.wire.end());
-  report_.columns.resize(forward_columns_);  // drop the checks of an earlier backward
+  report_.columns.resize(std::min(report_.columns.size(), forward_columns_));  // drop an earlier backward's checks
   report_.backward_stats = QuantStats();
   QuantStats& st = report_.backward_stats;
   // expert path: dXp [Mp, H] bf16, dp [Mp] fp32
@@ -157,6 +160,45 @@ void CpuMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   backward_router(dxp, dp, g, dx);
   status_.nonfinite += st.nonfinite;
   status_.underflow += st.underflow;
+}
+
+namespace {
+// A forward's whole state (CpuMoeLayer::take_step): routing, saved activations, the weight copies.
+struct CpuStep final : MoeStep {
+  const void* layer = nullptr;
+  int64_t T = 0, Mp = 0;
+  RoutingState route;
+  SavedActivations saved;
+  size_t forward_columns = 0;
+  std::shared_ptr<const WeightCopies> weights;
+};
+}  // namespace
+
+std::unique_ptr<MoeStep> CpuMoeLayer::take_step() {
+  FLOWMOE_CHECK(have_forward_, "MoeLayer::take_step: no forward to take (call it right after forward, once)");
+  std::unique_ptr<CpuStep> st(new CpuStep);
+  st->layer = this;
+  st->T = T_, st->Mp = Mp_;
+  st->route = std::move(route_);
+  st->saved = std::move(saved_);
+  st->forward_columns = forward_columns_;
+  st->weights = std::move(step_weights_);
+  route_ = RoutingState();
+  saved_ = SavedActivations();
+  have_forward_ = false;
+  return std::unique_ptr<MoeStep>(st.release());
+}
+
+void CpuMoeLayer::resume_step(std::unique_ptr<MoeStep> step) {
+  CpuStep* st = dynamic_cast<CpuStep*>(step.get());
+  FLOWMOE_CHECK(st != nullptr && st->layer == this,
+                "MoeLayer::resume_step: the step was not taken from this layer (take_step of another layer or backend)");
+  T_ = st->T, Mp_ = st->Mp;
+  route_ = std::move(st->route);
+  saved_ = std::move(st->saved);
+  forward_columns_ = st->forward_columns;
+  step_weights_ = std::move(st->weights);
+  have_forward_ = true;
 }
 
 }  // namespace cpu_moe

@@ -33,6 +33,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -151,6 +152,8 @@ class CpuMoeLayer final : public MoeLayer {
   void backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) override;
   const CastReport& cast_report() const override { return report_; }
   MoeStatus status() const override { return status_; }
+  std::unique_ptr<MoeStep> take_step() override;
+  void resume_step(std::unique_ptr<MoeStep> step) override;
 
  private:
   // ---- router.cpp ----
@@ -226,7 +229,10 @@ class CpuMoeLayer final : public MoeLayer {
   const int K_;
   Communicator* const comm_;  // null: single rank
   bool have_weights_ = false, have_forward_ = false;
-  WeightCopies weights_;
+  // The copies of the latest set_weights, and those of the forward whose state the layer holds
+  // (its backward must use them even after a later set_weights): shared, never modified.
+  std::shared_ptr<const WeightCopies> weights_, step_weights_;
+  const WeightCopies& sw() const { return *step_weights_; }
   int64_t T_ = 0, Mp_ = 0;    // tokens of the latest forward; padded rows of the local experts
   RoutingState route_;
   SavedActivations saved_;

@@ -23,14 +23,14 @@ void CpuMoeLayer::route(const bf16_t* x, QuantStats* st) {
   for (int64_t t = 0; t < T; ++t)
     for (int e = 0; e < E_; ++e) {
       float acc = 0.0f;
-      const float* w = &weights_.wr[int64_t(e) * H_];
+      const float* w = &sw().wr[int64_t(e) * H_];
       for (int64_t h = 0; h < H_; ++h) acc = std::fma(bf16_to_f32(x[t * H_ + h]), w[h], acc);
       rs.logits[t * E_ + e] = acc;
     }
   const RouterConfig rc = cfg_.router_config();
   rs.expert_ids.assign(T * K_, 0);
   rs.probs.assign(T * K_, 0.0f);
-  const float* bias = weights_.router_bias.empty() ? nullptr : weights_.router_bias.data();
+  const float* bias = sw().router_bias.empty() ? nullptr : sw().router_bias.data();
   st->nonfinite += cpu::router_forward(rs.logits.data(), T, rc, bias, rs.expert_ids.data(),
                                        rs.probs.data());
   rs.aux_loss = 0.0f;
@@ -102,7 +102,7 @@ void CpuMoeLayer::backward_router(const std::vector<bf16_t>& dxp, const std::vec
         g.dwr[int64_t(e) * H_ + h] += acc;
       }
   // dx[t, h] = bf16(dx_expert[t, h] + sum_e dlogits[t, e] * Wr[e, h])
-  const std::vector<float>& wr = weights_.wr;
+  const std::vector<float>& wr = sw().wr;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H_; ++h) {
       float acc = bf16_to_f32(dxe[t * H_ + h]);

@@ -19,6 +19,9 @@ LayerStepGraph::LayerStepGraph(MoeLayer* layer, cudaStream_t stream, const Step&
   FLOWMOE_CHECK(l->sync_free(), what << ": the layer synchronises with the host in every forward; build it with "
                                         "CudaLayerOptions::sync_free = true to capture its step");
   FLOWMOE_CHECK(l->has_weights(), what << ": no weights; call set_weights before capturing");
+  FLOWMOE_CHECK(!l->caller_memory(), what << ": the layer takes its memory from the caller "
+                                             "(CudaLayerOptions::caller_memory); the graph would keep the "
+                                             "addresses of one call's regions: capture a layer that owns its memory");
   FLOWMOE_CHECK(stream == l->stream(), what << ": capture on the stream the layer was made with (its work is "
                                                "enqueued there)");
   cudaGraph_t graph = nullptr;

@@ -4,9 +4,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -50,7 +52,11 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   fused_dswiglu_ = options.fused_dswiglu && grouped_gemm_ && (rc == Recipe::kFlow || rc == Recipe::kFlowFp4);
   if (comm_)  // agreed across ranks by make_cuda_layer
     direct_bytes_ = options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes;
-  ws_.allocate(arena_, cfg_, dedup_, /*device_plan=*/sync_free_ && comm_ != nullptr, fused_swiglu_, fused_dswiglu_);
+  caller_memory_ = options.caller_memory;
+  arena_.set_caller_memory(caller_memory_);
+  arena_.begin_pass(nullptr);
+  layout_workspace();  // owned: allocates; caller memory: allocates the layer's own, measures the rest
+  plan_bytes_ = arena_.plan();
 
   // flow / flow-fp4: the column copies for wgrad on the side stream
   const bool side = (rc == Recipe::kFlow || rc == Recipe::kFlowFp4) && options.side_stream;
@@ -77,6 +83,78 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   streams_.create(stream_, side, tail, /*dx_event=*/comm_ || tail);
 }
 
+void CudaMoeLayer::layout_workspace() {
+  ws_ = Workspace();
+  ws_.allocate(arena_, cfg_, dedup_, /*device_plan=*/sync_free_ && comm_ != nullptr, fused_swiglu_, fused_dswiglu_);
+}
+
+// ---- caller memory and steps in flight -----------------------------------------------------------
+void CudaMoeLayer::bind_memory(const MoeMemory& m) {
+  if (!caller_memory_) {
+    MoeLayer::bind_memory(m);
+    return;
+  }
+  const char* what = "MoeLayer::bind_memory";
+  const std::pair<const char*, void*> regions[] = {{"weights", m.weights}, {"saved", m.saved}, {"transient", m.transient}};
+  for (const auto& r : regions)
+    FLOWMOE_CHECK(reinterpret_cast<uintptr_t>(r.second) % 256 == 0,
+                  what << ": the " << r.first << " region at " << r.second << " is not 256-byte aligned; expected "
+                       << "an allocation's start (cudaMalloc and PyTorch's allocator align to 512)");
+  bound_ = m;
+  arena_.begin_pass(&bound_);
+  layout_workspace();
+}
+
+void CudaMoeLayer::check_bound(const char* what, bool saved) const {
+  if (!caller_memory_) return;
+  FLOWMOE_CHECK((bound_.weights || plan_bytes_.weights == 0) && (bound_.transient || plan_bytes_.transient == 0) &&
+                    (!saved || bound_.saved || plan_bytes_.saved == 0),
+                what << ": the layer takes its memory from the caller (CudaLayerOptions::caller_memory) but the "
+                     << (saved ? "weights, saved and transient regions are" : "weights and transient regions are")
+                     << " not all bound; call bind_memory with regions of memory_plan()'s sizes ("
+                     << plan_bytes_.weights << ", " << plan_bytes_.saved << ", " << plan_bytes_.transient
+                     << " bytes) first");
+}
+
+namespace {
+// A forward's host-side state (CudaMoeLayer::take_step): the rows and segments of the routing, the
+// EP plan. Its device state is in the caller's saved region.
+struct CudaStep final : MoeStep {
+  const void* layer = nullptr;
+  int64_t T = 0, Mp = 0, routed = 0, held = 0, blocks = 0, dedup_recv_tokens = 0;
+  Segments seg;
+  DispatchPlan plan;
+};
+}  // namespace
+
+std::unique_ptr<MoeStep> CudaMoeLayer::take_step() {
+  const char* what = "MoeLayer::take_step";
+  FLOWMOE_CHECK(caller_memory_, what << ": several forwards in flight need each forward's saved memory apart; "
+                                        "build the layer with CudaLayerOptions::caller_memory");
+  FLOWMOE_CHECK(have_forward_, what << ": no forward to take (call it right after forward, once)");
+  std::unique_ptr<CudaStep> st(new CudaStep);
+  st->layer = this;
+  st->T = T_, st->Mp = Mp_, st->routed = routed_, st->held = held_, st->blocks = blocks_;
+  st->dedup_recv_tokens = dedup_recv_tokens_;
+  st->seg = std::move(seg_);
+  st->plan = std::move(plan_);
+  have_forward_ = false;
+  return std::unique_ptr<MoeStep>(st.release());
+}
+
+void CudaMoeLayer::resume_step(std::unique_ptr<MoeStep> step) {
+  const char* what = "MoeLayer::resume_step";
+  CudaStep* st = dynamic_cast<CudaStep*>(step.get());
+  FLOWMOE_CHECK(st != nullptr && st->layer == this,
+                what << ": the step was not taken from this layer (take_step of another layer or backend)");
+  T_ = st->T, Mp_ = st->Mp, routed_ = st->routed, held_ = st->held, blocks_ = st->blocks;
+  dedup_recv_tokens_ = st->dedup_recv_tokens;
+  seg_ = std::move(st->seg);
+  plan_ = std::move(st->plan);
+  have_forward_ = true;
+  backward_done_ = false;
+}
+
 void CudaMoeLayer::release() {
   gemm_.reset();
   streams_.destroy();
@@ -91,6 +169,7 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
                 what << ": w1, w2 and wr must be non-null device pointers (W1 [El, 2F, H], W2 "
                         "[El, H, F] of the El = "
                      << El_ << " local experts, Wr [E, H] fp32)");
+  check_bound(what, /*saved=*/false);
   WeightBuffers& wb = ws_.weights;
   DeviceStatus* wstatus = ws_.routing.weight_status;
   const int64_t n1 = int64_t(El_) * 2 * F_ * H_, n2 = int64_t(El_) * H_ * F_;
@@ -167,6 +246,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
     FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
                   what << ": T = " << tokens << " tokens; expected 1 <= T <= max_tokens = " << cfg_.max_tokens);
     FLOWMOE_CHECK(x && y, what << ": x and y must be non-null device pointers to [T, H] bf16");
+    check_bound(what, /*saved=*/true);
   });
   T_ = tokens;
   have_forward_ = false;
@@ -201,6 +281,7 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
     FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
                                          "consumes the activations of the latest forward)");
     FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null device pointers to [T, H] bf16");
+    check_bound(what, /*saved=*/true);
   });
   rep_.drop_ops(MoePass::kBackward);
   pending_ops_.erase(std::remove_if(pending_ops_.begin(), pending_ops_.end(),
@@ -298,6 +379,9 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                           "this one (" << cfg.comm->backend() << ") sizes its messages on the host");
     FLOWMOE_CHECK(cfg.align == 128, what << ": CudaLayerOptions::sync_free needs align = 128 (the wgrad kernels' "
                                             "128-token blocks); align is " << cfg.align);
+    FLOWMOE_CHECK(cfg.comm == nullptr || !options.caller_memory,
+                  what << ": CudaLayerOptions::caller_memory with sync_free expert parallelism: the peers read this "
+                          "layer's buffers at addresses shared once, at construction; expected the layer's own memory");
   };
   if (cfg.comm == nullptr) {
     check_sync_free();

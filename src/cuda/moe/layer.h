@@ -64,6 +64,10 @@ class CudaMoeLayer final : public MoeLayer {
   void backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) override;
   const CastReport& cast_report() const override;
   MoeStatus status() const override;
+  std::unique_ptr<MoeStep> take_step() override;
+  void resume_step(std::unique_ptr<MoeStep> step) override;
+  MoeMemoryPlan memory_plan() const override { return caller_memory_ ? plan_bytes_ : MoeMemoryPlan(); }
+  void bind_memory(const MoeMemory& memory) override;
 
   // moe_debug.h
   void set_profiling(bool on) { clock_.profiling = on; }
@@ -72,6 +76,7 @@ class CudaMoeLayer final : public MoeLayer {
   LayerCounters counters() const;
   // moe_graph.h
   bool sync_free() const { return sync_free_; }
+  bool caller_memory() const { return caller_memory_; }
   bool has_weights() const { return have_weights_; }
   cudaStream_t stream() const { return stream_; }
 
@@ -83,6 +88,9 @@ class CudaMoeLayer final : public MoeLayer {
   // ---- lifecycle (layer.cu) --------------------------------------------------------------------
   void allocate(const CudaLayerOptions& options);
   void release();
+  void layout_workspace();  // ws_'s views over the arena's current pass
+  // caller memory: the regions `what` needs are bound (weights, plus saved for forward / backward)
+  void check_bound(const char* what, bool saved) const;
 
   // ---- routing (routing.cu) --------------------------------------------------------------------
   void route(const bf16_t* x);
@@ -189,9 +197,6 @@ class CudaMoeLayer final : public MoeLayer {
   void save_activations(const RowCounts& rc) const;
   int64_t saved_bytes(TensorFormat f, int64_t cols, const RowCounts& rc) const;
   void read_status() const;
-  static double fp8_row(int64_t c) { return double(c) + double(c) / 128; }
-  static double fp8_row_f32s(int64_t c) { return double(c) + 4.0 * double(c) / 128; }
-  static double mxfp4_row(int64_t c) { return double(c) / 2 + double(c) / 32; }
   StageClock::Scope fwd(const char* name, cudaStream_t s = nullptr) {
     return StageClock::Scope(&clock_, MoePass::kForward, name, s ? s : stream_);
   }
@@ -218,6 +223,9 @@ class CudaMoeLayer final : public MoeLayer {
   bool fused_dswiglu_ = false;  // GEMM2 dgrad + dSwiGLU in one kernel (CudaLayerOptions::fused_dswiglu)
   bool fused_swiglu_ = false; // GEMM1 + SwiGLU in one kernel (CudaLayerOptions::fused_swiglu): w1 interleaved
   int64_t direct_bytes_ = -1; // dispatch_rows / combine_rows message grouping (comm.h)
+  bool caller_memory_ = false;  // CudaLayerOptions::caller_memory: ws_ laid over bound_ per call
+  MoeMemoryPlan plan_bytes_;    // the sizes of the caller's regions
+  MoeMemory bound_;             // the regions bound last (null: none)
 
   // ---- resources -------------------------------------------------------------------------------
   DeviceArena arena_;

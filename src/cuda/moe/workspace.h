@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "cuda/moe/kernels.cuh"
-#include "flowmoe/cuda/qtensor_view.h"
 #include "flowmoe/cuda/convert.h"
+#include "flowmoe/cuda/qtensor_view.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/token.h"
 
@@ -25,7 +25,16 @@ namespace moe {
 inline int64_t workspace_rows(const MoeConfig& cfg) { return (cfg.max_rows() + 127) / 128 * 128; }
 
 
-// Owns the device and pinned host allocations; error messages name the layer's configuration.
+// Where a buffer lives (CudaLayerOptions::caller_memory): kLayer with the layer for its lifetime
+// (counters, small tables); kWeights, kSaved, kTransient in the caller's regions of those names
+// (moe.h MoeMemoryPlan). A layer that owns its memory allocates every region itself.
+enum class Region : uint8_t { kLayer, kWeights, kSaved, kTransient };
+
+// Hands out the workspace's buffers. Owned memory: one cudaMalloc per buffer, once. Caller memory:
+// kLayer buffers and pinned host memory are allocated by the first layout pass and handed out
+// again, in the same order, by every later pass; the other regions are carved from the bases of
+// the pass (256-byte aligned offsets), the first pass only measuring them (addresses that fault).
+// Error messages name the layer's configuration.
 class DeviceArena {
  public:
   explicit DeviceArena(const MoeConfig& cfg) : cfg_(cfg) {}
@@ -33,18 +42,30 @@ class DeviceArena {
   DeviceArena(const DeviceArena&) = delete;
   DeviceArena& operator=(const DeviceArena&) = delete;
 
+  void set_caller_memory(bool on) { caller_ = on; }
+  // A new layout pass over the caller's regions (null: the first, measuring pass).
+  void begin_pass(const MoeMemory* bases);
+  MoeMemoryPlan plan() const { return {used_[1], used_[2], used_[3]}; }
+
   template <typename T>
-  T* device(int64_t n) { return static_cast<T*>(device_bytes(size_t(n <= 0 ? 1 : n) * sizeof(T))); }
+  T* device(int64_t n, Region r = Region::kLayer) {
+    return static_cast<T*>(device_bytes(size_t(n <= 0 ? 1 : n) * sizeof(T), r));
+  }
   template <typename T>
-  T* pinned(int64_t n) { return static_cast<T*>(pinned_bytes(size_t(n) * sizeof(T))); }
-  size_t allocated() const { return allocated_; }  // device bytes
+  T* pinned(int64_t n) { return static_cast<T*>(fixed(size_t(n) * sizeof(T), /*pinned=*/true)); }
+  size_t allocated() const { return allocated_; }  // device bytes the layer holds itself
   void release();
 
  private:
-  void* device_bytes(size_t bytes);
-  void* pinned_bytes(size_t bytes);
+  void* device_bytes(size_t bytes, Region r);
+  void* fixed(size_t bytes, bool pinned);  // kLayer and pinned: allocated once, replayed after
   const MoeConfig& cfg_;
+  bool caller_ = false;
   std::vector<void*> device_, pinned_;
+  std::vector<void*> fixed_;  // the first pass's kLayer / pinned buffers in allocation order
+  size_t next_fixed_ = 0;
+  int64_t used_[4] = {0, 0, 0, 0};   // bytes carved per region in this pass
+  char* base_[4] = {nullptr, nullptr, nullptr, nullptr};
   size_t allocated_ = 0;
 };
 

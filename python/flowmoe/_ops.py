@@ -1,0 +1,241 @@
+"""The flowmoe MoE layer as PyTorch operators (torch.library custom ops), used by flowmoe.torch.MoE.
+
+Three operators, each opaque to torch.compile and with a fake (meta) implementation:
+
+- ``flowmoe::derive_weights(w1, w2, wr, router_bias, module_id, tokens) -> wbuf``: the layer's
+  weight copies (BF16 / FP8 blocks with their transposes) made from the FP32 masters, into a new
+  uint8 tensor (CUDA; CPU: the copies stay inside the CPU layer and wbuf is empty).
+- ``flowmoe::moe_forward(x, w1, w2, wr, wbuf, module_id, keep_step) -> (y, saved, step)``: y and
+  what the backward needs, as a uint8 tensor ``saved`` (CUDA: codes, scales and routing tables; CPU:
+  empty, the state travels in the step) and ``step``, an int64 CPU tensor naming the host-side
+  state of this forward (moe.h MoeStep). w1, w2, wr are passed for autograd only (the op reads wbuf).
+- ``flowmoe::moe_backward(...)`` / ``flowmoe::moe_backward_accumulate(...)``: dx and the weight
+  gradients as new tensors, or (main_grad mode, eager only) accumulated into given FP32 buffers.
+
+Memory (CUDA): every buffer comes from PyTorch's caching allocator: wbuf per weight refresh, saved
+per forward (freed when autograd frees the graph), and one transient scratch per call, returned to
+the allocator when the call's work on the stream is done and reused by every layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ._errors import FlowmoeError
+
+_lock = threading.Lock()
+_modules: Dict[int, "weakref.ref"] = {}  # module_id -> the MoE module
+# step id -> [runner, native Step, owners]: the host state of a forward until its backward takes it.
+# Two owners keep it: the step tensor the forward returned (or what autograd saved of it) and the
+# autograd node of the forward. It is freed when both are gone, so that neither a forward whose
+# activations checkpointing recomputes (its node lives, its tensors do not) nor saved tensors that
+# hooks copy to the host and back (the original tensor dies, the node lives) lose it, and a graph
+# dropped without a backward does not leak it.
+_steps: Dict[int, list] = {}
+_ids = itertools.count(1)
+
+
+def register_module(module) -> int:
+    with _lock:
+        i = next(_ids)
+        _modules[i] = weakref.ref(module)
+    return i
+
+
+def _module(module_id: int):
+    ref = _modules.get(module_id)
+    m = ref() if ref is not None else None
+    if m is None:
+        raise FlowmoeError(f"flowmoe: operator called for module id {module_id}, which no longer exists")
+    return m
+
+
+def _put_step(runner, step) -> int:
+    with _lock:
+        i = next(_ids)
+        _steps[i] = [runner, step, 1]
+    return i
+
+
+def _own_step(step_id: int) -> bool:
+    with _lock:
+        e = _steps.get(step_id)
+        if e is not None:
+            e[2] += 1
+        return e is not None
+
+
+def _release_step(step_id: int) -> None:
+    with _lock:
+        e = _steps.get(step_id)
+        if e is not None:
+            e[2] -= 1
+            if e[2] <= 0:
+                del _steps[step_id]
+
+
+def _pop_step(step_id: int):
+    with _lock:
+        e = _steps.pop(step_id, None)
+    if e is None:
+        raise FlowmoeError(
+            "flowmoe.torch.MoE: backward of a forward whose state is gone: its backward ran already "
+            "(retain_graph is not supported: each forward backs one backward) or the graph was freed")
+    return e[0], e[1]
+
+
+class _NodeOwner:
+    """The autograd node's share of a step (see _steps)."""
+
+    def __init__(self, step_id: int):
+        self.step_id = step_id
+
+    def __del__(self):
+        _release_step(self.step_id)
+
+
+def _addr(t: Optional[torch.Tensor]) -> int:
+    return t.data_ptr() if t is not None and t.numel() > 0 else 0
+
+
+def _bytes(n: int, device) -> torch.Tensor:
+    return torch.empty(int(n), dtype=torch.uint8, device=device)
+
+
+# ---- derive_weights ---------------------------------------------------------------------------------
+@torch.library.custom_op("flowmoe::derive_weights", mutates_args=())
+def derive_weights(w1: torch.Tensor, w2: torch.Tensor, wr: torch.Tensor, router_bias: Optional[torch.Tensor],
+                   module_id: int, tokens: int) -> torch.Tensor:
+    m = _module(module_id)
+    r = m._ensure_runner(w1.device, tokens)
+    for name, t in (("w1", w1), ("w2", w2), ("wr", wr), ("router_bias", router_bias)):
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device != r.device):
+            raise FlowmoeError(f"flowmoe.torch.MoE: {name} is {t.dtype} on {t.device} (contiguous: "
+                               f"{t.is_contiguous()}); expected contiguous float32 on {r.device}")
+    wbuf = _bytes(r.plan[0], w1.device)
+    tbuf = _bytes(r.plan[2], w1.device) if r.plan[2] else None
+    with r.ordered():
+        r.layer.bind_memory(_addr(wbuf), 0, _addr(tbuf))
+        r.layer.set_weights(_addr(w1), _addr(w2), _addr(wr), _addr(router_bias))
+    m.weight_updates += 1
+    return wbuf
+
+
+@derive_weights.register_fake
+def _(w1, w2, wr, router_bias, module_id, tokens):
+    r = _module(module_id)._ensure_runner(w1.device, tokens)
+    return w1.new_empty((r.plan[0],), dtype=torch.uint8)
+
+
+# ---- forward ----------------------------------------------------------------------------------------
+@torch.library.custom_op("flowmoe::moe_forward", mutates_args=())
+def moe_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, wr: torch.Tensor, wbuf: torch.Tensor,
+                module_id: int, keep_step: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m = _module(module_id)
+    r = m._runner
+    if r is None or r.device != x.device or x.shape[0] > r.max_tokens:
+        raise FlowmoeError("flowmoe.torch.MoE: moe_forward without the layer's weights for this input "
+                           "(derive_weights first; the module's forward does)")
+    m._check_call(x)
+    y = torch.empty_like(x)
+    saved = _bytes(r.plan[1], x.device)
+    tbuf = _bytes(r.plan[2], x.device) if r.plan[2] else None
+    with r.ordered():
+        r.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
+        r.layer.forward(x.data_ptr(), x.shape[0], y.data_ptr())
+        step = r.layer.take_step()
+    m._have_forward = True
+    if not keep_step:
+        step.close()
+        return y, saved, torch.zeros(1, dtype=torch.int64)
+    sid = _put_step(r, step)
+    step_tensor = torch.tensor([sid], dtype=torch.int64)
+    weakref.finalize(step_tensor, _release_step, sid)
+    return y, saved, step_tensor
+
+
+@moe_forward.register_fake
+def _(x, w1, w2, wr, wbuf, module_id, keep_step):
+    r = _module(module_id)._runner
+    saved = r.plan[1] if r is not None else 0
+    return torch.empty_like(x), x.new_empty((saved,), dtype=torch.uint8), torch.empty(1, dtype=torch.int64)
+
+
+# ---- backward ---------------------------------------------------------------------------------------
+def _run_backward(dy, wbuf, saved, step, grads, accumulate):
+    runner, native_step = _pop_step(int(step[0]))
+    dy = dy.to(torch.bfloat16).contiguous()
+    dx = torch.empty_like(dy)
+    tbuf = _bytes(runner.plan[2], dy.device) if runner.plan[2] else None
+    with runner.ordered():
+        runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
+        runner.layer.resume_step(native_step)
+        runner.layer.backward(dy.data_ptr(), dx.data_ptr(), *[_addr(g) for g in grads], accumulate)
+    return dx
+
+
+def _grad_buffers(module_id: int, device, needs):
+    """New FP32 weight-gradient tensors (an empty one where not needed), shaped like the parameters."""
+    shapes = _module(module_id)._param_shapes()
+    return [torch.empty(s, dtype=torch.float32, device=device) if n else torch.empty(0, device=device)
+            for s, n in zip(shapes, needs)]
+
+
+@torch.library.custom_op("flowmoe::moe_backward", mutates_args=())
+def moe_backward(dy: torch.Tensor, wbuf: torch.Tensor, saved: torch.Tensor, step: torch.Tensor,
+                 needs: List[bool], module_id: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = _grad_buffers(module_id, dy.device, needs)
+    dx = _run_backward(dy, wbuf, saved, step, [g if n else None for g, n in zip(grads, needs)], False)
+    return dx, grads[0], grads[1], grads[2]
+
+
+@moe_backward.register_fake
+def _(dy, wbuf, saved, step, needs, module_id):
+    grads = _grad_buffers(module_id, dy.device, needs)
+    return torch.empty_like(dy, dtype=torch.bfloat16), grads[0], grads[1], grads[2]
+
+
+@torch.library.custom_op("flowmoe::moe_backward_accumulate", mutates_args=("dw1", "dw2", "dwr"))
+def moe_backward_accumulate(dy: torch.Tensor, wbuf: torch.Tensor, saved: torch.Tensor, step: torch.Tensor,
+                            dw1: Optional[torch.Tensor], dw2: Optional[torch.Tensor],
+                            dwr: Optional[torch.Tensor]) -> torch.Tensor:
+    return _run_backward(dy, wbuf, saved, step, [dw1, dw2, dwr], True)
+
+
+@moe_backward_accumulate.register_fake
+def _(dy, wbuf, saved, step, dw1, dw2, dwr):
+    return torch.empty_like(dy, dtype=torch.bfloat16)
+
+
+# ---- autograd ---------------------------------------------------------------------------------------
+def _setup_context(ctx, inputs, output):
+    x, w1, w2, wr, wbuf, module_id, keep_step = inputs
+    y, saved, step = output
+    ctx.module_id = module_id
+    ctx.owner = None
+    if type(step) is torch.Tensor:  # eager (not a compiler's fake tensor): the node owns the step too
+        sid = int(step[0])
+        if sid and _own_step(sid):
+            ctx.owner = _NodeOwner(sid)
+    ctx.save_for_backward(wbuf, saved, step)
+
+
+def _backward(ctx, dy, _dsaved, _dstep):
+    wbuf, saved, step = ctx.saved_tensors
+    module = _module(ctx.module_id)
+    needs = [bool(n) for n in ctx.needs_input_grad[1:4]]
+    if module.grad_mode == "main_grad":
+        bufs = [module._main_grad(i) if n else None for i, n in enumerate(needs)]
+        dx = moe_backward_accumulate(dy, wbuf, saved, step, *bufs)
+        return dx if ctx.needs_input_grad[0] else None, None, None, None, None, None, None
+    dx, dw1, dw2, dwr = moe_backward(dy, wbuf, saved, step, needs, ctx.module_id)
+    gs = [g if n else None for g, n in zip((dw1, dw2, dwr), needs)]
+    return (dx if ctx.needs_input_grad[0] else None, gs[0], gs[1], gs[2], None, None, None)
+
+
+moe_forward.register_autograd(_backward, setup_context=_setup_context)
