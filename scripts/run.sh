@@ -47,17 +47,10 @@ if [ -z "$user_cuda" ]; then
 fi
 export FLOWMOE_CUDA
 
-echo "flowmoe main job: build, numerics check, training (about $([ "$FLOWMOE_CUDA" = ON ] && echo 15 || echo 5) minutes on $cores cores, more the first time while dependencies download)"
-
-phase 1 "dependencies" "Checks the build tools (cmake, ninja, g++, GoogleTest) and the Python packages (numpy, ml_dtypes, torch, pytest) and installs only what is missing: seconds when present; the first time, torch is a download of several GB (minutes)."
-scripts/setup-deps.sh --tests
-py=python3
-[ -x .venv-test/bin/python ] && py=$ROOT/.venv-test/bin/python
-
 if [ "$FLOWMOE_CUDA" = ON ]; then
   backend="CPU reference and CUDA backend (sm_90a)"
-  # measured: about 60 core-minutes of nvcc for the library, CLI and C ABI (ninja runs one job per core)
-  minutes=$(( (60 + cores - 1) / cores + 1 ))
+  core_minutes=8  # measured: nvcc and g++ for the library, CLI and C ABI (ninja runs one job per core)
+  rest=3          # numerics check, package, the small model's 2000 steps on an H200
 else
   backend="CPU reference only"
   if [ "$user_cuda" = OFF ]; then backend="$backend (FLOWMOE_CUDA=OFF)"
@@ -65,15 +58,23 @@ else
     backend="$backend: no GPU is visible, so the CUDA kernels would not run here (FLOWMOE_CUDA=ON builds them anyway)"
   elif [ $gpu = 1 ]; then backend="$backend: nvcc was not found (the CUDA toolkit builds the GPU backend)"
   fi
-  # measured: about 4 core-minutes of g++ for the library, CLI and C ABI
-  minutes=$(( (4 + cores - 1) / cores + 1 ))
+  core_minutes=2  # measured: g++ for the library, CLI and C ABI
+  rest=1          # numerics check, package, the tiny model's 30 steps on the CPU
 fi
+minutes=$(( (core_minutes + cores - 1) / cores ))
+echo "flowmoe main job: build, numerics check, training; about $((minutes + rest)) minutes on $cores cores once the dependencies are installed"
+
+phase 1 "dependencies" "Checks the build tools (cmake, ninja, g++, GoogleTest) and the Python packages (numpy, ml_dtypes, torch, pytest) and installs only what is missing: seconds when present; the first time, torch is a download of several GB (minutes)."
+scripts/setup-deps.sh --tests
+py=python3
+[ -x .venv-test/bin/python ] && py=$ROOT/.venv-test/bin/python
+
 phase 2 "configure" "CMake into $BUILD/: $backend. Seconds."
 mkdir -p "$BUILD"
 : >"$LOG"
 scripts/build.sh --configure-only >>"$LOG" 2>&1 || { tail -n 30 "$LOG"; echo "run: CMake failed; the whole log is $LOG" >&2; exit 1; }
 
-phase 3 "build (about $minutes minutes)" "Compiles what this job runs: the flowmoe command-line tool and the C ABI library the Python package loads (target flowmoe_main; the tests and benchmarks are left to scripts/test.sh). Compiler output: $LOG."
+phase 3 "build (about $minutes minute$([ $minutes = 1 ] || echo s))" "Compiles what this job runs: the flowmoe command-line tool and the C ABI library the Python package loads (target flowmoe_main; the tests and benchmarks are left to scripts/test.sh). Compiler output: $LOG."
 scripts/build.sh --target flowmoe_main >>"$LOG" 2>&1 &
 build_pid=$!
 last=""
