@@ -109,9 +109,14 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="transformer blocks (default 4; e.g. 2 and 6 give the per-layer memory growth)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    cfg = LMConfig(**(TINY if args.tiny else V2_LITE), router="softmax", aux_loss_coef=0.01)
+    dims = dict(TINY if args.tiny else V2_LITE)
+    if args.layers is not None:
+        dims["layers"] = args.layers
+    cfg = LMConfig(**dims, router="softmax", aux_loss_coef=0.01)
     total, active = cfg.params()
     print(f"# whole-model training speed: {cfg.layers} layers, H {cfg.hidden}, {cfg.heads} heads, "
           f"{cfg.experts} experts of F {cfg.ffn}, top-{cfg.topk}; {total / 1e9:.2f}B parameters, "

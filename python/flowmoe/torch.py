@@ -365,6 +365,8 @@ class MoE(nn.Module):
             xb = xb.to(torch.bfloat16)
         tokens = int(xb.shape[0])
         compiling = torch.compiler.is_compiling()
+        if not compiling and xb.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._check_call(xb)  # before the weight refresh, which a refused capture must not record
         if is_first_microbatch is None:
             is_first_microbatch = getattr(_microbatch, "first", None)
         wbuf = None
@@ -374,6 +376,8 @@ class MoE(nn.Module):
             if r is not None and r.device == xb.device and tokens <= r.max_tokens and self._weights_current():
                 wbuf = self._wbuf
         if wbuf is None:
+            if not compiling:  # the old copies go back to the allocator before the new ones are made
+                self._wbuf, self._wkey = None, None
             bias = self.router_bias.detach() if self.router_bias is not None else None
             wbuf = _ops.derive_weights(self.w1.detach(), self.w2.detach(), self.wr.detach(), bias,
                                        self._op_id, tokens)

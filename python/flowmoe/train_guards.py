@@ -93,8 +93,13 @@ class MoEGuard:
             fresh.load_state_dict(m.state_dict())
             g = torch.Generator().manual_seed(seed + i)
             x = torch.randn(tokens, m.w1.shape[-1], generator=g).to(m.w1.device, torch.bfloat16)
-            a, b = m(x), fresh(x)
+            with torch.no_grad():
+                a, b = m(x), fresh(x)
             if torch.equal(a, b):
+                out.append("identical")
+            elif not hasattr(m, "weight_updates") and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-3):
+                # the plain PyTorch reference (flowmoe.reference_moe) keeps no weight copies that
+                # could be stale, and its grouped GEMMs are not bit-deterministic across modules
                 out.append("identical")
             else:
                 diff = (a.float() - b.float()).abs()
@@ -155,8 +160,11 @@ def summary_line(rep):
     if not layers:
         return "no MoE layers"
     moved = {n: [e["moved"][n] for e in layers] for n in PARAMS}
-    rng = ", ".join(f"{n} {min(v):.1%}–{max(v):.1%}" if min(v) != max(v) else f"{n} {v[0]:.1%}"
-                    for n, v in moved.items())
+    def span(v):
+        lo, hi = f"{min(v):.1%}", f"{max(v):.1%}"
+        return lo if lo == hi else f"{lo}–{hi}"
+
+    rng = ", ".join(f"{n} {span(v)}" for n, v in moved.items())
     wu = [e["weight_updates"] for e in layers]
     parts = []
     if all(v is not None for v in wu):

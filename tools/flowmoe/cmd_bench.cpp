@@ -187,6 +187,10 @@ struct RecipeResult {
   double host_bwd_ms = 0;
   double tokens_per_s = 0, tflops = 0;
   double layer_gib = 0, layer_alloc_gib = 0;
+  // the same layer on caller memory (CudaLayerOptions::caller_memory, as the PyTorch op runs it):
+  // what a model holds per layer (weight copies + one forward's saved bytes) and the scratch of one
+  // call, which every layer of a model shares
+  double weights_gib = 0, saved_gib = 0, scratch_gib = 0;
   double saved_bpt = 0, saved_bpt_unpadded = 0;
   int64_t routed = 0, padded = 0;
   int64_t q_fwd = 0, dq_fwd = 0, fused_fwd = 0, conv_fwd = 0;
@@ -250,6 +254,14 @@ RecipeResult run_recipe(const BenchConfig& bc, Recipe recipe, int64_t T, int ali
   BENCH_CUDA(cudaMemGetInfo(&free1, &total));
   r.layer_gib = double(free0 > free1 ? free0 - free1 : 0) / double(1ull << 30);
   r.layer_alloc_gib = double(cuda::moe::allocated_bytes(layer.get())) / double(1ull << 30);
+  {
+    CudaLayerOptions o = bench::layer_options_from_env();
+    o.caller_memory = true;
+    const MoeMemoryPlan p = make_cuda_layer(cfg, stream, o)->memory_plan();
+    r.weights_gib = double(p.weights) / double(1ull << 30);
+    r.saved_gib = double(p.saved) / double(1ull << 30);
+    r.scratch_gib = double(p.transient) / double(1ull << 30);
+  }
 
   const bench::PhaseTimes pt = bench::time_phases(
       {[&] { layer->forward(x, T, y); }, [&] { layer->backward(dy, dx, g); }}, 0, reps, stream);
@@ -458,6 +470,12 @@ int run_bench(const Args& args) {
                 "x/dy/y/dx) %.2f GiB, not in 'layer GiB'\n",
                 static_cast<long long>(results.front().routed), static_cast<long long>(results.front().padded),
                 align, io_gib);
+    std::printf("on caller memory (the PyTorch op), GiB a model holds per layer = weight copies + saved per "
+                "forward in flight; scratch of one call, shared by all layers:");
+    for (const RecipeResult& r : results)
+      std::printf(" %s %.2f = %.2f + %.2f (scratch %.2f);", recipe_name(r.recipe), r.weights_gib + r.saved_gib,
+                  r.weights_gib, r.saved_gib, r.scratch_gib);
+    std::printf("\n");
     std::printf("host time inside backward() (launches; GPU backward in parentheses):");
     for (const RecipeResult& r : results)
       std::printf(" %s %.2f ms (%.2f)", recipe_name(r.recipe), r.host_bwd_ms, r.bwd_ms);

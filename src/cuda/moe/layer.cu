@@ -84,8 +84,20 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
 }
 
 void CudaMoeLayer::layout_workspace() {
+  const RoutingTokens kept = routing_tokens();  // host fields of the views, set per forward
   ws_ = Workspace();
   ws_.allocate(arena_, cfg_, dedup_, /*device_plan=*/sync_free_ && comm_ != nullptr, fused_swiglu_, fused_dswiglu_);
+  set_routing_tokens(kept);
+}
+
+CudaMoeLayer::RoutingTokens CudaMoeLayer::routing_tokens() const {
+  return {ws_.routing.tokens.tokens, ws_.ep.tokens_to_ranks.tokens, ws_.ep.received_tokens.tokens};
+}
+
+void CudaMoeLayer::set_routing_tokens(const RoutingTokens& t) {
+  ws_.routing.tokens.tokens = t.tokens;
+  ws_.ep.tokens_to_ranks.tokens = t.to_ranks;
+  ws_.ep.received_tokens.tokens = t.received;
 }
 
 // ---- caller memory and steps in flight -----------------------------------------------------------
@@ -122,6 +134,7 @@ namespace {
 struct CudaStep final : MoeStep {
   const void* layer = nullptr;
   int64_t T = 0, Mp = 0, routed = 0, held = 0, blocks = 0, dedup_recv_tokens = 0;
+  CudaMoeLayer::RoutingTokens routing_tokens;
   Segments seg;
   DispatchPlan plan;
 };
@@ -136,6 +149,7 @@ std::unique_ptr<MoeStep> CudaMoeLayer::take_step() {
   st->layer = this;
   st->T = T_, st->Mp = Mp_, st->routed = routed_, st->held = held_, st->blocks = blocks_;
   st->dedup_recv_tokens = dedup_recv_tokens_;
+  st->routing_tokens = routing_tokens();
   st->seg = std::move(seg_);
   st->plan = std::move(plan_);
   have_forward_ = false;
@@ -149,6 +163,7 @@ void CudaMoeLayer::resume_step(std::unique_ptr<MoeStep> step) {
                 what << ": the step was not taken from this layer (take_step of another layer or backend)");
   T_ = st->T, Mp_ = st->Mp, routed_ = st->routed, held_ = st->held, blocks_ = st->blocks;
   dedup_recv_tokens_ = st->dedup_recv_tokens;
+  set_routing_tokens(st->routing_tokens);
   seg_ = std::move(st->seg);
   plan_ = std::move(st->plan);
   have_forward_ = true;
@@ -173,9 +188,24 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   WeightBuffers& wb = ws_.weights;
   DeviceStatus* wstatus = ws_.routing.weight_status;
   const int64_t n1 = int64_t(El_) * 2 * F_ * H_, n2 = int64_t(El_) * H_ * F_;
+  const RecipeSpec& spec = recipe_spec(cfg_.recipe);
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(wstatus, 0, sizeof(DeviceStatus), stream_));
-  f32_to_bf16(w.w1, n1, wb.w1_bf16, wstatus, stream_);
-  f32_to_bf16(w.w2, n2, wb.w2_bf16, wstatus, stream_);
+  if (per_expert_weight_scratch()) {
+    // FP8 blocks: each expert through a one-expert BF16 scratch (converted, then quantized; the
+    // quantizations count into the sink weight_status[2]), so the scratch stays small and in L2
+    const int64_t s1 = (2 * F_ / 128) * (H_ / 128), s2 = (H_ / 128) * (F_ / 128);
+    for (int e = 0; e < El_; ++e) {
+      f32_to_bf16(w.w1 + e * 2 * F_ * H_, 2 * F_ * H_, wb.w1_bf16, wstatus, stream_);
+      quantize_weight(wb.w1_bf16, 2 * F_, H_, wb.w1.codes + e * 2 * F_ * H_, wb.w1_ue8m0 + e * s1,
+                      wb.w1t.codes + e * 2 * F_ * H_, wb.w1t_ue8m0 + e * s1, wstatus + 2, stream_);
+      f32_to_bf16(w.w2 + e * H_ * F_, H_ * F_, wb.w2_bf16, wstatus, stream_);
+      quantize_weight(wb.w2_bf16, H_, F_, wb.w2.codes + e * H_ * F_, wb.w2_ue8m0 + e * s2,
+                      wb.w2t.codes + e * H_ * F_, wb.w2t_ue8m0 + e * s2, wstatus + 2, stream_);
+    }
+  } else {
+    f32_to_bf16(w.w1, n1, wb.w1_bf16, wstatus, stream_);
+    f32_to_bf16(w.w2, n2, wb.w2_bf16, wstatus, stream_);
+  }
   f32_to_bf16(w.wr, int64_t(E_) * H_, wb.wr_check, wstatus, stream_);  // finite check of Wr
   FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(wb.wr, w.wr, sizeof(float) * E_ * H_, cudaMemcpyDeviceToDevice, stream_));
   has_bias_ = w.router_bias != nullptr;
@@ -198,10 +228,9 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   }
 
   rep_.drop_ops(MoePass::kWeightUpdate);
-  const RecipeSpec& spec = recipe_spec(cfg_.recipe);
   if (spec.weights == WeightCopy::kFp8Block) {
     const int64_t s1 = (2 * F_ / 128) * (H_ / 128), s2 = (H_ / 128) * (F_ / 128);
-    for (int e = 0; e < El_; ++e) {
+    for (int e = 0; e < El_ && !per_expert_weight_scratch(); ++e) {
       quantize_weight(wb.w1_bf16 + e * 2 * F_ * H_, 2 * F_, H_, wb.w1.codes + e * 2 * F_ * H_,
                       wb.w1_ue8m0 + e * s1, wb.w1t.codes + e * 2 * F_ * H_, wb.w1t_ue8m0 + e * s1, wstatus,
                       stream_);

@@ -77,6 +77,11 @@ class CudaMoeLayer final : public MoeLayer {
   // moe_graph.h
   bool sync_free() const { return sync_free_; }
   bool caller_memory() const { return caller_memory_; }
+  // The token counts the routing views carry on the host (set by each forward): kept across a
+  // re-layout of the workspace and in a step (take_step).
+  struct RoutingTokens {
+    int64_t tokens = 0, to_ranks = 0, received = 0;
+  };
   bool has_weights() const { return have_weights_; }
   cudaStream_t stream() const { return stream_; }
 
@@ -89,6 +94,13 @@ class CudaMoeLayer final : public MoeLayer {
   void allocate(const CudaLayerOptions& options);
   void release();
   void layout_workspace();  // ws_'s views over the arena's current pass
+  // set_weights converts and quantizes W1 / W2 expert by expert through a one-expert BF16 scratch
+  // (FP8 blocks without the fused SwiGLU, whose W1 interleave needs the whole scratch)
+  bool per_expert_weight_scratch() const {
+    return recipe_spec(cfg_.recipe).weights == WeightCopy::kFp8Block && !fused_swiglu_;
+  }
+  RoutingTokens routing_tokens() const;
+  void set_routing_tokens(const RoutingTokens& t);
   // caller memory: the regions `what` needs are bound (weights, plus saved for forward / backward)
   void check_bound(const char* what, bool saved) const;
 

@@ -120,7 +120,7 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup, bool 
   r.block_end = a.device<int32_t>(MB, kS);
   r.block_offsets = a.device<int32_t>(E + 1, kS);
   r.pass_status = a.device<DeviceStatus>(4);
-  r.weight_status = a.device<DeviceStatus>(2);
+  r.weight_status = a.device<DeviceStatus>(3);
   r.host_counts = a.pinned<int32_t>(E);
   r.host_status = a.pinned<DeviceStatus>(5);
   r.host_aux_loss = a.pinned<float>(1);
@@ -173,9 +173,14 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup, bool 
   w.wr = a.device<float>(E * H, kW);
   w.router_bias = a.device<float>(E, kW);
   w.wr_check = a.device<bf16_t>(E * H, kT);
+  // (FP8 blocks without the fused SwiGLU: one expert's scratch, W1's then W2's; set_weights)
   const Region bf16_weights = fp8 ? kT : kW;
-  w.w1_bf16 = a.device<bf16_t>(El * 2 * F * H, bf16_weights);
-  w.w2_bf16 = a.device<bf16_t>(El * H * F, bf16_weights);
+  if (pow2 && !fused_swiglu) {
+    w.w1_bf16 = w.w2_bf16 = a.device<bf16_t>(2 * F * H, kT);
+  } else {
+    w.w1_bf16 = a.device<bf16_t>(El * 2 * F * H, bf16_weights);
+    w.w2_bf16 = a.device<bf16_t>(El * H * F, bf16_weights);
+  }
   if (fp8) {
     w.w1 = weight_128x128_f32(a.device<uint8_t>(El * 2 * F * H, kW), nullptr, int(El), 2 * F, H);
     w.w1t = weight_128x128_f32(a.device<uint8_t>(El * 2 * F * H, kW), nullptr, int(El), H, 2 * F);

@@ -1,0 +1,186 @@
+// The CUDA layer on caller memory (CudaLayerOptions::caller_memory, the PyTorch op's mode): two
+// forwards in flight (take_step / resume_step), the scratch region overwritten with 0xFF between
+// every call, the weights and saved regions moved to other addresses before the backward, give
+// the bits of the layer that owns its memory running (forward, backward) pairs. Every recipe, with
+// and without sync_free. Also: the plan is smaller than the owned layer's allocation, and misuse
+// (unbound regions, a step of another layer, take_step on owned memory) is a clear error.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/moe_config.h"
+#include "cuda/device_buffer.h"
+#include "cuda/gpu_test_util.h"
+#include "flowmoe/cuda/moe_debug.h"
+#include "flowmoe/error.h"
+#include "flowmoe/moe.h"
+
+namespace flowmoe {
+namespace {
+
+using namespace testutil;
+
+constexpr int64_t kH = 256, kF = 256, kTm = 300;
+constexpr int kE = 8, kK = 2;
+
+MoeConfig config(Recipe r) {
+  return flowmoe_test::moe_config(kH, kF, kE, kK).aux_loss(0.01f).align(128).recipe(r).max_tokens(kTm);
+}
+
+struct Step {
+  std::vector<bf16_t> y, dx;
+  std::vector<float> dw1, dw2, dwr;
+};
+
+struct Inputs {
+  DBuf<float> w1, w2, wr;
+  DBuf<bf16_t> x1, dy1, x2, dy2;
+  Inputs()
+      : w1(normal_f32(kE * 2 * kF * kH, 1.0f / 16, 1)), w2(normal_f32(kE * kH * kF, 1.0f / 16, 2)),
+        wr(normal_f32(kE * kH, 1.0f / 16, 3)), x1(normal_bf16(kTm * kH, 1.0f, 4)), dy1(normal_bf16(kTm * kH, 1.0f, 5)),
+        x2(normal_bf16(211 * kH, 1.0f, 6)), dy2(normal_bf16(211 * kH, 1.0f, 7)) {}
+  MoeWeights weights() const { return MoeWeights{w1.p, w2.p, wr.p, nullptr}; }
+};
+
+struct Outs {
+  DBuf<bf16_t> y, dx;
+  DBuf<float> dw1, dw2, dwr;
+  explicit Outs(int64_t T)
+      : y(T * kH), dx(T * kH), dw1(kE * 2 * kF * kH), dw2(kE * kH * kF), dwr(kE * kH) {}
+  MoeGrads grads() { return MoeGrads{dw1.p, dw2.p, dwr.p, false}; }
+  Step get() const { return Step{y.get(), dx.get(), dw1.get(), dw2.get(), dwr.get()}; }
+};
+
+void expect_same(const Step& want, const Step& got, const std::string& what) {
+  expect_same_bits(want.y, got.y, what + " y");
+  expect_same_bits(want.dx, got.dx, what + " dx");
+  expect_same_bits(want.dw1, got.dw1, what + " dW1");
+  expect_same_bits(want.dw2, got.dw2, what + " dW2");
+  expect_same_bits(want.dwr, got.dwr, what + " dWr");
+}
+
+// A region of the caller's memory (null when the plan asks for none).
+struct Region {
+  void* p = nullptr;
+  int64_t n = 0;
+  explicit Region(int64_t bytes) : n(bytes) {
+    if (bytes) EXPECT_EQ(cudaMalloc(&p, size_t(bytes)), cudaSuccess);
+  }
+  ~Region() { cudaFree(p); }
+  void poison() {
+    if (n) EXPECT_EQ(cudaMemset(p, 0xFF, size_t(n)), cudaSuccess);
+  }
+};
+
+class CallerMemory : public ::testing::TestWithParam<std::tuple<Recipe, bool>> {};
+
+TEST_P(CallerMemory, TwoForwardsInFlightGiveTheBitsOfOwnedPairs) {
+  REQUIRE_SM90();
+  const Recipe recipe = std::get<0>(GetParam());
+  CudaLayerOptions opt;
+  opt.sync_free = std::get<1>(GetParam());
+  Inputs in;
+  const int64_t T1 = kTm, T2 = 211;
+
+  // the layer that owns its memory: (forward, backward) pairs
+  std::unique_ptr<MoeLayer> owned = make_cuda_layer(config(recipe), nullptr, opt);
+  owned->set_weights(in.weights());
+  Outs a1(T1), a2(T2);
+  owned->forward(in.x1.p, T1, a1.y.p);
+  owned->backward(in.dy1.p, a1.dx.p, a1.grads());
+  owned->forward(in.x2.p, T2, a2.y.p);
+  owned->backward(in.dy2.p, a2.dx.p, a2.grads());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  // caller memory: forward 1, forward 2, backward 2, backward 1
+  opt.caller_memory = true;
+  std::unique_ptr<MoeLayer> l = make_cuda_layer(config(recipe), nullptr, opt);
+  const MoeMemoryPlan plan = l->memory_plan();
+  EXPECT_GT(plan.weights, 0);
+  EXPECT_GT(plan.saved, 0);
+  EXPECT_GT(plan.transient, 0);
+  EXPECT_LT(cuda::moe::allocated_bytes(l.get()), cuda::moe::allocated_bytes(owned.get()));
+  Region w(plan.weights), s1(plan.saved), s2(plan.saved), t(plan.transient);
+  t.poison();
+  l->bind_memory(MoeMemory{w.p, nullptr, t.p});
+  l->set_weights(in.weights());
+  Outs b1(T1), b2(T2);
+  t.poison();
+  l->bind_memory(MoeMemory{w.p, s1.p, t.p});
+  l->forward(in.x1.p, T1, b1.y.p);
+  std::unique_ptr<MoeStep> st1 = l->take_step();
+  t.poison();
+  l->bind_memory(MoeMemory{w.p, s2.p, t.p});
+  l->forward(in.x2.p, T2, b2.y.p);
+  std::unique_ptr<MoeStep> st2 = l->take_step();
+  t.poison();
+  l->resume_step(std::move(st2));
+  l->backward(in.dy2.p, b2.dx.p, b2.grads());
+  t.poison();
+  // the first forward's weights and saved bytes moved elsewhere (e.g. offloaded and brought back)
+  Region w_moved(plan.weights), s1_moved(plan.saved);
+  ASSERT_EQ(cudaMemcpy(w_moved.p, w.p, size_t(plan.weights), cudaMemcpyDeviceToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(s1_moved.p, s1.p, size_t(plan.saved), cudaMemcpyDeviceToDevice), cudaSuccess);
+  w.poison();
+  s1.poison();
+  l->bind_memory(MoeMemory{w_moved.p, s1_moved.p, t.p});
+  l->resume_step(std::move(st1));
+  l->backward(in.dy1.p, b1.dx.p, b1.grads());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::string what = std::string(recipe_name(recipe)) + (opt.sync_free ? " sync_free" : "");
+  expect_same(a1.get(), b1.get(), what + " first forward");
+  expect_same(a2.get(), b2.get(), what + " second forward");
+  EXPECT_EQ(l->status().nonfinite, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, CallerMemory,
+                         ::testing::Combine(::testing::Values(Recipe::kBf16, Recipe::kBlockwise, Recipe::kFp8Naive,
+                                                              Recipe::kFlow, Recipe::kFlowFp4),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<Recipe, bool>>& p) {
+                           std::string n = recipe_name(std::get<0>(p.param));
+                           for (char& c : n)
+                             if (c == '-') c = '_';
+                           return n + (std::get<1>(p.param) ? "_sync_free" : "");
+                         });
+
+TEST(CallerMemoryErrors, UnboundRegionsForeignStepsAndOwnedTakeAreClearErrors) {
+  REQUIRE_SM90();
+  Inputs in;
+  CudaLayerOptions opt;
+  opt.caller_memory = true;
+  std::unique_ptr<MoeLayer> l = make_cuda_layer(config(Recipe::kFlow), nullptr, opt);
+  std::unique_ptr<MoeLayer> other = make_cuda_layer(config(Recipe::kFlow), nullptr, opt);
+  try {
+    l->set_weights(in.weights());
+    FAIL() << "set_weights without bound regions";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bind_memory"), std::string::npos) << e.what();
+  }
+  const MoeMemoryPlan plan = l->memory_plan();
+  Region w(plan.weights), s(plan.saved), t(plan.transient);
+  char* unaligned = static_cast<char*>(t.p) + 16;
+  EXPECT_THROW(l->bind_memory(MoeMemory{w.p, s.p, unaligned}), Error);
+  l->bind_memory(MoeMemory{w.p, nullptr, t.p});
+  l->set_weights(in.weights());
+  Outs o(kTm);
+  EXPECT_THROW(l->forward(in.x1.p, kTm, o.y.p), Error);  // no saved region bound
+  l->bind_memory(MoeMemory{w.p, s.p, t.p});
+  l->forward(in.x1.p, kTm, o.y.p);
+  std::unique_ptr<MoeStep> st = l->take_step();
+  EXPECT_THROW(l->backward(in.dy1.p, o.dx.p, o.grads()), Error);  // its state was taken
+  EXPECT_THROW(other->resume_step(std::move(st)), Error);         // a step of another layer
+  std::unique_ptr<MoeLayer> owned = make_cuda_layer(config(Recipe::kFlow), nullptr, CudaLayerOptions());
+  owned->set_weights(in.weights());
+  owned->forward(in.x1.p, kTm, o.y.p);
+  EXPECT_THROW(owned->take_step(), Error);  // owned memory: one forward in flight
+  EXPECT_THROW(owned->bind_memory(MoeMemory{w.p, s.p, t.p}), Error);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace flowmoe
