@@ -355,9 +355,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """y = MoE(x). ``is_first_microbatch``: None (default) refreshes the weight copies from the
-        parameters; True refreshes them and False reuses those of the latest refresh (the later
-        micro-batches of gradient accumulation) unless an optimizer step, a state-dict load or an
-        in-place change of a parameter happened since. ``flowmoe.torch.microbatch(first=...)`` sets
+        parameters (and keeps them only while this forward's backward needs them); True refreshes
+        and keeps them; False reuses those kept by the latest True (the later micro-batches of
+        gradient accumulation) unless an optimizer step, a state-dict load or an in-place change
+        of a parameter happened since, or none were kept. ``flowmoe.torch.microbatch(first=...)`` sets
         it for every module inside its ``with`` block."""
         self._check_input(x)
         xb = x.reshape(-1, self.hidden)
@@ -381,7 +382,9 @@ class MoE(nn.Module):
             bias = self.router_bias.detach() if self.router_bias is not None else None
             wbuf = _ops.derive_weights(self.w1.detach(), self.w2.detach(), self.wr.detach(), bias,
                                        self._op_id, tokens)
-            if not compiling:
+            if not compiling and is_first_microbatch is True:
+                # kept for the later micro-batches only when asked: otherwise the copies live as
+                # long as the forwards that use them (autograd frees them after the backward)
                 self._wbuf, self._wkey = wbuf, self._weights_key()
         keep = torch.is_grad_enabled() and (xb.requires_grad or any(p.requires_grad for p in self._params()))
         y, _saved, _step = _ops.moe_forward(xb, self.w1, self.w2, self.wr, wbuf, self._op_id, keep)
