@@ -78,7 +78,13 @@ def test_commit_rename_fails(tmp):
         if shutil.which("valgrind"):
             rc, _, err = run("quantize", "--layout", "row", "x.npy", d + "/o", cwd=d, timeout=300,
                              prefix=("valgrind", "-q", "--error-exitcode=99"))
-            check("commit: under valgrind no invalid read (exit 1, not 99)", rc == 1, (rc, err))
+            # (the dynamic loader of an rpath'd binary draws valgrind reports of its own, e.g.
+            # strncmp in decompose_rpath: only errors with a frame in flowmoe's code count)
+            vg = "\n".join(line for line in err.splitlines() if line.startswith("=="))
+            ours = [blk for blk in re.split(r"==\d+== (?=Invalid|Conditional|Use of|Mismatched)", vg)[1:]
+                    if re.search(r"flowmoe|output_set|/tools/|/src/", blk)]
+            check("commit: under valgrind no invalid access in flowmoe's code (exit 1)",
+                  rc in (1, 99) and not ours, (rc, ours[:2]))
         else:
             print("note: valgrind not installed; the memory check of the failed commit is skipped")
     finally:
