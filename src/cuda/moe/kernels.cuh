@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "flowmoe/cuda/convert.h"
+#include "flowmoe/cuda/ep_rows.h"
 #include "flowmoe/tensor.h"
 
 namespace flowmoe {
@@ -52,21 +53,8 @@ void scatter_row_probs(const float* probs, const int32_t* row_map, int64_t t, in
 void gather_row_dprobs(const float* dprow_part, int64_t tiles, int64_t m, const int32_t* row_map,
                        int64_t t, int topk, float* dprobs, cudaStream_t stream);
 
-// ---- expert parallelism: the send-side gathers and receive-side relayouts (src/cuda/moe/ep.cu) --
-// `row_map` below is the routing's row_map_unpadded [T, k]: the send order of DispatchPlan (rows
-// sorted by global expert, inside one expert by (token, slot); -1 = dropped slot).
-// out[row_map[t, s]] = in[i] for every routed slot, i = t (token rows; per_slot false) or
-// i = t*k + s (per_slot true: e.g. probs [T, k] with row_bytes 4); row_bytes bytes per row.
-void ep_gather_rows(const void* in, int64_t row_bytes, bool per_slot, const int32_t* row_map,
-                    int64_t t, int topk, void* out, cudaStream_t stream);
-// Column-layout scales [nc][T] (elem_bytes 1: UE8M0, 4: FP32) -> send order, row-major [rows][nc]
-// (the wire layout, next to the codes): out[row_map[t, s] * nc + c] = in[c * T + t].
-void ep_gather_col_scales(const void* in, int64_t nc, int elem_bytes, const int32_t* row_map,
-                          int64_t t, int topk, void* out, cudaStream_t stream);
-// Received row-major scales [m][nc] -> the layer's column layout [nc][ld]: out[c*ld + r] =
-// in[r*nc + c] for r < m (elem_bytes 1 or 4; ld >= m).
-void ep_transpose_scales(const void* in, int64_t m, int64_t nc, int elem_bytes, void* out,
-                         int64_t ld, cudaStream_t stream);
+// ---- expert parallelism (src/cuda/moe/ep.cu): the send-side gathers and receive-side relayouts
+// are public (flowmoe/cuda/ep_rows.h, included above); the layer's own:
 // dp[r] = part[0][r] + part[1][r] + ... + part[tiles-1][r] (FP32, in that order: the order of
 // gather_row_dprobs) for r < m: each padded row's d loss / d prob, sent back with the dX rows.
 void ep_sum_row_dprobs(const float* part, int64_t tiles, int64_t m, float* dp, cudaStream_t stream);
