@@ -49,8 +49,15 @@ import json
 import statistics
 import sys
 
+import os
+
 import torch
-import torch.nn.functional as F
+
+try:
+    from flowmoe.reference_moe import ReferenceMoE  # installed package
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    from flowmoe.reference_moe import ReferenceMoE
 
 CONFIGS = {
     "v3-ep8": dict(hidden=7168, ffn=2048, experts=32, topk=8, score="sigmoid", renorm=True, scale=2.5),
@@ -69,70 +76,13 @@ def gemm_flops(tokens, cfg):
     return 18.0 * m * cfg["hidden"] * cfg["ffn"]
 
 
-class PlainMoE(torch.nn.Module):
-    """Router + top-k + permute + grouped expert FFN (SwiGLU) + weighted combine, in BF16."""
-
-    def __init__(self, hidden, ffn, experts, topk, score, renorm, scale, device, gemm="grouped", align=1):
-        super().__init__()
-        self.hidden, self.ffn, self.experts, self.topk = hidden, ffn, experts, topk
-        self.score, self.renorm, self.scale = score, renorm, scale
-        self.gemm = gemm    # "grouped" (torch._grouped_mm) or "loop" (one matmul per expert)
-        self.align = align  # pad each expert's rows to a multiple of this (1: no padding)
-        g = torch.Generator(device="cpu").manual_seed(1234)
-
-        def init(*shape, std):
-            return torch.nn.Parameter((torch.randn(*shape, generator=g) * std).to(device=device, dtype=torch.bfloat16))
-
-        self.router = torch.nn.Parameter((torch.randn(experts, hidden, generator=g) * hidden ** -0.5).to(device))  # fp32
-        self.w1 = init(experts, 2 * ffn, hidden, std=hidden ** -0.5)  # [E, 2F, H]: gate rows, then up rows
-        self.w2 = init(experts, hidden, ffn, std=ffn ** -0.5)         # [E, H, F]
-
-    def route(self, x):
-        logits = F.linear(x.float(), self.router)                    # [T, E] fp32
-        scores = torch.sigmoid(logits) if self.score == "sigmoid" else torch.softmax(logits, dim=-1)
-        probs, ids = torch.topk(scores, self.topk, dim=-1)          # [T, k]
-        if self.renorm:
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-        return probs * self.scale, ids
-
-    def experts_ffn(self, xs, w, counts):
-        """xs [M, H] rows grouped by expert (counts [E]), w [M, 1] their probabilities -> [M, H]."""
-        if self.gemm == "grouped":
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            h = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs)   # [M, 2F]
-            gate, up = h.chunk(2, dim=-1)
-            a = F.silu(gate) * up * w
-            return torch._grouped_mm(a, self.w2.transpose(-2, -1), offs=offs)  # [M, H]
-        outs = []
-        for e, (chunk, we) in enumerate(zip(torch.split(xs, counts.tolist()),   # host sync on counts
-                                            torch.split(w, counts.tolist()))):
-            if chunk.shape[0] == 0:
-                continue
-            gate, up = (chunk @ self.w1[e].t()).chunk(2, dim=-1)
-            outs.append((F.silu(gate) * up * we) @ self.w2[e].t())
-        return torch.cat(outs) if outs else xs.new_zeros(0, self.hidden)
-
-    def forward(self, x):
-        t = x.shape[0]
-        probs, ids = self.route(x)
-        flat = ids.reshape(-1)                                       # [T*k] expert of each (token, slot)
-        order = torch.argsort(flat, stable=True)                     # rows grouped by expert
-        token = order // self.topk
-        counts = torch.bincount(flat, minlength=self.experts)
-        xs = x.index_select(0, token)                                # permute: [T*k, H]
-        w = probs.reshape(-1).index_select(0, order).unsqueeze(1).to(x.dtype)  # [T*k, 1]
-        if self.align > 1:                                           # pad every expert to `align` rows
-            padded = (counts + self.align - 1) // self.align * self.align
-            start = torch.cumsum(counts, 0) - counts
-            pstart = torch.cumsum(padded, 0) - padded
-            rows = pstart[flat[order]] + torch.arange(flat.numel(), device=x.device) - start[flat[order]]
-            mp = int(padded.sum())                                   # host sync
-            xs = x.new_zeros(mp, self.hidden).index_copy(0, rows, xs)
-            w = w.new_zeros(mp, 1).index_copy(0, rows, w)
-            ys = self.experts_ffn(xs, w, padded).index_select(0, rows)
-        else:
-            ys = self.experts_ffn(xs, w, counts)
-        return torch.zeros_like(x).index_add_(0, token, ys)         # combine: [T, H]
+def make_layer(cfg, device, gemm, align):
+    """The plain PyTorch BF16 MoE layer (flowmoe.reference_moe.ReferenceMoE, the one reference of the
+    trainer, the benchmarks and the tests) with its weights in BF16, as users who train in BF16 keep
+    them: no cast per forward in the timed step."""
+    return ReferenceMoE(cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["topk"], router=cfg["score"],
+                        renormalize=cfg["renorm"], routed_scaling=cfg["scale"], seed=1234, device=device,
+                        gemm=gemm, param_dtype=torch.bfloat16, pad_groups=align)
 
 
 def probe_gemm_mode(device):
@@ -143,8 +93,9 @@ def probe_gemm_mode(device):
     x = torch.randn(203, 256, device=device, dtype=torch.bfloat16)
     for align in (1, 8, 16):
         try:
-            ref = PlainMoE(256, 128, 6, 2, "softmax", False, 1.0, device, gemm="loop")
-            mod = PlainMoE(256, 128, 6, 2, "softmax", False, 1.0, device, gemm="grouped", align=align)
+            small = dict(hidden=256, ffn=128, experts=6, topk=2, score="softmax", renorm=False, scale=1.0)
+            ref = make_layer(small, device, "loop", 1)
+            mod = make_layer(small, device, "grouped", align)
             xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
             yr, ym = ref(xr), mod(xm)
             dy = torch.randn_like(yr)
@@ -182,7 +133,7 @@ def saved_bytes(layer, x):
 
 def run_config(name, cfg, tokens, reps, warmup, device, gemm, align):
     torch.manual_seed(0)
-    layer = PlainMoE(**cfg, device=device, gemm=gemm, align=align)
+    layer = make_layer(cfg, device, gemm, align)
     x = torch.randn(tokens, cfg["hidden"], device=device, dtype=torch.bfloat16).requires_grad_()
     dy = torch.randn(tokens, cfg["hidden"], device=device, dtype=torch.bfloat16)
     cuda = device.type == "cuda"

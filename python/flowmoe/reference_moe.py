@@ -64,7 +64,7 @@ class ReferenceMoE(torch.nn.Module):
 
     def __init__(self, hidden, ffn, experts, topk, *, recipe="bf16", router="softmax", renormalize=False,
                  routed_scaling=1.0, aux_loss_coef=0.0, align=1, router_bias=False, max_tokens=None,
-                 seed=None, device=None, gemm="auto"):
+                 seed=None, device=None, gemm="auto", param_dtype=torch.float32, pad_groups=1):
         super().__init__()
         if recipe != "bf16":
             raise ValueError(f"ReferenceMoE computes the bf16 recipe only, got recipe={recipe!r}")
@@ -76,9 +76,12 @@ class ReferenceMoE(torch.nn.Module):
         self.router, self.renormalize, self.routed_scaling = router, renormalize, routed_scaling
         self.aux_loss_coef = aux_loss_coef
         self.gemm = gemm  # "auto": grouped on CUDA when available, else "loop"
+        # the layer benchmark (bench/torch_moe_layer.py) keeps w1, w2 in BF16 (no cast per forward)
+        # and may pad each expert's rows to a multiple of pad_groups (torch._grouped_mm alignment)
+        self.pad_groups = int(pad_groups)
         device = torch.device(device) if device is not None else None
-        self.w1 = torch.nn.Parameter(torch.empty(experts, 2 * ffn, hidden, device=device))
-        self.w2 = torch.nn.Parameter(torch.empty(experts, hidden, ffn, device=device))
+        self.w1 = torch.nn.Parameter(torch.empty(experts, 2 * ffn, hidden, device=device, dtype=param_dtype))
+        self.w2 = torch.nn.Parameter(torch.empty(experts, hidden, ffn, device=device, dtype=param_dtype))
         self.wr = torch.nn.Parameter(torch.empty(experts, hidden, device=device))
         if router_bias:
             self.register_buffer("router_bias", torch.zeros(experts, device=device))
@@ -136,6 +139,17 @@ class ReferenceMoE(torch.nn.Module):
             outs.append((F.silu(gate) * up * we) @ w2[e].t())
         return torch.cat(outs) if outs else xs.new_zeros(0, self.hidden)
 
+    def _padded_experts(self, xs, w, counts, expert_of_row):
+        a = self.pad_groups
+        padded = (counts + a - 1) // a * a
+        start = torch.cumsum(counts, 0) - counts
+        pstart = torch.cumsum(padded, 0) - padded
+        rows = pstart[expert_of_row] + torch.arange(xs.shape[0], device=xs.device) - start[expert_of_row]
+        mp = int(padded.sum())  # host sync
+        xp = xs.new_zeros(mp, self.hidden).index_copy(0, rows, xs)
+        wp = w.new_zeros(mp, 1).index_copy(0, rows, w)
+        return self._experts(xp, wp, padded).index_select(0, rows)
+
     def forward(self, x):
         shape = x.shape
         if shape[-1] != self.hidden:
@@ -154,7 +168,10 @@ class ReferenceMoE(torch.nn.Module):
         xs = x2.index_select(0, token)                           # permute [T*k, H]
         w = probs.reshape(-1).index_select(0, order).unsqueeze(1).to(dtype)
         with torch.autocast(device_type=x2.device.type, enabled=False):
-            ys = self._experts(xs, w, counts)
+            if self.pad_groups > 1:  # every expert's rows padded with zero rows to a multiple
+                ys = self._padded_experts(xs, w, counts, flat[order])
+            else:
+                ys = self._experts(xs, w, counts)
         y = torch.zeros_like(x2).index_add_(0, token, ys)        # combine (unpermute + sum)
         if self.aux_loss_coef > 0.0:
             with torch.autocast(device_type=x2.device.type, enabled=False):
