@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define FLOWMOE_CAPI_VERSION 2
+#define FLOWMOE_CAPI_VERSION 3
 
 enum flowmoe_status_code {
   FLOWMOE_OK = 0,
@@ -60,6 +60,9 @@ typedef struct flowmoe_config {
   int32_t check_columns;  // MoeConfig::check_columns
   // MoeConfig::transpose_exponent: "row-max" (SPEC §4; also when null) or "column-amax"
   const char* transpose_exponent;
+  // MoeConfig::external_routing (0 / 1; version 3): the caller routes (flowmoe_layer_set_routing
+  // before each forward); no router weights (wr null), no aux loss, dprobs from the backward.
+  int32_t external_routing;
 } flowmoe_config;
 
 // ---- layers -----------------------------------------------------------------------------------
@@ -95,6 +98,14 @@ int flowmoe_layer_forward(flowmoe_layer* layer, const uint16_t* x, int64_t token
 // (MoeGrads::accumulate).
 int flowmoe_layer_backward(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
                            float* dw2, float* dwr, int accumulate);
+
+// MoeLayer::set_routing (external_routing layers): ids [T, k] int32, probs [T, k] fp32 of the next
+// forward (host pointers for a CPU layer, device pointers for a CUDA layer; read by that forward).
+int flowmoe_layer_set_routing(flowmoe_layer* layer, const int32_t* ids, const float* probs);
+// flowmoe_layer_backward with d loss / d probs [T, k] fp32 (MoeGrads::dprobs, overwritten; null:
+// skipped). An external_routing layer takes dwr null.
+int flowmoe_layer_backward_ex(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
+                              float* dw2, float* dwr, float* dprobs, int accumulate);
 
 // Caller memory (moe.h MoeMemoryPlan, MoeMemory): out = {weights, saved, transient} bytes (all 0
 // for a layer that owns its memory); bind the regions the next calls use (set_weights: weights +

@@ -96,6 +96,15 @@ struct MoeConfig {
   // (bit-identical to the naive power-of-two path, far less underflow on outlier tokens;
   // tensor.h, docs/NUMERICS.md §6). Both backends.
   TransposeExponent transpose_exponent = TransposeExponent::kRowMax;
+  // Routing from the caller (the experts-only layer, issue 31): the caller routes (e.g. a Hugging
+  // Face model's own router) and passes the chosen experts and their weights before each forward
+  // (MoeLayer::set_routing); the layer has no router: no logits, no top-k, no Wr (set_weights
+  // accepts wr == nullptr), no aux loss (aux_loss_alpha must be 0; router, router_renormalize,
+  // router_scale are ignored). The backward returns d loss / d probs [T, k] (MoeGrads::dprobs)
+  // and dx is the expert path only; dWr does not exist (MoeGrads::dwr must be null). One rank only
+  // (no communicator). Given the full layer's own ids and probs, the same bits as the full layer
+  // (y, dW1, dW2, dprobs).
+  bool external_routing = false;
 
   // Throws flowmoe::Error naming the field, its value and what is expected.
   void validate() const;
@@ -131,6 +140,11 @@ struct MoeGrads {
   // neither read nor needed (the expert wgrads then skip reading 4 B per weight), e.g. the first
   // micro-batch of a step.
   bool accumulate = true;
+  // [T, k] fp32, overwritten (never accumulated): d loss / d probs of the forward's routing, the
+  // routing weights' gradient (MoeConfig::external_routing: what the caller's router back-
+  // propagates). Also filled by the full layer (the probabilities its router chose; with EP this
+  // rank's tokens). Last, so that MoeGrads{dw1, dw2, dwr, accumulate} keeps its meaning.
+  float* dprobs = nullptr;
 };
 
 // ---- accounting (CastKind, MoePass and the report names: flowmoe/recipe.h) -------------------
@@ -268,6 +282,14 @@ class MoeLayer {
   // exact transposes. Counted as MoePass::kWeightUpdate operators in the report.
   virtual void set_weights(const MoeWeights& w) = 0;
 
+  // MoeConfig::external_routing: the routing of the next forward (and only that one), chosen by
+  // the caller: ids [T, k] int32 expert ids in [0, E) (-1: slot dropped), probs [T, k] fp32 their
+  // weights (multiplying the SwiGLU output, as the router's probabilities do); T that forward's
+  // tokens. Host pointers for the CPU layer, device pointers (read in stream order) for the CUDA
+  // layer; they must stay valid until that forward returns (it copies them). A layer with its own
+  // router refuses it.
+  void set_routing(const int32_t* ids, const float* probs);
+
   // x [T, H] bf16 -> y [T, H] bf16, 1 <= T <= max_tokens. Saves what backward needs in the
   // recipe's precision.
   virtual void forward(const bf16_t* x, int64_t tokens, bf16_t* y) = 0;
@@ -297,7 +319,15 @@ class MoeLayer {
 
  protected:
   explicit MoeLayer(const MoeConfig& cfg) : cfg_(cfg) {}
+  // The routing given by set_routing for the next forward: returned and forgotten (throws when
+  // external_routing and none was given).
+  struct RoutingInput {
+    const int32_t* ids = nullptr;
+    const float* probs = nullptr;
+  };
+  RoutingInput take_routing(const char* what);
   MoeConfig cfg_;
+  RoutingInput routing_input_;
 };
 
 // The CPU backend (host pointers everywhere). Validates cfg; throws flowmoe::Error.

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from ._errors import CommError, FlowmoeError, NonFiniteError
 
 LIBRARY_NAME = "libflowmoe_capi.so"
-CAPI_VERSION = 2
+CAPI_VERSION = 3
 
 OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED = 0, 1, 2, 3, 4
 
@@ -39,6 +39,7 @@ class Config(ctypes.Structure):
         ("max_tokens", ctypes.c_int64),
         ("check_columns", ctypes.c_int32),
         ("transpose_exponent", ctypes.c_char_p),
+        ("external_routing", ctypes.c_int32),
     ]
 
 
@@ -99,6 +100,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_set_weights": (c_int, [vp, vp, vp, vp, vp]),
         "flowmoe_layer_forward": (c_int, [vp, vp, i64, vp]),
         "flowmoe_layer_backward": (c_int, [vp, vp, vp, vp, vp, vp, c_int]),
+        "flowmoe_layer_backward_ex": (c_int, [vp, vp, vp, vp, vp, vp, vp, c_int]),
+        "flowmoe_layer_set_routing": (c_int, [vp, vp, vp]),
         "flowmoe_layer_status_get": (c_int, [vp, ctypes.POINTER(LayerStatus)]),
         "flowmoe_layer_memory_plan": (c_int, [vp, ctypes.POINTER(i64)]),
         "flowmoe_layer_bind_memory": (c_int, [vp, vp, vp, vp]),
@@ -173,10 +176,11 @@ def recipe_names() -> tuple:
 def make_config(hidden: int, ffn: int, experts: int, topk: int, router: str, renormalize: bool,
                 routed_scaling: float, aux_loss_coef: float, align: int, recipe: str,
                 max_tokens: int, check_columns: bool = False,
-                transpose_exponent: str = "row-max") -> Config:
+                transpose_exponent: str = "row-max", external_routing: bool = False) -> Config:
     return Config(int(hidden), int(ffn), int(experts), int(topk), router.encode(), int(bool(renormalize)),
                   float(routed_scaling), float(aux_loss_coef), int(align), recipe.encode(),
-                  int(max_tokens), int(bool(check_columns)), transpose_exponent.encode())
+                  int(max_tokens), int(bool(check_columns)), transpose_exponent.encode(),
+                  int(bool(external_routing)))
 
 
 class Comm:
@@ -291,9 +295,14 @@ class Layer:
         check(lib().flowmoe_layer_forward(self.handle, x, int(tokens), y))
 
     def backward(self, dy: int, dx: int, dw1: Optional[int], dw2: Optional[int], dwr: Optional[int],
-                 accumulate: bool) -> None:
-        check(lib().flowmoe_layer_backward(self.handle, dy, dx, dw1 or None, dw2 or None, dwr or None,
-                                           int(bool(accumulate))))
+                 accumulate: bool, dprobs: Optional[int] = None) -> None:
+        """dprobs: d loss / d probs [T, k] fp32 (overwritten), or None."""
+        check(lib().flowmoe_layer_backward_ex(self.handle, dy, dx, dw1 or None, dw2 or None, dwr or None,
+                                              dprobs or None, int(bool(accumulate))))
+
+    def set_routing(self, ids: int, probs: int) -> None:
+        """The next forward's routing (external_routing layers): ids [T, k] int32, probs [T, k] fp32."""
+        check(lib().flowmoe_layer_set_routing(self.handle, ids, probs))
 
     def memory_plan(self) -> tuple:
         """(weights, saved, transient) bytes the caller provides (all 0: the layer owns its memory)."""

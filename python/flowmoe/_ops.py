@@ -1,6 +1,6 @@
 """The flowmoe MoE layer as PyTorch operators (torch.library custom ops), used by flowmoe.torch.MoE.
 
-Three operators, each opaque to torch.compile and with a fake (meta) implementation:
+Operators, each opaque to torch.compile and with a fake (meta) implementation:
 
 - ``flowmoe::derive_weights(w1, w2, wr, router_bias, module_id, tokens) -> wbuf``: the layer's
   weight copies (BF16 / FP8 blocks with their transposes) made from the FP32 masters, into a new
@@ -11,6 +11,10 @@ Three operators, each opaque to torch.compile and with a fake (meta) implementat
   state of this forward (moe.h MoeStep). w1, w2, wr are passed for autograd only (the op reads wbuf).
 - ``flowmoe::moe_backward(...)`` / ``flowmoe::moe_backward_accumulate(...)``: dx and the weight
   gradients as new tensors, or (main_grad mode, eager only) accumulated into given FP32 buffers.
+- ``flowmoe::experts_forward(x, ids, probs, w1, w2, wbuf, module_id, keep_step)`` and
+  ``flowmoe::experts_backward(...)``: the experts-only layer (routing from the caller, issue 31;
+  wr is None in its derive_weights): the same contract, with the routing's ids [T, k] int32 and
+  probs [T, k] fp32 as inputs and d loss / d probs as an output of the backward.
 
 Memory (CUDA): every buffer comes from PyTorch's caching allocator: wbuf per weight refresh, saved
 per forward (freed when autograd frees the graph), and one transient scratch per call, returned to
@@ -109,7 +113,7 @@ def _bytes(n: int, device) -> torch.Tensor:
 
 # ---- derive_weights ---------------------------------------------------------------------------------
 @torch.library.custom_op("flowmoe::derive_weights", mutates_args=())
-def derive_weights(w1: torch.Tensor, w2: torch.Tensor, wr: torch.Tensor, router_bias: Optional[torch.Tensor],
+def derive_weights(w1: torch.Tensor, w2: torch.Tensor, wr: Optional[torch.Tensor], router_bias: Optional[torch.Tensor],
                    module_id: int, tokens: int) -> torch.Tensor:
     m = _module(module_id)
     r = m._ensure_runner(w1.device, tokens)
@@ -239,3 +243,94 @@ def _backward(ctx, dy, _dsaved, _dstep):
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the experts-only layer (routing from the caller: flowmoe.torch.experts, flowmoe.hf) -------------
+@torch.library.custom_op("flowmoe::experts_forward", mutates_args=())
+def experts_forward(x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                    wbuf: torch.Tensor, module_id: int, keep_step: bool
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m = _module(module_id)
+    r = m._runner
+    if r is None or r.device != x.device or x.shape[0] > r.max_tokens:
+        raise FlowmoeError("flowmoe.torch.experts: experts_forward without the layer's weights for this input "
+                           "(derive_weights first; flowmoe.torch.experts does)")
+    m._check_call(x, ids, probs)
+    y = torch.empty_like(x)
+    saved = _bytes(r.plan[1], x.device)
+    tbuf = _bytes(r.plan[2], x.device) if r.plan[2] else None
+    with r.ordered():
+        r.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
+        r.layer.set_routing(ids.data_ptr(), probs.data_ptr())
+        r.layer.forward(x.data_ptr(), x.shape[0], y.data_ptr())
+        step = r.layer.take_step()
+    if not keep_step:
+        step.close()
+        return y, saved, torch.zeros(1, dtype=torch.int64)
+    sid = _put_step(r, step)
+    step_tensor = torch.tensor([sid], dtype=torch.int64)
+    weakref.finalize(step_tensor, _release_step, sid)
+    return y, saved, step_tensor
+
+
+@experts_forward.register_fake
+def _(x, ids, probs, w1, w2, wbuf, module_id, keep_step):
+    r = _module(module_id)._runner
+    saved = r.plan[1] if r is not None else 0
+    return torch.empty_like(x), x.new_empty((saved,), dtype=torch.uint8), torch.empty(1, dtype=torch.int64)
+
+
+def _run_experts_backward(dy, wbuf, saved, step, dw1, dw2, accumulate, topk):
+    runner, native_step = _pop_step(int(step[0]))
+    dy = dy.to(torch.bfloat16).contiguous()
+    dx = torch.empty_like(dy)
+    dprobs = torch.empty((dy.shape[0], topk), dtype=torch.float32, device=dy.device)
+    tbuf = _bytes(runner.plan[2], dy.device) if runner.plan[2] else None
+    with runner.ordered():
+        runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
+        runner.layer.resume_step(native_step)
+        runner.layer.backward(dy.data_ptr(), dx.data_ptr(), _addr(dw1), _addr(dw2), None, accumulate,
+                              dprobs=dprobs.data_ptr())
+    return dx, dprobs
+
+
+@torch.library.custom_op("flowmoe::experts_backward", mutates_args=())
+def experts_backward(dy: torch.Tensor, wbuf: torch.Tensor, saved: torch.Tensor, step: torch.Tensor,
+                     needs: List[bool], module_id: int
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    m = _module(module_id)
+    grads = _grad_buffers(module_id, dy.device, needs)
+    dx, dprobs = _run_experts_backward(dy, wbuf, saved, step, grads[0] if needs[0] else None,
+                                       grads[1] if needs[1] else None, False, m.topk)
+    return dx, grads[0], grads[1], dprobs
+
+
+@experts_backward.register_fake
+def _(dy, wbuf, saved, step, needs, module_id):
+    m = _module(module_id)
+    grads = _grad_buffers(module_id, dy.device, needs)
+    return (torch.empty_like(dy, dtype=torch.bfloat16), grads[0], grads[1],
+            dy.new_empty((dy.shape[0], m.topk), dtype=torch.float32))
+
+
+def _experts_setup_context(ctx, inputs, output):
+    x, ids, probs, w1, w2, wbuf, module_id, keep_step = inputs
+    y, saved, step = output
+    ctx.module_id = module_id
+    ctx.owner = None
+    if type(step) is torch.Tensor:  # eager: the node owns the step too (see _steps)
+        sid = int(step[0])
+        if sid and _own_step(sid):
+            ctx.owner = _NodeOwner(sid)
+    ctx.save_for_backward(wbuf, saved, step)
+
+
+def _experts_backward(ctx, dy, _dsaved, _dstep):
+    wbuf, saved, step = ctx.saved_tensors
+    needs = [bool(ctx.needs_input_grad[3]), bool(ctx.needs_input_grad[4])]
+    dx, dw1, dw2, dprobs = experts_backward(dy, wbuf, saved, step, needs, ctx.module_id)
+    return (dx if ctx.needs_input_grad[0] else None, None, dprobs if ctx.needs_input_grad[2] else None,
+            dw1 if needs[0] else None, dw2 if needs[1] else None, None, None, None)
+
+
+experts_forward.register_autograd(_experts_backward, setup_context=_experts_setup_context)

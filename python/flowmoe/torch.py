@@ -458,3 +458,9 @@ class MoE(nn.Module):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._op_id = _ops.register_module(self)  # a copy is a module of its own
+
+
+# The experts-only layer (routing from the caller, issue 31): flowmoe/experts.py.
+from .experts import MoEExperts, experts  # noqa: E402  (needs _Runner above)
+
+__all__ += ["MoEExperts", "experts"]

@@ -98,6 +98,9 @@ MoeConfig to_config(const flowmoe_config* c, flowmoe_comm* comm, const char* wha
     FLOWMOE_CHECK(false, what << ": transpose exponent '" << exponent
                               << "' is unknown; expected 'row-max' or 'column-amax'");
   }
+  FLOWMOE_CHECK(c->external_routing == 0 || c->external_routing == 1,
+                what << ": external_routing = " << c->external_routing << "; expected 0 or 1");
+  cfg.external_routing = c->external_routing == 1;
   cfg.comm = comm ? comm->comm.get() : nullptr;
   return cfg;
 }
@@ -246,13 +249,25 @@ int flowmoe_layer_forward(flowmoe_layer* layer, const uint16_t* x, int64_t token
 
 int flowmoe_layer_backward(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
                            float* dw2, float* dwr, int accumulate) {
+  return flowmoe_layer_backward_ex(layer, dy, dx, dw1, dw2, dwr, nullptr, accumulate);
+}
+
+int flowmoe_layer_backward_ex(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
+                              float* dw2, float* dwr, float* dprobs, int accumulate) {
   return guarded("flowmoe_layer_backward", [&] {
     flowmoe::MoeGrads g;
     g.dw1 = dw1;
     g.dw2 = dw2;
     g.dwr = dwr;
+    g.dprobs = dprobs;
     g.accumulate = accumulate != 0;
     checked(layer, "flowmoe_layer_backward")->layer->backward(dy, dx, g);
+  });
+}
+
+int flowmoe_layer_set_routing(flowmoe_layer* layer, const int32_t* ids, const float* probs) {
+  return guarded("flowmoe_layer_set_routing", [&] {
+    checked(layer, "flowmoe_layer_set_routing")->layer->set_routing(ids, probs);
   });
 }
 

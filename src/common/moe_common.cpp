@@ -21,6 +21,27 @@ void MoeLayer::bind_memory(const MoeMemory& m) {
                        "(only a CUDA layer built with CudaLayerOptions::caller_memory takes memory)");
 }
 
+// ---- routing from the caller (MoeConfig::external_routing) --------------------------------------
+void MoeLayer::set_routing(const int32_t* ids, const float* probs) {
+  FLOWMOE_CHECK(cfg_.external_routing,
+                "MoeLayer::set_routing: this layer routes with its own router; expected a layer "
+                "configured with MoeConfig::external_routing");
+  FLOWMOE_CHECK(ids != nullptr && probs != nullptr,
+                "MoeLayer::set_routing: null ids or probs; expected ids [T, k] int32 and probs "
+                "[T, k] fp32 in the layer's memory space");
+  routing_input_.ids = ids;
+  routing_input_.probs = probs;
+}
+
+MoeLayer::RoutingInput MoeLayer::take_routing(const char* what) {
+  RoutingInput r = routing_input_;
+  routing_input_ = RoutingInput();
+  FLOWMOE_CHECK(!cfg_.external_routing || (r.ids != nullptr && r.probs != nullptr),
+                what << ": no routing for this forward; the layer takes its routing from the caller "
+                        "(MoeConfig::external_routing): call set_routing(ids, probs) before each forward");
+  return r;
+}
+
 // ---- configuration ------------------------------------------------------------------------------
 void MoeConfig::validate() const {
   const char* what = "MoeConfig";
@@ -66,6 +87,14 @@ void MoeConfig::validate() const {
                           "multiple of "
                        << world);
   }
+  if (external_routing) {
+    FLOWMOE_CHECK(aux_loss_alpha == 0.0f,
+                  what << ": aux_loss_alpha = " << aux_loss_alpha
+                       << " with external_routing: the layer has no router (the caller routes), so "
+                          "no load-balancing loss; expected 0 (the caller's router adds its own)");
+    FLOWMOE_CHECK(comm == nullptr, what << ": external_routing with a communicator (expert "
+                                           "parallelism) is not supported; expected one rank");
+  }
   FLOWMOE_CHECK(max_rows() <= INT32_MAX,
                 what << ": max_tokens = " << max_tokens << " gives up to " << max_rows()
                      << " padded rows, which do not fit int32 row indices; expected fewer tokens");
@@ -98,6 +127,7 @@ std::string MoeConfig::describe() const {
   os << "H=" << hidden << " F=" << ffn << " E=" << num_experts << " k=" << topk << " "
      << (router == RouterScore::kSoftmax ? "softmax" : "sigmoid")
      << (router_renormalize ? "+renorm" : "") << " A=" << align << " " << recipe_name(recipe);
+  if (external_routing) os << " external-routing";
   return os.str();
 }
 

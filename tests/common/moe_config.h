@@ -51,6 +51,10 @@ class MoeConfigBuilder {
     c_.comm = comm;
     return *this;
   }
+  MoeConfigBuilder& external_routing(bool on = true) {
+    c_.external_routing = on;
+    return *this;
+  }
   MoeConfigBuilder& check_columns(bool on = true) {
     c_.check_columns = on;
     return *this;

@@ -38,18 +38,22 @@ CpuMoeLayer::CpuMoeLayer(const MoeConfig& cfg)
 
 void CpuMoeLayer::set_weights(const MoeWeights& w) {
   const char* what = "MoeLayer::set_weights";
-  FLOWMOE_CHECK(w.w1 && w.w2 && w.wr,
+  const bool router = !cfg_.external_routing;
+  FLOWMOE_CHECK(w.w1 && w.w2 && (w.wr || !router),
                 what << ": w1, w2 and wr must be non-null host pointers (W1 [El, 2F, H], W2 "
                         "[El, H, F] of the El = "
                      << El_ << " local experts, Wr [E, H] fp32)");
+  FLOWMOE_CHECK(router || (w.wr == nullptr && w.router_bias == nullptr),
+                what << ": wr or router_bias given to a layer without a router "
+                        "(MoeConfig::external_routing: the caller routes); expected null");
   // W1, W2: this rank's El local experts (El = E on a single rank); Wr: all E (replicated).
   const int64_t n1 = int64_t(El_) * 2 * F_ * H_, n2 = int64_t(El_) * H_ * F_;
   check_finite(w.w1, n1, "W1");
   check_finite(w.w2, n2, "W2");
-  check_finite(w.wr, int64_t(E_) * H_, "Wr");
+  if (router) check_finite(w.wr, int64_t(E_) * H_, "Wr");
   std::shared_ptr<WeightCopies> copies = std::make_shared<WeightCopies>();
   WeightCopies& wc = *copies;
-  wc.wr.assign(w.wr, w.wr + int64_t(E_) * H_);
+  if (router) wc.wr.assign(w.wr, w.wr + int64_t(E_) * H_);
   if (w.router_bias != nullptr)
     wc.router_bias.assign(w.router_bias, w.router_bias + E_);
   else
@@ -103,6 +107,7 @@ void CpuMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
                        << cfg_.max_tokens);
     FLOWMOE_CHECK(x && y, what << ": x and y must be non-null host pointers to [T, H] bf16");
   });
+  const RoutingInput ext = take_routing(what);
   T_ = tokens;
   have_forward_ = false;
   step_weights_ = weights_;
@@ -116,7 +121,7 @@ void CpuMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   status_ = MoeStatus();
   QuantStats& st = report_.forward_stats;
 
-  route(x, &st);
+  route(x, ext, &st);
   switch (cfg_.recipe) {
     case Recipe::kBf16: forward_bf16(y, &st); break;
     case Recipe::kBlockwise: forward_blockwise(y, &st); break;
@@ -138,6 +143,9 @@ void CpuMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
     FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
                                          "consumes the activations of the latest forward)");
     FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null host pointers to [T, H] bf16");
+    FLOWMOE_CHECK(!(cfg_.external_routing && g.dwr),
+                  what << ": dwr given to a layer without a router (MoeConfig::external_routing); "
+                          "expected null (the routing weights' gradient goes to dprobs)");
   });
   report_.drop_ops(MoePass::kBackward);
   report_.wire.erase(

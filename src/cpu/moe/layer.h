@@ -101,7 +101,8 @@ void fp32_scale_wgrad(const cpu::QTensorF32& dy_col, const cpu::QTensorF32& x_co
 // ---- the layer's state -----------------------------------------------------------------------------
 // Copies of the weights made by set_weights (which ones: RecipeSpec::weights).
 struct WeightCopies {
-  std::vector<float> wr;           // [E, H] fp32 router (replicated over the ranks)
+  std::vector<float> wr;           // [E, H] fp32 router (replicated over the ranks); empty with
+                                   // MoeConfig::external_routing
   std::vector<float> router_bias;  // [E] fp32, empty when none
   std::vector<bf16_t> w1_bf16;     // [El, 2F, H]
   std::vector<bf16_t> w2_bf16;     // [El, H, F]
@@ -158,8 +159,12 @@ class CpuMoeLayer final : public MoeLayer {
  private:
   // ---- router.cpp ----
   // Router logits, top-k, aux loss and the local experts' segments (EP: the dispatch plan).
-  void route(const bf16_t* x, QuantStats* st);
-  // Unpermute dX (EP: combine), router backward, dWr, dx = expert path + router path.
+  // MoeConfig::external_routing: ids and probs from `ext` (set_routing) instead of the router.
+  void route(const bf16_t* x, const RoutingInput& ext, QuantStats* st);
+  void route_logits(const bf16_t* x, QuantStats* st);  // logits, top-k, aux loss
+  void route_tables();  // the segments (EP: the plan) and row probabilities from ids and probs
+  // Unpermute dX (EP: combine), router backward, dWr, dx = expert path + router path; dprobs to
+  // g.dprobs when given. external_routing: dx = expert path, no router backward.
   void backward_router(const std::vector<bf16_t>& dxp, const std::vector<float>& dp,
                        const MoeGrads& g, bf16_t* dx);
 

@@ -14,10 +14,27 @@ namespace cpu_moe {
 
 using num::bf16_to_f32;
 
-void CpuMoeLayer::route(const bf16_t* x, QuantStats* st) {
+void CpuMoeLayer::route(const bf16_t* x, const RoutingInput& ext, QuantStats* st) {
   const int64_t T = T_;
   RoutingState& rs = route_;
   rs.x.assign(x, x + T * H_);
+  if (cfg_.external_routing) {
+    // the caller's routing: no logits, no aux loss; ids checked by build_routing below (non-finite
+    // probs show in the SwiGLU's count, as on the GPU)
+    rs.logits.clear();
+    rs.expert_ids.assign(ext.ids, ext.ids + T * K_);
+    rs.probs.assign(ext.probs, ext.probs + T * K_);
+    rs.aux_loss = 0.0f;
+    rs.aux_coef.clear();
+  } else {
+    route_logits(x, st);
+  }
+  route_tables();
+}
+
+void CpuMoeLayer::route_logits(const bf16_t* x, QuantStats* st) {
+  const int64_t T = T_;
+  RoutingState& rs = route_;
   // logits[t, e] = sum_h x[t, h] * Wr[e, h]: FP32 fma in h order.
   rs.logits.assign(T * E_, 0.0f);
   for (int64_t t = 0; t < T; ++t)
@@ -40,6 +57,11 @@ void CpuMoeLayer::route(const bf16_t* x, QuantStats* st) {
     rs.aux_loss = cpu::router_aux_loss(rs.logits.data(), rs.expert_ids.data(), T, rc,
                                        cfg_.aux_loss_alpha, rs.aux_coef.data());
   }
+}
+
+void CpuMoeLayer::route_tables() {
+  const int64_t T = T_;
+  RoutingState& rs = route_;
   if (comm_ == nullptr) {
     rs.routing = cpu::build_routing(rs.expert_ids.data(), T, K_, E_, cfg_.align);
     Mp_ = rs.routing.padded_rows();
@@ -87,6 +109,11 @@ void CpuMoeLayer::backward_router(const std::vector<bf16_t>& dxp, const std::vec
   std::vector<bf16_t> dxe;
   std::vector<float> dprobs;
   unpermute_dx(dxp, dp, &dxe, &dprobs);
+  if (g.dprobs) std::copy(dprobs.begin(), dprobs.end(), g.dprobs);
+  if (cfg_.external_routing) {  // no router: dx is the expert path (dprobs went to the caller)
+    std::copy(dxe.begin(), dxe.end(), dx);
+    return;
+  }
   std::vector<float> dlogits(T * E_);
   const RouterConfig rc = cfg_.router_config();
   cpu::router_backward(rs.logits.data(), T, rc, rs.expert_ids.data(), dprobs.data(),

@@ -14,6 +14,7 @@ namespace moe {
 void CudaMoeLayer::backward_tail(const MoeGrads& g, bf16_t* dx) {
   RoutingBuffers& r = ws_.routing;
   const RouterConfig rc = cfg_.router_config();
+  const bool external = cfg_.external_routing;  // no router: dprobs to the caller, no dlogits, no dWr
   const bf16_t* rows = ws_.expert.dx_rows;  // [Mp, H] padded (one GPU)
   const int32_t* map = r.tokens.row_map;
   cudaStream_t rs = stream_;  // the stream of the tail below
@@ -62,15 +63,20 @@ void CudaMoeLayer::backward_tail(const MoeGrads& g, bf16_t* dx) {
     else  // one "tile": the sums that came back (x + nothing = x, canonicalised as on one GPU)
       gather_row_dprobs(ws_.ep.combined_dprobs, 1, device_ep() ? T_ * K_ : plan_.send_rows(), map, T_, K_, r.dprobs,
                         rs);
-    router_backward(r.logits, T_, rc, r.ids, r.dprobs, cfg_.aux_loss_alpha > 0.0f ? r.aux_coef : nullptr, 1.0f,
-                    r.dlogits, rs); }
-  if (g.dwr) { auto s = bwd(on_tail ? "router dWr (tail stream)" : "router dWr", rs);
+    if (g.dprobs)
+      FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(g.dprobs, r.dprobs, sizeof(float) * T_ * K_, cudaMemcpyDeviceToDevice, rs));
+    if (!external)
+      router_backward(r.logits, T_, rc, r.ids, r.dprobs, cfg_.aux_loss_alpha > 0.0f ? r.aux_coef : nullptr, 1.0f,
+                      r.dlogits, rs); }
+  if (g.dwr && !external) { auto s = bwd(on_tail ? "router dWr (tail stream)" : "router dWr", rs);
     // overwrite: the kernel adds in a fixed order to what is there, so start from zeros (the CPU
     // layer does the same: 0 + sum, so -0 sums give +0 in both)
     if (!g.accumulate) FLOWMOE_CUDA_CHECK(cudaMemsetAsync(g.dwr, 0, sizeof(float) * size_t(E_) * H_, rs));
     router_dwr(r.dlogits, r.x, T_, E_, H_, g.dwr, rs); }
   { auto s = bwd(on_tail ? "unpermute dx + router path (tail stream)" : "unpermute dx + router path", rs);
-    combine_dx(rows, map, T_, K_, r.dlogits, ws_.weights.wr, E_, H_, dx, rs); }
+    // external routing: dx is the expert path only (the caller back-propagates dprobs)
+    combine_dx(rows, map, T_, K_, external ? nullptr : r.dlogits, external ? nullptr : ws_.weights.wr, E_, H_, dx,
+               rs); }
   if (on_tail) streams_.join_tail();  // stream_ (the caller's) orders everything after the tail again
 }
 

@@ -180,10 +180,14 @@ void CudaMoeLayer::release() {
 // ---- weights -------------------------------------------------------------------------------------
 void CudaMoeLayer::set_weights(const MoeWeights& w) {
   const char* what = "MoeLayer::set_weights";
-  FLOWMOE_CHECK(w.w1 && w.w2 && w.wr,
+  const bool router = !cfg_.external_routing;
+  FLOWMOE_CHECK(w.w1 && w.w2 && (w.wr || !router),
                 what << ": w1, w2 and wr must be non-null device pointers (W1 [El, 2F, H], W2 "
                         "[El, H, F] of the El = "
                      << El_ << " local experts, Wr [E, H] fp32)");
+  FLOWMOE_CHECK(router || (w.wr == nullptr && w.router_bias == nullptr),
+                what << ": wr or router_bias given to a layer without a router "
+                        "(MoeConfig::external_routing: the caller routes); expected null");
   check_bound(what, /*saved=*/false);
   WeightBuffers& wb = ws_.weights;
   DeviceStatus* wstatus = ws_.routing.weight_status;
@@ -206,8 +210,10 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
     f32_to_bf16(w.w1, n1, wb.w1_bf16, wstatus, stream_);
     f32_to_bf16(w.w2, n2, wb.w2_bf16, wstatus, stream_);
   }
-  f32_to_bf16(w.wr, int64_t(E_) * H_, wb.wr_check, wstatus, stream_);  // finite check of Wr
-  FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(wb.wr, w.wr, sizeof(float) * E_ * H_, cudaMemcpyDeviceToDevice, stream_));
+  if (router) {
+    f32_to_bf16(w.wr, int64_t(E_) * H_, wb.wr_check, wstatus, stream_);  // finite check of Wr
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(wb.wr, w.wr, sizeof(float) * E_ * H_, cudaMemcpyDeviceToDevice, stream_));
+  }
   has_bias_ = w.router_bias != nullptr;
   if (has_bias_)
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(wb.router_bias, w.router_bias, sizeof(float) * E_,
@@ -277,6 +283,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
     FLOWMOE_CHECK(x && y, what << ": x and y must be non-null device pointers to [T, H] bf16");
     check_bound(what, /*saved=*/true);
   });
+  const RoutingInput ext = take_routing(what);
   T_ = tokens;
   have_forward_ = false;
   rep_.drop_ops(MoePass::kForward);
@@ -291,7 +298,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   clock_.start_forward();
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status, 0, 4 * sizeof(DeviceStatus), stream_));
 
-  route(x);
+  route(x, ext);
   switch (cfg_.recipe) {
     case Recipe::kBf16: forward_bf16(y); break;
     case Recipe::kBlockwise: forward_blockwise(y); break;
@@ -310,6 +317,9 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
     FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
                                          "consumes the activations of the latest forward)");
     FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null device pointers to [T, H] bf16");
+    FLOWMOE_CHECK(!(cfg_.external_routing && g.dwr),
+                  what << ": dwr given to a layer without a router (MoeConfig::external_routing); "
+                          "expected null (the routing weights' gradient goes to dprobs)");
     check_bound(what, /*saved=*/true);
   });
   rep_.drop_ops(MoePass::kBackward);

@@ -105,7 +105,7 @@ class CudaMoeLayer final : public MoeLayer {
   void check_bound(const char* what, bool saved) const;
 
   // ---- routing (routing.cu) --------------------------------------------------------------------
-  void route(const bf16_t* x);
+  void route(const bf16_t* x, const RoutingInput& ext);  // ext: MoeConfig::external_routing's ids, probs
   void plan_expert_parallel();  // EP: the dispatch plan from the fetched counts (collective)
   SegmentBlocks blocks() const;
   // the device offsets of the expert segments the GEMMs and the segment-aware kernels see

@@ -31,11 +31,16 @@ SegmentBlocks CudaMoeLayer::blocks() const {
   return sb;
 }
 
-void CudaMoeLayer::route(const bf16_t* x) {
+void CudaMoeLayer::route(const bf16_t* x, const RoutingInput& ext) {
   RoutingBuffers& r = ws_.routing;
   EpBuffers& ep = ws_.ep;
   const RouterConfig rc = cfg_.router_config();
-  {
+  if (cfg_.external_routing) {  // the caller's ids and probs: no logits, no top-k, no aux loss
+    auto s = fwd("routing from the caller (ids, probs)");
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.x, x, sizeof(bf16_t) * T_ * H_, cudaMemcpyDeviceToDevice, stream_));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.ids, ext.ids, sizeof(int32_t) * T_ * K_, cudaMemcpyDeviceToDevice, stream_));
+    FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.probs, ext.probs, sizeof(float) * T_ * K_, cudaMemcpyDeviceToDevice, stream_));
+  } else {
     auto s = fwd("router (logits GEMM, top-k, aux loss)");
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.x, x, sizeof(bf16_t) * T_ * H_, cudaMemcpyDeviceToDevice, stream_));
     router_logits(r.x, ws_.weights.wr, T_, E_, H_, r.logits, stream_);

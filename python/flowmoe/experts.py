@@ -1,0 +1,252 @@
+"""The experts-only flowmoe layer (issue 31): routing done by the caller.
+
+``flowmoe.torch.experts(x, top_k_index, top_k_weights, w1, w2, recipe=...)`` runs dispatch,
+GEMM1, SwiGLU·p, GEMM2 and combine of the recipe for a routing chosen by the caller (e.g. a
+Hugging Face model's router, ``flowmoe.hf``), with gradients for x, w1, w2 and the routing weights
+(so the caller's router trains). ``flowmoe.torch.MoEExperts`` is the same as a module that owns
+w1 and w2. Both run on the ``flowmoe::experts_forward`` / ``experts_backward`` operators
+(flowmoe._ops) exactly as ``flowmoe.torch.MoE`` runs on its own: the weight copies re-derived
+from the parameters at every forward (``flowmoe::derive_weights``), memory from PyTorch's caching
+allocator on CUDA, several forwards in flight, torch.compile sees opaque operators.
+
+Shapes: x ``[T, H]`` (or ``[..., H]``) bf16 or fp32 (computed in BF16, returned in x's dtype);
+top_k_index ``[T, k]`` integer expert ids in ``[0, E)`` (-1: slot dropped); top_k_weights ``[T, k]``
+(fp32 or any float dtype: used in FP32); w1 ``[E, 2F, H]`` (rows [0, F) gate, [F, 2F) up: the
+layout of transformers' ``gate_up_proj``), w2 ``[E, H, F]`` (``down_proj``). The layer's masters
+are FP32: w1 / w2 of another float dtype are converted at every forward (``.float()``, an FP32
+copy of the expert weights alive during the forward; gradients return in the parameters' dtype).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import _native, _ops
+from ._errors import FlowmoeError
+
+__all__ = ["experts", "MoEExperts"]
+
+
+class _ExpertsLayer:
+    """The native experts-only layer of one weight set (the object the operators name by module_id)."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int, recipe: str, align: int,
+                 max_tokens: Optional[int], sync_free: bool, check_finite: Optional[bool], who: str):
+        self.hidden, self.ffn, self.experts, self.topk = hidden, ffn, num_experts, topk
+        self.local_experts = num_experts
+        self.recipe, self.align, self.max_tokens = recipe, align, max_tokens
+        self.sync_free, self.check_finite, self.who = sync_free, check_finite, who
+        self.weight_updates = 0
+        self._runner = None  # flowmoe.torch._Runner
+        self._op_id = _ops.register_module(self)
+        _native.Layer(self._config(1)).close()  # the library checks the configuration now
+
+    def _config(self, max_tokens: int) -> _native.Config:
+        return _native.make_config(self.hidden, self.ffn, self.experts, self.topk, "softmax", False, 1.0, 0.0,
+                                   self.align, self.recipe, max_tokens, external_routing=True)
+
+    def _param_shapes(self):
+        E, H, F = self.experts, self.hidden, self.ffn
+        return (E, 2 * F, H), (E, H, F)
+
+    def _ensure_runner(self, device: torch.device, tokens: int):
+        from .torch import _Runner  # (flowmoe.torch imports this module at its end)
+
+        r = self._runner
+        if r is not None and r.device == device and tokens <= r.max_tokens:
+            return r
+        if self.max_tokens is not None and tokens > self.max_tokens:
+            raise ValueError(f"{self.who}: {tokens} tokens; expected at most max_tokens = {self.max_tokens}")
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise FlowmoeError(f"{self.who}: forward inside a CUDA graph capture with {tokens} tokens needs a "
+                               f"layer built beforehand: run one eager forward with at least this many tokens "
+                               f"on {device} before capturing")
+        max_tokens = self.max_tokens or max(tokens, r.max_tokens if r is not None else 0)
+        self._runner = None
+        cfg = self._config(max_tokens)
+        if device.type == "cuda":
+            if not _native.has_cuda():
+                raise FlowmoeError(f"{self.who}: CUDA tensors but this flowmoe library was built without the "
+                                   "CUDA backend (no nvcc at build time)")
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            stream = torch.cuda.current_stream(device)
+            with torch.cuda.device(index):
+                layer = _native.Layer(cfg, None, device=index, stream=stream.cuda_stream,
+                                      sync_free=self.sync_free, caller_memory=True)
+        else:
+            stream = None
+            layer = _native.Layer(cfg, None)
+        self._runner = _Runner(layer, device, stream, max_tokens)
+        return self._runner
+
+    def _check_call(self, xb: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> None:
+        if xb.is_cuda and torch.cuda.is_current_stream_capturing():
+            if not self.sync_free:
+                raise FlowmoeError(f"{self.who}: forward inside a CUDA graph capture needs sync_free=True")
+            return
+        check = self.check_finite if self.check_finite is not None else xb.device.type == "cpu"
+        if check:
+            if not bool(torch.isfinite(xb).all()):
+                raise ValueError(f"{self.who}: the input holds {int((~torch.isfinite(xb)).sum())} non-finite "
+                                 "value(s) (after conversion to bfloat16); expected finite values")
+            bad = (ids < -1) | (ids >= self.experts)
+            if bool(bad.any()):
+                raise ValueError(f"{self.who}: top_k_index holds {int(bad.sum())} id(s) outside [0, "
+                                 f"{self.experts}) (e.g. {int(ids[bad][0])}); expected expert ids (-1: dropped)")
+
+    def run(self, xb: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
+            w2: torch.Tensor) -> torch.Tensor:
+        tokens = int(xb.shape[0])
+        if xb.is_cuda and torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
+            self._check_call(xb, ids, probs)
+        # the weight copies, re-derived from the parameters at every forward (MoE's default rule)
+        wbuf = _ops.derive_weights(w1.detach(), w2.detach(), None, None, self._op_id, tokens)
+        keep = torch.is_grad_enabled() and (xb.requires_grad or probs.requires_grad or w1.requires_grad
+                                            or w2.requires_grad)
+        y, _saved, _step = _ops.experts_forward(xb, ids, probs, w1, w2, wbuf, self._op_id, keep)
+        return y
+
+
+def _check_inputs(who, x, top_k_index, top_k_weights, w1, w2):
+    for name, t in (("x", x), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights), ("w1", w1),
+                    ("w2", w2)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{who}: {name} of type {type(t).__name__}; expected a torch.Tensor")
+    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] % 2 or w2.shape[0] != w1.shape[0] or \
+            w2.shape[1] != w1.shape[2] or 2 * w2.shape[2] != w1.shape[1]:
+        raise ValueError(f"{who}: w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)}; expected w1 [E, 2F, H] (gate rows "
+                         "first, then up) and w2 [E, H, F]")
+    E, H = int(w1.shape[0]), int(w1.shape[2])
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"{who}: x dtype {x.dtype}; expected torch.bfloat16 or torch.float32")
+    if x.dim() < 1 or x.shape[-1] != H or x.numel() == 0:
+        raise ValueError(f"{who}: x of shape {tuple(x.shape)}; expected [T, {H}] with T >= 1")
+    T = x.numel() // H
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T or top_k_weights.shape != top_k_index.shape:
+        raise ValueError(f"{who}: top_k_index {tuple(top_k_index.shape)}, top_k_weights "
+                         f"{tuple(top_k_weights.shape)} for {T} tokens; expected both [{T}, k]")
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+        raise TypeError(f"{who}: top_k_index dtype {top_k_index.dtype}; expected an integer dtype")
+    if not top_k_weights.dtype.is_floating_point:
+        raise TypeError(f"{who}: top_k_weights dtype {top_k_weights.dtype}; expected a floating dtype")
+    for name, t in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights), ("w1", w1), ("w2", w2)):
+        if t.device != x.device:
+            raise ValueError(f"{who}: {name} on {t.device} but x on {x.device}; expected the same device")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{who}: tensors on {x.device}; expected CPU or CUDA tensors")
+    for name, w in (("w1", w1), ("w2", w2)):
+        if not w.dtype.is_floating_point:
+            raise TypeError(f"{who}: {name} dtype {w.dtype}; expected a floating dtype (float32 masters)")
+    return E, H, int(w2.shape[2]), int(top_k_index.shape[1])
+
+
+# Layers of the functional form, per owner (an object the caller passes, e.g. an HF experts module)
+# or, without one, per w1 tensor (by identity: tensors compare elementwise), each with its
+# configurations: built on first use, rebuilt larger when more tokens come, dropped with the owner.
+_layers: Dict[int, Tuple["weakref.ref", dict]] = {}
+
+
+def _layer_for(owner, key, make) -> _ExpertsLayer:
+    i = id(owner)
+    e = _layers.get(i)
+    if e is None or e[0]() is not owner:
+        def drop(ref, i=i):
+            cur = _layers.get(i)
+            if cur is not None and cur[0] is ref:
+                del _layers[i]
+
+        e = (weakref.ref(owner, drop), {})
+        _layers[i] = e
+    lay = e[1].get(key)
+    if lay is None:
+        lay = make()
+        e[1][key] = lay
+    return lay
+
+
+def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w1: torch.Tensor,
+            w2: torch.Tensor, *, recipe: str = "flow", align: int = 128, max_tokens: Optional[int] = None,
+            sync_free: bool = False, check_finite: Optional[bool] = None, owner=None) -> torch.Tensor:
+    """y [..., H] = sum over k of top_k_weights[t, k] * expert_{top_k_index[t, k]}(x_t), the SwiGLU
+    experts of w1 / w2 computed by flowmoe in ``recipe`` (see the module docstring for shapes).
+    Differentiable in x, top_k_weights, w1 and w2. The native layer is cached per ``owner`` (any
+    weak-referenceable object; default: the w1 tensor) and configuration."""
+    who = "flowmoe.torch.experts"
+    E, H, F, k = _check_inputs(who, x, top_k_index, top_k_weights, w1, w2)
+    recipes = _native.recipe_names()
+    if recipe not in recipes:
+        raise ValueError(f"{who}: unknown recipe {recipe!r}; expected one of {', '.join(recipes)}")
+    if align not in (16, 32, 64, 128):
+        raise ValueError(f"{who}: align {align!r}; expected one of (16, 32, 64, 128)")
+    key = (recipe, align, max_tokens, bool(sync_free), check_finite, E, H, F, k)
+    layer = _layer_for(owner if owner is not None else w1, key,
+                       lambda: _ExpertsLayer(H, F, E, k, recipe, align, max_tokens, bool(sync_free), check_finite,
+                                             who))
+    xb = x.reshape(-1, H)
+    if xb.dtype != torch.bfloat16:
+        xb = xb.to(torch.bfloat16)
+    xb = xb.contiguous()
+    ids = top_k_index.to(torch.int32).contiguous()
+    probs = top_k_weights.to(torch.float32).contiguous()
+    w1f = w1.to(torch.float32).contiguous()  # no copy for contiguous float32 parameters
+    w2f = w2.to(torch.float32).contiguous()
+    y = layer.run(xb, ids, probs, w1f, w2f)
+    return y.reshape(x.shape).to(x.dtype)
+
+
+class MoEExperts(nn.Module):
+    """The experts of a MoE layer without its router, computed by flowmoe: ``forward(x, top_k_index,
+    top_k_weights)`` with the routing chosen by the caller. Parameters (FP32 masters): ``w1 [E, 2F, H]``
+    (gate rows first), ``w2 [E, H, F]``, nn.Linear's default initialisation per expert."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, topk: int, *, recipe: str = "flow",
+                 align: int = 128, max_tokens: Optional[int] = None, sync_free: bool = False,
+                 check_finite: Optional[bool] = None, seed: Optional[int] = None, device=None):
+        super().__init__()
+        for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("topk", topk)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"flowmoe.torch.MoEExperts: {name} = {v!r}; expected a positive int")
+        self.hidden, self.ffn, self.experts, self.topk = hidden, ffn, experts, topk
+        self.recipe, self.align, self.max_tokens = recipe, align, max_tokens
+        self.sync_free, self.check_finite = bool(sync_free), check_finite
+        self._layer = _ExpertsLayer(hidden, ffn, experts, topk, recipe, align, max_tokens, self.sync_free,
+                                    check_finite, "flowmoe.torch.MoEExperts")
+        gen = torch.Generator(device="cpu")
+        if seed is not None:
+            gen.manual_seed(int(seed))
+        else:
+            gen = None
+        b1, b2 = 1.0 / hidden ** 0.5, 1.0 / ffn ** 0.5
+        self.w1 = nn.Parameter(torch.empty(experts, 2 * ffn, hidden).uniform_(-b1, b1, generator=gen).to(device))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn).uniform_(-b2, b2, generator=gen).to(device))
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        who = "flowmoe.torch.MoEExperts"
+        E, H, F, k = _check_inputs(who, x, top_k_index, top_k_weights, self.w1, self.w2)
+        if k != self.topk:
+            raise ValueError(f"{who}: routing of {k} experts per token; expected topk = {self.topk}")
+        xb = x.reshape(-1, H)
+        xb = (xb if xb.dtype == torch.bfloat16 else xb.to(torch.bfloat16)).contiguous()
+        y = self._layer.run(xb, top_k_index.to(torch.int32).contiguous(),
+                            top_k_weights.to(torch.float32).contiguous(), self.w1, self.w2)
+        return y.reshape(x.shape).to(x.dtype)
+
+    def _apply(self, fn, *args, **kwargs):
+        # the masters stay float32 under a dtype conversion (as MoE's): the layer needs FP32 masters
+        own = {id(self.w1), id(self.w2)}
+
+        def keep_fp32(t):
+            out = fn(t)
+            if id(t) in own and out.dtype != t.dtype:
+                out = t.to(device=out.device)
+            return out
+
+        return super()._apply(keep_fp32, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.experts}, topk={self.topk}, "
+                f"recipe={self.recipe}, align={self.align}")

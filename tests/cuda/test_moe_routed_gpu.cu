@@ -1,0 +1,152 @@
+// The experts-only CUDA layer (MoeConfig::external_routing, issue 31): given the full layer's own
+// routing (recomputed on the host, tests/common/routed_problem.h: the router kernels are the CPU
+// reference's bits) it gives the full CUDA layer's bits: y, dW1, dW2, dprobs, and dx once the
+// router path is added back. Every recipe, with and without sync_free; caller memory with two
+// forwards in flight; and the experts-only CUDA layer against the experts-only CPU layer
+// (the GEMM tolerance of tests/cuda/test_moe_gpu.cu).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/moe_config.h"
+#include "common/routed_problem.h"
+#include "cuda/device_buffer.h"
+#include "cuda/gpu_test_util.h"
+#include "flowmoe/moe.h"
+
+namespace flowmoe {
+namespace {
+
+using namespace testutil;
+using flowmoe_test::RoutedProblem;
+
+constexpr int64_t kH = 256, kF = 256, kT = 300;
+constexpr int kE = 8, kK = 2;
+
+struct Out {
+  std::vector<bf16_t> y, dx;
+  std::vector<float> dw1, dw2, dprobs;
+};
+
+// The full layer (external = false) or the experts-only one given p.ids / p.probs (device copies).
+Out run(const RoutedProblem& p, bool external, bool sync_free) {
+  MoeConfig cfg = p.cfg;
+  cfg.external_routing = external;
+  CudaLayerOptions opt;
+  opt.sync_free = sync_free;
+  std::unique_ptr<MoeLayer> l = make_cuda_layer(cfg, nullptr, opt);
+  DBuf<float> w1(p.w1), w2(p.w2), wr(p.wr);
+  DBuf<bf16_t> x(p.x), dy(p.dy), y(kT * kH), dx(kT * kH);
+  DBuf<int32_t> ids(p.ids);
+  DBuf<float> probs(p.probs), dw1(p.w1.size()), dw2(p.w2.size()), dwr(p.wr.size()), dprobs(p.probs.size());
+  l->set_weights(MoeWeights{w1.p, w2.p, external ? nullptr : wr.p, nullptr});
+  if (external) l->set_routing(ids.p, probs.p);
+  l->forward(x.p, kT, y.p);
+  MoeGrads g{dw1.p, dw2.p, external ? nullptr : dwr.p, false};
+  g.dprobs = dprobs.p;
+  l->backward(dy.p, dx.p, g);
+  return Out{y.get(), dx.get(), dw1.get(), dw2.get(), dprobs.get()};
+}
+
+class Routed : public ::testing::TestWithParam<std::tuple<Recipe, bool>> {};
+
+TEST_P(Routed, SameBitsAsTheFullLayer) {
+  REQUIRE_SM90();
+  const Recipe recipe = std::get<0>(GetParam());
+  const bool sync_free = std::get<1>(GetParam());
+  const MoeConfig cfg = flowmoe_test::moe_config(kH, kF, kE, kK).align(128).recipe(recipe).max_tokens(kT);
+  const RoutedProblem p = flowmoe_test::make_routed_problem(cfg, kT, 31);
+  const Out full = run(p, false, sync_free), ext = run(p, true, sync_free);
+  expect_same_bits(full.y, ext.y, "y");
+  expect_same_bits(full.dw1, ext.dw1, "dW1");
+  expect_same_bits(full.dw2, ext.dw2, "dW2");
+  expect_same_bits(full.dprobs, ext.dprobs, "dprobs");
+  expect_same_bits(full.dx, flowmoe_test::full_layer_dx(p, ext.dx, ext.dprobs), "dx + router path");
+}
+
+TEST_P(Routed, MatchesTheCpuLayer) {
+  REQUIRE_SM90();
+  const Recipe recipe = std::get<0>(GetParam());
+  MoeConfig cfg = flowmoe_test::moe_config(kH, kF, kE, kK).align(128).recipe(recipe).max_tokens(kT);
+  const RoutedProblem p = flowmoe_test::make_routed_problem(cfg, kT, 32);
+  const Out gpu = run(p, true, std::get<1>(GetParam()));
+  cfg.external_routing = true;
+  std::unique_ptr<MoeLayer> c = make_cpu_layer(cfg);
+  c->set_weights(MoeWeights{p.w1.data(), p.w2.data(), nullptr, nullptr});
+  c->set_routing(p.ids.data(), p.probs.data());
+  std::vector<bf16_t> y(kT * kH), dx(kT * kH);
+  std::vector<float> dw1(p.w1.size()), dw2(p.w2.size()), dprobs(p.probs.size());
+  c->forward(p.x.data(), kT, y.data());
+  MoeGrads g{dw1.data(), dw2.data(), nullptr, false};
+  g.dprobs = dprobs.data();
+  c->backward(p.dy.data(), dx.data(), g);
+  const double tol = recipe == Recipe::kBf16 ? 2e-2 : 6e-2;  // GEMM summation order (test_moe_gpu.cu)
+  EXPECT_LT(rel_rms(gpu.y, y), tol);
+  EXPECT_LT(rel_rms(gpu.dx, dx), tol);
+  EXPECT_LT(rel_rms(gpu.dw1, dw1), tol);
+  EXPECT_LT(rel_rms(gpu.dw2, dw2), tol);
+  EXPECT_LT(rel_rms(gpu.dprobs, dprobs), tol);
+}
+
+TEST_P(Routed, CallerMemoryTwoForwardsInFlight) {
+  REQUIRE_SM90();
+  const Recipe recipe = std::get<0>(GetParam());
+  CudaLayerOptions opt;
+  opt.sync_free = std::get<1>(GetParam());
+  MoeConfig cfg = flowmoe_test::moe_config(kH, kF, kE, kK).align(128).recipe(recipe).max_tokens(kT);
+  const RoutedProblem a = flowmoe_test::make_routed_problem(cfg, kT, 33);
+  RoutedProblem b = flowmoe_test::make_routed_problem(cfg, kT, 34);
+  b.w1 = a.w1, b.w2 = a.w2;
+  const Out want_a = run(a, true, opt.sync_free), want_b = run(b, true, opt.sync_free);
+  cfg.external_routing = true;
+  opt.caller_memory = true;
+  std::unique_ptr<MoeLayer> l = make_cuda_layer(cfg, nullptr, opt);
+  const MoeMemoryPlan plan = l->memory_plan();
+  DBuf<uint8_t> wm(plan.weights), s1(plan.saved), s2(plan.saved), tm(plan.transient);
+  DBuf<float> w1(a.w1), w2(a.w2);
+  l->bind_memory(MoeMemory{wm.p, nullptr, tm.p});
+  l->set_weights(MoeWeights{w1.p, w2.p, nullptr, nullptr});
+  DBuf<bf16_t> xa(a.x), xb(b.x), dya(a.dy), dyb(b.dy), ya(kT * kH), yb(kT * kH), dxa(kT * kH), dxb(kT * kH);
+  DBuf<int32_t> ida(a.ids), idb(b.ids);
+  DBuf<float> pa(a.probs), pb(b.probs), dpa(a.probs.size()), dpb(b.probs.size());
+  l->bind_memory(MoeMemory{wm.p, s1.p, tm.p});
+  l->set_routing(ida.p, pa.p);
+  l->forward(xa.p, kT, ya.p);
+  std::unique_ptr<MoeStep> sa = l->take_step();
+  l->bind_memory(MoeMemory{wm.p, s2.p, tm.p});
+  l->set_routing(idb.p, pb.p);
+  l->forward(xb.p, kT, yb.p);
+  std::unique_ptr<MoeStep> sb = l->take_step();
+  MoeGrads g;
+  g.dprobs = dpb.p;
+  l->resume_step(std::move(sb));
+  l->backward(dyb.p, dxb.p, g);
+  l->bind_memory(MoeMemory{wm.p, s1.p, tm.p});
+  g.dprobs = dpa.p;
+  l->resume_step(std::move(sa));
+  l->backward(dya.p, dxa.p, g);
+  expect_same_bits(want_a.y, ya.get(), "y of the first");
+  expect_same_bits(want_b.y, yb.get(), "y of the second");
+  expect_same_bits(want_a.dx, dxa.get(), "dx of the first");
+  expect_same_bits(want_b.dx, dxb.get(), "dx of the second");
+  expect_same_bits(want_a.dprobs, dpa.get(), "dprobs of the first");
+  expect_same_bits(want_b.dprobs, dpb.get(), "dprobs of the second");
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, Routed,
+                         ::testing::Combine(::testing::Values(Recipe::kBf16, Recipe::kBlockwise, Recipe::kFp8Naive,
+                                                              Recipe::kFlow, Recipe::kFlowFp4),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<Recipe, bool>>& p) {
+                           std::string n = recipe_name(std::get<0>(p.param));
+                           for (char& c : n)
+                             if (c == '-') c = '_';
+                           return n + (std::get<1>(p.param) ? "_sync_free" : "");
+                         });
+
+}  // namespace
+}  // namespace flowmoe

@@ -1,0 +1,141 @@
+"""flowmoe.torch.experts / MoEExperts (the experts-only layer, routing from the caller; issue 31) on
+the CPU: against a float64 reference of the same function (values and gradients of x, the routing
+weights, w1 and w2), the module equal to the function, BF16 parameters, forwards in flight,
+activation checkpointing, and the errors. GPU versions: test_gpu_experts.py."""
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import flowmoe.torch as ft
+
+T, H, F, E, K = 12, 128, 128, 4, 2
+
+
+def reference(x, ids, w, w1, w2):
+    """y_t = sum_s w[t, s] * W2_e (silu(g) * u), [g; u] = W1_e x_t, in float64."""
+    x, w, w1, w2 = x.double(), w.double(), w1.double(), w2.double()
+    y = torch.zeros_like(x)
+    for s in range(ids.shape[1]):
+        e = ids[:, s].long()
+        keep = (e >= 0).double()[:, None]
+        h = torch.einsum("th,tfh->tf", x, w1[e.clamp_min(0)])
+        a = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+        y = y + keep * w[:, s:s + 1] * torch.einsum("tf,thf->th", a, w2[e.clamp_min(0)])
+    return y
+
+
+def problem(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).requires_grad_()
+    logits = torch.randn(T, E, generator=g, requires_grad=True)
+    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.05).to(dtype).requires_grad_()
+    w2 = (torch.randn(E, H, F, generator=g) * 0.05).to(dtype).requires_grad_()
+    dy = torch.randn(T, H, generator=g)
+    return x, logits, w1, w2, dy
+
+
+def route(logits):
+    w, ids = torch.topk(torch.softmax(logits, -1), K)
+    return ids, w
+
+
+def rel(a, b):
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+
+
+@pytest.mark.parametrize("recipe,tol", [("bf16", 0.02), ("blockwise", 0.08), ("fp8-naive", 0.08), ("flow", 0.08),
+                                        ("flow-fp4", 0.25)])
+def test_values_and_gradients_against_float64(recipe, tol):
+    x, logits, w1, w2, dy = problem()
+    ids, w = route(logits)
+    y = ft.experts(x, ids, w, w1, w2, recipe=recipe)
+    assert y.dtype == torch.bfloat16 and y.shape == (T, H)
+    got = torch.autograd.grad((y.float() * dy).sum(), [x, logits, w1, w2])
+    ids, w = route(logits)
+    yr = reference(x, ids, w, w1, w2)
+    want = torch.autograd.grad((yr * dy.double()).sum(), [x, logits, w1, w2])
+    assert rel(y, yr) < tol
+    for name, a, b in zip(("dx", "dlogits (through the routing weights)", "dw1", "dw2"), got, want):
+        assert rel(a, b) < tol, name
+
+
+def test_module_equals_function_bits():
+    x, logits, w1, w2, dy = problem(1)
+    ids, w = route(logits.detach())
+    m = ft.MoEExperts(H, F, E, K, recipe="flow", seed=3)
+    with torch.no_grad():
+        m.w1.copy_(w1)
+        m.w2.copy_(w2)
+    y1 = m(x, ids, w)
+    y2 = ft.experts(x, ids, w, w1, w2, recipe="flow")
+    assert torch.equal(y1, y2)
+    g1 = torch.autograd.grad((y1.float() * dy).sum(), [x, m.w1, m.w2])
+    g2 = torch.autograd.grad((y2.float() * dy).sum(), [x, w1, w2])
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+def test_bf16_parameters_are_converted_and_get_bf16_gradients():
+    x, logits, w1, w2, dy = problem(2)
+    ids, w = route(logits.detach())
+    w1b, w2b = w1.detach().to(torch.bfloat16).requires_grad_(), w2.detach().to(torch.bfloat16).requires_grad_()
+    y = ft.experts(x, ids, w, w1b, w2b, recipe="bf16")
+    y32 = ft.experts(x, ids, w, w1b.detach().float(), w2b.detach().float(), recipe="bf16")
+    assert torch.equal(y, y32)  # the FP32 copy of BF16 weights rounds back to the same BF16 copies
+    (y.float() * dy).sum().backward()
+    assert w1b.grad.dtype == torch.bfloat16 and w2b.grad.dtype == torch.bfloat16
+
+
+def test_forwards_in_flight_and_checkpointing_match_sequential():
+    x, logits, w1, w2, dy = problem(3)
+    ids, w = route(logits.detach())
+    x2 = torch.randn(T, H).to(torch.bfloat16).requires_grad_()
+    ref = []
+    for xx in (x, x2):
+        y = ft.experts(xx, ids, w, w1, w2, recipe="flow")
+        ref.append((y.detach(),) + torch.autograd.grad((y.float() * dy).sum(), [xx, w1, w2]))
+    ya = ft.experts(x, ids, w, w1, w2, recipe="flow")
+    yb = ft.experts(x2, ids, w, w1, w2, recipe="flow")
+    gb = torch.autograd.grad((yb.float() * dy).sum(), [x2, w1, w2])  # the second forward's first
+    ga = torch.autograd.grad((ya.float() * dy).sum(), [x, w1, w2])
+    for got, want in ((ya, ref[0][0]), (yb, ref[1][0])):
+        assert torch.equal(got, want)
+    for got, want in ((ga, ref[0][1:]), (gb, ref[1][1:])):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    yc = torch.utils.checkpoint.checkpoint(lambda t: ft.experts(t, ids, w, w1, w2, recipe="flow"), x,
+                                           use_reentrant=False)
+    gc = torch.autograd.grad((yc.float() * dy).sum(), [x, w1, w2])
+    for a, b in zip(gc, ref[0][1:]):
+        assert torch.equal(a, b)
+
+
+def test_dropped_slots_and_fp32_input():
+    x, logits, w1, w2, dy = problem(4)
+    ids, w = route(logits.detach())
+    ids = ids.clone()
+    ids[::3, 1] = -1
+    w = w.clone().requires_grad_()
+    y = ft.experts(x.detach().float(), ids, w, w1, w2, recipe="bf16")
+    assert y.dtype == torch.float32
+    assert rel(y, reference(x, ids, w, w1, w2)) < 0.02
+    (dw,) = torch.autograd.grad((y * dy).sum(), [w])
+    assert torch.all(dw[::3, 1] == 0)
+
+
+def test_errors_say_what_is_expected():
+    x, logits, w1, w2, _ = problem(5)
+    ids, w = route(logits.detach())
+    with pytest.raises(ValueError, match="top_k_index"):
+        ft.experts(x, ids + E, w, w1, w2, recipe="bf16")
+    with pytest.raises(ValueError, match=r"\[12, k\]"):
+        ft.experts(x, ids[:5], w[:5], w1, w2)
+    with pytest.raises(ValueError, match="w1"):
+        ft.experts(x, ids, w, w1[:, :7], w2)
+    with pytest.raises(ValueError, match="unknown recipe"):
+        ft.experts(x, ids, w, w1, w2, recipe="fp16")
+    with pytest.raises(TypeError, match="integer"):
+        ft.experts(x, w, w, w1, w2)
+    with pytest.raises(ValueError, match="topk"):
+        ft.MoEExperts(H, F, E, 1)(x, ids, w)
