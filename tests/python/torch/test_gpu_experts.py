@@ -1,0 +1,86 @@
+"""flowmoe.torch.experts on the GPU (marker `gpu`; run on the device): the CUDA experts-only layer
+against the CPU one (every recipe, values and gradients within the GEMM tolerance), against the
+float64 reference, forwards in flight on caller memory, BF16 parameters, and CUDA-graph capture
+with sync_free. CPU versions: test_experts.py."""
+
+import pytest
+import torch
+
+import flowmoe.torch as ft
+from test_experts import E, F, H, K, T, problem, reference, rel, route
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def grads(x, ids, w, w1, w2, dy, recipe, **kw):
+    x = x.detach().to(DEV).requires_grad_()
+    w = w.detach().to(DEV).requires_grad_()
+    w1 = w1.detach().to(DEV).requires_grad_()
+    w2 = w2.detach().to(DEV).requires_grad_()
+    y = ft.experts(x, ids.to(DEV), w, w1, w2, recipe=recipe, **kw)
+    g = torch.autograd.grad((y.float() * dy.to(DEV)).sum(), [x, w, w1, w2])
+    return [y.detach().cpu()] + [t.cpu() for t in g]
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"])
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_gpu_matches_cpu_layer(recipe, sync_free):
+    x, logits, w1, w2, dy = problem(10)
+    ids, w = route(logits.detach())
+    cpu = grads(x, ids, w, w1, w2, dy, recipe)
+    gpu = grads(x, ids, w, w1, w2, dy, recipe, sync_free=sync_free)
+    tol = 0.02 if recipe == "bf16" else 0.06
+    for name, a, b in zip(("y", "dx", "dprobs", "dw1", "dw2"), gpu, cpu):
+        assert rel(a, b) < tol, name
+    assert rel(gpu[0], reference(x, ids, w, w1, w2)) < (0.02 if recipe == "bf16" else 0.25)
+
+
+def test_gpu_forwards_in_flight_equal_sequential():
+    x, logits, w1, w2, dy = problem(11)
+    ids, w = route(logits.detach())
+    x, ids, w, w1, w2, dy = [t.detach().to(DEV) for t in (x, ids, w, w1, w2, dy)]
+    w1.requires_grad_()
+    w2.requires_grad_()
+    xs = [x.clone().requires_grad_(), (x * 0.5).requires_grad_()]
+    ref = []
+    for xx in xs:
+        y = ft.experts(xx, ids, w, w1, w2, recipe="flow")
+        ref.append([y.detach()] + list(torch.autograd.grad((y.float() * dy).sum(), [xx, w1, w2])))
+    ys = [ft.experts(xx, ids, w, w1, w2, recipe="flow") for xx in xs]
+    got = [None, None]
+    for i in (1, 0):
+        got[i] = [ys[i].detach()] + list(torch.autograd.grad((ys[i].float() * dy).sum(), [xs[i], w1, w2]))
+    for a, b in zip(got, ref):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+
+
+def test_gpu_bf16_parameters():
+    x, logits, w1, w2, dy = problem(12)
+    ids, w = route(logits.detach())
+    w1b = w1.detach().to(DEV, torch.bfloat16).requires_grad_()
+    w2b = w2.detach().to(DEV, torch.bfloat16).requires_grad_()
+    y = ft.experts(x.detach().to(DEV), ids.to(DEV), w.to(DEV), w1b, w2b, recipe="flow")
+    (y.float() * dy.to(DEV)).sum().backward()
+    assert w1b.grad.dtype == torch.bfloat16 and torch.isfinite(w1b.grad.float()).all()
+
+
+def test_gpu_module_under_cuda_graph_capture():
+    m = ft.MoEExperts(H, F, E, K, recipe="flow", sync_free=True, seed=1, device=DEV)
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    ids = torch.stack([torch.arange(T, device=DEV) % E, (torch.arange(T, device=DEV) + 1) % E], 1)
+    w = torch.full((T, K), 0.5, device=DEV)
+    with torch.no_grad():
+        want = m(x, ids, w)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            m(x, ids, w)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = m(x, ids, w)
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

@@ -1,0 +1,113 @@
+"""flowmoe.hf, the transformers experts backend (issue 31), on the CPU with tiny models (hf_common.py):
+Qwen3-MoE, DeepSeek-V3 (sigmoid routing with groups, bias and scaling: routing stays HF's), Mixtral
+and OLMoE with experts_implementation="flowmoe-bf16" against "eager" (logits, loss and every
+gradient within BF16 tolerance, the router's included), the FP8 recipes within the stated bounds
+(hf_common.BOUNDS), gradient checkpointing, fused AdamW steps that follow eager's losses, and the
+refusals. GPU versions: test_gpu_hf.py."""
+
+import pytest
+import torch
+
+import hf_common as hc
+
+transformers = hc.transformers
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _register():
+    import flowmoe.hf  # noqa: F401
+
+
+def test_registered_names():
+    import flowmoe.hf
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    for name in ("flowmoe", "flowmoe-bf16", "flowmoe-blockwise", "flowmoe-fp8-naive", "flowmoe-flow",
+                 "flowmoe-flow-fp4"):
+        assert name in ALL_EXPERTS_FUNCTIONS.valid_keys()
+        assert flowmoe.hf.IMPLEMENTATIONS[name] in ("bf16", "blockwise", "fp8-naive", "flow", "flow-fp4")
+
+
+@pytest.mark.parametrize("model", sorted(hc.MODELS))
+def test_bf16_recipe_matches_eager(model):
+    ids = hc.batch()
+    ref = hc.loss_and_grads(hc.build(hc.MODELS[model], "eager"), ids)
+    fm = hc.build(hc.MODELS[model], "flowmoe-bf16")
+    got = hc.loss_and_grads(fm, ids)
+    hc.compare(ref, got, "bf16")
+    routers = [k for k in got[2] if k.endswith("mlp.gate.weight")]
+    assert routers and all(float(got[2][k].abs().sum()) > 0 for k in routers), "the router trains"
+    assert any(getattr(m, "_flowmoe_checked", False) for m in fm.modules()), "flowmoe ran the experts"
+
+
+@pytest.mark.parametrize("impl", ["flowmoe-blockwise", "flowmoe-fp8-naive", "flowmoe-flow", "flowmoe-flow-fp4",
+                                  "flowmoe"])
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
+def test_fp8_recipes_within_bounds(model, impl):
+    import flowmoe.hf
+
+    ids = hc.batch()
+    ref = hc.loss_and_grads(hc.build(hc.MODELS[model], "eager"), ids)
+    got = hc.loss_and_grads(hc.build(hc.MODELS[model], impl), ids)
+    hc.compare(ref, got, flowmoe.hf.IMPLEMENTATIONS[impl])
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "mixtral"])
+def test_gradient_checkpointing(model):
+    ids = hc.batch()
+    plain = hc.loss_and_grads(hc.build(hc.MODELS[model], "flowmoe-flow"), ids)
+    ck = hc.build(hc.MODELS[model], "flowmoe-flow")
+    ck.gradient_checkpointing_enable()
+    ck.train()
+    got = hc.loss_and_grads(ck, ids)
+    assert torch.equal(got[1], plain[1])
+    for k, v in plain[2].items():  # the recomputed forward is the same computation: the same bits
+        assert torch.equal(got[2][k], v), k
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "olmoe"])
+def test_fused_adamw_follows_eager(model):
+    eager = hc.train_losses(hc.build(hc.MODELS[model], "eager"))
+    fm = hc.train_losses(hc.build(hc.MODELS[model], "flowmoe-bf16"))
+    assert fm[-1] < fm[0], f"flowmoe's loss does not go down: {fm}"
+    for a, b in zip(fm, eager):
+        assert abs(a - b) < 0.02 * abs(b), (fm, eager)  # BF16 rounding, 4 steps apart
+
+
+def _qwen(**kw):
+    cfg = hc.qwen3_moe()
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_refusals_name_the_model_and_what_is_missing():
+    ids = hc.batch()
+    m = hc.build(lambda: _qwen(hidden_size=64, head_dim=32), "flowmoe-bf16")
+    with pytest.raises(NotImplementedError, match=r"qwen3_moe.*hidden size 64, not a multiple of 128"):
+        m(input_ids=ids)
+    m = hc.build(lambda: _qwen(moe_intermediate_size=96), "flowmoe-bf16")
+    with pytest.raises(NotImplementedError, match=r"qwen3_moe.*intermediate size 96"):
+        m(input_ids=ids)
+    m = hc.build(lambda: _qwen(hidden_act="gelu"), "flowmoe-bf16")
+    with pytest.raises(NotImplementedError, match=r"qwen3_moe.*activation gelu"):
+        m(input_ids=ids)
+    m = hc.build(hc.qwen3_moe, "flowmoe-bf16")
+    experts = [mod for mod in m.modules() if hasattr(mod, "gate_up_proj")]
+    experts[0].has_bias = True
+    with pytest.raises(NotImplementedError, match=r"qwen3_moe.*expert biases"):
+        m(input_ids=ids)
+    experts[0].has_bias, experts[0]._is_expert_parallel = False, True
+    with pytest.raises(NotImplementedError, match=r"expert parallelism"):
+        m(input_ids=ids)
+
+
+def test_bf16_parameters_run_and_train():
+    """BF16 parameters: converted to FP32 masters at every forward; their gradients come back BF16."""
+    ids = hc.batch()
+    ref = hc.loss_and_grads(hc.build(hc.qwen3_moe, "eager"), ids)
+    m = hc.build(hc.qwen3_moe, "flowmoe-bf16", dtype=torch.bfloat16)
+    out = m(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert m.model.layers[0].mlp.experts.gate_up_proj.grad.dtype == torch.bfloat16
+    assert abs(float(out.loss) - float(ref[1])) < 0.05
