@@ -139,3 +139,17 @@ def test_errors_say_what_is_expected():
         ft.experts(x, w, w, w1, w2)
     with pytest.raises(ValueError, match="topk"):
         ft.MoEExperts(H, F, E, 1)(x, ids, w)
+
+
+def test_torch_compile_gives_eager_bits():
+    m = ft.MoEExperts(H, F, E, K, recipe="flow", seed=6)
+    x = torch.randn(8, H, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.stack([torch.arange(8) % E, (torch.arange(8) + 1) % E], 1)
+    w = torch.full((8, K), 0.5, requires_grad=True)
+    ye = m(x, ids, w)
+    ge = torch.autograd.grad(ye.float().sum(), [x, w, m.w1, m.w2])
+    yc = torch.compile(m, backend="aot_eager")(x, ids, w)
+    gc = torch.autograd.grad(yc.float().sum(), [x, w, m.w1, m.w2])
+    assert torch.equal(ye, yc)
+    for a, b in zip(ge, gc):
+        assert torch.equal(a, b)
