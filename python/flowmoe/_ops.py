@@ -137,6 +137,28 @@ def _(w1, w2, wr, router_bias, module_id, tokens):
 
 
 # ---- forward ----------------------------------------------------------------------------------------
+def _run_forward(r, x, wbuf, keep_step, routing=None):
+    """One forward of the native layer on PyTorch memory: y, the saved bytes and the step tensor
+    (its host state registered under the id it holds; 0 and nothing kept when keep_step is off).
+    routing: (ids [T, k] int32, probs [T, k] fp32) of the experts-only layer."""
+    y = torch.empty_like(x)
+    saved = _bytes(r.plan[1], x.device)
+    tbuf = _bytes(r.plan[2], x.device) if r.plan[2] else None
+    with r.ordered():
+        r.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
+        if routing is not None:
+            r.layer.set_routing(routing[0].data_ptr(), routing[1].data_ptr())
+        r.layer.forward(x.data_ptr(), x.shape[0], y.data_ptr())
+        step = r.layer.take_step()
+    if not keep_step:
+        step.close()
+        return y, saved, torch.zeros(1, dtype=torch.int64)
+    sid = _put_step(r, step)
+    step_tensor = torch.tensor([sid], dtype=torch.int64)
+    weakref.finalize(step_tensor, _release_step, sid)
+    return y, saved, step_tensor
+
+
 @torch.library.custom_op("flowmoe::moe_forward", mutates_args=())
 def moe_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, wr: torch.Tensor, wbuf: torch.Tensor,
                 module_id: int, keep_step: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,21 +168,9 @@ def moe_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, wr: torch.T
         raise FlowmoeError("flowmoe.torch.MoE: moe_forward without the layer's weights for this input "
                            "(derive_weights first; the module's forward does)")
     m._check_call(x)
-    y = torch.empty_like(x)
-    saved = _bytes(r.plan[1], x.device)
-    tbuf = _bytes(r.plan[2], x.device) if r.plan[2] else None
-    with r.ordered():
-        r.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
-        r.layer.forward(x.data_ptr(), x.shape[0], y.data_ptr())
-        step = r.layer.take_step()
+    out = _run_forward(r, x, wbuf, keep_step)
     m._have_forward = True
-    if not keep_step:
-        step.close()
-        return y, saved, torch.zeros(1, dtype=torch.int64)
-    sid = _put_step(r, step)
-    step_tensor = torch.tensor([sid], dtype=torch.int64)
-    weakref.finalize(step_tensor, _release_step, sid)
-    return y, saved, step_tensor
+    return out
 
 
 @moe_forward.register_fake
@@ -256,21 +266,7 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1:
         raise FlowmoeError("flowmoe.torch.experts: experts_forward without the layer's weights for this input "
                            "(derive_weights first; flowmoe.torch.experts does)")
     m._check_call(x, ids, probs)
-    y = torch.empty_like(x)
-    saved = _bytes(r.plan[1], x.device)
-    tbuf = _bytes(r.plan[2], x.device) if r.plan[2] else None
-    with r.ordered():
-        r.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
-        r.layer.set_routing(ids.data_ptr(), probs.data_ptr())
-        r.layer.forward(x.data_ptr(), x.shape[0], y.data_ptr())
-        step = r.layer.take_step()
-    if not keep_step:
-        step.close()
-        return y, saved, torch.zeros(1, dtype=torch.int64)
-    sid = _put_step(r, step)
-    step_tensor = torch.tensor([sid], dtype=torch.int64)
-    weakref.finalize(step_tensor, _release_step, sid)
-    return y, saved, step_tensor
+    return _run_forward(r, x, wbuf, keep_step, routing=(ids, probs))
 
 
 @experts_forward.register_fake

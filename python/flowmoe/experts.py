@@ -67,20 +67,7 @@ class _ExpertsLayer:
                                f"on {device} before capturing")
         max_tokens = self.max_tokens or max(tokens, r.max_tokens if r is not None else 0)
         self._runner = None
-        cfg = self._config(max_tokens)
-        if device.type == "cuda":
-            if not _native.has_cuda():
-                raise FlowmoeError(f"{self.who}: CUDA tensors but this flowmoe library was built without the "
-                                   "CUDA backend (no nvcc at build time)")
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            stream = torch.cuda.current_stream(device)
-            with torch.cuda.device(index):
-                layer = _native.Layer(cfg, None, device=index, stream=stream.cuda_stream,
-                                      sync_free=self.sync_free, caller_memory=True)
-        else:
-            stream = None
-            layer = _native.Layer(cfg, None)
-        self._runner = _Runner(layer, device, stream, max_tokens)
+        self._runner = _Runner.build(self._config(max_tokens), None, device, max_tokens, self.sync_free, self.who)
         return self._runner
 
     def _check_call(self, xb: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> None:

@@ -60,6 +60,24 @@ class _Runner:
     """The native layer of one module on one device and stream. A CUDA layer takes all its memory
     from PyTorch (caller memory): ``plan`` = (weights, saved, transient) bytes per call."""
 
+    @staticmethod
+    def build(cfg: _native.Config, comm, device: torch.device, max_tokens: int, sync_free: bool,
+              who: str) -> "_Runner":
+        """The native layer of `cfg` on `device`: a CUDA layer on PyTorch's current stream there,
+        taking its memory from PyTorch (caller memory), or a CPU layer."""
+        if device.type != "cuda":
+            return _Runner(_native.Layer(cfg, comm), device, None, max_tokens)
+        if not _native.has_cuda():
+            raise FlowmoeError(f"{who}: CUDA tensors but this flowmoe library was built without the CUDA "
+                               "backend (no nvcc at build time); reinstall the package where nvcc is found, "
+                               "or run on CPU tensors")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(device)
+        with torch.cuda.device(index):
+            layer = _native.Layer(cfg, comm, device=index, stream=stream.cuda_stream, sync_free=sync_free,
+                                  caller_memory=True)
+        return _Runner(layer, device, stream, max_tokens)
+
     def __init__(self, layer: _native.Layer, device: torch.device, stream, max_tokens: int):
         self.layer = layer
         self.device = device
@@ -264,20 +282,7 @@ class MoE(nn.Module):
         self._wbuf, self._wkey = None, None
         comm = self._ep_comm(device)
         cfg = self._config(max_tokens)
-        if device.type == "cuda":
-            if not _native.has_cuda():
-                raise FlowmoeError("flowmoe.torch.MoE: CUDA tensors but this flowmoe library was built "
-                                   "without the CUDA backend (no nvcc at build time); reinstall the "
-                                   "package where nvcc is found, or run on CPU tensors")
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            stream = torch.cuda.current_stream(device)
-            with torch.cuda.device(index):
-                layer = _native.Layer(cfg, comm, device=index, stream=stream.cuda_stream,
-                                      sync_free=self.sync_free, caller_memory=True)
-        else:
-            stream = None
-            layer = _native.Layer(cfg, comm)
-        self._runner = _Runner(layer, device, stream, max_tokens)
+        self._runner = _Runner.build(cfg, comm, device, max_tokens, self.sync_free, "flowmoe.torch.MoE")
         return self._runner
 
     def _check_call(self, xb: torch.Tensor) -> None:
