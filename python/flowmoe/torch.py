@@ -366,6 +366,9 @@ class MoE(nn.Module):
         of a parameter happened since, or none were kept. ``flowmoe.torch.microbatch(first=...)`` sets
         it for every module inside its ``with`` block."""
         self._check_input(x)
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"flowmoe.torch.MoE: is_first_microbatch = {is_first_microbatch!r}; expected None, "
+                            "True or False")
         xb = x.reshape(-1, self.hidden)
         if xb.dtype != torch.bfloat16:
             xb = xb.to(torch.bfloat16)

@@ -115,6 +115,13 @@ def test_gradient_accumulation_reuses_the_copies_within_a_step():
     assert a.weight_updates == n + 1
 
 
+def test_is_first_microbatch_must_be_a_bool():
+    m = make("flow")
+    x, _ = data()
+    with pytest.raises(TypeError, match="is_first_microbatch"):
+        m(x, is_first_microbatch=0)
+
+
 # ---- several forwards in flight ----------------------------------------------------------------------
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_two_forwards_in_flight_give_the_bits_of_two_pairs(recipe):
