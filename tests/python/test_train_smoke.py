@@ -150,6 +150,33 @@ def stale_forward(forward):
 
 
 @unittest.skipIf(torch is None, "torch is not installed")
+class ErrorProbe(unittest.TestCase):
+    """bench/convergence/error_probe.py (issue 35) on the tiny model: every recipe's error against
+    FP32, per tensor, on the model's own x and dy."""
+
+    @unittest.skipUnless(have_flowmoe_torch(), "flowmoe.torch is not importable (native library not built)")
+    def test_probe_runs_and_orders_the_recipes(self):
+        import json
+        import runpy
+
+        probe = runpy.run_path(os.path.join(ROOT, "bench", "convergence", "error_probe.py"))
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "probe.json")
+            self.assertEqual(probe["main"](["--tiny", "--device", "cpu", "--data", DOCS, "--json", out]), 0)
+            with open(out) as f:
+                rows = json.load(f)["rows"]
+        by = {(r["layer"], r["recipe"]): r for r in rows}
+        for layer in (0, 1):
+            bf16, flow = by[(layer, "bf16")], by[(layer, "flow")]
+            for t in ("y", "dx", "dw1", "dw2"):
+                self.assertLess(bf16[t], 0.02, (layer, t))          # BF16 rounding only
+                self.assertLess(bf16[t], flow[t], (layer, t))       # FP8 loses more
+                self.assertLess(flow[t], 0.2, (layer, t))
+            # the column-amax exponent rounds fewer values than the row-max one
+            self.assertLessEqual(by[(layer, "flow-colamax")]["underflow"], flow["underflow"])
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
 class Guards(unittest.TestCase):
     def check_guard_fields(self, r, steps, frozen=False):
         g = r["moe_guard"]
