@@ -220,7 +220,8 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
                                        cudaMemcpyDeviceToDevice, stream_));
   // The non-finite check of the masters (counted by the conversions above): thrown here, or with
   // sync_free (no host synchronisation, so that the update can be captured in a CUDA graph) kept in
-  // weight_status[1] (the quantizations below count into [0] again) and added to status().nonfinite.
+  // weight_status[1] (the quantizations below count into [0] again; those of the per-expert path
+  // above into the sink [2]) and added to status().nonfinite.
   if (sync_free_) {
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(wstatus + 1, wstatus, sizeof(DeviceStatus), cudaMemcpyDeviceToDevice, stream_));
   } else {
@@ -236,12 +237,14 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   rep_.drop_ops(MoePass::kWeightUpdate);
   if (spec.weights == WeightCopy::kFp8Block) {
     const int64_t s1 = (2 * F_ / 128) * (H_ / 128), s2 = (H_ / 128) * (F_ / 128);
-    for (int e = 0; e < El_ && !per_expert_weight_scratch(); ++e) {
-      quantize_weight(wb.w1_bf16 + e * 2 * F_ * H_, 2 * F_, H_, wb.w1.codes + e * 2 * F_ * H_,
-                      wb.w1_ue8m0 + e * s1, wb.w1t.codes + e * 2 * F_ * H_, wb.w1t_ue8m0 + e * s1, wstatus,
-                      stream_);
-      quantize_weight(wb.w2_bf16 + e * H_ * F_, H_, F_, wb.w2.codes + e * H_ * F_, wb.w2_ue8m0 + e * s2,
-                      wb.w2t.codes + e * H_ * F_, wb.w2t_ue8m0 + e * s2, wstatus, stream_);
+    if (!per_expert_weight_scratch()) {  // (otherwise quantized above, expert by expert)
+      for (int e = 0; e < El_; ++e) {
+        quantize_weight(wb.w1_bf16 + e * 2 * F_ * H_, 2 * F_, H_, wb.w1.codes + e * 2 * F_ * H_,
+                        wb.w1_ue8m0 + e * s1, wb.w1t.codes + e * 2 * F_ * H_, wb.w1t_ue8m0 + e * s1, wstatus,
+                        stream_);
+        quantize_weight(wb.w2_bf16 + e * H_ * F_, H_, F_, wb.w2.codes + e * H_ * F_, wb.w2_ue8m0 + e * s2,
+                        wb.w2t.codes + e * H_ * F_, wb.w2t_ue8m0 + e * s2, wstatus, stream_);
+      }
     }
     weight_scales_to_f32(wb.w1_ue8m0, El_, 2 * F_, H_, wb.w1.f32(), stream_);
     weight_scales_to_f32(wb.w1t_ue8m0, El_, H_, 2 * F_, wb.w1t.f32(), stream_);
