@@ -224,15 +224,9 @@ class MoEExperts(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         # the masters stay float32 under a dtype conversion (as MoE's): the layer needs FP32 masters
-        own = {id(self.w1), id(self.w2)}
+        from .torch import keep_fp32  # (flowmoe.torch imports this module at its end)
 
-        def keep_fp32(t):
-            out = fn(t)
-            if id(t) in own and out.dtype != t.dtype:
-                out = t.to(device=out.device)
-            return out
-
-        return super()._apply(keep_fp32, *args, **kwargs)
+        return super()._apply(keep_fp32(fn, (self.w1, self.w2)), *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.experts}, topk={self.topk}, "

@@ -40,6 +40,21 @@ def _install_optimizer_hook() -> None:
         _hook_handle = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+def keep_fp32(fn, masters):
+    """`fn` for nn.Module._apply that moves the FP32 masters (tensors of `masters`; None allowed)
+    but leaves their dtype under a dtype conversion (.to(torch.bfloat16), .half()): the layer
+    needs FP32 masters (convert the input instead)."""
+    own = {id(t) for t in masters if t is not None}
+
+    def apply(t):
+        out = fn(t)
+        if id(t) in own and out.dtype != t.dtype:
+            out = t.to(device=out.device)
+        return out
+
+    return apply
+
+
 _microbatch = threading.local()
 
 
@@ -446,15 +461,8 @@ class MoE(nn.Module):
         # .to(device) / .cuda() move the masters; a dtype conversion (.to(torch.bfloat16), .half())
         # leaves them float32 (the layer needs FP32 masters; convert the input instead). The layer
         # follows the parameters at the next forward.
-        own = {id(t) for t in (self.w1, self.w2, self.wr, self.router_bias) if t is not None}
-
-        def keep_fp32(t):
-            out = fn(t)
-            if id(t) in own and out.dtype != t.dtype:
-                out = t.to(device=out.device)
-            return out
-
-        return super()._apply(keep_fp32, *args, **kwargs)
+        own = (self.w1, self.w2, self.wr, self.router_bias)
+        return super()._apply(keep_fp32(fn, own), *args, **kwargs)
 
     def __getstate__(self):
         state = self.__dict__.copy()

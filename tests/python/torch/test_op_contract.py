@@ -115,6 +115,14 @@ def test_gradient_accumulation_reuses_the_copies_within_a_step():
     assert a.weight_updates == n + 1
 
 
+def test_a_dtype_conversion_of_the_model_keeps_fp32_masters():
+    from flowmoe.torch import MoEExperts
+
+    m, e = make("flow").bfloat16(), MoEExperts(H, F, E, K).half()
+    assert {p.dtype for p in m.parameters()} == {torch.float32}
+    assert {p.dtype for p in e.parameters()} == {torch.float32}
+
+
 def test_is_first_microbatch_must_be_a_bool():
     m = make("flow")
     x, _ = data()
