@@ -22,10 +22,19 @@
 #include "cuda/device_buffer.h"
 #include "flowmoe/cuda/status.h"
 #include "flowmoe/numerics.h"
+#include "flowmoe/recipe.h"
 #include "flowmoe/tensor.h"  // bf16_t
 
 namespace flowmoe {
 namespace testutil {
+
+// A gtest parameter name of a recipe, optionally with "_sync_free": "flow_fp4", "bf16_sync_free".
+inline std::string recipe_param_name(Recipe r, bool sync_free = false) {
+  std::string n = recipe_name(r);
+  for (char& c : n)
+    if (c == '-') c = '_';
+  return n + (sync_free ? "_sync_free" : "");
+}
 
 // A DeviceStatus in managed memory, zeroed: kernels count into it, the test reads it after a sync.
 struct ManagedStatus {

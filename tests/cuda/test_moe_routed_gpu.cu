@@ -142,10 +142,7 @@ INSTANTIATE_TEST_SUITE_P(Recipes, Routed,
                                                               Recipe::kFlow, Recipe::kFlowFp4),
                                             ::testing::Bool()),
                          [](const ::testing::TestParamInfo<std::tuple<Recipe, bool>>& p) {
-                           std::string n = recipe_name(std::get<0>(p.param));
-                           for (char& c : n)
-                             if (c == '-') c = '_';
-                           return n + (std::get<1>(p.param) ? "_sync_free" : "");
+                           return recipe_param_name(std::get<0>(p.param), std::get<1>(p.param));
                          });
 
 }  // namespace
