@@ -139,6 +139,75 @@ def table(runs):
     return "\n".join(rows) + "\n" + note
 
 
+# Two-sided 95% quantiles of Student's t for 1..10 degrees of freedom (more: 1.96 is close enough
+# for a table that states n).
+T95 = [None, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+
+
+def mean_ci(xs):
+    """(mean, half-width of the 95% interval of the mean; None for one value)."""
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, None
+    sd = (sum((x - m) ** 2 for x in xs) / (n - 1)) ** 0.5
+    return m, (T95[n - 1] if n - 1 < len(T95) else 1.96) * sd / n ** 0.5
+
+
+def arms(runs):
+    """{arm: {seed: run}} of the complete runs comparable with bf16 (seed 0 has no suffix)."""
+    ref = runs.get(BASE) or next(iter(runs.values()))
+    out = {}
+    for name, r in runs.items():
+        if comparable(r, ref) is not None or r.get("final_val_loss") is None:
+            continue
+        arm, _, seed = name.partition("-seed")
+        out.setdefault(arm, {})[int(seed) if seed else 0] = r
+    return dict(sorted(out.items(), key=lambda kv: sort_key(kv[0])))
+
+
+def seed_table(runs):
+    """Per arm over its seeds: mean final validation loss ± 95% interval; its difference to bf16
+    paired by seed (same initial weights and data order) in % of bf16's mean, ± 95% interval;
+    whether the arm's mean lies inside bf16's band (the range of bf16's seeds); counters and
+    guards over the seeds. Empty when bf16 has fewer than two seeds."""
+    groups = arms(runs)
+    base = groups.get(BASE, {})
+    if len(base) < 2:
+        return ""
+    bvals = [r["final_val_loss"] for r in base.values()]
+    bmean = sum(bvals) / len(bvals)
+    lo, hi = min(bvals), max(bvals)
+    rows = [f"| arm | seeds | final val loss, mean ± 95% | Δ vs bf16 (paired by seed), mean ± 95% "
+            f"| inside bf16 band [{lo:.4f}, {hi:.4f}] | per seed | nonfinite | underflow (mean) | guards |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for arm, by_seed in groups.items():
+        seeds = sorted(by_seed)
+        vals = [by_seed[s]["final_val_loss"] for s in seeds]
+        m, ci = mean_ci(vals)
+        paired = [100 * (by_seed[s]["final_val_loss"] - base[s]["final_val_loss"]) / bmean
+                  for s in seeds if s in base]
+        if arm == BASE:
+            delta = "—"
+        elif paired:
+            dm, dci = mean_ci(paired)
+            delta = f"{dm:+.2f}%" + ("" if dci is None else f" ± {dci:.2f}%") + \
+                (f" ({len(paired)} pairs)" if len(paired) != len(seeds) else "")
+        else:
+            delta = "no common seed"
+        under = [r.get("underflow") for r in by_seed.values() if isinstance(r.get("underflow"), (int, float))]
+        guards = {guard_cell(r).split(",")[0] for r in by_seed.values()}
+        failed = [s for s in seeds if (by_seed[s].get("moe_guard") or {}).get("ok") is False]
+        rows.append("| {} | {} | {:.4f}{} | {} | {} | {} | {} | {} | {} |".format(
+            arm, " ".join(map(str, seeds)), m, "" if ci is None else f" ± {ci:.4f}", delta,
+            "—" if arm == BASE else ("yes" if lo <= m <= hi else "no"),
+            " / ".join(f"{v:.4f}" for v in vals),
+            sum(r.get("nonfinite") or 0 for r in by_seed.values()),
+            f"{sum(under) / len(under):.3g}" if under else "—",
+            ("FAILED seeds " + " ".join(map(str, failed))) if failed else "ok (" + "; ".join(sorted(guards)) + ")"))
+    return "\n".join(rows) + "\n"
+
+
 def plot(runs, out, smooth):
     try:
         import matplotlib
@@ -213,6 +282,9 @@ def main(argv=None):
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"runs": runs}, f)
     md = table(runs)
+    seeds = seed_table(runs)
+    if seeds:
+        md = "Per arm over seeds:\n\n" + seeds + "\nEvery run:\n\n" + md
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(md)
     print(md)

