@@ -78,8 +78,9 @@ class _Runner:
     @staticmethod
     def build(cfg: _native.Config, comm, device: torch.device, max_tokens: int, sync_free: bool,
               who: str) -> "_Runner":
-        """The native layer of `cfg` on `device`: a CUDA layer on PyTorch's current stream there,
-        taking its memory from PyTorch (caller memory), or a CPU layer."""
+        """The native layer of `cfg` on `device`: a CUDA layer on PyTorch's current stream there
+        (its own stream where that is the legacy default stream), taking its memory from PyTorch
+        (caller memory), or a CPU layer."""
         if device.type != "cuda":
             return _Runner(_native.Layer(cfg, comm), device, None, max_tokens)
         if not _native.has_cuda():
@@ -88,6 +89,12 @@ class _Runner:
                                "or run on CPU tensors")
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(device)
+        if stream.cuda_stream == 0:
+            # The legacy default stream cannot take part in a CUDA graph capture (a later capture
+            # on another stream would make it wait on the capturing stream: an error), so a layer
+            # built there gets a stream of its own, ordered with the caller's by events (ordered()).
+            with torch.cuda.device(index):
+                stream = torch.cuda.Stream(device)
         with torch.cuda.device(index):
             layer = _native.Layer(cfg, comm, device=index, stream=stream.cuda_stream, sync_free=sync_free,
                                   caller_memory=True)

@@ -20,17 +20,19 @@ def test_gpu_backends_against_eager(model, impl):
     ids = hc.batch(device=DEV)
     ref = hc.loss_and_grads(hc.build(hc.MODELS[model], "eager", device=DEV), ids)
     got = hc.loss_and_grads(hc.build(hc.MODELS[model], impl, device=DEV), ids)
-    hc.compare(ref, got, flowmoe.hf.IMPLEMENTATIONS[impl])
+    hc.compare(ref, got, flowmoe.hf.IMPLEMENTATIONS[impl], model)
 
 
 @pytest.mark.parametrize("model", sorted(hc.MODELS))
 def test_gpu_bf16_parameters(model):
+    # against "eager" with the same BF16 parameters: the whole model computes in BF16 then (its
+    # loss is 0.1-0.2 from the FP32 model's on these tiny models), so only the experts differ
     ids = hc.batch(device=DEV)
-    ref = hc.loss_and_grads(hc.build(hc.MODELS[model], "eager", device=DEV), ids)
+    ref = hc.build(hc.MODELS[model], "eager", dtype=torch.bfloat16, device=DEV)(input_ids=ids, labels=ids)
     m = hc.build(hc.MODELS[model], "flowmoe-flow", dtype=torch.bfloat16, device=DEV)
     out = m(input_ids=ids, labels=ids)
     out.loss.backward()
-    assert abs(float(out.loss.detach()) - float(ref[1])) < 0.05
+    assert abs(float(out.loss.detach()) - float(ref.loss.detach())) < hc.BOUNDS["flow"][1]
     assert all(torch.isfinite(p.grad.float()).all() for p in m.parameters() if p.grad is not None)
 
 
