@@ -19,7 +19,8 @@ and features), which is where the exponent rule of the column copies matters.
     python3 bench/convergence/error_probe.py --ckpt runs/flow/last.pt --json probe.json   # GPU
 
 The checkpoint is one `python -m flowmoe.train --ckpt-dir` wrote, of the `small` configuration
-(or --tiny's); the batch comes from the same corpus the trainer reads (--data as there).
+(or --tiny's) with the same size options as the run (--layers, --hidden, --experts, ...); the
+batch comes from the same corpus the trainer reads (--data as there).
 """
 
 import argparse
@@ -103,6 +104,9 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="the tiny configuration (default: small)")
     ap.add_argument("--data", default=None, help="corpus file, as flowmoe.train's --data")
     ap.add_argument("--batch", type=int, default=None, help="sequences (default: the preset's)")
+    for k in ("layers", "hidden", "heads", "ffn", "experts", "topk", "seq_len"):
+        ap.add_argument("--" + k.replace("_", "-"), type=int, default=None,
+                        help="model size as flowmoe.train's option of that name (default: the preset's)")
     ap.add_argument("--router", default="softmax", choices=("softmax", "sigmoid"))
     ap.add_argument("--renormalize", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -111,7 +115,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     preset = TINY if args.tiny else SMALL
-    cfg = LMConfig(router=args.router, renormalize=args.renormalize, **preset["model"])
+    sizes = dict(preset["model"])
+    sizes.update({k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "experts", "topk", "seq_len")
+                  if getattr(args, k) is not None})
+    cfg = LMConfig(router=args.router, renormalize=args.renormalize, **sizes)
     batch = args.batch or preset["batch"]
     model = MoELM(cfg, moe="flowmoe", recipe="bf16", max_tokens=batch * cfg.seq_len, device=device, seed=args.seed)
     if args.ckpt:

