@@ -237,37 +237,105 @@ def plot(runs, out, smooth):
     plt.close(fig)
 
     files = [curves]
-    if BASE in runs:
-        b = runs[BASE]
-        bt = moving_average(b["train_loss"], smooth)
-        bv = dict((s, v) for s, v in b["val"])
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
-        for name, r in runs.items():
-            if name == BASE:
-                continue
-            style = "--" if "-seed" in name else "-"
-            t = moving_average(r["train_loss"], smooth)
-            n = min(len(t), len(bt))
-            start = min(200, n // 10)  # the first steps' differences dwarf the rest
-            a1.plot(range(start + 1, n + 1), [100 * (t[i] - bt[i]) / bt[i] for i in range(start, n)], style,
-                    color=col[name], label=name, lw=1.2)
-            pts = [(s, 100 * (v - bv[s]) / bv[s]) for s, v in r["val"] if s in bv]
-            if pts:
-                a2.plot(*zip(*pts), style, marker=".", color=col[name], label=name, lw=1.2)
-        a1.set(title=f"train loss vs bf16 (moving average of {smooth}), %", xlabel="step", ylabel="Δ loss %")
-        a2.set(title="validation loss vs bf16, %", xlabel="step", ylabel="Δ loss %")
-        for a in (a1, a2):
-            a.axhline(0, color="k", lw=0.8)
-            for y, c, what in ((0.3, "k", "flow target +0.3%"), (0.6, "0.5", "flow-fp4 target +0.6%")):
-                a.axhline(y, color=c, lw=0.8, ls=":", label=what)
-            a.grid(alpha=0.3)
-            a.legend()
-        fig.tight_layout()
-        delta = os.path.join(out, "delta.png")
-        fig.savefig(delta, dpi=120)
-        plt.close(fig)
-        files.append(delta)
+    groups = arms(runs)
+    if len(groups.get(BASE, {})) >= 2:
+        files.append(plot_seed_delta(groups, out, smooth, col))
+    elif BASE in runs:
+        files.append(plot_run_delta(runs, out, smooth, col, plt))
     return files
+
+
+def plot_run_delta(runs, out, smooth, col, plt):
+    """delta.png for one seed per arm: each run's difference to bf16 (seed 0) in %."""
+    b = runs[BASE]
+    bt = moving_average(b["train_loss"], smooth)
+    bv = dict((s, v) for s, v in b["val"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, r in runs.items():
+        if name == BASE:
+            continue
+        style = "--" if "-seed" in name else "-"
+        t = moving_average(r["train_loss"], smooth)
+        n = min(len(t), len(bt))
+        start = min(200, n // 10)  # the first steps' differences dwarf the rest
+        a1.plot(range(start + 1, n + 1), [100 * (t[i] - bt[i]) / bt[i] for i in range(start, n)], style,
+                color=col[name], label=name, lw=1.2)
+        pts = [(s, 100 * (v - bv[s]) / bv[s]) for s, v in r["val"] if s in bv]
+        if pts:
+            a2.plot(*zip(*pts), style, marker=".", color=col[name], label=name, lw=1.2)
+    a1.set(title=f"train loss vs bf16 (moving average of {smooth}), %", xlabel="step", ylabel="Δ loss %")
+    a2.set(title="validation loss vs bf16, %", xlabel="step", ylabel="Δ loss %")
+    for a in (a1, a2):
+        a.axhline(0, color="k", lw=0.8)
+        for y, c, what in ((0.3, "k", "flow target +0.3%"), (0.6, "0.5", "flow-fp4 target +0.6%")):
+            a.axhline(y, color=c, lw=0.8, ls=":", label=what)
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    delta = os.path.join(out, "delta.png")
+    fig.savefig(delta, dpi=120)
+    plt.close(fig)
+    return delta
+
+
+def plot_seed_delta(groups, out, smooth, col):
+    """delta.png over seeds: each arm's mean (over its seeds) minus bf16's mean, in % of bf16's
+    mean, at every step (train, moving average) and validation; bf16's seed band (its seeds'
+    range around its mean) shaded."""
+    import matplotlib.pyplot as plt
+
+    def mean_curve(by_seed, key):
+        curves = []
+        for r in by_seed.values():
+            if key == "train":
+                curves.append(moving_average(r["train_loss"], smooth))
+            else:
+                curves.append(dict((s, v) for s, v in r["val"]))
+        return curves
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    base = groups[BASE]
+    bt = mean_curve(base, "train")
+    n = min(len(c) for c in bt)
+    start = min(200, n // 10)  # the first steps' differences dwarf the rest
+    bmean = [sum(c[i] for c in bt) / len(bt) for i in range(n)]
+    steps = range(start + 1, n + 1)
+    a1.fill_between(steps, [100 * (min(c[i] for c in bt) - bmean[i]) / bmean[i] for i in range(start, n)],
+                    [100 * (max(c[i] for c in bt) - bmean[i]) / bmean[i] for i in range(start, n)],
+                    color="tab:blue", alpha=0.15, label=f"bf16 band ({len(bt)} seeds)")
+    bv = mean_curve(base, "val")
+    vsteps = sorted(set.intersection(*[set(c) for c in bv]))
+    vmean = {s: sum(c[s] for c in bv) / len(bv) for s in vsteps}
+    a2.fill_between(vsteps, [100 * (min(c[s] for c in bv) - vmean[s]) / vmean[s] for s in vsteps],
+                    [100 * (max(c[s] for c in bv) - vmean[s]) / vmean[s] for s in vsteps],
+                    color="tab:blue", alpha=0.15, label=f"bf16 band ({len(bv)} seeds)")
+    for arm, by_seed in groups.items():
+        if arm == BASE:
+            continue
+        c = col.get(arm, None)
+        tc = mean_curve(by_seed, "train")
+        m = min(n, min(len(x) for x in tc))
+        a1.plot(range(start + 1, m + 1), [100 * (sum(x[i] for x in tc) / len(tc) - bmean[i]) / bmean[i]
+                                          for i in range(start, m)], color=c, lw=1.2,
+                label=f"{arm} ({len(tc)} seeds)")
+        vc = mean_curve(by_seed, "val")
+        pts = [(s, 100 * (sum(x[s] for x in vc) / len(vc) - vmean[s]) / vmean[s]) for s in vsteps
+               if all(s in x for x in vc)]
+        if pts:
+            a2.plot(*zip(*pts), marker=".", color=c, lw=1.2, label=f"{arm} ({len(vc)} seeds)")
+    a1.set(title=f"train loss vs bf16 mean (moving average of {smooth}), %", xlabel="step", ylabel="Δ loss %")
+    a2.set(title="validation loss vs bf16 mean, %", xlabel="step", ylabel="Δ loss %")
+    for a in (a1, a2):
+        a.axhline(0, color="k", lw=0.8)
+        for y, cc, what in ((0.25, "k", "pass bar +0.25%"), (-0.25, "k", None)):
+            a.axhline(y, color=cc, lw=0.8, ls=":", label=what)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    delta = os.path.join(out, "delta.png")
+    fig.savefig(delta, dpi=120)
+    plt.close(fig)
+    return delta
 
 
 def main(argv=None):
