@@ -3,7 +3,12 @@ Qwen3-MoE, DeepSeek-V3 (sigmoid routing with groups, bias and scaling: routing s
 and OLMoE with experts_implementation="flowmoe-bf16" against "eager" (logits, loss and every
 gradient within BF16 tolerance, the router's included), the FP8 recipes within the stated bounds
 (hf_common.BOUNDS), gradient checkpointing, fused AdamW steps that follow eager's losses, and the
-refusals. GPU versions: test_gpu_hf.py."""
+refusals; and a smoke run of bench/hf_experts.py (docs/HF.md's figures). GPU versions: test_gpu_hf.py."""
+
+import json
+import math
+import os
+import runpy
 
 import pytest
 import torch
@@ -11,6 +16,7 @@ import torch
 import hf_common as hc
 
 transformers = hc.transformers
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,3 +117,25 @@ def test_bf16_parameters_run_and_train():
     out.loss.backward()
     assert m.model.layers[0].mlp.experts.gate_up_proj.grad.dtype == torch.bfloat16
     assert abs(float(out.loss) - float(ref[1])) < 0.05
+
+
+def test_bench_hf_experts_tiny(tmp_path, capsys):
+    """bench/hf_experts.py --device cpu --tiny: a table row per implementation and parameter mode with a
+    finite tokens/s, and finite convergence losses per implementation (the repository's docs as text)."""
+    bench = runpy.run_path(os.path.join(ROOT, "bench", "hf_experts.py"))
+    out = tmp_path / "hf_experts.json"
+    argv = ["--device", "cpu", "--tiny", "--data", os.path.join(ROOT, "docs"), "--json", str(out)]
+    assert bench["main"](argv) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    impls = result["args"]["impls"]
+    assert [(r["impl"], r["params"]) for r in result["speed"]] == [(i, p) for p in ("bf16", "fp32-autocast")
+                                                                   for i in impls]
+    for r in result["speed"]:
+        assert "error" not in r, r
+        assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0, r
+        assert all(math.isfinite(x) for x in r["losses"]), r
+        assert f"| `{r['impl']}` |" in table
+    summary = result["convergence"]["summary"]
+    for impl in impls:
+        assert all(math.isfinite(v) for v in summary[impl]["train_loss"] + summary[impl]["val_loss"]), impl
