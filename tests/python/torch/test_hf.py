@@ -55,7 +55,7 @@ def test_fp8_recipes_within_bounds(model, impl):
     ids = hc.batch()
     ref = hc.loss_and_grads(hc.build(hc.MODELS[model], "eager"), ids)
     got = hc.loss_and_grads(hc.build(hc.MODELS[model], impl), ids)
-    hc.compare(ref, got, flowmoe.hf.IMPLEMENTATIONS[impl])
+    hc.compare(ref, got, flowmoe.hf.IMPLEMENTATIONS[impl], model)
 
 
 @pytest.mark.parametrize("model", ["qwen3_moe", "mixtral"])
