@@ -1,6 +1,6 @@
-// The CUDA layer's backward per recipe, up to the dX rows: dY to the experts, GEMM2 dgrad + wgrad,
-// dSwiGLU*prob, GEMM1 dgrad + wgrad. Each path leaves the dX rows [Mp, H] bf16 in
-// ExpertBuffers::dx_rows and the partial sums of dp ([F/128][Mp], swiglu.h) in
+// The CUDA layer's backward per pipeline (recipe_path.h), up to the dX rows: dY to the experts,
+// GEMM2 dgrad + wgrad, dSwiGLU*prob, GEMM1 dgrad + wgrad. Each path leaves the dX rows [Mp, H] bf16
+// in ExpertBuffers::rows_bf16 (the BF16 dY rows' storage, if any) and the partial sums of dp ([F/128][Mp], swiglu.h) in
 // RoutingBuffers::dprob_partials, and calls mark_dx_rows_ready() between GEMM1 dgrad and GEMM1
 // wgrad; the tail (backward_tail.cu) continues from there. In every path a dgrad runs before the
 // wgrad that reads the same gradient.
@@ -22,15 +22,15 @@ namespace moe {
 void CudaMoeLayer::backward_bf16(const bf16_t* dy, const MoeGrads& g) {
   ExpertBuffers& b = ws_.expert;
   const WeightBuffers& w = ws_.weights;
-  { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");
-    move_bf16(dy, b.dy_rows, MoePass::kBackward, report_names::kDispatchDy); }
-  { auto s = bwd("GEMM2 dgrad (bf16)"); bf16_dgrad(b.dy_rows, H_, F_, w.w2_bf16, b.da); }
-  if (g.dw2) { auto s = bwd("GEMM2 wgrad (bf16)"); bf16_wgrad(b.dy_rows, H_, b.a, F_, g.dw2); }
+  { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");  // dY rows into rows_bf16
+    move_bf16(dy, b.rows_bf16, MoePass::kBackward, report_names::kDispatchDy); }
+  { auto s = bwd("GEMM2 dgrad (bf16)"); bf16_dgrad(b.rows_bf16, H_, F_, w.w2_bf16, b.da); }
+  if (g.dw2) { auto s = bwd("GEMM2 wgrad (bf16)"); bf16_wgrad(b.rows_bf16, H_, b.a, F_, g.dw2); }
   { auto s = bwd("dSwiGLU*prob (bf16)");
     cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials,
                   rows_bound()); }
   // GEMM1 dgrad overwrites dY's storage with the dX rows: GEMM2's grads have read it
-  { auto s = bwd("GEMM1 dgrad (bf16)"); bf16_dgrad(b.dh, 2 * F_, H_, w.w1_bf16, b.dx_rows); }
+  { auto s = bwd("GEMM1 dgrad (bf16)"); bf16_dgrad(b.dh, 2 * F_, H_, w.w1_bf16, b.rows_bf16); }
   mark_dx_rows_ready();
   if (g.dw1) { auto s = bwd("GEMM1 wgrad (bf16)"); bf16_wgrad(b.dh, 2 * F_, b.x_perm, H_, g.dw1); }
 }
@@ -39,11 +39,11 @@ void CudaMoeLayer::backward_bf16(const bf16_t* dy, const MoeGrads& g) {
 void CudaMoeLayer::backward_blockwise(const bf16_t* dy, const MoeGrads& g) {
   ExpertBuffers& b = ws_.expert;
   const SegmentBlocks sb = blocks();
-  { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");
-    move_bf16(dy, b.dy_rows, MoePass::kBackward, report_names::kDispatchDy); }
+  { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");  // dY rows into rows_bf16
+    move_bf16(dy, b.rows_bf16, MoePass::kBackward, report_names::kDispatchDy); }
   { auto s = bwd("quantize dY (row + col)");
-    quantize_col(b.dy_rows, H_, sb, b.dy_col.codes, b.dy_col.ue8m0(), b.dy_row.codes, b.dy_row.ue8m0(), st_bwd(),
-                 stream_); }
+    quantize_col(b.rows_bf16, H_, sb, b.dy_col.codes, b.dy_col.ue8m0(), b.dy_row.codes, b.dy_row.ue8m0(),
+                 st_bwd(), stream_); }
   log_rows(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYBoth, 1, 2, H_);
   fp8_gemm2_grads(g, -1);  // (it ends before the dh quantize overwrites dY's copies)
   { auto s = bwd("dSwiGLU*prob (bf16)");
@@ -72,13 +72,13 @@ void CudaMoeLayer::fp8_gemm2_wgrad(const MoeGrads& g, int side) {
   auto s = bwd("GEMM2 wgrad (fp8)");
   fp8_wgrad(ws_.expert.dy_col, H_, ws_.expert.a_col, F_, g.dw2);
 }
-// GEMM1: dgrad from dh row-wise into the dX rows, then mark_dx_rows_ready; wgrad from dh's column
+// GEMM1: dgrad from dh row-wise into the dX rows (rows_bf16), then mark_dx_rows_ready; wgrad from dh's column
 // copy and x_perm's (`x_perm_col`) into dW1.
 void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& dh_row, const QTensorView& dh_col,
                                    const QTensorView& x_perm_col, int side) {
   ExpertBuffers& b = ws_.expert;
   { auto s = bwd("GEMM1 dgrad (fp8)");
-    fp8_dgrad(dh_row, 2 * F_, H_, ws_.weights.w1t, b.dx_rows, st_bwd_aux()); }
+    fp8_dgrad(dh_row, 2 * F_, H_, ws_.weights.w1t, b.rows_bf16, st_bwd_aux()); }
   mark_dx_rows_ready();
   if (side >= 0) streams_.join(side);
   if (!g.dw1) return;
@@ -102,10 +102,10 @@ void CudaMoeLayer::naive_col(const QTensorView& row, int64_t c, const QTensorVie
 void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   ExpertBuffers& b = ws_.expert;
   const WeightBuffers& w = ws_.weights;
-  naive_entry(MoePass::kBackward, dy, b.dy_rows);
+  naive_entry(MoePass::kBackward, dy, b.rows_bf16);  // the dY rows
   { auto s = bwd("quantize dY (row, fp32 scales)");
-    quantize_row_fp32_scale(b.dy_rows, Mp_, H_, segment_offsets(), El_, b.dy_row_f32.codes, b.dy_row_f32.f32(), st_bwd(),
-                       stream_); }
+    quantize_row_fp32_scale(b.rows_bf16, Mp_, H_, segment_offsets(), El_, b.dy_row_f32.codes, b.dy_row_f32.f32(),
+                            st_bwd(), stream_); }
   log_rows(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYFp32Scale, 1, 1, H_);
   { auto s = bwd("DQ->T->Q dY"); naive_col(b.dy_row_f32, H_, b.dy_col_f32, WgradOperand::kGemm2Grad); }
   { auto s = bwd("GEMM2 dgrad (fp8)");
@@ -122,7 +122,7 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   log_rows(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhFp32Scale, 1, 1, 2 * F_);
   { auto s = bwd("DQ->T->Q dh"); naive_col(b.dh_row_f32, 2 * F_, b.dh_col_f32, WgradOperand::kGemm1Grad); }
   { auto s = bwd("GEMM1 dgrad (fp8)");
-    fp8_dgrad(b.dh_row_f32, 2 * F_, H_, w.w1t, b.dx_rows, st_bwd_aux()); }
+    fp8_dgrad(b.dh_row_f32, 2 * F_, H_, w.w1t, b.rows_bf16, st_bwd_aux()); }
   mark_dx_rows_ready();
   { auto s = bwd("DQ->T->Q x_perm"); naive_col(b.x_perm_f32, H_, b.x_perm_col_f32, WgradOperand::kGemm1Input); }
   if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
@@ -132,8 +132,7 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
 // ---- flow, flow-fp4 ------------------------------------------------------------------------------
 void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
   ExpertBuffers& b = ws_.expert;
-  const RecipeSpec& spec = recipe_spec(cfg_.recipe);
-  const bool fp4 = spec.entry == TensorFormat::kMxfp4Row;
+  const RecipeSpec& spec = path_.spec();
   const bool side = streams_.side_on();
   const SegmentBlocks sb = blocks();
   { auto s = bwd("quantize dy (entry)");
@@ -150,7 +149,7 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
                               ts, cfg_.transpose_exponent);
     }
     streams_.mark(LayerStreams::kSideA);
-    if (!fp4) {
+    if (!path_.x_mxfp4) {
       auto s = bwd(side ? "scaling-aware transpose x_perm (side stream)" : "scaling-aware transpose x_perm", ts);
       scaling_aware_transpose(b.x_perm_row.codes, b.x_perm_row.ue8m0(), H_, sb, b.x_perm_col_flow.codes,
                               b.x_perm_col_flow.ue8m0(), st_bwd(), ts, cfg_.transpose_exponent);
@@ -162,9 +161,9 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
     streams_.mark(LayerStreams::kSideB);
   }
   log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm2Grad).op, 1, 1, H_);
-  if (fused_dswiglu_) {
+  if (path_.fused_dswiglu) {
     {  // one kernel: GEMM2 dgrad with dSwiGLU*prob and dh's quantizations in its epilogue (no BF16 da')
-      auto s = bwd(fp4 ? "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from mxfp4 h)"
+      auto s = bwd(path_.h_mxfp4() ? "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from mxfp4 h)"
                        : "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
       // the step's views: Mp_ rows (the buffers hold the largest step's)
       gemm_->dgrad_dswiglu(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, H_, F_,
@@ -183,8 +182,9 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
   }
   log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, H_);
   // the wgrad after x_perm's column copy
-  fp8_gemm1_grads(g, fused_dswiglu_ ? b.dh_row_fused : b.dh_row, fused_dswiglu_ ? b.dh_col_fused : b.dh_col,
-                  b.x_perm_col_flow, LayerStreams::kSideB);
+  const bool fused = path_.fused_dswiglu;
+  fp8_gemm1_grads(g, fused ? b.dh_row_fused : b.dh_row, fused ? b.dh_col_fused : b.dh_col, b.x_perm_col_flow,
+                  LayerStreams::kSideB);
   streams_.join(LayerStreams::kSideB);  // the side stream idle before the next forward reuses x_perm
 }
 
@@ -194,7 +194,7 @@ void CudaMoeLayer::backward_flow_dswiglu() {
   ExpertBuffers& b = ws_.expert;
   const QTensorView& hs = b.h_saved;
   const SegmentBlocks sb = blocks();
-  if (hs.layout != Layout::kMxfp4Row1x32) {
+  if (!path_.h_mxfp4()) {
     auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
     dswiglu_quant_fp8h(b.da, hs.codes, hs.ue8m0(), F_, sb, b.dh_row.codes, b.dh_row.ue8m0(), b.dh_col.codes,
                        b.dh_col.ue8m0(), st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials);

@@ -15,7 +15,7 @@ void CudaMoeLayer::backward_tail(const MoeGrads& g, bf16_t* dx) {
   RoutingBuffers& r = ws_.routing;
   const RouterConfig rc = cfg_.router_config();
   const bool external = cfg_.external_routing;  // no router: dprobs to the caller, no dlogits, no dWr
-  const bf16_t* rows = ws_.expert.dx_rows;  // [Mp, H] padded (one GPU)
+  const bf16_t* rows = ws_.expert.rows_bf16;  // [Mp, H] padded (one GPU)
   const int32_t* map = r.tokens.row_map;
   cudaStream_t rs = stream_;  // the stream of the tail below
   if (!comm_ && streams_.tail()) {  // one GPU: from the dX rows on, next to GEMM1 wgrad

@@ -172,8 +172,8 @@ void CudaMoeLayer::share_ep_buffers() {
   FLOWMOE_CHECK(peers_ != nullptr, "make_cuda_layer: internal error: no device peer access");
   EpBuffers& ep = ws_.ep;
   std::vector<void*> mine = {ws_.routing.tokens.counts, ep.send_rows, ep.send_scales, ep.send_probs,
-                             ws_.expert.y_rows, ep.row_dprob};
-  if (dedup_) {
+                             ws_.expert.rows_bf16, ep.row_dprob};
+  if (path_.ep_dedup) {
     mine.push_back(ep.tokens_to_ranks.counts);
     mine.push_back(ep.send_ids);
     mine.push_back(ep.send_token_probs);
@@ -196,7 +196,7 @@ void CudaMoeLayer::plan_on_device() {
   RoutingBuffers& r = ws_.routing;
   EpBuffers& ep = ws_.ep;
   const int W = comm_->world_size();
-  if (dedup_) {
+  if (path_.ep_dedup) {
     ep.tokens_to_ranks.tokens = T_;
     ep_peer_ids(r.ids, T_, K_, El_, ep.peer_ids, stream_);
     build_routing(ep.peer_ids, ep.tokens_to_ranks, nullptr, stream_);
@@ -206,13 +206,13 @@ void CudaMoeLayer::plan_on_device() {
   peers_->barrier(stream_);
   ep_gather_peer_ints(reinterpret_cast<const int32_t* const*>(peer_table(r.tokens.counts)), W, E_, ep.count_matrix,
                       stream_);
-  if (dedup_)
+  if (path_.ep_dedup)
     ep_gather_peer_ints(reinterpret_cast<const int32_t* const*>(peer_table(ep.tokens_to_ranks.counts)), W, W,
                         ep.token_matrix, stream_);
-  ep_device_plan(ep.count_matrix, dedup_ ? ep.token_matrix : nullptr, W, El_, comm_->rank(), cfg_.align,
-                 ep.local_offsets, ep.dispatch_pieces, ep.combine_pieces, dedup_ ? ep.dedup_pieces : nullptr,
+  ep_device_plan(ep.count_matrix, path_.ep_dedup ? ep.token_matrix : nullptr, W, El_, comm_->rank(), cfg_.align,
+                 ep.local_offsets, ep.dispatch_pieces, ep.combine_pieces, path_.ep_dedup ? ep.dedup_pieces : nullptr,
                  stream_);
-  const int64_t n = int64_t(W) * E_ + (dedup_ ? int64_t(W) * W : 0);  // token_matrix follows count_matrix
+  const int64_t n = int64_t(W) * E_ + (path_.ep_dedup ? int64_t(W) * W : 0);  // token_matrix follows count_matrix
   FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(ep.host_matrices, ep.count_matrix, sizeof(int32_t) * n, cudaMemcpyDeviceToHost,
                                      stream_));
 }

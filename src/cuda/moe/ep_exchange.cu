@@ -159,7 +159,7 @@ void CudaMoeLayer::move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, cons
     permute_pad_bf16(tok, H_, routing, rows, stream_);
     return;
   }
-  if (dedup_) {
+  if (path_.ep_dedup) {
     ep_gather_rows(tok, 2 * H_, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_rows, stream_);
     dedup_exchange(pass, name, "bf16", {{ep.send_rows, ep.recv_tokens, 2 * H_}});
     permute_pad_bf16(reinterpret_cast<const bf16_t*>(ep.recv_tokens), H_, ep.received_tokens, rows, stream_);
@@ -180,7 +180,7 @@ void CudaMoeLayer::move_fp8(const QTensorView& tok, const QTensorView& rows, Moe
     return;
   }
   const int64_t nc = H_ / 128;
-  if (dedup_) {
+  if (path_.ep_dedup) {
     ep_gather_rows(tok.codes, H_, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_rows, stream_);
     ep_gather_col_scales(tok.ue8m0(), nc, 1, ep.tokens_to_ranks.row_map, T_, K_, ep.send_scales, stream_);
     dedup_exchange(pass, name, "fp8 + ue8m0 1x128 scales",
@@ -206,7 +206,7 @@ void CudaMoeLayer::move_mxfp4(const QTensorView& tok, const QTensorView& rows) {
     permute_pad_mxfp4(tok.codes, tok.ue8m0(), H_, routing, rows.codes, rows.ue8m0(), stream_);
     return;
   }
-  if (dedup_) {
+  if (path_.ep_dedup) {
     ep_gather_rows(tok.codes, H_ / 2, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_rows, stream_);
     ep_gather_rows(tok.ue8m0(), H_ / 32, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_scales, stream_);
     dedup_exchange(MoePass::kForward, report_names::kDispatchX, "mxfp4 + ue8m0 1x32 scales",
@@ -244,7 +244,7 @@ void CudaMoeLayer::move_naive(bf16_t* out, MoePass pass, const char* name) {
 // token's rank in send order first, and the sum runs there, as unpermute does)
 void CudaMoeLayer::combine_y(bf16_t* y) {
   const Routing& routing = ws_.routing.tokens;
-  const bf16_t* rows = ws_.expert.y_rows;
+  const bf16_t* rows = ws_.expert.rows_bf16;
   if (comm_ == nullptr) {
     unpermute_unpad(rows, nullptr, H_, routing, y, stream_);
     return;

@@ -21,7 +21,7 @@ namespace moe {
 CudaMoeLayer::CudaMoeLayer(const MoeConfig& cfg, cudaStream_t stream, const CudaLayerOptions& options)
     : MoeLayer(cfg), stream_(stream), E_(cfg.num_experts), H_(cfg.hidden), F_(cfg.ffn), K_(cfg.topk),
       El_(cfg.num_local_experts()), comm_(cfg.comm), max_tokens_(cfg.max_tokens), max_rows_(workspace_rows(cfg)),
-      arena_(cfg_) {
+      path_(make_recipe_path(cfg, options)), arena_(cfg_) {
   int ndev = 0;
   const cudaError_t err = cudaGetDeviceCount(&ndev);
   FLOWMOE_CHECK(err == cudaSuccess && ndev > 0,
@@ -40,16 +40,8 @@ CudaMoeLayer::CudaMoeLayer(const MoeConfig& cfg, cudaStream_t stream, const Cuda
 CudaMoeLayer::~CudaMoeLayer() { release(); }
 
 void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
-  const Recipe rc = cfg_.recipe;
-  dedup_ = comm_ != nullptr && rc != Recipe::kFp8Naive && options.ep_dedup;
-  using FD = CudaLayerOptions::FpropDgrad;
+  // (the recipe's choices, the grouped GEMMs and fused epilogues among them: path_, recipe_path.cu)
   sync_free_ = options.sync_free;
-  // (kAuto's rule was measured for the FP8 kernels: bf16 keeps cuBLASLt, CudaLayerOptions::fprop_dgrad)
-  grouped_gemm_ = sync_free_ || options.fprop_dgrad == FD::kGrouped ||
-                  (options.fprop_dgrad == FD::kAuto && recipe_spec(rc).uses_fp8() &&
-                   max_rows_ <= CudaLayerOptions::kGroupedAutoRows * El_);
-  fused_swiglu_ = options.fused_swiglu && grouped_gemm_ && (rc == Recipe::kFlow || rc == Recipe::kFlowFp4);
-  fused_dswiglu_ = options.fused_dswiglu && grouped_gemm_ && (rc == Recipe::kFlow || rc == Recipe::kFlowFp4);
   if (comm_)  // agreed across ranks by make_cuda_layer
     direct_bytes_ = options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes;
   caller_memory_ = options.caller_memory;
@@ -58,8 +50,8 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   layout_workspace();  // owned: allocates; caller memory: allocates the layer's own, measures the rest
   plan_bytes_ = arena_.plan();
 
-  // flow / flow-fp4: the column copies for wgrad on the side stream
-  const bool side = (rc == Recipe::kFlow || rc == Recipe::kFlowFp4) && options.side_stream;
+  // the flow pipeline: the column copies for wgrad on the side stream
+  const bool side = path_.side_stream;
   // The GEMM object: cuBLASLt handle, descriptors and its workspace (allocated once here). With
   // the side stream the matmuls run one priority step above it, so that the copies fill the
   // GEMMs' gaps instead of taking SMs from them.
@@ -86,7 +78,7 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
 void CudaMoeLayer::layout_workspace() {
   const RoutingTokens kept = routing_tokens();  // host fields of the views, set per forward
   ws_ = Workspace();
-  ws_.allocate(arena_, cfg_, dedup_, /*device_plan=*/sync_free_ && comm_ != nullptr, fused_swiglu_, fused_dswiglu_);
+  ws_.allocate(arena_, cfg_, path_, /*device_plan=*/sync_free_ && comm_ != nullptr);
   set_routing_tokens(kept);
 }
 
@@ -192,7 +184,7 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   WeightBuffers& wb = ws_.weights;
   DeviceStatus* wstatus = ws_.routing.weight_status;
   const int64_t n1 = int64_t(El_) * 2 * F_ * H_, n2 = int64_t(El_) * H_ * F_;
-  const RecipeSpec& spec = recipe_spec(cfg_.recipe);
+  const RecipeSpec& spec = path_.spec();
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(wstatus, 0, sizeof(DeviceStatus), stream_));
   if (per_expert_weight_scratch()) {
     // FP8 blocks: each expert through a one-expert BF16 scratch (converted, then quantized; the
@@ -250,7 +242,7 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
     weight_scales_to_f32(wb.w1t_ue8m0, El_, H_, 2 * F_, wb.w1t.f32(), stream_);
     weight_scales_to_f32(wb.w2_ue8m0, El_, H_, F_, wb.w2.f32(), stream_);
     weight_scales_to_f32(wb.w2t_ue8m0, El_, F_, H_, wb.w2t.f32(), stream_);
-    if (fused_swiglu_) {
+    if (path_.fused_swiglu) {
       // GEMM1's fused SwiGLU epilogue reads W1 with its gate/up blocks interleaved (only GEMM1's
       // fprop reads w1): the natural copy goes through w1_bf16, free once quantized
       const QTensorView& w1 = wb.w1;
@@ -302,12 +294,11 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status, 0, 4 * sizeof(DeviceStatus), stream_));
 
   route(x, ext);
-  switch (cfg_.recipe) {
-    case Recipe::kBf16: forward_bf16(y); break;
-    case Recipe::kBlockwise: forward_blockwise(y); break;
-    case Recipe::kFp8Naive: forward_naive(y); break;
-    case Recipe::kFlow:
-    case Recipe::kFlowFp4: streams_.with_side_drained([&] { forward_flow(y); }); break;
+  switch (path_.pipeline) {
+    case Pipeline::kBf16Gemms: forward_bf16(y); break;
+    case Pipeline::kBlockwise: forward_blockwise(y); break;
+    case Pipeline::kFp8Naive: forward_naive(y); break;
+    case Pipeline::kFlow: streams_.with_side_drained([&] { forward_flow(y); }); break;
   }
   if (!sync_free_) save_activations(row_counts());  // (sync_free: when the report is read)
   have_forward_ = true;
@@ -340,12 +331,11 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status + kStatusBwd, 0, 2 * sizeof(DeviceStatus), stream_));
   grads_accumulate_ = g.accumulate;
   dx_ready_marked_ = false;  // (a backward that threw may have left it set)
-  switch (cfg_.recipe) {
-    case Recipe::kBf16: streams_.with_side_drained([&] { backward_bf16(dy, g); }); break;
-    case Recipe::kBlockwise: streams_.with_side_drained([&] { backward_blockwise(dy, g); }); break;
-    case Recipe::kFp8Naive: backward_naive(dy, g); break;
-    case Recipe::kFlow:
-    case Recipe::kFlowFp4: streams_.with_side_drained([&] { backward_flow(dy, g); }); break;
+  switch (path_.pipeline) {
+    case Pipeline::kBf16Gemms: streams_.with_side_drained([&] { backward_bf16(dy, g); }); break;
+    case Pipeline::kBlockwise: streams_.with_side_drained([&] { backward_blockwise(dy, g); }); break;
+    case Pipeline::kFp8Naive: backward_naive(dy, g); break;
+    case Pipeline::kFlow: streams_.with_side_drained([&] { backward_flow(dy, g); }); break;
   }
   if (streams_.tail()) {  // the tail stream joins stream_ even when the tail throws (stream-ordered,
                           // so that a graph capture stays well-formed; errors of the join ignored)

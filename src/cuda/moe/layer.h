@@ -4,13 +4,15 @@
 // be compared on the same inputs. One class, its members defined by job:
 //   layer.cu        API and lifecycle: construction, set_weights, forward / backward entry points,
 //                   make_cuda_layer, moe_debug.h
+//   recipe_path.h/.cu the recipe as data (RecipePath: pipeline, formats, the options that apply),
+//                   made once at construction; the rooms read it instead of the Recipe enum
 //   workspace.h/.cu the device buffers (named views), allocated once at construction
 //   streams.h/.cu   side stream (fork / mark / join), tail stream, stage clock
 //   routing.cu      router, routing tables, the one host sync, the EP dispatch plan
 //   ep_exchange.cu  token movement: permute+pad / unpermute on one GPU, dispatch / combine with EP
 //   ep_device.cu    EP without host synchronisation (sync_free): the plan on the device, pulls
-//   forward.cu      forward per recipe (forward_bf16, forward_blockwise, forward_naive, forward_flow)
-//   backward.cu     backward per recipe: GEMM2 / GEMM1 dgrad + wgrad (backward_*, fp8_gemm*_grads)
+//   forward.cu      forward per pipeline (forward_bf16, forward_blockwise, forward_naive, forward_flow)
+//   backward.cu     backward per pipeline: GEMM2 / GEMM1 dgrad + wgrad (backward_*, fp8_gemm*_grads)
 //   backward_tail.cu the common tail: dprobs, router backward, dWr, dx (tail stream / EP combine)
 //   operands.cu     the workspace's FP8 tensors and the weights as GEMM operands
 //   report.cu       the cast report, saved tensors, status counters, stage times
@@ -32,6 +34,7 @@
 
 #include "common/moe_ep.h"
 #include "cuda/moe/kernels.cuh"
+#include "cuda/moe/recipe_path.h"
 #include "flowmoe/cuda/qtensor_view.h"
 #include "cuda/moe/streams.h"
 #include "cuda/moe/workspace.h"
@@ -97,7 +100,7 @@ class CudaMoeLayer final : public MoeLayer {
   // set_weights converts and quantizes W1 / W2 expert by expert through a one-expert BF16 scratch
   // (FP8 blocks without the fused SwiGLU, whose W1 interleave needs the whole scratch)
   bool per_expert_weight_scratch() const {
-    return recipe_spec(cfg_.recipe).weights == WeightCopy::kFp8Block && !fused_swiglu_;
+    return path_.pow2_weights && !path_.fused_swiglu;
   }
   RoutingTokens routing_tokens() const;
   void set_routing_tokens(const RoutingTokens& t);
@@ -139,7 +142,7 @@ class CudaMoeLayer final : public MoeLayer {
   int combine_piece_count() const;
   bool device_ep() const { return sync_free_ && comm_ != nullptr; }
 
-  // ---- forward per recipe (forward.cu) ---------------------------------------------------------
+  // ---- forward per pipeline (forward.cu; path_.pipeline picks one) -------------------------------
   void forward_bf16(bf16_t* y);
   void forward_blockwise(bf16_t* y);
   void naive_entry(MoePass pass, const bf16_t* in, bf16_t* out);
@@ -147,7 +150,7 @@ class CudaMoeLayer final : public MoeLayer {
   void forward_flow(bf16_t* y);
   void gemm2_then_combine(const char* gemm_stage, const std::function<void()>& gemm2, bf16_t* y);
 
-  // ---- backward per recipe (backward.cu, backward_tail.cu) --------------------------------------
+  // ---- backward per pipeline (backward.cu, backward_tail.cu) ------------------------------------
   void backward_bf16(const bf16_t* dy, const MoeGrads& g);
   void backward_blockwise(const bf16_t* dy, const MoeGrads& g);
   void backward_naive(const bf16_t* dy, const MoeGrads& g);
@@ -182,7 +185,7 @@ class CudaMoeLayer final : public MoeLayer {
   // The bf16 recipe's GEMMs (fprop: in [Mp, k], w = W [El*n, k], out [Mp, n]; dgrad: in [Mp, n],
   // the same W, out [Mp, k]; wgrad: dW [El, n, k] from the gradient [Mp, n] and the input [Mp, k]):
   // cuBLASLt per expert on the host segments, or the sm_90a BF16 kernels on the device segments
-  // (grouped_gemm_: sync_free or CudaLayerOptions::FpropDgrad::kGrouped; wgrad with align 128).
+  // (path_.grouped_gemm: sync_free or CudaLayerOptions::FpropDgrad::kGrouped; wgrad with align 128).
   void bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
   void bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
   void bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw);
@@ -229,11 +232,10 @@ class CudaMoeLayer final : public MoeLayer {
   const int El_;              // experts held here: E_ alone, E_ / ranks with a communicator
   Communicator* const comm_;  // null: single GPU, all experts local
   const int64_t max_tokens_, max_rows_;
-  bool dedup_ = false;        // deduplicated EP dispatch (CudaLayerOptions::ep_dedup; not fp8-naive)
-  bool grouped_gemm_ = true;  // fprop/dgrad (bf16: and wgrad) by flowmoe's kernels (CudaLayerOptions::fprop_dgrad)
+  // The recipe's path (recipe_path.h): pipeline, formats, and the options that depend on the recipe
+  // (grouped GEMMs, fused epilogues, side stream, deduplicated EP dispatch)
+  const RecipePath path_;
   bool sync_free_ = false;    // CudaLayerOptions::sync_free: Mp_ is the capacity max_rows_
-  bool fused_dswiglu_ = false;  // GEMM2 dgrad + dSwiGLU in one kernel (CudaLayerOptions::fused_dswiglu)
-  bool fused_swiglu_ = false; // GEMM1 + SwiGLU in one kernel (CudaLayerOptions::fused_swiglu): w1 interleaved
   int64_t direct_bytes_ = -1; // dispatch_rows / combine_rows message grouping (comm.h)
   bool caller_memory_ = false;  // CudaLayerOptions::caller_memory: ws_ laid over bound_ per call
   MoeMemoryPlan plan_bytes_;    // the sizes of the caller's regions

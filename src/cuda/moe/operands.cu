@@ -47,12 +47,11 @@ QTensorView CudaMoeLayer::gemm_rows(const QTensorView& rows, int64_t c) const {
 }
 QTensorView CudaMoeLayer::saved_h() const {
   const QTensorView& h = ws_.expert.h_saved;
-  return h.layout == Layout::kMxfp4Row1x32 ? mxfp4_1x32(h.codes, h.ue8m0(), Mp_, 2 * F_)
-                                           : row_1x128(h.codes, h.ue8m0(), Mp_, 2 * F_);
+  return path_.h_mxfp4() ? mxfp4_1x32(h.codes, h.ue8m0(), Mp_, 2 * F_) : row_1x128(h.codes, h.ue8m0(), Mp_, 2 * F_);
 }
 void CudaMoeLayer::fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out,
                              DeviceStatus* st) {
-  if (grouped_gemm_) {
+  if (path_.grouped_gemm) {
     gemm_->fprop(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st}, n, k, gemm_rows(in, k), w,
                  ms<bf16_t>(out, Mp_ * n), stream_);
     return;
@@ -62,7 +61,7 @@ void CudaMoeLayer::fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const 
 }
 void CudaMoeLayer::fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out,
                              DeviceStatus* st) {
-  if (grouped_gemm_) {
+  if (path_.grouped_gemm) {
     gemm_->dgrad(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st}, n, k, gemm_rows(in, n), w,
                  ms<bf16_t>(out, Mp_ * k), stream_);
     return;
@@ -98,7 +97,7 @@ void CudaMoeLayer::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTens
 void CudaMoeLayer::bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {
   const auto x = cs<bf16_t>(in, Mp_ * k);
   const auto wt = cs<bf16_t>(w, int64_t(El_) * n * k);
-  if (grouped_gemm_)
+  if (path_.grouped_gemm)
     gemm_->fprop_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_fwd_aux()}, n, k, x, wt,
                       ms<bf16_t>(out, Mp_ * n), stream_);
   else
@@ -107,7 +106,7 @@ void CudaMoeLayer::bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16
 void CudaMoeLayer::bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {
   const auto dy = cs<bf16_t>(in, Mp_ * n);
   const auto wt = cs<bf16_t>(w, int64_t(El_) * n * k);
-  if (grouped_gemm_)
+  if (path_.grouped_gemm)
     gemm_->dgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k, dy, wt,
                       ms<bf16_t>(out, Mp_ * k), stream_);
   else
@@ -117,7 +116,7 @@ void CudaMoeLayer::bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, i
   const auto dy = cs<bf16_t>(grad, Mp_ * n);
   const auto x = cs<bf16_t>(in, Mp_ * k);
   const gemm::WgradOut out = dw_out(dw, int64_t(El_) * n * k);
-  if (grouped_gemm_ && cfg_.align == 128)  // (the kernel's 128-token blocks)
+  if (path_.grouped_gemm && cfg_.align == 128)  // (the kernel's 128-token blocks)
     gemm_->wgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k, dy, x, out, stream_);
   else
     gemm_->wgrad_bf16(seg_, n, k, dy, x, out, stream_);

@@ -56,7 +56,7 @@ int64_t CudaMoeLayer::saved_bytes(TensorFormat f, int64_t cols, const RowCounts&
 }
 
 void CudaMoeLayer::save_activations(const RowCounts& rc) const {
-  const RecipeSpec& spec = recipe_spec(cfg_.recipe);
+  const RecipeSpec& spec = path_.spec();
   for (const SavedSpec* s : {&spec.gemm1_input, &spec.gemm1_output, &spec.gemm2_input}) {
     const int64_t cols = s->width == LayerWidth::kH ? H_ : s->width == LayerWidth::k2F ? 2 * F_ : F_;
     save_rows(s->name, s->format_string(), saved_bytes(s->format, cols, rc), s->row_bytes(H_, F_), rc.held);
@@ -96,7 +96,8 @@ void CudaMoeLayer::resolve_report() const {
   } else {
     const int W = comm_->world_size(), me = comm_->rank();
     const int32_t* m = ws_.ep.host_matrices;
-    const DispatchPlan plan = plan_from_all_counts(ep_config(), me, W, m, T_, dedup_ ? m + int64_t(W) * E_ : nullptr);
+    const DispatchPlan plan =
+        plan_from_all_counts(ep_config(), me, W, m, T_, path_.ep_dedup ? m + int64_t(W) * E_ : nullptr);
     for (int g = 0; g < E_; ++g) routed += m[int64_t(me) * E_ + g];
     rc = {plan.padded_rows(), plan.recv_rows(), plan.padded_segments().num_blocks()};
     rep_.wire.clear();

@@ -66,7 +66,7 @@ void CudaMoeLayer::route(const bf16_t* x, const RoutingInput& ext) {
     auto s = fwd("routing tables + count fetch (host sync)");
     r.tokens.tokens = T_;
     build_routing(r.ids, r.tokens, st_fwd_aux(), stream_);
-    if (dedup_) {  // tokens per destination rank, fetched by the same host sync
+    if (path_.ep_dedup) {  // tokens per destination rank, fetched by the same host sync
       ep.tokens_to_ranks.tokens = T_;
       if (T_ > 0) {
         ep_peer_ids(r.ids, T_, K_, El_, ep.peer_ids, stream_);
@@ -102,7 +102,7 @@ void CudaMoeLayer::route(const bf16_t* x, const RoutingInput& ext) {
     FLOWMOE_CUDA_CHECK(cudaMemsetAsync(r.row_prob, 0, sizeof(float) * std::max<int64_t>(Mp_, 1), stream_));
     // EP: the forward dispatch brings each received row's probability into row_prob
     if (comm_ == nullptr) scatter_row_probs(r.probs, r.tokens.row_map, T_, K_, r.row_prob, stream_);
-    if (cfg_.recipe != Recipe::kBf16 && Mp_ > 0) build_segment_blocks(blocks(), st_fwd_aux(), stream_);
+    if (path_.segment_blocks && Mp_ > 0) build_segment_blocks(blocks(), st_fwd_aux(), stream_);
   }
 }
 
@@ -126,7 +126,7 @@ void CudaMoeLayer::plan_expert_parallel() {
   auto s = fwd("dispatch plan (count all-to-all)");
   // the configuration was agreed on at construction (make_cuda_layer): one collective here
   plan_ = plan_dispatch_counts(*comm_, ep_config(), ws_.routing.host_counts, T_, /*config_agreed=*/true,
-                               dedup_ ? ep.host_tokens_to_rank : nullptr);
+                               path_.ep_dedup ? ep.host_tokens_to_rank : nullptr);
   Mp_ = plan_.padded_rows();
   FLOWMOE_CHECK(Mp_ <= max_rows_, "MoeLayer::forward: " << Mp_ << " padded rows received; the workspaces hold "
                                       "max_rows() = " << max_rows_ << " (a rank passed T > max_tokens?)");

@@ -85,18 +85,16 @@ Routing alloc_routing(DeviceArena& a, int64_t tokens, int topk, int experts, int
 
 }  // namespace
 
-void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup, bool device_plan, bool fused_swiglu,
-                         bool fused_dswiglu) {
+void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath& path, bool device_plan) {
   // rows: cfg.max_rows() in whole 128-row blocks (the sync-free layer's capacity, which the wgrad
   // kernel reads as 128-token blocks through TMA)
   const int64_t R = workspace_rows(cfg), Tm = cfg.max_tokens, H = cfg.hidden, F = cfg.ffn, E = cfg.num_experts;
   const int64_t El = cfg.num_local_experts(), K = cfg.topk;
   const int64_t MB = segment_max_blocks(R, int(El));
   const int64_t maxC = std::max(H, 2 * F);
-  const Recipe rc = cfg.recipe;
-  const RecipeSpec& spec = recipe_spec(rc);
-  const bool pow2 = spec.weights == WeightCopy::kFp8Block;  // UE8M0 block scales before conversion
-  const bool fp8 = spec.uses_fp8();
+  const bool pow2 = path.pow2_weights;  // UE8M0 block scales before conversion
+  const bool fp8 = path.fp8;
+  const bool dedup = path.ep_dedup, fused_swiglu = path.fused_swiglu, fused_dswiglu = path.fused_dswiglu;
   Communicator* comm = cfg.comm;
   constexpr Region kW = Region::kWeights, kS = Region::kSaved, kT = Region::kTransient;
 
@@ -200,22 +198,15 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup, bool 
 
   // The expert path: what the recipe's table saves (recipe.h SavedSpec) is kS, the rest scratch.
   ExpertBuffers& x = expert;
-  x.y_rows = a.device<bf16_t>(R * H, kT);
-  x.x_perm_staging = x.dy_rows = x.dx_rows = x.y_rows;
-  const bool flow = rc == Recipe::kFlow || rc == Recipe::kFlowFp4;
-  const bool bf16 = rc == Recipe::kBf16;
-  x.h = flow && fused_swiglu ? nullptr : a.device<bf16_t>(R * 2 * F, flow ? kT : kS);  // h BF16 saved but by flow
-  x.a = flow && fused_dswiglu ? nullptr : a.device<bf16_t>(R * F, bf16 ? kS : kT);     // a' BF16 saved by bf16
-  if (bf16) {
-    x.x_perm = a.device<bf16_t>(R * H, kS);
-    x.da = a.device<bf16_t>(R * F, kT);
-  } else {
-    x.da = x.a;
-  }
-  if (rc == Recipe::kFlow || rc == Recipe::kFlowFp4)
-    x.dh = x.h;  // h is saved in FP8 / MXFP4 there
-  else
-    x.dh = a.device<bf16_t>(R * 2 * F, kT);
+  x.rows_bf16 = a.device<bf16_t>(R * H, kT);
+  const bool h_bf16 = path.h_saved == TensorFormat::kBf16;  // all but the flow pipeline
+  const bool a_bf16 = path.a_saved == TensorFormat::kBf16;  // bf16
+  // (the fused epilogues, flow pipeline only, leave out BF16 h and da')
+  x.h = fused_swiglu ? nullptr : a.device<bf16_t>(R * 2 * F, h_bf16 ? kS : kT);
+  x.a = fused_dswiglu ? nullptr : a.device<bf16_t>(R * F, a_bf16 ? kS : kT);
+  if (path.x_perm_saved == TensorFormat::kBf16) x.x_perm = a.device<bf16_t>(R * H, kS);  // bf16
+  x.da = a_bf16 ? a.device<bf16_t>(R * F, kT) : x.a;  // (a' saved in BF16: read by GEMM2's wgrad after da')
+  x.dh = h_bf16 ? a.device<bf16_t>(R * 2 * F, kT) : x.h;  // (h saved quantized: its BF16 buffer is scratch)
   if (fp8) {
     const QTensorView row =
         row_1x128(a.device<uint8_t>(R * maxC, kT), a.device<uint8_t>((maxC / 128) * R, kT), R, maxC);
@@ -233,13 +224,13 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup, bool 
     x.a_col_f32 = x.x_perm_col_f32 =
         col_128x1_f32(x.x_perm_col_flow.codes, x.input_col_scales, R, maxC, MB);
   }
-  switch (rc) {
-    case Recipe::kBf16: break;
-    case Recipe::kBlockwise:
+  switch (path.pipeline) {
+    case Pipeline::kBf16Gemms: break;
+    case Pipeline::kBlockwise:
       x.x_perm_col = col_128x1(a.device<uint8_t>(H * R, kS), a.device<uint8_t>(MB * H, kS), R, H, MB);
       x.a_col = col_128x1(a.device<uint8_t>(F * R, kS), a.device<uint8_t>(MB * F, kS), R, F, MB);
       break;
-    case Recipe::kFp8Naive:
+    case Pipeline::kFp8Naive:
       x.entry_f32 = row_1x128_f32(a.device<uint8_t>(Tm * H, kT), a.device<float>(Tm * H / 128, kT), Tm, H);
       x.entry_dequantized = a.device<bf16_t>(Tm * H, kT);
       x.x_perm_f32 = row_1x128_f32(a.device<uint8_t>(R * H, kS), a.device<float>(R * H / 128, kS), R, H);
@@ -247,14 +238,13 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup, bool 
       x.naive_dequantized = a.device<bf16_t>(R * maxC, kT);
       x.naive_transposed = a.device<bf16_t>(R * maxC, kT);
       break;
-    case Recipe::kFlow:
-    case Recipe::kFlowFp4: {
+    case Pipeline::kFlow: {
       uint8_t* entry_codes = a.device<uint8_t>(Tm * H, kT);
       x.entry_fp8 = row_1x128(entry_codes, a.device<uint8_t>((H / 128) * Tm, kT), Tm, H);
-      if (rc == Recipe::kFlow) {  // h saved row-wise FP8
+      if (!path.h_mxfp4()) {  // h saved row-wise FP8 (flow)
         uint8_t* codes = a.device<uint8_t>(R * 2 * F, kS);
         x.h_saved = row_1x128(codes, a.device<uint8_t>((2 * F / 128) * R, kS), R, 2 * F);
-      } else {  // flow-fp4: h saved as MXFP4 [R, 2F/2] + [R][2F/32]
+      } else {  // h saved as MXFP4 [R, 2F/2] + [R][2F/32] (flow-fp4)
         uint8_t* codes = a.device<uint8_t>(R * F, kS);
         x.h_saved = mxfp4_1x32(codes, a.device<uint8_t>(R * (2 * F / 32), kS), R, 2 * F);
       }
@@ -269,7 +259,7 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, bool dedup, bool 
           x.dh_col_fused =
               col_128x1(a.device<uint8_t>(2 * F * R, kT), a.device<uint8_t>(MB * 2 * F, kT), R, 2 * F, MB);
       }
-      if (rc == Recipe::kFlow) {
+      if (!path.x_mxfp4) {  // x_perm saved row-wise FP8 (flow)
         uint8_t* codes = a.device<uint8_t>(R * H, kS);
         x.x_perm_row = row_1x128(codes, a.device<uint8_t>((H / 128) * R, kS), R, H);
       } else {

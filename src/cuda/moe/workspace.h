@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda/moe/kernels.cuh"
+#include "cuda/moe/recipe_path.h"
 #include "flowmoe/cuda/convert.h"
 #include "flowmoe/cuda/qtensor_view.h"
 #include "flowmoe/moe.h"
@@ -114,13 +115,15 @@ struct WeightBuffers {
 
 // Activations, saved tensors and scratch of the expert path (shapes for R padded rows).
 struct ExpertBuffers {
-  // One [R, H] bf16 allocation, four tensors never live at once:
-  bf16_t* y_rows = nullptr;          // forward: GEMM2 output (expert output rows)
-  bf16_t* x_perm_staging = nullptr;  // forward (blockwise, fp8-naive): permuted x in BF16, read by
-                                     // its quantization before GEMM2 writes y_rows
-  bf16_t* dy_rows = nullptr;         // backward (bf16, blockwise, fp8-naive): permuted dY in BF16,
-                                     // last read by GEMM2's grads
-  bf16_t* dx_rows = nullptr;         // backward: GEMM1 dgrad output, read by the tail
+  // [R, H] bf16 token-width rows, one allocation holding in turn (never two at once):
+  //   forward  1. x_perm staging (blockwise, fp8-naive): the permuted x in BF16, read only by its
+  //               quantization before GEMM1 (x_perm row + col, or row with FP32 scales)
+  //            2. y rows (every pipeline): GEMM2's output, read by the combine / unpermute
+  //   backward 3. dY rows (bf16, blockwise, fp8-naive): the permuted dY in BF16, last read by
+  //               GEMM2's grads (flow moves dY in FP8: dy_row)
+  //            4. dX rows (every pipeline): GEMM1 dgrad's output, read by the tail or the EP combine
+  // Sync-free EP shares this one address with the peers, which pull 2. and 4. from it.
+  bf16_t* rows_bf16 = nullptr;
   bf16_t* x_perm = nullptr;          // [R, H] bf16 recipe: GEMM1 input (saved)
   bf16_t* h = nullptr;               // [R, 2F] GEMM1 output (saved in bf16, blockwise, fp8-naive; null
                                      // with the fused SwiGLU)
@@ -213,12 +216,12 @@ struct Workspace {
   WeightBuffers weights;
   ExpertBuffers expert;
   EpBuffers ep;
-  // dedup: the deduplicated EP dispatch's buffers
-  // device_plan: the sync-free expert-parallel plan buffers (EpBuffers, last group)
-  // fused_swiglu / fused_dswiglu (flow recipes): GEMM1's and GEMM2-dgrad's fused epilogues, which
-  // leave out BF16 h and da' (ExpertBuffers::h, a) and write dh into dh_row_fused / dh_col_fused
-  void allocate(DeviceArena& arena, const MoeConfig& cfg, bool dedup, bool device_plan, bool fused_swiglu = false,
-                bool fused_dswiglu = false);
+  // The buffers of `path` (recipe_path.h): its pipeline and saved formats; ep_dedup: the
+  // deduplicated EP dispatch's buffers; fused_swiglu / fused_dswiglu (flow pipeline): GEMM1's and
+  // GEMM2-dgrad's fused epilogues, which leave out BF16 h and da' (ExpertBuffers::h, a) and write dh
+  // into dh_row_fused / dh_col_fused. device_plan: the sync-free expert-parallel plan buffers
+  // (EpBuffers, last group).
+  void allocate(DeviceArena& arena, const MoeConfig& cfg, const RecipePath& path, bool device_plan);
 };
 
 }  // namespace moe

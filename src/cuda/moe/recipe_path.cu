@@ -1,0 +1,89 @@
+// The CUDA layer's recipe path (recipe_path.h): the one function that turns a recipe's table row
+// and the layer options into the decisions of src/cuda/moe.
+#include "cuda/moe/recipe_path.h"
+
+#include "cuda/moe/workspace.h"
+#include "flowmoe/error.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+
+namespace {
+
+// How each pipeline's code makes the wgrad copy of GEMM1's input x_perm: the table row must say
+// the same (a check that the row and the pipeline agree).
+ColumnMethod x_perm_column_method(Pipeline p, bool x_mxfp4) {
+  switch (p) {
+    case Pipeline::kBf16Gemms: return ColumnMethod::kNone;
+    case Pipeline::kBlockwise: return ColumnMethod::kQuantizeFromBf16;
+    case Pipeline::kFp8Naive: return ColumnMethod::kDequantTransposeQuant;
+    case Pipeline::kFlow: return x_mxfp4 ? ColumnMethod::kFp4RowToFp8Col : ColumnMethod::kScalingAwareTranspose;
+  }
+  return ColumnMethod::kNone;
+}
+
+bool quantized_row(TensorFormat f) { return f == TensorFormat::kFp8Row || f == TensorFormat::kMxfp4Row; }
+
+}  // namespace
+
+RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& options) {
+  const RecipeSpec& s = recipe_spec(cfg.recipe);
+  RecipePath p;
+  p.row = &s;
+
+  // The pipeline, from where the row quantizes: no FP8 weight copy means BF16 GEMMs; FP32-scale
+  // weights are fp8-naive's operator substitution; UE8M0 weights with a BF16 entry quantize at each
+  // grouped linear (blockwise); a quantized entry is the flow dataflow. (The table has no field
+  // for the dataflow: it follows from these, and a field would be a second source of truth.)
+  if (s.weights == WeightCopy::kBf16Only)
+    p.pipeline = Pipeline::kBf16Gemms;
+  else if (s.weights == WeightCopy::kFp8BlockFp32Scale)
+    p.pipeline = Pipeline::kFp8Naive;
+  else if (s.entry == TensorFormat::kBf16)
+    p.pipeline = Pipeline::kBlockwise;
+  else
+    p.pipeline = Pipeline::kFlow;
+  const bool flow = p.pipeline == Pipeline::kFlow;
+
+  p.fp8 = s.uses_fp8();
+  p.pow2_weights = s.weights == WeightCopy::kFp8Block;
+  p.x_mxfp4 = s.entry == TensorFormat::kMxfp4Row;
+  p.x_perm_saved = s.gemm1_input.format;
+  p.h_saved = s.gemm1_output.format;
+  p.a_saved = s.gemm2_input.format;
+  // The 128-row segment blocks are read by the column copies (quantize_col, the transposes,
+  // DQ->T->Q) and the FP8 wgrads over them; BF16 GEMMs read the rows only.
+  p.segment_blocks = false;
+  for (const ColumnSpec& c : s.columns) p.segment_blocks = p.segment_blocks || c.method != ColumnMethod::kNone;
+
+  // The row and the pipeline's code agree (the flow pipeline: the entry and h quantized row-wise,
+  // x_perm saved in its entry format; the others: h in BF16, no MXFP4).
+  const bool agrees = s.column(WgradOperand::kGemm1Input).method == x_perm_column_method(p.pipeline, p.x_mxfp4) &&
+                      (flow ? quantized_row(s.entry) && quantized_row(p.h_saved) && p.x_perm_saved == s.entry
+                            : p.h_saved == TensorFormat::kBf16 && !p.x_mxfp4);
+  FLOWMOE_CHECK(agrees, "make_cuda_layer: internal error: recipe " << s.name << "'s table row (recipe.h) asks for "
+                            "a combination of formats the CUDA layer's pipelines do not run");
+
+  // The layer options. kAuto's rule for the grouped kernels was measured for the FP8 kernels:
+  // bf16 keeps cuBLASLt (CudaLayerOptions::fprop_dgrad).
+  using FD = CudaLayerOptions::FpropDgrad;
+  p.grouped_gemm = options.sync_free || options.fprop_dgrad == FD::kGrouped ||
+                   (options.fprop_dgrad == FD::kAuto && p.fp8 &&
+                    workspace_rows(cfg) <= CudaLayerOptions::kGroupedAutoRows * cfg.num_local_experts());
+  // The fused epilogues write a' row-wise FP8 and h in its saved quantized format (flow's SwiGLU +
+  // quantize and dSwiGLU + quantize): the flow pipeline, with the grouped kernel running the GEMM.
+  p.fused_swiglu = options.fused_swiglu && p.grouped_gemm && flow;
+  p.fused_dswiglu = options.fused_dswiglu && p.grouped_gemm && flow;
+  // Only the flow pipeline makes its wgrad column copies as operators of their own (the scaling-aware
+  // transposes, FP4RowToFP8Col), which can run next to the GEMMs; the others make them inline.
+  p.side_stream = options.side_stream && flow;
+  // The deduplicated exchange moves BF16, FP8 (UE8M0 1x128) and MXFP4 token rows; fp8-naive's
+  // FP32-scale rows take its own exchange (move_naive: every (token, expert) row, as DeepSeek-V3's).
+  p.ep_dedup = cfg.comm != nullptr && options.ep_dedup && s.forward_wire != WireFormat::kFp8Fp32Scale;
+  return p;
+}
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe

@@ -1,0 +1,63 @@
+// The CUDA layer's recipe as data: every per-recipe decision of src/cuda/moe, made once at
+// construction (make_recipe_path) from the recipe's row of the table (flowmoe/recipe.h RecipeSpec)
+// and the layer options that depend on the recipe (CudaLayerOptions). The layer's rooms read these
+// fields and never compare the Recipe enum; a new recipe is a table row whose fields select one of
+// the pipelines below (or a new pipeline with its forward / backward pair).
+#pragma once
+
+#include <cstdint>
+
+#include "flowmoe/moe.h"
+#include "flowmoe/recipe.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+
+// The dataflow a layer step runs: one forward / backward pair each (forward.cu, backward.cu).
+enum class Pipeline : uint8_t {
+  kBf16Gemms,  // BF16 GEMMs (bf16): forward_bf16, backward_bf16
+  kBlockwise,  // BF16 between the GEMMs, each grouped linear quantizes its BF16 input (row + col
+               // copies, UE8M0 scales; blockwise): forward_blockwise, backward_blockwise
+  kFp8Naive,   // operator substitution with FP32 scales, column copies DQ -> T -> Q (fp8-naive):
+               // forward_naive, backward_naive
+  kFlow,       // the flow dataflow (flow, flow-fp4): quantized once at the entry, FP8 / MXFP4
+               // between the GEMMs, fused (d)SwiGLU + quantize, exact column copies: forward_flow,
+               // backward_flow
+};
+
+struct RecipePath {
+  const RecipeSpec* row = nullptr;  // the recipe's table row: report names, saved tensors
+  Pipeline pipeline = Pipeline::kBf16Gemms;
+
+  // ---- formats (the table row's fields) ------------------------------------------------------------
+  bool fp8 = false;           // FP8 weight copies and GEMMs (RecipeSpec::uses_fp8: all but bf16)
+  bool pow2_weights = false;  // weights as 128x128 blocks with UE8M0 scales, converted to the GEMM's
+                              // FP32 layout (WeightCopy::kFp8Block; not fp8-naive's FP32 scales)
+  bool x_mxfp4 = false;       // x quantized at the entry, moved and saved as MXFP4 1x32 (entry ==
+                              // kMxfp4Row: the one place that decides an MXFP4 x); GEMM1 reads it
+                              // through FP4RowToFP8Row, its wgrad through FP4RowToFP8Col
+  TensorFormat x_perm_saved = TensorFormat::kBf16;  // GEMM1's input as saved (gemm1_input)
+  TensorFormat h_saved = TensorFormat::kBf16;       // GEMM1's output h as saved (gemm1_output)
+  TensorFormat a_saved = TensorFormat::kBf16;       // GEMM2's input a' as saved (gemm2_input)
+  bool segment_blocks = false;  // routing builds the segments' 128-row blocks (a column copy reads them)
+
+  // ---- the layer options that apply to this recipe ------------------------------------------------
+  bool grouped_gemm = true;    // fprop / dgrad (bf16: and wgrad) by flowmoe's grouped kernels
+  bool fused_swiglu = false;   // GEMM1 + SwiGLU*prob + quantize in one kernel (W1 interleaved)
+  bool fused_dswiglu = false;  // GEMM2 dgrad + dSwiGLU*prob + quantize in one kernel
+  bool side_stream = false;    // the wgrad column copies on the side stream
+  bool ep_dedup = false;       // the deduplicated EP dispatch
+
+  const RecipeSpec& spec() const { return *row; }
+  bool h_mxfp4() const { return h_saved == TensorFormat::kMxfp4Row; }  // flow-fp4's h
+};
+
+// The path of cfg.recipe on a layer with these options (cfg.comm, cfg's row capacity and local
+// experts enter the GEMM and EP choices). Throws flowmoe::Error if the table row asks for a
+// combination no pipeline runs (an internal error: the table and this layer disagree).
+RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& options);
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe
