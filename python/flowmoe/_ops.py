@@ -227,16 +227,23 @@ def _(dy, wbuf, saved, step, dw1, dw2, dwr):
 
 
 # ---- autograd ---------------------------------------------------------------------------------------
-def _setup_context(ctx, inputs, output):
-    x, w1, w2, wr, wbuf, module_id, keep_step = inputs
-    y, saved, step = output
+def _save_step(ctx, module_id, wbuf, saved, step):
+    """What a forward node keeps for its backward (both ops): the module, the weight copies, the
+    saved bytes and the step; in eager mode (not a compiler's fake tensor) the node owns the step
+    too (see _steps)."""
     ctx.module_id = module_id
     ctx.owner = None
-    if type(step) is torch.Tensor:  # eager (not a compiler's fake tensor): the node owns the step too
+    if type(step) is torch.Tensor:
         sid = int(step[0])
         if sid and _own_step(sid):
             ctx.owner = _NodeOwner(sid)
     ctx.save_for_backward(wbuf, saved, step)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w1, w2, wr, wbuf, module_id, keep_step = inputs
+    y, saved, step = output
+    _save_step(ctx, module_id, wbuf, saved, step)
 
 
 def _backward(ctx, dy, _dsaved, _dstep):
@@ -312,13 +319,7 @@ def _(dy, wbuf, saved, step, needs, module_id):
 def _experts_setup_context(ctx, inputs, output):
     x, ids, probs, w1, w2, wbuf, module_id, keep_step = inputs
     y, saved, step = output
-    ctx.module_id = module_id
-    ctx.owner = None
-    if type(step) is torch.Tensor:  # eager: the node owns the step too (see _steps)
-        sid = int(step[0])
-        if sid and _own_step(sid):
-            ctx.owner = _NodeOwner(sid)
-    ctx.save_for_backward(wbuf, saved, step)
+    _save_step(ctx, module_id, wbuf, saved, step)
 
 
 def _experts_backward(ctx, dy, _dsaved, _dstep):
