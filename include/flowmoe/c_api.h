@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define FLOWMOE_CAPI_VERSION 3
+#define FLOWMOE_CAPI_VERSION 4
 
 enum flowmoe_status_code {
   FLOWMOE_OK = 0,
@@ -93,6 +93,10 @@ int flowmoe_layer_local_experts(const flowmoe_layer* layer);    // El
 // router_bias may be null.
 int flowmoe_layer_set_weights(flowmoe_layer* layer, const float* w1, const float* w2,
                               const float* wr, const float* router_bias);
+// flowmoe_layer_set_weights with BF16 parameters W1, W2 (bf16 bits; version 4; moe.h MoeWeights::
+// w1_bf16): the bits of FP32 masters holding the same values, without an FP32 copy.
+int flowmoe_layer_set_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2,
+                                   const float* wr, const float* router_bias);
 int flowmoe_layer_forward(flowmoe_layer* layer, const uint16_t* x, int64_t tokens, uint16_t* y);
 // Gradient pointers may be null (skipped). accumulate: 1 adds to the buffers, 0 overwrites them
 // (MoeGrads::accumulate).

@@ -122,11 +122,21 @@ struct MoeConfig {
 // experts (global experts rank*El .. rank*El + El - 1), wr and router_bias all E (replicated).
 // `router_bias` [E] fp32 or null: added to the scores for selection only (DeepSeek-V3's
 // aux-loss-free balancing), not differentiated.
+//
+// BF16 parameters (e.g. a Hugging Face model loaded in bfloat16): w1_bf16 / w2_bf16 instead of
+// w1 / w2 (both of one kind; the others null). The layer's BF16 copies are then the parameters'
+// values themselves, so every copy and result has the bits of FP32 masters holding the same values
+// (BF16 -> FP32 is exact and RNE back to BF16 returns it), with no FP32 copy and no conversion:
+// the CUDA layer quantizes straight from the parameters.
 struct MoeWeights {
   const float* w1 = nullptr;  // [El, 2F, H] fp32 (rows [0, F): gate, [F, 2F): up); El = E alone
   const float* w2 = nullptr;  // [El, H, F]  fp32
   const float* wr = nullptr;  // [E, H]     fp32 router
   const float* router_bias = nullptr;  // [E] fp32 or null
+  const bf16_t* w1_bf16 = nullptr;  // [El, 2F, H] bf16, instead of w1
+  const bf16_t* w2_bf16 = nullptr;  // [El, H, F]  bf16, instead of w2
+
+  bool bf16_params() const { return w1_bf16 != nullptr || w2_bf16 != nullptr; }
 };
 
 // Gradient outputs, accumulated into (+=), same memory space as the weights. A null pointer skips
@@ -278,8 +288,8 @@ class MoeLayer {
   const MoeConfig& config() const { return cfg_; }
   virtual const char* backend() const = 0;  // "cpu" or "cuda"
 
-  // Copies the masters to BF16 and (FP8 recipes) quantizes them: W1, W2 as 128x128 blocks plus
-  // exact transposes. Counted as MoePass::kWeightUpdate operators in the report.
+  // Copies the masters to BF16 (or takes BF16 parameters as they are) and (FP8 recipes) quantizes
+  // them: W1, W2 as 128x128 blocks plus exact transposes. Refuses non-finite weights. Counted as MoePass::kWeightUpdate operators in the report.
   virtual void set_weights(const MoeWeights& w) = 0;
 
   // MoeConfig::external_routing: the routing of the next forward (and only that one), chosen by
@@ -326,6 +336,10 @@ class MoeLayer {
     const float* probs = nullptr;
   };
   RoutingInput take_routing(const char* what);
+  // set_weights' pointer checks, both backends: W1 and W2 given once each, both FP32 or both BF16;
+  // Wr given exactly when the layer has a router, router_bias only then. `space`: "host" or
+  // "device", for the message.
+  void check_weights(const MoeWeights& w, const char* space) const;
   MoeConfig cfg_;
   RoutingInput routing_input_;
 };

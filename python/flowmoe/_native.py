@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from ._errors import CommError, FlowmoeError, NonFiniteError
 
 LIBRARY_NAME = "libflowmoe_capi.so"
-CAPI_VERSION = 3
+CAPI_VERSION = 4
 
 OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED = 0, 1, 2, 3, 4
 
@@ -98,6 +98,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_backend": (ctypes.c_char_p, [vp]),
         "flowmoe_layer_local_experts": (c_int, [vp]),
         "flowmoe_layer_set_weights": (c_int, [vp, vp, vp, vp, vp]),
+        "flowmoe_layer_set_weights_bf16": (c_int, [vp, vp, vp, vp, vp]),
         "flowmoe_layer_forward": (c_int, [vp, vp, i64, vp]),
         "flowmoe_layer_backward": (c_int, [vp, vp, vp, vp, vp, vp, c_int]),
         "flowmoe_layer_backward_ex": (c_int, [vp, vp, vp, vp, vp, vp, vp, c_int]),
@@ -290,6 +291,10 @@ class Layer:
 
     def set_weights(self, w1: int, w2: int, wr: int, router_bias: Optional[int] = None) -> None:
         check(lib().flowmoe_layer_set_weights(self.handle, w1, w2, wr, router_bias or None))
+
+    def set_weights_bf16(self, w1: int, w2: int, wr: int, router_bias: Optional[int] = None) -> None:
+        """set_weights with BF16 w1 / w2 (bf16 bits): the bits of FP32 masters of the same values."""
+        check(lib().flowmoe_layer_set_weights_bf16(self.handle, w1, w2, wr, router_bias or None))
 
     def forward(self, x: int, tokens: int, y: int) -> None:
         check(lib().flowmoe_layer_forward(self.handle, x, int(tokens), y))

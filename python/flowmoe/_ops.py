@@ -3,7 +3,8 @@
 Operators, each opaque to torch.compile and with a fake (meta) implementation:
 
 - ``flowmoe::derive_weights(w1, w2, wr, router_bias, module_id, tokens) -> wbuf``: the layer's
-  weight copies (BF16 / FP8 blocks with their transposes) made from the FP32 masters, into a new
+  weight copies (BF16 / FP8 blocks with their transposes) made from the FP32 masters (or from w1, w2
+  as BF16 parameters, used as the BF16 copies: no FP32 copy; the experts-only layer), into a new
   uint8 tensor (CUDA; CPU: the copies stay inside the CPU layer and wbuf is empty).
 - ``flowmoe::moe_forward(x, w1, w2, wr, wbuf, module_id, keep_step) -> (y, saved, step)``: y and
   what the backward needs, as a uint8 tensor ``saved`` (CUDA: codes, scales and routing tables; CPU:
@@ -117,15 +118,21 @@ def derive_weights(w1: torch.Tensor, w2: torch.Tensor, wr: Optional[torch.Tensor
                    module_id: int, tokens: int) -> torch.Tensor:
     m = _module(module_id)
     r = m._ensure_runner(w1.device, tokens)
-    for name, t in (("w1", w1), ("w2", w2), ("wr", wr), ("router_bias", router_bias)):
-        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device != r.device):
+    # w1 / w2: FP32 masters, or BF16 parameters (both of one dtype: the layer's BF16 copies are then
+    # their values, the bits of FP32 masters holding them, with no FP32 copy)
+    expert_dtype = w1.dtype if w1.dtype in (torch.float32, torch.bfloat16) and w2.dtype == w1.dtype else torch.float32
+    for name, t, dtype in (("w1", w1, expert_dtype), ("w2", w2, expert_dtype), ("wr", wr, torch.float32),
+                           ("router_bias", router_bias, torch.float32)):
+        if t is not None and (t.dtype != dtype or not t.is_contiguous() or t.device != r.device):
             raise FlowmoeError(f"flowmoe.torch.MoE: {name} is {t.dtype} on {t.device} (contiguous: "
-                               f"{t.is_contiguous()}); expected contiguous float32 on {r.device}")
+                               f"{t.is_contiguous()}); expected contiguous {dtype} on {r.device} (w1 and w2: "
+                               "both float32 or both bfloat16)")
     wbuf = _bytes(r.plan[0], w1.device)
     tbuf = _bytes(r.plan[2], w1.device) if r.plan[2] else None
+    set_weights = r.layer.set_weights_bf16 if expert_dtype == torch.bfloat16 else r.layer.set_weights
     with r.ordered():
         r.layer.bind_memory(_addr(wbuf), 0, _addr(tbuf))
-        r.layer.set_weights(_addr(w1), _addr(w2), _addr(wr), _addr(router_bias))
+        set_weights(_addr(w1), _addr(w2), _addr(wr), _addr(router_bias))
     m.weight_updates += 1
     return wbuf
 
@@ -320,14 +327,17 @@ def _experts_setup_context(ctx, inputs, output):
     x, ids, probs, w1, w2, wbuf, module_id, keep_step = inputs
     y, saved, step = output
     _save_step(ctx, module_id, wbuf, saved, step)
+    ctx.weight_dtype = w1.dtype
 
 
 def _experts_backward(ctx, dy, _dsaved, _dstep):
     wbuf, saved, step = ctx.saved_tensors
     needs = [bool(ctx.needs_input_grad[3]), bool(ctx.needs_input_grad[4])]
     dx, dw1, dw2, dprobs = experts_backward(dy, wbuf, saved, step, needs, ctx.module_id)
+    # the layer's weight gradients are FP32: BF16 parameters get them rounded (RNE) to BF16
+    dt = ctx.weight_dtype
     return (dx if ctx.needs_input_grad[0] else None, None, dprobs if ctx.needs_input_grad[2] else None,
-            dw1 if needs[0] else None, dw2 if needs[1] else None, None, None, None)
+            dw1.to(dt) if needs[0] else None, dw2.to(dt) if needs[1] else None, None, None, None)
 
 
 experts_forward.register_autograd(_experts_backward, setup_context=_experts_setup_context)

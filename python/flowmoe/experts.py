@@ -12,9 +12,11 @@ allocator on CUDA, several forwards in flight, torch.compile sees opaque operato
 Shapes: x ``[T, H]`` (or ``[..., H]``) bf16 or fp32 (computed in BF16, returned in x's dtype);
 top_k_index ``[T, k]`` integer expert ids in ``[0, E)`` (-1: slot dropped); top_k_weights ``[T, k]``
 (fp32 or any float dtype: used in FP32); w1 ``[E, 2F, H]`` (rows [0, F) gate, [F, 2F) up: the
-layout of transformers' ``gate_up_proj``), w2 ``[E, H, F]`` (``down_proj``). The layer's masters
-are FP32: w1 / w2 of another float dtype are converted at every forward (``.float()``, an FP32
-copy of the expert weights alive during the forward; gradients return in the parameters' dtype).
+layout of transformers' ``gate_up_proj``), w2 ``[E, H, F]`` (``down_proj``). w1 / w2 in float32
+(masters) or bfloat16 (e.g. a model loaded in bfloat16) are used as they are: BF16 parameters are
+the layer's BF16 copies, quantized straight from the parameters, with the bits of FP32 masters
+holding the same values. Other float dtypes are converted to FP32 at every forward (an FP32 copy
+alive during the forward). Gradients return in the parameters' dtype (computed in FP32).
 """
 
 from __future__ import annotations
@@ -131,6 +133,15 @@ def _check_inputs(who, x, top_k_index, top_k_weights, w1, w2):
     return E, H, int(w2.shape[2]), int(top_k_index.shape[1])
 
 
+def _expert_weights(w1: torch.Tensor, w2: torch.Tensor):
+    """w1, w2 as the layer takes them: contiguous FP32 masters, or BF16 parameters as they are (the
+    layer's BF16 copies are then their values: no FP32 copy, the bits of FP32 masters holding them).
+    Other dtypes (float16, float64, mixed) are converted to FP32 at every forward."""
+    if w1.dtype == w2.dtype and w1.dtype in (torch.float32, torch.bfloat16):
+        return w1.contiguous(), w2.contiguous()  # (no copy for contiguous parameters)
+    return w1.to(torch.float32).contiguous(), w2.to(torch.float32).contiguous()
+
+
 # Layers of the functional form, per owner (an object the caller passes, e.g. an HF experts module)
 # or, without one, per w1 tensor (by identity: tensors compare elementwise), each with its
 # configurations: built on first use, rebuilt larger when more tokens come, dropped with the owner.
@@ -179,9 +190,7 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
     xb = xb.contiguous()
     ids = top_k_index.to(torch.int32).contiguous()
     probs = top_k_weights.to(torch.float32).contiguous()
-    w1f = w1.to(torch.float32).contiguous()  # no copy for contiguous float32 parameters
-    w2f = w2.to(torch.float32).contiguous()
-    y = layer.run(xb, ids, probs, w1f, w2f)
+    y = layer.run(xb, ids, probs, *_expert_weights(w1, w2))
     return y.reshape(x.shape).to(x.dtype)
 
 

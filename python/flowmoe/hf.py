@@ -15,10 +15,10 @@ top-k, normalisation, bias, group limits: HF computes ``top_k_index`` / ``top_k_
 runs the experts (``flowmoe.torch.experts``) with gradients for the hidden states, the expert
 weights and the routing weights, so the router trains as with "eager".
 
-Weights: the layer needs FP32 masters. FP32 parameters are used in place; BF16 (or FP16)
-parameters are converted at every forward (an FP32 copy of the layer's expert weights, 8 bytes per
-parameter read and written, alive during the forward), and their gradients come back in their
-dtype. Train with FP32 parameters (autocast for the rest of the model) to avoid that cost.
+Weights: FP32 and BF16 parameters are used in place (BF16 parameters are the layer's BF16 copies,
+quantized straight from the parameters: the bits of FP32 masters holding the same values). FP16
+parameters are converted to FP32 at every forward (an FP32 copy alive during the forward).
+Gradients come back in the parameters' dtype (computed in FP32; for BF16 parameters rounded once).
 
 Refused, with the model and what is missing named (never run wrong): experts with bias, without a
 gate (gate_up_proj), with an activation other than SiLU (SwiGLU), a custom gating function, a

@@ -241,6 +241,20 @@ int flowmoe_layer_set_weights(flowmoe_layer* layer, const float* w1, const float
   });
 }
 
+int flowmoe_layer_set_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2,
+                                   const float* wr, const float* router_bias) {
+  return guarded("flowmoe_layer_set_weights_bf16", [&] {
+    flowmoe::MoeWeights w;
+    w.w1_bf16 = w1;
+    w.w2_bf16 = w2;
+    w.wr = wr;
+    w.router_bias = router_bias;
+    FLOWMOE_CHECK(w1 && w2, "flowmoe_layer_set_weights_bf16: w1 and w2 must be non-null (bf16 W1 [El, 2F, H], "
+                            "W2 [El, H, F])");
+    checked(layer, "flowmoe_layer_set_weights_bf16")->layer->set_weights(w);
+  });
+}
+
 int flowmoe_layer_forward(flowmoe_layer* layer, const uint16_t* x, int64_t tokens, uint16_t* y) {
   return guarded("flowmoe_layer_forward", [&] {
     checked(layer, "flowmoe_layer_forward")->layer->forward(x, tokens, y);

@@ -42,6 +42,24 @@ MoeLayer::RoutingInput MoeLayer::take_routing(const char* what) {
   return r;
 }
 
+// ---- weights ------------------------------------------------------------------------------------
+void MoeLayer::check_weights(const MoeWeights& w, const char* space) const {
+  const char* what = "MoeLayer::set_weights";
+  const bool router = !cfg_.external_routing;
+  const int el = cfg_.num_local_experts();
+  FLOWMOE_CHECK(!(w.w1 && w.w1_bf16) && !(w.w2 && w.w2_bf16),
+                what << ": W1 or W2 given both as FP32 masters and as BF16 parameters; expected one of "
+                        "w1 / w1_bf16 and one of w2 / w2_bf16");
+  FLOWMOE_CHECK((w.w1 && w.w2) || (w.w1_bf16 && w.w2_bf16),
+                what << ": W1 and W2 must be non-null " << space << " pointers of one kind: w1 [El, 2F, H] "
+                     << "and w2 [El, H, F] fp32, or w1_bf16 and w2_bf16 bf16 (El = " << el
+                     << " local experts, H = " << cfg_.hidden << ", F = " << cfg_.ffn << ")");
+  FLOWMOE_CHECK(w.wr || !router, what << ": wr is null; expected a " << space << " pointer to Wr [E, H] fp32");
+  FLOWMOE_CHECK(router || (w.wr == nullptr && w.router_bias == nullptr),
+                what << ": wr or router_bias given to a layer without a router "
+                        "(MoeConfig::external_routing: the caller routes); expected null");
+}
+
 // ---- configuration ------------------------------------------------------------------------------
 void MoeConfig::validate() const {
   const char* what = "MoeConfig";

@@ -14,6 +14,7 @@
 #include "common/routed_problem.h"
 #include "flowmoe/error.h"
 #include "flowmoe/moe.h"
+#include "flowmoe/numerics.h"
 
 using flowmoe::bf16_t;
 using flowmoe::MoeConfig;
@@ -28,14 +29,27 @@ struct Out {
   std::vector<float> dw1, dw2, dwr, dprobs;
 };
 
+std::vector<bf16_t> rne_bf16(const std::vector<float>& v) {
+  std::vector<bf16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = flowmoe::num::f32_to_bf16(v[i]);
+  return out;
+}
+
 // The full layer (external = false) or the experts-only layer given p's ids and probs.
-Out run(const RoutedProblem& p, bool external, int passes = 1) {
+// bf16_params: W1, W2 given as BF16 parameters (the RNE of p's masters, MoeWeights::w1_bf16).
+Out run(const RoutedProblem& p, bool external, int passes = 1, bool bf16_params = false) {
   MoeConfig cfg = p.cfg;
   cfg.external_routing = external;
   auto layer = flowmoe::make_cpu_layer(cfg);
   flowmoe::MoeWeights w;
-  w.w1 = p.w1.data();
-  w.w2 = p.w2.data();
+  const std::vector<bf16_t> w1b = rne_bf16(p.w1), w2b = rne_bf16(p.w2);
+  if (bf16_params) {
+    w.w1_bf16 = w1b.data();
+    w.w2_bf16 = w2b.data();
+  } else {
+    w.w1 = p.w1.data();
+    w.w2 = p.w2.data();
+  }
   if (!external) {
     w.wr = p.wr.data();
     w.router_bias = p.bias.empty() ? nullptr : p.bias.data();
@@ -85,6 +99,26 @@ TEST(MoeRouted, SameBitsAsTheFullLayerEveryRecipe) {
     expect_same_bits(ext.dw2, full.dw2, "dW2");
     expect_same_bits(ext.dprobs, full.dprobs, "dprobs");
     expect_same_bits(flowmoe_test::full_layer_dx(p, ext.dx, ext.dprobs), full.dx, "dx + router path");
+  }
+}
+
+// BF16 parameters give the bits of FP32 masters of the same values (the layer keeps only BF16
+// copies of W1 and W2), in every recipe, for the full layer (router path, dWr) and the experts-only
+// layer. The masters here are not BF16 values: the layer rounds them to the same copies.
+TEST(MoeRouted, Bf16ParamsSameBitsAsFp32Masters) {
+  for (Recipe r : flowmoe::all_recipes()) {
+    SCOPED_TRACE(flowmoe::recipe_name(r));
+    const RoutedProblem p = flowmoe_test::make_routed_problem(cfg_for(r, RouterScore::kSoftmax, false, 1.0f, 37), 37, 17);
+    for (bool external : {false, true}) {
+      SCOPED_TRACE(external ? "experts-only layer" : "full layer");
+      const Out masters = run(p, external, 1, false), params = run(p, external, 1, true);
+      expect_same_bits(params.y, masters.y, "y");
+      expect_same_bits(params.dx, masters.dx, "dx");
+      expect_same_bits(params.dw1, masters.dw1, "dW1");
+      expect_same_bits(params.dw2, masters.dw2, "dW2");
+      expect_same_bits(params.dwr, masters.dwr, "dWr");
+      expect_same_bits(params.dprobs, masters.dprobs, "dprobs");
+    }
   }
 }
 
@@ -182,6 +216,20 @@ TEST(MoeRouted, ErrorsSayWhatIsExpected) {
   w.wr = p.wr.data();
   expect_throw([&] { layer->set_weights(w); }, "without a router");
   w.wr = nullptr;
+  // BF16 parameters: one kind per weight, finite values
+  std::vector<bf16_t> w1b = rne_bf16(p.w1), w2b = rne_bf16(p.w2);
+  w.w1_bf16 = w1b.data();
+  expect_throw([&] { layer->set_weights(w); }, "both as FP32 masters and as BF16");
+  w.w1 = nullptr;
+  expect_throw([&] { layer->set_weights(w); }, "of one kind");
+  w.w2 = nullptr;
+  w.w2_bf16 = w2b.data();
+  layer->set_weights(w);
+  w2b[w2b.size() - 3] = 0xFFC0;  // NaN
+  EXPECT_THROW(layer->set_weights(w), flowmoe::NonFiniteError);
+  w.w1_bf16 = w.w2_bf16 = nullptr;
+  w.w1 = p.w1.data();
+  w.w2 = p.w2.data();
   layer->set_weights(w);
   std::vector<bf16_t> y(p.T * ext.hidden), dx(p.T * ext.hidden);
   expect_throw([&] { layer->forward(p.x.data(), p.T, y.data()); }, "set_routing");

@@ -273,6 +273,42 @@ TEST(ConvertGpuWeight, QuantizeWeightAndTransposeBitExact) {
   }
 }
 
+// quantize_weights: E experts in one launch, each expert's bits those of the CPU reference on its slice
+TEST(ConvertGpuWeight, QuantizeWeightsBatchedBitExactPerExpert) {
+  REQUIRE_DEVICE();
+  const int experts = 3;
+  const int64_t n = 256, k = 384, elems = n * k, blocks = elems / 16384;
+  std::vector<bf16_t> w;
+  for (int e = 0; e < experts; ++e) {
+    const auto we = make_data(n, k, e == 1 ? Dist::kNonFinite : Dist::kHeavy, 200 + e);
+    w.insert(w.end(), we.begin(), we.end());
+  }
+  DBuf<bf16_t> dw(w);
+  DBuf<uint8_t> c(experts * elems), s(experts * blocks), tc(experts * elems), ts(experts * blocks);
+  DBuf<cuda::DeviceStatus> ds(1);
+  cudaMemset(ds.p, 0, sizeof(cuda::DeviceStatus));
+  cuda::quantize_weights(dw.p, experts, n, k, c.p, s.p, tc.p, ts.p, ds.p, 0);
+  const auto codes = c.get(), scales = s.get(), tcodes = tc.get(), tscales = ts.get();
+  int64_t nonfinite = 0;
+  for (int e = 0; e < experts; ++e) {
+    SCOPED_TRACE("expert " + std::to_string(e));
+    QTensor q, qt;
+    nonfinite += cpu::quantize_weight(w.data() + e * elems, n, k, &q, &qt).nonfinite;
+    expect_same_bits(q.codes, std::vector<uint8_t>(codes.begin() + e * elems, codes.begin() + (e + 1) * elems), elems,
+                     "codes");
+    expect_same_bits(q.scales, std::vector<uint8_t>(scales.begin() + e * blocks, scales.begin() + (e + 1) * blocks),
+                     blocks, "scales");
+    expect_same_bits(qt.codes, std::vector<uint8_t>(tcodes.begin() + e * elems, tcodes.begin() + (e + 1) * elems),
+                     elems, "transposed codes");
+    expect_same_bits(qt.scales,
+                     std::vector<uint8_t>(tscales.begin() + e * blocks, tscales.begin() + (e + 1) * blocks), blocks,
+                     "transposed scales");
+  }
+  EXPECT_GT(nonfinite, 0);
+  EXPECT_EQ(ds.get()[0].nonfinite, static_cast<unsigned long long>(nonfinite));
+  EXPECT_THROW(cuda::quantize_weights(dw.p, 0, n, k, c.p, s.p, tc.p, ts.p, ds.p, 0), Error);
+}
+
 // ---- DeepSeek-V3 scale: 32k tokens x 7168 through the headline path --------------------
 TEST(ConvertGpuLarge, DeepSeekV3Scale32kTokens) {
   REQUIRE_DEVICE();

@@ -16,7 +16,9 @@
 #include "common/routed_problem.h"
 #include "cuda/device_buffer.h"
 #include "cuda/gpu_test_util.h"
+#include "flowmoe/error.h"
 #include "flowmoe/moe.h"
+#include "flowmoe/numerics.h"
 
 namespace flowmoe {
 namespace {
@@ -29,27 +31,43 @@ constexpr int kE = 8, kK = 2;
 
 struct Out {
   std::vector<bf16_t> y, dx;
-  std::vector<float> dw1, dw2, dprobs;
+  std::vector<float> dw1, dw2, dprobs, dwr;
 };
 
+std::vector<bf16_t> rne_bf16(const std::vector<float>& v) {
+  std::vector<bf16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = num::f32_to_bf16(v[i]);
+  return out;
+}
+
 // The full layer (external = false) or the experts-only one given p.ids / p.probs (device copies).
-Out run(const RoutedProblem& p, bool external, bool sync_free) {
+// bf16_params: W1, W2 given as BF16 parameters (the RNE of p's masters) instead of FP32 masters.
+Out run(const RoutedProblem& p, bool external, bool sync_free, bool bf16_params = false,
+        bool fused_swiglu = false) {
   MoeConfig cfg = p.cfg;
   cfg.external_routing = external;
   CudaLayerOptions opt;
   opt.sync_free = sync_free;
+  opt.fused_swiglu = fused_swiglu;
   std::unique_ptr<MoeLayer> l = make_cuda_layer(cfg, nullptr, opt);
   DBuf<float> w1(p.w1), w2(p.w2), wr(p.wr);
+  DBuf<bf16_t> w1b(rne_bf16(p.w1)), w2b(rne_bf16(p.w2));
   DBuf<bf16_t> x(p.x), dy(p.dy), y(kT * kH), dx(kT * kH);
   DBuf<int32_t> ids(p.ids);
   DBuf<float> probs(p.probs), dw1(p.w1.size()), dw2(p.w2.size()), dwr(p.wr.size()), dprobs(p.probs.size());
-  l->set_weights(MoeWeights{w1.p, w2.p, external ? nullptr : wr.p, nullptr});
+  MoeWeights w{w1.p, w2.p, external ? nullptr : wr.p, nullptr};
+  if (bf16_params) {
+    w.w1 = w.w2 = nullptr;
+    w.w1_bf16 = w1b.p;
+    w.w2_bf16 = w2b.p;
+  }
+  l->set_weights(w);
   if (external) l->set_routing(ids.p, probs.p);
   l->forward(x.p, kT, y.p);
   MoeGrads g{dw1.p, dw2.p, external ? nullptr : dwr.p, false};
   g.dprobs = dprobs.p;
   l->backward(dy.p, dx.p, g);
-  return Out{y.get(), dx.get(), dw1.get(), dw2.get(), dprobs.get()};
+  return Out{y.get(), dx.get(), dw1.get(), dw2.get(), dprobs.get(), external ? std::vector<float>() : dwr.get()};
 }
 
 class Routed : public ::testing::TestWithParam<std::tuple<Recipe, bool>> {};
@@ -66,6 +84,54 @@ TEST_P(Routed, SameBitsAsTheFullLayer) {
   expect_same_bits(full.dw2, ext.dw2, "dW2");
   expect_same_bits(full.dprobs, ext.dprobs, "dprobs");
   expect_same_bits(full.dx, flowmoe_test::full_layer_dx(p, ext.dx, ext.dprobs), "dx + router path");
+}
+
+// BF16 parameters (MoeWeights::w1_bf16 / w2_bf16: quantized straight from them, no FP32 copy) give
+// the bits of FP32 masters holding the same values: the full layer (router path, dWr) and the
+// experts-only one; with sync_free also GEMM1's fused SwiGLU (W1 interleaved from the batch
+// quantization) and the per-expert path without it.
+TEST_P(Routed, Bf16ParamsSameBitsAsFp32Masters) {
+  REQUIRE_SM90();
+  const Recipe recipe = std::get<0>(GetParam());
+  const bool sync_free = std::get<1>(GetParam());
+  const MoeConfig cfg = flowmoe_test::moe_config(kH, kF, kE, kK).align(128).recipe(recipe).max_tokens(kT);
+  const RoutedProblem p = flowmoe_test::make_routed_problem(cfg, kT, 35);
+  for (bool external : {false, true}) {
+    SCOPED_TRACE(external ? "experts-only layer" : "full layer");
+    const Out masters = run(p, external, sync_free, false, sync_free);
+    const Out params = run(p, external, sync_free, true, sync_free);
+    expect_same_bits(masters.y, params.y, "y");
+    expect_same_bits(masters.dx, params.dx, "dx");
+    expect_same_bits(masters.dw1, params.dw1, "dW1");
+    expect_same_bits(masters.dw2, params.dw2, "dW2");
+    expect_same_bits(masters.dwr, params.dwr, "dWr");
+    expect_same_bits(masters.dprobs, params.dprobs, "dprobs");
+  }
+}
+
+// A NaN or Inf among BF16 parameters is refused like one among FP32 masters (every recipe: its
+// copy or quantization counts it); W1 given both ways is refused.
+TEST(RoutedBf16Params, NonFiniteRefused) {
+  REQUIRE_SM90();
+  for (Recipe recipe : all_recipes()) {
+    SCOPED_TRACE(recipe_name(recipe));
+    MoeConfig cfg = flowmoe_test::moe_config(kH, kF, kE, kK).align(128).recipe(recipe).max_tokens(kT);
+    cfg.external_routing = true;
+    std::unique_ptr<MoeLayer> l = make_cuda_layer(cfg, nullptr, CudaLayerOptions());
+    std::vector<bf16_t> h1(size_t(kE) * 2 * kF * kH, num::f32_to_bf16(0.01f)), h2(size_t(kE) * kH * kF, 0);
+    MoeWeights w;
+    DBuf<bf16_t> w1(h1), w2(h2);
+    w.w1_bf16 = w1.p;
+    w.w2_bf16 = w2.p;
+    EXPECT_NO_THROW(l->set_weights(w));
+    h2[h2.size() - 5] = 0x7F80;  // +Inf in the last expert's W2
+    DBuf<bf16_t> w2_bad(h2);
+    w.w2_bf16 = w2_bad.p;
+    EXPECT_THROW(l->set_weights(w), NonFiniteError);
+    DBuf<float> w1f(h1.size());
+    w.w1 = w1f.p;
+    EXPECT_THROW(l->set_weights(w), Error);
+  }
 }
 
 TEST_P(Routed, MatchesTheCpuLayer) {

@@ -15,9 +15,13 @@ namespace flowmoe {
 namespace cpu_moe {
 namespace {
 
-void check_finite(const float* v, int64_t n, const char* name) {
+float value_f32(float v) { return v; }
+float value_f32(bf16_t v) { return num::bf16_to_f32(v); }
+
+template <typename T>
+void check_finite(const T* v, int64_t n, const char* name) {
   for (int64_t i = 0; i < n; ++i)
-    if (!num::f32_is_finite(v[i]))
+    if (!num::f32_is_finite(value_f32(v[i])))
       throw NonFiniteError(__FILE__, __LINE__,
                            std::string("MoeLayer::set_weights: ") + name +
                                " holds a non-finite value at element " + std::to_string(i) +
@@ -37,19 +41,17 @@ CpuMoeLayer::CpuMoeLayer(const MoeConfig& cfg)
 }
 
 void CpuMoeLayer::set_weights(const MoeWeights& w) {
-  const char* what = "MoeLayer::set_weights";
   const bool router = !cfg_.external_routing;
-  FLOWMOE_CHECK(w.w1 && w.w2 && (w.wr || !router),
-                what << ": w1, w2 and wr must be non-null host pointers (W1 [El, 2F, H], W2 "
-                        "[El, H, F] of the El = "
-                     << El_ << " local experts, Wr [E, H] fp32)");
-  FLOWMOE_CHECK(router || (w.wr == nullptr && w.router_bias == nullptr),
-                what << ": wr or router_bias given to a layer without a router "
-                        "(MoeConfig::external_routing: the caller routes); expected null");
+  check_weights(w, "host");
   // W1, W2: this rank's El local experts (El = E on a single rank); Wr: all E (replicated).
   const int64_t n1 = int64_t(El_) * 2 * F_ * H_, n2 = int64_t(El_) * H_ * F_;
-  check_finite(w.w1, n1, "W1");
-  check_finite(w.w2, n2, "W2");
+  if (w.bf16_params()) {
+    check_finite(w.w1_bf16, n1, "W1");
+    check_finite(w.w2_bf16, n2, "W2");
+  } else {
+    check_finite(w.w1, n1, "W1");
+    check_finite(w.w2, n2, "W2");
+  }
   if (router) check_finite(w.wr, int64_t(E_) * H_, "Wr");
   std::shared_ptr<WeightCopies> copies = std::make_shared<WeightCopies>();
   WeightCopies& wc = *copies;
@@ -58,10 +60,15 @@ void CpuMoeLayer::set_weights(const MoeWeights& w) {
     wc.router_bias.assign(w.router_bias, w.router_bias + E_);
   else
     wc.router_bias.clear();
-  wc.w1_bf16.resize(n1);
-  wc.w2_bf16.resize(n2);
-  for (int64_t i = 0; i < n1; ++i) wc.w1_bf16[i] = num::f32_to_bf16(w.w1[i]);
-  for (int64_t i = 0; i < n2; ++i) wc.w2_bf16[i] = num::f32_to_bf16(w.w2[i]);
+  if (w.bf16_params()) {  // the parameters are the BF16 copies (what RNE of their FP32 values gives)
+    wc.w1_bf16.assign(w.w1_bf16, w.w1_bf16 + n1);
+    wc.w2_bf16.assign(w.w2_bf16, w.w2_bf16 + n2);
+  } else {
+    wc.w1_bf16.resize(n1);
+    wc.w2_bf16.resize(n2);
+    for (int64_t i = 0; i < n1; ++i) wc.w1_bf16[i] = num::f32_to_bf16(w.w1[i]);
+    for (int64_t i = 0; i < n2; ++i) wc.w2_bf16[i] = num::f32_to_bf16(w.w2[i]);
+  }
 
   report_.drop_ops(MoePass::kWeightUpdate);
   OpLog log(&report_, MoePass::kWeightUpdate);

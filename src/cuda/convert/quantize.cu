@@ -325,6 +325,16 @@ quantize_weight_kernel(const bf16_t* __restrict__ w, int64_t n, int64_t k, uint8
   __shared__ float s_amax[kThreads / 32];
   __shared__ int s_bad[kThreads / 32];
   const int64_t bn = blockIdx.y, bk = blockIdx.x;
+  {  // expert blockIdx.z of a batch: each operand advanced by one expert's extent
+    const int64_t ex = blockIdx.z, elems = n * k, blocks = (n / kTile) * (k / kTile);
+    w += ex * elems;
+    codes += ex * elems;
+    scales += ex * blocks;
+    if (t_codes) {
+      t_codes += ex * elems;
+      t_scales += ex * blocks;
+    }
+  }
   const int tid = threadIdx.x;
   uint4 v[8];
   float amax = 0.f;
@@ -408,7 +418,15 @@ void quantize_col(const bf16_t* x, int64_t k, const SegmentBlocks& sb, uint8_t* 
 void quantize_weight(const bf16_t* w, int64_t n, int64_t k, uint8_t* codes, uint8_t* scales,
                      uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
                      cudaStream_t stream) {
-  const char* what = "cuda::quantize_weight";
+  quantize_weights(w, 1, n, k, codes, scales, t_codes, t_scales, status, stream);
+}
+
+void quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
+                      uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
+                      cudaStream_t stream) {
+  const char* what = "cuda::quantize_weights";
+  FLOWMOE_CHECK(num_experts >= 1 && num_experts < 65536,
+                what << ": " << num_experts << " experts; expected 1 to 65535");
   check_k(k, kTile, what);
   FLOWMOE_CHECK(n > 0 && n % kTile == 0, what << ": N = " << n << " must be a positive multiple of 128");
   FLOWMOE_CHECK(n / kTile < 65536, what << ": N = " << n << " too large (at most 65535 tiles of 128)");
@@ -418,7 +436,8 @@ void quantize_weight(const bf16_t* w, int64_t n, int64_t k, uint8_t* codes, uint
   FLOWMOE_CHECK((t_codes == nullptr) == (t_scales == nullptr),
                 what << ": give both t_codes and t_scales, or neither");
   if (t_codes) check_aligned(t_codes, "t_codes", what);
-  dim3 grid(static_cast<unsigned>(k / kTile), static_cast<unsigned>(n / kTile));
+  dim3 grid(static_cast<unsigned>(k / kTile), static_cast<unsigned>(n / kTile),
+            static_cast<unsigned>(num_experts));
   quantize_weight_kernel<<<grid, kThreads, 0, stream>>>(w, n, k, codes, scales, t_codes, t_scales,
                                                         nonfinite_ptr(status));
   FLOWMOE_LAUNCH_CHECK(what);

@@ -49,6 +49,26 @@ __global__ void f32_to_bf16_kernel(const float* __restrict__ in, int64_t n, bf16
   if (nonfinite && bad) atomicAdd(nonfinite, static_cast<unsigned long long>(bad));
 }
 
+__device__ __forceinline__ int bf16_nonfinite(uint32_t h) { return (h & 0x7F80u) == 0x7F80u; }
+// n8 groups of 8 values as 16-byte vectors (both pointers 16-byte aligned), then the tail one by one
+__global__ void copy_bf16_checked_kernel(const bf16_t* __restrict__ in, int64_t n, int64_t n8,
+                                         bf16_t* __restrict__ out, unsigned long long* nonfinite) {
+  int bad = 0;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n8; i += stride) {
+    const uint4 v = reinterpret_cast<const uint4*>(in)[i];
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) bad += bf16_nonfinite(words[j]) + bf16_nonfinite(words[j] >> 16);
+    reinterpret_cast<uint4*>(out)[i] = v;
+  }
+  for (int64_t i = n8 * 8 + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    bad += bf16_nonfinite(in[i]);
+    out[i] = in[i];
+  }
+  if (nonfinite && bad) atomicAdd(nonfinite, static_cast<unsigned long long>(bad));
+}
+
 __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -105,6 +125,17 @@ void f32_to_bf16(const float* in, int64_t n, bf16_t* out, DeviceStatus* status, 
   check_ptr(out, "out", "moe::f32_to_bf16");
   f32_to_bf16_kernel<<<grid_1d(n, kThreads * 8), kThreads, 0, stream>>>(in, n, out, nf(status));
   FLOWMOE_LAUNCH_CHECK("moe::f32_to_bf16_kernel");
+}
+
+void copy_bf16_checked(const bf16_t* in, int64_t n, bf16_t* out, DeviceStatus* status, cudaStream_t stream) {
+  FLOWMOE_CHECK(n >= 0, "moe::copy_bf16_checked: n = " << n << " < 0");
+  if (n == 0) return;
+  check_ptr(in, "in", "moe::copy_bf16_checked");
+  check_ptr(out, "out", "moe::copy_bf16_checked");
+  const bool vec = (reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) % 16 == 0;
+  const int64_t n8 = vec ? n / 8 : 0;
+  copy_bf16_checked_kernel<<<grid_1d(n, kThreads * 8), kThreads, 0, stream>>>(in, n, n8, out, nf(status));
+  FLOWMOE_LAUNCH_CHECK("moe::copy_bf16_checked_kernel");
 }
 
 void fill_normal(float* f32, bf16_t* bf16, int64_t n, uint64_t seed, float stddev, cudaStream_t stream) {

@@ -173,20 +173,36 @@ void CudaMoeLayer::release() {
 void CudaMoeLayer::set_weights(const MoeWeights& w) {
   const char* what = "MoeLayer::set_weights";
   const bool router = !cfg_.external_routing;
-  FLOWMOE_CHECK(w.w1 && w.w2 && (w.wr || !router),
-                what << ": w1, w2 and wr must be non-null device pointers (W1 [El, 2F, H], W2 "
-                        "[El, H, F] of the El = "
-                     << El_ << " local experts, Wr [E, H] fp32)");
-  FLOWMOE_CHECK(router || (w.wr == nullptr && w.router_bias == nullptr),
-                what << ": wr or router_bias given to a layer without a router "
-                        "(MoeConfig::external_routing: the caller routes); expected null");
+  check_weights(w, "device");
   check_bound(what, /*saved=*/false);
   WeightBuffers& wb = ws_.weights;
   DeviceStatus* wstatus = ws_.routing.weight_status;
   const int64_t n1 = int64_t(El_) * 2 * F_ * H_, n2 = int64_t(El_) * H_ * F_;
   const RecipeSpec& spec = path_.spec();
+  // BF16 parameters are the BF16 copies' values: every copy comes straight from them, counting
+  // their non-finite values as the FP32 masters' conversion does
+  const bool bf16_params = w.bf16_params();
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(wstatus, 0, sizeof(DeviceStatus), stream_));
-  if (per_expert_weight_scratch()) {
+  if (bf16_params) {
+    switch (spec.weights) {
+      case WeightCopy::kBf16Only:
+        copy_bf16_checked(w.w1_bf16, n1, wb.w1_bf16, wstatus, stream_);
+        copy_bf16_checked(w.w2_bf16, n2, wb.w2_bf16, wstatus, stream_);
+        break;
+      case WeightCopy::kFp8Block:
+        quantize_weights(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, wb.w1t.codes, wb.w1t_ue8m0,
+                         wstatus, stream_);
+        quantize_weights(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, wb.w2t.codes, wb.w2t_ue8m0,
+                         wstatus, stream_);
+        break;
+      case WeightCopy::kFp8BlockFp32Scale:
+        quantize_weights_fp32_scale(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), wb.w1t.codes,
+                                    wb.w1t.f32(), wstatus, stream_);
+        quantize_weights_fp32_scale(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), wb.w2t.codes,
+                                    wb.w2t.f32(), wstatus, stream_);
+        break;
+    }
+  } else if (per_expert_weight_scratch()) {
     // FP8 blocks: each expert through a one-expert BF16 scratch (converted, then quantized; the
     // quantizations count into the sink weight_status[2]), so the scratch stays small and in L2
     const int64_t s1 = (2 * F_ / 128) * (H_ / 128), s2 = (H_ / 128) * (F_ / 128);
@@ -228,15 +244,13 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
 
   rep_.drop_ops(MoePass::kWeightUpdate);
   if (spec.weights == WeightCopy::kFp8Block) {
-    const int64_t s1 = (2 * F_ / 128) * (H_ / 128), s2 = (H_ / 128) * (F_ / 128);
-    if (!per_expert_weight_scratch()) {  // (otherwise quantized above, expert by expert)
-      for (int e = 0; e < El_; ++e) {
-        quantize_weight(wb.w1_bf16 + e * 2 * F_ * H_, 2 * F_, H_, wb.w1.codes + e * 2 * F_ * H_,
-                        wb.w1_ue8m0 + e * s1, wb.w1t.codes + e * 2 * F_ * H_, wb.w1t_ue8m0 + e * s1, wstatus,
-                        stream_);
-        quantize_weight(wb.w2_bf16 + e * H_ * F_, H_, F_, wb.w2.codes + e * H_ * F_, wb.w2_ue8m0 + e * s2,
-                        wb.w2t.codes + e * H_ * F_, wb.w2t_ue8m0 + e * s2, wstatus, stream_);
-      }
+    // (otherwise quantized above: from the BF16 parameters, or expert by expert)
+    const bool quantized = bf16_params || per_expert_weight_scratch();
+    if (!quantized) {
+      quantize_weights(wb.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, wb.w1t.codes, wb.w1t_ue8m0,
+                       wstatus, stream_);
+      quantize_weights(wb.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, wb.w2t.codes, wb.w2t_ue8m0, wstatus,
+                       stream_);
     }
     weight_scales_to_f32(wb.w1_ue8m0, El_, 2 * F_, H_, wb.w1.f32(), stream_);
     weight_scales_to_f32(wb.w1t_ue8m0, El_, H_, 2 * F_, wb.w1t.f32(), stream_);
@@ -254,13 +268,16 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
           cudaMemcpyAsync(natural.scales, w1.scales, w1.scale_bytes(), cudaMemcpyDeviceToDevice, stream_));
       interleave_gate_up(natural, w1, stream_);
     }
-    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, El_, 2 * El_, n1);
-    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, El_, 2 * El_, n2);
+    const int64_t launches = quantized && !bf16_params ? El_ : 1;
+    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, launches, 2 * El_, n1);
+    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, launches, 2 * El_, n2);
   } else if (spec.weights == WeightCopy::kFp8BlockFp32Scale) {
-    quantize_weights_fp32_scale(wb.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), wb.w1t.codes, wb.w1t.f32(),
-                           wstatus, stream_);
-    quantize_weights_fp32_scale(wb.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), wb.w2t.codes, wb.w2t.f32(),
-                           wstatus, stream_);
+    if (!bf16_params) {  // (otherwise quantized above, from the BF16 parameters)
+      quantize_weights_fp32_scale(wb.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), wb.w1t.codes,
+                                  wb.w1t.f32(), wstatus, stream_);
+      quantize_weights_fp32_scale(wb.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), wb.w2t.codes,
+                                  wb.w2t.f32(), wstatus, stream_);
+    }
     log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2, n1);
     log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2, n2);
   }

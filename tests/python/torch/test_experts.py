@@ -76,15 +76,36 @@ def test_module_equals_function_bits():
         assert torch.equal(a, b)
 
 
-def test_bf16_parameters_are_converted_and_get_bf16_gradients():
+@pytest.mark.parametrize("recipe", ["bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"])
+def test_bf16_parameters_give_the_bits_of_fp32_masters(recipe):
+    # BF16 w1 / w2 go to the layer as they are (set_weights_bf16: no FP32 copy); the result is that
+    # of FP32 masters holding the same values, and the gradients are the FP32 ones rounded to BF16
     x, logits, w1, w2, dy = problem(2)
     ids, w = route(logits.detach())
     w1b, w2b = w1.detach().to(torch.bfloat16).requires_grad_(), w2.detach().to(torch.bfloat16).requires_grad_()
-    y = ft.experts(x, ids, w, w1b, w2b, recipe="bf16")
-    y32 = ft.experts(x, ids, w, w1b.detach().float(), w2b.detach().float(), recipe="bf16")
-    assert torch.equal(y, y32)  # the FP32 copy of BF16 weights rounds back to the same BF16 copies
+    w1f, w2f = w1b.detach().float().requires_grad_(), w2b.detach().float().requires_grad_()
+    wb, wf = w.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    xb, xf = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    y = ft.experts(xb, ids, wb, w1b, w2b, recipe=recipe)
+    y32 = ft.experts(xf, ids, wf, w1f, w2f, recipe=recipe)
+    assert torch.equal(y, y32)
     (y.float() * dy).sum().backward()
+    (y32.float() * dy).sum().backward()
     assert w1b.grad.dtype == torch.bfloat16 and w2b.grad.dtype == torch.bfloat16
+    assert torch.equal(w1b.grad, w1f.grad.to(torch.bfloat16))
+    assert torch.equal(w2b.grad, w2f.grad.to(torch.bfloat16))
+    assert torch.equal(xb.grad, xf.grad) and torch.equal(wb.grad, wf.grad)
+
+
+def test_float16_parameters_are_converted_and_get_float16_gradients():
+    x, logits, w1, w2, dy = problem(2)
+    ids, w = route(logits.detach())
+    w1h, w2h = w1.detach().half().requires_grad_(), w2.detach().half().requires_grad_()
+    y = ft.experts(x, ids, w, w1h, w2h, recipe="bf16")
+    y32 = ft.experts(x, ids, w, w1h.detach().float(), w2h.detach().float(), recipe="bf16")
+    assert torch.equal(y, y32)
+    (y.float() * dy).sum().backward()
+    assert w1h.grad.dtype == torch.float16 and w2h.grad.dtype == torch.float16
 
 
 def test_forwards_in_flight_and_checkpointing_match_sequential():

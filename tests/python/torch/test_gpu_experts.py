@@ -56,14 +56,21 @@ def test_gpu_forwards_in_flight_equal_sequential():
             assert torch.equal(u, v)
 
 
-def test_gpu_bf16_parameters():
+@pytest.mark.parametrize("recipe", ["bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"])
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_gpu_bf16_parameters_give_the_bits_of_fp32_masters(recipe, sync_free):
+    # quantized straight from the BF16 parameters (one launch per weight, no FP32 copy): the bits
+    # of FP32 masters of the same values; gradients are the FP32 ones rounded to BF16
     x, logits, w1, w2, dy = problem(12)
     ids, w = route(logits.detach())
-    w1b = w1.detach().to(DEV, torch.bfloat16).requires_grad_()
-    w2b = w2.detach().to(DEV, torch.bfloat16).requires_grad_()
-    y = ft.experts(x.detach().to(DEV), ids.to(DEV), w.to(DEV), w1b, w2b, recipe="flow")
-    (y.float() * dy.to(DEV)).sum().backward()
-    assert w1b.grad.dtype == torch.bfloat16 and torch.isfinite(w1b.grad.float()).all()
+    w1b = w1.detach().to(DEV, torch.bfloat16)
+    w2b = w2.detach().to(DEV, torch.bfloat16)
+    b = grads(x, ids, w, w1b, w2b, dy, recipe, sync_free=sync_free)
+    f = grads(x, ids, w, w1b.float(), w2b.float(), dy, recipe, sync_free=sync_free)
+    assert b[3].dtype == torch.bfloat16 and b[4].dtype == torch.bfloat16
+    for name, u, v in zip(("y", "dx", "dprobs"), b[:3], f[:3]):
+        assert torch.equal(u, v), name
+    assert torch.equal(b[3], f[3].to(torch.bfloat16)) and torch.equal(b[4], f[4].to(torch.bfloat16))
 
 
 def test_gpu_module_under_cuda_graph_capture():
