@@ -309,6 +309,43 @@ TEST(ConvertGpuWeight, QuantizeWeightsBatchedBitExactPerExpert) {
   EXPECT_THROW(cuda::quantize_weights(dw.p, 0, n, k, c.p, s.p, tc.p, ts.p, ds.p, 0), Error);
 }
 
+// quantize_weights on FP32 masters: the bits of quantize_weights on their BF16 (RNE) copy; the
+// non-finite count is the FP32 values' (a finite FP32 value that rounds to a BF16 Inf is not counted,
+// as f32_to_bf16 does not count it; its block still gets the NaN scale of the BF16 copy's).
+TEST(ConvertGpuWeight, QuantizeWeightsFromFp32SameBitsAsFromItsBf16Copy) {
+  REQUIRE_DEVICE();
+  const int experts = 2;
+  const int64_t n = 128, k = 256, elems = n * k, total = experts * elems, blocks = elems / 16384;
+  std::vector<float> w(total);
+  uint64_t state = 12345;
+  for (float& v : w) {  // values that need rounding (all 32 bits random within a range of binades)
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const uint32_t bits = static_cast<uint32_t>(state >> 32);
+    v = std::ldexp(1.0f + float(bits & 0xFFFFFF) / 16777216.0f, int((bits >> 24) % 24) - 16) *
+        ((bits >> 31) ? -1.0f : 1.0f);
+  }
+  w[5] = std::nanf("");                // non-finite in expert 0
+  w[elems + 300] = 3.4e38f;            // finite, rounds to BF16 +Inf (expert 1)
+  w[elems + 4000] = -INFINITY;         // non-finite in expert 1
+  std::vector<bf16_t> wb(total);
+  for (int64_t i = 0; i < total; ++i) wb[i] = num::f32_to_bf16(w[i]);
+  DBuf<float> df(w);
+  DBuf<bf16_t> db(wb);
+  DBuf<uint8_t> c1(total), s1(experts * blocks), t1(total), u1(experts * blocks);
+  DBuf<uint8_t> c2(total), s2(experts * blocks), t2(total), u2(experts * blocks);
+  DBuf<cuda::DeviceStatus> ds(2);
+  cudaMemset(ds.p, 0, 2 * sizeof(cuda::DeviceStatus));
+  cuda::quantize_weights(df.p, experts, n, k, c1.p, s1.p, t1.p, u1.p, ds.p, 0);
+  cuda::quantize_weights(db.p, experts, n, k, c2.p, s2.p, t2.p, u2.p, ds.p + 1, 0);
+  expect_same_bits(c2.get(), c1.get(), "codes");
+  expect_same_bits(s2.get(), s1.get(), "scales");
+  expect_same_bits(t2.get(), t1.get(), "transposed codes");
+  expect_same_bits(u2.get(), u1.get(), "transposed scales");
+  const auto st = ds.get();
+  EXPECT_EQ(st[0].nonfinite, 2u);  // the FP32 NaN and -Inf
+  EXPECT_EQ(st[1].nonfinite, 3u);  // and the BF16 +Inf the rounding made
+}
+
 // ---- DeepSeek-V3 scale: 32k tokens x 7168 through the headline path --------------------
 TEST(ConvertGpuLarge, DeepSeekV3Scale32kTokens) {
   REQUIRE_DEVICE();

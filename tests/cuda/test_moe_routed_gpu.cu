@@ -88,8 +88,8 @@ TEST_P(Routed, SameBitsAsTheFullLayer) {
 
 // BF16 parameters (MoeWeights::w1_bf16 / w2_bf16: quantized straight from them, no FP32 copy) give
 // the bits of FP32 masters holding the same values: the full layer (router path, dWr) and the
-// experts-only one; with sync_free also GEMM1's fused SwiGLU (W1 interleaved from the batch
-// quantization) and the per-expert path without it.
+// experts-only one; with sync_free also with GEMM1's fused SwiGLU (W1 interleaved after the
+// quantization).
 TEST_P(Routed, Bf16ParamsSameBitsAsFp32Masters) {
   REQUIRE_SM90();
   const Recipe recipe = std::get<0>(GetParam());

@@ -65,6 +65,11 @@ void quantize_weight(const bf16_t* w, int64_t n, int64_t k, uint8_t* codes, uint
 void quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
                       uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
                       cudaStream_t stream);
+// FP32 weights (masters), rounded to BF16 (RNE) on the way: the bits of quantize_weights on their
+// BF16 copy, without one; status->nonfinite counts the FP32 values that are not finite.
+void quantize_weights(const float* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
+                      uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
+                      cudaStream_t stream);
 
 // ---- dequantize -------------------------------------------------------------------------------
 // Row-wise FP8 [M, K] -> bf16 [M, K].

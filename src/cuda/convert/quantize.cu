@@ -3,8 +3,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "cuda/convert/tile.cuh"
 #include "flowmoe/cuda/convert.h"
+#include "flowmoe/numerics.h"
 
 namespace flowmoe {
 namespace cuda {
@@ -316,9 +319,29 @@ quantize_transposed_kernel(const bf16_t* __restrict__ xt, int64_t m, int64_t k,
   }
 }
 
-// ---- K11: weights, one 128x128 block per CTA, plus the exact transposed copy.
+// 8 weights as 8 bf16 values packed in a uint4: bf16 loaded as they are; fp32 rounded to BF16 (RNE,
+// num::f32_to_bf16), counting the FP32 values that are not finite in in_bad.
+__device__ __forceinline__ uint4 load8_bf16(const bf16_t* p, int& /*in_bad*/) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+__device__ __forceinline__ uint4 load8_bf16(const float* p, int& in_bad) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  uint32_t w[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    in_bad += !num::f32_is_finite(f[2 * q]) + !num::f32_is_finite(f[2 * q + 1]);
+    w[q] = num::f32_to_bf16(f[2 * q]) | (static_cast<uint32_t>(num::f32_to_bf16(f[2 * q + 1])) << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// ---- K11: weights, one 128x128 block per CTA, plus the exact transposed copy; blockIdx.z the expert.
+// In = bf16_t, or float (the masters, rounded to BF16 on the way: the bits of the BF16 copy's
+// quantization; `nonfinite` then counts the FP32 values, as f32_to_bf16 does).
+template <typename In>
 __global__ void __launch_bounds__(kThreads)
-quantize_weight_kernel(const bf16_t* __restrict__ w, int64_t n, int64_t k, uint8_t* __restrict__ codes,
+quantize_weight_kernel(const In* __restrict__ w, int64_t n, int64_t k, uint8_t* __restrict__ codes,
                        uint8_t* __restrict__ scales, uint8_t* __restrict__ t_codes,
                        uint8_t* __restrict__ t_scales, unsigned long long* nonfinite) {
   __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
@@ -338,16 +361,16 @@ quantize_weight_kernel(const bf16_t* __restrict__ w, int64_t n, int64_t k, uint8
   const int tid = threadIdx.x;
   uint4 v[8];
   float amax = 0.f;
-  int bad = 0;
+  int bad = 0, in_bad = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int row = i * 16 + (tid >> 4), ch = tid & 15;
-    v[i] = __ldg(reinterpret_cast<const uint4*>(w + (bn * kTile + row) * k + bk * kTile) + ch);
+    v[i] = load8_bf16(w + (bn * kTile + row) * k + bk * kTile + ch * 8, in_bad);
     amax8(v[i], amax, bad);
   }
   amax = detail::warp_max(amax, 32);
   const int wbad = detail::warp_sum_i(bad);
-  detail::warp_count(nonfinite, bad);
+  detail::warp_count(nonfinite, std::is_same<In, float>::value ? in_bad : bad);
   if ((tid & 31) == 0) {
     s_amax[tid >> 5] = amax;
     s_bad[tid >> 5] = wbad;
@@ -421,9 +444,11 @@ void quantize_weight(const bf16_t* w, int64_t n, int64_t k, uint8_t* codes, uint
   quantize_weights(w, 1, n, k, codes, scales, t_codes, t_scales, status, stream);
 }
 
-void quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
-                      uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
-                      cudaStream_t stream) {
+namespace {
+template <typename In>
+void launch_quantize_weights(const In* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
+                             uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
+                             cudaStream_t stream) {
   const char* what = "cuda::quantize_weights";
   FLOWMOE_CHECK(num_experts >= 1 && num_experts < 65536,
                 what << ": " << num_experts << " experts; expected 1 to 65535");
@@ -438,9 +463,22 @@ void quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k, ui
   if (t_codes) check_aligned(t_codes, "t_codes", what);
   dim3 grid(static_cast<unsigned>(k / kTile), static_cast<unsigned>(n / kTile),
             static_cast<unsigned>(num_experts));
-  quantize_weight_kernel<<<grid, kThreads, 0, stream>>>(w, n, k, codes, scales, t_codes, t_scales,
-                                                        nonfinite_ptr(status));
+  quantize_weight_kernel<In><<<grid, kThreads, 0, stream>>>(w, n, k, codes, scales, t_codes, t_scales,
+                                                            nonfinite_ptr(status));
   FLOWMOE_LAUNCH_CHECK(what);
+}
+}  // namespace
+
+void quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
+                      uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
+                      cudaStream_t stream) {
+  launch_quantize_weights(w, num_experts, n, k, codes, scales, t_codes, t_scales, status, stream);
+}
+
+void quantize_weights(const float* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
+                      uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
+                      cudaStream_t stream) {
+  launch_quantize_weights(w, num_experts, n, k, codes, scales, t_codes, t_scales, status, stream);
 }
 
 void dequantize_row(const uint8_t* codes, const uint8_t* scales, int64_t m, int64_t k, bf16_t* y,

@@ -179,42 +179,32 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   DeviceStatus* wstatus = ws_.routing.weight_status;
   const int64_t n1 = int64_t(El_) * 2 * F_ * H_, n2 = int64_t(El_) * H_ * F_;
   const RecipeSpec& spec = path_.spec();
-  // BF16 parameters are the BF16 copies' values: every copy comes straight from them, counting
-  // their non-finite values as the FP32 masters' conversion does
+  // The copies made straight from the parameters count their non-finite values into
+  // weight_status[0]: FP32 masters as they are converted, BF16 parameters (the BF16 copies' values
+  // themselves) as they are copied or quantized.
   const bool bf16_params = w.bf16_params();
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(wstatus, 0, sizeof(DeviceStatus), stream_));
-  if (bf16_params) {
-    switch (spec.weights) {
-      case WeightCopy::kBf16Only:
-        copy_bf16_checked(w.w1_bf16, n1, wb.w1_bf16, wstatus, stream_);
-        copy_bf16_checked(w.w2_bf16, n2, wb.w2_bf16, wstatus, stream_);
-        break;
-      case WeightCopy::kFp8Block:
-        quantize_weights(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, wb.w1t.codes, wb.w1t_ue8m0,
-                         wstatus, stream_);
-        quantize_weights(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, wb.w2t.codes, wb.w2t_ue8m0,
-                         wstatus, stream_);
-        break;
-      case WeightCopy::kFp8BlockFp32Scale:
-        quantize_weights_fp32_scale(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), wb.w1t.codes,
-                                    wb.w1t.f32(), wstatus, stream_);
-        quantize_weights_fp32_scale(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), wb.w2t.codes,
-                                    wb.w2t.f32(), wstatus, stream_);
-        break;
+  if (spec.weights == WeightCopy::kFp8Block) {
+    // every expert in one launch per weight, FP32 masters rounded to BF16 on the way (no BF16 copy)
+    if (bf16_params) {
+      quantize_weights(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, wb.w1t.codes, wb.w1t_ue8m0, wstatus,
+                       stream_);
+      quantize_weights(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, wb.w2t.codes, wb.w2t_ue8m0, wstatus,
+                       stream_);
+    } else {
+      quantize_weights(w.w1, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, wb.w1t.codes, wb.w1t_ue8m0, wstatus,
+                       stream_);
+      quantize_weights(w.w2, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, wb.w2t.codes, wb.w2t_ue8m0, wstatus, stream_);
     }
-  } else if (per_expert_weight_scratch()) {
-    // FP8 blocks: each expert through a one-expert BF16 scratch (converted, then quantized; the
-    // quantizations count into the sink weight_status[2]), so the scratch stays small and in L2
-    const int64_t s1 = (2 * F_ / 128) * (H_ / 128), s2 = (H_ / 128) * (F_ / 128);
-    for (int e = 0; e < El_; ++e) {
-      f32_to_bf16(w.w1 + e * 2 * F_ * H_, 2 * F_ * H_, wb.w1_bf16, wstatus, stream_);
-      quantize_weight(wb.w1_bf16, 2 * F_, H_, wb.w1.codes + e * 2 * F_ * H_, wb.w1_ue8m0 + e * s1,
-                      wb.w1t.codes + e * 2 * F_ * H_, wb.w1t_ue8m0 + e * s1, wstatus + 2, stream_);
-      f32_to_bf16(w.w2 + e * H_ * F_, H_ * F_, wb.w2_bf16, wstatus, stream_);
-      quantize_weight(wb.w2_bf16, H_, F_, wb.w2.codes + e * H_ * F_, wb.w2_ue8m0 + e * s2,
-                      wb.w2t.codes + e * H_ * F_, wb.w2t_ue8m0 + e * s2, wstatus + 2, stream_);
-    }
-  } else {
+  } else if (bf16_params && spec.weights == WeightCopy::kBf16Only) {
+    copy_bf16_checked(w.w1_bf16, n1, wb.w1_bf16, wstatus, stream_);
+    copy_bf16_checked(w.w2_bf16, n2, wb.w2_bf16, wstatus, stream_);
+  } else if (bf16_params) {  // FP8 with FP32 scales
+    quantize_weights_fp32_scale(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), wb.w1t.codes, wb.w1t.f32(),
+                                wstatus, stream_);
+    quantize_weights_fp32_scale(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), wb.w2t.codes, wb.w2t.f32(),
+                                wstatus, stream_);
+  } else {  // the BF16 copies (bf16's GEMMs read them; FP8 with FP32 scales quantizes them below)
     f32_to_bf16(w.w1, n1, wb.w1_bf16, wstatus, stream_);
     f32_to_bf16(w.w2, n2, wb.w2_bf16, wstatus, stream_);
   }
@@ -226,10 +216,9 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   if (has_bias_)
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(wb.router_bias, w.router_bias, sizeof(float) * E_,
                                        cudaMemcpyDeviceToDevice, stream_));
-  // The non-finite check of the masters (counted by the conversions above): thrown here, or with
-  // sync_free (no host synchronisation, so that the update can be captured in a CUDA graph) kept in
-  // weight_status[1] (the quantizations below count into [0] again; those of the per-expert path
-  // above into the sink [2]) and added to status().nonfinite.
+  // The non-finite check of the weights (counted above): thrown here, or with sync_free (no host
+  // synchronisation, so that the update can be captured in a CUDA graph) kept in weight_status[1]
+  // (the quantization below counts into [0] again) and added to status().nonfinite.
   if (sync_free_) {
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(wstatus + 1, wstatus, sizeof(DeviceStatus), cudaMemcpyDeviceToDevice, stream_));
   } else {
@@ -244,14 +233,6 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
 
   rep_.drop_ops(MoePass::kWeightUpdate);
   if (spec.weights == WeightCopy::kFp8Block) {
-    // (otherwise quantized above: from the BF16 parameters, or expert by expert)
-    const bool quantized = bf16_params || per_expert_weight_scratch();
-    if (!quantized) {
-      quantize_weights(wb.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, wb.w1t.codes, wb.w1t_ue8m0,
-                       wstatus, stream_);
-      quantize_weights(wb.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, wb.w2t.codes, wb.w2t_ue8m0, wstatus,
-                       stream_);
-    }
     weight_scales_to_f32(wb.w1_ue8m0, El_, 2 * F_, H_, wb.w1.f32(), stream_);
     weight_scales_to_f32(wb.w1t_ue8m0, El_, H_, 2 * F_, wb.w1t.f32(), stream_);
     weight_scales_to_f32(wb.w2_ue8m0, El_, H_, F_, wb.w2.f32(), stream_);
@@ -268,11 +249,10 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
           cudaMemcpyAsync(natural.scales, w1.scales, w1.scale_bytes(), cudaMemcpyDeviceToDevice, stream_));
       interleave_gate_up(natural, w1, stream_);
     }
-    const int64_t launches = quantized && !bf16_params ? El_ : 1;
-    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, launches, 2 * El_, n1);
-    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, launches, 2 * El_, n2);
+    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2 * El_, n1);
+    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2 * El_, n2);
   } else if (spec.weights == WeightCopy::kFp8BlockFp32Scale) {
-    if (!bf16_params) {  // (otherwise quantized above, from the BF16 parameters)
+    if (!bf16_params) {  // (BF16 parameters: quantized above, straight from them)
       quantize_weights_fp32_scale(wb.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), wb.w1t.codes,
                                   wb.w1t.f32(), wstatus, stream_);
       quantize_weights_fp32_scale(wb.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), wb.w2t.codes,

@@ -97,11 +97,6 @@ class CudaMoeLayer final : public MoeLayer {
   void allocate(const CudaLayerOptions& options);
   void release();
   void layout_workspace();  // ws_'s views over the arena's current pass
-  // set_weights converts and quantizes W1 / W2 expert by expert through a one-expert BF16 scratch
-  // (FP8 blocks without the fused SwiGLU, whose W1 interleave needs the whole scratch)
-  bool per_expert_weight_scratch() const {
-    return path_.pow2_weights && !path_.fused_swiglu;
-  }
   RoutingTokens routing_tokens() const;
   void set_routing_tokens(const RoutingTokens& t);
   // caller memory: the regions `what` needs are bound (weights, plus saved for forward / backward)

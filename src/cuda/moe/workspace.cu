@@ -118,7 +118,7 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
   r.block_end = a.device<int32_t>(MB, kS);
   r.block_offsets = a.device<int32_t>(E + 1, kS);
   r.pass_status = a.device<DeviceStatus>(4);
-  r.weight_status = a.device<DeviceStatus>(3);
+  r.weight_status = a.device<DeviceStatus>(2);
   r.host_counts = a.pinned<int32_t>(E);
   r.host_status = a.pinned<DeviceStatus>(5);
   r.host_aux_loss = a.pinned<float>(1);
@@ -171,13 +171,14 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
   w.wr = a.device<float>(E * H, kW);
   w.router_bias = a.device<float>(E, kW);
   w.wr_check = a.device<bf16_t>(E * H, kT);
-  // (FP8 blocks without the fused SwiGLU: one expert's scratch, W1's then W2's; set_weights)
+  // FP8 blocks are quantized straight from the parameters: no BF16 copy; only the fused SwiGLU's
+  // W1 interleave takes w1_bf16 as scratch for the natural copy (set_weights).
   const Region bf16_weights = fp8 ? kT : kW;
-  if (pow2 && !fused_swiglu) {
-    w.w1_bf16 = w.w2_bf16 = a.device<bf16_t>(2 * F * H, kT);
-  } else {
+  if (!pow2) {
     w.w1_bf16 = a.device<bf16_t>(El * 2 * F * H, bf16_weights);
     w.w2_bf16 = a.device<bf16_t>(El * H * F, bf16_weights);
+  } else if (fused_swiglu) {
+    w.w1_bf16 = a.device<bf16_t>(El * 2 * F * H, kT);
   }
   if (fp8) {
     w.w1 = weight_128x128_f32(a.device<uint8_t>(El * 2 * F * H, kW), nullptr, int(El), 2 * F, H);

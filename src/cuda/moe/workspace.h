@@ -91,7 +91,7 @@ struct RoutingBuffers {
   int32_t* block_end = nullptr;
   int32_t* block_offsets = nullptr;  // [E+1]
   DeviceStatus* pass_status = nullptr;    // [4]: forward, forward aux, backward, backward aux
-  DeviceStatus* weight_status = nullptr;  // [3]: set_weights' counters; [1] the non-finite check (sync_free); [2] a sink
+  DeviceStatus* weight_status = nullptr;  // [2]: set_weights' counters; [1] the non-finite check (sync_free)
   int32_t* host_counts = nullptr;         // [E] pinned: routed rows per expert
   DeviceStatus* host_status = nullptr;    // [5] pinned: the passes' four, then weight_status
   float* host_aux_loss = nullptr;         // [1] pinned
@@ -102,8 +102,8 @@ struct WeightBuffers {
   float* wr = nullptr;            // [E, H]
   float* router_bias = nullptr;   // [E]
   bf16_t* wr_check = nullptr;     // [E, H] scratch of set_weights' non-finite check of Wr
-  bf16_t* w1_bf16 = nullptr;      // [El, 2F, H] (FP8 recipes: scratch; FP8 blocks without the fused SwiGLU: [2F, H], one expert, = w2_bf16)
-  bf16_t* w2_bf16 = nullptr;      // [El, H, F]
+  bf16_t* w1_bf16 = nullptr;      // [El, 2F, H] (FP8 with FP32 scales: scratch; FP8 blocks: the fused SwiGLU's scratch, else none)
+  bf16_t* w2_bf16 = nullptr;      // [El, H, F] (FP8 with FP32 scales: scratch; FP8 blocks: none)
   // FP8 recipes: codes + GEMM-ready FP32 128x128 block scales, and the exact transposes (dgrad);
   // with the fused SwiGLU (CudaLayerOptions::fused_swiglu) w1's 128-row blocks are interleaved
   // gate/up per expert (interleave_gate_up)
