@@ -4,6 +4,7 @@
 #include <exception>
 #include <new>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -117,6 +118,25 @@ flowmoe_layer* checked(flowmoe_layer* l, const char* what) {
   return l;
 }
 
+// Both set_weights entry points: W1, W2 as FP32 masters (float) or BF16 parameters (uint16_t bits).
+template <typename W>
+int set_weights(const char* what, flowmoe_layer* layer, const W* w1, const W* w2, const float* wr,
+                const float* router_bias) {
+  return guarded(what, [&] {
+    MoeWeights w;
+    if constexpr (std::is_same_v<W, float>) {
+      w.w1 = w1;
+      w.w2 = w2;
+    } else {
+      w.w1_bf16 = w1;
+      w.w2_bf16 = w2;
+    }
+    w.wr = wr;
+    w.router_bias = router_bias;
+    checked(layer, what)->layer->set_weights(w);
+  });
+}
+
 }  // namespace
 
 std::string take_callback_error() {
@@ -130,6 +150,7 @@ std::string take_callback_error() {
 
 using flowmoe::capi::checked;
 using flowmoe::capi::guarded;
+using flowmoe::capi::set_weights;
 
 extern "C" {
 
@@ -231,28 +252,12 @@ int flowmoe_layer_local_experts(const flowmoe_layer* layer) {
 
 int flowmoe_layer_set_weights(flowmoe_layer* layer, const float* w1, const float* w2,
                               const float* wr, const float* router_bias) {
-  return guarded("flowmoe_layer_set_weights", [&] {
-    flowmoe::MoeWeights w;
-    w.w1 = w1;
-    w.w2 = w2;
-    w.wr = wr;
-    w.router_bias = router_bias;
-    checked(layer, "flowmoe_layer_set_weights")->layer->set_weights(w);
-  });
+  return set_weights("flowmoe_layer_set_weights", layer, w1, w2, wr, router_bias);
 }
 
 int flowmoe_layer_set_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2,
                                    const float* wr, const float* router_bias) {
-  return guarded("flowmoe_layer_set_weights_bf16", [&] {
-    flowmoe::MoeWeights w;
-    w.w1_bf16 = w1;
-    w.w2_bf16 = w2;
-    w.wr = wr;
-    w.router_bias = router_bias;
-    FLOWMOE_CHECK(w1 && w2, "flowmoe_layer_set_weights_bf16: w1 and w2 must be non-null (bf16 W1 [El, 2F, H], "
-                            "W2 [El, H, F])");
-    checked(layer, "flowmoe_layer_set_weights_bf16")->layer->set_weights(w);
-  });
+  return set_weights("flowmoe_layer_set_weights_bf16", layer, w1, w2, wr, router_bias);
 }
 
 int flowmoe_layer_forward(flowmoe_layer* layer, const uint16_t* x, int64_t tokens, uint16_t* y) {
