@@ -267,6 +267,15 @@ void weight_scales_to_f32(const uint8_t* scales, int num_experts, int64_t rows, 
 // format and does not overlap it. Stream-ordered, no sync, no allocation.
 void interleave_gate_up(const QTensorView& w, const QTensorView& out, cudaStream_t stream);
 
+// The exact transpose of E weights in 128x128 FP8 blocks: w [E * N, K] -> wt [E * K, N], each
+// expert's codes transposed and each block keeping its scale (UE8M0 or FP32, w's format; FP32
+// rows' padding entries written 0): the bits quantize_weights writes for the transpose. With
+// gate_up_interleaved, w is W1 as interleave_gate_up wrote it and wt the transpose of the natural
+// order (GEMM1's dgrad operand). The caller-memory layer derives its dgrad weights this way in the
+// backward. N, K multiples of 128; wt does not overlap w. Stream-ordered, no sync, no allocation.
+void transpose_weight_blocks(const QTensorView& w, const QTensorView& wt, bool gate_up_interleaved,
+                             cudaStream_t stream);
+
 // Grouped GEMMs on cuBLASLt: one matmul per non-empty expert, spread over a small pool of streams
 // forked from and joined back to `stream` (GroupedGemmOptions::streams), each with its own
 // workspace. The cuBLASLt handle, the matmul descriptors, the heuristic preference, the pool

@@ -420,7 +420,10 @@ struct CudaLayerOptions {
   // bind_memory) instead of the layer's own allocations: the PyTorch op takes them from PyTorch's
   // caching allocator, so the scratch is shared by every layer and the saved bytes live as long as
   // autograd keeps them. The layer keeps only its counters, pinned host words and the GEMM
-  // workspace. Needed for several forwards in flight (take_step). Not with expert parallelism
+  // workspace. The FP8 recipes' weights region then holds W alone: each backward transposes the
+  // dgrad weights W^T from it into its transient region (exact, gemm.h transpose_weight_blocks), so
+  // a forward in flight keeps 1 byte per expert parameter instead of 2. Needed for several
+  // forwards in flight (take_step). Not with expert parallelism
   // without host synchronisation (its buffers are shared with the peers once, at construction)
   // nor with LayerStepGraph (which captures the layer's own addresses). Same bits as the default.
   bool caller_memory = false;

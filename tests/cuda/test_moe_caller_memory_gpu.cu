@@ -2,8 +2,10 @@
 // forwards in flight (take_step / resume_step), the scratch region overwritten with 0xFF between
 // every call, the weights and saved regions moved to other addresses before the backward, give
 // the bits of the layer that owns its memory running (forward, backward) pairs. Every recipe, with
-// and without sync_free. Also: the plan is smaller than the owned layer's allocation, and misuse
-// (unbound regions, a step of another layer, take_step on owned memory) is a clear error.
+// and without sync_free, and the flow pipeline with its fused epilogues. The FP8 recipes' weights
+// region holds W alone (each backward transposes W^T from it). Also: the plan is smaller than the
+// owned layer's allocation, and misuse (unbound regions, a step of another layer, take_step on
+// owned memory) is a clear error.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -78,11 +80,7 @@ struct Region {
 
 class CallerMemory : public ::testing::TestWithParam<std::tuple<Recipe, bool>> {};
 
-TEST_P(CallerMemory, TwoForwardsInFlightGiveTheBitsOfOwnedPairs) {
-  REQUIRE_SM90();
-  const Recipe recipe = std::get<0>(GetParam());
-  CudaLayerOptions opt;
-  opt.sync_free = std::get<1>(GetParam());
+void two_forwards_in_flight_give_the_bits_of_owned_pairs(Recipe recipe, CudaLayerOptions opt) {
   Inputs in;
   const int64_t T1 = kTm, T2 = 211;
 
@@ -104,6 +102,10 @@ TEST_P(CallerMemory, TwoForwardsInFlightGiveTheBitsOfOwnedPairs) {
   EXPECT_GT(plan.saved, 0);
   EXPECT_GT(plan.transient, 0);
   EXPECT_LT(cuda::moe::allocated_bytes(l.get()), cuda::moe::allocated_bytes(owned.get()));
+  // FP8 recipes: the weights region holds W alone (each backward transposes W^T from it), i.e.
+  // less than the codes of W and W^T together
+  const int64_t expert_params = int64_t(kE) * 3 * kF * kH;
+  if (recipe != Recipe::kBf16) EXPECT_LT(plan.weights, 2 * expert_params) << recipe_name(recipe);
   Region w(plan.weights), s1(plan.saved), s2(plan.saved), t(plan.transient);
   t.poison();
   l->bind_memory(MoeMemory{w.p, nullptr, t.p});
@@ -131,10 +133,30 @@ TEST_P(CallerMemory, TwoForwardsInFlightGiveTheBitsOfOwnedPairs) {
   l->resume_step(std::move(st1));
   l->backward(in.dy1.p, b1.dx.p, b1.grads());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::string what = std::string(recipe_name(recipe)) + (opt.sync_free ? " sync_free" : "");
+  const std::string what = std::string(recipe_name(recipe)) + (opt.sync_free ? " sync_free" : "") +
+                           (opt.fused_swiglu ? " fused epilogues" : "");
   expect_same(a1.get(), b1.get(), what + " first forward");
   expect_same(a2.get(), b2.get(), what + " second forward");
   EXPECT_EQ(l->status().nonfinite, 0);
+}
+
+TEST_P(CallerMemory, TwoForwardsInFlightGiveTheBitsOfOwnedPairs) {
+  REQUIRE_SM90();
+  CudaLayerOptions opt;
+  opt.sync_free = std::get<1>(GetParam());
+  two_forwards_in_flight_give_the_bits_of_owned_pairs(std::get<0>(GetParam()), opt);
+}
+
+// The fused epilogues keep W1 with its gate/up blocks interleaved: the backward's W1^T is the
+// transpose of the natural order all the same.
+TEST(CallerMemoryFused, FlowPipelineWithFusedEpiloguesGivesTheBitsOfOwnedPairs) {
+  REQUIRE_SM90();
+  for (Recipe recipe : {Recipe::kFlow, Recipe::kFlowFp4}) {
+    CudaLayerOptions opt;
+    opt.fprop_dgrad = CudaLayerOptions::FpropDgrad::kGrouped;
+    opt.fused_swiglu = opt.fused_dswiglu = true;
+    two_forwards_in_flight_give_the_bits_of_owned_pairs(recipe, opt);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, CallerMemory,

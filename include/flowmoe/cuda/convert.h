@@ -144,8 +144,8 @@ void quantize_transposed_fp32_scale(const bf16_t* xt, int64_t c, const SegmentBl
                                     uint8_t* codes, float* scales, DeviceStatus* status,
                                     cudaStream_t stream);
 // E weights w [E][N][K] bf16 -> codes [E][N][K], GEMM-ready FP32 block scales
-// [E][N/128][round_up(K/128, 4)], and the exact transpose: t_codes [E][K][N], t_scales
-// [E][K/128][round_up(N/128, 4)] (padding entries 0).
+// [E][N/128][round_up(K/128, 4)], and (if not null) the exact transpose: t_codes [E][K][N],
+// t_scales [E][K/128][round_up(N/128, 4)] (padding entries 0).
 void quantize_weights_fp32_scale(const bf16_t* w, int num_experts, int64_t n, int64_t k,
                                  uint8_t* codes, float* scales, uint8_t* t_codes, float* t_scales,
                                  DeviceStatus* status, cudaStream_t stream);

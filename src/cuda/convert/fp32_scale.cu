@@ -215,12 +215,12 @@ quantize_weights_fp32_scale_kernel(const bf16_t* __restrict__ w, int64_t n, int6
     const float v = bf16_to_f32(we[row * k + col]);
     const uint8_t q = bad ? kE4M3NaN : f32_to_e4m3(__fdiv_rn(v, s));
     codes[e * n * k + row * k + col] = q;
-    t_codes[e * n * k + col * n + row] = q;
+    if (t_codes) t_codes[e * n * k + col * n + row] = q;
   }
   if (threadIdx.x == 0) {
     const int64_t ldk = (kb + 3) / 4 * 4, ldn = (nb + 3) / 4 * 4;
     scales[e * nb * ldk + bi * ldk + bj] = s;
-    t_scales[e * kb * ldn + bj * ldn + bi] = s;
+    if (t_scales) t_scales[e * kb * ldn + bj * ldn + bi] = s;
     if (nonfinite && bad) atomicAdd(nonfinite, static_cast<unsigned long long>(bad));
   }
 }
@@ -297,12 +297,13 @@ void quantize_weights_fp32_scale(const bf16_t* w, int num_experts, int64_t n, in
   check_ptr(w, "w", what);
   check_ptr(codes, "codes", what);
   check_ptr(scales, "scales", what);
-  check_ptr(t_codes, "t_codes", what);
-  check_ptr(t_scales, "t_scales", what);
+  FLOWMOE_CHECK((t_codes == nullptr) == (t_scales == nullptr),
+                what << ": give both t_codes and t_scales, or neither");
   const int64_t nb = n / 128, kb = k / 128;
   const int64_t ldk = (kb + 3) / 4 * 4, ldn = (nb + 3) / 4 * 4;
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(scales, 0, size_t(num_experts) * nb * ldk * sizeof(float), stream));
-  FLOWMOE_CUDA_CHECK(cudaMemsetAsync(t_scales, 0, size_t(num_experts) * kb * ldn * sizeof(float), stream));
+  if (t_scales)
+    FLOWMOE_CUDA_CHECK(cudaMemsetAsync(t_scales, 0, size_t(num_experts) * kb * ldn * sizeof(float), stream));
   const dim3 grid(static_cast<unsigned>(kb), static_cast<unsigned>(nb), static_cast<unsigned>(num_experts));
   quantize_weights_fp32_scale_kernel<<<grid, kThreads, 0, stream>>>(w, n, k, codes, scales, t_codes, t_scales,
                                                                nf(status));

@@ -183,27 +183,34 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   // weight_status[0]: FP32 masters as they are converted, BF16 parameters (the BF16 copies' values
   // themselves) as they are copied or quantized.
   const bool bf16_params = w.bf16_params();
+  // The dgrad weights W^T written here too, unless each backward transposes them from W
+  // (RecipePath::transposes_in_backward): then null, and quantize_weights writes W alone.
+  const bool keep_t = !path_.transposes_in_backward;
+  uint8_t* const w1t_codes = keep_t ? wb.w1t.codes : nullptr;
+  uint8_t* const w2t_codes = keep_t ? wb.w2t.codes : nullptr;
+  float* const w1t_f32 = keep_t ? wb.w1t.f32() : nullptr;
+  float* const w2t_f32 = keep_t ? wb.w2t.f32() : nullptr;
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(wstatus, 0, sizeof(DeviceStatus), stream_));
   if (spec.weights == WeightCopy::kFp8Block) {
     // every expert in one launch per weight, FP32 masters rounded to BF16 on the way (no BF16 copy)
     if (bf16_params) {
-      quantize_weights(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, wb.w1t.codes, wb.w1t_ue8m0, wstatus,
+      quantize_weights(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, w1t_codes, wb.w1t_ue8m0, wstatus,
                        stream_);
-      quantize_weights(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, wb.w2t.codes, wb.w2t_ue8m0, wstatus,
+      quantize_weights(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, w2t_codes, wb.w2t_ue8m0, wstatus,
                        stream_);
     } else {
-      quantize_weights(w.w1, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, wb.w1t.codes, wb.w1t_ue8m0, wstatus,
+      quantize_weights(w.w1, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, w1t_codes, wb.w1t_ue8m0, wstatus,
                        stream_);
-      quantize_weights(w.w2, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, wb.w2t.codes, wb.w2t_ue8m0, wstatus, stream_);
+      quantize_weights(w.w2, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, w2t_codes, wb.w2t_ue8m0, wstatus, stream_);
     }
   } else if (bf16_params && spec.weights == WeightCopy::kBf16Only) {
     copy_bf16_checked(w.w1_bf16, n1, wb.w1_bf16, wstatus, stream_);
     copy_bf16_checked(w.w2_bf16, n2, wb.w2_bf16, wstatus, stream_);
   } else if (bf16_params) {  // FP8 with FP32 scales
-    quantize_weights_fp32_scale(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), wb.w1t.codes, wb.w1t.f32(),
-                                wstatus, stream_);
-    quantize_weights_fp32_scale(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), wb.w2t.codes, wb.w2t.f32(),
-                                wstatus, stream_);
+    quantize_weights_fp32_scale(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), w1t_codes, w1t_f32, wstatus,
+                                stream_);
+    quantize_weights_fp32_scale(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), w2t_codes, w2t_f32, wstatus,
+                                stream_);
   } else {  // the BF16 copies (bf16's GEMMs read them; FP8 with FP32 scales quantizes them below)
     f32_to_bf16(w.w1, n1, wb.w1_bf16, wstatus, stream_);
     f32_to_bf16(w.w2, n2, wb.w2_bf16, wstatus, stream_);
@@ -234,9 +241,9 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   rep_.drop_ops(MoePass::kWeightUpdate);
   if (spec.weights == WeightCopy::kFp8Block) {
     weight_scales_to_f32(wb.w1_ue8m0, El_, 2 * F_, H_, wb.w1.f32(), stream_);
-    weight_scales_to_f32(wb.w1t_ue8m0, El_, H_, 2 * F_, wb.w1t.f32(), stream_);
+    if (keep_t) weight_scales_to_f32(wb.w1t_ue8m0, El_, H_, 2 * F_, wb.w1t.f32(), stream_);
     weight_scales_to_f32(wb.w2_ue8m0, El_, H_, F_, wb.w2.f32(), stream_);
-    weight_scales_to_f32(wb.w2t_ue8m0, El_, F_, H_, wb.w2t.f32(), stream_);
+    if (keep_t) weight_scales_to_f32(wb.w2t_ue8m0, El_, F_, H_, wb.w2t.f32(), stream_);
     if (path_.fused_swiglu) {
       // GEMM1's fused SwiGLU epilogue reads W1 with its gate/up blocks interleaved (only GEMM1's
       // fprop reads w1): the natural copy goes through w1_bf16, free once quantized
@@ -253,10 +260,10 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
     log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2 * El_, n2);
   } else if (spec.weights == WeightCopy::kFp8BlockFp32Scale) {
     if (!bf16_params) {  // (BF16 parameters: quantized above, straight from them)
-      quantize_weights_fp32_scale(wb.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), wb.w1t.codes,
-                                  wb.w1t.f32(), wstatus, stream_);
-      quantize_weights_fp32_scale(wb.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), wb.w2t.codes,
-                                  wb.w2t.f32(), wstatus, stream_);
+      quantize_weights_fp32_scale(wb.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), w1t_codes, w1t_f32,
+                                  wstatus, stream_);
+      quantize_weights_fp32_scale(wb.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), w2t_codes, w2t_f32,
+                                  wstatus, stream_);
     }
     log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2, n1);
     log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2, n2);
@@ -328,6 +335,12 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status + kStatusBwd, 0, 2 * sizeof(DeviceStatus), stream_));
   grads_accumulate_ = g.accumulate;
   dx_ready_marked_ = false;  // (a backward that threw may have left it set)
+  if (path_.transposes_in_backward) {  // the dgrad weights from this backward's W (caller memory)
+    auto s = bwd("transpose W2, W1 (dgrad weights)");
+    const WeightBuffers& wb = ws_.weights;
+    transpose_weight_blocks(wb.w2, wb.w2t, /*gate_up_interleaved=*/false, stream_);
+    transpose_weight_blocks(wb.w1, wb.w1t, /*gate_up_interleaved=*/path_.fused_swiglu, stream_);
+  }
   switch (path_.pipeline) {
     case Pipeline::kBf16Gemms: streams_.with_side_drained([&] { backward_bf16(dy, g); }); break;
     case Pipeline::kBlockwise: streams_.with_side_drained([&] { backward_blockwise(dy, g); }); break;

@@ -81,6 +81,11 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
   // The deduplicated exchange moves BF16, FP8 (UE8M0 1x128) and MXFP4 token rows; fp8-naive's
   // FP32-scale rows take its own exchange (move_naive: every (token, expert) row, as DeepSeek-V3's).
   p.ep_dedup = cfg.comm != nullptr && options.ep_dedup && s.forward_wire != WireFormat::kFp8Fp32Scale;
+  // Caller memory: the weights region lives from a weight refresh to the last backward that reads
+  // it (the PyTorch op keeps one per forward in flight), so the FP8 recipes' dgrad weights W^T are
+  // derived from W in each backward, in its scratch, instead of being kept there: 1 byte less per
+  // expert parameter and forward in flight, for one FP8 transpose of the weights per backward.
+  p.transposes_in_backward = options.caller_memory && p.fp8;
   return p;
 }
 

@@ -181,19 +181,23 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
     w.w1_bf16 = a.device<bf16_t>(El * 2 * F * H, kT);
   }
   if (fp8) {
+    // the dgrad weights: kept from set_weights, or (caller memory) transposed from W per backward
+    const Region wt = path.transposes_in_backward ? kT : kW;
     w.w1 = weight_128x128_f32(a.device<uint8_t>(El * 2 * F * H, kW), nullptr, int(El), 2 * F, H);
-    w.w1t = weight_128x128_f32(a.device<uint8_t>(El * 2 * F * H, kW), nullptr, int(El), H, 2 * F);
+    w.w1t = weight_128x128_f32(a.device<uint8_t>(El * 2 * F * H, wt), nullptr, int(El), H, 2 * F);
     w.w2 = weight_128x128_f32(a.device<uint8_t>(El * H * F, kW), nullptr, int(El), H, F);
-    w.w2t = weight_128x128_f32(a.device<uint8_t>(El * H * F, kW), nullptr, int(El), F, H);
+    w.w2t = weight_128x128_f32(a.device<uint8_t>(El * H * F, wt), nullptr, int(El), F, H);
     w.w1.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), 2 * F, H), kW);
-    w.w1t.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), H, 2 * F), kW);
+    w.w1t.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), H, 2 * F), wt);
     w.w2.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), H, F), kW);
-    w.w2t.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), F, H), kW);
+    w.w2t.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), F, H), wt);
     if (pow2) {
       w.w1_ue8m0 = a.device<uint8_t>(El * (2 * F / 128) * (H / 128), kT);
-      w.w1t_ue8m0 = a.device<uint8_t>(El * (2 * F / 128) * (H / 128), kT);
       w.w2_ue8m0 = a.device<uint8_t>(El * (H / 128) * (F / 128), kT);
-      w.w2t_ue8m0 = a.device<uint8_t>(El * (H / 128) * (F / 128), kT);
+      if (!path.transposes_in_backward) {
+        w.w1t_ue8m0 = a.device<uint8_t>(El * (2 * F / 128) * (H / 128), kT);
+        w.w2t_ue8m0 = a.device<uint8_t>(El * (H / 128) * (F / 128), kT);
+      }
     }
   }
 

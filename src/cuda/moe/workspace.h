@@ -104,7 +104,8 @@ struct WeightBuffers {
   bf16_t* wr_check = nullptr;     // [E, H] scratch of set_weights' non-finite check of Wr
   bf16_t* w1_bf16 = nullptr;      // [El, 2F, H] (FP8 with FP32 scales: scratch; FP8 blocks: the fused SwiGLU's scratch, else none)
   bf16_t* w2_bf16 = nullptr;      // [El, H, F] (FP8 with FP32 scales: scratch; FP8 blocks: none)
-  // FP8 recipes: codes + GEMM-ready FP32 128x128 block scales, and the exact transposes (dgrad);
+  // FP8 recipes: codes + GEMM-ready FP32 128x128 block scales, and the exact transposes (dgrad;
+  // with caller memory transposed from W at the start of each backward, in the transient region);
   // with the fused SwiGLU (CudaLayerOptions::fused_swiglu) w1's 128-row blocks are interleaved
   // gate/up per expert (interleave_gate_up)
   QTensorView w1, w1t, w2, w2t;
