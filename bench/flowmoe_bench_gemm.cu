@@ -378,7 +378,7 @@ void bench_grouped(const std::string& name, const std::vector<int32_t>& counts, 
   const int E = b.E;
   cuda::GroupedGemm::Options ob = cuda::GroupedGemm::Options::from_settings(env_lookup());
   ob.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kOff;
-  cuda::GroupedGemm gk, blas(ob);
+  cuda::GroupedGemm gk(cuda::GroupedGemm::Options::from_settings(env_lookup())), blas(ob);
   const gemm::DeviceSegments seg{b.offsets, E, m, b.st};
   cuda::QTensorView x = cuda::row_1x128(b.xr_c, b.xr_s8, m, k), dy = cuda::row_1x128(b.dyr_c, b.dyr_s8, m, n);
   cuda::QTensorView w = cuda::weight_128x128(b.w_c, nullptr, E, n, k), wt = cuda::weight_128x128(b.wt_c, nullptr, E, k, n);

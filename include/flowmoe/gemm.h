@@ -176,6 +176,10 @@ struct GroupedGemmOptions {
   // kOff: cuBLASLt. Setting FLOWMOE_GEMM_WGRAD_KERNEL=0 (off), 1 (auto), 2 (always).
   enum class WgradKernel : uint8_t { kOff, kAuto, kAlways };
   WgradKernel wgrad_kernel = WgradKernel::kAuto;
+  // Output tile width (along K) of that kernel: 0 chooses by shape (docs/GEMM.md "The wgrad
+  // kernel"); 128 or 256 (K a multiple of 256) force one, for benchmarks and tests. The bits do not
+  // depend on it. Setting FLOWMOE_GEMM_WGRAD_TILE=0|128|256.
+  int wgrad_tile_n = 0;
   // Share the choices with every GroupedGemm of this process on the same device (same workspace
   // size and candidate count): a key is timed once per process and all objects run the same
   // algorithm for it. false: this object times its own keys.
@@ -186,7 +190,8 @@ struct GroupedGemmOptions {
   // `base` (the defaults unless given), then the named settings (flowmoe/settings.h; programs pass
   // env_lookup(), the library never reads the environment): FLOWMOE_GEMM_TUNE=0|1 sets `tune`,
   // FLOWMOE_GEMM_STREAMS=N sets `streams` (1..16), FLOWMOE_GEMM_PRIORITY=P sets `pool_priority`
-  // (0..8), FLOWMOE_GEMM_WGRAD_KERNEL=0|1|2 sets `wgrad_kernel`. Anything else in them throws.
+  // (0..8), FLOWMOE_GEMM_WGRAD_KERNEL=0|1|2 sets `wgrad_kernel`, FLOWMOE_GEMM_WGRAD_TILE=0|128|256
+  // `wgrad_tile_n`. Anything else in them throws.
   static GroupedGemmOptions from_settings(const SettingLookup& lookup,
                                           const GroupedGemmOptions& base);
   static GroupedGemmOptions from_settings(const SettingLookup& lookup);

@@ -54,6 +54,12 @@ GroupedGemmOptions GroupedGemmOptions::from_settings(const SettingLookup& lookup
                                                  "faster) or 2 (the kernel wherever it fits)");
     o.wgrad_kernel = static_cast<WgradKernel>(v[0] - '0');
   }
+  if (const char* v = lookup("FLOWMOE_GEMM_WGRAD_TILE")) {
+    FLOWMOE_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "128") == 0 || std::strcmp(v, "256") == 0,
+                  "FLOWMOE_GEMM_WGRAD_TILE=\"" << v << "\"; expected 0 (the wgrad kernel's tile width chosen "
+                                               "by shape), 128 or 256");
+    o.wgrad_tile_n = std::atoi(v);
+  }
   setting_int(lookup, "FLOWMOE_GEMM_STREAMS", 1, kMaxStreams, "streams the per-expert matmuls run on", &o.streams);
   setting_int(lookup, "FLOWMOE_GEMM_PRIORITY", 0, kMaxPoolPriority,
               "priority steps of the matmul streams above the default", &o.pool_priority);
@@ -70,6 +76,8 @@ void GroupedGemmOptions::validate() const {
                 "GroupedGemm options: candidates = " << candidates << "; expected 1.." << kMaxCandidates);
   FLOWMOE_CHECK(tune_reps >= 1 && tune_reps <= 100,
                 "GroupedGemm options: tune_reps = " << tune_reps << "; expected 1..100");
+  FLOWMOE_CHECK(wgrad_tile_n == 0 || wgrad_tile_n == 128 || wgrad_tile_n == 256,
+                "GroupedGemm options: wgrad_tile_n = " << wgrad_tile_n << "; expected 0 (by shape), 128 or 256");
   FLOWMOE_CHECK(tune_margin >= 0.0 && tune_margin < 1.0,
                 "GroupedGemm options: tune_margin = " << tune_margin << "; expected 0 <= margin < 1");
 }

@@ -615,6 +615,22 @@ TEST(GemmOptions, WgradKernelFromTheSettings) {
   }
 }
 
+TEST(GemmOptions, WgradTileFromTheSettings) {
+  Settings env;
+  EXPECT_EQ(env.options().wgrad_tile_n, 0) << "chosen by shape by default";
+  for (const char* v : {"0", "128", "256"}) {
+    env.set("FLOWMOE_GEMM_WGRAD_TILE", v);
+    EXPECT_EQ(env.options().wgrad_tile_n, std::atoi(v)) << v;
+  }
+  for (const char* v : {"64", "512", "", "128 ", "wide"}) {
+    env.set("FLOWMOE_GEMM_WGRAD_TILE", v);
+    EXPECT_TRUE(ThrowsMentioning([&] { env.options(); }, {"FLOWMOE_GEMM_WGRAD_TILE", "expected 0"})) << v;
+  }
+  gemm::GroupedGemmOptions o;
+  o.wgrad_tile_n = 192;
+  EXPECT_TRUE(ThrowsMentioning([&] { o.validate(); }, {"wgrad_tile_n = 192", "expected 0 (by shape), 128 or 256"}));
+}
+
 // Unset settings keep the base options (the defaults, or what the caller passes); set ones replace
 // only their own field.
 TEST(GemmOptions, SettingsApplyOverTheBase) {

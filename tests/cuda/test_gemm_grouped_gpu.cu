@@ -121,8 +121,9 @@ INSTANTIATE_TEST_SUITE_P(
 // wgrad on device offsets (multiples of 128): the kernel with the offsets read on the device equals
 // the host-offset launch bit for bit, is within tolerance of the reference, zeroes empty experts
 // when overwriting (the output starts as NaN) and leaves them untouched when accumulating. The
-// first case runs the kernel's 128 x 128 output tiles, the second its 128 x 256 tiles (K a multiple
-// of 256 and at least 1024 tokens per expert on average).
+// first two cases run the kernel's 128 x 128 output tiles by shape, the third its 128 x 256 tiles (K
+// a multiple of 256 and at least 1024 tokens per expert on average); each is also run with every
+// tile width forced, which must give the same bits.
 struct WgradCase {
   Case c;
   std::vector<int> empty;  // the empty experts
@@ -147,6 +148,16 @@ TEST_P(GemmGroupedGpuWgrad, DeviceOffsetsMatchReferenceAndHostPath) {
   const auto dv = dev.get();
   expect_same_bits(host.get(), dv, "wgrad: device offsets vs host offsets");
   EXPECT_TRUE(close(dv, r.dw, r.sdw, {0.0, kFp8C}, "grouped wgrad f32"));
+  // each tile width forced (256 where K allows): the same products in the same order, same bits
+  for (int tile_n : {128, 256}) {
+    if (p.k % tile_n != 0) continue;
+    cuda::GroupedGemm::Options forced = kernel_always;
+    forced.wgrad_tile_n = tile_n;
+    cuda::GroupedGemm gt(forced);
+    GBuf<float> out(nw);
+    gt.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::f32(out.p, nw), 0);
+    expect_same_bits(dv, out.get(), ("wgrad: tile width " + std::to_string(tile_n) + " vs by shape").c_str());
+  }
   std::vector<float> g0(nw), want(nw);
   for (int64_t i = 0; i < nw; ++i) g0[i] = float((i * 37) % 101) - 50.0f, want[i] = g0[i] + r.dw[i];
   dev.put(g0);
@@ -159,6 +170,7 @@ TEST_P(GemmGroupedGpuWgrad, DeviceOffsetsMatchReferenceAndHostPath) {
 }
 INSTANTIATE_TEST_SUITE_P(Tiles, GemmGroupedGpuWgrad,
                          ::testing::Values(WgradCase{{"ragged_k384", {256, 0, 128, 384, 0, 128}, 256, 384, {}}, {1, 4}},
+                                           WgradCase{{"ragged_k512", {256, 0, 128, 384, 0, 128}, 128, 512, {}}, {1, 4}},
                                            WgradCase{{"long_k512", {2048, 0, 1024}, 256, 512, {}}, {1}}),
                          [](const ::testing::TestParamInfo<WgradCase>& i) { return std::string(i.param.c.name); });
 
@@ -205,6 +217,20 @@ TEST(GemmGroupedGpuErrors, MalformedOffsetsAndBadShapes) {
   EXPECT_THROW(gg.fprop(seg, p.n, p.k, v.x, v.w, gemm::Span<bf16_t>{y.p, 10}, 0), Error) << "output too small";
   EXPECT_THROW(gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::bf16(nullptr, 0), 0), Error) << "BF16 wgrad";
   EXPECT_THROW(gg.fprop(seg, p.n, p.k, v.dy_col, v.w, y.span(), 0), Error) << "column-wise view as fprop input";
+  {  // a forced tile width the shape does not allow (K = 128): a clear error, dW untouched
+    cuda::GroupedGemm::Options wide = env_gemm_options();
+    wide.wgrad_kernel = cuda::GroupedGemm::Options::WgradKernel::kAlways;
+    wide.wgrad_tile_n = 256;
+    cuda::GroupedGemm gw(wide);
+    GBuf<float> dw(2 * p.n * p.k);
+    try {
+      gw.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::f32(dw.p, dw.n), 0);
+      ADD_FAILURE() << "tile width 256 with K = 128 was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("tile width 256 with K not a multiple of 256"), std::string::npos) << e.what();
+    }
+    for (float f : dw.get()) ASSERT_TRUE(std::isnan(f)) << "a refused wgrad wrote dW";
+  }
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 

@@ -231,6 +231,7 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
     a.dw = static_cast<float*>(dw.data);
     a.accumulate = acc;
     a.tile_counter = impl_->tile_counter;
+    a.tile_n = impl_->opt.wgrad_tile_n;
     sm90::fp8_wgrad_1x128(a, what, stream);
     ++impl_->stats.wgrad_kernel_calls;
     if (!acc)
@@ -430,6 +431,7 @@ void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const Q
   a.dw = static_cast<float*>(dw.data);
   a.accumulate = dw.kind == WgradOut::Kind::kF32Accumulate;
   a.tile_counter = impl_->tile_counter;
+  a.tile_n = impl_->opt.wgrad_tile_n;
   a.status = seg.status;
   sm90::fp8_wgrad_1x128(a, what, stream);
   ++impl_->stats.wgrad_kernel_calls;

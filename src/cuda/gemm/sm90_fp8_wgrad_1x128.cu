@@ -58,6 +58,9 @@ struct WCfg {
   static constexpr int kStages = kBN == 256 ? 3 : 4;
   static constexpr int kStageBytes = kTile * kTile + kBN * kTile;  // dY tile + X tile, FP8
   static constexpr int kScaleBytes = (kTile + kBN) * 4;            // per stage: the block's dY and X scales
+  // X scale pairs (of 16 per half) read before the wait: all at kBN = 128, where the products are
+  // formed while the WGMMAs run; half at 256, where the 128 accumulators leave fewer registers
+  static constexpr int kEarlyScales = kBN == 128 ? 16 : 8;
   static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes +
                                     2 * kStages * 8 + 2 * kTileSlots * 8 + 64 + (kMaxGroupedExperts + 2) * 4 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit");
@@ -88,6 +91,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   float* epi = reinterpret_cast<float*>(smem + kStages * kStageBytes);
   float* scl = reinterpret_cast<float*>(smem + kStages * kStageBytes + 2 * kEpiBytes);  // [stage][128 + kBN]
+  const uint32_t scl_u32 = smem_u32(scl);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes);
   uint64_t* empty = full + kStages;
   uint64_t* tile_full = empty + kStages;     // [kTileSlots]: a tile id is in tile_id[slot]
@@ -187,25 +191,56 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int s = it % kStages;
       const uint32_t ph = (it / kStages) & 1;
       mbar_wait(&full[s], ph);
-      // this block's scales (landed with the tiles): dY's for rows r0, r0 + 8, X's for the columns
-      const float* ss = scl + s * (kTile + kBN);
-      const float sa0 = ss[64 * ci + r0], sa1 = ss[64 * ci + r0 + 8];
+      // This block's scales (landed with the tiles): dY's for rows r0, r0 + 8, X's for the columns,
+      // read into registers before the WGMMAs are issued so that the promotion after the wait is
+      // only arithmetic.
+      const uint32_t ss = scl_u32 + uint32_t(s * kScaleBytes);
+      const float sa0 = lds_f32(ss + 4 * (64 * ci + r0)), sa1 = lds_f32(ss + 4 * (64 * ci + r0 + 8));
       const uint32_t a_addr = smem_u32(smem + s * kStageBytes) + ci * (64 * kTile);
 #pragma unroll
       for (int h = 0; h < C::kHalves; ++h) {
-        wgmma_block_m64n128k128_e4m3(blk, a_addr, smem_u32(smem + s * kStageBytes + (1 + h) * kTile * kTile));
+        const uint32_t sbh = ss + 4 * (kTile + h * kTile + c0);  // column 8 j + c0 of half h: + 32 j
+        float2 sb[16];
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const float2 sb = *reinterpret_cast<const float2*>(ss + kTile + h * kTile + 8 * j + c0);
-          const float s00 = sa0 * sb.x, s01 = sa0 * sb.y, s10 = sa1 * sb.x, s11 = sa1 * sb.y;
-          acc[h][4 * j + 0] = fmaf(blk[4 * j + 0], s00, acc[h][4 * j + 0]);
-          acc[h][4 * j + 1] = fmaf(blk[4 * j + 1], s01, acc[h][4 * j + 1]);
-          acc[h][4 * j + 2] = fmaf(blk[4 * j + 2], s10, acc[h][4 * j + 2]);
-          acc[h][4 * j + 3] = fmaf(blk[4 * j + 3], s11, acc[h][4 * j + 3]);
+        for (int j = 0; j < C::kEarlyScales; ++j) sb[j] = lds_f32x2(sbh + 32 * j);
+        wgmma_issue_m64n128k128_e4m3(blk, a_addr, smem_u32(smem + s * kStageBytes + (1 + h) * kTile * kTile));
+        if constexpr (kBN == 128) {
+          // the 64 scale products while the tensor cores run (the same products and roundings as
+          // multiplying after the wait: sa * sb, then one fmaf per element)
+          float sc[64];
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            sc[4 * j + 0] = sa0 * sb[j].x, sc[4 * j + 1] = sa0 * sb[j].y;
+            sc[4 * j + 2] = sa1 * sb[j].x, sc[4 * j + 3] = sa1 * sb[j].y;
+          }
+          wgmma_fence_regs<64>(sc);
+          wgmma_wait_all();
+          wgmma_fence_regs<64>(blk);
+          __syncwarp();  // every lane's WGMMAs and scale reads of the stage before the warp releases it
+          if (lane == 0) mbar_arrive(&empty[s]);
+#pragma unroll
+          for (int i = 0; i < 64; ++i) acc[h][i] = fmaf(blk[i], sc[i], acc[h][i]);
+        } else {
+          // 128 accumulators leave no room for the products: half of X's scales are read ahead,
+          // the rest while the first half of the fragment is promoted
+          wgmma_wait_all();
+          wgmma_fence_regs<64>(blk);
+#pragma unroll
+          for (int j = C::kEarlyScales; j < 16; ++j) sb[j] = lds_f32x2(sbh + 32 * j);
+          if (h == C::kHalves - 1) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[s]);
+          }
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const float s00 = sa0 * sb[j].x, s01 = sa0 * sb[j].y, s10 = sa1 * sb[j].x, s11 = sa1 * sb[j].y;
+            acc[h][4 * j + 0] = fmaf(blk[4 * j + 0], s00, acc[h][4 * j + 0]);
+            acc[h][4 * j + 1] = fmaf(blk[4 * j + 1], s01, acc[h][4 * j + 1]);
+            acc[h][4 * j + 2] = fmaf(blk[4 * j + 2], s10, acc[h][4 * j + 2]);
+            acc[h][4 * j + 3] = fmaf(blk[4 * j + 3], s11, acc[h][4 * j + 3]);
+          }
         }
       }
-      __syncwarp();  // every lane's WGMMA and scale reads of the stage before the warp releases it
-      if (lane == 0) mbar_arrive(&empty[s]);
     }
     // epilogue, per 128-column half, through ebuf by TMA (wgrad_tma_epilogue.cuh)
 #pragma unroll
@@ -239,6 +274,8 @@ const char* wgrad_device_unsupported(const WgradArgs& a) {
   if (a.n * a.num_experts >= kBig || a.k >= kBig) return "output too large";
   if (a.num_experts * (a.n / kTile) * (a.k / kTile) >= kBig) return "more than 2^31 output tiles";
   if (a.m < 0 || a.m >= kBig || a.m % kTile != 0) return "the token capacity is not a multiple of 128 below 2^31";
+  if (a.tile_n != 0 && a.tile_n != 128 && a.tile_n != 256) return "tile width not 0 (by shape), 128 or 256";
+  if (a.tile_n == 256 && a.k % 256 != 0) return "tile width 256 with K not a multiple of 256";
   if (a.offsets == nullptr && a.host_offsets == nullptr) return "no offsets";
   if (a.offsets == nullptr && a.num_experts > kMaxInlineWgradExperts) return "more than 256 experts with host offsets";
   if (a.tile_counter == nullptr) return "no tile counter";
@@ -270,7 +307,7 @@ void fp8_wgrad_1x128(const WgradArgs& a, const char* what, cudaStream_t stream) 
   // 128 x 256 tiles where K allows and the experts are long (a tile's math, 128 tokens per block,
   // then outweighs its 128 KB epilogue); with few tokens per expert the epilogue's wait between its
   // two halves costs more than the wider tile saves (docs/GEMM.md, "The wgrad kernel").
-  const int bn = a.k % 256 == 0 && a.m >= int64_t(1024) * a.num_experts ? 256 : 128;
+  const int bn = a.tile_n != 0 ? a.tile_n : a.k % 256 == 0 && a.m >= int64_t(1024) * a.num_experts ? 256 : 128;
   work.tiles_k = int(a.k / bn);
   work.tiles_per_expert = int(a.n / kTile) * work.tiles_k;
   // Everything that can throw (map encoding, the device's shared-memory limit) comes before the

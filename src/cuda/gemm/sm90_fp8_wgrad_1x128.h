@@ -29,6 +29,7 @@ struct WgradArgs {
   const float* x_scales = nullptr;        // [m/128][K]
   float* dw = nullptr;                    // [E][N][K]
   bool accumulate = false;                // += into dw, else overwrite (empty experts zeroed)
+  int tile_n = 0;                         // output tile width along K: 0 by shape, 128, 256 (K % 256 == 0)
   // One device int of the caller's, used by no other launch at the same time (reset here,
   // stream-ordered; two calls overlapping on different streams would skip or repeat tiles).
   int* tile_counter = nullptr;

@@ -24,6 +24,19 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 
 #ifdef FLOWMOE_SM90A
+// Shared-memory loads at a shared-state-space address (LDS: a generic pointer into shared memory
+// that the compiler cannot prove shared becomes a slower generic load). Volatile: they stay after
+// the barrier wait that makes the data valid.
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ float2 lds_f32x2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
 // Barrier `id` (1..15; 0 is __syncthreads) among `count` threads (a multiple of 32).
 __device__ __forceinline__ void named_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");

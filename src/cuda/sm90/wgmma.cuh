@@ -118,17 +118,30 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t da, uin
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
-// blk (m64n128 FP32 fragment) = A(64 x 128) . B(128 x 128)^T over one 128-deep block of E4M3
-// K-major operands at shared addresses a_addr, b_addr (128-byte swizzle): four m64n128k32 WGMMAs,
-// the first overwriting blk, committed and waited for (blk readable on return).
-__device__ __forceinline__ void wgmma_block_m64n128k128_e4m3(float* blk, uint32_t a_addr, uint32_t b_addr) {
+// Issues blk (m64n128 FP32 fragment) = A(64 x 128) . B(128 x 128)^T over one 128-deep block of
+// E4M3 K-major operands at shared addresses a_addr, b_addr (128-byte swizzle): four m64n128k32
+// WGMMAs, the first overwriting blk, committed as one group and not waited for: the warpgroup may
+// do other work until wgmma_wait_all(), after which blk is readable (wgmma_fence_regs).
+__device__ __forceinline__ void wgmma_issue_m64n128k128_e4m3(float* blk, uint32_t a_addr, uint32_t b_addr) {
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
     wgmma_m64n128k32_e4m3(blk, smem_desc_k_major_sw128(a_addr + 32 * kk), smem_desc_k_major_sw128(b_addr + 32 * kk),
                           kk > 0);
   wgmma_commit();
+}
+// The same, waited for (blk readable on return).
+__device__ __forceinline__ void wgmma_block_m64n128k128_e4m3(float* blk, uint32_t a_addr, uint32_t b_addr) {
+  wgmma_issue_m64n128k128_e4m3(blk, a_addr, b_addr);
   wgmma_wait_all();
+}
+// Pins the n registers r[] at this point of the program for the compiler (no instruction): values
+// computed before it are computed before what follows (e.g. while WGMMAs run, ahead of the wait),
+// and reads after it are not hoisted above what precedes it (e.g. the wait that makes them valid).
+template <int n>
+__device__ __forceinline__ void wgmma_fence_regs(float* r) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 #endif  // FLOWMOE_SM90A
 
