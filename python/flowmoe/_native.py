@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from ._errors import CommError, FlowmoeError, NonFiniteError
 
 LIBRARY_NAME = "libflowmoe_capi.so"
-CAPI_VERSION = 4
+CAPI_VERSION = 5
 
 OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED = 0, 1, 2, 3, 4
 
@@ -102,6 +102,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_forward": (c_int, [vp, vp, i64, vp]),
         "flowmoe_layer_backward": (c_int, [vp, vp, vp, vp, vp, vp, c_int]),
         "flowmoe_layer_backward_ex": (c_int, [vp, vp, vp, vp, vp, vp, vp, c_int]),
+        "flowmoe_layer_backward_bf16": (c_int, [vp, vp, vp, vp, vp, vp, vp]),
+        "flowmoe_layer_takes_backward_weights": (c_int, [vp, ctypes.POINTER(c_int)]),
+        "flowmoe_layer_set_backward_weights": (c_int, [vp, vp, vp]),
+        "flowmoe_layer_set_backward_weights_bf16": (c_int, [vp, vp, vp]),
         "flowmoe_layer_set_routing": (c_int, [vp, vp, vp]),
         "flowmoe_layer_status_get": (c_int, [vp, ctypes.POINTER(LayerStatus)]),
         "flowmoe_layer_memory_plan": (c_int, [vp, ctypes.POINTER(i64)]),
@@ -304,6 +308,24 @@ class Layer:
         """dprobs: d loss / d probs [T, k] fp32 (overwritten), or None."""
         check(lib().flowmoe_layer_backward_ex(self.handle, dy, dx, dw1 or None, dw2 or None, dwr or None,
                                               dprobs or None, int(bool(accumulate))))
+
+    def backward_bf16(self, dy: int, dx: int, dw1: Optional[int], dw2: Optional[int], dwr: Optional[int] = None,
+                      dprobs: Optional[int] = None) -> None:
+        """backward with BF16 expert gradients (bf16 bits, overwritten: the FP32 sums rounded once)."""
+        check(lib().flowmoe_layer_backward_bf16(self.handle, dy, dx, dw1 or None, dw2 or None, dwr or None,
+                                                dprobs or None))
+
+    @property
+    def takes_backward_weights(self) -> bool:
+        """Whether a backward can derive its dgrad weights from the parameters (set_backward_weights)."""
+        out = ctypes.c_int()
+        check(lib().flowmoe_layer_takes_backward_weights(self.handle, ctypes.byref(out)))
+        return bool(out.value)
+
+    def set_backward_weights(self, w1: int, w2: int, bf16: bool) -> None:
+        """The parameters W1, W2 of the next backward only (FP32, or BF16 bits with bf16)."""
+        fn = lib().flowmoe_layer_set_backward_weights_bf16 if bf16 else lib().flowmoe_layer_set_backward_weights
+        check(fn(self.handle, w1, w2))
 
     def set_routing(self, ids: int, probs: int) -> None:
         """The next forward's routing (external_routing layers): ids [T, k] int32, probs [T, k] fp32."""

@@ -15,7 +15,10 @@ Operators, each opaque to torch.compile and with a fake (meta) implementation:
 - ``flowmoe::experts_forward(x, ids, probs, w1, w2, wbuf, module_id, keep_step)`` and
   ``flowmoe::experts_backward(...)``: the experts-only layer (routing from the caller, issue 31;
   wr is None in its derive_weights): the same contract, with the routing's ids [T, k] int32 and
-  probs [T, k] fp32 as inputs and d loss / d probs as an output of the backward.
+  probs [T, k] fp32 as inputs and d loss / d probs as an output of the backward. Its weight
+  gradients come in the parameters' dtype (BF16 parameters: BF16 written by the wgrad itself). Where
+  the layer takes them (the FP8 block recipes on CUDA), its backward gets the parameters w1, w2
+  instead of wbuf and quantizes the dgrad weights from them: no weight copy outlives its forward.
 
 Memory (CUDA): every buffer comes from PyTorch's caching allocator: wbuf per weight refresh, saved
 per forward (freed when autograd frees the graph), and one transient scratch per call, returned to
@@ -234,17 +237,17 @@ def _(dy, wbuf, saved, step, dw1, dw2, dwr):
 
 
 # ---- autograd ---------------------------------------------------------------------------------------
-def _save_step(ctx, module_id, wbuf, saved, step):
-    """What a forward node keeps for its backward (both ops): the module, the weight copies, the
-    saved bytes and the step; in eager mode (not a compiler's fake tensor) the node owns the step
-    too (see _steps)."""
+def _save_step(ctx, module_id, wbuf, saved, step, params=()):
+    """What a forward node keeps for its backward (both ops): the module, the weight copies (or
+    None and the parameters `params` they are derived from again), the saved bytes and the step; in
+    eager mode (not a compiler's fake tensor) the node owns the step too (see _steps)."""
     ctx.module_id = module_id
     ctx.owner = None
     if type(step) is torch.Tensor:
         sid = int(step[0])
         if sid and _own_step(sid):
             ctx.owner = _NodeOwner(sid)
-    ctx.save_for_backward(wbuf, saved, step)
+    ctx.save_for_backward(wbuf, saved, step, *params)
 
 
 def _setup_context(ctx, inputs, output):
@@ -290,35 +293,56 @@ def _(x, ids, probs, w1, w2, wbuf, module_id, keep_step):
     return torch.empty_like(x), x.new_empty((saved,), dtype=torch.uint8), torch.empty(1, dtype=torch.int64)
 
 
-def _run_experts_backward(dy, wbuf, saved, step, dw1, dw2, accumulate, topk):
+def _run_experts_backward(dy, wbuf, saved, step, params, dw1, dw2, topk):
+    """dx and d loss / d probs, the weight gradients written into dw1 / dw2 (FP32, or BF16 for BF16
+    parameters: rounded once by the wgrad itself). params: (w1, w2) when the layer derives the
+    backward's dgrad weights from them (wbuf is then None: no weight copy outlived the forward)."""
     runner, native_step = _pop_step(int(step[0]))
     dy = dy.to(torch.bfloat16).contiguous()
     dx = torch.empty_like(dy)
     dprobs = torch.empty((dy.shape[0], topk), dtype=torch.float32, device=dy.device)
     tbuf = _bytes(runner.plan[2], dy.device) if runner.plan[2] else None
+    bf16_grads = any(g is not None and g.dtype == torch.bfloat16 for g in (dw1, dw2))
     with runner.ordered():
         runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
         runner.layer.resume_step(native_step)
-        runner.layer.backward(dy.data_ptr(), dx.data_ptr(), _addr(dw1), _addr(dw2), None, accumulate,
-                              dprobs=dprobs.data_ptr())
+        if params is not None:
+            runner.layer.set_backward_weights(params[0].data_ptr(), params[1].data_ptr(),
+                                              params[0].dtype == torch.bfloat16)
+        if bf16_grads:
+            runner.layer.backward_bf16(dy.data_ptr(), dx.data_ptr(), _addr(dw1), _addr(dw2),
+                                       dprobs=dprobs.data_ptr())
+        else:
+            runner.layer.backward(dy.data_ptr(), dx.data_ptr(), _addr(dw1), _addr(dw2), None, False,
+                                  dprobs=dprobs.data_ptr())
     return dx, dprobs
 
 
+def _experts_grad_buffers(module_id: int, device, needs, bf16: bool):
+    """New weight-gradient tensors in the parameters' dtype (BF16 parameters: BF16, written by the
+    wgrad directly; else FP32), an empty one where not needed."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    shapes = _module(module_id)._param_shapes()
+    return [torch.empty(s, dtype=dtype, device=device) if n else torch.empty(0, dtype=dtype, device=device)
+            for s, n in zip(shapes, needs)]
+
+
 @torch.library.custom_op("flowmoe::experts_backward", mutates_args=())
-def experts_backward(dy: torch.Tensor, wbuf: torch.Tensor, saved: torch.Tensor, step: torch.Tensor,
-                     needs: List[bool], module_id: int
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def experts_backward(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torch.Tensor, step: torch.Tensor,
+                     w1: Optional[torch.Tensor], w2: Optional[torch.Tensor], needs: List[bool], bf16_grads: bool,
+                     module_id: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m = _module(module_id)
-    grads = _grad_buffers(module_id, dy.device, needs)
-    dx, dprobs = _run_experts_backward(dy, wbuf, saved, step, grads[0] if needs[0] else None,
-                                       grads[1] if needs[1] else None, False, m.topk)
+    grads = _experts_grad_buffers(module_id, dy.device, needs, bf16_grads)
+    params = (w1.detach(), w2.detach()) if w1 is not None else None
+    dx, dprobs = _run_experts_backward(dy, wbuf, saved, step, params, grads[0] if needs[0] else None,
+                                       grads[1] if needs[1] else None, m.topk)
     return dx, grads[0], grads[1], dprobs
 
 
 @experts_backward.register_fake
-def _(dy, wbuf, saved, step, needs, module_id):
+def _(dy, wbuf, saved, step, w1, w2, needs, bf16_grads, module_id):
     m = _module(module_id)
-    grads = _grad_buffers(module_id, dy.device, needs)
+    grads = _experts_grad_buffers(module_id, dy.device, needs, bf16_grads)
     return (torch.empty_like(dy, dtype=torch.bfloat16), grads[0], grads[1],
             dy.new_empty((dy.shape[0], m.topk), dtype=torch.float32))
 
@@ -326,16 +350,23 @@ def _(dy, wbuf, saved, step, needs, module_id):
 def _experts_setup_context(ctx, inputs, output):
     x, ids, probs, w1, w2, wbuf, module_id, keep_step = inputs
     y, saved, step = output
-    _save_step(ctx, module_id, wbuf, saved, step)
+    r = _module(module_id)._runner
+    # Where the layer derives the backward's dgrad weights from the parameters, the node keeps the
+    # parameters (no copy; autograd's version counters refuse an in-place change before the
+    # backward, as for any op that saves its weight) instead of the forward's weight copies.
+    from_params = r is not None and r.backward_weights
+    _save_step(ctx, module_id, None if from_params else wbuf, saved, step, (w1, w2) if from_params else ())
     ctx.weight_dtype = w1.dtype
 
 
 def _experts_backward(ctx, dy, _dsaved, _dstep):
-    wbuf, saved, step = ctx.saved_tensors
+    wbuf, saved, step, *params = ctx.saved_tensors
+    w1, w2 = params if params else (None, None)
     needs = [bool(ctx.needs_input_grad[3]), bool(ctx.needs_input_grad[4])]
-    dx, dw1, dw2, dprobs = experts_backward(dy, wbuf, saved, step, needs, ctx.module_id)
-    # the layer's weight gradients are FP32: BF16 parameters get them rounded (RNE) to BF16
+    # BF16 parameters get BF16 gradients straight from the wgrad (no FP32 copy, no rounding pass)
     dt = ctx.weight_dtype
+    dx, dw1, dw2, dprobs = experts_backward(dy, wbuf, saved, step, w1, w2, needs, dt == torch.bfloat16,
+                                            ctx.module_id)
     return (dx if ctx.needs_input_grad[0] else None, None, dprobs if ctx.needs_input_grad[2] else None,
             dw1.to(dt) if needs[0] else None, dw2.to(dt) if needs[1] else None, None, None, None)
 

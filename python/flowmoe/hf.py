@@ -18,7 +18,11 @@ weights and the routing weights, so the router trains as with "eager".
 Weights: FP32 and BF16 parameters are used in place (BF16 parameters are the layer's BF16 copies,
 quantized straight from the parameters: the bits of FP32 masters holding the same values). FP16
 parameters are converted to FP32 at every forward (an FP32 copy alive during the forward).
-Gradients come back in the parameters' dtype (computed in FP32; for BF16 parameters rounded once).
+Gradients come back in the parameters' dtype (summed in FP32; for BF16 parameters rounded once, by
+the wgrad itself). On CUDA the layer runs without host synchronisation (``sync_free``: no wait for
+the routing counts or the weights' finite check in a forward, so the host keeps queueing the model's
+kernels); ``flowmoe.hf.SYNC_FREE = False`` brings back the synchronising layer, which raises on
+non-finite weights at the forward instead of counting them (``status()``).
 
 Refused, with the model and what is missing named (never run wrong): experts with bias, without a
 gate (gate_up_proj), with an activation other than SiLU (SwiGLU), a custom gating function, a
@@ -40,7 +44,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("flowmoe.hf needs transformers >= 5 (transformers.integrations.moe.ExpertsInterface): "
                       f"pip install 'transformers>=5' ({e})") from e
 
-__all__ = ["IMPLEMENTATIONS", "register", "check_experts_module"]
+__all__ = ["IMPLEMENTATIONS", "SYNC_FREE", "register", "check_experts_module"]
+
+# CUDA: the experts layer without host synchronisation (read at each call; see the module docstring)
+SYNC_FREE = True
 
 # experts_implementation name -> flowmoe recipe
 IMPLEMENTATIONS = {
@@ -123,7 +130,7 @@ def _experts_function(recipe: str, impl: str):
             self._flowmoe_checked = True
         return experts(hidden_states, top_k_index.reshape(-1, top_k_index.shape[-1]),
                        top_k_weights.reshape(-1, top_k_weights.shape[-1]), self.gate_up_proj, self.down_proj,
-                       recipe=recipe, owner=self)
+                       recipe=recipe, owner=self, sync_free=SYNC_FREE and hidden_states.is_cuda)
 
     flowmoe_experts_forward.__name__ = f"flowmoe_experts_forward_{recipe.replace('-', '_')}"
     flowmoe_experts_forward.__doc__ = f"transformers experts_implementation={impl!r}: flowmoe recipe {recipe!r}."

@@ -106,6 +106,9 @@ class _Runner:
         self.stream = stream  # torch.cuda.Stream of a CUDA layer, None for CPU
         self.max_tokens = max_tokens
         self.plan = layer.memory_plan()
+        # whether a backward can derive its dgrad weights from the parameters (the experts-only CUDA
+        # layer of the FP8 block recipes): the weight copies then need not outlive the forward
+        self.backward_weights = layer.takes_backward_weights
 
     @contextlib.contextmanager
     def ordered(self):

@@ -118,19 +118,26 @@ flowmoe_layer* checked(flowmoe_layer* l, const char* what) {
   return l;
 }
 
-// Both set_weights entry points: W1, W2 as FP32 masters (float) or BF16 parameters (uint16_t bits).
+// W1, W2 as FP32 masters (float) or BF16 parameters (uint16_t bits).
+template <typename W>
+MoeWeights expert_weights(const W* w1, const W* w2) {
+  MoeWeights w;
+  if constexpr (std::is_same_v<W, float>) {
+    w.w1 = w1;
+    w.w2 = w2;
+  } else {
+    w.w1_bf16 = w1;
+    w.w2_bf16 = w2;
+  }
+  return w;
+}
+
+// Both set_weights entry points.
 template <typename W>
 int set_weights(const char* what, flowmoe_layer* layer, const W* w1, const W* w2, const float* wr,
                 const float* router_bias) {
   return guarded(what, [&] {
-    MoeWeights w;
-    if constexpr (std::is_same_v<W, float>) {
-      w.w1 = w1;
-      w.w2 = w2;
-    } else {
-      w.w1_bf16 = w1;
-      w.w2_bf16 = w2;
-    }
+    MoeWeights w = expert_weights(w1, w2);
     w.wr = wr;
     w.router_bias = router_bias;
     checked(layer, what)->layer->set_weights(w);
@@ -151,6 +158,7 @@ std::string take_callback_error() {
 using flowmoe::capi::checked;
 using flowmoe::capi::guarded;
 using flowmoe::capi::set_weights;
+using flowmoe::capi::expert_weights;
 
 extern "C" {
 
@@ -281,6 +289,38 @@ int flowmoe_layer_backward_ex(flowmoe_layer* layer, const uint16_t* dy, uint16_t
     g.dprobs = dprobs;
     g.accumulate = accumulate != 0;
     checked(layer, "flowmoe_layer_backward")->layer->backward(dy, dx, g);
+  });
+}
+
+int flowmoe_layer_backward_bf16(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, uint16_t* dw1,
+                                uint16_t* dw2, float* dwr, float* dprobs) {
+  return guarded("flowmoe_layer_backward_bf16", [&] {
+    flowmoe::MoeGrads g;
+    g.dw1_bf16 = dw1;
+    g.dw2_bf16 = dw2;
+    g.dwr = dwr;
+    g.dprobs = dprobs;
+    g.accumulate = false;
+    checked(layer, "flowmoe_layer_backward_bf16")->layer->backward(dy, dx, g);
+  });
+}
+
+int flowmoe_layer_takes_backward_weights(flowmoe_layer* layer, int* out) {
+  return guarded("flowmoe_layer_takes_backward_weights", [&] {
+    FLOWMOE_CHECK(out != nullptr, "flowmoe_layer_takes_backward_weights: null output");
+    *out = checked(layer, "flowmoe_layer_takes_backward_weights")->layer->takes_backward_weights() ? 1 : 0;
+  });
+}
+
+int flowmoe_layer_set_backward_weights(flowmoe_layer* layer, const float* w1, const float* w2) {
+  return guarded("flowmoe_layer_set_backward_weights", [&] {
+    checked(layer, "flowmoe_layer_set_backward_weights")->layer->set_backward_weights(expert_weights(w1, w2));
+  });
+}
+
+int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2) {
+  return guarded("flowmoe_layer_set_backward_weights_bf16", [&] {
+    checked(layer, "flowmoe_layer_set_backward_weights_bf16")->layer->set_backward_weights(expert_weights(w1, w2));
   });
 }
 

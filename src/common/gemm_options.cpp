@@ -82,9 +82,8 @@ void GroupedGemmOptions::validate() const {
                 "GroupedGemm options: tune_margin = " << tune_margin << "; expected 0 <= margin < 1");
 }
 
-const char* wgrad_kernel_unsupported(const Segments& seg, int64_t n, int64_t k, bool bf16_out) {
+const char* wgrad_kernel_unsupported(const Segments& seg, int64_t n, int64_t k) {
   constexpr int64_t kTile = 128, kMaxExperts = 256;
-  if (bf16_out) return "BF16 output (the kernel writes FP32)";
   if (n <= 0 || k <= 0 || n % kTile != 0 || k % kTile != 0) return "N or K not a multiple of 128";
   if (n * seg.num_segments() >= (int64_t(1) << 31) || k >= (int64_t(1) << 31)) return "output too large";
   if (seg.num_tokens() >= (int64_t(1) << 31)) return "too many tokens";
@@ -102,7 +101,7 @@ const char* wgrad_kernel_unsupported(const Segments& seg, int64_t n, int64_t k, 
 bool choose_wgrad_kernel(GroupedGemmOptions::WgradKernel mode, const Segments& seg, int64_t n, int64_t k,
                          WgradOut::Kind kind) {
   using Mode = GroupedGemmOptions::WgradKernel;
-  if (mode == Mode::kOff || wgrad_kernel_unsupported(seg, n, k, kind == WgradOut::Kind::kBf16) != nullptr)
+  if (mode == Mode::kOff || wgrad_kernel_unsupported(seg, n, k) != nullptr)
     return false;
   if (mode == Mode::kAlways) return true;
   int64_t nonempty = 0;

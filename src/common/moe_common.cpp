@@ -21,6 +21,13 @@ void MoeLayer::bind_memory(const MoeMemory& m) {
                        "(only a CUDA layer built with CudaLayerOptions::caller_memory takes memory)");
 }
 
+void MoeLayer::set_backward_weights(const MoeWeights&) {
+  FLOWMOE_CHECK(false, "MoeLayer::set_backward_weights: this " << backend() << " layer does not derive its backward's "
+                                                                  "weights from the parameters "
+                                                                  "(takes_backward_weights() is false); expected "
+                                                                  "the weights region bound for its backward instead");
+}
+
 // ---- routing from the caller (MoeConfig::external_routing) --------------------------------------
 void MoeLayer::set_routing(const int32_t* ids, const float* probs) {
   FLOWMOE_CHECK(cfg_.external_routing,
@@ -40,6 +47,19 @@ MoeLayer::RoutingInput MoeLayer::take_routing(const char* what) {
                 what << ": no routing for this forward; the layer takes its routing from the caller "
                         "(MoeConfig::external_routing): call set_routing(ids, probs) before each forward");
   return r;
+}
+
+// ---- gradients ----------------------------------------------------------------------------------
+void MoeLayer::check_grads(const MoeGrads& g) const {
+  const char* what = "MoeLayer::backward";
+  FLOWMOE_CHECK(!(g.dw1 && g.dw1_bf16) && !(g.dw2 && g.dw2_bf16),
+                what << ": dW1 or dW2 given both as FP32 and as BF16; expected one buffer per gradient");
+  FLOWMOE_CHECK(!(g.accumulate && (g.dw1_bf16 || g.dw2_bf16)),
+                what << ": BF16 expert gradients with accumulate = true; BF16 gradients are overwritten "
+                        "(accumulate = false), FP32 ones may be accumulated into");
+  FLOWMOE_CHECK(!(cfg_.external_routing && g.dwr),
+                what << ": dwr given to a layer without a router (MoeConfig::external_routing); "
+                        "expected null (the routing weights' gradient goes to dprobs)");
 }
 
 // ---- weights ------------------------------------------------------------------------------------

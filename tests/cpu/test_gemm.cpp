@@ -648,31 +648,30 @@ TEST(GemmOptions, SettingsApplyOverTheBase) {
   EXPECT_EQ(two.pool_priority, 3);
 }
 
-// What the sm_90a wgrad kernel takes (128-aligned experts, N and K multiples of 128, FP32 out,
-// at most 256 non-empty experts) and where the auto mode chooses it over cuBLASLt.
+// What the sm_90a wgrad kernel takes (128-aligned experts, N and K multiples of 128, FP32 or BF16
+// out, at most 256 non-empty experts) and where the auto mode chooses it over cuBLASLt.
 TEST(GemmOptions, WgradKernelSupportAndChoice) {
   using Mode = gemm::GroupedGemmOptions::WgradKernel;
   using Kind = gemm::WgradOut::Kind;
   const Segments ok = Segments::from_counts({256, 0, 128, 384});
-  EXPECT_EQ(gemm::wgrad_kernel_unsupported(ok, 256, 384, false), nullptr);
-  EXPECT_NE(gemm::wgrad_kernel_unsupported(ok, 256, 384, true), nullptr) << "BF16 output";
-  EXPECT_NE(gemm::wgrad_kernel_unsupported(ok, 192, 384, false), nullptr) << "N % 128";
-  EXPECT_NE(gemm::wgrad_kernel_unsupported(ok, 256, 200, false), nullptr) << "K % 128";
-  EXPECT_NE(gemm::wgrad_kernel_unsupported(Segments::from_counts({144, 112}), 256, 256, false), nullptr)
+  EXPECT_EQ(gemm::wgrad_kernel_unsupported(ok, 256, 384), nullptr);
+  EXPECT_NE(gemm::wgrad_kernel_unsupported(ok, 192, 384), nullptr) << "N % 128";
+  EXPECT_NE(gemm::wgrad_kernel_unsupported(ok, 256, 200), nullptr) << "K % 128";
+  EXPECT_NE(gemm::wgrad_kernel_unsupported(Segments::from_counts({144, 112}), 256, 256), nullptr)
       << "an offset that is not a multiple of 128";
-  EXPECT_NE(gemm::wgrad_kernel_unsupported(Segments::from_counts({128, 16}), 256, 256, false), nullptr)
+  EXPECT_NE(gemm::wgrad_kernel_unsupported(Segments::from_counts({128, 16}), 256, 256), nullptr)
       << "a token total that is not a multiple of 128";
-  EXPECT_EQ(gemm::wgrad_kernel_unsupported(Segments::from_counts(std::vector<int32_t>(256, 128)), 128, 128, false),
+  EXPECT_EQ(gemm::wgrad_kernel_unsupported(Segments::from_counts(std::vector<int32_t>(256, 128)), 128, 128),
             nullptr);
-  EXPECT_NE(gemm::wgrad_kernel_unsupported(Segments::from_counts(std::vector<int32_t>(257, 128)), 128, 128, false),
+  EXPECT_NE(gemm::wgrad_kernel_unsupported(Segments::from_counts(std::vector<int32_t>(257, 128)), 128, 128),
             nullptr) << "257 non-empty experts";
   EXPECT_NE(gemm::wgrad_kernel_unsupported(Segments::from_counts(std::vector<int32_t>(256, 128)), 128 * 4096,
-                                           128 * 2048, false),
+                                           128 * 2048),
             nullptr) << "2^31 output tiles";
   // off / always / unsupported
   EXPECT_FALSE(gemm::choose_wgrad_kernel(Mode::kOff, ok, 256, 384, Kind::kF32Accumulate));
   EXPECT_TRUE(gemm::choose_wgrad_kernel(Mode::kAlways, ok, 256, 384, Kind::kF32));
-  EXPECT_FALSE(gemm::choose_wgrad_kernel(Mode::kAlways, ok, 256, 384, Kind::kBf16));
+  EXPECT_TRUE(gemm::choose_wgrad_kernel(Mode::kAlways, ok, 256, 384, Kind::kBf16));
   // auto: DeepSeek-V3 EP8 GEMM1 (32 experts x 2048 tokens, [4096, 7168]): cuBLASLt; GEMM2
   // ([7168, 2048], 14 Mi): the kernel when accumulating only; V2-Lite (768 tokens each): the kernel
   const Segments v3 = Segments::from_counts(std::vector<int32_t>(32, 2048));

@@ -122,6 +122,45 @@ TEST(MoeRouted, Bf16ParamsSameBitsAsFp32Masters) {
   }
 }
 
+// BF16 expert gradients (MoeGrads::dw1_bf16, the gradients of BF16 parameters) are the FP32 ones
+// rounded once (RNE), in every recipe, for both layers; dx, dWr and dprobs are unchanged.
+TEST(MoeRouted, Bf16GradsAreTheFp32GradsRounded) {
+  for (Recipe r : flowmoe::all_recipes()) {
+    SCOPED_TRACE(flowmoe::recipe_name(r));
+    const RoutedProblem p = flowmoe_test::make_routed_problem(cfg_for(r, RouterScore::kSoftmax, false, 1.0f, 37), 37, 23);
+    for (bool external : {false, true}) {
+      SCOPED_TRACE(external ? "experts-only layer" : "full layer");
+      const Out f32 = run(p, external, 1, true);
+      MoeConfig cfg = p.cfg;
+      cfg.external_routing = external;
+      auto layer = flowmoe::make_cpu_layer(cfg);
+      const std::vector<bf16_t> w1b = rne_bf16(p.w1), w2b = rne_bf16(p.w2);
+      flowmoe::MoeWeights w;
+      w.w1_bf16 = w1b.data();
+      w.w2_bf16 = w2b.data();
+      if (!external) w.wr = p.wr.data();
+      layer->set_weights(w);
+      const int64_t H = cfg.hidden, F = cfg.ffn, E = cfg.num_experts;
+      std::vector<bf16_t> y(p.T * H), dx(p.T * H), dw1(E * 2 * F * H, 0x7777), dw2(E * H * F, 0x7777);
+      std::vector<float> dwr(E * H, 7.0f), dprobs(p.T * cfg.topk, 7.0f);
+      flowmoe::MoeGrads g;
+      g.dw1_bf16 = dw1.data();
+      g.dw2_bf16 = dw2.data();
+      g.dwr = external ? nullptr : dwr.data();
+      g.dprobs = dprobs.data();
+      g.accumulate = false;
+      if (external) layer->set_routing(p.ids.data(), p.probs.data());
+      layer->forward(p.x.data(), p.T, y.data());
+      layer->backward(p.dy.data(), dx.data(), g);
+      expect_same_bits(dw1, rne_bf16(f32.dw1), "dW1 (BF16)");
+      expect_same_bits(dw2, rne_bf16(f32.dw2), "dW2 (BF16)");
+      expect_same_bits(dx, f32.dx, "dx");
+      expect_same_bits(dprobs, f32.dprobs, "dprobs");
+      if (!external) expect_same_bits(dwr, f32.dwr, "dWr");
+    }
+  }
+}
+
 TEST(MoeRouted, SameBitsSigmoidRenormalizedScaledBiased) {  // DeepSeek-V3's router, its probs given
   for (Recipe r : {Recipe::kBf16, Recipe::kFlow}) {
     SCOPED_TRACE(flowmoe::recipe_name(r));
@@ -243,4 +282,19 @@ TEST(MoeRouted, ErrorsSayWhatIsExpected) {
   flowmoe::MoeGrads g;
   g.dwr = dwr.data();
   expect_throw([&] { layer->backward(p.dy.data(), dx.data(), g); }, "dwr");
+  // gradients: one buffer per weight, BF16 ones overwritten only
+  std::vector<float> dw1(ext.num_experts * 2 * ext.ffn * ext.hidden);
+  std::vector<bf16_t> dw1b(dw1.size());
+  flowmoe::MoeGrads both;
+  both.dw1 = dw1.data();
+  both.dw1_bf16 = dw1b.data();
+  both.accumulate = false;
+  expect_throw([&] { layer->backward(p.dy.data(), dx.data(), both); }, "both as FP32 and as BF16");
+  flowmoe::MoeGrads acc;
+  acc.dw1_bf16 = dw1b.data();
+  acc.accumulate = true;
+  expect_throw([&] { layer->backward(p.dy.data(), dx.data(), acc); }, "accumulate = true");
+  // only the CUDA experts-only layer with caller memory derives the backward's weights itself
+  EXPECT_FALSE(layer->takes_backward_weights());
+  expect_throw([&] { layer->set_backward_weights(w); }, "takes_backward_weights");
 }

@@ -307,6 +307,15 @@ TEST(ConvertGpuWeight, QuantizeWeightsBatchedBitExactPerExpert) {
   EXPECT_GT(nonfinite, 0);
   EXPECT_EQ(ds.get()[0].nonfinite, static_cast<unsigned long long>(nonfinite));
   EXPECT_THROW(cuda::quantize_weights(dw.p, 0, n, k, c.p, s.p, tc.p, ts.p, ds.p, 0), Error);
+  // the transposed copy alone (the backward's dgrad weights from the parameters): the same bits
+  DBuf<uint8_t> tc2(experts * elems), ts2(experts * blocks);
+  cuda::quantize_weights(dw.p, experts, n, k, nullptr, nullptr, tc2.p, ts2.p, nullptr, 0);
+  expect_same_bits(tcodes, tc2.get(), experts * elems, "transposed codes alone");
+  expect_same_bits(tscales, ts2.get(), experts * blocks, "transposed scales alone");
+  EXPECT_THROW(cuda::quantize_weights(dw.p, experts, n, k, nullptr, nullptr, nullptr, nullptr, nullptr, 0), Error)
+      << "no output";
+  EXPECT_THROW(cuda::quantize_weights(dw.p, experts, n, k, c.p, nullptr, tc.p, ts.p, nullptr, 0), Error)
+      << "codes without scales";
 }
 
 // quantize_weights on FP32 masters: the bits of quantize_weights on their BF16 (RNE) copy; the

@@ -181,6 +181,13 @@ TEST_P(GemmBf16GroupedGpuWgrad, OverwriteAndAccumulateMatchReference) {
     const gemm::DeviceSegments seg{off.p, E, p.m, nullptr};
     gg.wgrad_bf16(seg, p.n, p.k, dy.cspan(), x.cspan(), gemm::WgradOut::f32(dw.p, nw), 0);
     const auto got = dw.get();
+    {  // BF16 output (=): the FP32 sums rounded once, RNE; empty experts zeroed (the buffer starts as NaN)
+      GBuf<bf16_t> dw16(nw);
+      gg.wgrad_bf16(seg, p.n, p.k, dy.cspan(), x.cspan(), gemm::WgradOut::bf16(dw16.p, nw), 0);
+      std::vector<bf16_t> want16(nw);
+      for (int64_t i = 0; i < nw; ++i) want16[i] = num::f32_to_bf16(got[i]);
+      expect_same_bits(want16, dw16.get(), std::string(c.name) + " bf16 wgrad, BF16 output = rounded FP32 output");
+    }
     if (small) {
       expect_same_bits(prefix(p.dw, nw), got, std::string(c.name) + " bf16 wgrad (exact sums)");
       continue;
@@ -196,7 +203,7 @@ TEST_P(GemmBf16GroupedGpuWgrad, OverwriteAndAccumulateMatchReference) {
       if (c.counts[e] == 0)
         for (int64_t i = 0; i < p.n * p.k; ++i)
           ASSERT_EQ(acc[e * p.n * p.k + i], g0[e * p.n * p.k + i]) << "empty expert " << e << " must be untouched";
-    EXPECT_EQ(gg.stats().bf16_kernel_calls, 2);
+    EXPECT_EQ(gg.stats().bf16_kernel_calls, 3);
   }
 }
 INSTANTIATE_TEST_SUITE_P(Tiles, GemmBf16GroupedGpuWgrad,
@@ -281,7 +288,7 @@ TEST(GemmBf16GroupedGpuErrors, MalformedOffsetsAndBadShapes) {
   expect_error([&] { gg.fprop_bf16(seg, p.n, p.k, x.cspan(), w.cspan(), gemm::Span<bf16_t>{y.p, 10}, 0); }, "y holds");
   expect_error([&] { gg.fprop_bf16(seg, p.n, p.k, x.cspan(), CB{w.p, 10}, y.span(), 0); }, "w holds");
   expect_error([&] { gg.wgrad_bf16(seg, p.n, p.k, dy.cspan(), x.cspan(), gemm::WgradOut::bf16(nullptr, 0), 0); },
-               "FP32 gradients");
+               "dw holds");
   expect_error([&] { gg.wgrad_bf16(seg, p.n, p.k, dy.cspan(), x.cspan(), gemm::WgradOut::f32(nullptr, 2 * p.n * p.k),
                                    0); },
                "null gradient");

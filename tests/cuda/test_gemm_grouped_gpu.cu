@@ -158,6 +158,23 @@ TEST_P(GemmGroupedGpuWgrad, DeviceOffsetsMatchReferenceAndHostPath) {
     gt.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::f32(out.p, nw), 0);
     expect_same_bits(dv, out.get(), ("wgrad: tile width " + std::to_string(tile_n) + " vs by shape").c_str());
   }
+  // BF16 output (=, the gradient of a BF16 parameter): the FP32 output rounded once (RNE), on both
+  // offset paths and at every tile width; empty experts zeroed (the buffer starts as NaN)
+  std::vector<bf16_t> want16(nw);
+  for (int64_t i = 0; i < nw; ++i) want16[i] = num::f32_to_bf16(dv[i]);
+  for (int tile_n : {0, 128, 256}) {
+    if (tile_n != 0 && p.k % tile_n != 0) continue;
+    cuda::GroupedGemm::Options forced = kernel_always;
+    forced.wgrad_tile_n = tile_n;
+    cuda::GroupedGemm gt(forced);
+    GBuf<bf16_t> out16(nw), host16(nw);
+    gt.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::bf16(out16.p, nw), 0);
+    gt.wgrad(p.seg, p.n, p.k, d.op(d.dyc_c, d.dyc_s), d.op(d.xc_c, d.xc_s), gemm::WgradOut::bf16(host16.p, nw), 0);
+    EXPECT_EQ(gt.stats().wgrad_kernel_calls, 2);
+    const std::string what = "wgrad BF16 output, tile width " + std::to_string(tile_n);
+    expect_same_bits(want16, out16.get(), what + ", device offsets");
+    expect_same_bits(want16, host16.get(), what + ", host offsets");
+  }
   std::vector<float> g0(nw), want(nw);
   for (int64_t i = 0; i < nw; ++i) g0[i] = float((i * 37) % 101) - 50.0f, want[i] = g0[i] + r.dw[i];
   dev.put(g0);
@@ -215,7 +232,8 @@ TEST(GemmGroupedGpuErrors, MalformedOffsetsAndBadShapes) {
   EXPECT_THROW(gg.fprop(gemm::DeviceSegments{d.offsets.p, 2000, p.m, nullptr}, p.n, p.k, v.x, v.w, y.span(), 0), Error)
       << "more experts than the kernel takes";
   EXPECT_THROW(gg.fprop(seg, p.n, p.k, v.x, v.w, gemm::Span<bf16_t>{y.p, 10}, 0), Error) << "output too small";
-  EXPECT_THROW(gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::bf16(nullptr, 0), 0), Error) << "BF16 wgrad";
+  EXPECT_THROW(gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::bf16(nullptr, 0), 0), Error)
+      << "BF16 wgrad output too small";
   EXPECT_THROW(gg.fprop(seg, p.n, p.k, v.dy_col, v.w, y.span(), 0), Error) << "column-wise view as fprop input";
   {  // a forced tile width the shape does not allow (K = 128): a clear error, dW untouched
     cuda::GroupedGemm::Options wide = env_gemm_options();

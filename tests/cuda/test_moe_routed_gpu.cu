@@ -203,6 +203,64 @@ TEST_P(Routed, CallerMemoryTwoForwardsInFlight) {
   expect_same_bits(want_b.dprobs, dpb.get(), "dprobs of the second");
 }
 
+// Caller memory as the PyTorch op runs it for BF16 parameters (and FP32 masters): the backward takes
+// its dgrad weights from the parameters (set_backward_weights; the FP8 block recipes) with the
+// weights region poisoned and unbound, and writes BF16 gradients (MoeGrads::dw1_bf16): the FP32
+// gradients of the owned layer rounded once, and its dx and dprobs, bit for bit. The other
+// recipes refuse set_backward_weights and give the same bits with the weights region bound.
+TEST_P(Routed, CallerMemoryBackwardWeightsFromParamsAndBf16Grads) {
+  REQUIRE_SM90();
+  const Recipe recipe = std::get<0>(GetParam());
+  CudaLayerOptions opt;
+  opt.sync_free = std::get<1>(GetParam());
+  MoeConfig cfg = flowmoe_test::moe_config(kH, kF, kE, kK).align(128).recipe(recipe).max_tokens(kT);
+  const RoutedProblem p = flowmoe_test::make_routed_problem(cfg, kT, 36);
+  for (const bool bf16_params : {true, false}) {
+    SCOPED_TRACE(bf16_params ? "BF16 parameters" : "FP32 masters");
+    const Out want = run(p, true, opt.sync_free, bf16_params);
+    cfg.external_routing = true;
+    opt.caller_memory = true;
+    std::unique_ptr<MoeLayer> l = make_cuda_layer(cfg, nullptr, opt);
+    const bool from_params = recipe == Recipe::kBlockwise || recipe == Recipe::kFlow || recipe == Recipe::kFlowFp4;
+    EXPECT_EQ(l->takes_backward_weights(), from_params);
+    const MoeMemoryPlan plan = l->memory_plan();
+    DBuf<uint8_t> wm(plan.weights), sm(plan.saved), tm(plan.transient);
+    DBuf<float> w1(p.w1), w2(p.w2);
+    DBuf<bf16_t> w1b(rne_bf16(p.w1)), w2b(rne_bf16(p.w2));
+    MoeWeights w;
+    if (bf16_params) {
+      w.w1_bf16 = w1b.p, w.w2_bf16 = w2b.p;
+    } else {
+      w.w1 = w1.p, w.w2 = w2.p;
+    }
+    l->bind_memory(MoeMemory{wm.p, sm.p, tm.p});
+    l->set_weights(w);
+    DBuf<bf16_t> x(p.x), dy(p.dy), y(kT * kH), dx(kT * kH), dw1(p.w1.size()), dw2(p.w2.size());
+    DBuf<int32_t> ids(p.ids);
+    DBuf<float> probs(p.probs), dprobs(p.probs.size());
+    l->set_routing(ids.p, probs.p);
+    l->forward(x.p, kT, y.p);
+    if (from_params) {  // the forward's weight copies gone: the backward must not read them
+      ASSERT_EQ(cudaMemset(wm.p, 0xFF, plan.weights), cudaSuccess);
+      l->bind_memory(MoeMemory{nullptr, sm.p, tm.p});
+      l->set_backward_weights(w);
+    } else {
+      EXPECT_THROW(l->set_backward_weights(w), Error);
+    }
+    MoeGrads g;
+    g.dw1_bf16 = dw1.p;
+    g.dw2_bf16 = dw2.p;
+    g.dprobs = dprobs.p;
+    g.accumulate = false;
+    l->backward(dy.p, dx.p, g);
+    expect_same_bits(want.y, y.get(), "y");
+    expect_same_bits(want.dx, dx.get(), "dx");
+    expect_same_bits(want.dprobs, dprobs.get(), "dprobs");
+    expect_same_bits(rne_bf16(want.dw1), dw1.get(), "dW1 (BF16) = the FP32 dW1 rounded");
+    expect_same_bits(rne_bf16(want.dw2), dw2.get(), "dW2 (BF16) = the FP32 dW2 rounded");
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Recipes, Routed,
                          ::testing::Combine(::testing::Values(Recipe::kBf16, Recipe::kBlockwise, Recipe::kFp8Naive,
                                                               Recipe::kFlow, Recipe::kFlowFp4),

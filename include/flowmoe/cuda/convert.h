@@ -61,7 +61,8 @@ void quantize_weight(const bf16_t* w, int64_t n, int64_t k, uint8_t* codes, uint
                      cudaStream_t stream);
 // The same for E experts in one launch: w [E][N][K] -> codes [E][N][K], scales [E][N/128][K/128]
 // and (if not null) t_codes [E][K][N], t_scales [E][K/128][N/128]; each expert's bits those of
-// quantize_weight on its own slices.
+// quantize_weight on its own slices. codes and scales may be null (the transposed copy alone: the
+// backward's dgrad weights derived from the parameters), not both copies.
 void quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
                       uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
                       cudaStream_t stream);

@@ -150,10 +150,20 @@ void CpuMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
     FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
                                          "consumes the activations of the latest forward)");
     FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null host pointers to [T, H] bf16");
-    FLOWMOE_CHECK(!(cfg_.external_routing && g.dwr),
-                  what << ": dwr given to a layer without a router (MoeConfig::external_routing); "
-                          "expected null (the routing weights' gradient goes to dprobs)");
+    check_grads(g);
   });
+  // BF16 expert gradients: this backward's FP32 sums (overwritten), then rounded once (RNE)
+  const int64_t n1 = El_ * 2 * F_ * H_, n2 = El_ * H_ * F_;
+  std::vector<float> dw1_f32(g.dw1_bf16 ? n1 : 0), dw2_f32(g.dw2_bf16 ? n2 : 0);
+  MoeGrads gf = g;
+  if (g.dw1_bf16) gf.dw1 = dw1_f32.data(), gf.dw1_bf16 = nullptr;
+  if (g.dw2_bf16) gf.dw2 = dw2_f32.data(), gf.dw2_bf16 = nullptr;
+  backward_f32_grads(dy, dx, gf);
+  for (int64_t i = 0; i < int64_t(dw1_f32.size()); ++i) g.dw1_bf16[i] = num::f32_to_bf16(dw1_f32[i]);
+  for (int64_t i = 0; i < int64_t(dw2_f32.size()); ++i) g.dw2_bf16[i] = num::f32_to_bf16(dw2_f32[i]);
+}
+
+void CpuMoeLayer::backward_f32_grads(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   report_.drop_ops(MoePass::kBackward);
   report_.wire.erase(
       std::remove_if(report_.wire.begin(), report_.wire.end(),

@@ -197,6 +197,8 @@ class CpuMoeLayer final : public MoeLayer {
 
   // ---- backward.cpp: each fills dxp [Mp, H] bf16 (GEMM1 dgrad) and dp [Mp] (d loss / d prob
   // per row) and adds to the weight gradients ----
+  // backward with FP32 expert gradients (backward rounds into BF16 ones after it)
+  void backward_f32_grads(const bf16_t* dy, bf16_t* dx, const MoeGrads& g);
   void backward_bf16(const bf16_t* dy, const MoeGrads& g, bf16_t* dxp, float* dp, QuantStats* st);
   void backward_blockwise(const bf16_t* dy, const MoeGrads& g, bf16_t* dxp, float* dp,
                           QuantStats* st);

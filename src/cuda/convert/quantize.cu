@@ -351,8 +351,10 @@ quantize_weight_kernel(const In* __restrict__ w, int64_t n, int64_t k, uint8_t* 
   {  // expert blockIdx.z of a batch: each operand advanced by one expert's extent
     const int64_t ex = blockIdx.z, elems = n * k, blocks = (n / kTile) * (k / kTile);
     w += ex * elems;
-    codes += ex * elems;
-    scales += ex * blocks;
+    if (codes) {
+      codes += ex * elems;
+      scales += ex * blocks;
+    }
     if (t_codes) {
       t_codes += ex * elems;
       t_scales += ex * blocks;
@@ -388,11 +390,11 @@ quantize_weight_kernel(const In* __restrict__ w, int64_t n, int64_t k, uint8_t* 
   for (int i = 0; i < 8; ++i) {
     const int row = i * 16 + (tid >> 4), ch = tid & 15;
     const uint2 q = encode8(v[i], e, bad != 0);
-    reinterpret_cast<uint2*>(codes + (bn * kTile + row) * k + bk * kTile)[ch] = q;
+    if (codes) reinterpret_cast<uint2*>(codes + (bn * kTile + row) * k + bk * kTile)[ch] = q;
     *reinterpret_cast<uint2*>(&s_q[row * kBytePitch + ch * 8]) = q;
   }
   if (tid == 0) {
-    scales[bn * (k / kTile) + bk] = sc;
+    if (scales) scales[bn * (k / kTile) + bk] = sc;
     if (t_scales) t_scales[bk * (n / kTile) + bn] = sc;
   }
   if (!t_codes) return;
@@ -456,10 +458,11 @@ void launch_quantize_weights(const In* w, int num_experts, int64_t n, int64_t k,
   FLOWMOE_CHECK(n > 0 && n % kTile == 0, what << ": N = " << n << " must be a positive multiple of 128");
   FLOWMOE_CHECK(n / kTile < 65536, what << ": N = " << n << " too large (at most 65535 tiles of 128)");
   check_aligned(w, "w", what);
-  check_aligned(codes, "codes", what);
-  FLOWMOE_CHECK(scales, what << ": scales is null");
+  FLOWMOE_CHECK((codes == nullptr) == (scales == nullptr), what << ": give both codes and scales, or neither");
   FLOWMOE_CHECK((t_codes == nullptr) == (t_scales == nullptr),
                 what << ": give both t_codes and t_scales, or neither");
+  FLOWMOE_CHECK(codes || t_codes, what << ": no output; expected codes and scales, t_codes and t_scales, or both");
+  if (codes) check_aligned(codes, "codes", what);
   if (t_codes) check_aligned(t_codes, "t_codes", what);
   dim3 grid(static_cast<unsigned>(k / kTile), static_cast<unsigned>(n / kTile),
             static_cast<unsigned>(num_experts));

@@ -228,8 +228,9 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
     a.dy_scales = dy_col.scales.data;
     a.x_codes = x_col.codes.data;
     a.x_scales = x_col.scales.data;
-    a.dw = static_cast<float*>(dw.data);
+    a.dw = dw.data;
     a.accumulate = acc;
+    a.out_bf16 = dw.kind == WgradOut::Kind::kBf16;
     a.tile_counter = impl_->tile_counter;
     a.tile_n = impl_->opt.wgrad_tile_n;
     sm90::fp8_wgrad_1x128(a, what, stream);
@@ -405,11 +406,10 @@ void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const Q
   const char* what = "FP8 wgrad (device segments)";
   impl_->require_fp8(what);
   check_device_segments(seg, what);
-  FLOWMOE_CHECK(dw.kind != WgradOut::Kind::kBf16, what << ": the kernel writes FP32 gradients (BF16 output asked)");
   check_span_holds(dw.size, int64_t(seg.num_segments) * n * k, what, "the output");
   if (seg.capacity == 0) {  // no rows: the gradients are zero (overwrite) or unchanged (accumulate)
-    if (dw.kind == WgradOut::Kind::kF32)
-      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw.data, 0, sizeof(float) * seg.num_segments * n * k, stream));
+    if (dw.kind != WgradOut::Kind::kF32Accumulate)
+      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw.data, 0, wgrad_elem_bytes(dw) * seg.num_segments * n * k, stream));
     return;
   }
   check_view(dy_col, Layout::kCol128x1, ScaleFormat::kF32, what);
@@ -428,8 +428,9 @@ void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const Q
   a.dy_scales = dy_col.f32();
   a.x_codes = x_col.codes;
   a.x_scales = x_col.f32();
-  a.dw = static_cast<float*>(dw.data);
+  a.dw = dw.data;
   a.accumulate = dw.kind == WgradOut::Kind::kF32Accumulate;
+  a.out_bf16 = dw.kind == WgradOut::Kind::kBf16;
   a.tile_counter = impl_->tile_counter;
   a.tile_n = impl_->opt.wgrad_tile_n;
   a.status = seg.status;
@@ -536,8 +537,6 @@ void GroupedGemm::wgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Sp
                              Span<const bf16_t> x, const WgradOut& dw, cudaStream_t stream) {
   const char* what = "BF16 wgrad (device segments)";
   check_device_segments(seg, what);
-  FLOWMOE_CHECK(dw.kind == WgradOut::Kind::kF32 || dw.kind == WgradOut::Kind::kF32Accumulate,
-                what << ": the kernel writes FP32 gradients (BF16 output asked)");
   check_span_holds(dw.size, int64_t(seg.num_segments) * n * k, what, "dw");
   check_span_holds(dy.size, seg.capacity * n, what, "dy");
   check_span_holds(x.size, seg.capacity * k, what, "x");
@@ -549,8 +548,9 @@ void GroupedGemm::wgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Sp
   a.k = k;
   a.dy = dy.data;
   a.x = x.data;
-  a.dw = static_cast<float*>(dw.data);
+  a.dw = dw.data;
   a.accumulate = dw.kind == WgradOut::Kind::kF32Accumulate;
+  a.out_bf16 = dw.kind == WgradOut::Kind::kBf16;
   a.status = seg.status;
   sm90::bf16_grouped_wgrad(a, what, stream);
   impl_->stats.bf16_kernel_calls += seg.capacity > 0;  // (at capacity 0: a memset when overwriting)

@@ -79,8 +79,9 @@ struct Params {
   int m;     // token capacity
   int n, k;  // fprop/dgrad: D [m, n] over a reduction of k; wgrad: dW [E][n][k]
   bf16_t* d;
-  float* dw;
+  void* dw;
   int accumulate;
+  int store;  // WgradStore
   unsigned long long* bad_segments;
 };
 
@@ -231,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float* ebuf = reinterpret_cast<float*>(epi + ci * kWgradEpiBytes);
 #pragma unroll
       for (int h = 0; h < C::kHalves; ++h)
-        wgrad_half_to_global(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_out, p.accumulate,
+        wgrad_half_to_global(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_out, p.store,
                              e * p.n + (r / tiles_k) * kTile + 64 * ci, (r % tiles_k) * kBN + h * kTile);
       pending = true;
     } else {  // full halves staged and stored by TMA, partial ones from the fragments (rows_tma_epilogue.cuh)
@@ -345,6 +346,7 @@ void bf16_grouped_rows(const Bf16RowsArgs& a, const char* what, cudaStream_t str
 const char* bf16_wgrad_unsupported(const Bf16WgradArgs& a) {
   if (const char* why = common_unsupported(a.offsets, a.num_experts, a.m, a.n, a.k)) return why;
   if (!a.dw) return "a null gradient pointer";
+  if (a.out_bf16 && a.accumulate) return "BF16 output with accumulation (BF16 gradients are overwritten only)";
   if (a.m == 0) return nullptr;
   if (!a.dy || !a.x) return "a null operand pointer";
   if (!aligned16(a.dy) || !aligned16(a.x) || !aligned16(a.dw)) return "operands or gradient not 16-byte aligned";
@@ -355,18 +357,20 @@ void bf16_grouped_wgrad(const Bf16WgradArgs& a, const char* what, cudaStream_t s
   const char* why = bf16_wgrad_unsupported(a);
   FLOWMOE_CHECK(why == nullptr, what << " (grouped sm_90a BF16 wgrad kernel): " << why << " (experts "
                                      << a.num_experts << ", m " << a.m << ", n " << a.n << ", k " << a.k << ")");
+  const WgradStore store = a.out_bf16 ? WgradStore::kBf16 : a.accumulate ? WgradStore::kF32Add : WgradStore::kF32;
   if (a.m == 0) {  // no tokens: the gradients are zero (overwrite) or unchanged (accumulate)
     if (!a.accumulate)
-      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(a.dw, 0, sizeof(float) * a.num_experts * a.n * a.k, stream));
+      FLOWMOE_CUDA_CHECK(
+          cudaMemsetAsync(a.dw, 0, size_t(wgrad_store_bytes(store)) * a.num_experts * a.n * a.k, stream));
     return;
   }
   Params p = make_params(a.offsets, a.num_experts, a.m, a.n, a.k, a.status);
   p.dw = a.dw;
   p.accumulate = a.accumulate;
+  p.store = int(store);
   const CUtensorMap ma = bf16_map(a.dy, a.m, a.n, 64, what);
   const CUtensorMap mb = bf16_map(a.x, a.m, a.k, 64, what);
-  const CUtensorMap mdw = make_tensor_map_2d(a.dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(a.num_experts) * a.n,
-                                             uint64_t(a.k), 64, 32, CU_TENSOR_MAP_SWIZZLE_128B, what);
+  const CUtensorMap mdw = wgrad_dw_map(a.dw, store, int64_t(a.num_experts) * a.n, a.k, what);
   const bool wide = a.k % 256 == 0;
   const int64_t max_tiles = int64_t(a.num_experts) * (a.n / kTile) * (a.k / (wide ? 256 : 128));
   wide ? launch<256, Mode::kWgrad>(ma, mb, mdw, p, max_tiles, stream)

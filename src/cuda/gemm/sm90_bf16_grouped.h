@@ -51,8 +51,9 @@ struct Bf16WgradArgs {
   int64_t n = 0, k = 0;              // multiples of 128
   const bf16_t* dy = nullptr;        // [m, n], 16-byte aligned
   const bf16_t* x = nullptr;         // [m, k], 16-byte aligned
-  float* dw = nullptr;               // [E][n][k], 16-byte aligned
+  void* dw = nullptr;                // [E][n][k] FP32 (BF16 with out_bf16), 16-byte aligned
   bool accumulate = false;           // += into dw (empty experts untouched), else overwrite (empty: zeros)
+  bool out_bf16 = false;             // dw is BF16, overwritten: each FP32 sum rounded once (RNE)
   // Malformed offsets (not 0 = o[0] <= ... <= o[E] <= m, all multiples of 128) count once in
   // status->bad_segments (may be null) and leave dW untouched.
   DeviceStatus* status = nullptr;

@@ -1,6 +1,7 @@
 // FP8 (E4M3) block-scaled grouped wgrad for sm_90a, 1x128 scales along the tokens on both
 // operands: one persistent kernel over all experts (TMA loads, WGMMA, FP32 promotion per
-// 128-token block, TMA reduce-add / store epilogue that overlaps the next tile's math).
+// 128-token block, TMA reduce-add / store epilogue that overlaps the next tile's math; FP32 dW
+// added to or overwritten, or BF16 dW overwritten).
 // docs/GEMM.md, "The wgrad kernel".
 //
 //   dW_e [N, K] (+)= sum over the 128-token blocks b of expert e of
@@ -72,6 +73,7 @@ struct Work {
   int tiles_k = 0, tiles_per_expert = 0;
   int n = 0, k = 0;
   int accumulate = 0;
+  int store = 0;                     // WgradStore
   const float* sa = nullptr;         // [NB][N]
   const float* sb = nullptr;         // [NB][K]
   int* next_tile = nullptr;          // the tile counter (0 at launch)
@@ -245,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // epilogue, per 128-column half, through ebuf by TMA (wgrad_tma_epilogue.cuh)
 #pragma unroll
     for (int h = 0; h < C::kHalves; ++h)
-      wgrad_half_to_global(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_dw, work.accumulate,
+      wgrad_half_to_global(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_dw, work.store,
                            w * work.n + tn * kTile + 64 * ci, tk * kBN + h * kTile);
     pending = true;
   }
@@ -281,6 +283,7 @@ const char* wgrad_device_unsupported(const WgradArgs& a) {
   if (a.tile_counter == nullptr) return "no tile counter";
   if (a.m > 0 && (!a.dy_codes || !a.dy_scales || !a.x_codes || !a.x_scales)) return "a null operand pointer";
   if (!a.dw) return "a null output pointer";
+  if (a.out_bf16 && a.accumulate) return "BF16 output with accumulation (BF16 gradients are overwritten only)";
   const auto misaligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; };
   if (misaligned(a.dy_codes) || misaligned(a.dy_scales) || misaligned(a.x_codes) || misaligned(a.x_scales) ||
       misaligned(a.dw))
@@ -298,6 +301,8 @@ void fp8_wgrad_1x128(const WgradArgs& a, const char* what, cudaStream_t stream) 
   work.n = int(a.n);
   work.k = int(a.k);
   work.accumulate = a.accumulate ? 1 : 0;
+  const WgradStore store = a.out_bf16 ? WgradStore::kBf16 : a.accumulate ? WgradStore::kF32Add : WgradStore::kF32;
+  work.store = int(store);
   work.sa = a.dy_scales;
   work.sb = a.x_scales;
   work.next_tile = a.tile_counter;
@@ -314,7 +319,8 @@ void fp8_wgrad_1x128(const WgradArgs& a, const char* what, cudaStream_t stream) 
   // first enqueued operation, so a failed call leaves dW untouched. A zero-capacity problem has no
   // tiles: dW is zeroed when overwriting.
   if (a.m == 0) {
-    if (!a.accumulate) FLOWMOE_CUDA_CHECK(cudaMemsetAsync(a.dw, 0, sizeof(float) * a.num_experts * a.n * a.k, stream));
+    if (!a.accumulate)
+      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(a.dw, 0, size_t(wgrad_store_bytes(store)) * a.num_experts * a.n * a.k, stream));
     return;
   }
   const int sms = sm_count();
@@ -322,8 +328,7 @@ void fp8_wgrad_1x128(const WgradArgs& a, const char* what, cudaStream_t stream) 
                                              uint64_t(a.m), kTile, kTile, CU_TENSOR_MAP_SWIZZLE_128B, what);
   const CUtensorMap mx = make_tensor_map_2d(a.x_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(a.k),
                                             uint64_t(a.m), kTile, kTile, CU_TENSOR_MAP_SWIZZLE_128B, what);
-  const CUtensorMap mdw = make_tensor_map_2d(a.dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(a.num_experts) * a.n,
-                                             uint64_t(a.k), 64, 32, CU_TENSOR_MAP_SWIZZLE_128B, what);
+  const CUtensorMap mdw = wgrad_dw_map(a.dw, store, int64_t(a.num_experts) * a.n, a.k, what);
   const int grid = int(std::min<int64_t>(int64_t(a.num_experts) * work.tiles_per_expert, sms));
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(a.tile_counter, 0, sizeof(int), stream));
   if (bn == 256)

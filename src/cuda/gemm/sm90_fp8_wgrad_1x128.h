@@ -14,7 +14,7 @@ namespace sm90 {
 // Experts a launch takes with host offsets (they travel in the kernel's parameters).
 constexpr int kMaxInlineWgradExperts = 256;
 
-// dW [E][N][K] FP32 (+)= per expert dY_col_e . X_col_e^T with 1x128 scales along tokens (gemm.h
+// dW [E][N][K] FP32 (+)= (or BF16 =) per expert dY_col_e . X_col_e^T with 1x128 scales along tokens (gemm.h
 // conventions; scales GEMM-ready FP32 [NB][N], [NB][K], block b of expert e at row
 // offsets[e]/128 + b). Every offset a multiple of 128 (permute+pad with alignment 128).
 struct WgradArgs {
@@ -27,8 +27,9 @@ struct WgradArgs {
   const float* dy_scales = nullptr;       // [m/128][N]
   const uint8_t* x_codes = nullptr;       // [K, m]
   const float* x_scales = nullptr;        // [m/128][K]
-  float* dw = nullptr;                    // [E][N][K]
-  bool accumulate = false;                // += into dw, else overwrite (empty experts zeroed)
+  void* dw = nullptr;                     // [E][N][K] FP32, or BF16 with out_bf16
+  bool accumulate = false;                // += into dw (FP32 only), else overwrite (empty experts zeroed)
+  bool out_bf16 = false;                  // dw is BF16: each FP32 sum rounded once (RNE) as it is stored
   int tile_n = 0;                         // output tile width along K: 0 by shape, 128, 256 (K % 256 == 0)
   // One device int of the caller's, used by no other launch at the same time (reset here,
   // stream-ordered; two calls overlapping on different streams would skip or repeat tiles).

@@ -1,6 +1,7 @@
 // The wgrad kernels' epilogue (FP8 sm90_fp8_wgrad_1x128.cu, BF16 sm90_bf16_grouped.cu): one
 // warpgroup's 64 x 128 FP32 half of an output tile goes through shared memory into dW by TMA
-// stores (dW =) or TMA reduce-adds (dW +=), which run on while the warpgroup computes its next tile.
+// stores (dW = in FP32 or, rounded once to BF16, in BF16) or TMA reduce-adds (FP32 dW +=), which
+// run on while the warpgroup computes its next tile.
 #pragma once
 
 #include <cuda.h>
@@ -10,48 +11,83 @@
 #include "cuda/sm90/arch.cuh"
 #include "cuda/sm90/fence.cuh"
 #include "cuda/sm90/tma.cuh"
+#include "flowmoe/numerics.h"
 
 namespace flowmoe {
 namespace cuda {
 namespace sm90 {
 
-// One warpgroup's staging buffer: four 64-row x 32-column FP32 boxes (the dW tensor map's box:
-// 64 x 32, CU_TENSOR_MAP_SWIZZLE_128B), 32 KB.
+// One warpgroup's staging buffer: four 64-row x 32-column FP32 boxes (the FP32 dW tensor map's
+// box: 64 x 32, CU_TENSOR_MAP_SWIZZLE_128B), 32 KB; BF16 output uses its first 16 KB as two
+// 64 x 64 BF16 boxes (also 128-byte rows, swizzled).
 constexpr int kWgradEpiBytes = 64 * 128 * 4;
+
+// How a wgrad kernel writes dW [E * N, K]: FP32 overwritten, FP32 added to (TMA reduce-add), or
+// BF16 overwritten with each FP32 sum rounded once (RNE, numerics.h f32_to_bf16): the gradient of
+// a BF16 parameter with no FP32 copy and no rounding pass.
+enum class WgradStore : int { kF32 = 0, kF32Add = 1, kBf16 = 2 };
+
+inline int wgrad_store_bytes(WgradStore s) { return s == WgradStore::kBf16 ? 2 : 4; }
+
+// dW's tensor map for the epilogue below: rows E * N, columns K, 128-byte swizzled boxes.
+inline CUtensorMap wgrad_dw_map(void* dw, WgradStore s, int64_t rows, int64_t cols, const char* what) {
+  if (s == WgradStore::kBf16)
+    return make_tensor_map_2d(dw, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(rows), uint64_t(cols), 64, 64,
+                              CU_TENSOR_MAP_SWIZZLE_128B, what);
+  return make_tensor_map_2d(dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(rows), uint64_t(cols), 64, 32,
+                            CU_TENSOR_MAP_SWIZZLE_128B, what);
+}
 
 #ifdef FLOWMOE_SM90A
 // acc: the warpgroup's m64n128 FP32 fragment (thread t of the warpgroup holds rows r0, r0 + 8 and
 // columns 8 j + c0, + 1). `ebuf` may still be read by this warpgroup's previous bulk operations
 // when `wait_first`: thread 0 waits for them first. Writes the half into ebuf (16-byte chunk c of
-// row q at c ^ (q % 8): the TMA's 128-byte swizzle), then thread 0 issues the four bulk operations
-// at dW rows orow .., columns ocol .. and commits them. `bar_id`: the warpgroup's named barrier.
+// row q at c ^ (q % 8): the TMA's 128-byte swizzle), then thread 0 issues the bulk operations at
+// dW rows orow .., columns ocol .. and commits them. `bar_id`: the warpgroup's named barrier.
 __device__ __forceinline__ void wgrad_half_to_global(const float* acc, float* ebuf, bool wait_first, int t, int r0,
-                                                     int c0, int bar_id, const CUtensorMap* map_dw, bool accumulate,
+                                                     int c0, int bar_id, const CUtensorMap* map_dw, int store,
                                                      int orow, int ocol) {
   if (wait_first && t == 0) bulk_wait_read_all();
   named_sync(bar_id, 128);
+  const auto swizzled = [](int q, int byte) { return q * 128 + ((((byte >> 4) ^ (q & 7)) << 4) | (byte & 15)); };
+  if (store == int(WgradStore::kBf16)) {
+    uint8_t* eb = reinterpret_cast<uint8_t*>(ebuf);
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int cc = 8 * j + c0;  // column in the half
-    float* box = ebuf + (cc / 32) * (64 * 32);
-    const int byte = (cc % 32) * 4;
+    for (int j = 0; j < 16; ++j) {
+      const int cc = 8 * j + c0;  // column in the half
+      uint8_t* box = eb + (cc / 64) * (64 * 128);
 #pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const int q = r0 + 8 * rh;
-      const int off = q * 128 + ((((byte >> 4) ^ (q & 7)) << 4) | (byte & 15));
-      *reinterpret_cast<float2*>(reinterpret_cast<uint8_t*>(box) + off) =
-          make_float2(acc[4 * j + 2 * rh], acc[4 * j + 2 * rh + 1]);
+      for (int rh = 0; rh < 2; ++rh) {
+        const uint32_t lo = num::f32_to_bf16(acc[4 * j + 2 * rh]), hi = num::f32_to_bf16(acc[4 * j + 2 * rh + 1]);
+        *reinterpret_cast<uint32_t*>(box + swizzled(r0 + 8 * rh, (cc % 64) * 2)) = lo | (hi << 16);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int cc = 8 * j + c0;
+      float* box = ebuf + (cc / 32) * (64 * 32);
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh)
+        *reinterpret_cast<float2*>(reinterpret_cast<uint8_t*>(box) + swizzled(r0 + 8 * rh, (cc % 32) * 4)) =
+            make_float2(acc[4 * j + 2 * rh], acc[4 * j + 2 * rh + 1]);
     }
   }
   fence_async_smem();  // the writes above before the async proxy reads them
   named_sync(bar_id, 128);
   if (t == 0) {
+    if (store == int(WgradStore::kBf16)) {
 #pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      if (accumulate)
-        tma_reduce_add_2d(map_dw, ebuf + b * (64 * 32), ocol + 32 * b, orow);
-      else
-        tma_store_2d(map_dw, ebuf + b * (64 * 32), ocol + 32 * b, orow);
+      for (int b = 0; b < 2; ++b)
+        tma_store_2d(map_dw, reinterpret_cast<uint8_t*>(ebuf) + b * (64 * 128), ocol + 64 * b, orow);
+    } else {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        if (store == int(WgradStore::kF32Add))
+          tma_reduce_add_2d(map_dw, ebuf + b * (64 * 32), ocol + 32 * b, orow);
+        else
+          tma_store_2d(map_dw, ebuf + b * (64 * 32), ocol + 32 * b, orow);
+      }
     }
     bulk_commit();
   }

@@ -25,14 +25,17 @@ void CudaMoeLayer::backward_bf16(const bf16_t* dy, const MoeGrads& g) {
   { auto s = bwd(comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");  // dY rows into rows_bf16
     move_bf16(dy, b.rows_bf16, MoePass::kBackward, report_names::kDispatchDy); }
   { auto s = bwd("GEMM2 dgrad (bf16)"); bf16_dgrad(b.rows_bf16, H_, F_, w.w2_bf16, b.da); }
-  if (g.dw2) { auto s = bwd("GEMM2 wgrad (bf16)"); bf16_wgrad(b.rows_bf16, H_, b.a, F_, g.dw2); }
+  if (g.wants_dw2()) { auto s = bwd("GEMM2 wgrad (bf16)"); bf16_wgrad(b.rows_bf16, H_, b.a, F_, g.dw2, g.dw2_bf16); }
   { auto s = bwd("dSwiGLU*prob (bf16)");
     cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials,
                   rows_bound()); }
   // GEMM1 dgrad overwrites dY's storage with the dX rows: GEMM2's grads have read it
   { auto s = bwd("GEMM1 dgrad (bf16)"); bf16_dgrad(b.dh, 2 * F_, H_, w.w1_bf16, b.rows_bf16); }
   mark_dx_rows_ready();
-  if (g.dw1) { auto s = bwd("GEMM1 wgrad (bf16)"); bf16_wgrad(b.dh, 2 * F_, b.x_perm, H_, g.dw1); }
+  if (g.wants_dw1()) {
+    auto s = bwd("GEMM1 wgrad (bf16)");
+    bf16_wgrad(b.dh, 2 * F_, b.x_perm, H_, g.dw1, g.dw1_bf16);
+  }
 }
 
 // ---- blockwise -----------------------------------------------------------------------------------
@@ -68,9 +71,9 @@ void CudaMoeLayer::fp8_gemm2_grads(const MoeGrads& g, int side) {
 // GEMM2's wgrad alone (after the side event `side`, or -1), from dY's and a''s column copies.
 void CudaMoeLayer::fp8_gemm2_wgrad(const MoeGrads& g, int side) {
   if (side >= 0) streams_.join(side);
-  if (!g.dw2) return;
+  if (!g.wants_dw2()) return;
   auto s = bwd("GEMM2 wgrad (fp8)");
-  fp8_wgrad(ws_.expert.dy_col, H_, ws_.expert.a_col, F_, g.dw2);
+  fp8_wgrad(ws_.expert.dy_col, H_, ws_.expert.a_col, F_, g.dw2, g.dw2_bf16);
 }
 // GEMM1: dgrad from dh row-wise into the dX rows (rows_bf16), then mark_dx_rows_ready; wgrad from dh's column
 // copy and x_perm's (`x_perm_col`) into dW1.
@@ -81,9 +84,9 @@ void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& dh_row,
     fp8_dgrad(dh_row, 2 * F_, H_, ws_.weights.w1t, b.rows_bf16, st_bwd_aux()); }
   mark_dx_rows_ready();
   if (side >= 0) streams_.join(side);
-  if (!g.dw1) return;
+  if (!g.wants_dw1()) return;
   auto s = bwd("GEMM1 wgrad (fp8)");
-  fp8_wgrad(dh_col, 2 * F_, x_perm_col, H_, g.dw1);
+  fp8_wgrad(dh_col, 2 * F_, x_perm_col, H_, g.dw1, g.dw1_bf16);
 }
 
 // ---- fp8-naive -----------------------------------------------------------------------------------
@@ -111,8 +114,8 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   { auto s = bwd("GEMM2 dgrad (fp8)");
     fp8_dgrad(b.dy_row_f32, H_, F_, w.w2t, b.da, st_bwd_aux()); }
   { auto s = bwd("DQ->T->Q a'"); naive_col(b.a_f32, F_, b.a_col_f32, WgradOperand::kGemm2Input); }
-  if (g.dw2) { auto s = bwd("GEMM2 wgrad (fp8)");
-    fp8_wgrad(b.dy_col_f32, H_, b.a_col_f32, F_, g.dw2); }
+  if (g.wants_dw2()) { auto s = bwd("GEMM2 wgrad (fp8)");
+    fp8_wgrad(b.dy_col_f32, H_, b.a_col_f32, F_, g.dw2, g.dw2_bf16); }
   { auto s = bwd("dSwiGLU*prob (bf16)");
     cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials,
                   rows_bound()); }
@@ -125,8 +128,8 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
     fp8_dgrad(b.dh_row_f32, 2 * F_, H_, w.w1t, b.rows_bf16, st_bwd_aux()); }
   mark_dx_rows_ready();
   { auto s = bwd("DQ->T->Q x_perm"); naive_col(b.x_perm_f32, H_, b.x_perm_col_f32, WgradOperand::kGemm1Input); }
-  if (g.dw1) { auto s = bwd("GEMM1 wgrad (fp8)");
-    fp8_wgrad(b.dh_col_f32, 2 * F_, b.x_perm_col_f32, H_, g.dw1); }
+  if (g.wants_dw1()) { auto s = bwd("GEMM1 wgrad (fp8)");
+    fp8_wgrad(b.dh_col_f32, 2 * F_, b.x_perm_col_f32, H_, g.dw1, g.dw1_bf16); }
 }
 
 // ---- flow, flow-fp4 ------------------------------------------------------------------------------

@@ -109,9 +109,10 @@ void CudaMoeLayer::bind_memory(const MoeMemory& m) {
   layout_workspace();
 }
 
-void CudaMoeLayer::check_bound(const char* what, bool saved) const {
+void CudaMoeLayer::check_bound(const char* what, bool saved, bool weights) const {
   if (!caller_memory_) return;
-  FLOWMOE_CHECK((bound_.weights || plan_bytes_.weights == 0) && (bound_.transient || plan_bytes_.transient == 0) &&
+  FLOWMOE_CHECK((!weights || bound_.weights || plan_bytes_.weights == 0) &&
+                    (bound_.transient || plan_bytes_.transient == 0) &&
                     (!saved || bound_.saved || plan_bytes_.saved == 0),
                 what << ": the layer takes its memory from the caller (CudaLayerOptions::caller_memory) but the "
                      << (saved ? "weights, saved and transient regions are" : "weights and transient regions are")
@@ -170,6 +171,48 @@ void CudaMoeLayer::release() {
 }
 
 // ---- weights -------------------------------------------------------------------------------------
+bool CudaMoeLayer::takes_backward_weights() const {
+  return path_.transposes_in_backward && path_.spec().weights == WeightCopy::kFp8Block && cfg_.external_routing;
+}
+
+void CudaMoeLayer::set_backward_weights(const MoeWeights& w) {
+  const char* what = "MoeLayer::set_backward_weights";
+  FLOWMOE_CHECK(takes_backward_weights(),
+                what << ": this layer reads its backward's weights from the weights region (it derives them from "
+                        "the parameters only with caller memory, external routing and FP8 block weights: blockwise, "
+                        "flow, flow-fp4); expected the weights region bound for the backward instead");
+  FLOWMOE_CHECK(!w.wr && !w.router_bias, what << ": wr / router_bias given to an experts-only layer; expected null");
+  check_weights(w, "device");
+  backward_weights_ = w;
+}
+
+// The dgrad weights W^T of this backward (FP8 128 x 128 blocks: the exact transposes of W's): with
+// parameters from set_backward_weights, quantized straight from them (one pass per weight; the
+// forward's W is not read); otherwise, with caller memory, transposed from the forward's W.
+void CudaMoeLayer::derive_dgrad_weights() {
+  const MoeWeights w = backward_weights_;
+  backward_weights_ = MoeWeights();  // (for this backward only, also when it throws)
+  if (!path_.transposes_in_backward) return;
+  const WeightBuffers& wb = ws_.weights;
+  if (!w.w1 && !w.w1_bf16) {
+    auto s = bwd("transpose W2, W1 (dgrad weights)");
+    transpose_weight_blocks(wb.w2, wb.w2t, /*gate_up_interleaved=*/false, stream_);
+    transpose_weight_blocks(wb.w1, wb.w1t, /*gate_up_interleaved=*/path_.fused_swiglu, stream_);
+    return;
+  }
+  auto s = bwd("quantize W2^T, W1^T from the parameters (dgrad weights)");
+  // (their non-finite values were counted when the forward's W was quantized: no status here)
+  if (w.bf16_params()) {
+    quantize_weights(w.w2_bf16, El_, H_, F_, nullptr, nullptr, wb.w2t.codes, wb.w2t_ue8m0, nullptr, stream_);
+    quantize_weights(w.w1_bf16, El_, 2 * F_, H_, nullptr, nullptr, wb.w1t.codes, wb.w1t_ue8m0, nullptr, stream_);
+  } else {
+    quantize_weights(w.w2, El_, H_, F_, nullptr, nullptr, wb.w2t.codes, wb.w2t_ue8m0, nullptr, stream_);
+    quantize_weights(w.w1, El_, 2 * F_, H_, nullptr, nullptr, wb.w1t.codes, wb.w1t_ue8m0, nullptr, stream_);
+  }
+  weight_scales_to_f32(wb.w2t_ue8m0, El_, F_, H_, wb.w2t.f32(), stream_);
+  weight_scales_to_f32(wb.w1t_ue8m0, El_, H_, 2 * F_, wb.w1t.f32(), stream_);
+}
+
 void CudaMoeLayer::set_weights(const MoeWeights& w) {
   const char* what = "MoeLayer::set_weights";
   const bool router = !cfg_.external_routing;
@@ -189,19 +232,21 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   uint8_t* const w1t_codes = keep_t ? wb.w1t.codes : nullptr;
   uint8_t* const w2t_codes = keep_t ? wb.w2t.codes : nullptr;
   float* const w1t_f32 = keep_t ? wb.w1t.f32() : nullptr;
+  uint8_t* const w1t_ue8m0 = keep_t ? wb.w1t_ue8m0 : nullptr;
+  uint8_t* const w2t_ue8m0 = keep_t ? wb.w2t_ue8m0 : nullptr;
   float* const w2t_f32 = keep_t ? wb.w2t.f32() : nullptr;
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(wstatus, 0, sizeof(DeviceStatus), stream_));
   if (spec.weights == WeightCopy::kFp8Block) {
     // every expert in one launch per weight, FP32 masters rounded to BF16 on the way (no BF16 copy)
     if (bf16_params) {
-      quantize_weights(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, w1t_codes, wb.w1t_ue8m0, wstatus,
+      quantize_weights(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, w1t_codes, w1t_ue8m0, wstatus,
                        stream_);
-      quantize_weights(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, w2t_codes, wb.w2t_ue8m0, wstatus,
+      quantize_weights(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, w2t_codes, w2t_ue8m0, wstatus,
                        stream_);
     } else {
-      quantize_weights(w.w1, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, w1t_codes, wb.w1t_ue8m0, wstatus,
+      quantize_weights(w.w1, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, w1t_codes, w1t_ue8m0, wstatus,
                        stream_);
-      quantize_weights(w.w2, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, w2t_codes, wb.w2t_ue8m0, wstatus, stream_);
+      quantize_weights(w.w2, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, w2t_codes, w2t_ue8m0, wstatus, stream_);
     }
   } else if (bf16_params && spec.weights == WeightCopy::kBf16Only) {
     copy_bf16_checked(w.w1_bf16, n1, wb.w1_bf16, wstatus, stream_);
@@ -315,10 +360,8 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
     FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
                                          "consumes the activations of the latest forward)");
     FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null device pointers to [T, H] bf16");
-    FLOWMOE_CHECK(!(cfg_.external_routing && g.dwr),
-                  what << ": dwr given to a layer without a router (MoeConfig::external_routing); "
-                          "expected null (the routing weights' gradient goes to dprobs)");
-    check_bound(what, /*saved=*/true);
+    check_grads(g);
+    check_bound(what, /*saved=*/true, /*weights=*/!backward_weights_.w1 && !backward_weights_.w1_bf16);
   });
   rep_.drop_ops(MoePass::kBackward);
   pending_ops_.erase(std::remove_if(pending_ops_.begin(), pending_ops_.end(),
@@ -335,12 +378,7 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status + kStatusBwd, 0, 2 * sizeof(DeviceStatus), stream_));
   grads_accumulate_ = g.accumulate;
   dx_ready_marked_ = false;  // (a backward that threw may have left it set)
-  if (path_.transposes_in_backward) {  // the dgrad weights from this backward's W (caller memory)
-    auto s = bwd("transpose W2, W1 (dgrad weights)");
-    const WeightBuffers& wb = ws_.weights;
-    transpose_weight_blocks(wb.w2, wb.w2t, /*gate_up_interleaved=*/false, stream_);
-    transpose_weight_blocks(wb.w1, wb.w1t, /*gate_up_interleaved=*/path_.fused_swiglu, stream_);
-  }
+  derive_dgrad_weights();
   switch (path_.pipeline) {
     case Pipeline::kBf16Gemms: streams_.with_side_drained([&] { backward_bf16(dy, g); }); break;
     case Pipeline::kBlockwise: streams_.with_side_drained([&] { backward_blockwise(dy, g); }); break;

@@ -71,6 +71,8 @@ class CudaMoeLayer final : public MoeLayer {
   void resume_step(std::unique_ptr<MoeStep> step) override;
   MoeMemoryPlan memory_plan() const override { return caller_memory_ ? plan_bytes_ : MoeMemoryPlan(); }
   void bind_memory(const MoeMemory& memory) override;
+  bool takes_backward_weights() const override;
+  void set_backward_weights(const MoeWeights& w) override;
 
   // moe_debug.h
   void set_profiling(bool on) { clock_.profiling = on; }
@@ -100,7 +102,10 @@ class CudaMoeLayer final : public MoeLayer {
   RoutingTokens routing_tokens() const;
   void set_routing_tokens(const RoutingTokens& t);
   // caller memory: the regions `what` needs are bound (weights, plus saved for forward / backward)
-  void check_bound(const char* what, bool saved) const;
+  void check_bound(const char* what, bool saved, bool weights = true) const;
+  // backward's dgrad weights W^T: quantized from set_backward_weights' parameters, or transposed
+  // from the forward's W (caller memory), or (layer-owned memory) kept since set_weights
+  void derive_dgrad_weights();
 
   // ---- routing (routing.cu) --------------------------------------------------------------------
   void route(const bf16_t* x, const RoutingInput& ext);  // ext: MoeConfig::external_routing's ids, probs
@@ -164,7 +169,7 @@ class CudaMoeLayer final : public MoeLayer {
   Fp8Op f32_row_operand(const QTensorView& rows, int64_t c) const;
   Fp8Op f32_col_operand(const QTensorView& col, int64_t c) const;
   Fp8Op weight_operand(const QTensorView& w, int64_t n, int64_t k) const;
-  gemm::WgradOut dw_out(float* p, int64_t n) const;
+  gemm::WgradOut dw_out(float* f32, bf16_t* b16, int64_t n) const;
   // The FP8 fprop (in = x [Mp, k], w = W [El*n, k], out [Mp, n]) and dgrad (in = dy [Mp, n],
   // w = Wt [El*k, n], out [Mp, k]) of every FP8 recipe: `in` row-wise with UE8M0 scales
   // [c/128][Mp] or (fp8-naive) expert-packed FP32; the grouped kernel or cuBLASLt per expert
@@ -176,14 +181,15 @@ class CudaMoeLayer final : public MoeLayer {
   // FP8 wgrad dW [El, n, k] from the column-wise copies of the gradient [n over Mp] and the input
   // [k over Mp] (UE8M0 scales, converted to FP32 on the way): cuBLASLt per expert or the kernel on
   // host segments, or the kernel on device segments (sync_free).
-  void fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTensorView& in_col, int64_t k, float* dw);
+  void fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTensorView& in_col, int64_t k, float* dw,
+                 bf16_t* dw_bf16);
   // The bf16 recipe's GEMMs (fprop: in [Mp, k], w = W [El*n, k], out [Mp, n]; dgrad: in [Mp, n],
   // the same W, out [Mp, k]; wgrad: dW [El, n, k] from the gradient [Mp, n] and the input [Mp, k]):
   // cuBLASLt per expert on the host segments, or the sm_90a BF16 kernels on the device segments
   // (path_.grouped_gemm: sync_free or CudaLayerOptions::FpropDgrad::kGrouped; wgrad with align 128).
   void bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
   void bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
-  void bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw);
+  void bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw, bf16_t* dw_bf16);
   // The device row count the row-wise kernels stop at (sync_free: padded offsets[El]), or null.
   const int32_t* rows_bound() const { return sync_free_ ? segment_offsets() + El_ : nullptr; }
 
@@ -246,6 +252,7 @@ class CudaMoeLayer final : public MoeLayer {
 
   // ---- state of the latest set_weights / forward / backward --------------------------------------
   bool have_weights_ = false, have_forward_ = false, backward_done_ = false, has_bias_ = false;
+  MoeWeights backward_weights_;  // set_backward_weights' parameters, for the next backward only
   bool grads_accumulate_ = true;  // MoeGrads::accumulate of the backward running
   bool dx_ready_marked_ = false;  // mark_dx_rows_ready ran in this backward
   int64_t T_ = 0;                 // tokens of the forward

@@ -71,9 +71,9 @@ void CudaMoeLayer::fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const 
 }
 
 void CudaMoeLayer::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTensorView& in_col, int64_t k,
-                             float* dw) {
+                             float* dw, bf16_t* dw_bf16) {
   ExpertBuffers& b = ws_.expert;
-  const gemm::WgradOut out = dw_out(dw, int64_t(El_) * n * k);
+  const gemm::WgradOut out = dw_out(dw, dw_bf16, int64_t(El_) * n * k);
   const bool f32 = grad_col.scale_format == ScaleFormat::kF32;  // fp8-naive: GEMM-ready already
   if (!sync_free_) {
     const Fp8Op g = f32 ? f32_col_operand(grad_col, n) : col_operand(grad_col, n, b.grad_col_scales, stream_);
@@ -112,19 +112,22 @@ void CudaMoeLayer::bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16
   else
     gemm_->dgrad_bf16(seg_, n, k, dy, wt, ms<bf16_t>(out, Mp_ * k), stream_);
 }
-void CudaMoeLayer::bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw) {
+void CudaMoeLayer::bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw,
+                              bf16_t* dw_bf16) {
   const auto dy = cs<bf16_t>(grad, Mp_ * n);
   const auto x = cs<bf16_t>(in, Mp_ * k);
-  const gemm::WgradOut out = dw_out(dw, int64_t(El_) * n * k);
+  const gemm::WgradOut out = dw_out(dw, dw_bf16, int64_t(El_) * n * k);
   if (path_.grouped_gemm && cfg_.align == 128)  // (the kernel's 128-token blocks)
     gemm_->wgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k, dy, x, out, stream_);
   else
     gemm_->wgrad_bf16(seg_, n, k, dy, x, out, stream_);
 }
 
+// A BF16 gradient (overwritten, rounded once as the wgrad stores it), or an FP32 one with
 // MoeGrads::accumulate: beta = 1 into the gradients, or beta = 0 (the old values never read)
-gemm::WgradOut CudaMoeLayer::dw_out(float* p, int64_t n) const {
-  return grads_accumulate_ ? gemm::WgradOut::accumulate(p, n) : gemm::WgradOut::f32(p, n);
+gemm::WgradOut CudaMoeLayer::dw_out(float* f32, bf16_t* b16, int64_t n) const {
+  if (b16) return gemm::WgradOut::bf16(b16, n);
+  return grads_accumulate_ ? gemm::WgradOut::accumulate(f32, n) : gemm::WgradOut::f32(f32, n);
 }
 
 }  // namespace moe

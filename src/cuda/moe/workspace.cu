@@ -194,10 +194,10 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
     if (pow2) {
       w.w1_ue8m0 = a.device<uint8_t>(El * (2 * F / 128) * (H / 128), kT);
       w.w2_ue8m0 = a.device<uint8_t>(El * (H / 128) * (F / 128), kT);
-      if (!path.transposes_in_backward) {
-        w.w1t_ue8m0 = a.device<uint8_t>(El * (2 * F / 128) * (H / 128), kT);
-        w.w2t_ue8m0 = a.device<uint8_t>(El * (H / 128) * (F / 128), kT);
-      }
+      // (set_weights' scratch, or with caller memory the backward's when it quantizes W^T from the
+      // parameters)
+      w.w1t_ue8m0 = a.device<uint8_t>(El * (2 * F / 128) * (H / 128), kT);
+      w.w2t_ue8m0 = a.device<uint8_t>(El * (H / 128) * (F / 128), kT);
     }
   }
 

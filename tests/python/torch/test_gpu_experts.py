@@ -91,3 +91,40 @@ def test_gpu_module_under_cuda_graph_capture():
         g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("recipe,from_params", [("flow", True), ("flow-fp4", True), ("blockwise", True),
+                                                ("fp8-naive", False), ("bf16", False)])
+def test_gpu_backward_derives_its_weights_from_the_parameters(recipe, from_params):
+    # FP8 block recipes: the autograd node keeps the parameters, not the forward's weight copies
+    # (wbuf: 1 byte per expert weight), and the backward quantizes W^T from them; an in-place change
+    # of a parameter between the forward and its backward is refused as for any op saving its weight
+    m = ft.MoEExperts(512, 512, 8, 2, recipe=recipe, seed=3, device=DEV)
+    w1 = torch.nn.Parameter(m.w1.detach().to(torch.bfloat16))
+    w2 = torch.nn.Parameter(m.w2.detach().to(torch.bfloat16))
+    g = torch.Generator(device=DEV).manual_seed(4)
+    x = torch.randn(256, 512, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_()
+    ids = torch.randint(0, 8, (256, 2), device=DEV, generator=g, dtype=torch.int32)
+    w = torch.rand(256, 2, device=DEV, generator=g)
+    owner = torch.nn.Module()  # (the functional form keeps its layer per owner, by weak reference)
+    ft.experts(x, ids, w, w1, w2, recipe=recipe, owner=owner)  # the layer built, its memory cached
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = ft.experts(x, ids, w, w1, w2, recipe=recipe, owner=owner)
+    held = torch.cuda.memory_allocated() - before
+    from flowmoe.experts import _layers
+    plan = next(iter(_layers[id(owner)][1].values()))._runner.plan
+    wbuf, saved = plan[0], plan[1]
+    if from_params:
+        assert held < wbuf + saved, (held, plan)  # y, saved and the step: no weight copies
+    else:
+        assert held >= wbuf + saved, (held, plan)
+    dy = torch.randn_like(y)
+    gx, gw1, gw2 = torch.autograd.grad(y, [x, w1, w2], dy, retain_graph=False)
+    assert gw1.dtype == torch.bfloat16 and torch.isfinite(gw1.float()).all() and gw1.abs().sum() > 0
+    if from_params:  # (the other recipes' backward reads the forward's own copies)
+        y = ft.experts(x, ids, w, w1, w2, recipe=recipe, owner=owner)
+        with torch.no_grad():
+            w1.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(y, [x, w1, w2], dy)

@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""One transformers MoE block as a training step pays it, flowmoe against `grouped_mm` (issue 43).
+
+The block is layer 0's `mlp` of a one-layer transformers Qwen3-MoE model built from a config at
+Qwen3-30B-A3B's MoE sizes (H 2048, 128 experts of F 768, top-8 renormalised; nothing downloaded),
+BF16 parameters, --tokens tokens. One iteration: zero_grad(set_to_none), forward, backward of a
+fixed dY, then the optimizer's step (--opt sgd: SGD(lr=0), so that the weights count as changed
+and every flowmoe forward derives its weight copies again, as in training; adamw: fused AdamW).
+Columns: the median iteration time over --reps after --warmup (CUDA events, one synchronisation per
+iteration), the peak allocated memory during the iterations above what the block, its gradients and
+the optimizer state hold before the first one, and (--profile) the kernel time of one iteration by
+kind (torch.profiler; the names each kind matches are in KINDS below).
+
+    python3 bench/hf_block.py --flowmoe-lib build/libflowmoe_capi.so --profile
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import transformers
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, moe_intermediate_size=768, num_experts_per_tok=8,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144)
+MiB = 2 ** 20
+# kernel kinds of the profile: the first kind whose patterns one occurs in a kernel's name (lower case)
+KINDS = [
+    ("weight derivation", ("quantize_weight", "transpose_weight", "weight_scales", "interleave_gate")),
+    ("gradient conversion", ("bfloat16_copy", "copy_kernel", "to_copy")),
+    ("optimizer", ("multi_tensor", "fused_adam", "sgd", "foreach")),
+    ("expert GEMMs", ("gemm", "wgrad", "grouped", "cutlass", "sm90_xmma", "nvjet", "wgmma")),
+    ("router and routing", ("topk", "softmax", "sort", "router", "routing", "scatter", "histc", "index")),
+    ("fills", ("fill", "memset", "zero")),
+]
+
+
+def import_flowmoe_hf(lib):
+    if lib:
+        sys.path.insert(0, os.path.join(ROOT, "python"))
+        import flowmoe._native
+
+        flowmoe._native.set_library_path(os.path.abspath(lib))
+    import flowmoe.hf  # noqa: F401
+
+
+def build_block(impl, device):
+    cfg = transformers.Qwen3MoeConfig(vocab_size=256, num_hidden_layers=1, norm_topk_prob=True, **QWEN3_30B_A3B)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=impl,
+                                                              dtype=torch.bfloat16)
+    return model.model.layers[0].mlp
+
+
+def kind_of(name):
+    n = name.lower()
+    for kind, pats in KINDS:
+        if any(p in n for p in pats):
+            return kind
+    return "other (SwiGLU, transposes, token kernels, elementwise)"
+
+
+def measure(args, impl, device):
+    block = build_block(impl, device)
+    params = [p for p in block.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.0) if args.opt == "sgd" else torch.optim.AdamW(params, lr=1e-4, fused=True)
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, args.tokens, QWEN3_30B_A3B["hidden_size"], device=device, dtype=torch.bfloat16,
+                    generator=g).requires_grad_(True)
+    dy = torch.randn(x.shape, device=device, dtype=torch.bfloat16, generator=g)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        x.grad = None
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(dy)
+        opt.step()
+
+    step()  # the optimizer state exists from here on
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i in range(args.warmup + args.reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        if i >= args.warmup:
+            times.append(a.elapsed_time(b))
+    out = {"impl": impl, "ms": statistics.median(times),
+           "peak_above_state_mib": (torch.cuda.max_memory_allocated(device) - base) / MiB,
+           "state_mib": base / MiB}
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize(device)
+        kinds = {}
+        for e in prof.key_averages():
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
+                k = kind_of(e.key)
+                kinds[k] = kinds.get(k, 0.0) + e.self_device_time_total / 1e3
+        out["kernel_ms"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+        out["kernel_total_ms"] = sum(kinds.values())
+        out["top_kernels"] = [(e.key[:80], round(e.self_device_time_total / 1e3, 3)) for e in sorted(
+            (e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
+            key=lambda e: -e.self_device_time_total)[:12]]
+    del block, opt, params
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--impls", nargs="+", default=["grouped_mm", "flowmoe-flow", "flowmoe-flow-fp4", "flowmoe-bf16"])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--opt", choices=["sgd", "adamw"], default="sgd")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--profile", action="store_true", help="kernel time of one iteration by kind")
+    ap.add_argument("--flowmoe-lib", default=None, help="libflowmoe_capi.so to use (with this checkout's python/)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("hf_block.py: needs a CUDA device")
+    import_flowmoe_hf(args.flowmoe_lib)
+    device = torch.device("cuda")
+    rows = []
+    for impl in args.impls:
+        r = measure(args, impl, device)
+        rows.append(r)
+        base = rows[0]["ms"]
+        print(f"# {impl}: {r['ms']:.2f} ms ({base / r['ms']:.2f}x {rows[0]['impl']}), peak above the state "
+              f"{r['peak_above_state_mib']:.0f} MiB (state {r['state_mib']:.0f} MiB)", flush=True)
+        if args.profile:
+            print(f"#   kernel time {r['kernel_total_ms']:.2f} ms: " +
+                  ", ".join(f"{k} {v:.2f}" for k, v in r["kernel_ms"].items()), flush=True)
+            for name, ms in r["top_kernels"]:
+                print(f"#     {ms:7.3f} ms  {name}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"tokens": args.tokens, "opt": args.opt, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
