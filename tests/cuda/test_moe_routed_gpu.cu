@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/moe_config.h"
@@ -204,8 +205,8 @@ TEST_P(Routed, CallerMemoryTwoForwardsInFlight) {
 }
 
 // Caller memory as the PyTorch op runs it for BF16 parameters (and FP32 masters): the backward takes
-// its dgrad weights from the parameters (set_backward_weights; the FP8 block recipes) with the
-// weights region poisoned and unbound, and writes BF16 gradients (MoeGrads::dw1_bf16): the FP32
+// its dgrad weights from the parameters (set_backward_weights; the FP8 block recipes), a group of
+// experts at a time (also one expert per group), with the weights region poisoned and unbound, and writes BF16 gradients (MoeGrads::dw1_bf16): the FP32
 // gradients of the owned layer rounded once, and its dx and dprobs, bit for bit. The other
 // recipes refuse set_backward_weights and give the same bits with the weights region bound.
 TEST_P(Routed, CallerMemoryBackwardWeightsFromParamsAndBf16Grads) {
@@ -215,11 +216,14 @@ TEST_P(Routed, CallerMemoryBackwardWeightsFromParamsAndBf16Grads) {
   opt.sync_free = std::get<1>(GetParam());
   MoeConfig cfg = flowmoe_test::moe_config(kH, kF, kE, kK).align(128).recipe(recipe).max_tokens(kT);
   const RoutedProblem p = flowmoe_test::make_routed_problem(cfg, kT, 36);
-  for (const bool bf16_params : {true, false}) {
-    SCOPED_TRACE(bf16_params ? "BF16 parameters" : "FP32 masters");
+  // (chunk bytes 1: W^T made and the dgrad run one expert at a time, where the path allows groups)
+  for (const auto& [bf16_params, chunk_bytes] : {std::pair<bool, int64_t>{true, -1}, {false, -1}, {true, 1}}) {
+    SCOPED_TRACE(std::string(bf16_params ? "BF16 parameters" : "FP32 masters") +
+                 (chunk_bytes == 1 ? ", one expert per dgrad group" : ""));
     const Out want = run(p, true, opt.sync_free, bf16_params);
     cfg.external_routing = true;
     opt.caller_memory = true;
+    if (chunk_bytes > 0) opt.dgrad_weight_chunk_bytes = chunk_bytes;
     std::unique_ptr<MoeLayer> l = make_cuda_layer(cfg, nullptr, opt);
     const bool from_params = recipe == Recipe::kBlockwise || recipe == Recipe::kFlow || recipe == Recipe::kFlowFp4;
     EXPECT_EQ(l->takes_backward_weights(), from_params);

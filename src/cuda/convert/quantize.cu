@@ -14,7 +14,6 @@ namespace cuda {
 namespace {
 
 using namespace flowmoe::num;
-using detail::kBytePitch;
 using detail::kThreads;
 using detail::kTile;
 using namespace detail::host;
@@ -344,7 +343,7 @@ __global__ void __launch_bounds__(kThreads)
 quantize_weight_kernel(const In* __restrict__ w, int64_t n, int64_t k, uint8_t* __restrict__ codes,
                        uint8_t* __restrict__ scales, uint8_t* __restrict__ t_codes,
                        uint8_t* __restrict__ t_scales, unsigned long long* nonfinite) {
-  __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
+  __shared__ __align__(16) uint8_t s_q[detail::kSwzBytes];  // the codes, swizzled (tile.cuh)
   __shared__ float s_amax[kThreads / 32];
   __shared__ int s_bad[kThreads / 32];
   const int64_t bn = blockIdx.y, bk = blockIdx.x;
@@ -391,7 +390,7 @@ quantize_weight_kernel(const In* __restrict__ w, int64_t n, int64_t k, uint8_t* 
     const int row = i * 16 + (tid >> 4), ch = tid & 15;
     const uint2 q = encode8(v[i], e, bad != 0);
     if (codes) reinterpret_cast<uint2*>(codes + (bn * kTile + row) * k + bk * kTile)[ch] = q;
-    *reinterpret_cast<uint2*>(&s_q[row * kBytePitch + ch * 8]) = q;
+    *reinterpret_cast<uint2*>(&s_q[detail::swz_chunk(row, ch >> 1) + (ch & 1) * 8]) = q;
   }
   if (tid == 0) {
     if (scales) scales[bn * (k / kTile) + bk] = sc;
@@ -399,7 +398,8 @@ quantize_weight_kernel(const In* __restrict__ w, int64_t n, int64_t k, uint8_t* 
   }
   if (!t_codes) return;
   __syncthreads();
-  detail::store_col_tile(s_q, kTile, t_codes + (bk * kTile) * n + bn * kTile, n, n % 16 == 0);
+  // (whole 128-byte rows of the transpose per 8 lanes: coalesced stores)
+  detail::store_col_tile_swz(s_q, kTile, t_codes + (bk * kTile) * n + bn * kTile, n, n % 16 == 0);
 }
 
 }  // namespace

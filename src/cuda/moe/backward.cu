@@ -64,8 +64,7 @@ void CudaMoeLayer::backward_blockwise(const bf16_t* dy, const MoeGrads& g) {
 // GEMM2: dgrad from dY row-wise into da, wgrad from dY's and a''s column copies into dW2.
 void CudaMoeLayer::fp8_gemm2_grads(const MoeGrads& g, int side) {
   ExpertBuffers& b = ws_.expert;
-  { auto s = bwd("GEMM2 dgrad (fp8)");
-    fp8_dgrad(b.dy_row, H_, F_, ws_.weights.w2t, b.da, st_bwd_aux()); }
+  weight_dgrad(2, b.dy_row, b.da, st_bwd_aux());
   fp8_gemm2_wgrad(g, side);
 }
 // GEMM2's wgrad alone (after the side event `side`, or -1), from dY's and a''s column copies.
@@ -80,8 +79,7 @@ void CudaMoeLayer::fp8_gemm2_wgrad(const MoeGrads& g, int side) {
 void CudaMoeLayer::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& dh_row, const QTensorView& dh_col,
                                    const QTensorView& x_perm_col, int side) {
   ExpertBuffers& b = ws_.expert;
-  { auto s = bwd("GEMM1 dgrad (fp8)");
-    fp8_dgrad(dh_row, 2 * F_, H_, ws_.weights.w1t, b.rows_bf16, st_bwd_aux()); }
+  weight_dgrad(1, dh_row, b.rows_bf16, st_bwd_aux());
   mark_dx_rows_ready();
   if (side >= 0) streams_.join(side);
   if (!g.wants_dw1()) return;
@@ -111,8 +109,7 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
                             st_bwd(), stream_); }
   log_rows(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYFp32Scale, 1, 1, H_);
   { auto s = bwd("DQ->T->Q dY"); naive_col(b.dy_row_f32, H_, b.dy_col_f32, WgradOperand::kGemm2Grad); }
-  { auto s = bwd("GEMM2 dgrad (fp8)");
-    fp8_dgrad(b.dy_row_f32, H_, F_, w.w2t, b.da, st_bwd_aux()); }
+  weight_dgrad(2, b.dy_row_f32, b.da, st_bwd_aux());
   { auto s = bwd("DQ->T->Q a'"); naive_col(b.a_f32, F_, b.a_col_f32, WgradOperand::kGemm2Input); }
   if (g.wants_dw2()) { auto s = bwd("GEMM2 wgrad (fp8)");
     fp8_wgrad(b.dy_col_f32, H_, b.a_col_f32, F_, g.dw2, g.dw2_bf16); }
@@ -124,8 +121,7 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
                        stream_); }
   log_rows(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhFp32Scale, 1, 1, 2 * F_);
   { auto s = bwd("DQ->T->Q dh"); naive_col(b.dh_row_f32, 2 * F_, b.dh_col_f32, WgradOperand::kGemm1Grad); }
-  { auto s = bwd("GEMM1 dgrad (fp8)");
-    fp8_dgrad(b.dh_row_f32, 2 * F_, H_, w.w1t, b.rows_bf16, st_bwd_aux()); }
+  weight_dgrad(1, b.dh_row_f32, b.rows_bf16, st_bwd_aux());
   mark_dx_rows_ready();
   { auto s = bwd("DQ->T->Q x_perm"); naive_col(b.x_perm_f32, H_, b.x_perm_col_f32, WgradOperand::kGemm1Input); }
   if (g.wants_dw1()) { auto s = bwd("GEMM1 wgrad (fp8)");
@@ -166,11 +162,12 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
   log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm2Grad).op, 1, 1, H_);
   if (path_.fused_dswiglu) {
     {  // one kernel: GEMM2 dgrad with dSwiGLU*prob and dh's quantizations in its epilogue (no BF16 da')
+      const QTensorView w2t = path_.transposes_in_backward ? make_dgrad_weights(2, 0, El_) : ws_.weights.w2t;
       auto s = bwd(path_.h_mxfp4() ? "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from mxfp4 h)"
                        : "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
       // the step's views: Mp_ rows (the buffers hold the largest step's)
       gemm_->dgrad_dswiglu(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, H_, F_,
-                           gemm_rows(b.dy_row, H_), ws_.weights.w2t, ws_.routing.row_prob, saved_h(),
+                           gemm_rows(b.dy_row, H_), w2t, ws_.routing.row_prob, saved_h(),
                            row_1x128(b.dh_row_fused.codes, b.dh_row_fused.ue8m0(), Mp_, 2 * F_),
                            col_128x1(b.dh_col_fused.codes, b.dh_col_fused.ue8m0(), Mp_, 2 * F_, segment_max_blocks(Mp_, El_)),
                            ws_.routing.dprob_partials, st_bwd(), stream_);

@@ -186,31 +186,51 @@ void CudaMoeLayer::set_backward_weights(const MoeWeights& w) {
   backward_weights_ = w;
 }
 
-// The dgrad weights W^T of this backward (FP8 128 x 128 blocks: the exact transposes of W's): with
-// parameters from set_backward_weights, quantized straight from them (one pass per weight; the
-// forward's W is not read); otherwise, with caller memory, transposed from the forward's W.
-void CudaMoeLayer::derive_dgrad_weights() {
-  const MoeWeights w = backward_weights_;
-  backward_weights_ = MoeWeights();  // (for this backward only, also when it throws)
-  if (!path_.transposes_in_backward) return;
+// W_g^T of experts [e0, e0 + n) (FP8 128 x 128 blocks, the exact transposes of W_g's) in the
+// backward's scratch: quantized straight from the parameters of set_backward_weights (one pass per
+// weight; the forward's W is not read), or transposed from the forward's W.
+QTensorView CudaMoeLayer::make_dgrad_weights(int g, int e0, int n) {
   const WeightBuffers& wb = ws_.weights;
-  if (!w.w1 && !w.w1_bf16) {
-    auto s = bwd("transpose W2, W1 (dgrad weights)");
-    transpose_weight_blocks(wb.w2, wb.w2t, /*gate_up_interleaved=*/false, stream_);
-    transpose_weight_blocks(wb.w1, wb.w1t, /*gate_up_interleaved=*/path_.fused_swiglu, stream_);
+  const int64_t rows = g == 1 ? 2 * F_ : H_, cols = g == 1 ? H_ : F_;  // W_g [rows, cols] per expert
+  const int64_t off = int64_t(e0) * rows * cols;
+  QTensorView wt = weight_128x128_f32(wb.wt_codes, wb.wt_scales, n, cols, rows);
+  const MoeWeights& p = backward_params_;
+  if (p.w1 || p.w1_bf16) {
+    auto s = bwd(g == 1 ? "quantize W1^T from the parameters (dgrad weights)"
+                        : "quantize W2^T from the parameters (dgrad weights)");
+    // (their non-finite values were counted when the forward's W was quantized: no status here)
+    if (p.bf16_params())
+      quantize_weights((g == 1 ? p.w1_bf16 : p.w2_bf16) + off, n, rows, cols, nullptr, nullptr, wt.codes,
+                       wb.wt_ue8m0, nullptr, stream_);
+    else
+      quantize_weights((g == 1 ? p.w1 : p.w2) + off, n, rows, cols, nullptr, nullptr, wt.codes, wb.wt_ue8m0, nullptr,
+                       stream_);
+    weight_scales_to_f32(wb.wt_ue8m0, n, cols, rows, wt.f32(), stream_);
+    return wt;
+  }
+  auto s = bwd(g == 1 ? "transpose W1^T from W1 (dgrad weights)" : "transpose W2^T from W2 (dgrad weights)");
+  const QTensorView& w = g == 1 ? wb.w1 : wb.w2;
+  const QTensorView part = weight_128x128_f32(w.codes + off, w.f32() + int64_t(e0) * gemm::weight_scale_f32_elems(1, rows, cols),
+                                              n, rows, cols);
+  transpose_weight_blocks(part, wt, /*gate_up_interleaved=*/g == 1 && path_.fused_swiglu, stream_);
+  return wt;
+}
+
+void CudaMoeLayer::weight_dgrad(int g, const QTensorView& in, bf16_t* out, DeviceStatus* st) {
+  const int64_t n = g == 1 ? 2 * F_ : H_, k = g == 1 ? H_ : F_;  // dY [Mp, n] -> dX [Mp, k]
+  const char* name = g == 1 ? "GEMM1 dgrad (fp8)" : "GEMM2 dgrad (fp8)";
+  if (!path_.transposes_in_backward) {
+    auto s = bwd(name);
+    fp8_dgrad(in, n, k, g == 1 ? ws_.weights.w1t : ws_.weights.w2t, out, st);
     return;
   }
-  auto s = bwd("quantize W2^T, W1^T from the parameters (dgrad weights)");
-  // (their non-finite values were counted when the forward's W was quantized: no status here)
-  if (w.bf16_params()) {
-    quantize_weights(w.w2_bf16, El_, H_, F_, nullptr, nullptr, wb.w2t.codes, wb.w2t_ue8m0, nullptr, stream_);
-    quantize_weights(w.w1_bf16, El_, 2 * F_, H_, nullptr, nullptr, wb.w1t.codes, wb.w1t_ue8m0, nullptr, stream_);
-  } else {
-    quantize_weights(w.w2, El_, H_, F_, nullptr, nullptr, wb.w2t.codes, wb.w2t_ue8m0, nullptr, stream_);
-    quantize_weights(w.w1, El_, 2 * F_, H_, nullptr, nullptr, wb.w1t.codes, wb.w1t_ue8m0, nullptr, stream_);
+  const int chunk = g == 1 ? path_.wt_chunk1 : path_.wt_chunk2;
+  for (int e0 = 0; e0 < El_; e0 += chunk) {
+    const int ne = std::min(chunk, El_ - e0);
+    const QTensorView wt = make_dgrad_weights(g, e0, ne);
+    auto s = bwd(name);
+    fp8_dgrad(in, n, k, wt, out, st, e0, ne);
   }
-  weight_scales_to_f32(wb.w2t_ue8m0, El_, F_, H_, wb.w2t.f32(), stream_);
-  weight_scales_to_f32(wb.w1t_ue8m0, El_, H_, 2 * F_, wb.w1t.f32(), stream_);
 }
 
 void CudaMoeLayer::set_weights(const MoeWeights& w) {
@@ -378,7 +398,8 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status + kStatusBwd, 0, 2 * sizeof(DeviceStatus), stream_));
   grads_accumulate_ = g.accumulate;
   dx_ready_marked_ = false;  // (a backward that threw may have left it set)
-  derive_dgrad_weights();
+  backward_params_ = backward_weights_;  // (for this backward only, also when it throws)
+  backward_weights_ = MoeWeights();
   switch (path_.pipeline) {
     case Pipeline::kBf16Gemms: streams_.with_side_drained([&] { backward_bf16(dy, g); }); break;
     case Pipeline::kBlockwise: streams_.with_side_drained([&] { backward_blockwise(dy, g); }); break;
@@ -399,6 +420,7 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   } else {
     backward_tail(g, dx);
   }
+  backward_params_ = MoeWeights();
   backward_done_ = true;
 }
 

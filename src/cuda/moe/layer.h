@@ -103,9 +103,12 @@ class CudaMoeLayer final : public MoeLayer {
   void set_routing_tokens(const RoutingTokens& t);
   // caller memory: the regions `what` needs are bound (weights, plus saved for forward / backward)
   void check_bound(const char* what, bool saved, bool weights = true) const;
-  // backward's dgrad weights W^T: quantized from set_backward_weights' parameters, or transposed
-  // from the forward's W (caller memory), or (layer-owned memory) kept since set_weights
-  void derive_dgrad_weights();
+  // GEMM g's dgrad (g = 1: dX rows from dh; 2: da' from dY) through W_g^T: the copy kept since
+  // set_weights, or (caller memory) made here a group of experts at a time (RecipePath::wt_chunk*)
+  void weight_dgrad(int g, const QTensorView& in, bf16_t* out, DeviceStatus* st);
+  // W_g^T of experts [e0, e0 + n) in WeightBuffers::wt_*: quantized from this backward's parameters
+  // (set_backward_weights) or transposed from the forward's W (caller memory)
+  QTensorView make_dgrad_weights(int g, int e0, int n);
 
   // ---- routing (routing.cu) --------------------------------------------------------------------
   void route(const bf16_t* x, const RoutingInput& ext);  // ext: MoeConfig::external_routing's ids, probs
@@ -175,7 +178,9 @@ class CudaMoeLayer final : public MoeLayer {
   // [c/128][Mp] or (fp8-naive) expert-packed FP32; the grouped kernel or cuBLASLt per expert
   // (CudaLayerOptions::fprop_dgrad); `st` counts malformed offsets / non-finite scales.
   void fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st);
-  void fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st);
+  // (e0, ne: the dgrad of experts [e0, e0 + ne) alone, w holding theirs; the grouped kernel only)
+  void fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st,
+                 int e0 = 0, int ne = -1);
   QTensorView gemm_rows(const QTensorView& rows, int64_t c) const;  // `rows` as the [Mp, c] the GEMM reads
   QTensorView saved_h() const;  // flow's saved h as this step's [Mp, 2F] view (FP8 rows or MXFP4)
   // FP8 wgrad dW [El, n, k] from the column-wise copies of the gradient [n over Mp] and the input
@@ -253,6 +258,7 @@ class CudaMoeLayer final : public MoeLayer {
   // ---- state of the latest set_weights / forward / backward --------------------------------------
   bool have_weights_ = false, have_forward_ = false, backward_done_ = false, has_bias_ = false;
   MoeWeights backward_weights_;  // set_backward_weights' parameters, for the next backward only
+  MoeWeights backward_params_;   // ... taken by the backward running now
   bool grads_accumulate_ = true;  // MoeGrads::accumulate of the backward running
   bool dx_ready_marked_ = false;  // mark_dx_rows_ready ran in this backward
   int64_t T_ = 0;                 // tokens of the forward

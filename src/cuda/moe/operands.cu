@@ -60,12 +60,13 @@ void CudaMoeLayer::fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const 
   gemm_->fprop(seg_, n, k, a, weight_operand(w, n, k), ms<bf16_t>(out, Mp_ * n), stream_);
 }
 void CudaMoeLayer::fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out,
-                             DeviceStatus* st) {
-  if (path_.grouped_gemm) {
-    gemm_->dgrad(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st}, n, k, gemm_rows(in, n), w,
+                             DeviceStatus* st, int e0, int ne) {
+  if (path_.grouped_gemm) {  // (experts [e0, e0 + ne): their offsets, from row offsets[e0] on)
+    gemm_->dgrad(gemm::DeviceSegments{segment_offsets() + e0, ne < 0 ? El_ : ne, Mp_, st}, n, k, gemm_rows(in, n), w,
                  ms<bf16_t>(out, Mp_ * k), stream_);
     return;
   }
+  FLOWMOE_CHECK(e0 == 0 && (ne < 0 || ne == El_), "internal error: a dgrad over a range of experts needs the grouped kernel");
   const Fp8Op a = in.scale_format == ScaleFormat::kF32 ? f32_row_operand(in, n) : act_operand(in, n, st);
   gemm_->dgrad(seg_, n, k, a, weight_operand(w, k, n), ms<bf16_t>(out, Mp_ * k), stream_);
 }

@@ -2,6 +2,8 @@
 // and the layer options into the decisions of src/cuda/moe.
 #include "cuda/moe/recipe_path.h"
 
+#include <algorithm>
+
 #include "cuda/moe/workspace.h"
 #include "flowmoe/error.h"
 
@@ -86,6 +88,19 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
   // derived from W in each backward, in its scratch, instead of being kept there: 1 byte less per
   // expert parameter and forward in flight, for one FP8 transpose of the weights per backward.
   p.transposes_in_backward = options.caller_memory && p.fp8;
+  // ... a group of experts at a time, so that W^T of every expert never exists at once: where the
+  // grouped kernel runs the dgrad over a range of the experts (UE8M0 row scales: no expert-packed
+  // scales to re-base) and not through the fused dSwiGLU (it reads all of W2^T). Even groups.
+  const int el = cfg.num_local_experts();
+  const auto chunk = [&](int64_t expert_bytes) {
+    if (!p.transposes_in_backward || !p.grouped_gemm || !p.pow2_weights || options.dgrad_weight_chunk_bytes <= 0)
+      return el;
+    const int64_t most = std::clamp<int64_t>(options.dgrad_weight_chunk_bytes / expert_bytes, 1, el);
+    const int64_t groups = (el + most - 1) / most;
+    return int((el + groups - 1) / groups);
+  };
+  p.wt_chunk1 = chunk(2 * cfg.ffn * cfg.hidden);
+  p.wt_chunk2 = p.fused_dswiglu ? el : chunk(cfg.hidden * cfg.ffn);
   return p;
 }
 

@@ -48,8 +48,11 @@ struct RecipePath {
   bool fused_dswiglu = false;  // GEMM2 dgrad + dSwiGLU*prob + quantize in one kernel
   bool side_stream = false;    // the wgrad column copies on the side stream
   bool ep_dedup = false;       // the deduplicated EP dispatch
-  bool transposes_in_backward = false;  // FP8 dgrad weights W^T transposed from W in each backward
-                                        // (transient) rather than written by set_weights (caller memory)
+  bool transposes_in_backward = false;  // FP8 dgrad weights W^T made in each backward (transient)
+                                        // rather than written by set_weights (caller memory)
+  // With transposes_in_backward: the experts of W1^T / W2^T made at once, each group just before
+  // its dgrad (CudaLayerOptions::dgrad_weight_chunk_bytes); all local experts otherwise
+  int wt_chunk1 = 0, wt_chunk2 = 0;
 
   const RecipeSpec& spec() const { return *row; }
   bool h_mxfp4() const { return h_saved == TensorFormat::kMxfp4Row; }  // flow-fp4's h

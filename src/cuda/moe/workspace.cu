@@ -181,23 +181,25 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
     w.w1_bf16 = a.device<bf16_t>(El * 2 * F * H, kT);
   }
   if (fp8) {
-    // the dgrad weights: kept from set_weights, or (caller memory) transposed from W per backward
-    const Region wt = path.transposes_in_backward ? kT : kW;
+    // the dgrad weights: kept from set_weights, or (caller memory) made per backward (below)
+    const bool keep_t = !path.transposes_in_backward;
     w.w1 = weight_128x128_f32(a.device<uint8_t>(El * 2 * F * H, kW), nullptr, int(El), 2 * F, H);
-    w.w1t = weight_128x128_f32(a.device<uint8_t>(El * 2 * F * H, wt), nullptr, int(El), H, 2 * F);
     w.w2 = weight_128x128_f32(a.device<uint8_t>(El * H * F, kW), nullptr, int(El), H, F);
-    w.w2t = weight_128x128_f32(a.device<uint8_t>(El * H * F, wt), nullptr, int(El), F, H);
     w.w1.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), 2 * F, H), kW);
-    w.w1t.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), H, 2 * F), wt);
     w.w2.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), H, F), kW);
-    w.w2t.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), F, H), wt);
+    if (keep_t) {
+      w.w1t = weight_128x128_f32(a.device<uint8_t>(El * 2 * F * H, kW), nullptr, int(El), H, 2 * F);
+      w.w2t = weight_128x128_f32(a.device<uint8_t>(El * H * F, kW), nullptr, int(El), F, H);
+      w.w1t.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), H, 2 * F), kW);
+      w.w2t.scales = a.device<float>(gemm::weight_scale_f32_elems(int(El), F, H), kW);
+    }
     if (pow2) {
       w.w1_ue8m0 = a.device<uint8_t>(El * (2 * F / 128) * (H / 128), kT);
       w.w2_ue8m0 = a.device<uint8_t>(El * (H / 128) * (F / 128), kT);
-      // (set_weights' scratch, or with caller memory the backward's when it quantizes W^T from the
-      // parameters)
-      w.w1t_ue8m0 = a.device<uint8_t>(El * (2 * F / 128) * (H / 128), kT);
-      w.w2t_ue8m0 = a.device<uint8_t>(El * (H / 128) * (F / 128), kT);
+      if (keep_t) {
+        w.w1t_ue8m0 = a.device<uint8_t>(El * (2 * F / 128) * (H / 128), kT);
+        w.w2t_ue8m0 = a.device<uint8_t>(El * (H / 128) * (F / 128), kT);
+      }
     }
   }
 
@@ -277,6 +279,24 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
       }
       break;
     }
+  }
+  if (fp8 && path.transposes_in_backward) {  // the backward's W^T groups (WeightBuffers::wt_codes)
+    const int c1 = path.wt_chunk1, c2 = path.wt_chunk2;
+    const int64_t codes = std::max(c1 * 2 * F * H, c2 * H * F);
+    const int64_t scales = std::max(gemm::weight_scale_f32_elems(c1, H, 2 * F), gemm::weight_scale_f32_elems(c2, F, H));
+    const int64_t ue8m0 = pow2 ? std::max(c1 * (2 * F / 128) * (H / 128), c2 * (H / 128) * (F / 128)) : 0;
+    // the flow pipeline's BF16 h is scratch of its forward alone (its backward reads the saved
+    // quantized h, and the unfused dSwiGLU writes dh in FP8): the groups live there when they fit
+    const int64_t bytes = codes + 4 * scales + ue8m0 + 2 * 256;
+    uint8_t* in_h = path.pipeline == Pipeline::kFlow && !fused_dswiglu && x.h &&
+                            bytes <= int64_t(sizeof(bf16_t)) * R * 2 * F
+                        ? reinterpret_cast<uint8_t*>(x.h)
+                        : nullptr;
+    const auto align256 = [](int64_t n) { return (n + 255) / 256 * 256; };
+    w.wt_codes = in_h ? in_h : a.device<uint8_t>(codes, kT);
+    w.wt_scales = in_h ? reinterpret_cast<float*>(in_h + align256(codes)) : a.device<float>(scales, kT);
+    if (pow2)
+      w.wt_ue8m0 = in_h ? in_h + align256(codes) + align256(4 * scales) : a.device<uint8_t>(ue8m0, kT);
   }
 }
 

@@ -108,10 +108,16 @@ struct WeightBuffers {
   // with caller memory transposed from W at the start of each backward, in the transient region);
   // with the fused SwiGLU (CudaLayerOptions::fused_swiglu) w1's 128-row blocks are interleaved
   // gate/up per expert (interleave_gate_up)
-  QTensorView w1, w1t, w2, w2t;
+  QTensorView w1, w1t, w2, w2t;  // (w1t, w2t: not with caller memory, which makes W^T in the backward)
   // power-of-two recipes: the UE8M0 block scales quantize_weight writes, [El][N/128][K/128],
   // converted into w*.scales
   uint8_t *w1_ue8m0 = nullptr, *w1t_ue8m0 = nullptr, *w2_ue8m0 = nullptr, *w2t_ue8m0 = nullptr;
+  // caller memory: the backward's dgrad weights, RecipePath::wt_chunk1 experts of W1^T or
+  // wt_chunk2 of W2^T at a time (transient; flow: in the BF16 h scratch, which its backward does
+  // not use): codes, GEMM-ready FP32 scales, and the UE8M0 scales a quantization writes first
+  uint8_t* wt_codes = nullptr;
+  float* wt_scales = nullptr;
+  uint8_t* wt_ue8m0 = nullptr;
 };
 
 // Activations, saved tensors and scratch of the expert path (shapes for R padded rows).
