@@ -1,8 +1,8 @@
 """Kernel time of one training step by phase and kind (torch.profiler), for bench/hf_experts.py
 (--profile) and bench/hf_block.py (--profile).
 
-Phases are separated by torch.cuda.synchronize(), so a kernel belongs to the phase inside whose
-host-time window it started: forward (model and loss), backward, gradient clipping, optimizer.
+Each phase (forward with the loss, backward, gradient clipping, optimizer) runs under a profiler of
+its own and ends with a synchronisation, so its kernels are its own.
 Kinds come from the kernel's name (the first kind with a matching pattern, lower case): what
 flowmoe or grouped_mm run for the experts, the dense GEMMs around them (attention projections,
 router, LM head), attention itself, the weight derivation and gradient conversion the issue names,
@@ -35,41 +35,28 @@ def kind_of(name: str) -> str:
     return OTHER
 
 
-def _kernel_events(prof):
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
-            yield e
-
-
 def kernel_kinds(prof) -> dict:
-    """{kind: ms} over every kernel of a profile."""
+    """{kind: ms} over every kernel of a profile (CUDA activity)."""
     out = {}
-    for e in _kernel_events(prof):
-        k = kind_of(e.name)
-        out[k] = out.get(k, 0.0) + e.device_time_total / 1e3
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
+            k = kind_of(e.key)
+            out[k] = out.get(k, 0.0) + e.self_device_time_total / 1e3
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def profile_phases(phases, device) -> dict:
-    """Runs `phases` ([(name, fn)], in order, each followed by a synchronisation) under the profiler:
-    {phase: {kind: ms}} and "total_ms" per phase."""
-    marks = []
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for name, fn in phases:
-            with torch.profiler.record_function("phase: " + name):
-                fn()
-                torch.cuda.synchronize(device)
-    spans = {e.name[len("phase: "):]: (e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.name.startswith("phase: ")}
-    out = {name: {} for name, _ in phases}
-    out["(outside every phase: clock mismatch)"] = {}
-    for e in _kernel_events(prof):
-        t = e.time_range.start
-        phase = next((n for n, (a, b) in spans.items() if a <= t <= b), "(outside every phase: clock mismatch)")
-        k = kind_of(e.name)
-        out[phase][k] = out[phase].get(k, 0.0) + e.device_time_total / 1e3
-    return {p: {"total_ms": sum(v.values()), **dict(sorted(v.items(), key=lambda kv: -kv[1]))}
-            for p, v in out.items() if v}
+    """Runs `phases` ([(name, fn)], in order) each under a profiler of its own, followed by a
+    synchronisation (so that its kernels land in it): {phase: {"total_ms": .., kind: ms}}."""
+    out = {}
+    for name, fn in phases:
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        kinds = kernel_kinds(prof)
+        out[name] = {"total_ms": sum(kinds.values()), **kinds}
+    return out
 
 
 def format_phases(prof: dict) -> str:

@@ -184,6 +184,19 @@ TEST_P(GemmGroupedGpuWgrad, DeviceOffsetsMatchReferenceAndHostPath) {
   for (int e : GetParam().empty)
     for (int64_t i = 0; i < p.n * p.k; ++i)
       ASSERT_EQ(acc[e * p.n * p.k + i], g0[e * p.n * p.k + i]) << "empty expert " << e << " must be untouched";
+  // NaN sums (an E4M3 NaN code in dY's first column block): BF16 output = f32_to_bf16 of the FP32
+  // output there too (a quiet NaN keeping sign and payload, not the cvt instruction's canonical one)
+  ASSERT_EQ(cudaMemset(d.dyc_c.p, 0x7F, 1), cudaSuccess);
+  GBuf<float> nan32(nw);
+  GBuf<bf16_t> nan16(nw);
+  gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::f32(nan32.p, nw), 0);
+  gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::bf16(nan16.p, nw), 0);
+  const auto f = nan32.get();
+  std::vector<bf16_t> want_nan(nw);
+  int64_t nans = 0;
+  for (int64_t i = 0; i < nw; ++i) want_nan[i] = num::f32_to_bf16(f[i]), nans += f[i] != f[i];
+  EXPECT_GT(nans, 0);
+  expect_same_bits(want_nan, nan16.get(), "wgrad BF16 output with NaN sums");
 }
 INSTANTIATE_TEST_SUITE_P(Tiles, GemmGroupedGpuWgrad,
                          ::testing::Values(WgradCase{{"ragged_k384", {256, 0, 128, 384, 0, 128}, 256, 384, {}}, {1, 4}},

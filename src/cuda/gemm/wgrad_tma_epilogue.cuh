@@ -39,6 +39,15 @@ inline CUtensorMap wgrad_dw_map(void* dw, WgradStore s, int64_t rows, int64_t co
 }
 
 #ifdef FLOWMOE_SM90A
+// Two FP32 sums rounded to BF16 (RNE) by one cvt, packed lo | hi << 16; a NaN as numerics.h's
+// f32_to_bf16 writes it (quiet, sign and payload kept) instead of the instruction's canonical NaN.
+__device__ __forceinline__ uint32_t bf16x2_rne(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  if (lo != lo || hi != hi) r = num::f32_to_bf16(lo) | (uint32_t(num::f32_to_bf16(hi)) << 16);
+  return r;
+}
+
 // acc: the warpgroup's m64n128 FP32 fragment (thread t of the warpgroup holds rows r0, r0 + 8 and
 // columns 8 j + c0, + 1). `ebuf` may still be read by this warpgroup's previous bulk operations
 // when `wait_first`: thread 0 waits for them first. Writes the half into ebuf (16-byte chunk c of
@@ -57,10 +66,9 @@ __device__ __forceinline__ void wgrad_half_to_global(const float* acc, float* eb
       const int cc = 8 * j + c0;  // column in the half
       uint8_t* box = eb + (cc / 64) * (64 * 128);
 #pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        const uint32_t lo = num::f32_to_bf16(acc[4 * j + 2 * rh]), hi = num::f32_to_bf16(acc[4 * j + 2 * rh + 1]);
-        *reinterpret_cast<uint32_t*>(box + swizzled(r0 + 8 * rh, (cc % 64) * 2)) = lo | (hi << 16);
-      }
+      for (int rh = 0; rh < 2; ++rh)
+        *reinterpret_cast<uint32_t*>(box + swizzled(r0 + 8 * rh, (cc % 64) * 2)) =
+            bf16x2_rne(acc[4 * j + 2 * rh], acc[4 * j + 2 * rh + 1]);
     }
   } else {
 #pragma unroll

@@ -210,7 +210,37 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
   const bool a_bf16 = path.a_saved == TensorFormat::kBf16;  // bf16
   // (the fused epilogues, flow pipeline only, leave out BF16 h and da')
   x.h = fused_swiglu ? nullptr : a.device<bf16_t>(R * 2 * F, h_bf16 ? kS : kT);
-  x.a = fused_dswiglu ? nullptr : a.device<bf16_t>(R * F, a_bf16 ? kS : kT);
+  // Caller memory: the backward's W^T groups (WeightBuffers::wt_*). The flow pipeline's BF16 h is
+  // scratch of its forward alone (its backward reads the saved quantized h; the unfused dSwiGLU
+  // writes dh in FP8), so the groups and then da' (its BF16 a buffer serves only as da') live
+  // there when they fit.
+  uint8_t* h_free = path.pipeline == Pipeline::kFlow && !fused_dswiglu && x.h ? reinterpret_cast<uint8_t*>(x.h) : nullptr;
+  int64_t h_left = h_free ? int64_t(sizeof(bf16_t)) * R * 2 * F : 0;
+  const auto take_h = [&](int64_t bytes) -> uint8_t* {
+    bytes = (bytes + 255) / 256 * 256;
+    if (!h_free || bytes > h_left) return nullptr;
+    uint8_t* p = h_free;
+    h_free += bytes, h_left -= bytes;
+    return p;
+  };
+  if (fp8 && path.transposes_in_backward) {
+    const int c1 = path.wt_chunk1, c2 = path.wt_chunk2;
+    const int64_t codes = std::max(c1 * 2 * F * H, c2 * H * F);
+    const int64_t scales = std::max(gemm::weight_scale_f32_elems(c1, H, 2 * F), gemm::weight_scale_f32_elems(c2, F, H));
+    const int64_t ue8m0 = pow2 ? std::max(c1 * (2 * F / 128) * (H / 128), c2 * (H / 128) * (F / 128)) : 0;
+    uint8_t* slot = take_h((codes + 255) / 256 * 256 + (4 * scales + 255) / 256 * 256 + ue8m0);
+    w.wt_codes = slot ? slot : a.device<uint8_t>(codes, kT);
+    w.wt_scales = slot ? reinterpret_cast<float*>(slot + (codes + 255) / 256 * 256) : a.device<float>(scales, kT);
+    if (pow2)
+      w.wt_ue8m0 = slot ? slot + (codes + 255) / 256 * 256 + (4 * scales + 255) / 256 * 256 : a.device<uint8_t>(ue8m0, kT);
+  }
+  if (fused_dswiglu) {
+    x.a = nullptr;
+  } else if (bf16_t* in_h = a_bf16 ? nullptr : reinterpret_cast<bf16_t*>(take_h(int64_t(sizeof(bf16_t)) * R * F))) {
+    x.a = in_h;  // (flow: a' is never BF16; this buffer is the backward's da')
+  } else {
+    x.a = a.device<bf16_t>(R * F, a_bf16 ? kS : kT);
+  }
   if (path.x_perm_saved == TensorFormat::kBf16) x.x_perm = a.device<bf16_t>(R * H, kS);  // bf16
   x.da = a_bf16 ? a.device<bf16_t>(R * F, kT) : x.a;  // (a' saved in BF16: read by GEMM2's wgrad after da')
   x.dh = h_bf16 ? a.device<bf16_t>(R * 2 * F, kT) : x.h;  // (h saved quantized: its BF16 buffer is scratch)
@@ -280,24 +310,7 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
       break;
     }
   }
-  if (fp8 && path.transposes_in_backward) {  // the backward's W^T groups (WeightBuffers::wt_codes)
-    const int c1 = path.wt_chunk1, c2 = path.wt_chunk2;
-    const int64_t codes = std::max(c1 * 2 * F * H, c2 * H * F);
-    const int64_t scales = std::max(gemm::weight_scale_f32_elems(c1, H, 2 * F), gemm::weight_scale_f32_elems(c2, F, H));
-    const int64_t ue8m0 = pow2 ? std::max(c1 * (2 * F / 128) * (H / 128), c2 * (H / 128) * (F / 128)) : 0;
-    // the flow pipeline's BF16 h is scratch of its forward alone (its backward reads the saved
-    // quantized h, and the unfused dSwiGLU writes dh in FP8): the groups live there when they fit
-    const int64_t bytes = codes + 4 * scales + ue8m0 + 2 * 256;
-    uint8_t* in_h = path.pipeline == Pipeline::kFlow && !fused_dswiglu && x.h &&
-                            bytes <= int64_t(sizeof(bf16_t)) * R * 2 * F
-                        ? reinterpret_cast<uint8_t*>(x.h)
-                        : nullptr;
-    const auto align256 = [](int64_t n) { return (n + 255) / 256 * 256; };
-    w.wt_codes = in_h ? in_h : a.device<uint8_t>(codes, kT);
-    w.wt_scales = in_h ? reinterpret_cast<float*>(in_h + align256(codes)) : a.device<float>(scales, kT);
-    if (pow2)
-      w.wt_ue8m0 = in_h ? in_h + align256(codes) + align256(4 * scales) : a.device<uint8_t>(ue8m0, kT);
-  }
+
 }
 
 }  // namespace moe
