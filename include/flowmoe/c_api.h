@@ -125,8 +125,10 @@ int flowmoe_layer_bind_memory(flowmoe_layer* layer, void* weights, void* saved, 
 // backward can quantize its dgrad weights from the parameters, given just before it, so that the
 // weights region need not be kept from the forward (bind it as null for that backward); else 0.
 int flowmoe_layer_takes_backward_weights(flowmoe_layer* layer, int* out);
-int flowmoe_layer_set_backward_weights(flowmoe_layer* layer, const float* w1, const float* w2);
-int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2);
+// wr: the router's [E, H] FP32 weights (null for an external_routing layer).
+int flowmoe_layer_set_backward_weights(flowmoe_layer* layer, const float* w1, const float* w2, const float* wr);
+int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2,
+                                            const float* wr);
 // Several forwards in flight (moe.h MoeLayer::take_step): after a forward, its state as a handle;
 // before its backward, resume puts it back (once; the handle is then empty, destroy it anyway).
 int flowmoe_layer_take_step(flowmoe_layer* layer, flowmoe_step** out);

@@ -336,13 +336,13 @@ class MoeLayer {
 
   // Caller memory: whether the next backward can derive its dgrad weights W^T straight from the
   // parameters (set_backward_weights), so that the weights region need not outlive its forward
-  // (the experts-only CUDA layer of the recipes with FP8 block weights: blockwise, flow, flow-fp4).
+  // (the CUDA layer of the recipes with FP8 block weights: blockwise, flow, flow-fp4).
   virtual bool takes_backward_weights() const { return false; }
-  // The parameters W1, W2 (FP32 or BF16, as in set_weights; wr, router_bias null) of the next
-  // backward only: it quantizes W^T from them into the transient region (the bits of transposing
-  // the forward's W, which they must equal: the caller keeps them unchanged in between) and reads
-  // nothing of the weights region, which may then be unbound (null). Refused where
-  // takes_backward_weights() is false.
+  // The parameters of the next backward only, as in set_weights (W1, W2 FP32 or BF16; Wr exactly
+  // when the layer has a router; router_bias not read): it quantizes W^T from them into the
+  // transient region (the bits of transposing the forward's W, which they must equal: the caller
+  // keeps them unchanged in between), reads Wr there, and reads nothing of the weights region,
+  // which may then be unbound (null). Refused where takes_backward_weights() is false.
   virtual void set_backward_weights(const MoeWeights& w);
 
  protected:

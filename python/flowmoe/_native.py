@@ -104,8 +104,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_backward_ex": (c_int, [vp, vp, vp, vp, vp, vp, vp, c_int]),
         "flowmoe_layer_backward_bf16": (c_int, [vp, vp, vp, vp, vp, vp, vp]),
         "flowmoe_layer_takes_backward_weights": (c_int, [vp, ctypes.POINTER(c_int)]),
-        "flowmoe_layer_set_backward_weights": (c_int, [vp, vp, vp]),
-        "flowmoe_layer_set_backward_weights_bf16": (c_int, [vp, vp, vp]),
+        "flowmoe_layer_set_backward_weights": (c_int, [vp, vp, vp, vp]),
+        "flowmoe_layer_set_backward_weights_bf16": (c_int, [vp, vp, vp, vp]),
         "flowmoe_layer_set_routing": (c_int, [vp, vp, vp]),
         "flowmoe_layer_status_get": (c_int, [vp, ctypes.POINTER(LayerStatus)]),
         "flowmoe_layer_memory_plan": (c_int, [vp, ctypes.POINTER(i64)]),
@@ -322,10 +322,11 @@ class Layer:
         check(lib().flowmoe_layer_takes_backward_weights(self.handle, ctypes.byref(out)))
         return bool(out.value)
 
-    def set_backward_weights(self, w1: int, w2: int, bf16: bool) -> None:
-        """The parameters W1, W2 of the next backward only (FP32, or BF16 bits with bf16)."""
+    def set_backward_weights(self, w1: int, w2: int, bf16: bool, wr: Optional[int] = None) -> None:
+        """The parameters of the next backward only: W1, W2 (FP32, or BF16 bits with bf16), Wr (FP32;
+        None for an experts-only layer)."""
         fn = lib().flowmoe_layer_set_backward_weights_bf16 if bf16 else lib().flowmoe_layer_set_backward_weights
-        check(fn(self.handle, w1, w2))
+        check(fn(self.handle, w1, w2, wr or None))
 
     def set_routing(self, ids: int, probs: int) -> None:
         """The next forward's routing (external_routing layers): ids [T, k] int32, probs [T, k] fp32."""

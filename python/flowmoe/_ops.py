@@ -191,7 +191,15 @@ def _(x, w1, w2, wr, wbuf, module_id, keep_step):
 
 
 # ---- backward ---------------------------------------------------------------------------------------
-def _run_backward(dy, wbuf, saved, step, grads, accumulate):
+def _set_backward_weights(runner, params):
+    """params: (w1, w2[, wr]) the backward derives its weights from (wbuf then None), or None."""
+    if params is not None:
+        w1, w2 = params[0], params[1]
+        wr = params[2] if len(params) > 2 else None
+        runner.layer.set_backward_weights(w1.data_ptr(), w2.data_ptr(), w1.dtype == torch.bfloat16, _addr(wr))
+
+
+def _run_backward(dy, wbuf, saved, step, params, grads, accumulate):
     runner, native_step = _pop_step(int(step[0]))
     dy = dy.to(torch.bfloat16).contiguous()
     dx = torch.empty_like(dy)
@@ -199,6 +207,7 @@ def _run_backward(dy, wbuf, saved, step, grads, accumulate):
     with runner.ordered():
         runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
         runner.layer.resume_step(native_step)
+        _set_backward_weights(runner, params)
         runner.layer.backward(dy.data_ptr(), dx.data_ptr(), *[_addr(g) for g in grads], accumulate)
     return dx
 
@@ -210,29 +219,36 @@ def _grad_buffers(module_id: int, device, needs):
             for s, n in zip(shapes, needs)]
 
 
+def _params(w1, w2, wr):
+    return (w1.detach(), w2.detach(), wr.detach()) if w1 is not None else None
+
+
 @torch.library.custom_op("flowmoe::moe_backward", mutates_args=())
-def moe_backward(dy: torch.Tensor, wbuf: torch.Tensor, saved: torch.Tensor, step: torch.Tensor,
+def moe_backward(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torch.Tensor, step: torch.Tensor,
+                 w1: Optional[torch.Tensor], w2: Optional[torch.Tensor], wr: Optional[torch.Tensor],
                  needs: List[bool], module_id: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = _grad_buffers(module_id, dy.device, needs)
-    dx = _run_backward(dy, wbuf, saved, step, [g if n else None for g, n in zip(grads, needs)], False)
+    dx = _run_backward(dy, wbuf, saved, step, _params(w1, w2, wr), [g if n else None for g, n in zip(grads, needs)],
+                       False)
     return dx, grads[0], grads[1], grads[2]
 
 
 @moe_backward.register_fake
-def _(dy, wbuf, saved, step, needs, module_id):
+def _(dy, wbuf, saved, step, w1, w2, wr, needs, module_id):
     grads = _grad_buffers(module_id, dy.device, needs)
     return torch.empty_like(dy, dtype=torch.bfloat16), grads[0], grads[1], grads[2]
 
 
 @torch.library.custom_op("flowmoe::moe_backward_accumulate", mutates_args=("dw1", "dw2", "dwr"))
-def moe_backward_accumulate(dy: torch.Tensor, wbuf: torch.Tensor, saved: torch.Tensor, step: torch.Tensor,
+def moe_backward_accumulate(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torch.Tensor, step: torch.Tensor,
+                            w1: Optional[torch.Tensor], w2: Optional[torch.Tensor], wr: Optional[torch.Tensor],
                             dw1: Optional[torch.Tensor], dw2: Optional[torch.Tensor],
                             dwr: Optional[torch.Tensor]) -> torch.Tensor:
-    return _run_backward(dy, wbuf, saved, step, [dw1, dw2, dwr], True)
+    return _run_backward(dy, wbuf, saved, step, _params(w1, w2, wr), [dw1, dw2, dwr], True)
 
 
 @moe_backward_accumulate.register_fake
-def _(dy, wbuf, saved, step, dw1, dw2, dwr):
+def _(dy, wbuf, saved, step, w1, w2, wr, dw1, dw2, dwr):
     return torch.empty_like(dy, dtype=torch.bfloat16)
 
 
@@ -250,21 +266,32 @@ def _save_step(ctx, module_id, wbuf, saved, step, params=()):
     ctx.save_for_backward(wbuf, saved, step, *params)
 
 
+def _from_params(module_id) -> bool:
+    """Whether the layer derives a backward's dgrad weights from the parameters (the FP8 block
+    recipes on CUDA): the autograd node then keeps the parameters (no copy; autograd's version
+    counters refuse an in-place change before the backward, as for any op that saves its weight)
+    instead of the forward's weight copies."""
+    r = _module(module_id)._runner
+    return r is not None and r.backward_weights
+
+
 def _setup_context(ctx, inputs, output):
     x, w1, w2, wr, wbuf, module_id, keep_step = inputs
     y, saved, step = output
-    _save_step(ctx, module_id, wbuf, saved, step)
+    from_params = _from_params(module_id)
+    _save_step(ctx, module_id, None if from_params else wbuf, saved, step, (w1, w2, wr) if from_params else ())
 
 
 def _backward(ctx, dy, _dsaved, _dstep):
-    wbuf, saved, step = ctx.saved_tensors
+    wbuf, saved, step, *params = ctx.saved_tensors
+    w1, w2, wr = params if params else (None, None, None)
     module = _module(ctx.module_id)
     needs = [bool(n) for n in ctx.needs_input_grad[1:4]]
     if module.grad_mode == "main_grad":
         bufs = [module._main_grad(i) if n else None for i, n in enumerate(needs)]
-        dx = moe_backward_accumulate(dy, wbuf, saved, step, *bufs)
+        dx = moe_backward_accumulate(dy, wbuf, saved, step, w1, w2, wr, *bufs)
         return dx if ctx.needs_input_grad[0] else None, None, None, None, None, None, None
-    dx, dw1, dw2, dwr = moe_backward(dy, wbuf, saved, step, needs, ctx.module_id)
+    dx, dw1, dw2, dwr = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id)
     gs = [g if n else None for g, n in zip((dw1, dw2, dwr), needs)]
     return (dx if ctx.needs_input_grad[0] else None, gs[0], gs[1], gs[2], None, None, None)
 
@@ -306,9 +333,7 @@ def _run_experts_backward(dy, wbuf, saved, step, params, dw1, dw2, topk):
     with runner.ordered():
         runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
         runner.layer.resume_step(native_step)
-        if params is not None:
-            runner.layer.set_backward_weights(params[0].data_ptr(), params[1].data_ptr(),
-                                              params[0].dtype == torch.bfloat16)
+        _set_backward_weights(runner, params)
         if bf16_grads:
             runner.layer.backward_bf16(dy.data_ptr(), dx.data_ptr(), _addr(dw1), _addr(dw2),
                                        dprobs=dprobs.data_ptr())
@@ -350,11 +375,7 @@ def _(dy, wbuf, saved, step, w1, w2, needs, bf16_grads, module_id):
 def _experts_setup_context(ctx, inputs, output):
     x, ids, probs, w1, w2, wbuf, module_id, keep_step = inputs
     y, saved, step = output
-    r = _module(module_id)._runner
-    # Where the layer derives the backward's dgrad weights from the parameters, the node keeps the
-    # parameters (no copy; autograd's version counters refuse an in-place change before the
-    # backward, as for any op that saves its weight) instead of the forward's weight copies.
-    from_params = r is not None and r.backward_weights
+    from_params = _from_params(module_id)
     _save_step(ctx, module_id, None if from_params else wbuf, saved, step, (w1, w2) if from_params else ())
     ctx.weight_dtype = w1.dtype
 

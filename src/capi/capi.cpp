@@ -312,15 +312,20 @@ int flowmoe_layer_takes_backward_weights(flowmoe_layer* layer, int* out) {
   });
 }
 
-int flowmoe_layer_set_backward_weights(flowmoe_layer* layer, const float* w1, const float* w2) {
+int flowmoe_layer_set_backward_weights(flowmoe_layer* layer, const float* w1, const float* w2, const float* wr) {
   return guarded("flowmoe_layer_set_backward_weights", [&] {
-    checked(layer, "flowmoe_layer_set_backward_weights")->layer->set_backward_weights(expert_weights(w1, w2));
+    flowmoe::MoeWeights w = expert_weights(w1, w2);
+    w.wr = wr;
+    checked(layer, "flowmoe_layer_set_backward_weights")->layer->set_backward_weights(w);
   });
 }
 
-int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2) {
+int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2,
+                                            const float* wr) {
   return guarded("flowmoe_layer_set_backward_weights_bf16", [&] {
-    checked(layer, "flowmoe_layer_set_backward_weights_bf16")->layer->set_backward_weights(expert_weights(w1, w2));
+    flowmoe::MoeWeights w = expert_weights(w1, w2);
+    w.wr = wr;
+    checked(layer, "flowmoe_layer_set_backward_weights_bf16")->layer->set_backward_weights(w);
   });
 }
 

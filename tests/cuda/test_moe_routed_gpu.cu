@@ -10,7 +10,6 @@
 #include <memory>
 #include <string>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "common/moe_config.h"
@@ -204,45 +203,55 @@ TEST_P(Routed, CallerMemoryTwoForwardsInFlight) {
   expect_same_bits(want_b.dprobs, dpb.get(), "dprobs of the second");
 }
 
-// Caller memory as the PyTorch op runs it for BF16 parameters (and FP32 masters): the backward takes
-// its dgrad weights from the parameters (set_backward_weights; the FP8 block recipes), a group of
-// experts at a time (also one expert per group), with the weights region poisoned and unbound, and writes BF16 gradients (MoeGrads::dw1_bf16): the FP32
-// gradients of the owned layer rounded once, and its dx and dprobs, bit for bit. The other
-// recipes refuse set_backward_weights and give the same bits with the weights region bound.
+// Caller memory as the PyTorch op runs it, experts-only and full layer, BF16 parameters and FP32
+// masters: the backward takes its dgrad weights (and Wr) from the parameters (set_backward_weights;
+// the FP8 block recipes), a group of experts at a time (also one expert per group), with the
+// weights region poisoned and unbound, and writes BF16 expert gradients (MoeGrads::dw1_bf16): the
+// FP32 gradients of the owned layer rounded once, and its dx, dprobs and dWr, bit for bit. The
+// other recipes refuse set_backward_weights and give the same bits with the weights region bound.
 TEST_P(Routed, CallerMemoryBackwardWeightsFromParamsAndBf16Grads) {
   REQUIRE_SM90();
   const Recipe recipe = std::get<0>(GetParam());
-  CudaLayerOptions opt;
-  opt.sync_free = std::get<1>(GetParam());
-  MoeConfig cfg = flowmoe_test::moe_config(kH, kF, kE, kK).align(128).recipe(recipe).max_tokens(kT);
-  const RoutedProblem p = flowmoe_test::make_routed_problem(cfg, kT, 36);
+  const bool sync_free = std::get<1>(GetParam());
+  const MoeConfig base = flowmoe_test::moe_config(kH, kF, kE, kK).align(128).recipe(recipe).max_tokens(kT);
+  const RoutedProblem p = flowmoe_test::make_routed_problem(base, kT, 36);
   // (chunk bytes 1: W^T made and the dgrad run one expert at a time, where the path allows groups)
-  for (const auto& [bf16_params, chunk_bytes] : {std::pair<bool, int64_t>{true, -1}, {false, -1}, {true, 1}}) {
-    SCOPED_TRACE(std::string(bf16_params ? "BF16 parameters" : "FP32 masters") +
-                 (chunk_bytes == 1 ? ", one expert per dgrad group" : ""));
-    const Out want = run(p, true, opt.sync_free, bf16_params);
-    cfg.external_routing = true;
+  struct Variant {
+    bool external, bf16_params;
+    int64_t chunk_bytes;
+  };
+  for (const Variant v : {Variant{true, true, -1}, Variant{true, false, -1}, Variant{true, true, 1},
+                          Variant{false, true, -1}, Variant{false, false, 1}}) {
+    SCOPED_TRACE(std::string(v.external ? "experts-only layer, " : "full layer, ") +
+                 (v.bf16_params ? "BF16 parameters" : "FP32 masters") +
+                 (v.chunk_bytes == 1 ? ", one expert per dgrad group" : ""));
+    const Out want = run(p, v.external, sync_free, v.bf16_params);
+    MoeConfig cfg = base;
+    cfg.external_routing = v.external;
+    CudaLayerOptions opt;
+    opt.sync_free = sync_free;
     opt.caller_memory = true;
-    if (chunk_bytes > 0) opt.dgrad_weight_chunk_bytes = chunk_bytes;
+    if (v.chunk_bytes > 0) opt.dgrad_weight_chunk_bytes = v.chunk_bytes;
     std::unique_ptr<MoeLayer> l = make_cuda_layer(cfg, nullptr, opt);
     const bool from_params = recipe == Recipe::kBlockwise || recipe == Recipe::kFlow || recipe == Recipe::kFlowFp4;
     EXPECT_EQ(l->takes_backward_weights(), from_params);
     const MoeMemoryPlan plan = l->memory_plan();
     DBuf<uint8_t> wm(plan.weights), sm(plan.saved), tm(plan.transient);
-    DBuf<float> w1(p.w1), w2(p.w2);
+    DBuf<float> w1(p.w1), w2(p.w2), wr(p.wr);
     DBuf<bf16_t> w1b(rne_bf16(p.w1)), w2b(rne_bf16(p.w2));
     MoeWeights w;
-    if (bf16_params) {
+    if (v.bf16_params) {
       w.w1_bf16 = w1b.p, w.w2_bf16 = w2b.p;
     } else {
       w.w1 = w1.p, w.w2 = w2.p;
     }
+    if (!v.external) w.wr = wr.p;
     l->bind_memory(MoeMemory{wm.p, sm.p, tm.p});
     l->set_weights(w);
     DBuf<bf16_t> x(p.x), dy(p.dy), y(kT * kH), dx(kT * kH), dw1(p.w1.size()), dw2(p.w2.size());
     DBuf<int32_t> ids(p.ids);
-    DBuf<float> probs(p.probs), dprobs(p.probs.size());
-    l->set_routing(ids.p, probs.p);
+    DBuf<float> probs(p.probs), dprobs(p.probs.size()), dwr(p.wr.size());
+    if (v.external) l->set_routing(ids.p, probs.p);
     l->forward(x.p, kT, y.p);
     if (from_params) {  // the forward's weight copies gone: the backward must not read them
       ASSERT_EQ(cudaMemset(wm.p, 0xFF, plan.weights), cudaSuccess);
@@ -254,12 +263,14 @@ TEST_P(Routed, CallerMemoryBackwardWeightsFromParamsAndBf16Grads) {
     MoeGrads g;
     g.dw1_bf16 = dw1.p;
     g.dw2_bf16 = dw2.p;
+    g.dwr = v.external ? nullptr : dwr.p;
     g.dprobs = dprobs.p;
     g.accumulate = false;
     l->backward(dy.p, dx.p, g);
     expect_same_bits(want.y, y.get(), "y");
     expect_same_bits(want.dx, dx.get(), "dx");
     expect_same_bits(want.dprobs, dprobs.get(), "dprobs");
+    if (!v.external) expect_same_bits(want.dwr, dwr.get(), "dWr");
     expect_same_bits(rne_bf16(want.dw1), dw1.get(), "dW1 (BF16) = the FP32 dW1 rounded");
     expect_same_bits(rne_bf16(want.dw2), dw2.get(), "dW2 (BF16) = the FP32 dW2 rounded");
   }

@@ -75,7 +75,7 @@ void CudaMoeLayer::backward_tail(const MoeGrads& g, bf16_t* dx) {
     router_dwr(r.dlogits, r.x, T_, E_, H_, g.dwr, rs); }
   { auto s = bwd(on_tail ? "unpermute dx + router path (tail stream)" : "unpermute dx + router path", rs);
     // external routing: dx is the expert path only (the caller back-propagates dprobs)
-    combine_dx(rows, map, T_, K_, external ? nullptr : r.dlogits, external ? nullptr : ws_.weights.wr, E_, H_, dx,
+    combine_dx(rows, map, T_, K_, external ? nullptr : r.dlogits, external ? nullptr : router_weights(), E_, H_, dx,
                rs); }
   if (on_tail) streams_.join_tail();  // stream_ (the caller's) orders everything after the tail again
 }

@@ -172,17 +172,16 @@ void CudaMoeLayer::release() {
 
 // ---- weights -------------------------------------------------------------------------------------
 bool CudaMoeLayer::takes_backward_weights() const {
-  return path_.transposes_in_backward && path_.spec().weights == WeightCopy::kFp8Block && cfg_.external_routing;
+  return path_.transposes_in_backward && path_.spec().weights == WeightCopy::kFp8Block;
 }
 
 void CudaMoeLayer::set_backward_weights(const MoeWeights& w) {
   const char* what = "MoeLayer::set_backward_weights";
   FLOWMOE_CHECK(takes_backward_weights(),
                 what << ": this layer reads its backward's weights from the weights region (it derives them from "
-                        "the parameters only with caller memory, external routing and FP8 block weights: blockwise, "
-                        "flow, flow-fp4); expected the weights region bound for the backward instead");
-  FLOWMOE_CHECK(!w.wr && !w.router_bias, what << ": wr / router_bias given to an experts-only layer; expected null");
-  check_weights(w, "device");
+                        "the parameters only with caller memory and FP8 block weights: blockwise, flow, flow-fp4); "
+                        "expected the weights region bound for the backward instead");
+  check_weights(w, "device");  // (Wr exactly when the layer has a router: its backward reads it there)
   backward_weights_ = w;
 }
 

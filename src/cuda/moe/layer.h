@@ -109,6 +109,8 @@ class CudaMoeLayer final : public MoeLayer {
   // W_g^T of experts [e0, e0 + n) in WeightBuffers::wt_*: quantized from this backward's parameters
   // (set_backward_weights) or transposed from the forward's W (caller memory)
   QTensorView make_dgrad_weights(int g, int e0, int n);
+  // Wr as the backward reads it: set_backward_weights' parameter, else the weights region's copy
+  const float* router_weights() const { return backward_params_.wr ? backward_params_.wr : ws_.weights.wr; }
 
   // ---- routing (routing.cu) --------------------------------------------------------------------
   void route(const bf16_t* x, const RoutingInput& ext);  // ext: MoeConfig::external_routing's ids, probs

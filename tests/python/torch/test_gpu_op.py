@@ -114,3 +114,31 @@ def test_torch_compile_fullgraph_on_the_gpu(recipe):
     torch.cuda.synchronize()
     for a, b in zip([y.detach(), xc.grad, m.w1.grad, m.w2.grad, m.wr.grad], want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe,from_params", [("flow", True), ("blockwise", True), ("bf16", False)])
+def test_backward_derives_its_weights_from_the_parameters(recipe, from_params):
+    # FP8 block recipes: a forward's node keeps the parameters, not its weight copies (wbuf), and
+    # the backward quantizes W^T (and reads Wr) from them: the bits of the module's previous pairs
+    m = make(recipe)
+    x, dy = data(T=1024)
+    want = pair(m, x, dy)
+    m.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    xr = x.clone().requires_grad_()
+    y = m(xr)
+    held = torch.cuda.memory_allocated() - base
+    wbuf, saved = m._runner.plan[0], m._runner.plan[1]
+    assert (held < wbuf + saved) == from_params, (held, wbuf, saved)
+    y.backward(dy)
+    got = [y.detach(), xr.grad] + [p.grad.clone() for p in (m.w1, m.w2, m.wr)]
+    for name, a, b in zip(("y", "dx", "dw1", "dw2", "dwr"), got, want):
+        assert torch.equal(a, b), name
+    if from_params:  # an in-place change between a forward and its backward is refused
+        m.zero_grad(set_to_none=True)
+        y = m(x.clone().requires_grad_())
+        with torch.no_grad():
+            m.w1.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward(dy)
