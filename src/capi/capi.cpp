@@ -132,6 +132,26 @@ MoeWeights expert_weights(const W* w1, const W* w2) {
   return w;
 }
 
+// Both backward entry points: the expert gradients FP32 (float) or BF16 (uint16_t bits).
+template <typename G>
+int backward(const char* what, flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, G* dw1, G* dw2, float* dwr,
+             float* dprobs, bool accumulate) {
+  return guarded(what, [&] {
+    MoeGrads g;
+    if constexpr (std::is_same_v<G, float>) {
+      g.dw1 = dw1;
+      g.dw2 = dw2;
+    } else {
+      g.dw1_bf16 = dw1;
+      g.dw2_bf16 = dw2;
+    }
+    g.dwr = dwr;
+    g.dprobs = dprobs;
+    g.accumulate = accumulate;
+    checked(layer, what)->layer->backward(dy, dx, g);
+  });
+}
+
 // Both set_weights entry points.
 template <typename W>
 int set_weights(const char* what, flowmoe_layer* layer, const W* w1, const W* w2, const float* wr,
@@ -158,6 +178,7 @@ std::string take_callback_error() {
 using flowmoe::capi::checked;
 using flowmoe::capi::guarded;
 using flowmoe::capi::set_weights;
+using flowmoe::capi::backward;
 using flowmoe::capi::expert_weights;
 
 extern "C" {
@@ -281,28 +302,12 @@ int flowmoe_layer_backward(flowmoe_layer* layer, const uint16_t* dy, uint16_t* d
 
 int flowmoe_layer_backward_ex(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
                               float* dw2, float* dwr, float* dprobs, int accumulate) {
-  return guarded("flowmoe_layer_backward", [&] {
-    flowmoe::MoeGrads g;
-    g.dw1 = dw1;
-    g.dw2 = dw2;
-    g.dwr = dwr;
-    g.dprobs = dprobs;
-    g.accumulate = accumulate != 0;
-    checked(layer, "flowmoe_layer_backward")->layer->backward(dy, dx, g);
-  });
+  return backward("flowmoe_layer_backward", layer, dy, dx, dw1, dw2, dwr, dprobs, accumulate != 0);
 }
 
 int flowmoe_layer_backward_bf16(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, uint16_t* dw1,
                                 uint16_t* dw2, float* dwr, float* dprobs) {
-  return guarded("flowmoe_layer_backward_bf16", [&] {
-    flowmoe::MoeGrads g;
-    g.dw1_bf16 = dw1;
-    g.dw2_bf16 = dw2;
-    g.dwr = dwr;
-    g.dprobs = dprobs;
-    g.accumulate = false;
-    checked(layer, "flowmoe_layer_backward_bf16")->layer->backward(dy, dx, g);
-  });
+  return backward("flowmoe_layer_backward_bf16", layer, dy, dx, dw1, dw2, dwr, dprobs, false);
 }
 
 int flowmoe_layer_takes_backward_weights(flowmoe_layer* layer, int* out) {
