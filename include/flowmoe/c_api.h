@@ -29,6 +29,7 @@ enum flowmoe_status_code {
   FLOWMOE_ERROR_NONFINITE = 2, // flowmoe::NonFiniteError (e.g. non-finite weights)
   FLOWMOE_ERROR_COMM = 3,      // flowmoe::CommError (timeout, peer failure, mismatch across ranks)
   FLOWMOE_ERROR_UNSUPPORTED = 4, // not built into this library (CUDA, NCCL)
+  FLOWMOE_ERROR_OUT_OF_MEMORY = 5, // flowmoe::OutOfMemoryError: a device allocation failed (version 5)
 };
 
 typedef struct flowmoe_layer flowmoe_layer;

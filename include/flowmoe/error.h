@@ -48,6 +48,13 @@ class NonFiniteError : public Error {
   using Error::Error;
 };
 
+// A device allocation failed (cudaErrorMemoryAllocation; the CUDA error state is cleared first, so
+// the caller's next launch does not see it). The message says "CUDA out of memory", as PyTorch's.
+class OutOfMemoryError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace flowmoe
 
 // FLOWMOE_CHECK(cond, "message " << value << ...): throws flowmoe::Error when cond is false.

@@ -4,13 +4,13 @@
 ``flowmoe.torch.MoE``) loads it on first use. See docs/PYTHON.md.
 """
 
-from ._errors import CommError, FlowmoeError, NonFiniteError
+from ._errors import CommError, FlowmoeError, NonFiniteError, OutOfMemoryError
 
 __version__ = "0.1.0"
 
 RECIPES = ("bf16", "blockwise", "fp8-naive", "flow", "flow-fp4")
 
-__all__ = ["FlowmoeError", "NonFiniteError", "CommError", "RECIPES", "__version__", "native_available"]
+__all__ = ["FlowmoeError", "NonFiniteError", "CommError", "OutOfMemoryError", "RECIPES", "__version__", "native_available"]
 
 
 def native_available() -> bool:

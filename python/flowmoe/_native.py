@@ -12,12 +12,12 @@ import os
 import threading
 from typing import Callable, Optional
 
-from ._errors import CommError, FlowmoeError, NonFiniteError
+from ._errors import CommError, FlowmoeError, NonFiniteError, OutOfMemoryError
 
 LIBRARY_NAME = "libflowmoe_capi.so"
 CAPI_VERSION = 5
 
-OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED = 0, 1, 2, 3, 4
+OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED, ERROR_OUT_OF_MEMORY = 0, 1, 2, 3, 4, 5
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -155,7 +155,7 @@ def lib() -> ctypes.CDLL:
         return _lib
 
 
-_ERRORS = {ERROR_NONFINITE: NonFiniteError, ERROR_COMM: CommError}
+_ERRORS = {ERROR_NONFINITE: NonFiniteError, ERROR_COMM: CommError, ERROR_OUT_OF_MEMORY: OutOfMemoryError}
 
 
 def check(rc: int) -> None:

@@ -89,6 +89,12 @@ class _ExpertsLayer:
 
     def run(self, xb: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
             w2: torch.Tensor) -> torch.Tensor:
+        from .torch import keep_layer_on_failure  # (flowmoe.torch imports this module at its end)
+
+        with keep_layer_on_failure(self):
+            return self._run(xb, ids, probs, w1, w2)
+
+    def _run(self, xb, ids, probs, w1, w2):
         tokens = int(xb.shape[0])
         if xb.is_cuda and torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
             self._check_call(xb, ids, probs)
@@ -110,10 +116,11 @@ def _check_inputs(who, x, top_k_index, top_k_weights, w1, w2):
         raise ValueError(f"{who}: w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)}; expected w1 [E, 2F, H] (gate rows "
                          "first, then up) and w2 [E, H, F]")
     E, H = int(w1.shape[0]), int(w1.shape[2])
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"{who}: x dtype {x.dtype}; expected torch.bfloat16 or torch.float32")
-    if x.dim() < 1 or x.shape[-1] != H or x.numel() == 0:
-        raise ValueError(f"{who}: x of shape {tuple(x.shape)}; expected [T, {H}] with T >= 1")
+    if x.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        raise TypeError(f"{who}: x dtype {x.dtype}; expected torch.bfloat16, torch.float32 or torch.float16 "
+                        "(computed in bfloat16)")
+    if x.dim() < 1 or x.shape[-1] != H:
+        raise ValueError(f"{who}: x of shape {tuple(x.shape)}; expected [T, {H}]")
     T = x.numel() // H
     if top_k_index.dim() != 2 or top_k_index.shape[0] != T or top_k_weights.shape != top_k_index.shape:
         raise ValueError(f"{who}: top_k_index {tuple(top_k_index.shape)}, top_k_weights "
@@ -184,6 +191,16 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
     layer = _layer_for(owner if owner is not None else w1, key,
                        lambda: _ExpertsLayer(H, F, E, k, recipe, align, max_tokens, bool(sync_free), check_finite,
                                              who))
+    return _call(layer, x, top_k_index, top_k_weights, w1, w2, H)
+
+
+def _call(layer: _ExpertsLayer, x, top_k_index, top_k_weights, w1, w2, H: int) -> torch.Tensor:
+    """The layer on x (any strides; bfloat16, float32 or float16, computed in bfloat16 and returned in
+    x's dtype); no tokens: the empty output and zero gradients, no layer call."""
+    from .torch import _NoTokens
+
+    if x.numel() == 0:
+        return _NoTokens.apply(x, top_k_weights, w1, w2)
     xb = x.reshape(-1, H)
     if xb.dtype != torch.bfloat16:
         xb = xb.to(torch.bfloat16)
@@ -225,11 +242,7 @@ class MoEExperts(nn.Module):
         E, H, F, k = _check_inputs(who, x, top_k_index, top_k_weights, self.w1, self.w2)
         if k != self.topk:
             raise ValueError(f"{who}: routing of {k} experts per token; expected topk = {self.topk}")
-        xb = x.reshape(-1, H)
-        xb = (xb if xb.dtype == torch.bfloat16 else xb.to(torch.bfloat16)).contiguous()
-        y = self._layer.run(xb, top_k_index.to(torch.int32).contiguous(),
-                            top_k_weights.to(torch.float32).contiguous(), self.w1, self.w2)
-        return y.reshape(x.shape).to(x.dtype)
+        return _call(self._layer, x, top_k_index, top_k_weights, self.w1, self.w2, H)
 
     def _apply(self, fn, *args, **kwargs):
         # the masters stay float32 under a dtype conversion (as MoE's): the layer needs FP32 masters

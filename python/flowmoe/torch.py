@@ -128,6 +128,37 @@ class _Runner:
             cur.wait_stream(self.stream)
 
 
+class _NoTokens(torch.autograd.Function):
+    """A call with no tokens (T = 0), as a native op treats it: the empty output, zero gradients
+    for the weights and routing weights, and no layer call."""
+
+    @staticmethod
+    def forward(ctx, x, *weights):
+        ctx.shapes = [(w.shape, w.dtype, w.device) for w in weights]
+        return x.new_empty(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (dy.new_empty(dy.shape), *[torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes])
+
+
+@contextlib.contextmanager
+def keep_layer_on_failure(owner):
+    """A call that fails (out of memory, bad input) leaves `owner` (a module or experts layer with
+    `_runner`) as it was: a layer built or grown for the failed call is dropped (its memory with it)
+    and the previous one, if any, stays, so a smaller call after an out-of-memory error runs as
+    before (PyTorch's and accelerate's batch-size finders retry smaller)."""
+    before = owner._runner
+    try:
+        yield
+    except BaseException:
+        if owner._runner is not before:
+            owner._runner = before
+            if hasattr(owner, "_wbuf"):
+                owner._wbuf, owner._wkey = None, None
+        raise
+
+
 class MoE(nn.Module):
     """A Mixture-of-Experts FFN (router, top-k, SwiGLU experts) computed by flowmoe.
 
@@ -365,23 +396,20 @@ class MoE(nn.Module):
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"flowmoe.torch.MoE: input of type {type(x).__name__}; expected a torch.Tensor")
-        if x.dtype not in (torch.bfloat16, torch.float32):
+        if x.dtype not in (torch.bfloat16, torch.float32, torch.float16):
             raise TypeError(f"flowmoe.torch.MoE: input dtype {x.dtype}; expected torch.bfloat16 "
-                            "(or torch.float32, converted to bfloat16)")
+                            "(or torch.float32 / torch.float16, computed in bfloat16)")
         if x.dim() not in (2, 3) or x.shape[-1] != self.hidden:
             raise ValueError(f"flowmoe.torch.MoE: input shape {tuple(x.shape)}; expected [T, {self.hidden}] "
                              f"or [B, S, {self.hidden}]")
-        if x.numel() == 0:
-            raise ValueError(f"flowmoe.torch.MoE: empty input {tuple(x.shape)}; expected at least one token")
+        if x.numel() == 0 and self.ep_group is not None:
+            raise ValueError(f"flowmoe.torch.MoE: empty input {tuple(x.shape)} with expert parallelism; "
+                             "expected at least one token per rank (the exchange is collective)")
         if x.device != self.w1.device:
             raise ValueError(f"flowmoe.torch.MoE: input on {x.device} but the parameters on "
                              f"{self.w1.device}; expected the same device")
         if x.device.type not in ("cpu", "cuda"):
             raise ValueError(f"flowmoe.torch.MoE: input on {x.device}; expected a CPU or CUDA tensor")
-        if not x.is_contiguous():
-            raise ValueError(f"flowmoe.torch.MoE: input of shape {tuple(x.shape)} with strides "
-                             f"{x.stride()} is not contiguous; expected a contiguous tensor "
-                             "(call .contiguous())")
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """y = MoE(x). ``is_first_microbatch``: None (default) refreshes the weight copies from the
@@ -394,9 +422,16 @@ class MoE(nn.Module):
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"flowmoe.torch.MoE: is_first_microbatch = {is_first_microbatch!r}; expected None, "
                             "True or False")
-        xb = x.reshape(-1, self.hidden)
+        if x.numel() == 0:  # (main_grad mode: nothing to add, and autograd gets no weight gradient)
+            return _NoTokens.apply(x, *(self._params() if self.grad_mode != "main_grad" else ()))
+        with keep_layer_on_failure(self):
+            return self._forward(x, is_first_microbatch)
+
+    def _forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool]) -> torch.Tensor:
+        xb = x.reshape(-1, self.hidden)  # (any strides: a copy where the view is not contiguous)
         if xb.dtype != torch.bfloat16:
             xb = xb.to(torch.bfloat16)
+        xb = xb.contiguous()
         tokens = int(xb.shape[0])
         compiling = torch.compiler.is_compiling()
         if not compiling and xb.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -52,6 +52,8 @@ int guarded(const char* what, Fn&& fn) {
     return fail(FLOWMOE_ERROR_NONFINITE, e.what());
   } catch (const CommError& e) {
     return fail(FLOWMOE_ERROR_COMM, e.what());
+  } catch (const OutOfMemoryError& e) {
+    return fail(FLOWMOE_ERROR_OUT_OF_MEMORY, e.what());
   } catch (const Error& e) {
     return fail(FLOWMOE_ERROR, e.what());
   } catch (const std::bad_alloc&) {

@@ -12,6 +12,11 @@
 #define FLOWMOE_CUDA_CHECK(expr)                                                           \
   do {                                                                                     \
     cudaError_t flowmoe_err_ = (expr);                                                     \
+    if (flowmoe_err_ == cudaErrorMemoryAllocation) {                                       \
+      (void)cudaGetLastError(); /* not left for the caller's next launch check */           \
+      throw ::flowmoe::OutOfMemoryError(__FILE__, __LINE__,                                \
+                                        std::string(#expr) + " failed: CUDA out of memory."); \
+    }                                                                                      \
     if (flowmoe_err_ != cudaSuccess)                                                       \
       throw ::flowmoe::Error(__FILE__, __LINE__, std::string(#expr) + " failed: " +        \
                                                      cudaGetErrorString(flowmoe_err_));    \

@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <sstream>
 
 #include "cuda/common.cuh"
 #include "cuda/moe/workspace.h"
@@ -33,6 +34,13 @@ void* DeviceArena::fixed(size_t bytes, bool pinned) {
     pinned_.push_back(p);
   } else {
     const cudaError_t err = cudaMalloc(&p, bytes);
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // (not left for the caller's next launch check)
+      std::ostringstream os;
+      os << "make_cuda_layer: CUDA out of memory. cudaMalloc of " << bytes << " bytes failed for "
+         << cfg_.describe() << ", max_tokens = " << cfg_.max_tokens << "; " << allocated_ << " bytes allocated before it";
+      throw OutOfMemoryError(__FILE__, __LINE__, os.str());
+    }
     FLOWMOE_CHECK(err == cudaSuccess, "make_cuda_layer: cudaMalloc of " << bytes << " bytes failed ("
                                           << cudaGetErrorString(err) << ") for " << cfg_.describe()
                                           << ", max_tokens = " << cfg_.max_tokens << "; " << allocated_

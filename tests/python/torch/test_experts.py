@@ -174,3 +174,28 @@ def test_torch_compile_gives_eager_bits():
     assert torch.equal(ye, yc)
     for a, b in zip(ge, gc):
         assert torch.equal(a, b)
+
+
+def test_native_op_edges_no_tokens_strides_float16():
+    x, logits, w1, w2, dy = problem(5)
+    ids, w = route(logits.detach())
+    w1d, w2d = w1.detach(), w2.detach()  # (the functional form's layer lives as long as its owner, w1)
+    want = ft.experts(x.detach(), ids, w, w1d, w2d, recipe="flow")
+    # no tokens: the empty output and zero gradients
+    x0, w0 = x.detach()[:0].requires_grad_(), w[:0].clone().requires_grad_()
+    y0 = ft.experts(x0, ids[:0], w0, w1, w2, recipe="flow")
+    assert y0.shape == (0, H)
+    y0.float().sum().backward()
+    assert w1.grad is not None and not bool(w1.grad.any()) and not bool(w2.grad.any())
+    assert x0.grad.shape == (0, H) and w0.grad.shape == (0, K)
+    # any strides: the bits of the contiguous input
+    xs = torch.stack([x.detach(), x.detach()], 1).reshape(-1, H)[::2]
+    assert not xs.is_contiguous()
+    assert torch.equal(ft.experts(xs, ids, w, w1d, w2d, recipe="flow"), want)
+    # float16 in, float16 out, computed in BF16
+    xh = x.detach().half().requires_grad_()
+    yh = ft.experts(xh, ids, w, w1d, w2d, recipe="flow")
+    assert yh.dtype == torch.float16
+    assert torch.equal(yh, ft.experts(xh.detach().bfloat16(), ids, w, w1d, w2d, recipe="flow").half())
+    yh.float().sum().backward()
+    assert xh.grad.dtype == torch.float16

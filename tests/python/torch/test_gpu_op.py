@@ -142,3 +142,27 @@ def test_backward_derives_its_weights_from_the_parameters(recipe, from_params):
             m.w1.mul_(2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.backward(dy)
+
+
+def test_out_of_memory_leaves_the_module_usable():
+    # a forward too large for the memory left fails with torch.OutOfMemoryError (what batch-size
+    # finders catch); the module keeps its previous layer and a small call gives the same bits
+    m = make("flow")
+    x, dy = data(T=512)
+    want = pair(m, x, dy)
+    layer = m._runner
+    big = torch.randn(1 << 21, H, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_allocated() + (1 << 30)) / total))
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            m(big)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert m._runner is layer
+    del big
+    torch.cuda.empty_cache()
+    got = pair(m, x, dy)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
