@@ -193,7 +193,8 @@ const char kDequantizeUsage[] =
     "Reads PREFIX.codes.npy and PREFIX.scales.npy (and PREFIX.segments.npy for col) as written by\n"
     "'flowmoe quantize' and writes the logical matrix [M, K] ([N, K] for weight; a col tensor\n"
     "comes back un-transposed) as float32, exact, or with --bf16 as uint16 bfloat16 bits\n"
-    "(round to nearest even). Tiles with a NaN scale decode to NaN. A set with an element whose\n"
+    "(round to nearest even). Tiles with a NaN scale and NaN codes decode to NaN, counted in a\n"
+    "'nonfinite: N' line. A set with an element whose\n"
     "code x scale is beyond float32 (which no quantizer writes) is an error unless --allow-nonfinite;\n"
     "then those elements decode to +-Inf and an 'overflow: N' line counts them.\n"
     "\n"
@@ -223,7 +224,10 @@ int run_dequantize(const Args& args) {
     set.add(out, kNpyF32, shape, y.data());
     set.commit();
   }
+  int64_t nonfinite = 0;  // NaN-marked tiles, NaN codes and (with --allow-nonfinite) the overflows
+  for (float v : y) nonfinite += !num::f32_is_finite(v);
   std::cout << "layout: " << q.describe() << "\n";
+  std::cout << "nonfinite: " << nonfinite << "\n";
   if (overflow > 0) std::cout << "overflow: " << overflow << "\n";
   return 0;
 }

@@ -4,10 +4,13 @@
 // NumPy writes there: quoted strings, True/False and tuples of integers.
 #include "npy.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cctype>
 #include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -221,21 +224,57 @@ std::string npy_dtype_name(const std::string& dtype) {
   return "'" + dtype + "'";
 }
 
-void check_regular_input(const std::string& path) {
-  // stat() never opens the file: a FIFO without a writer would block open() forever, and one with
-  // a writer would be read as a stream of unknown size. A missing path is left to the caller's open.
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0) return;
-  if (S_ISREG(st.st_mode)) return;
-  const char* what = S_ISDIR(st.st_mode)    ? "a directory"
-                     : S_ISFIFO(st.st_mode) ? "a FIFO (named pipe)"
-                     : S_ISSOCK(st.st_mode) ? "a socket"
-                     : S_ISCHR(st.st_mode)  ? "a character device"
-                     : S_ISBLK(st.st_mode)  ? "a block device"
-                                            : "not a regular file";
-  FLOWMOE_CHECK(false, path << ": is " << what << "; expected a regular .npy file (flowmoe reads inputs "
-                            << "whole, with their size known, so pipes and devices are refused)");
-}
+namespace {
+// An input opened as a regular file or refused: opened without blocking (a FIFO without a writer
+// would block open() forever, one with a writer would be read as a stream of unknown size), then
+// checked on the open descriptor (fstat), so the path cannot be swapped for a FIFO in between.
+class InputFile {
+ public:
+  explicit InputFile(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    FLOWMOE_CHECK(fd_ >= 0, path << ": cannot open for reading (" << std::strerror(errno)
+                                 << "; expected an existing .npy file)");
+    struct stat st;
+    const bool ok = fstat(fd_, &st) == 0;
+    if (!ok || !S_ISREG(st.st_mode)) {
+      const char* what = !ok                       ? "not a file flowmoe can inspect"
+                         : S_ISDIR(st.st_mode)    ? "a directory"
+                         : S_ISFIFO(st.st_mode)   ? "a FIFO (named pipe)"
+                         : S_ISSOCK(st.st_mode)   ? "a socket"
+                         : S_ISCHR(st.st_mode)    ? "a character device"
+                         : S_ISBLK(st.st_mode)    ? "a block device"
+                                                  : "not a regular file";
+      ::close(fd_);
+      FLOWMOE_CHECK(false, path << ": is " << what << "; expected a regular .npy file (flowmoe reads inputs "
+                                << "whole, with their size known, so pipes and devices are refused)");
+    }
+    size_ = static_cast<int64_t>(st.st_size);
+    fcntl(fd_, F_SETFL, fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
+  }
+  ~InputFile() { ::close(fd_); }
+  InputFile(const InputFile&) = delete;
+  InputFile& operator=(const InputFile&) = delete;
+  int64_t size() const { return size_; }
+  // Reads up to n bytes; returns how many were read (fewer only at the end of the file).
+  int64_t read(void* out, int64_t n) {
+    int64_t got = 0;
+    while (got < n) {
+      const ssize_t r = ::read(fd_, static_cast<char*>(out) + got, static_cast<size_t>(n - got));
+      if (r < 0 && errno == EINTR) continue;
+      FLOWMOE_CHECK(r >= 0, path_ << ": read error (" << std::strerror(errno) << ")");
+      if (r == 0) break;
+      got += r;
+    }
+    return got;
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  int64_t size_ = 0;
+};
+}  // namespace
+
 
 std::string npy_shape_str(const std::vector<int64_t>& shape) {
   std::string s = "[";
@@ -245,17 +284,12 @@ std::string npy_shape_str(const std::vector<int64_t>& shape) {
 
 NpyArray npy_load(const std::string& path) {
   FLOWMOE_CHECK(host_is_little_endian(), "npy_load: only little-endian hosts are supported");
-  check_regular_input(path);
-  std::ifstream f(path, std::ios::binary);
-  FLOWMOE_CHECK(f.is_open(), path << ": cannot open for reading (expected an existing .npy file)");
-  f.seekg(0, std::ios::end);
-  const int64_t file_size = static_cast<int64_t>(f.tellg());
-  f.seekg(0, std::ios::beg);
+  InputFile f(path);
+  const int64_t file_size = f.size();
 
   // Preamble: magic, version, header length.
   char pre[12] = {};
-  f.read(pre, 10);
-  FLOWMOE_CHECK(f.gcount() == 10 && std::memcmp(pre, kMagic, kMagicLen) == 0,
+  FLOWMOE_CHECK(f.read(pre, 10) == 10 && std::memcmp(pre, kMagic, kMagicLen) == 0,
                 path << ": not a .npy file (expected the magic string \\x93NUMPY at the start)");
   const int major = static_cast<uint8_t>(pre[6]), minor = static_cast<uint8_t>(pre[7]);
   FLOWMOE_CHECK((major == 1 || major == 2) && minor == 0,
@@ -266,8 +300,7 @@ NpyArray npy_load(const std::string& path) {
   if (major == 1) {
     header_len = static_cast<uint8_t>(pre[8]) | (static_cast<uint32_t>(static_cast<uint8_t>(pre[9])) << 8);
   } else {
-    f.read(pre + 10, 2);
-    FLOWMOE_CHECK(f.gcount() == 2, path << ": truncated .npy preamble (expected 12 bytes for version 2.0)");
+    FLOWMOE_CHECK(f.read(pre + 10, 2) == 2, path << ": truncated .npy preamble (expected 12 bytes for version 2.0)");
     for (int i = 0; i < 4; ++i) header_len |= static_cast<uint32_t>(static_cast<uint8_t>(pre[8 + i])) << (8 * i);
     preamble = 12;
   }
@@ -275,8 +308,7 @@ NpyArray npy_load(const std::string& path) {
                 path << ": truncated .npy header (header length " << header_len << " but the file has "
                      << file_size << " bytes)");
   std::string header(header_len, '\0');
-  f.read(&header[0], header_len);
-  FLOWMOE_CHECK(static_cast<uint32_t>(f.gcount()) == header_len, path << ": truncated .npy header");
+  FLOWMOE_CHECK(f.read(&header[0], header_len) == int64_t(header_len), path << ": truncated .npy header");
   while (!header.empty() && (header.back() == '\n' || header.back() == ' ')) header.pop_back();
 
   const Header h = HeaderParser(header, path).parse();
@@ -302,8 +334,8 @@ NpyArray npy_load(const std::string& path) {
                                    << npy_shape_str(a.shape) << " (" << want << " bytes expected)");
   a.data.resize(static_cast<size_t>(want));
   if (want > 0) {
-    f.read(reinterpret_cast<char*>(a.data.data()), want);
-    FLOWMOE_CHECK(f.gcount() == want, path << ": read error: got " << f.gcount() << " of " << want << " data bytes");
+    const int64_t got = f.read(a.data.data(), want);
+    FLOWMOE_CHECK(got == want, path << ": read error: got " << got << " of " << want << " data bytes");
   }
   return a;
 }

@@ -36,9 +36,9 @@ std::string npy_dtype_name(const std::string& dtype);
 // "[3, 4]"
 std::string npy_shape_str(const std::vector<int64_t>& shape);
 
-// Throws flowmoe::Error naming what `path` is when it exists and is not a regular file (a FIFO,
-// socket, device or directory), without opening it. npy_load calls it first.
-void check_regular_input(const std::string& path);
+// Reads a whole .npy file. Anything but a regular file (a FIFO, socket, device or directory) is
+// refused with what it is, checked on the opened descriptor (opened without blocking), so neither
+// a FIFO without a writer nor a path swapped for one after a check can hang the call.
 NpyArray npy_load(const std::string& path);
 // `data` holds prod(shape) elements of `dtype`, C order.
 void npy_save(const std::string& path, const std::string& dtype, const std::vector<int64_t>& shape,

@@ -1,8 +1,13 @@
 // All-or-nothing output of a set of .npy files (see output_set.h).
 #include "output_set.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <memory>
 
 #include <cerrno>
 #include <cstdio>
@@ -42,15 +47,44 @@ std::string temp_name(const std::string& path, const char* kind) {
          std::to_string(counter++) + kind;
 }
 
-bool exists_no_follow(const std::string& path) {
+// lstat's file type of `path`: 0 when nothing is there.
+mode_t type_no_follow(const std::string& path) {
   struct stat st;
-  return lstat(path.c_str(), &st) == 0;
+  return lstat(path.c_str(), &st) == 0 ? (st.st_mode & S_IFMT) : 0;
 }
+
+// An exclusive advisory lock on a directory (flock on its descriptor), held while a set is put in
+// place: two flowmoe processes committing sets into one directory take turns, so neither sees, moves
+// or removes the other's half-installed files. Nothing is created in the directory.
+class DirLock {
+ public:
+  explicit DirLock(const std::string& dir) {
+    fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    FLOWMOE_CHECK(fd_ >= 0, dir << ": cannot open the output directory to lock it (" << std::strerror(errno)
+                                << "); nothing was written");
+    while (flock(fd_, LOCK_EX) != 0) {
+      if (errno == EINTR) continue;
+      const std::string why = std::strerror(errno);
+      ::close(fd_);
+      FLOWMOE_CHECK(false, dir << ": cannot lock the output directory (" << why << "); nothing was written");
+    }
+  }
+  ~DirLock() {
+    if (fd_ >= 0) ::close(fd_);  // (releases the lock)
+  }
+  DirLock(const DirLock&) = delete;
+  DirLock& operator=(const DirLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
 
 }  // namespace
 
 OutputSet::~OutputSet() {
-  if (!committed_) rollback();
+  if (committed_) return;
+  const std::string undo = rollback();
+  if (!undo.empty()) std::cerr << "flowmoe: " << undo << "\n";
 }
 
 void OutputSet::add(const std::string& path, const char* dtype, const std::vector<int64_t>& shape,
@@ -87,40 +121,65 @@ void OutputSet::add(const std::string& path, const char* dtype, const std::vecto
 
 void OutputSet::commit() {
   FLOWMOE_CHECK(!committed_, "internal: OutputSet committed twice");
-  // On a failed rename, rollback() clears items_: the message takes a copy of the path first.
+  std::vector<std::string> dirs;  // each output directory locked once, in a fixed order
+  for (const Item& it : items_) dirs.push_back(dir_of(it.path));
+  std::sort(dirs.begin(), dirs.end());
+  dirs.erase(std::unique(dirs.begin(), dirs.end()), dirs.end());
+  std::vector<std::unique_ptr<DirLock>> locks;
+  for (const std::string& d : dirs) locks.push_back(std::make_unique<DirLock>(d));
+  // On a failure, fail() rolls back (which clears items_) and says whether that worked.
+  const auto fail = [this](std::string path, const std::string& what) {  // (path copied: rollback clears items_)
+    const std::string undo = rollback();
+    throw Error(__FILE__, __LINE__,
+                path + ": " + what + (undo.empty() ? "; nothing was written" : "; " + undo));
+  };
   for (Item& it : items_) {
-    if (exists_no_follow(it.path)) {
+    const mode_t there = type_no_follow(it.path);
+    if (there != 0 && there != S_IFREG && there != S_IFLNK)  // (a directory appeared since add())
+      fail(it.path, "cannot replace it: it exists and is not a regular file");
+    if (there != 0) {
       it.backup = temp_name(it.path, ".old");
-      if (std::rename(it.path.c_str(), it.backup.c_str()) != 0) {
-        const std::string why = std::strerror(errno), path = it.path;
-        rollback();
-        throw Error(__FILE__, __LINE__, path + ": cannot replace it (" + why + "); nothing was written");
-      }
+      if (std::rename(it.path.c_str(), it.backup.c_str()) != 0)
+        fail(it.path, std::string("cannot replace it (") + std::strerror(errno) + ")");
       it.backed_up = true;
+      const mode_t moved = type_no_follow(it.backup);
+      if (moved != S_IFREG && moved != S_IFLNK)  // (it became one between the check and the move)
+        fail(it.path, "cannot replace it: it exists and is not a regular file");
     }
-    if (std::rename(it.tmp.c_str(), it.path.c_str()) != 0) {
-      const std::string why = std::strerror(errno), path = it.path;
-      rollback();
-      throw Error(__FILE__, __LINE__, path + ": cannot create it (" + why + "); nothing was written");
-    }
+    if (std::rename(it.tmp.c_str(), it.path.c_str()) != 0)
+      fail(it.path, std::string("cannot create it (") + std::strerror(errno) + ")");
     it.installed = true;
   }
   committed_ = true;
+  std::string left;
   for (Item& it : items_) {
-    if (it.backed_up) std::remove(it.backup.c_str());
+    if (it.backed_up && std::remove(it.backup.c_str()) != 0) left += " " + it.backup;
     std::cout << "wrote " << it.line << "\n";
   }
+  if (!left.empty())  // the new set is complete; only the old files could not be removed
+    std::cerr << "flowmoe: warning: the replaced files could not be removed:" << left << "\n";
 }
 
-void OutputSet::rollback() {
+std::string OutputSet::rollback() {
   // Undo in reverse order: remove what was installed, put the old files back, drop temporaries.
+  // Every step that fails is reported: the set on disk is then not the old one.
+  std::string failed;
+  const auto step = [&failed](bool ok, const std::string& what) {
+    if (!ok) failed += (failed.empty() ? "" : "; ") + what + " (" + std::strerror(errno) + ")";
+  };
   for (auto i = items_.rbegin(); i != items_.rend(); ++i) {
-    if (i->installed) std::remove(i->path.c_str());
-    else std::remove(i->tmp.c_str());
-    if (i->backed_up) std::rename(i->backup.c_str(), i->path.c_str());
+    if (i->installed)
+      step(std::remove(i->path.c_str()) == 0, "could not remove the new " + i->path);
+    else if (type_no_follow(i->tmp) != 0)
+      step(std::remove(i->tmp.c_str()) == 0, "could not remove the temporary " + i->tmp);
+    if (i->backed_up)
+      step(std::rename(i->backup.c_str(), i->path.c_str()) == 0,
+           "could not put " + i->path + " back (the old file is left as " + i->backup + ")");
     i->installed = i->backed_up = false;
   }
   items_.clear();
+  return failed.empty() ? failed
+                        : "the rollback failed too, so the files of this set on disk are not the old ones: " + failed;
 }
 
 }  // namespace cli

@@ -4,7 +4,11 @@
 // (".flowmoe-<pid>-<n>.tmp"); commit() then moves existing files of those names aside, renames
 // the temporaries into place and removes the old files. If anything fails (a file that cannot be
 // written, a name too long, a full disk, a rename) every temporary is removed and every moved
-// file is put back, so the set on disk is either the complete new one or untouched. Inputs are
+// file is put back, so the set on disk is either the complete new one or untouched; a rollback step
+// that fails (e.g. the directory turned read-only) is reported in the error, never hidden. commit()
+// holds an advisory lock (flock) on each output directory, so two flowmoe processes writing the same
+// prefix take turns and each set lands whole; an output name that is, or becomes, a directory is
+// refused and left in place. Inputs are
 // read completely before an OutputSet is filled, so an output prefix equal to an input prefix
 // replaces the input set atomically.
 #pragma once
@@ -37,7 +41,8 @@ class OutputSet {
     std::string path, tmp, backup, line;
     bool installed = false, backed_up = false;
   };
-  void rollback();
+  // Undoes what commit() did and drops the temporaries: "" when every step worked, else what failed.
+  std::string rollback();
   std::vector<Item> items_;
   bool committed_ = false;
 };

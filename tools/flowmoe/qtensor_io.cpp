@@ -119,6 +119,10 @@ bool file_exists(const std::string& path) {
 }
 
 void save_qtensor(const QTensor& q, const std::string& prefix, OutputSet* out) {
+  const size_t slash = prefix.rfind('/');
+  FLOWMOE_CHECK(!prefix.empty() && slash != prefix.size() - 1,
+                "output prefix '" << prefix << "' names no file (it would write hidden files such as '"
+                                  << prefix << ".codes.npy'); expected a prefix such as out/name");
   const std::vector<int64_t> cs = code_shape(q.layout, q.rows, q.cols);
   const std::vector<int64_t> ss = scale_shape(q.layout, q.rows, q.cols, q.segments);
   // Sanity: the library produced exactly the layout documented in docs/NPY_FILES.md.
