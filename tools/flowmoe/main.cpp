@@ -1,7 +1,9 @@
 // `flowmoe` command-line tool: dispatches to the subcommands in cmd_*.cpp.
 //
 // Exit status: 0 success, 1 flowmoe::Error (bad data, non-finite input, I/O), 2 usage error.
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <iostream>
 #include <new>
@@ -53,7 +55,8 @@ void print_top_usage(std::ostream& os, const std::vector<Command>& cmds) {
         "Run 'flowmoe <command> --help' for the options of one command, 'flowmoe --version' for\n"
         "the version and the backends built in.\n"
         "File layouts are described in docs/NPY_FILES.md.\n"
-        "Exit status: 0 ok, 1 error (bad data, non-finite input, I/O), 2 usage error.\n";
+        "Exit status: 0 ok, 1 error (bad data, non-finite input, I/O), 2 usage error. Errors are one\n"
+        "line (what was wrong, what is expected); --debug after the command adds where it was raised.\n";
 }
 
 }  // namespace
@@ -83,8 +86,21 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  // --debug (anywhere after the command): errors with the source location they were raised at
+  std::vector<char*> kept(argv, argv + argc);
+  const auto dbg =
+      std::find_if(kept.begin() + 2, kept.end(), [](const char* a) { return std::strcmp(a, "--debug") == 0; });
+  const bool debug = dbg != kept.end();
+  if (debug) kept.erase(dbg);
+  // A usage error shows the command's usage lines (up to the first blank line), not its whole help.
+  const auto short_usage = [&] {
+    const std::string& u = cmd->usage;
+    const size_t blank = u.find("\n\n");
+    return (blank == std::string::npos ? u : u.substr(0, blank + 1)) + "(flowmoe " + cmd->name +
+           " --help: the options)\n";
+  };
   try {
-    const flowmoe::cli::Args args(argc, argv, 2, cmd->options);
+    const flowmoe::cli::Args args(static_cast<int>(kept.size()), kept.data(), 2, cmd->options);
     if (args.help()) {
       std::cout << cmd->usage;
       return 0;
@@ -93,11 +109,11 @@ int main(int argc, char** argv) {
     std::cout.flush();
     return rc;
   } catch (const flowmoe::cli::UsageError& e) {
-    std::cerr << "flowmoe " << cmd->name << ": error: " << e.what() << "\n\n" << cmd->usage;
+    std::cerr << "flowmoe " << cmd->name << ": error: " << e.what() << "\n" << short_usage();
     return 2;
   } catch (const flowmoe::Error& e) {
     std::cout.flush();
-    std::cerr << "flowmoe " << cmd->name << ": error: " << e.what() << "\n";
+    std::cerr << "flowmoe " << cmd->name << ": error: " << (debug ? e.what() : e.message()) << "\n";
     return 1;
   } catch (const std::bad_alloc&) {
     std::cerr << "flowmoe " << cmd->name << ": error: out of memory\n";

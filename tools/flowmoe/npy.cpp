@@ -317,7 +317,11 @@ NpyArray npy_load(const std::string& path) {
                 path << ": big-endian dtype '" << printable(h.descr) << "' is not supported (expected little-endian)");
   FLOWMOE_CHECK(normalise_descr(h.descr, &a.dtype),
                 path << ": unsupported dtype '" << printable(h.descr)
-                     << "' (expected '<f4' float32, '<u2' uint16/bfloat16 bits, '|u1' uint8 or '<i4' int32)");
+                     << "' (expected '<f4' float32, '<u2' uint16/bfloat16 bits, '|u1' uint8 or '<i4' int32"
+                     << (h.descr == "<f8" || h.descr == "<f2"
+                             ? "; convert it first, e.g. np.save(path, np.load(path).astype(np.float32))"
+                             : "")
+                     << ")");
   FLOWMOE_CHECK(!h.fortran_order, path << ": fortran_order is True; only C-order arrays are supported "
                                           "(save with np.ascontiguousarray)");
   a.shape = h.shape;

@@ -406,3 +406,13 @@ def test_a_failed_larger_call_leaves_the_module_as_before():
     got = run_module(m, x, dy)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_the_readme_snippet_runs_as_written():
+    # the README's PyTorch snippet, unchanged: on a machine without a GPU it picks the CPU backend
+    import os
+    import re
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "..", "README.md")).read()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "from flowmoe.torch import MoE" in b]
+    assert blocks, "README.md has no PyTorch snippet"
+    exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme"})
