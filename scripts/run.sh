@@ -19,6 +19,14 @@
 # scripts/test.sh (the tests, CI) builds everything else into the same folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then  # this header; the trainer's own options after it
+  sed -n '2,/^set -euo/p' "$0" | sed '$d' | cut -c3-
+  echo
+  echo "Trainer options (python -m flowmoe.train --help, once phase 5 has installed the package):"
+  echo "  --tiny | --small (the preset), --recipe bf16|blockwise|fp8-naive|flow|flow-fp4, --steps N,"
+  echo "  --device cuda|cpu, --data PATH, --seed N, the model sizes (--layers, --hidden, ...) and more"
+  exit 0
+fi
 ROOT=$PWD
 BUILD=${FLOWMOE_BUILD_DIR:-build}
 LOG=$BUILD/run-build.log
