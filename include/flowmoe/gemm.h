@@ -130,8 +130,9 @@ void check_bf16(Pass p, const Segments& seg, int64_t n, int64_t k, Span<const bf
 // graph can capture the call). The token operands have `capacity` rows (a bound on offsets[E],
 // e.g. the routing's worst case); rows past offsets[E] are neither read into the result nor written.
 struct DeviceSegments {
-  const int32_t* offsets = nullptr;      // [num_segments + 1] on the device, offsets[0] = 0 (fprop,
-                                         // dgrad: >= 0, the rows before it untouched: a range of experts)
+  const int32_t* offsets = nullptr;      // [num_segments + 1] on the device, offsets[0] = 0 (plain
+                                         // fprop / dgrad: >= 0, the rows before it untouched: a range
+                                         // of experts; not the fused SwiGLU / dSwiGLU epilogues, wgrad)
   int num_segments = 0;                  // 1 .. 1024
   int64_t capacity = 0;                  // rows of the token operands
   cuda::DeviceStatus* status = nullptr;  // malformed offsets counted in bad_segments (may be null)

@@ -115,6 +115,16 @@ def _bytes(n: int, device) -> torch.Tensor:
     return torch.empty(int(n), dtype=torch.uint8, device=device)
 
 
+def layer_weights(w1: torch.Tensor, w2: torch.Tensor):
+    """w1, w2 as the layer takes them: contiguous FP32 masters, or BF16 parameters as they are (the
+    layer's BF16 copies are then their values: no FP32 copy, the bits of FP32 masters holding them).
+    Other dtypes (float16, float64, mixed) and strides are converted to contiguous FP32, a copy that
+    lives as long as the call that needs it."""
+    if w1.dtype == w2.dtype and w1.dtype in (torch.float32, torch.bfloat16):
+        return w1.contiguous(), w2.contiguous()  # (no copy for contiguous parameters)
+    return w1.to(torch.float32).contiguous(), w2.to(torch.float32).contiguous()
+
+
 # ---- derive_weights ---------------------------------------------------------------------------------
 @torch.library.custom_op("flowmoe::derive_weights", mutates_args=())
 def derive_weights(w1: torch.Tensor, w2: torch.Tensor, wr: Optional[torch.Tensor], router_bias: Optional[torch.Tensor],
@@ -358,7 +368,7 @@ def experts_backward(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torc
                      module_id: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m = _module(module_id)
     grads = _experts_grad_buffers(module_id, dy.device, needs, bf16_grads)
-    params = (w1.detach(), w2.detach()) if w1 is not None else None
+    params = layer_weights(w1.detach(), w2.detach()) if w1 is not None else None
     dx, dprobs = _run_experts_backward(dy, wbuf, saved, step, params, grads[0] if needs[0] else None,
                                        grads[1] if needs[1] else None, m.topk)
     return dx, grads[0], grads[1], dprobs
@@ -376,20 +386,23 @@ def _experts_setup_context(ctx, inputs, output):
     x, ids, probs, w1, w2, wbuf, module_id, keep_step = inputs
     y, saved, step = output
     from_params = _from_params(module_id)
+    # (w1, w2: the parameters as the caller holds them, any dtype and strides; the backward converts
+    # them as the forward did, for as long as it runs)
     _save_step(ctx, module_id, None if from_params else wbuf, saved, step, (w1, w2) if from_params else ())
-    ctx.weight_dtype = w1.dtype
+    ctx.weight_dtypes = (w1.dtype, w2.dtype)
 
 
 def _experts_backward(ctx, dy, _dsaved, _dstep):
     wbuf, saved, step, *params = ctx.saved_tensors
     w1, w2 = params if params else (None, None)
     needs = [bool(ctx.needs_input_grad[3]), bool(ctx.needs_input_grad[4])]
-    # BF16 parameters get BF16 gradients straight from the wgrad (no FP32 copy, no rounding pass)
-    dt = ctx.weight_dtype
-    dx, dw1, dw2, dprobs = experts_backward(dy, wbuf, saved, step, w1, w2, needs, dt == torch.bfloat16,
-                                            ctx.module_id)
+    # BF16 parameters get BF16 gradients straight from the wgrad (no FP32 copy, no rounding pass);
+    # others FP32 ones, converted to their parameter's dtype here
+    d1, d2 = ctx.weight_dtypes
+    bf16 = d1 == d2 == torch.bfloat16
+    dx, dw1, dw2, dprobs = experts_backward(dy, wbuf, saved, step, w1, w2, needs, bf16, ctx.module_id)
     return (dx if ctx.needs_input_grad[0] else None, None, dprobs if ctx.needs_input_grad[2] else None,
-            dw1.to(dt) if needs[0] else None, dw2.to(dt) if needs[1] else None, None, None, None)
+            dw1.to(d1) if needs[0] else None, dw2.to(d2) if needs[1] else None, None, None, None)
 
 
 experts_forward.register_autograd(_experts_backward, setup_context=_experts_setup_context)

@@ -98,8 +98,11 @@ class _ExpertsLayer:
         tokens = int(xb.shape[0])
         if xb.is_cuda and torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
             self._check_call(xb, ids, probs)
-        # the weight copies, re-derived from the parameters at every forward (MoE's default rule)
-        wbuf = _ops.derive_weights(w1.detach(), w2.detach(), None, None, self._op_id, tokens)
+        # the weight copies, re-derived from the parameters at every forward (MoE's default rule);
+        # the operator gets the parameters themselves (what its node may keep: no converted copy)
+        w1c, w2c = _ops.layer_weights(w1.detach(), w2.detach())
+        wbuf = _ops.derive_weights(w1c, w2c, None, None, self._op_id, tokens)
+        del w1c, w2c
         keep = torch.is_grad_enabled() and (xb.requires_grad or probs.requires_grad or w1.requires_grad
                                             or w2.requires_grad)
         y, _saved, _step = _ops.experts_forward(xb, ids, probs, w1, w2, wbuf, self._op_id, keep)
@@ -138,15 +141,6 @@ def _check_inputs(who, x, top_k_index, top_k_weights, w1, w2):
         if not w.dtype.is_floating_point:
             raise TypeError(f"{who}: {name} dtype {w.dtype}; expected a floating dtype (float32 masters)")
     return E, H, int(w2.shape[2]), int(top_k_index.shape[1])
-
-
-def _expert_weights(w1: torch.Tensor, w2: torch.Tensor):
-    """w1, w2 as the layer takes them: contiguous FP32 masters, or BF16 parameters as they are (the
-    layer's BF16 copies are then their values: no FP32 copy, the bits of FP32 masters holding them).
-    Other dtypes (float16, float64, mixed) are converted to FP32 at every forward."""
-    if w1.dtype == w2.dtype and w1.dtype in (torch.float32, torch.bfloat16):
-        return w1.contiguous(), w2.contiguous()  # (no copy for contiguous parameters)
-    return w1.to(torch.float32).contiguous(), w2.to(torch.float32).contiguous()
 
 
 # Layers of the functional form, per owner (an object the caller passes, e.g. an HF experts module)
@@ -207,7 +201,7 @@ def _call(layer: _ExpertsLayer, x, top_k_index, top_k_weights, w1, w2, H: int) -
     xb = xb.contiguous()
     ids = top_k_index.to(torch.int32).contiguous()
     probs = top_k_weights.to(torch.float32).contiguous()
-    y = layer.run(xb, ids, probs, *_expert_weights(w1, w2))
+    y = layer.run(xb, ids, probs, w1, w2)
     return y.reshape(x.shape).to(x.dtype)
 
 

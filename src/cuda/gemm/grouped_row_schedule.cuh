@@ -14,17 +14,19 @@ namespace cuda {
 namespace sm90 {
 
 #ifdef FLOWMOE_SM90A
-// Run by one whole warp after s_off[0 .. E] holds the offsets: validates them (0 <= o[0] <= ... <=
+// Run by one whole warp after s_off[0 .. E] holds the offsets: validates them (0 = o[0], or 0 <= o[0]
+// with allow_base, <= ... <=
 // o[E] <= m) and writes s_start[e], the first tile of expert e, and *s_total, the tile count (0
 // when the offsets are malformed: nothing is computed or written, and block 0 counts it once in
 // *bad, which may be null). Lane l takes experts [l c, l c + c).
 __device__ __forceinline__ void build_row_tile_schedule(const int* s_off, int E, int m, int n_tiles, int* s_start,
-                                                        int* s_total, unsigned long long* bad) {
+                                                        int* s_total, unsigned long long* bad, bool allow_base) {
   constexpr int kTile = 128;
   const int lane = threadIdx.x % 32, c = (E + 31) / 32, e0 = min(E, lane * c), e1 = min(E, e0 + c);
-  // (o[0] > 0: a range of a larger launch's experts, e.g. a group of the caller-memory layer's
-  // dgrads; the rows before o[0] are neither read nor written)
-  bool wrong = lane == 0 && (s_off[0] < 0 || s_off[E] > m);
+  // allow_base: o[0] > 0 is a range of a larger launch's experts (a group of the caller-memory
+  // layer's dgrads; the rows before o[0] are neither read nor written). Only the plain row kernels
+  // take it: the fused epilogues number their column-scale blocks from o[0] = 0.
+  bool wrong = lane == 0 && ((allow_base ? s_off[0] < 0 : s_off[0] != 0) || s_off[E] > m);
   int sum = 0;
   for (int e = e0; e < e1; ++e) {
     const int me = s_off[e + 1] - s_off[e];

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane == 0) *s_total = any_wrong ? 0 : E * per_expert;
       if (lane == 0 && any_wrong && blockIdx.x == 0 && p.bad_segments) atomicAdd(p.bad_segments, 1ull);
     } else {
-      build_row_tile_schedule(s_off, E, p.m, p.n / kBN, s_start, s_total, p.bad_segments);
+      build_row_tile_schedule(s_off, E, p.m, p.n / kBN, s_start, s_total, p.bad_segments, /*allow_base=*/true);
     }
   }
   __syncthreads();

@@ -125,7 +125,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_mbarrier_init();
   }
   __syncthreads();
-  if (threadIdx.x < 32) build_row_tile_schedule(s_off, E, p.m, n_tiles, s_start, s_total, p.bad_segments);
+  if (threadIdx.x < 32)
+    build_row_tile_schedule(s_off, E, p.m, n_tiles, s_start, s_total, p.bad_segments, /*allow_base=*/kEpi == Epi::kBf16);
   __syncthreads();
   const int total = *s_total;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;

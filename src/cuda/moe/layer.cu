@@ -339,6 +339,7 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
 // ---- forward -------------------------------------------------------------------------------------
 void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   const char* what = "MoeLayer::forward";
+  backward_weights_ = MoeWeights();  // (set_backward_weights holds for the backward that follows it)
   collective_checks(comm_, what, [&] {
     FLOWMOE_CHECK(have_weights_, what << ": no weights; call set_weights first");
     FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
@@ -375,12 +376,14 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
 // ---- backward ------------------------------------------------------------------------------------
 void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   const char* what = "MoeLayer::backward";
+  const MoeWeights params = backward_weights_;  // for this backward only, also when a check below throws
+  backward_weights_ = MoeWeights();
   collective_checks(comm_, what, [&] {
     FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
                                          "consumes the activations of the latest forward)");
     FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null device pointers to [T, H] bf16");
     check_grads(g);
-    check_bound(what, /*saved=*/true, /*weights=*/!backward_weights_.w1 && !backward_weights_.w1_bf16);
+    check_bound(what, /*saved=*/true, /*weights=*/!params.w1 && !params.w1_bf16);
   });
   rep_.drop_ops(MoePass::kBackward);
   pending_ops_.erase(std::remove_if(pending_ops_.begin(), pending_ops_.end(),
@@ -397,8 +400,7 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status + kStatusBwd, 0, 2 * sizeof(DeviceStatus), stream_));
   grads_accumulate_ = g.accumulate;
   dx_ready_marked_ = false;  // (a backward that threw may have left it set)
-  backward_params_ = backward_weights_;  // (for this backward only, also when it throws)
-  backward_weights_ = MoeWeights();
+  backward_params_ = params;
   switch (path_.pipeline) {
     case Pipeline::kBf16Gemms: streams_.with_side_drained([&] { backward_bf16(dy, g); }); break;
     case Pipeline::kBlockwise: streams_.with_side_drained([&] { backward_blockwise(dy, g); }); break;
