@@ -58,16 +58,20 @@ mode_t type_no_follow(const std::string& path) {
 // or removes the other's half-installed files. Nothing is created in the directory.
 class DirLock {
  public:
+  // Where no lock can be had (a writable but unreadable directory, a file system without flock)
+  // the set is still committed, without one, and a warning says so.
   explicit DirLock(const std::string& dir) {
     fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    FLOWMOE_CHECK(fd_ >= 0, dir << ": cannot open the output directory to lock it (" << std::strerror(errno)
-                                << "); nothing was written");
-    while (flock(fd_, LOCK_EX) != 0) {
+    int err = fd_ < 0 ? errno : 0;
+    while (fd_ >= 0 && flock(fd_, LOCK_EX) != 0) {
       if (errno == EINTR) continue;
-      const std::string why = std::strerror(errno);
+      err = errno;
       ::close(fd_);
-      FLOWMOE_CHECK(false, dir << ": cannot lock the output directory (" << why << "); nothing was written");
+      fd_ = -1;
     }
+    if (fd_ < 0)
+      std::cerr << "flowmoe: warning: " << dir << ": the output directory cannot be locked (" << std::strerror(err)
+                << "); a concurrent writer of the same names could mix the two sets\n";
   }
   ~DirLock() {
     if (fd_ >= 0) ::close(fd_);  // (releases the lock)
