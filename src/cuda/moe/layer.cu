@@ -198,12 +198,13 @@ QTensorView CudaMoeLayer::make_dgrad_weights(int g, int e0, int n) {
     auto s = bwd(g == 1 ? "quantize W1^T from the parameters (dgrad weights)"
                         : "quantize W2^T from the parameters (dgrad weights)");
     // (their non-finite values were counted when the forward's W was quantized: no status here)
+    const auto transposed_only = [&](const auto* w) {  // BF16 parameters or FP32 masters
+      quantize_weights(w + off, n, rows, cols, nullptr, nullptr, wt.codes, wb.wt_ue8m0, nullptr, stream_);
+    };
     if (p.bf16_params())
-      quantize_weights((g == 1 ? p.w1_bf16 : p.w2_bf16) + off, n, rows, cols, nullptr, nullptr, wt.codes,
-                       wb.wt_ue8m0, nullptr, stream_);
+      transposed_only(g == 1 ? p.w1_bf16 : p.w2_bf16);
     else
-      quantize_weights((g == 1 ? p.w1 : p.w2) + off, n, rows, cols, nullptr, nullptr, wt.codes, wb.wt_ue8m0, nullptr,
-                       stream_);
+      transposed_only(g == 1 ? p.w1 : p.w2);
     weight_scales_to_f32(wb.wt_ue8m0, n, cols, rows, wt.f32(), stream_);
     return wt;
   }
@@ -251,9 +252,9 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   uint8_t* const w1t_codes = keep_t ? wb.w1t.codes : nullptr;
   uint8_t* const w2t_codes = keep_t ? wb.w2t.codes : nullptr;
   float* const w1t_f32 = keep_t ? wb.w1t.f32() : nullptr;
+  float* const w2t_f32 = keep_t ? wb.w2t.f32() : nullptr;
   uint8_t* const w1t_ue8m0 = keep_t ? wb.w1t_ue8m0 : nullptr;
   uint8_t* const w2t_ue8m0 = keep_t ? wb.w2t_ue8m0 : nullptr;
-  float* const w2t_f32 = keep_t ? wb.w2t.f32() : nullptr;
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(wstatus, 0, sizeof(DeviceStatus), stream_));
   if (spec.weights == WeightCopy::kFp8Block) {
     // every expert in one launch per weight, FP32 masters rounded to BF16 on the way (no BF16 copy)

@@ -222,7 +222,8 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
   // scratch of its forward alone (its backward reads the saved quantized h; the unfused dSwiGLU
   // writes dh in FP8), so the groups and then da' (its BF16 a buffer serves only as da') live
   // there when they fit.
-  uint8_t* h_free = path.pipeline == Pipeline::kFlow && !fused_dswiglu && x.h ? reinterpret_cast<uint8_t*>(x.h) : nullptr;
+  uint8_t* h_free =
+      path.pipeline == Pipeline::kFlow && !fused_dswiglu && x.h ? reinterpret_cast<uint8_t*>(x.h) : nullptr;
   int64_t h_left = h_free ? int64_t(sizeof(bf16_t)) * R * 2 * F : 0;
   const auto take_h = [&](int64_t bytes) -> uint8_t* {
     bytes = (bytes + 255) / 256 * 256;
@@ -236,11 +237,13 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
     const int64_t codes = std::max(c1 * 2 * F * H, c2 * H * F);
     const int64_t scales = std::max(gemm::weight_scale_f32_elems(c1, H, 2 * F), gemm::weight_scale_f32_elems(c2, F, H));
     const int64_t ue8m0 = pow2 ? std::max(c1 * (2 * F / 128) * (H / 128), c2 * (H / 128) * (F / 128)) : 0;
-    uint8_t* slot = take_h((codes + 255) / 256 * 256 + (4 * scales + 255) / 256 * 256 + ue8m0);
-    w.wt_codes = slot ? slot : a.device<uint8_t>(codes, kT);
-    w.wt_scales = slot ? reinterpret_cast<float*>(slot + (codes + 255) / 256 * 256) : a.device<float>(scales, kT);
-    if (pow2)
-      w.wt_ue8m0 = slot ? slot + (codes + 255) / 256 * 256 + (4 * scales + 255) / 256 * 256 : a.device<uint8_t>(ue8m0, kT);
+    const auto scratch = [&](int64_t bytes) {  // in h where it fits, else scratch of its own
+      uint8_t* p = take_h(bytes);
+      return p ? p : a.device<uint8_t>(bytes, kT);
+    };
+    w.wt_codes = scratch(codes);
+    w.wt_scales = reinterpret_cast<float*>(scratch(4 * scales));
+    if (pow2) w.wt_ue8m0 = scratch(ue8m0);
   }
   if (fused_dswiglu) {
     x.a = nullptr;
