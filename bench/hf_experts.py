@@ -96,7 +96,7 @@ def train_step(model, opt, ids, autocast):
 
 def check_flowmoe_ran(model, impl):
     """A flowmoe row whose experts did not run flowmoe's layer would time something else."""
-    if impl.startswith("flowmoe") and not any(getattr(m, "_flowmoe_checked", False) for m in model.modules()):
+    if impl.startswith("flowmoe") and not any(getattr(m, "_flowmoe_options", None) is not None for m in model.modules()):
         raise RuntimeError(f"experts_implementation={impl!r} did not run flowmoe's layer")
 
 

@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define FLOWMOE_CAPI_VERSION 5
+#define FLOWMOE_CAPI_VERSION 6
 
 enum flowmoe_status_code {
   FLOWMOE_OK = 0,
@@ -64,6 +64,14 @@ typedef struct flowmoe_config {
   // MoeConfig::external_routing (0 / 1; version 3): the caller routes (flowmoe_layer_set_routing
   // before each forward); no router weights (wr null), no aux loss, dprobs from the backward.
   int32_t external_routing;
+  // MoeConfig::activation (version 6): "swiglu" (also when null) or "clamped-swiglu" (gpt-oss) with
+  // swiglu_alpha and swiglu_limit (ignored for "swiglu").
+  const char* activation;
+  float swiglu_alpha;
+  float swiglu_limit;
+  // MoeConfig::gemm1_bias (0 / 1; version 6): b1 [El, 2F] fp32 before each forward
+  // (flowmoe_layer_set_gemm1_bias), db1 from the backward (flowmoe_layer_set_gemm1_bias_grad).
+  int32_t gemm1_bias;
 } flowmoe_config;
 
 // ---- layers -----------------------------------------------------------------------------------
@@ -116,6 +124,12 @@ int flowmoe_layer_backward_ex(flowmoe_layer* layer, const uint16_t* dy, uint16_t
 // (the gradients of BF16 parameters, with no FP32 copy); dwr (FP32) and dprobs overwritten too.
 int flowmoe_layer_backward_bf16(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, uint16_t* dw1,
                                 uint16_t* dw2, float* dwr, float* dprobs);
+
+// Version 6, gemm1_bias layers (moe.h MoeLayer::set_gemm1_bias, MoeGrads::db1): b1 [El, 2F] fp32 of
+// the next forward (read by it: keep it valid until its work is done); db1 [El, 2F] fp32 written
+// by the next backward call, whichever entry point (+= when it accumulates, else overwritten).
+int flowmoe_layer_set_gemm1_bias(flowmoe_layer* layer, const float* b1);
+int flowmoe_layer_set_gemm1_bias_grad(flowmoe_layer* layer, float* db1);
 
 // Caller memory (moe.h MoeMemoryPlan, MoeMemory): out = {weights, saved, transient} bytes (all 0
 // for a layer that owns its memory); bind the regions the next calls use (set_weights: weights +

@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "flowmoe/recipe.h"
+#include "flowmoe/swiglu_math.h"
 #include "flowmoe/tensor.h"
 #include "flowmoe/token.h"
 
@@ -105,6 +106,15 @@ struct MoeConfig {
   // (no communicator). Given the full layer's own ids and probs, the same bits as the full layer
   // (y, dW1, dW2, dprobs).
   bool external_routing = false;
+  // The experts' gated activation between GEMM1 and GEMM2 (flowmoe/swiglu_math.h): SwiGLU
+  // silu(gate) * up (default) or gpt-oss's clamped SwiGLU (alpha, limit: finite, limit > 0).
+  GatedActivation activation;
+  // Expert biases on GEMM1's output (gpt-oss's gate_up_proj_bias; flowmoe/expert_bias.h): the
+  // caller gives b1 [El, 2F] fp32 before each forward (MoeLayer::set_gemm1_bias), h = bf16(h + b1[e])
+  // before the activation, and the backward returns db1 (MoeGrads::db1). GEMM2's bias is the
+  // caller's (it is sum_k p_k b2[e_k] on the output: flowmoe.torch adds it). Not with fp8-naive
+  // or a communicator.
+  bool gemm1_bias = false;
 
   // Throws flowmoe::Error naming the field, its value and what is expected.
   void validate() const;
@@ -160,6 +170,9 @@ struct MoeGrads {
   // rounding pass. Needs accumulate = false (a BF16 .grad is accumulated by its owner, e.g. autograd).
   bf16_t* dw1_bf16 = nullptr;  // [El, 2F, H]
   bf16_t* dw2_bf16 = nullptr;  // [El, H, F]
+  // MoeConfig::gemm1_bias: d loss / d b1 [El, 2F] fp32 (+= with accumulate, else overwritten);
+  // null skips it.
+  float* db1 = nullptr;
   bool wants_dw1() const { return dw1 != nullptr || dw1_bf16 != nullptr; }
   bool wants_dw2() const { return dw2 != nullptr || dw2_bf16 != nullptr; }
 };
@@ -306,6 +319,10 @@ class MoeLayer {
   // layer; they must stay valid until that forward returns (it copies them). A layer with its own
   // router refuses it.
   void set_routing(const int32_t* ids, const float* probs);
+  // MoeConfig::gemm1_bias: b1 [El, 2F] fp32 of the next forward (and only that one), in the
+  // weights' memory space; read by that forward (the CPU layer copies it at the forward, the CUDA
+  // layer reads it in stream order: keep it valid until the forward's work is done).
+  void set_gemm1_bias(const float* b1);
 
   // x [T, H] bf16 -> y [T, H] bf16, 1 <= T <= max_tokens. Saves what backward needs in the
   // recipe's precision.
@@ -354,6 +371,9 @@ class MoeLayer {
     const float* probs = nullptr;
   };
   RoutingInput take_routing(const char* what);
+  // The bias given by set_gemm1_bias, returned and forgotten (null without gemm1_bias; throws when
+  // gemm1_bias and none was given).
+  const float* take_gemm1_bias(const char* what);
   // set_weights' pointer checks, both backends: W1 and W2 given once each, both FP32 or both BF16;
   // Wr given exactly when the layer has a router, router_bias only then. `space`: "host" or
   // "device", for the message.
@@ -363,6 +383,7 @@ class MoeLayer {
   void check_grads(const MoeGrads& g) const;
   MoeConfig cfg_;
   RoutingInput routing_input_;
+  const float* gemm1_bias_input_ = nullptr;
 };
 
 // The CPU backend (host pointers everywhere). Validates cfg; throws flowmoe::Error.

@@ -182,5 +182,66 @@ FLOWMOE_HD SwigluGradProb dswiglu_prob_f32(float da, float p, float gate, float 
   return SwigluGradProb{f_mul(dq, f_mul(up, ds)), f_mul(dq, silu), f_mul(silu, up)};
 }
 
+// ---- the experts' gated activation -----------------------------------------------------------------
+// act(gate, up), the function between GEMM1 and GEMM2 (MoeConfig::activation):
+//   kSwiglu         silu(gate) * up                                   (Qwen, DeepSeek, Mixtral, ...)
+//   kClampedSwiglu  gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit),
+//                   act = (u + 1) * (g * sigmoid(alpha * g))
+// The clamped form in binary32, in the model's order of operations (z = alpha * g, then
+// glu = g * sigmoid(z), then (u + 1) * glu); sigmoid from sigmoid_parts as for SwiGLU.
+//   d act / d gate = (u + 1) * sigmoid(z) * (1 + z (1 - sigmoid(z)))  where gate <= limit, else 0
+//   d act / d up   = glu                                               where |up| <= limit, else 0
+// (torch.clamp's gradient: the bound itself passes it). A NaN gate or up stays NaN (the
+// comparisons are false, so nothing is clamped and no gradient is masked); +inf is clamped to the
+// limit like any large value (the model does the same).
+enum class ActivationKind : uint8_t { kSwiglu = 0, kClampedSwiglu = 1 };
+
+struct GatedActivation {
+  ActivationKind kind = ActivationKind::kSwiglu;
+  float alpha = 1.702f;  // kClampedSwiglu: the sigmoid's slope (gpt-oss: swiglu_alpha)
+  float limit = 7.0f;    // kClampedSwiglu: the clamp (gpt-oss: swiglu_limit), > 0
+  FLOWMOE_HD bool clamped() const { return kind == ActivationKind::kClampedSwiglu; }
+};
+
+FLOWMOE_HD float clamp_gate(float gate, float limit) { return gate > limit ? limit : gate; }
+FLOWMOE_HD float clamp_up(float up, float limit) {
+  return up > limit ? limit : (up < -limit ? -limit : up);
+}
+
+// act(gate, up); kSwiglu: the bits of swiglu_f32.
+FLOWMOE_HD float act_f32(const GatedActivation& act, float gate, float up) {
+  if (!act.clamped()) return swiglu_f32(gate, up);
+  const float g = clamp_gate(gate, act.limit), u = clamp_up(up, act.limit);
+  const float glu = f_mul(g, sigmoid_parts(f_mul(g, act.alpha)).s);
+  return f_mul(f_add(u, 1.0f), glu);
+}
+
+// The MoE form a' = p * act(gate, up) given da' (as dswiglu_prob_f32; p = 1 with dq = da for the
+// plain backward): dgate, dup of f_mul(da', p), and a = act(gate, up).
+FLOWMOE_HD SwigluGradProb dact_prob_f32(const GatedActivation& act, float da, float p, float gate,
+                                        float up) {
+  if (!act.clamped()) return dswiglu_prob_f32(da, p, gate, up);
+  const float g = clamp_gate(gate, act.limit), u = clamp_up(up, act.limit);
+  const float z = f_mul(g, act.alpha);
+  const SiluParts s = sigmoid_parts(z);
+  const float glu = f_mul(g, s.s);
+  const float dglu = f_mul(s.s, f_fma(z, s.sc, 1.0f));
+  const float u1 = f_add(u, 1.0f);
+  const float dq = f_mul(da, p);
+  const float dgate = gate > act.limit ? 0.0f : f_mul(dq, f_mul(u1, dglu));
+  const float dup = (up > act.limit || up < -act.limit) ? 0.0f : f_mul(dq, glu);
+  return SwigluGradProb{dgate, dup, f_mul(u1, glu)};
+}
+// Without the probability: dgate, dup of da (kSwiglu: the bits of dswiglu_f32).
+FLOWMOE_HD SwigluGrad dact_f32(const GatedActivation& act, float da, float gate, float up) {
+  if (!act.clamped()) return dswiglu_f32(da, gate, up);
+  const SwigluGradProb g = dact_prob_f32(act, da, 1.0f, gate, up);
+  return SwigluGrad{g.dgate, g.dup};
+}
+
 }  // namespace num
+
+using num::ActivationKind;
+using num::GatedActivation;
+
 }  // namespace flowmoe

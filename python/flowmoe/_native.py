@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from ._errors import CommError, FlowmoeError, NonFiniteError, OutOfMemoryError
 
 LIBRARY_NAME = "libflowmoe_capi.so"
-CAPI_VERSION = 5
+CAPI_VERSION = 6
 
 OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED, ERROR_OUT_OF_MEMORY = 0, 1, 2, 3, 4, 5
 
@@ -40,6 +40,10 @@ class Config(ctypes.Structure):
         ("check_columns", ctypes.c_int32),
         ("transpose_exponent", ctypes.c_char_p),
         ("external_routing", ctypes.c_int32),
+        ("activation", ctypes.c_char_p),
+        ("swiglu_alpha", ctypes.c_float),
+        ("swiglu_limit", ctypes.c_float),
+        ("gemm1_bias", ctypes.c_int32),
     ]
 
 
@@ -107,6 +111,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_set_backward_weights": (c_int, [vp, vp, vp, vp]),
         "flowmoe_layer_set_backward_weights_bf16": (c_int, [vp, vp, vp, vp]),
         "flowmoe_layer_set_routing": (c_int, [vp, vp, vp]),
+        "flowmoe_layer_set_gemm1_bias": (c_int, [vp, vp]),
+        "flowmoe_layer_set_gemm1_bias_grad": (c_int, [vp, vp]),
         "flowmoe_layer_status_get": (c_int, [vp, ctypes.POINTER(LayerStatus)]),
         "flowmoe_layer_memory_plan": (c_int, [vp, ctypes.POINTER(i64)]),
         "flowmoe_layer_bind_memory": (c_int, [vp, vp, vp, vp]),
@@ -181,11 +187,14 @@ def recipe_names() -> tuple:
 def make_config(hidden: int, ffn: int, experts: int, topk: int, router: str, renormalize: bool,
                 routed_scaling: float, aux_loss_coef: float, align: int, recipe: str,
                 max_tokens: int, check_columns: bool = False,
-                transpose_exponent: str = "row-max", external_routing: bool = False) -> Config:
+                transpose_exponent: str = "row-max", external_routing: bool = False,
+                activation: str = "swiglu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                gemm1_bias: bool = False) -> Config:
     return Config(int(hidden), int(ffn), int(experts), int(topk), router.encode(), int(bool(renormalize)),
                   float(routed_scaling), float(aux_loss_coef), int(align), recipe.encode(),
                   int(max_tokens), int(bool(check_columns)), transpose_exponent.encode(),
-                  int(bool(external_routing)))
+                  int(bool(external_routing)), activation.encode(), float(swiglu_alpha), float(swiglu_limit),
+                  int(bool(gemm1_bias)))
 
 
 class Comm:
@@ -331,6 +340,14 @@ class Layer:
     def set_routing(self, ids: int, probs: int) -> None:
         """The next forward's routing (external_routing layers): ids [T, k] int32, probs [T, k] fp32."""
         check(lib().flowmoe_layer_set_routing(self.handle, ids, probs))
+
+    def set_gemm1_bias(self, b1: int) -> None:
+        """The next forward's GEMM1 bias b1 [El, 2F] fp32 (gemm1_bias layers)."""
+        check(lib().flowmoe_layer_set_gemm1_bias(self.handle, b1))
+
+    def set_gemm1_bias_grad(self, db1: int) -> None:
+        """Where the next backward writes db1 [El, 2F] fp32 (gemm1_bias layers)."""
+        check(lib().flowmoe_layer_set_gemm1_bias_grad(self.handle, db1))
 
     def memory_plan(self) -> tuple:
         """(weights, saved, transient) bytes the caller provides (all 0: the layer owns its memory)."""

@@ -157,10 +157,11 @@ def _(w1, w2, wr, router_bias, module_id, tokens):
 
 
 # ---- forward ----------------------------------------------------------------------------------------
-def _run_forward(r, x, wbuf, keep_step, routing=None):
+def _run_forward(r, x, wbuf, keep_step, routing=None, b1=None):
     """One forward of the native layer on PyTorch memory: y, the saved bytes and the step tensor
     (its host state registered under the id it holds; 0 and nothing kept when keep_step is off).
-    routing: (ids [T, k] int32, probs [T, k] fp32) of the experts-only layer."""
+    routing: (ids [T, k] int32, probs [T, k] fp32) of the experts-only layer; b1: its GEMM1 bias
+    [E, 2F] fp32 (gemm1_bias layers)."""
     y = torch.empty_like(x)
     saved = _bytes(r.plan[1], x.device)
     tbuf = _bytes(r.plan[2], x.device) if r.plan[2] else None
@@ -168,6 +169,8 @@ def _run_forward(r, x, wbuf, keep_step, routing=None):
         r.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
         if routing is not None:
             r.layer.set_routing(routing[0].data_ptr(), routing[1].data_ptr())
+        if b1 is not None:
+            r.layer.set_gemm1_bias(b1.data_ptr())
         r.layer.forward(x.data_ptr(), x.shape[0], y.data_ptr())
         step = r.layer.take_step()
     if not keep_step:
@@ -312,7 +315,7 @@ moe_forward.register_autograd(_backward, setup_context=_setup_context)
 # ---- the experts-only layer (routing from the caller: flowmoe.torch.experts, flowmoe.hf) -------------
 @torch.library.custom_op("flowmoe::experts_forward", mutates_args=())
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                    wbuf: torch.Tensor, module_id: int, keep_step: bool
+                    wbuf: torch.Tensor, module_id: int, keep_step: bool, b1: Optional[torch.Tensor] = None
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m = _module(module_id)
     r = m._runner
@@ -320,17 +323,22 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1:
         raise FlowmoeError("flowmoe.torch.experts: experts_forward without the layer's weights for this input "
                            "(derive_weights first; flowmoe.torch.experts does)")
     m._check_call(x, ids, probs)
-    return _run_forward(r, x, wbuf, keep_step, routing=(ids, probs))
+    if (b1 is not None) != m.gemm1_bias:
+        raise FlowmoeError(f"{m.who}: b1 given to a layer without GEMM1 biases" if b1 is not None
+                           else f"{m.who}: b1 missing; the layer's experts have a GEMM1 bias")
+    if b1 is not None and (b1.dtype != torch.float32 or not b1.is_contiguous() or b1.device != x.device):
+        raise FlowmoeError(f"{m.who}: b1 {b1.dtype} on {b1.device}; expected contiguous float32 on {x.device}")
+    return _run_forward(r, x, wbuf, keep_step, routing=(ids, probs), b1=b1)
 
 
 @experts_forward.register_fake
-def _(x, ids, probs, w1, w2, wbuf, module_id, keep_step):
+def _(x, ids, probs, w1, w2, wbuf, module_id, keep_step, b1=None):
     r = _module(module_id)._runner
     saved = r.plan[1] if r is not None else 0
     return torch.empty_like(x), x.new_empty((saved,), dtype=torch.uint8), torch.empty(1, dtype=torch.int64)
 
 
-def _run_experts_backward(dy, wbuf, saved, step, params, dw1, dw2, topk):
+def _run_experts_backward(dy, wbuf, saved, step, params, dw1, dw2, topk, db1=None):
     """dx and d loss / d probs, the weight gradients written into dw1 / dw2 (FP32, or BF16 for BF16
     parameters: rounded once by the wgrad itself). params: (w1, w2) when the layer derives the
     backward's dgrad weights from them (wbuf is then None: no weight copy outlived the forward)."""
@@ -344,6 +352,8 @@ def _run_experts_backward(dy, wbuf, saved, step, params, dw1, dw2, topk):
         runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
         runner.layer.resume_step(native_step)
         _set_backward_weights(runner, params)
+        if db1 is not None:
+            runner.layer.set_gemm1_bias_grad(db1.data_ptr())
         if bf16_grads:
             runner.layer.backward_bf16(dy.data_ptr(), dx.data_ptr(), _addr(dw1), _addr(dw2),
                                        dprobs=dprobs.data_ptr())
@@ -365,31 +375,39 @@ def _experts_grad_buffers(module_id: int, device, needs, bf16: bool):
 @torch.library.custom_op("flowmoe::experts_backward", mutates_args=())
 def experts_backward(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torch.Tensor, step: torch.Tensor,
                      w1: Optional[torch.Tensor], w2: Optional[torch.Tensor], needs: List[bool], bf16_grads: bool,
-                     module_id: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     module_id: int, bias_grad: bool = False
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m = _module(module_id)
     grads = _experts_grad_buffers(module_id, dy.device, needs, bf16_grads)
+    db1 = _bias_grad_buffer(m, dy.device, bias_grad)
     params = layer_weights(w1.detach(), w2.detach()) if w1 is not None else None
     dx, dprobs = _run_experts_backward(dy, wbuf, saved, step, params, grads[0] if needs[0] else None,
-                                       grads[1] if needs[1] else None, m.topk)
-    return dx, grads[0], grads[1], dprobs
+                                       grads[1] if needs[1] else None, m.topk, db1 if bias_grad else None)
+    return dx, grads[0], grads[1], dprobs, db1
+
+
+def _bias_grad_buffer(m, device, needed: bool) -> torch.Tensor:
+    """db1 [E, 2F] fp32 (written by the backward, not accumulated), or an empty tensor."""
+    return torch.empty((m.experts, 2 * m.ffn) if needed else (0,), dtype=torch.float32, device=device)
 
 
 @experts_backward.register_fake
-def _(dy, wbuf, saved, step, w1, w2, needs, bf16_grads, module_id):
+def _(dy, wbuf, saved, step, w1, w2, needs, bf16_grads, module_id, bias_grad=False):
     m = _module(module_id)
     grads = _experts_grad_buffers(module_id, dy.device, needs, bf16_grads)
     return (torch.empty_like(dy, dtype=torch.bfloat16), grads[0], grads[1],
-            dy.new_empty((dy.shape[0], m.topk), dtype=torch.float32))
+            dy.new_empty((dy.shape[0], m.topk), dtype=torch.float32), _bias_grad_buffer(m, dy.device, bias_grad))
 
 
 def _experts_setup_context(ctx, inputs, output):
-    x, ids, probs, w1, w2, wbuf, module_id, keep_step = inputs
+    x, ids, probs, w1, w2, wbuf, module_id, keep_step, b1 = inputs
     y, saved, step = output
     from_params = _from_params(module_id)
     # (w1, w2: the parameters as the caller holds them, any dtype and strides; the backward converts
     # them as the forward did, for as long as it runs)
     _save_step(ctx, module_id, None if from_params else wbuf, saved, step, (w1, w2) if from_params else ())
     ctx.weight_dtypes = (w1.dtype, w2.dtype)
+    ctx.has_b1 = b1 is not None
 
 
 def _experts_backward(ctx, dy, _dsaved, _dstep):
@@ -400,9 +418,12 @@ def _experts_backward(ctx, dy, _dsaved, _dstep):
     # others FP32 ones, converted to their parameter's dtype here
     d1, d2 = ctx.weight_dtypes
     bf16 = d1 == d2 == torch.bfloat16
-    dx, dw1, dw2, dprobs = experts_backward(dy, wbuf, saved, step, w1, w2, needs, bf16, ctx.module_id)
+    bias_grad = ctx.has_b1 and bool(ctx.needs_input_grad[8])
+    dx, dw1, dw2, dprobs, db1 = experts_backward(dy, wbuf, saved, step, w1, w2, needs, bf16, ctx.module_id,
+                                                 bias_grad)
     return (dx if ctx.needs_input_grad[0] else None, None, dprobs if ctx.needs_input_grad[2] else None,
-            dw1.to(d1) if needs[0] else None, dw2.to(d2) if needs[1] else None, None, None, None)
+            dw1.to(d1) if needs[0] else None, dw2.to(d2) if needs[1] else None, None, None, None,
+            db1 if bias_grad else None)
 
 
 experts_forward.register_autograd(_experts_backward, setup_context=_experts_setup_context)

@@ -37,8 +37,10 @@ class _ExpertsLayer:
     """The native experts-only layer of one weight set (the object the operators name by module_id)."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int, recipe: str, align: int,
-                 max_tokens: Optional[int], sync_free: bool, check_finite: Optional[bool], who: str):
+                 max_tokens: Optional[int], sync_free: bool, check_finite: Optional[bool], who: str,
+                 activation: Tuple[str, float, float] = ("swiglu", 1.702, 7.0), gemm1_bias: bool = False):
         self.hidden, self.ffn, self.experts, self.topk = hidden, ffn, num_experts, topk
+        self.activation, self.gemm1_bias = activation, bool(gemm1_bias)
         self.local_experts = num_experts
         self.recipe, self.align, self.max_tokens = recipe, align, max_tokens
         self.sync_free, self.check_finite, self.who = sync_free, check_finite, who
@@ -48,8 +50,10 @@ class _ExpertsLayer:
         _native.Layer(self._config(1)).close()  # the library checks the configuration now
 
     def _config(self, max_tokens: int) -> _native.Config:
+        act, alpha, limit = self.activation
         return _native.make_config(self.hidden, self.ffn, self.experts, self.topk, "softmax", False, 1.0, 0.0,
-                                   self.align, self.recipe, max_tokens, external_routing=True)
+                                   self.align, self.recipe, max_tokens, external_routing=True, activation=act,
+                                   swiglu_alpha=alpha, swiglu_limit=limit, gemm1_bias=self.gemm1_bias)
 
     def _param_shapes(self):
         E, H, F = self.experts, self.hidden, self.ffn
@@ -88,13 +92,13 @@ class _ExpertsLayer:
                                  f"{self.experts}) (e.g. {int(ids[bad][0])}); expected expert ids (-1: dropped)")
 
     def run(self, xb: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
-            w2: torch.Tensor) -> torch.Tensor:
+            w2: torch.Tensor, b1: Optional[torch.Tensor] = None) -> torch.Tensor:
         from .torch import keep_layer_on_failure  # (flowmoe.torch imports this module at its end)
 
         with keep_layer_on_failure(self):
-            return self._run(xb, ids, probs, w1, w2)
+            return self._run(xb, ids, probs, w1, w2, b1)
 
-    def _run(self, xb, ids, probs, w1, w2):
+    def _run(self, xb, ids, probs, w1, w2, b1):
         tokens = int(xb.shape[0])
         if xb.is_cuda and torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
             self._check_call(xb, ids, probs)
@@ -104,21 +108,30 @@ class _ExpertsLayer:
         wbuf = _ops.derive_weights(w1c, w2c, None, None, self._op_id, tokens)
         del w1c, w2c
         keep = torch.is_grad_enabled() and (xb.requires_grad or probs.requires_grad or w1.requires_grad
-                                            or w2.requires_grad)
-        y, _saved, _step = _ops.experts_forward(xb, ids, probs, w1, w2, wbuf, self._op_id, keep)
+                                            or w2.requires_grad or (b1 is not None and b1.requires_grad))
+        y, _saved, _step = _ops.experts_forward(xb, ids, probs, w1, w2, wbuf, self._op_id, keep, b1)
         return y
 
 
-def _check_inputs(who, x, top_k_index, top_k_weights, w1, w2):
+def _check_inputs(who, x, top_k_index, top_k_weights, w1, w2, transposed=False):
+    """E, H, F, k of a call (checked); w1 [E, 2F, H] / w2 [E, H, F], or transposed [E, H, 2F] / [E, F, H]."""
     for name, t in (("x", x), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights), ("w1", w1),
                     ("w2", w2)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{who}: {name} of type {type(t).__name__}; expected a torch.Tensor")
-    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] % 2 or w2.shape[0] != w1.shape[0] or \
-            w2.shape[1] != w1.shape[2] or 2 * w2.shape[2] != w1.shape[1]:
-        raise ValueError(f"{who}: w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)}; expected w1 [E, 2F, H] (gate rows "
-                         "first, then up) and w2 [E, H, F]")
-    E, H = int(w1.shape[0]), int(w1.shape[2])
+    if w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"{who}: w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)}; expected 3-D expert weights")
+    E = int(w1.shape[0])
+    if transposed:
+        H, F2 = int(w1.shape[1]), int(w1.shape[2])
+        ok = F2 % 2 == 0 and tuple(w2.shape) == (E, F2 // 2, H)
+        want = "w1 [E, H, 2F] and w2 [E, F, H] (transposed=True)"
+    else:
+        F2, H = int(w1.shape[1]), int(w1.shape[2])
+        ok = F2 % 2 == 0 and tuple(w2.shape) == (E, H, F2 // 2)
+        want = "w1 [E, 2F, H] and w2 [E, H, F]"
+    if not ok:
+        raise ValueError(f"{who}: w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)}; expected {want}")
     if x.dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise TypeError(f"{who}: x dtype {x.dtype}; expected torch.bfloat16, torch.float32 or torch.float16 "
                         "(computed in bfloat16)")
@@ -140,7 +153,76 @@ def _check_inputs(who, x, top_k_index, top_k_weights, w1, w2):
     for name, w in (("w1", w1), ("w2", w2)):
         if not w.dtype.is_floating_point:
             raise TypeError(f"{who}: {name} dtype {w.dtype}; expected a floating dtype (float32 masters)")
-    return E, H, int(w2.shape[2]), int(top_k_index.shape[1])
+    return E, H, F2 // 2, int(top_k_index.shape[1])
+
+
+def _check_biases(who, b1, b2, E, H, F, device):
+    for name, b, shape in (("b1", b1, (E, 2 * F)), ("b2", b2, (E, H))):
+        if b is None:
+            continue
+        if not isinstance(b, torch.Tensor) or not b.dtype.is_floating_point:
+            raise TypeError(f"{who}: {name} must be a floating torch.Tensor {list(shape)}")
+        if tuple(b.shape) != shape or b.device != device:
+            raise ValueError(f"{who}: {name} of shape {tuple(b.shape)} on {b.device}; expected {list(shape)} on {device}")
+
+
+def _round128(n: int) -> int:
+    return -(-n // 128) * 128
+
+
+class _Layout:
+    """How a caller's expert weights map onto the layer's (w1 [E, 2F', H'] gate rows [0, F), up rows
+    [F', F' + F); w2 [E, H', F']; b1 [E, 2F'] fp32): transposed ([E, H, 2F] / [E, F, H]) and/or
+    interleaved (gate, up alternating: gpt-oss) weights, H and F zero-padded to multiples of 128 (the
+    layer's 1x128 and 128x128 tiles; zero rows and columns leave every real output unchanged:
+    act(0, 0) = 0 for both activations). Done with differentiable tensor ops, so the gradients come
+    back in the caller's layout (the padded parts dropped). Identity (no copy) for the layer's own
+    layout at multiples of 128."""
+
+    def __init__(self, H: int, F: int, transposed: bool, interleaved: bool):
+        self.H, self.F, self.Hp, self.Fp = H, F, _round128(H), _round128(F)
+        self.transposed, self.interleaved = transposed, interleaved
+        self.identity = not transposed and not interleaved and self.Hp == H and self.Fp == F
+
+    def _gate_up(self, w1):
+        w = w1.transpose(1, 2) if self.transposed else w1  # [E, 2F, H] (a view)
+        if self.interleaved:
+            return w[:, 0::2], w[:, 1::2]
+        return w[:, :self.F], w[:, self.F:]
+
+    def weights(self, w1: torch.Tensor, w2: torch.Tensor):
+        if self.identity:
+            return w1, w2
+        E, H, F, Hp, Fp = w1.shape[0], self.H, self.F, self.Hp, self.Fp
+        gate, up = self._gate_up(w1)
+        w1l = w1.new_zeros((E, 2 * Fp, Hp))
+        w1l[:, :F, :H] = gate
+        w1l[:, Fp:Fp + F, :H] = up
+        w2c = w2.transpose(1, 2) if self.transposed else w2  # [E, H, F]
+        if (Hp, Fp) == (H, F):
+            w2l = w2c.contiguous()
+        else:
+            w2l = w2.new_zeros((E, Hp, Fp))
+            w2l[:, :H, :F] = w2c
+        return w1l, w2l
+
+    def bias1(self, b1: torch.Tensor) -> torch.Tensor:
+        """b1 [E, 2F] (the caller's gate/up order) -> [E, 2F'] fp32 contiguous in the layer's."""
+        F, Fp = self.F, self.Fp
+        b = b1.to(torch.float32)
+        gate, up = (b[:, 0::2], b[:, 1::2]) if self.interleaved else (b[:, :F], b[:, F:])
+        if Fp == F and not self.interleaved:
+            return b.contiguous()
+        out = b.new_zeros((b.shape[0], 2 * Fp))
+        out[:, :F] = gate
+        out[:, Fp:Fp + F] = up
+        return out
+
+    def pad_x(self, xb: torch.Tensor) -> torch.Tensor:
+        return xb if self.Hp == self.H else torch.nn.functional.pad(xb, (0, self.Hp - self.H))
+
+    def crop_y(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.Hp == self.H else y[:, :self.H]
 
 
 # Layers of the functional form, per owner (an object the caller passes, e.g. an HF experts module)
@@ -167,41 +249,70 @@ def _layer_for(owner, key, make) -> _ExpertsLayer:
     return lay
 
 
+_ACTIVATIONS = ("swiglu", "clamped-swiglu")
+
+
 def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w1: torch.Tensor,
             w2: torch.Tensor, *, recipe: str = "flow", align: int = 128, max_tokens: Optional[int] = None,
-            sync_free: bool = False, check_finite: Optional[bool] = None, owner=None) -> torch.Tensor:
-    """y [..., H] = sum over k of top_k_weights[t, k] * expert_{top_k_index[t, k]}(x_t), the SwiGLU
+            sync_free: bool = False, check_finite: Optional[bool] = None, owner=None,
+            b1: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None, activation: str = "swiglu",
+            swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, transposed: bool = False,
+            interleaved: bool = False) -> torch.Tensor:
+    """y [..., H] = sum over k of top_k_weights[t, k] * expert_{top_k_index[t, k]}(x_t), the gated
     experts of w1 / w2 computed by flowmoe in ``recipe`` (see the module docstring for shapes).
-    Differentiable in x, top_k_weights, w1 and w2. The native layer is cached per ``owner`` (any
-    weak-referenceable object; default: the w1 tensor) and configuration."""
+    Differentiable in x, top_k_weights, w1, w2, b1 and b2. The native layer is cached per ``owner``
+    (any weak-referenceable object; default: the w1 tensor) and configuration.
+
+    gpt-oss and other layouts (docs/HF.md): ``b1`` [E, 2F] is added to GEMM1's output before the
+    activation (by the layer), ``b2`` [E, H] to each expert's output before its routing weight
+    (sum_k p_k b2[e_k], added here); ``activation="clamped-swiglu"`` is gpt-oss's
+    (up + 1) * gate * sigmoid(alpha * gate) with gate <= limit, |up| <= limit; ``transposed``: w1
+    [E, H, 2F], w2 [E, F, H]; ``interleaved``: gate and up rows (columns when transposed) alternate
+    (b1 too). H and F that are not multiples of 128 are zero-padded to the next multiple."""
     who = "flowmoe.torch.experts"
-    E, H, F, k = _check_inputs(who, x, top_k_index, top_k_weights, w1, w2)
+    E, H, F, k = _check_inputs(who, x, top_k_index, top_k_weights, w1, w2, bool(transposed))
+    _check_biases(who, b1, b2, E, H, F, x.device)
     recipes = _native.recipe_names()
     if recipe not in recipes:
         raise ValueError(f"{who}: unknown recipe {recipe!r}; expected one of {', '.join(recipes)}")
     if align not in (16, 32, 64, 128):
         raise ValueError(f"{who}: align {align!r}; expected one of (16, 32, 64, 128)")
-    key = (recipe, align, max_tokens, bool(sync_free), check_finite, E, H, F, k)
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"{who}: activation {activation!r}; expected one of {', '.join(_ACTIVATIONS)}")
+    act = (activation, float(swiglu_alpha), float(swiglu_limit)) if activation != "swiglu" else ("swiglu", 1.702, 7.0)
+    lay = _Layout(H, F, bool(transposed), bool(interleaved))
+    key = (recipe, align, max_tokens, bool(sync_free), check_finite, E, H, F, k, act, b1 is not None,
+           lay.transposed, lay.interleaved)
     layer = _layer_for(owner if owner is not None else w1, key,
-                       lambda: _ExpertsLayer(H, F, E, k, recipe, align, max_tokens, bool(sync_free), check_finite,
-                                             who))
-    return _call(layer, x, top_k_index, top_k_weights, w1, w2, H)
+                       lambda: _ExpertsLayer(lay.Hp, lay.Fp, E, k, recipe, align, max_tokens, bool(sync_free),
+                                             check_finite, who, act, b1 is not None))
+    return _call(layer, x, top_k_index, top_k_weights, w1, w2, H, lay, b1, b2)
 
 
-def _call(layer: _ExpertsLayer, x, top_k_index, top_k_weights, w1, w2, H: int) -> torch.Tensor:
+def _call(layer: _ExpertsLayer, x, top_k_index, top_k_weights, w1, w2, H: int, lay: Optional[_Layout] = None,
+          b1=None, b2=None) -> torch.Tensor:
     """The layer on x (any strides; bfloat16, float32 or float16, computed in bfloat16 and returned in
     x's dtype); no tokens: the empty output and zero gradients, no layer call."""
     from .torch import _NoTokens
 
     if x.numel() == 0:
-        return _NoTokens.apply(x, top_k_weights, w1, w2)
+        return _NoTokens.apply(x, top_k_weights, w1, w2, *[b for b in (b1, b2) if b is not None])
     xb = x.reshape(-1, H)
     if xb.dtype != torch.bfloat16:
         xb = xb.to(torch.bfloat16)
-    xb = xb.contiguous()
     ids = top_k_index.to(torch.int32).contiguous()
     probs = top_k_weights.to(torch.float32).contiguous()
-    y = layer.run(xb, ids, probs, w1, w2)
+    if lay is None or (lay.identity and b1 is None):
+        y = layer.run(xb.contiguous(), ids, probs, w1, w2)
+    else:
+        w1l, w2l = lay.weights(w1, w2)
+        y = lay.crop_y(layer.run(lay.pad_x(xb).contiguous(), ids, probs, w1l, w2l,
+                                 lay.bias1(b1) if b1 is not None else None))
+    if b2 is not None:  # sum_k p_k b2[e_k] (dropped slots: id -1, no bias)
+        keep = ids >= 0
+        bias = torch.nn.functional.embedding_bag(ids.clamp(min=0).long(), b2.to(torch.float32), mode="sum",
+                                                 per_sample_weights=probs * keep)
+        y = (y.to(torch.float32) + bias).to(torch.bfloat16)
     return y.reshape(x.shape).to(x.dtype)
 
 

@@ -24,11 +24,17 @@ the routing counts or the weights' finite check in a forward, so the host keeps 
 kernels); ``flowmoe.hf.SYNC_FREE = False`` brings back the synchronising layer, which raises on
 non-finite weights at the forward instead of counting them (``status()``).
 
-Refused, with the model and what is missing named (never run wrong): experts with bias, without a
-gate (gate_up_proj), with an activation other than SiLU (SwiGLU), a custom gating function, a
-post-expert norm, transposed or interleaved weight layouts, expert parallelism, hidden or
-intermediate sizes that are not multiples of 128, more experts or a larger top-k than the layer
-supports.
+gpt-oss (issue 46): expert biases (gate_up_proj_bias: added by the layer before the activation;
+down_proj_bias: sum_k p_k b2[e_k], added by flowmoe.torch.experts), the clamped SwiGLU
+(_apply_gate, recognised by evaluating it on a probe), transposed weights and interleaved gate/up
+columns (relaid into the layer's layout at every forward by differentiable copies, which the
+autograd node keeps until the backward; the gradients come back in the parameters' layout), and
+hidden / intermediate sizes that are not multiples of 128 (zero-padded to the next multiple).
+
+Refused, with the model and what is missing named (never run wrong): experts without a gate
+(gate_up_proj), with an activation other than SiLU or the clamped SwiGLU, another custom gating
+function, a post-expert norm, expert parallelism, more experts or a larger top-k than the layer
+supports, biases with fp8-naive.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("flowmoe.hf needs transformers >= 5 (transformers.integrations.moe.ExpertsInterface): "
                       f"pip install 'transformers>=5' ({e})") from e
 
-__all__ = ["IMPLEMENTATIONS", "SYNC_FREE", "register", "check_experts_module"]
+__all__ = ["IMPLEMENTATIONS", "SYNC_FREE", "register", "check_experts_module", "experts_options"]
 
 # CUDA: the experts layer without host synchronisation (read at each call; see the module docstring)
 SYNC_FREE = True
@@ -76,61 +82,95 @@ def _is_silu(act) -> bool:
     return type(act) is SiLUActivation
 
 
-def check_experts_module(module, top_k: int = None) -> None:
-    """Raises NotImplementedError naming the model and what flowmoe lacks, when ``module`` (a
-    transformers experts module) is not the computation flowmoe's layer runs."""
+def _clamped_gate_params(module):
+    """(alpha, limit) when module._apply_gate is gpt-oss's clamped SwiGLU on interleaved gate/up
+    columns (checked by evaluating it on a probe, not by its name), else None."""
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if not isinstance(alpha, (int, float)) or not isinstance(limit, (int, float)) or not limit > 0:
+        return None
+    g = torch.linspace(-3 * limit, 3 * limit, 64, dtype=torch.float32)
+    probe = torch.stack([g, g.flip(0) * 0.7], dim=-1).reshape(1, -1)  # gate, up interleaved
+    try:
+        with torch.no_grad():
+            got = type(module)._apply_gate(module, probe)
+    except Exception:  # noqa: BLE001 - a gate we cannot probe is not one we run
+        return None
+    gate, up = probe[..., 0::2].clamp(max=limit), probe[..., 1::2].clamp(-limit, limit)
+    want = (up + 1) * gate * torch.sigmoid(gate * alpha)
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+        return None
+    return float(alpha), float(limit)
+
+
+def experts_options(module, recipe: str, top_k: int = None) -> dict:
+    """The flowmoe.torch.experts options that compute ``module`` (a transformers experts module):
+    layout, activation and biases. Raises NotImplementedError naming the model and what flowmoe
+    lacks when it is not a computation flowmoe's layer runs."""
     name = _model_name(module)
     missing = []
+    opts = {"transposed": bool(getattr(module, "is_transposed", False)),
+            "interleaved": not getattr(module, "is_concatenated", True)}
     if not getattr(module, "has_gate", True) or not hasattr(module, "gate_up_proj"):
-        missing.append("experts without a gate (up_proj only); flowmoe runs gated SwiGLU experts (gate_up_proj)")
+        missing.append("experts without a gate (up_proj only); flowmoe runs gated experts (gate_up_proj)")
     if getattr(module, "has_bias", False):
-        missing.append("expert biases (gate_up_proj_bias / down_proj_bias)")
+        b1, b2 = getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None)
+        if b1 is None or b2 is None:
+            missing.append("expert biases other than gate_up_proj_bias and down_proj_bias")
+        elif recipe == "fp8-naive":
+            missing.append("expert biases with the fp8-naive recipe (use flowmoe-flow, -flow-fp4, -blockwise "
+                           "or -bf16)")
+        opts["biases"] = True
     if getattr(module, "has_post_expert_norm", False):
         missing.append("a post-expert norm")
-    if getattr(module, "is_transposed", False):
-        missing.append("transposed expert weights (is_transposed); expected gate_up_proj [E, 2F, H], down_proj [E, H, F]")
-    if not getattr(module, "is_concatenated", True):
-        missing.append("interleaved gate/up rows (is_concatenated=False); expected the gate rows first, then up")
     if getattr(module, "_is_expert_parallel", False):
         missing.append("transformers' expert parallelism (sentinel expert ids); use flowmoe.torch.MoE's ep_group")
     gate = getattr(type(module), "_apply_gate", None)
     if gate is not None and gate is not _hf_moe._default_apply_gate:
-        missing.append(f"a custom gating function ({type(module).__name__}._apply_gate); flowmoe computes "
-                       "silu(gate) * up")
-    act = getattr(module, "act_fn", None)
-    if act is None or not _is_silu(act):
-        hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
-        missing.append(f"the activation {hidden_act or type(act).__name__}; flowmoe computes SiLU (SwiGLU) only")
+        clamped = _clamped_gate_params(module) if opts["interleaved"] else None
+        if clamped is None:
+            missing.append(f"a custom gating function ({type(module).__name__}._apply_gate); flowmoe computes "
+                           "silu(gate) * up or gpt-oss's clamped SwiGLU on interleaved gate/up")
+        else:
+            opts.update(activation="clamped-swiglu", swiglu_alpha=clamped[0], swiglu_limit=clamped[1])
+    else:
+        act = getattr(module, "act_fn", None)
+        if act is None or not _is_silu(act):
+            hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
+            missing.append(f"the activation {hidden_act or type(act).__name__}; flowmoe computes SiLU (SwiGLU) "
+                           "or gpt-oss's clamped SwiGLU")
     if not missing and hasattr(module, "gate_up_proj"):
         w1, w2 = module.gate_up_proj, getattr(module, "down_proj", None)
         if w2 is None or w1.dim() != 3 or w2.dim() != 3:
-            missing.append("3D gate_up_proj [E, 2F, H] and down_proj [E, H, F] parameters")
-        else:
-            E, F2, H = w1.shape
-            F = F2 // 2
-            if H % 128:
-                missing.append(f"hidden size {H}, not a multiple of 128 (flowmoe's 1x128 FP8 tiles; every recipe "
-                               "shares them)")
-            if F % 128:
-                missing.append(f"intermediate size {F} (moe_intermediate_size), not a multiple of 128")
-            if E > 1024:
-                missing.append(f"{E} experts; flowmoe's layer takes at most 1024")
-            if top_k is not None and top_k > 32:
-                missing.append(f"top-k {top_k}; flowmoe's layer takes at most 32")
+            missing.append("3D gate_up_proj and down_proj parameters")
+        elif w1.shape[0] > 1024:
+            missing.append(f"{w1.shape[0]} experts; flowmoe's layer takes at most 1024")
+        if top_k is not None and top_k > 32:
+            missing.append(f"top-k {top_k}; flowmoe's layer takes at most 32")
     if missing:
         raise NotImplementedError(f"flowmoe.hf: {name} cannot run on flowmoe: " + "; ".join(missing) +
                                   ". Use experts_implementation='grouped_mm' or 'eager' for this model.")
+    return opts
+
+
+def check_experts_module(module, top_k: int = None, recipe: str = "flow") -> None:
+    """Raises NotImplementedError naming the model and what flowmoe lacks, when ``module`` (a
+    transformers experts module) is not the computation flowmoe's layer runs."""
+    experts_options(module, recipe, top_k)
 
 
 def _experts_function(recipe: str, impl: str):
     def flowmoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        if not getattr(self, "_flowmoe_checked", False):
-            check_experts_module(self, int(top_k_index.shape[-1]))
-            self._flowmoe_checked = True
+        opts = getattr(self, "_flowmoe_options", None)
+        if opts is None or opts[0] != recipe:
+            opts = (recipe, experts_options(self, recipe, int(top_k_index.shape[-1])))
+            self._flowmoe_options = opts
+        kw = dict(opts[1])
+        if kw.pop("biases", False):
+            kw.update(b1=self.gate_up_proj_bias, b2=self.down_proj_bias)
         return experts(hidden_states, top_k_index.reshape(-1, top_k_index.shape[-1]),
                        top_k_weights.reshape(-1, top_k_weights.shape[-1]), self.gate_up_proj, self.down_proj,
-                       recipe=recipe, owner=self, sync_free=SYNC_FREE and hidden_states.is_cuda)
+                       recipe=recipe, owner=self, sync_free=SYNC_FREE and hidden_states.is_cuda, **kw)
 
     flowmoe_experts_forward.__name__ = f"flowmoe_experts_forward_{recipe.replace('-', '_')}"
     flowmoe_experts_forward.__doc__ = f"transformers experts_implementation={impl!r}: flowmoe recipe {recipe!r}."

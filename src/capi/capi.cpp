@@ -27,6 +27,7 @@ struct flowmoe_layer {
   std::unique_ptr<flowmoe::MoeLayer> layer;
   int device = -1;  // CUDA device of a CUDA layer (made current for each call), -1 for CPU
   std::string report;
+  float* db1 = nullptr;  // flowmoe_layer_set_gemm1_bias_grad: the next backward's db1
 };
 
 namespace flowmoe {
@@ -104,6 +105,18 @@ MoeConfig to_config(const flowmoe_config* c, flowmoe_comm* comm, const char* wha
   FLOWMOE_CHECK(c->external_routing == 0 || c->external_routing == 1,
                 what << ": external_routing = " << c->external_routing << "; expected 0 or 1");
   cfg.external_routing = c->external_routing == 1;
+  const std::string act = c->activation ? c->activation : "swiglu";
+  if (act == "clamped-swiglu") {
+    cfg.activation.kind = ActivationKind::kClampedSwiglu;
+    cfg.activation.alpha = c->swiglu_alpha;
+    cfg.activation.limit = c->swiglu_limit;
+  } else {
+    FLOWMOE_CHECK(act == "swiglu", what << ": activation '" << act << "' is unknown; expected 'swiglu' or "
+                                           "'clamped-swiglu'");
+  }
+  FLOWMOE_CHECK(c->gemm1_bias == 0 || c->gemm1_bias == 1,
+                what << ": gemm1_bias = " << c->gemm1_bias << "; expected 0 or 1");
+  cfg.gemm1_bias = c->gemm1_bias == 1;
   cfg.comm = comm ? comm->comm.get() : nullptr;
   return cfg;
 }
@@ -150,7 +163,10 @@ int backward(const char* what, flowmoe_layer* layer, const uint16_t* dy, uint16_
     g.dwr = dwr;
     g.dprobs = dprobs;
     g.accumulate = accumulate;
-    checked(layer, what)->layer->backward(dy, dx, g);
+    flowmoe_layer* l = checked(layer, what);
+    g.db1 = l->db1;
+    l->db1 = nullptr;  // (for this backward only, whatever it does)
+    l->layer->backward(dy, dx, g);
   });
 }
 
@@ -339,6 +355,23 @@ int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t
 int flowmoe_layer_set_routing(flowmoe_layer* layer, const int32_t* ids, const float* probs) {
   return guarded("flowmoe_layer_set_routing", [&] {
     checked(layer, "flowmoe_layer_set_routing")->layer->set_routing(ids, probs);
+  });
+}
+
+int flowmoe_layer_set_gemm1_bias(flowmoe_layer* layer, const float* b1) {
+  return guarded("flowmoe_layer_set_gemm1_bias", [&] {
+    checked(layer, "flowmoe_layer_set_gemm1_bias")->layer->set_gemm1_bias(b1);
+  });
+}
+
+int flowmoe_layer_set_gemm1_bias_grad(flowmoe_layer* layer, float* db1) {
+  return guarded("flowmoe_layer_set_gemm1_bias_grad", [&] {
+    flowmoe_layer* l = checked(layer, "flowmoe_layer_set_gemm1_bias_grad");
+    FLOWMOE_CHECK(db1 != nullptr, "flowmoe_layer_set_gemm1_bias_grad: null db1; expected db1 [El, 2F] fp32");
+    FLOWMOE_CHECK(l->layer->config().gemm1_bias,
+                  "flowmoe_layer_set_gemm1_bias_grad: this layer's experts have no bias; expected a layer "
+                  "configured with gemm1_bias = 1");
+    l->db1 = db1;
   });
 }
 

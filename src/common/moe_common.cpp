@@ -49,6 +49,24 @@ MoeLayer::RoutingInput MoeLayer::take_routing(const char* what) {
   return r;
 }
 
+// ---- GEMM1's bias (MoeConfig::gemm1_bias) ---------------------------------------------------------
+void MoeLayer::set_gemm1_bias(const float* b1) {
+  FLOWMOE_CHECK(cfg_.gemm1_bias, "MoeLayer::set_gemm1_bias: this layer's experts have no bias; expected a layer "
+                                 "configured with MoeConfig::gemm1_bias");
+  FLOWMOE_CHECK(b1 != nullptr, "MoeLayer::set_gemm1_bias: null b1; expected b1 [El, 2F] fp32 in the layer's "
+                               "memory space");
+  gemm1_bias_input_ = b1;
+}
+
+const float* MoeLayer::take_gemm1_bias(const char* what) {
+  const float* b = gemm1_bias_input_;
+  gemm1_bias_input_ = nullptr;
+  FLOWMOE_CHECK(!cfg_.gemm1_bias || b != nullptr,
+                what << ": no GEMM1 bias for this forward; the layer's experts have one (MoeConfig::gemm1_bias): "
+                        "call set_gemm1_bias(b1) before each forward");
+  return b;
+}
+
 // ---- gradients ----------------------------------------------------------------------------------
 void MoeLayer::check_grads(const MoeGrads& g) const {
   const char* what = "MoeLayer::backward";
@@ -57,6 +75,8 @@ void MoeLayer::check_grads(const MoeGrads& g) const {
   FLOWMOE_CHECK(!(g.accumulate && (g.dw1_bf16 || g.dw2_bf16)),
                 what << ": BF16 expert gradients with accumulate = true; BF16 gradients are overwritten "
                         "(accumulate = false), FP32 ones may be accumulated into");
+  FLOWMOE_CHECK(!g.db1 || cfg_.gemm1_bias,
+                what << ": db1 given to a layer without GEMM1 biases (MoeConfig::gemm1_bias); expected null");
   FLOWMOE_CHECK(!(cfg_.external_routing && g.dwr),
                 what << ": dwr given to a layer without a router (MoeConfig::external_routing); "
                         "expected null (the routing weights' gradient goes to dprobs)");
@@ -133,6 +153,20 @@ void MoeConfig::validate() const {
     FLOWMOE_CHECK(comm == nullptr, what << ": external_routing with a communicator (expert "
                                            "parallelism) is not supported; expected one rank");
   }
+  if (activation.clamped())
+    FLOWMOE_CHECK(std::isfinite(activation.alpha) && std::isfinite(activation.limit) && activation.limit > 0.0f,
+                  what << ": clamped SwiGLU with alpha = " << activation.alpha << ", limit = " << activation.limit
+                       << "; expected finite values and limit > 0 (gpt-oss: alpha 1.702, limit 7)");
+  FLOWMOE_CHECK(activation.kind == ActivationKind::kSwiglu || activation.clamped(),
+                what << ": activation " << static_cast<int>(activation.kind)
+                     << " unknown; expected SwiGLU or clamped SwiGLU");
+  if (gemm1_bias) {
+    FLOWMOE_CHECK(recipe != Recipe::kFp8Naive,
+                  what << ": GEMM1 biases with the fp8-naive recipe are not supported; expected bf16, "
+                          "blockwise, flow or flow-fp4");
+    FLOWMOE_CHECK(comm == nullptr, what << ": GEMM1 biases with a communicator (expert parallelism) are not "
+                                           "supported; expected one rank");
+  }
   FLOWMOE_CHECK(max_rows() <= INT32_MAX,
                 what << ": max_tokens = " << max_tokens << " gives up to " << max_rows()
                      << " padded rows, which do not fit int32 row indices; expected fewer tokens");
@@ -166,6 +200,8 @@ std::string MoeConfig::describe() const {
      << (router == RouterScore::kSoftmax ? "softmax" : "sigmoid")
      << (router_renormalize ? "+renorm" : "") << " A=" << align << " " << recipe_name(recipe);
   if (external_routing) os << " external-routing";
+  if (activation.clamped()) os << " clamped-swiglu(alpha=" << activation.alpha << ",limit=" << activation.limit << ")";
+  if (gemm1_bias) os << " gemm1-bias";
   return os.str();
 }
 

@@ -27,7 +27,8 @@ void CpuMoeLayer::backward_bf16(const bf16_t* dy, const MoeGrads& g, bf16_t* dxp
                                 g.accumulate);
   std::vector<bf16_t> dh(Mp_ * 2 * F_);
   st->nonfinite += dswiglu_prob(da.data(), widen(sv.h_bf16.data(), Mp_ * 2 * F_).data(),
-                                route_.row_probs.data(), Mp_, F_, dh.data(), dp);
+                                route_.row_probs.data(), Mp_, F_, dh.data(), dp, cfg_.activation);
+  gemm1_bias_grad(dh, g);
   // GEMM1 dgrad and wgrad
   dgrad_bf16(dh, sw().w1_bf16, 2 * F_, H_, dxp);
   if (g.dw1)
@@ -51,10 +52,11 @@ void CpuMoeLayer::backward_blockwise(const bf16_t* dy, const MoeGrads& g, bf16_t
   if (g.dw2) cpu::grouped_wgrad_ref(dyc, sv.a_col, g.dw2, g.accumulate);
   std::vector<bf16_t> dh(Mp_ * 2 * F_);
   st->nonfinite += dswiglu_prob(da.data(), widen(sv.h_bf16.data(), Mp_ * 2 * F_).data(),
-                                route_.row_probs.data(), Mp_, F_, dh.data(), dp);
+                                route_.row_probs.data(), Mp_, F_, dh.data(), dp, cfg_.activation);
   QTensor dhr, dhc;
   *st += cpu::quantize_both(dh.data(), Mp_, 2 * F_, seg, &dhr, &dhc);
   log.add(CastKind::kQuantize, rn::kQuantizeDhBoth, 2, Mp_ * 2 * F_);
+  gemm1_bias_grad(dh, g);
   // GEMM1 dgrad and wgrad
   dgrad_fp8(dhr, sw().w1t_fp8, H_, dxp);
   if (g.dw1) cpu::grouped_wgrad_ref(dhc, sv.xperm_col, g.dw1, g.accumulate);
@@ -96,7 +98,7 @@ void CpuMoeLayer::backward_fp8_naive(const bf16_t* dy, const MoeGrads& g, bf16_t
   if (g.dw2) fp32_scale_wgrad(dyc, acn, g.dw2, g.accumulate);
   std::vector<bf16_t> dh(Mp_ * 2 * F_);
   st->nonfinite += dswiglu_prob(da.data(), widen(sv.h_bf16.data(), Mp_ * 2 * F_).data(),
-                                route_.row_probs.data(), Mp_, F_, dh.data(), dp);
+                                route_.row_probs.data(), Mp_, F_, dh.data(), dp, cfg_.activation);
   cpu::QTensorF32 dhr;
   *st += cpu::quantize_row_fp32_scale(dh.data(), Mp_, 2 * F_, &dhr);
   log.add(CastKind::kQuantize, rn::kQuantizeDhFp32Scale, 1, Mp_ * 2 * F_);
@@ -138,13 +140,14 @@ void CpuMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g, bf16_t* dxp
   cpu::dequantize(sv.h_quantized, h.data());
   std::vector<bf16_t> dh(Mp_ * 2 * F_);
   st->nonfinite += dswiglu_prob(da.data(), h.data(), route_.row_probs.data(), Mp_, F_, dh.data(),
-                                dp);
+                                dp, cfg_.activation);
   QTensor dhr, dhc;
   QuantStats qd = cpu::quantize_row(dh.data(), Mp_, 2 * F_, &dhr);
   qd += cpu::quantize_col(dh.data(), Mp_, 2 * F_, seg, &dhc);
   qd.nonfinite = 0;  // counted by dswiglu_prob
   *st += qd;
   log.add(CastKind::kFused, rn::kDswigluQuantRowCol, 2, Mp_ * 2 * F_);
+  gemm1_bias_grad(dhr, g);
   // GEMM1 dgrad
   dgrad_fp8(dhr, sw().w1t_fp8, H_, dxp);
   // GEMM1 wgrad: x_perm's column copy (flow: scaling-aware transpose of the saved FP8 rows;

@@ -17,9 +17,10 @@ void CpuMoeLayer::forward_bf16(bf16_t* y, QuantStats* st) {
   sv.xperm_bf16.assign(Mp_ * H_, 0);
   permute_bf16(route_.x.data(), sv.xperm_bf16.data(), MoePass::kForward, rn::kDispatchX);
   fprop_bf16(sv.xperm_bf16, sw().w1_bf16, 2 * F_, H_, &sv.h_bf16);  // GEMM1
+  add_gemm1_bias(&sv.h_bf16);
   std::vector<float> a(Mp_ * F_);
   st->nonfinite += swiglu_prob(widen(sv.h_bf16.data(), Mp_ * 2 * F_).data(),
-                               route_.row_probs.data(), Mp_, F_, a.data());
+                               route_.row_probs.data(), Mp_, F_, a.data(), cfg_.activation);
   sv.a_bf16 = round_bf16(a);
   std::vector<bf16_t> o;
   fprop_bf16(sv.a_bf16, sw().w2_bf16, H_, F_, &o);  // GEMM2
@@ -39,9 +40,10 @@ void CpuMoeLayer::forward_blockwise(bf16_t* y, QuantStats* st) {
   *st += cpu::quantize_both(xp.data(), Mp_, H_, route_.segments, &xr, &sv.xperm_col);
   log.add(CastKind::kQuantize, rn::kQuantizeXpermBoth, 2, Mp_ * H_);
   fprop_fp8(xr, sw().w1_fp8, 2 * F_, &sv.h_bf16);  // GEMM1
+  add_gemm1_bias(&sv.h_bf16);
   std::vector<float> a(Mp_ * F_);
   st->nonfinite += swiglu_prob(widen(sv.h_bf16.data(), Mp_ * 2 * F_).data(),
-                               route_.row_probs.data(), Mp_, F_, a.data());
+                               route_.row_probs.data(), Mp_, F_, a.data(), cfg_.activation);
   const std::vector<bf16_t> ab = round_bf16(a);
   QTensor ar;
   *st += cpu::quantize_both(ab.data(), Mp_, F_, route_.segments, &ar, &sv.a_col);
@@ -76,7 +78,7 @@ void CpuMoeLayer::forward_fp8_naive(bf16_t* y, QuantStats* st) {
   gemm_fp32_scale(sv.xperm_fp32s, sw().w1_fp32s, 2 * F_, sv.h_bf16.data());  // GEMM1
   std::vector<float> a(Mp_ * F_);
   st->nonfinite += swiglu_prob(widen(sv.h_bf16.data(), Mp_ * 2 * F_).data(),
-                               route_.row_probs.data(), Mp_, F_, a.data());
+                               route_.row_probs.data(), Mp_, F_, a.data(), cfg_.activation);
   const std::vector<bf16_t> ab = round_bf16(a);
   *st += cpu::quantize_row_fp32_scale(ab.data(), Mp_, F_, &sv.a_fp32s);
   log.add(CastKind::kQuantize, rn::kQuantizeAFp32Scale, 1, Mp_ * F_);
@@ -113,11 +115,12 @@ void CpuMoeLayer::forward_flow(bf16_t* y, QuantStats* st) {
   }
   std::vector<bf16_t> h;
   fprop_fp8(xr, sw().w1_fp8, 2 * F_, &h);  // GEMM1
+  add_gemm1_bias(&h);
   // fused SwiGLU * prob + quantize: a' row-wise (GEMM2 input), a' column-wise (its wgrad copy,
   // = scaling-aware transpose of the row-wise tiles), h row-wise (saved for dSwiGLU)
   std::vector<float> a(Mp_ * F_);
   st->nonfinite += swiglu_prob(widen(h.data(), Mp_ * 2 * F_).data(), route_.row_probs.data(),
-                               Mp_, F_, a.data());
+                               Mp_, F_, a.data(), cfg_.activation);
   QTensor ar;
   QuantStats qa = cpu::quantize_row(a.data(), Mp_, F_, &ar);
   qa.nonfinite = 0;  // already counted by swiglu_prob (each value once)

@@ -115,6 +115,8 @@ void CpuMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
     FLOWMOE_CHECK(x && y, what << ": x and y must be non-null host pointers to [T, H] bf16");
   });
   const RoutingInput ext = take_routing(what);
+  const float* b1 = take_gemm1_bias(what);
+  if (b1) gemm1_bias_.assign(b1, b1 + El_ * 2 * F_);
   T_ = tokens;
   have_forward_ = false;
   step_weights_ = weights_;

@@ -82,10 +82,11 @@ int64_t qbytes(const QTensor& q);  // codes + scales
 //             dp_r        = sum_j da'[r, j] * (silu(g) * u)       (FP32, fma in j order)
 // Padding rows have p = 0 and h = 0 and give zeros.
 // h [M, 2F] binary32 -> a [M, F] binary32; returns the non-finite outputs.
-int64_t swiglu_prob(const float* h, const float* row_probs, int64_t m, int64_t f, float* a);
+int64_t swiglu_prob(const float* h, const float* row_probs, int64_t m, int64_t f, float* a,
+                    const GatedActivation& act);
 // da [M, F] bf16, h [M, 2F] binary32 -> dh [M, 2F] bf16, dp [M] fp32; returns non-finite dh.
 int64_t dswiglu_prob(const bf16_t* da, const float* h, const float* row_probs, int64_t m,
-                     int64_t f, bf16_t* dh, float* dp);
+                     int64_t f, bf16_t* dh, float* dp, const GatedActivation& act);
 
 // Block-scaled GEMMs with FP32 scales (fp8-naive), summed exactly like cpu::grouped_*_ref: per
 // output element and 128-wide contraction block, decoded code products summed in FP32 in index
@@ -210,6 +211,13 @@ class CpuMoeLayer final : public MoeLayer {
   cpu::QTensorF32 dq_t_q_column(OpLog* log, const cpu::QTensorF32& row, WgradOperand operand,
                                 QuantStats* st);
 
+  // ---- GEMM1's bias (MoeConfig::gemm1_bias; flowmoe/expert_bias.h) ----
+  // h [Mp, 2F] = bf16(h + b1[e]) over the segments (no-op without gemm1_bias)
+  void add_gemm1_bias(std::vector<bf16_t>* h);
+  // db1 from the dH that GEMM1's dgrad reads: BF16 (bf16, blockwise) or row-wise FP8 (flow)
+  void gemm1_bias_grad(const std::vector<bf16_t>& dh, const MoeGrads& g);
+  void gemm1_bias_grad(const QTensor& dh_row, const MoeGrads& g);
+
   // ---- operators.cpp: grouped GEMMs over the padded segments, FP32 results rounded to BF16 ----
   void fprop_bf16(const std::vector<bf16_t>& a, const std::vector<bf16_t>& w, int64_t n,
                   int64_t k, std::vector<bf16_t>* out);
@@ -242,6 +250,7 @@ class CpuMoeLayer final : public MoeLayer {
   const WeightCopies& sw() const { return *step_weights_; }
   int64_t T_ = 0, Mp_ = 0;    // tokens of the latest forward; padded rows of the local experts
   RoutingState route_;
+  std::vector<float> gemm1_bias_;  // b1 [El, 2F] of the latest forward (gemm1_bias layers)
   SavedActivations saved_;
   CastReport report_;
   size_t forward_columns_ = 0;  // column checks made by the forward

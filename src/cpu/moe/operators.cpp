@@ -7,6 +7,7 @@
 #include "cpu/moe/layer.h"
 #include "flowmoe/gemm.h"
 #include "flowmoe/numerics.h"
+#include "flowmoe/expert_bias.h"
 #include "flowmoe/swiglu_math.h"
 
 namespace flowmoe {
@@ -39,32 +40,44 @@ int64_t count_nonfinite(const float* v, int64_t n) {
 }  // namespace
 
 // ---- SwiGLU with probabilities --------------------------------------------------------------------
-int64_t swiglu_prob(const float* h, const float* row_probs, int64_t m, int64_t f, float* a) {
+int64_t swiglu_prob(const float* h, const float* row_probs, int64_t m, int64_t f, float* a,
+                    const GatedActivation& act) {
   for (int64_t r = 0; r < m; ++r)
     for (int64_t j = 0; j < f; ++j)
       a[r * f + j] =
-          num::f_mul(num::swiglu_f32(h[r * 2 * f + j], h[r * 2 * f + f + j]), row_probs[r]);
+          num::f_mul(num::act_f32(act, h[r * 2 * f + j], h[r * 2 * f + f + j]), row_probs[r]);
   return count_nonfinite(a, m * f);
 }
 
 int64_t dswiglu_prob(const bf16_t* da, const float* h, const float* row_probs, int64_t m,
-                     int64_t f, bf16_t* dh, float* dp) {
+                     int64_t f, bf16_t* dh, float* dp, const GatedActivation& act) {
   int64_t bad = 0;
   for (int64_t r = 0; r < m; ++r) {
     float acc = 0.0f;
     for (int64_t j = 0; j < f; ++j) {
       const float g = h[r * 2 * f + j], u = h[r * 2 * f + f + j];
       const float dap = bf16_to_f32(da[r * f + j]);
-      const num::SwigluGrad d = num::dswiglu_f32(num::f_mul(dap, row_probs[r]), g, u);
+      const num::SwigluGrad d = num::dact_f32(act, num::f_mul(dap, row_probs[r]), g, u);
       const float dg = d.dgate, du = d.dup;
       bad += !num::f32_is_finite(dg) + !num::f32_is_finite(du);
       dh[r * 2 * f + j] = to_bf16(dg);
       dh[r * 2 * f + f + j] = to_bf16(du);
-      acc = num::f_fma(dap, num::swiglu_f32(g, u), acc);
+      acc = num::f_fma(dap, num::act_f32(act, g, u), acc);
     }
     dp[r] = acc;
   }
   return bad;
+}
+
+// ---- GEMM1's bias ---------------------------------------------------------------------------------
+void CpuMoeLayer::add_gemm1_bias(std::vector<bf16_t>* h) {
+  if (cfg_.gemm1_bias) cpu::add_expert_bias(h->data(), Mp_, 2 * F_, route_.segments, gemm1_bias_.data());
+}
+void CpuMoeLayer::gemm1_bias_grad(const std::vector<bf16_t>& dh, const MoeGrads& g) {
+  if (g.db1) cpu::expert_bias_grad(dh.data(), Mp_, 2 * F_, route_.segments, g.db1, g.accumulate);
+}
+void CpuMoeLayer::gemm1_bias_grad(const QTensor& dh_row, const MoeGrads& g) {
+  if (g.db1) cpu::expert_bias_grad(dh_row, route_.segments, g.db1, g.accumulate);
 }
 
 // ---- FP32-scale block GEMMs (fp8-naive) ---------------------------------------------------------------

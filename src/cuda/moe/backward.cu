@@ -12,6 +12,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/moe/layer.h"
+#include "flowmoe/expert_bias.h"
 #include "flowmoe/swiglu.h"
 
 namespace flowmoe {
@@ -28,7 +29,8 @@ void CudaMoeLayer::backward_bf16(const bf16_t* dy, const MoeGrads& g) {
   if (g.wants_dw2()) { auto s = bwd("GEMM2 wgrad (bf16)"); bf16_wgrad(b.rows_bf16, H_, b.a, F_, g.dw2, g.dw2_bf16); }
   { auto s = bwd("dSwiGLU*prob (bf16)");
     cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials,
-                  rows_bound()); }
+                  rows_bound(), cfg_.activation); }
+  gemm1_bias_grad_bf16(g);
   // GEMM1 dgrad overwrites dY's storage with the dX rows: GEMM2's grads have read it
   { auto s = bwd("GEMM1 dgrad (bf16)"); bf16_dgrad(b.dh, 2 * F_, H_, w.w1_bf16, b.rows_bf16); }
   mark_dx_rows_ready();
@@ -51,7 +53,8 @@ void CudaMoeLayer::backward_blockwise(const bf16_t* dy, const MoeGrads& g) {
   fp8_gemm2_grads(g, -1);  // (it ends before the dh quantize overwrites dY's copies)
   { auto s = bwd("dSwiGLU*prob (bf16)");
     cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials,
-                  rows_bound()); }
+                  rows_bound(), cfg_.activation); }
+  gemm1_bias_grad_bf16(g);
   { auto s = bwd("quantize dh (row + col)");
     quantize_col(b.dh, 2 * F_, sb, b.dh_col.codes, b.dh_col.ue8m0(), b.dh_row.codes, b.dh_row.ue8m0(), st_bwd(),
                  stream_); }
@@ -115,7 +118,8 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
     fp8_wgrad(b.dy_col_f32, H_, b.a_col_f32, F_, g.dw2, g.dw2_bf16); }
   { auto s = bwd("dSwiGLU*prob (bf16)");
     cuda::dswiglu(b.da, b.h, Mp_, F_, b.dh, st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials,
-                  rows_bound()); }
+                  rows_bound(), cfg_.activation); }
+  gemm1_bias_grad_bf16(g);
   { auto s = bwd("quantize dh (row, fp32 scales)");
     quantize_row_fp32_scale(b.dh, Mp_, 2 * F_, segment_offsets(), El_, b.dh_row_f32.codes, b.dh_row_f32.f32(), st_bwd(),
                        stream_); }
@@ -126,6 +130,20 @@ void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   { auto s = bwd("DQ->T->Q x_perm"); naive_col(b.x_perm_f32, H_, b.x_perm_col_f32, WgradOperand::kGemm1Input); }
   if (g.wants_dw1()) { auto s = bwd("GEMM1 wgrad (fp8)");
     fp8_wgrad(b.dh_col_f32, 2 * F_, b.x_perm_col_f32, H_, g.dw1, g.dw1_bf16); }
+}
+
+// db1 (MoeConfig::gemm1_bias) from the dH that GEMM1's dgrad reads: BF16 (bf16, blockwise) or
+// row-wise FP8 (flow, flow-fp4), as the CPU layer.
+void CudaMoeLayer::gemm1_bias_grad_bf16(const MoeGrads& g) {
+  if (!g.db1) return;
+  auto s = bwd("GEMM1 bias grad (db1 from bf16 dh)");
+  expert_bias_grad(ws_.expert.dh, Mp_, 2 * F_, segment_offsets(), El_, g.db1, g.accumulate, rows_bound(), stream_);
+}
+void CudaMoeLayer::gemm1_bias_grad_fp8(const MoeGrads& g, const QTensorView& dh_row) {
+  if (!g.db1) return;
+  auto s = bwd("GEMM1 bias grad (db1 from fp8 dh)");
+  expert_bias_grad_fp8(dh_row.codes, dh_row.ue8m0(), Mp_, 2 * F_, segment_offsets(), El_, g.db1, g.accumulate,
+                       rows_bound(), stream_);
 }
 
 // ---- flow, flow-fp4 ------------------------------------------------------------------------------
@@ -180,9 +198,10 @@ void CudaMoeLayer::backward_flow(const bf16_t* dy, const MoeGrads& g) {
     streams_.join(LayerStreams::kSideA);  // (also when there is no wgrad of W2: the transpose read dY row)
     backward_flow_dswiglu();
   }
+  const bool fused = path_.fused_dswiglu;
+  gemm1_bias_grad_fp8(g, fused ? b.dh_row_fused : b.dh_row);
   log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, H_);
   // the wgrad after x_perm's column copy
-  const bool fused = path_.fused_dswiglu;
   fp8_gemm1_grads(g, fused ? b.dh_row_fused : b.dh_row, fused ? b.dh_col_fused : b.dh_col, b.x_perm_col_flow,
                   LayerStreams::kSideB);
   streams_.join(LayerStreams::kSideB);  // the side stream idle before the next forward reuses x_perm
@@ -197,11 +216,13 @@ void CudaMoeLayer::backward_flow_dswiglu() {
   if (!path_.h_mxfp4()) {
     auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
     dswiglu_quant_fp8h(b.da, hs.codes, hs.ue8m0(), F_, sb, b.dh_row.codes, b.dh_row.ue8m0(), b.dh_col.codes,
-                       b.dh_col.ue8m0(), st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials);
+                       b.dh_col.ue8m0(), st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials,
+                       cfg_.activation);
   } else {
     auto s = bwd("dSwiGLU*prob + quantize (dh row + col, from mxfp4 h)");
     dswiglu_quant_fp4h(b.da, hs.codes, hs.ue8m0(), F_, sb, b.dh_row.codes, b.dh_row.ue8m0(), b.dh_col.codes,
-                       b.dh_col.ue8m0(), st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials);
+                       b.dh_col.ue8m0(), st_bwd(), stream_, ws_.routing.row_prob, ws_.routing.dprob_partials,
+                       cfg_.activation);
   }
   log_rows(MoePass::kBackward, CastKind::kFused, report_names::kDswigluQuantRowCol, 1, 2, 2 * F_);
 }

@@ -5,11 +5,20 @@
 
 #include "cuda/common.cuh"
 #include "cuda/moe/layer.h"
+#include "flowmoe/expert_bias.h"
 #include "flowmoe/swiglu.h"
 
 namespace flowmoe {
 namespace cuda {
 namespace moe {
+
+// GEMM1's bias (MoeConfig::gemm1_bias), in place on h before the activation: every row of the
+// segments, as the CPU layer (no-op without the bias).
+void CudaMoeLayer::add_gemm1_bias() {
+  if (gemm1_bias_ == nullptr) return;
+  auto s = fwd("GEMM1 bias (bf16 h += b1)");
+  cuda::add_expert_bias(ws_.expert.h, Mp_, 2 * F_, segment_offsets(), El_, gemm1_bias_, rows_bound(), stream_);
+}
 
 // GEMM2 (gemm2() computes the expert output rows into ExpertBuffers::rows_bf16) and the way back
 // to the tokens.
@@ -25,8 +34,9 @@ void CudaMoeLayer::forward_bf16(bf16_t* y) {
   { auto s = fwd(comm_ ? "dispatch x (bf16)" : "permute+pad x (bf16)");
     move_bf16(ws_.routing.x, b.x_perm, MoePass::kForward, report_names::kDispatchX); }
   { auto s = fwd("GEMM1 fprop (bf16)"); bf16_fprop(b.x_perm, 2 * F_, H_, w.w1_bf16, b.h); }
+  add_gemm1_bias();
   { auto s = fwd("SwiGLU*prob (bf16)");
-    cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob, rows_bound()); }
+    cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob, rows_bound(), cfg_.activation); }
   gemm2_then_combine("GEMM2 fprop (bf16)", [&] { bf16_fprop(b.a, H_, F_, w.w2_bf16, b.rows_bf16); }, y);
 }
 
@@ -45,8 +55,9 @@ void CudaMoeLayer::forward_blockwise(bf16_t* y) {
   log_rows(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeXpermBoth, 1, 2, H_);
   { auto s = fwd("GEMM1 fprop (fp8)");
     fp8_fprop(x_row, 2 * F_, H_, w.w1, b.h, st_fwd_aux()); }
+  add_gemm1_bias();
   { auto s = fwd("SwiGLU*prob (bf16)");
-    cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob, rows_bound()); }
+    cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob, rows_bound(), cfg_.activation); }
   { auto s = fwd("quantize a' (row + col)");
     quantize_col(b.a, F_, sb, b.a_col.codes, b.a_col.ue8m0(), b.a_row.codes, b.a_row.ue8m0(), st_fwd(), stream_); }
   log_rows(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeABoth, 1, 2, F_);
@@ -90,7 +101,7 @@ void CudaMoeLayer::forward_naive(bf16_t* y) {
   { auto s = fwd("GEMM1 fprop (fp8)");
     fp8_fprop(b.x_perm_f32, 2 * F_, H_, w.w1, b.h, st_fwd_aux()); }
   { auto s = fwd("SwiGLU*prob (bf16)");
-    cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob, rows_bound()); }
+    cuda::swiglu(b.h, Mp_, F_, b.a, st_fwd(), stream_, ws_.routing.row_prob, rows_bound(), cfg_.activation); }
   { auto s = fwd("quantize a' (row, fp32 scales)");
     quantize_row_fp32_scale(b.a, Mp_, F_, segment_offsets(), El_, b.a_f32.codes, b.a_f32.f32(), st_fwd(), stream_); }
   log_rows(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeAFp32Scale, 1, 1, F_);
@@ -137,15 +148,16 @@ void CudaMoeLayer::forward_flow(bf16_t* y) {
   } else {
     { auto s = fwd("GEMM1 fprop (fp8)");
       fp8_fprop(x_in, 2 * F_, H_, w.w1, b.h, st_fwd_aux()); }
+    add_gemm1_bias();
     if (!h4) {
       auto s = fwd("SwiGLU*prob + quantize (a' row, h row)");
       cuda::swiglu_quant(b.h, Mp_, F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), st_fwd(), stream_,
-                         ws_.routing.row_prob, rows_bound());
+                         ws_.routing.row_prob, rows_bound(), cfg_.activation);
       log_rows(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHRow, 1, 2, 2 * F_);
     } else {
       auto s = fwd("SwiGLU*prob + quantize (a' row, h mxfp4)");
       cuda::swiglu_quant_h4(b.h, Mp_, F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), st_fwd(), stream_,
-                            ws_.routing.row_prob, rows_bound());
+                            ws_.routing.row_prob, rows_bound(), cfg_.activation);
       log_rows(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHMxfp4, 1, 2, 2 * F_);
     }
   }

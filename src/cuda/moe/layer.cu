@@ -349,6 +349,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
     check_bound(what, /*saved=*/true);
   });
   const RoutingInput ext = take_routing(what);
+  gemm1_bias_ = take_gemm1_bias(what);
   T_ = tokens;
   have_forward_ = false;
   rep_.drop_ops(MoePass::kForward);

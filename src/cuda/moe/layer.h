@@ -163,6 +163,10 @@ class CudaMoeLayer final : public MoeLayer {
   void fp8_gemm2_grads(const MoeGrads& g, int side);
   void fp8_gemm2_wgrad(const MoeGrads& g, int side);
   void backward_flow_dswiglu();
+  // MoeConfig::gemm1_bias (forward.cu, backward.cu): h += b1 after GEMM1; db1 from dH
+  void add_gemm1_bias();
+  void gemm1_bias_grad_bf16(const MoeGrads& g);
+  void gemm1_bias_grad_fp8(const MoeGrads& g, const QTensorView& dh_row);
   void fp8_gemm1_grads(const MoeGrads& g, const QTensorView& dh_row, const QTensorView& dh_col,
                        const QTensorView& x_perm_col, int side);
   void naive_col(const QTensorView& row, int64_t c, const QTensorView& col, WgradOperand what);
@@ -243,6 +247,7 @@ class CudaMoeLayer final : public MoeLayer {
   // The recipe's path (recipe_path.h): pipeline, formats, and the options that depend on the recipe
   // (grouped GEMMs, fused epilogues, side stream, deduplicated EP dispatch)
   const RecipePath path_;
+  const float* gemm1_bias_ = nullptr;  // b1 of the current forward (set_gemm1_bias), else null
   bool sync_free_ = false;    // CudaLayerOptions::sync_free: Mp_ is the capacity max_rows_
   int64_t direct_bytes_ = -1; // dispatch_rows / combine_rows message grouping (comm.h)
   bool caller_memory_ = false;  // CudaLayerOptions::caller_memory: ws_ laid over bound_ per call

@@ -75,8 +75,10 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
                     workspace_rows(cfg) <= CudaLayerOptions::kGroupedAutoRows * cfg.num_local_experts());
   // The fused epilogues write a' row-wise FP8 and h in its saved quantized format (flow's SwiGLU +
   // quantize and dSwiGLU + quantize): the flow pipeline, with the grouped kernel running the GEMM.
-  p.fused_swiglu = options.fused_swiglu && p.grouped_gemm && flow;
-  p.fused_dswiglu = options.fused_dswiglu && p.grouped_gemm && flow;
+  // the fused (d)SwiGLU epilogues compute plain SwiGLU of GEMM1's output (no bias between them)
+  const bool plain_experts = !cfg.activation.clamped() && !cfg.gemm1_bias;
+  p.fused_swiglu = options.fused_swiglu && p.grouped_gemm && flow && plain_experts;
+  p.fused_dswiglu = options.fused_dswiglu && p.grouped_gemm && flow && plain_experts;
   // Only the flow pipeline makes its wgrad column copies as operators of their own (the scaling-aware
   // transposes, FP4RowToFP8Col), which can run next to the GEMMs; the others make them inline.
   p.side_stream = options.side_stream && flow;
