@@ -29,6 +29,11 @@ import step_profile  # noqa: E402
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, moe_intermediate_size=768, num_experts_per_tok=8,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144)
+# --family gpt-oss (issue 46): gpt-oss-20b's MoE block (H 2880, 32 experts of F 2880, top-4; biased
+# experts, clamped SwiGLU, transposed and interleaved weights); --size overrides H and F together
+# (e.g. 2944: the multiple of 128 that 2880 is padded to, the padding's control)
+GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                   num_attention_heads=64, num_key_value_heads=8, head_dim=64)
 MiB = 2 ** 20
 
 
@@ -41,8 +46,20 @@ def import_flowmoe_hf(lib):
     import flowmoe.hf  # noqa: F401
 
 
-def build_block(impl, device):
-    cfg = transformers.Qwen3MoeConfig(vocab_size=256, num_hidden_layers=1, norm_topk_prob=True, **QWEN3_30B_A3B)
+def hidden_size(args):
+    if args.family == "gpt-oss":
+        return args.size or GPT_OSS_20B["hidden_size"]
+    return QWEN3_30B_A3B["hidden_size"]
+
+
+def build_block(impl, device, args):
+    if args.family == "gpt-oss":
+        dims = dict(GPT_OSS_20B)
+        if args.size:
+            dims.update(hidden_size=args.size, intermediate_size=args.size)
+        cfg = transformers.GptOssConfig(vocab_size=256, num_hidden_layers=1, **dims)
+    else:
+        cfg = transformers.Qwen3MoeConfig(vocab_size=256, num_hidden_layers=1, norm_topk_prob=True, **QWEN3_30B_A3B)
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=impl,
@@ -51,11 +68,11 @@ def build_block(impl, device):
 
 
 def measure(args, impl, device):
-    block = build_block(impl, device)
+    block = build_block(impl, device, args)
     params = [p for p in block.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.0) if args.opt == "sgd" else torch.optim.AdamW(params, lr=1e-4, fused=True)
     g = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(1, args.tokens, QWEN3_30B_A3B["hidden_size"], device=device, dtype=torch.bfloat16,
+    x = torch.randn(1, args.tokens, hidden_size(args), device=device, dtype=torch.bfloat16,
                     generator=g).requires_grad_(True)
     dy = torch.randn(x.shape, device=device, dtype=torch.bfloat16, generator=g)
 
@@ -104,6 +121,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impls", nargs="+", default=["grouped_mm", "flowmoe-flow", "flowmoe-flow-fp4", "flowmoe-bf16"])
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--family", choices=["qwen3-moe", "gpt-oss"], default="qwen3-moe")
+    ap.add_argument("--size", type=int, default=None, help="gpt-oss: H = F = this (the padding's control)")
     ap.add_argument("--opt", choices=["sgd", "adamw"], default="sgd")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)

@@ -48,6 +48,13 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 VOCAB = 256  # bytes
 QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, moe_intermediate_size=768, num_experts_per_tok=8,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144)
+# --family gpt-oss (issue 46): gpt-oss-20b's sizes (H 2880, 32 experts of F 2880, top-4; 64 query heads,
+# 8 KV heads of 64, sliding window 128 on every other layer); biased experts with the clamped SwiGLU,
+# transposed weights, interleaved gate/up. The same key names as Qwen's (build_model maps them).
+GPT_OSS_20B = dict(hidden_size=2880, num_experts=32, moe_intermediate_size=2880, num_experts_per_tok=4,
+                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, intermediate_size=2880)
+GPT_OSS_TINY = dict(hidden_size=200, num_experts=4, moe_intermediate_size=72, num_experts_per_tok=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=72)
 TINY = dict(hidden_size=128, num_experts=4, moe_intermediate_size=128, num_experts_per_tok=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256)
 # run options: (full run, --tiny)
@@ -68,13 +75,27 @@ def import_flowmoe_hf(lib):
     import flowmoe.hf  # noqa: F401
 
 
+def model_config(dims, layers, seq_len):
+    if dims.get("family") == "gpt-oss":
+        return transformers.GptOssConfig(
+            vocab_size=VOCAB, num_hidden_layers=layers, max_position_embeddings=max(seq_len, 2048),
+            hidden_size=dims["hidden_size"], intermediate_size=dims["moe_intermediate_size"],
+            num_local_experts=dims["num_experts"], num_experts_per_tok=dims["num_experts_per_tok"],
+            num_attention_heads=dims["num_attention_heads"], num_key_value_heads=dims["num_key_value_heads"],
+            head_dim=dims["head_dim"])
+    return transformers.Qwen3MoeConfig(vocab_size=VOCAB, num_hidden_layers=layers, norm_topk_prob=True,
+                                       max_position_embeddings=max(seq_len, 2048),
+                                       **{k: v for k, v in dims.items() if k != "family"})
+
+
 def build_model(dims, layers, seq_len, impl, params, seed, device):
-    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, num_hidden_layers=layers, norm_topk_prob=True,
-                                      max_position_embeddings=max(seq_len, 2048), **dims)
+    cfg = model_config(dims, layers, seq_len)
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it runs: the same weights for every implementation
         return transformers.AutoModelForCausalLM.from_config(
-            cfg, experts_implementation=impl, attn_implementation="sdpa",
+            cfg, experts_implementation=impl,
+            # gpt-oss (attention sinks) has no SDPA path in transformers: its eager attention
+            attn_implementation="eager" if dims.get("family") == "gpt-oss" else "sdpa",
             dtype=torch.bfloat16 if params == "bf16" else torch.float32)
 
 
@@ -287,6 +308,8 @@ def main(argv=None):
                     "phase and kind (bench/step_profile.py)")
     ap.add_argument("--skip-conv", action="store_true", help="timings only")
     ap.add_argument("--tiny", action="store_true", help="tiny model and run (CPU smoke test)")
+    ap.add_argument("--family", choices=["qwen3-moe", "gpt-oss"], default="qwen3-moe",
+                    help="the model: Qwen3-30B-A3B's MoE sizes or gpt-oss-20b's (issue 46)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--flowmoe-lib", default=None, help="libflowmoe_capi.so to use (with this checkout's python/)")
     ap.add_argument("--json", default=None, help="write every raw number here")
@@ -296,11 +319,14 @@ def main(argv=None):
             setattr(args, name, tiny if args.tiny else full)
     device = torch.device(args.device)
     import_flowmoe_hf(args.flowmoe_lib)
-    dims = TINY if args.tiny else QWEN3_30B_A3B
+    if args.family == "gpt-oss":
+        dims = dict(GPT_OSS_TINY if args.tiny else GPT_OSS_20B, family="gpt-oss")
+    else:
+        dims = TINY if args.tiny else QWEN3_30B_A3B
     total, experts = count_parameters(dims, args.layers, args.seq_len)
     env = {"torch": torch.__version__, "transformers": transformers.__version__,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    print(f"# Qwen3-MoE causal LM (transformers {env['transformers']}, torch {env['torch']}, {env['device']}): "
+    print(f"# {'gpt-oss' if args.family == 'gpt-oss' else 'Qwen3-MoE'} causal LM (transformers {env['transformers']}, torch {env['torch']}, {env['device']}): "
           f"{args.layers} layers, H {dims['hidden_size']}, {dims['num_experts']} experts of F "
           f"{dims['moe_intermediate_size']}, top-{dims['num_experts_per_tok']}, {dims['num_attention_heads']} "
           f"heads / {dims['num_key_value_heads']} KV of {dims['head_dim']}, vocab {VOCAB} (bytes: a small "

@@ -96,6 +96,12 @@ int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm
                                    void* stream, const flowmoe_cuda_options* options,
                                    flowmoe_layer** out);
 int flowmoe_layer_destroy(flowmoe_layer* layer);  // null is allowed
+// Version 6 (flowmoe/expert_layout.h): expert weights stored transposed (and interleaved, unpadded)
+// to the layer's layout (to_layer 1: src [E, C, L] -> dst [E, R, Cp]) or their gradients back
+// (to_layer 0: dst_grad [E, R, Cp] -> grad [E, C, L]); map = {valid, stride, base0, base1, second};
+// elem_bytes 2 (BF16) or 4 (FP32); device pointers, ordered on `stream` (a cudaStream_t).
+int flowmoe_expert_relayout(const void* src, void* dst, int elem_bytes, int num_experts, int64_t c, int64_t l,
+                            int64_t r, int64_t cp, const int64_t map[5], int to_layer, void* stream);
 const char* flowmoe_layer_backend(const flowmoe_layer* layer);  // "cpu" or "cuda"
 int flowmoe_layer_local_experts(const flowmoe_layer* layer);    // El
 

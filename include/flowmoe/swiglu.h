@@ -2,11 +2,19 @@
 //
 // Layout of the GEMM1 output H [M, 2F] (row-major BF16): gate = columns [0, F), up = columns
 // [F, 2F) (Megatron's chunk(2, dim=-1) order).
-//   forward    A[t, j]      = silu(H[t, j]) * H[t, F + j]                          A [M, F]
-//   backward   dH[t, j]     = dA[t, j] * (H[t, F + j] * silu'(H[t, j]))            dH [M, 2F]
-//              dH[t, F + j] = dA[t, j] * silu(H[t, j])
-// computed in binary32 by the shared functions of flowmoe/swiglu_math.h (host and device give the
-// same bits). F must be a positive multiple of 128.
+//   forward    A[t, j]      = act(H[t, j], H[t, F + j])                            A [M, F]
+//   backward   dH[t, j]     = dA[t, j] * d act / d gate                            dH [M, 2F]
+//              dH[t, F + j] = dA[t, j] * d act / d up
+// computed in binary32 by the shared functions of flowmoe/swiglu_math.h (num::act_f32, dact_f32,
+// dact_prob_f32: host and device give the same bits). F must be a positive multiple of 128.
+//
+// The gated activation (every function's last parameter `act`, a num::GatedActivation; the
+// default is SwiGLU, so existing calls are unchanged):
+//   kSwiglu         act = silu(gate) * up: dgate = dA * (up * silu'(gate)), dup = dA * silu(gate)
+//   kClampedSwiglu  gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit),
+//                   act = (u + 1) * g * sigmoid(alpha * g); the gradient of gate is 0 where
+//                   gate > limit, that of up 0 where |up| > limit (docs/SWIGLU.md §11).
+// The GEMMs' fused SwiGLU epilogues (src/cuda/gemm) compute SwiGLU only.
 //
 // Quantized outputs use the layouts of flowmoe/tensor.h and the scale rule and NaN policy of
 // cpu::quantize_row / quantize_col:
@@ -22,18 +30,20 @@
 // Counters (QuantStats on the CPU, DeviceStatus on the GPU):
 //   nonfinite  the non-finite values among the tensors being quantized (binary32 A, BF16 dH, and
 //              BF16 H when it is quantized too), each counted once however many layouts it is
-//              written in. Their tiles are marked NaN (codes 0x7F, scale 0xFF). A non-finite input
-//              always makes at least one output of its row non-finite (docs/SWIGLU.md §3), and
-//              finite inputs can overflow, so the count is > 0 whenever anything went bad.
+//              written in. Their tiles are marked NaN (codes 0x7F, scale 0xFF). With SwiGLU a
+//              non-finite input always makes at least one output of its row non-finite
+//              (docs/SWIGLU.md §3; the clamped activation clamps an infinite up or +inf gate to
+//              the limit, §11), and finite inputs can overflow, so the count is > 0 whenever
+//              anything went bad.
 //   underflow  the values the forward column copy could not keep exactly (as
 //              scaling_aware_transpose counts them).
 //
-// Routing probability (the MoE layer's form a' = p * SwiGLU; docs/SWIGLU.md §10). Every function
-// takes an optional `prow` [M] fp32, the probability of each row (null: p = 1, the plain SwiGLU):
-//   forward   A'[t, j] = f_mul(swiglu_f32(gate, up), prow[t]), then rounded / quantized as A
-//   backward  dH from num::dswiglu_prob_f32(dA'[t, j], prow[t], gate, up), i.e. dswiglu_f32 of
-//             f_mul(dA', p); with `dprow_part` also the gradient of prow as partial sums per
-//             128-feature tile, dprow_part [F/128][M] (tile-major like the row scales):
+// Routing probability (the MoE layer's form a' = p * act; docs/SWIGLU.md §10). Every function
+// takes an optional `prow` [M] fp32, the probability of each row (null: p = 1, the plain form):
+//   forward   A'[t, j] = f_mul(act_f32(act, gate, up), prow[t]), then rounded / quantized as A
+//   backward  dH from num::dact_prob_f32(act, dA'[t, j], prow[t], gate, up), i.e. the gradient
+//             given dA = f_mul(dA', p); with `dprow_part` also the gradient of prow as partial
+//             sums per 128-feature tile, dprow_part [F/128][M] (tile-major like the row scales):
 //               part[b][t] = sum over the features j of tile b of dA'[t, j] * A[t, j]
 //             in this fixed order: the tile's feature 8g + 2q + i (group g = 0..15, pair q = 0..3,
 //             i = 0, 1) gives the pair value P(g, q) = fma(dA'_1, A_1, fma(dA'_0, A_0, +0.0)); for
@@ -48,6 +58,7 @@
 
 #include <cstdint>
 
+#include "flowmoe/swiglu_math.h"  // GatedActivation
 #include "flowmoe/tensor.h"
 
 namespace flowmoe {
@@ -55,30 +66,41 @@ namespace cpu {
 
 // ---- forward --------------------------------------------------------------------------------------
 // h [M, 2F] bf16 -> a [M, F] bf16 (RNE, NaN 0x7FC0). Returns nonfinite = non-finite elements of a.
-QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, const float* prow = nullptr);
+QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, const float* prow = nullptr,
+                  const GatedActivation& act = {});
 // The same in binary32: the values the fused forward quantizes.
-QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, float* a, const float* prow = nullptr);
+QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, float* a, const float* prow = nullptr,
+                  const GatedActivation& act = {});
 // Fused: h -> A row-wise FP8 [M, F] (a_row). Options: with `seg` and `a_col`, the column-wise
 // copy of A over the token segments; with `h_row`, H itself quantized row-wise [M, 2F]
 // (the activation the `flow` recipe saves for the backward). Pass null to skip an option.
 QuantStats swiglu_quant(const bf16_t* h, int64_t m, int64_t f, QTensor* a_row,
                         const Segments* seg, QTensor* a_col, QTensor* h_row,
-                        const float* prow = nullptr);
+                        const float* prow = nullptr, const GatedActivation& act = {});
+
+// The copy of H [M, 2F] bf16 a flow recipe saves for the backward, before its quantization
+// (num::saved_gate / saved_up: with the clamped activation, values beyond the limits pushed to
+// twice the limit so that the quantized copy keeps the clamp's decision; SwiGLU: H itself).
+// swiglu_quant's h_row and the CUDA launchers' saved H quantize this copy.
+void saved_h(const bf16_t* h, int64_t m, int64_t f, bf16_t* out, const GatedActivation& act);
 
 // ---- backward -------------------------------------------------------------------------------------
 // da [M, F] bf16, h [M, 2F] bf16 -> dh [M, 2F] bf16. Returns nonfinite = non-finite elements of dh.
 QuantStats dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
-                   const float* prow = nullptr, float* dprow_part = nullptr);
+                   const float* prow = nullptr, float* dprow_part = nullptr,
+                   const GatedActivation& act = {});
 // The same with H saved as row-wise FP8 (h_row: kRow1x128, [M, 2F]) or MXFP4 (kMxfp4Row1x32).
 QuantStats dswiglu(const bf16_t* da, const QTensor& h_row, bf16_t* dh,
-                   const float* prow = nullptr, float* dprow_part = nullptr);
+                   const float* prow = nullptr, float* dprow_part = nullptr,
+                   const GatedActivation& act = {});
 // Fused: -> dH row-wise [M, 2F] and column-wise [2F, M] over the segments, from one pass.
 QuantStats dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f,
                          const Segments& seg, QTensor* dh_row, QTensor* dh_col,
-                         const float* prow = nullptr, float* dprow_part = nullptr);
+                         const float* prow = nullptr, float* dprow_part = nullptr,
+                         const GatedActivation& act = {});
 QuantStats dswiglu_quant(const bf16_t* da, const QTensor& h_row, const Segments& seg,
                          QTensor* dh_row, QTensor* dh_col, const float* prow = nullptr,
-                         float* dprow_part = nullptr);
+                         float* dprow_part = nullptr, const GatedActivation& act = {});
 // dprow [M] from the partial sums [F/128][M]: part[0] + part[1] + ... in tile order.
 void sum_dprow_parts(const float* dprow_part, int64_t m, int64_t f, float* dprow);
 
@@ -98,59 +120,66 @@ namespace cuda {
 // aligned (cudaMalloc gives 256). `status` may be null (then nothing is counted).
 
 // ---- forward --------------------------------------------------------------------------------------
-// Plain BF16 SwiGLU (the baseline): h [M, 2F] -> a [M, F].
+// Plain BF16 activation (the baseline): h [M, 2F] -> a [M, F].
 // rows_bound (every row-wise launcher below): a device int; rows at or past min(M, *rows_bound)
 // are neither read nor written nor counted (M still the scale grids' stride): the row count of a
 // step the host has not fetched, e.g. the padded offsets[E] of routing. Null: all M rows.
 void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* status,
-            cudaStream_t stream, const float* prow = nullptr, const int32_t* rows_bound = nullptr);
-// Fused SwiGLU + row-wise quantize: a_codes [M, F], a_scales [F/128][M]. Optionally (h_codes and
-// h_scales not null) H row-wise in the same pass: h_codes [M, 2F], h_scales [2F/128][M].
+            cudaStream_t stream, const float* prow = nullptr, const int32_t* rows_bound = nullptr,
+            const GatedActivation& act = {});
+// Fused activation + row-wise quantize: a_codes [M, F], a_scales [F/128][M]. Optionally (h_codes
+// and h_scales not null) H row-wise in the same pass: h_codes [M, 2F], h_scales [2F/128][M].
 void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                   uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream,
-                  const float* prow = nullptr, const int32_t* rows_bound = nullptr);
+                  const float* prow = nullptr, const int32_t* rows_bound = nullptr,
+                  const GatedActivation& act = {});
 // The same with H saved as MXFP4 instead (the `flow-fp4` recipe): h4_codes [M, 2F/2] (two E2M1 per
 // byte, even index in the low nibble), h4_scales [M][2F/32] == cpu::quantize_mxfp4(H).
 void swiglu_quant_h4(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                      uint8_t* h4_codes, uint8_t* h4_scales, DeviceStatus* status,
-                     cudaStream_t stream, const float* prow = nullptr, const int32_t* rows_bound = nullptr);
+                     cudaStream_t stream, const float* prow = nullptr,
+                     const int32_t* rows_bound = nullptr, const GatedActivation& act = {});
 // The same plus the column-wise copy of A over the segments (M = sb.m), fused: a_col_codes
 // [F, M], a_col_scales [sb.max_blocks][F]; bit-identical to scaling_aware_transpose of the
 // row-wise output (underflow counted). h_codes/h_scales optional as above.
 void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8_t* a_codes,
                       uint8_t* a_scales, uint8_t* a_col_codes, uint8_t* a_col_scales,
                       uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status,
-                      cudaStream_t stream, const float* prow = nullptr);
+                      cudaStream_t stream, const float* prow = nullptr,
+                      const GatedActivation& act = {});
 
 // ---- backward -------------------------------------------------------------------------------------
-// Plain BF16 dSwiGLU (first step of the unfused baseline): da [M, F], h [M, 2F] -> dh [M, 2F].
+// Plain BF16 backward (first step of the unfused baseline): da [M, F], h [M, 2F] -> dh [M, 2F].
 void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
              DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr,
-             float* dprow_part = nullptr, const int32_t* rows_bound = nullptr);
-// Fused dSwiGLU + row-wise and column-wise quantize, one pass (M = sb.m):
+             float* dprow_part = nullptr, const int32_t* rows_bound = nullptr,
+             const GatedActivation& act = {});
+// Fused backward + row-wise and column-wise quantize, one pass (M = sb.m):
 // row_codes [M, 2F], row_scales [2F/128][M], col_codes [2F, M], col_scales [sb.max_blocks][2F].
 void dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,
                    uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
                    uint8_t* col_scales, DeviceStatus* status, cudaStream_t stream,
-                   const float* prow = nullptr, float* dprow_part = nullptr);
+                   const float* prow = nullptr, float* dprow_part = nullptr,
+                   const GatedActivation& act = {});
 // The same with H saved as row-wise FP8: h_codes [M, 2F], h_scales [2F/128][M].
 void dswiglu_quant_fp8h(const bf16_t* da, const uint8_t* h_codes, const uint8_t* h_scales,
                         int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
                         uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
                         DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr,
-                        float* dprow_part = nullptr);
+                        float* dprow_part = nullptr, const GatedActivation& act = {});
 // The same with H saved as MXFP4 (h4_codes [M, 2F/2], h4_scales [M][2F/32]), decoded exactly.
 void dswiglu_quant_fp4h(const bf16_t* da, const uint8_t* h4_codes, const uint8_t* h4_scales,
                         int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
                         uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
                         DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr,
-                        float* dprow_part = nullptr);
+                        float* dprow_part = nullptr, const GatedActivation& act = {});
 // dprow [M] = sum of dprow_part [F/128][M] over the tiles in order (as cpu::sum_dprow_parts).
 void sum_dprow_parts(const float* dprow_part, int64_t m, int64_t f, float* dprow,
                      cudaStream_t stream);
 // The unfused sequence users run today (three kernels): dswiglu -> quantize_row -> quantize_col.
 // `work` holds M * 2F bf16 (dH). Same outputs, bit for bit, as dswiglu_quant (non-finite values
-// are counted by the row quantizer only, so the count matches too).
+// are counted by the row quantizer only, so the count matches too). SwiGLU only (no `act`):
+// it is the baseline the fused backward is measured against.
 void dswiglu_quant_unfused(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,
                            uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
                            uint8_t* col_scales, bf16_t* work, DeviceStatus* status,
@@ -174,22 +203,23 @@ inline void check_saved_h(const QTensorView& h, int64_t m, int64_t f, const char
 
 // h [M, 2F] bf16 -> a_row [M, F] and, if h_saved is not null, H in its format.
 inline void swiglu_quant(const bf16_t* h, const QTensorView& a_row, const QTensorView* h_saved,
-                         DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr) {
+                         DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr,
+                         const GatedActivation& act = {}) {
   view_detail::check_row(a_row, "swiglu_quant");
   const int64_t m = a_row.rows, f = a_row.cols;
   if (h_saved) view_detail::check_saved_h(*h_saved, m, f, "swiglu_quant");
   if (h_saved && h_saved->layout == Layout::kMxfp4Row1x32)
     swiglu_quant_h4(h, m, f, a_row.codes, a_row.ue8m0(), h_saved->codes, h_saved->ue8m0(), status,
-                    stream, prow);
+                    stream, prow, nullptr, act);
   else
     swiglu_quant(h, m, f, a_row.codes, a_row.ue8m0(), h_saved ? h_saved->codes : nullptr,
-                 h_saved ? h_saved->ue8m0() : nullptr, status, stream, prow);
+                 h_saved ? h_saved->ue8m0() : nullptr, status, stream, prow, nullptr, act);
 }
 // The same plus A column-wise over the segments (M = sb.m); h_saved null or row-wise FP8.
 inline void swiglu_quant_col(const bf16_t* h, const SegmentBlocks& sb, const QTensorView& a_row,
                              const QTensorView& a_col, const QTensorView* h_saved,
                              DeviceStatus* status, cudaStream_t stream,
-                             const float* prow = nullptr) {
+                             const float* prow = nullptr, const GatedActivation& act = {}) {
   view_detail::check_row(a_row, "swiglu_quant_col");
   view_detail::check_col(a_col, sb, a_row.cols, "swiglu_quant_col");
   const int64_t f = a_row.cols;
@@ -200,13 +230,13 @@ inline void swiglu_quant_col(const bf16_t* h, const SegmentBlocks& sb, const QTe
   }
   swiglu_quant_col(h, f, sb, a_row.codes, a_row.ue8m0(), a_col.codes, a_col.ue8m0(),
                    h_saved ? h_saved->codes : nullptr, h_saved ? h_saved->ue8m0() : nullptr,
-                   status, stream, prow);
+                   status, stream, prow, act);
 }
 // da [M, F] bf16 and the saved H (row-wise FP8 or MXFP4) -> dH row-wise and column-wise.
 inline void dswiglu_quant(const bf16_t* da, const QTensorView& h_saved, const SegmentBlocks& sb,
                           const QTensorView& dh_row, const QTensorView& dh_col,
                           DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr,
-                          float* dprow_part = nullptr) {
+                          float* dprow_part = nullptr, const GatedActivation& act = {}) {
   const int64_t f = h_saved.cols / 2;
   view_detail::check_saved_h(h_saved, sb.m, f, "dswiglu_quant");
   view_detail::check_row(dh_row, "dswiglu_quant");
@@ -214,10 +244,10 @@ inline void dswiglu_quant(const bf16_t* da, const QTensorView& h_saved, const Se
   view_detail::check_same_shape(dh_row, h_saved, "dswiglu_quant");
   if (h_saved.layout == Layout::kMxfp4Row1x32)
     dswiglu_quant_fp4h(da, h_saved.codes, h_saved.ue8m0(), f, sb, dh_row.codes, dh_row.ue8m0(),
-                       dh_col.codes, dh_col.ue8m0(), status, stream, prow, dprow_part);
+                       dh_col.codes, dh_col.ue8m0(), status, stream, prow, dprow_part, act);
   else
     dswiglu_quant_fp8h(da, h_saved.codes, h_saved.ue8m0(), f, sb, dh_row.codes, dh_row.ue8m0(),
-                       dh_col.codes, dh_col.ue8m0(), status, stream, prow, dprow_part);
+                       dh_col.codes, dh_col.ue8m0(), status, stream, prow, dprow_part, act);
 }
 
 }  // namespace cuda

@@ -239,6 +239,30 @@ FLOWMOE_HD SwigluGrad dact_f32(const GatedActivation& act, float da, float gate,
   return SwigluGrad{g.dgate, g.dup};
 }
 
+// The copy of h a flow recipe saves for its backward (FP8 or MXFP4) keeps the clamp's decision.
+// With the clamped activation a gate above the limit is saved as at least 2 * limit, an up beyond
+// +-limit as at least 2 * limit in magnitude: after FP8 or MXFP4 rounding (relative error below
+// 1/3) the backward still finds it beyond the limit, so its gradient mask is the forward's, and the
+// value it then uses is the limit itself, as in the forward. Without this, a gate a little above the
+// limit could be rounded onto it and pass a gradient the forward did not have. (The other way, a
+// value at or within the limit rounded past it, cannot happen in FP8 when the limit lies on the
+// E4M3 grid, as 7 does; MXFP4's grid is coarser: 7 may be saved as 8.) Values within the
+// limits are saved as they are; kSwiglu saves h unchanged. 2 * limit is taken rounded to BF16, so a
+// BF16 h stays BF16 (the quantizers of BF16 tensors save it).
+FLOWMOE_HD float saved_mark(const GatedActivation& act) { return bf16_to_f32(f32_to_bf16(f_mul(2.0f, act.limit))); }
+FLOWMOE_HD float saved_gate(const GatedActivation& act, float gate) {
+  if (!act.clamped() || !(gate > act.limit)) return gate;
+  const float m = saved_mark(act);
+  return gate > m ? gate : m;
+}
+FLOWMOE_HD float saved_up(const GatedActivation& act, float up) {
+  if (!act.clamped()) return up;
+  const float m = saved_mark(act);
+  if (up > act.limit) return up > m ? up : m;
+  if (up < -act.limit) return up < -m ? up : -m;
+  return up;
+}
+
 }  // namespace num
 
 using num::ActivationKind;

@@ -99,6 +99,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_create_cuda_opts": (c_int, [ctypes.POINTER(Config), vp, c_int, vp,
                                                    ctypes.POINTER(CudaOptions), ctypes.POINTER(vp)]),
         "flowmoe_layer_destroy": (c_int, [vp]),
+        "flowmoe_expert_relayout": (c_int, [vp, vp, c_int, c_int, i64, i64, i64, i64, ctypes.POINTER(i64), c_int,
+                                            vp]),
         "flowmoe_layer_backend": (ctypes.c_char_p, [vp]),
         "flowmoe_layer_local_experts": (c_int, [vp]),
         "flowmoe_layer_set_weights": (c_int, [vp, vp, vp, vp, vp]),
@@ -182,6 +184,14 @@ def has_nccl() -> bool:
 
 def recipe_names() -> tuple:
     return tuple(lib().flowmoe_recipe_names().decode().split(","))
+
+
+def expert_relayout(src: int, dst: int, elem_bytes: int, experts: int, c: int, l: int, r: int, cp: int,
+                    row_map, to_layer: bool, stream: int) -> None:
+    """flowmoe_expert_relayout (flowmoe/expert_layout.h) on device addresses."""
+    m = (ctypes.c_int64 * 5)(*[int(v) for v in row_map])
+    check(lib().flowmoe_expert_relayout(src, dst, int(elem_bytes), int(experts), int(c), int(l), int(r), int(cp), m,
+                                        int(bool(to_layer)), stream))
 
 
 def make_config(hidden: int, ffn: int, experts: int, topk: int, router: str, renormalize: bool,

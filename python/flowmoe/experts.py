@@ -17,6 +17,14 @@ layout of transformers' ``gate_up_proj``), w2 ``[E, H, F]`` (``down_proj``). w1 
 the layer's BF16 copies, quantized straight from the parameters, with the bits of FP32 masters
 holding the same values. Other float dtypes are converted to FP32 at every forward (an FP32 copy
 alive during the forward). Gradients return in the parameters' dtype (computed in FP32).
+
+Other experts (gpt-oss, issue 46; docs/HF.md): ``b1`` [E, 2F] (GEMM1's bias, added by the layer
+before the activation) and ``b2`` [E, H] (added per slot before its routing weight: sum_k p_k
+b2[e_k]), ``activation="clamped-swiglu"`` with ``swiglu_alpha`` / ``swiglu_limit``, ``transposed``
+weights (w1 [E, H, 2F], w2 [E, F, H]) and ``interleaved`` gate / up (rows, or columns when
+transposed, alternating; b1 too). H and F need not be multiples of 128: the weights, x and b1 are
+zero-padded to the next multiple (the layer's tiles) and y cropped, the same computation. Layouts
+other than the layer's own are relaid by differentiable copies at every forward (_Layout).
 """
 
 from __future__ import annotations
@@ -194,6 +202,12 @@ class _Layout:
         if self.identity:
             return w1, w2
         E, H, F, Hp, Fp = w1.shape[0], self.H, self.F, self.Hp, self.Fp
+        if self.transposed and w1.is_cuda and w1.element_size() in (2, 4) and w2.element_size() in (2, 4):
+            # tiled transposes (flowmoe_expert_relayout): torch's strided copies of a transpose run
+            # at a fraction of the bandwidth
+            m1 = (F, 2, 0, 1, Fp) if self.interleaved else (F, 1, 0, F, Fp)
+            return (_Relayout.apply(w1, H, 2 * F, 2 * Fp, Hp, m1),
+                    _Relayout.apply(w2, F, H, Hp, Fp, (H, 1, 0, 0, -1)))
         gate, up = self._gate_up(w1)
         w1l = w1.new_zeros((E, 2 * Fp, Hp))
         w1l[:, :F, :H] = gate
@@ -247,6 +261,33 @@ def _layer_for(owner, key, make) -> _ExpertsLayer:
         lay = make()
         e[1][key] = lay
     return lay
+
+
+class _Relayout(torch.autograd.Function):
+    """A transposed expert weight [E, C, L] to the layer's [E, R, Cp] (flowmoe/expert_layout.h, on
+    the CUDA stream PyTorch uses), its gradient back the same way."""
+
+    @staticmethod
+    def forward(ctx, w, C, L, R, Cp, row_map):
+        wc = w.contiguous()
+        out = torch.empty((w.shape[0], R, Cp), dtype=w.dtype, device=w.device)
+        stream = torch.cuda.current_stream(w.device).cuda_stream
+        with torch.cuda.device(w.device):
+            _native.expert_relayout(wc.data_ptr(), out.data_ptr(), wc.element_size(), w.shape[0], C, L, R, Cp,
+                                    row_map, True, stream)
+        ctx.meta = (tuple(w.shape), C, L, R, Cp, row_map)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        shape, C, L, R, Cp, row_map = ctx.meta
+        gc = g.contiguous()
+        out = torch.empty(shape, dtype=g.dtype, device=g.device)
+        stream = torch.cuda.current_stream(g.device).cuda_stream
+        with torch.cuda.device(g.device):
+            _native.expert_relayout(gc.data_ptr(), out.data_ptr(), gc.element_size(), shape[0], C, L, R, Cp,
+                                    row_map, False, stream)
+        return out, None, None, None, None, None
 
 
 _ACTIVATIONS = ("swiglu", "clamped-swiglu")

@@ -11,6 +11,8 @@
 #include "capi/capi_internal.h"
 #include "flowmoe/error.h"
 
+#include "flowmoe/expert_layout.h"
+
 #if defined(FLOWMOE_HAVE_CUDA)
 #include <cuda_runtime_api.h>
 #endif
@@ -279,6 +281,27 @@ int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm
                              std::string(what) + ": this flowmoe library was built without the "
                                                  "CUDA backend (no nvcc at build time); expected "
                                                  "a CUDA build for CUDA tensors");
+#endif
+}
+
+int flowmoe_expert_relayout(const void* src, void* dst, int elem_bytes, int num_experts, int64_t c, int64_t l,
+                            int64_t r, int64_t cp, const int64_t map[5], int to_layer, void* stream) {
+  const char* what = "flowmoe_expert_relayout";
+#if defined(FLOWMOE_HAVE_CUDA)
+  return guarded(what, [&] {
+    FLOWMOE_CHECK(src != nullptr && dst != nullptr && map != nullptr, what << ": null pointer");
+    flowmoe::ExpertRowMap m;
+    m.valid = map[0], m.stride = map[1], m.base0 = map[2], m.base1 = map[3], m.second = map[4];
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (to_layer)
+      flowmoe::cuda::expert_weights_to_layer(src, dst, elem_bytes, num_experts, c, l, r, cp, m, s);
+    else
+      flowmoe::cuda::expert_grads_from_layer(src, dst, elem_bytes, num_experts, c, l, r, cp, m, s);
+  });
+#else
+  (void)src, (void)dst, (void)elem_bytes, (void)num_experts, (void)c, (void)l, (void)r, (void)cp, (void)map,
+      (void)to_layer, (void)stream;
+  return flowmoe::capi::fail(FLOWMOE_ERROR_UNSUPPORTED, std::string(what) + ": built without the CUDA backend");
 #endif
 }
 

@@ -5,6 +5,7 @@
 #include "flowmoe/swiglu.h"
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "flowmoe/error.h"
@@ -24,6 +25,14 @@ void check_shape(int64_t m, int64_t f, const char* what) {
   FLOWMOE_CHECK(f > 0 && f % kT == 0,
                 what << ": F = " << f << " is not a positive multiple of 128 (the quantization "
                      << "block); H must be [M, 2F] with gate = columns [0, F), up = [F, 2F)");
+}
+// The gated activation: a known kind; the clamped one with a limit > 0 and a finite alpha.
+void check_act(const GatedActivation& act, const char* what) {
+  FLOWMOE_CHECK(act.kind == ActivationKind::kSwiglu || act.kind == ActivationKind::kClampedSwiglu,
+                what << ": unknown activation kind " << static_cast<int>(act.kind));
+  FLOWMOE_CHECK(!act.clamped() || (act.limit > 0.0f && std::isfinite(act.alpha)),
+                what << ": the clamped SwiGLU needs limit > 0 and a finite alpha (got limit "
+                     << act.limit << ", alpha " << act.alpha << ")");
 }
 void check_ptr(const void* p, int64_t m, const char* name, const char* what) {
   FLOWMOE_CHECK(p != nullptr || m == 0, what << ": " << name << " is null for M = " << m);
@@ -124,8 +133,6 @@ struct HFp8 {
   float up(int64_t t, int64_t j) const { return at(t, f + j); }
 };
 
-// Without prow: dH = dswiglu_f32(dA, gate, up). With prow: dswiglu_prob_f32(dA', p, gate, up), and
-// (dprow_part not null) the per-tile partial sums of dA' * A in the order swiglu.h specifies.
 struct HFp4 {  // MXFP4 1x32: codes [M, 2F/2], scales [M][2F/32]
   const QTensor* q;
   int64_t f;
@@ -136,9 +143,11 @@ struct HFp4 {  // MXFP4 1x32: codes [M, 2F/2], scales [M][2F/32]
   float up(int64_t t, int64_t j) const { return at(t, f + j); }
 };
 
+// Without prow: dH = dact_f32(act, dA, gate, up). With prow: dact_prob_f32(act, dA', p, gate, up),
+// and (dprow_part not null) the per-tile partial sums of dA' * A in the order swiglu.h specifies.
 template <typename HSrc>
 QuantStats dswiglu_impl(const bf16_t* da, const HSrc& h, int64_t m, int64_t f, bf16_t* dh,
-                        const float* prow, float* dprow_part) {
+                        const float* prow, float* dprow_part, const GatedActivation& act) {
   QuantStats st;
   // swiglu.h's order of dp: feature 8 g + 2 q + i of a tile (group g = 0..15, pair q = 0..3)
   constexpr int kGroups = kT / 8;
@@ -153,12 +162,12 @@ QuantStats dswiglu_impl(const bf16_t* da, const HSrc& h, int64_t m, int64_t f, b
             const float d = bf16_to_f32(da[t * f + j]);
             float dgate, dup;
             if (prow) {
-              const SwigluGradProb gr = dswiglu_prob_f32(d, prow[t], h.gate(t, j), h.up(t, j));
+              const SwigluGradProb gr = dact_prob_f32(act, d, prow[t], h.gate(t, j), h.up(t, j));
               dgate = gr.dgate;
               dup = gr.dup;
               acc = f_fma(d, gr.a, acc);
             } else {
-              const SwigluGrad gr = dswiglu_f32(d, h.gate(t, j), h.up(t, j));
+              const SwigluGrad gr = dact_f32(act, d, h.gate(t, j), h.up(t, j));
               dgate = gr.dgate;
               dup = gr.dup;
             }
@@ -191,10 +200,10 @@ void check_prob(const float* prow, const float* dprow_part, const char* what) {
 template <typename HSrc>
 QuantStats dswiglu_quant_impl(const bf16_t* da, const HSrc& h, int64_t m, int64_t f,
                               const Segments& seg, QTensor* dh_row, QTensor* dh_col,
-                              const float* prow, float* dprow_part) {
+                              const float* prow, float* dprow_part, const GatedActivation& act) {
   const int64_t k = 2 * f;
   std::vector<bf16_t> dh(m * k);
-  const QuantStats st = dswiglu_impl(da, h, m, f, dh.data(), prow, dprow_part);
+  const QuantStats st = dswiglu_impl(da, h, m, f, dh.data(), prow, dprow_part, act);
   init_row(dh_row, m, k);
   for (int64_t t = 0; t < m; ++t)
     for (int64_t b = 0; b < k / kT; ++b)
@@ -223,36 +232,41 @@ void check_dswiglu_quant_args(const bf16_t* da, int64_t m, int64_t f, const Segm
 
 }  // namespace
 
-// A (or A' = p * A) of row t, feature j, in binary32.
-inline float swiglu_at(const bf16_t* h, int64_t f, int64_t t, int64_t j, const float* prow) {
-  const float a = swiglu_f32(bf16_to_f32(h[t * 2 * f + j]), bf16_to_f32(h[t * 2 * f + f + j]));
+// A = act(gate, up) (or A' = p * A) of row t, feature j, in binary32.
+inline float swiglu_at(const bf16_t* h, int64_t f, int64_t t, int64_t j, const float* prow,
+                       const GatedActivation& act) {
+  const float a = act_f32(act, bf16_to_f32(h[t * 2 * f + j]), bf16_to_f32(h[t * 2 * f + f + j]));
   return prow ? f_mul(a, prow[t]) : a;
 }
 
-QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, float* a, const float* prow) {
+QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, float* a, const float* prow,
+                  const GatedActivation& act) {
   const char* what = "swiglu";
   check_shape(m, f, what);
+  check_act(act, what);
   check_ptr(h, m, "H", what);
   check_ptr(a, m, "A", what);
   QuantStats st;
   for (int64_t t = 0; t < m; ++t) {
     for (int64_t j = 0; j < f; ++j) {
-      a[t * f + j] = swiglu_at(h, f, t, j, prow);
+      a[t * f + j] = swiglu_at(h, f, t, j, prow, act);
       st.nonfinite += !f32_is_finite(a[t * f + j]);
     }
   }
   return st;
 }
 
-QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, const float* prow) {
+QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, const float* prow,
+                  const GatedActivation& act) {
   const char* what = "swiglu";
   check_shape(m, f, what);
+  check_act(act, what);
   check_ptr(h, m, "H", what);
   check_ptr(a, m, "A", what);
   QuantStats st;
   for (int64_t t = 0; t < m; ++t) {
     for (int64_t j = 0; j < f; ++j) {
-      const float v = swiglu_at(h, f, t, j, prow);
+      const float v = swiglu_at(h, f, t, j, prow, act);
       a[t * f + j] = bf16_canonical(v);
       st.nonfinite += !f32_is_finite(bf16_to_f32(a[t * f + j]));
     }
@@ -260,10 +274,22 @@ QuantStats swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, const float*
   return st;
 }
 
+void saved_h(const bf16_t* h, int64_t m, int64_t f, bf16_t* out, const GatedActivation& act) {
+  for (int64_t t = 0; t < m; ++t)
+    for (int64_t j = 0; j < 2 * f; ++j) {
+      const bf16_t v = h[t * 2 * f + j];
+      const float x = num::bf16_to_f32(v);
+      const float y = j < f ? num::saved_gate(act, x) : num::saved_up(act, x);
+      out[t * 2 * f + j] = num::f32_bits(y) == num::f32_bits(x) ? v : num::f32_to_bf16(y);  // (NaN payloads kept)
+    }
+}
+
 QuantStats swiglu_quant(const bf16_t* h, int64_t m, int64_t f, QTensor* a_row,
-                        const Segments* seg, QTensor* a_col, QTensor* h_row, const float* prow) {
+                        const Segments* seg, QTensor* a_col, QTensor* h_row, const float* prow,
+                        const GatedActivation& act) {
   const char* what = "swiglu_quant";
   check_shape(m, f, what);
+  check_act(act, what);
   check_ptr(h, m, "H", what);
   FLOWMOE_CHECK(a_row != nullptr, what << ": a_row (the row-wise output) is null");
   FLOWMOE_CHECK((seg == nullptr) == (a_col == nullptr),
@@ -281,16 +307,23 @@ QuantStats swiglu_quant(const bf16_t* h, int64_t m, int64_t f, QTensor* a_row,
     for (int64_t b = 0; b < f / kT; ++b) {
       for (int i = 0; i < kT; ++i) {
         const int64_t j = b * kT + i;
-        tile[i] = swiglu_at(h, f, t, j, prow);
+        tile[i] = swiglu_at(h, f, t, j, prow, act);
       }
       st.nonfinite += quantize_tile(tile, &a_row->codes[t * f + b * kT], &a_row->scales[b * m + t]);
     }
   }
   if (h_row) {
     init_row(h_row, m, 2 * f);
+    std::vector<bf16_t> hs;
+    const bf16_t* hq = h;
+    if (act.clamped()) {  // the saved copy keeps the clamp's decision (saved_h)
+      hs.resize(static_cast<size_t>(m) * 2 * f);
+      saved_h(h, m, f, hs.data(), act);
+      hq = hs.data();
+    }
     for (int64_t t = 0; t < m; ++t)
       for (int64_t b = 0; b < 2 * f / kT; ++b)
-        st.nonfinite += quantize_tile(&h[t * 2 * f + b * kT], &h_row->codes[t * 2 * f + b * kT],
+        st.nonfinite += quantize_tile(&hq[t * 2 * f + b * kT], &h_row->codes[t * 2 * f + b * kT],
                                       &h_row->scales[b * m + t]);
   }
   if (!a_col) return st;
@@ -330,49 +363,55 @@ QuantStats swiglu_quant(const bf16_t* h, int64_t m, int64_t f, QTensor* a_row,
 }
 
 QuantStats dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
-                   const float* prow, float* dprow_part) {
+                   const float* prow, float* dprow_part, const GatedActivation& act) {
   const char* what = "dswiglu";
   check_shape(m, f, what);
+  check_act(act, what);
   check_ptr(da, m, "dA", what);
   check_ptr(h, m, "H", what);
   check_ptr(dh, m, "dH", what);
   check_prob(prow, dprow_part, what);
-  return dswiglu_impl(da, HBf16{h, f}, m, f, dh, prow, dprow_part);
+  return dswiglu_impl(da, HBf16{h, f}, m, f, dh, prow, dprow_part, act);
 }
 
 QuantStats dswiglu(const bf16_t* da, const QTensor& h_row, bf16_t* dh, const float* prow,
-                   float* dprow_part) {
+                   float* dprow_part, const GatedActivation& act) {
   const char* what = "dswiglu (saved H)";
   check_h_row(h_row, what);
+  check_act(act, what);
   const int64_t m = h_row.rows, f = h_row.cols / 2;
   check_ptr(da, m, "dA", what);
   check_ptr(dh, m, "dH", what);
   check_prob(prow, dprow_part, what);
   if (h_row.layout == Layout::kMxfp4Row1x32)
-    return dswiglu_impl(da, HFp4{&h_row, f}, m, f, dh, prow, dprow_part);
-  return dswiglu_impl(da, HFp8{&h_row, f}, m, f, dh, prow, dprow_part);
+    return dswiglu_impl(da, HFp4{&h_row, f}, m, f, dh, prow, dprow_part, act);
+  return dswiglu_impl(da, HFp8{&h_row, f}, m, f, dh, prow, dprow_part, act);
 }
 
 QuantStats dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f,
                          const Segments& seg, QTensor* dh_row, QTensor* dh_col, const float* prow,
-                         float* dprow_part) {
+                         float* dprow_part, const GatedActivation& act) {
   const char* what = "dswiglu_quant";
   check_dswiglu_quant_args(da, m, f, seg, dh_row, dh_col, what);
+  check_act(act, what);
   check_ptr(h, m, "H", what);
   check_prob(prow, dprow_part, what);
-  return dswiglu_quant_impl(da, HBf16{h, f}, m, f, seg, dh_row, dh_col, prow, dprow_part);
+  return dswiglu_quant_impl(da, HBf16{h, f}, m, f, seg, dh_row, dh_col, prow, dprow_part, act);
 }
 
 QuantStats dswiglu_quant(const bf16_t* da, const QTensor& h_row, const Segments& seg,
-                         QTensor* dh_row, QTensor* dh_col, const float* prow, float* dprow_part) {
+                         QTensor* dh_row, QTensor* dh_col, const float* prow, float* dprow_part,
+                         const GatedActivation& act) {
   const char* what = "dswiglu_quant (saved H)";
   check_h_row(h_row, what);
+  check_act(act, what);
   const int64_t m = h_row.rows, f = h_row.cols / 2;
   check_dswiglu_quant_args(da, m, f, seg, dh_row, dh_col, what);
   check_prob(prow, dprow_part, what);
   if (h_row.layout == Layout::kMxfp4Row1x32)
-    return dswiglu_quant_impl(da, HFp4{&h_row, f}, m, f, seg, dh_row, dh_col, prow, dprow_part);
-  return dswiglu_quant_impl(da, HFp8{&h_row, f}, m, f, seg, dh_row, dh_col, prow, dprow_part);
+    return dswiglu_quant_impl(da, HFp4{&h_row, f}, m, f, seg, dh_row, dh_col, prow, dprow_part,
+                              act);
+  return dswiglu_quant_impl(da, HFp8{&h_row, f}, m, f, seg, dh_row, dh_col, prow, dprow_part, act);
 }
 
 void sum_dprow_parts(const float* dprow_part, int64_t m, int64_t f, float* dprow) {

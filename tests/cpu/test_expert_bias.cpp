@@ -15,6 +15,7 @@
 #include "flowmoe/expert_bias.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
+#include "flowmoe/swiglu.h"
 
 namespace flowmoe {
 namespace {
@@ -86,6 +87,41 @@ TEST(ExpertBias, GradIsTheRowSumPerSegment) {
       for (int64_t r = seg.offsets[e]; r < seg.offsets[e + 1]; ++r) s += deq[r * n + c];
       ASSERT_EQ(num::f32_bits(db8[e * n + c]), num::f32_bits(s)) << e << "," << c;
     }
+}
+
+// The flow recipes' saved h keeps the clamp's decision: after FP8 quantization of the saved copy, a
+// gate is above the limit (an up beyond +-limit) exactly when the forward's was, for values around
+// gpt-oss's limit 7; after MXFP4 every value beyond the limit still is.
+TEST(SavedH, QuantizedCopyKeepsTheClampDecision) {
+  GatedActivation act;
+  act.kind = ActivationKind::kClampedSwiglu;
+  const int64_t m = 64, f = 128;
+  std::mt19937 rng(4);
+  std::uniform_real_distribution<float> ud(5.0f, 9.0f);
+  std::vector<bf16_t> h(m * 2 * f);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = num::f32_to_bf16((i % 3 == 0 ? -1.0f : 1.0f) * ud(rng));
+  std::vector<bf16_t> hs(h.size());
+  cpu::saved_h(h.data(), m, f, hs.data(), act);
+  for (bool fp4 : {false, true}) {
+    QTensor q;
+    if (fp4) cpu::quantize_mxfp4(hs.data(), m, 2 * f, &q);
+    else cpu::quantize_row(hs.data(), m, 2 * f, &q);
+    std::vector<float> d(h.size());
+    cpu::dequantize(q, d.data());
+    for (int64_t t = 0; t < m; ++t)
+      for (int64_t j = 0; j < 2 * f; ++j) {
+        const float x = num::bf16_to_f32(h[t * 2 * f + j]), y = d[t * 2 * f + j];
+        const bool beyond = j < f ? x > act.limit : std::fabs(x) > act.limit;
+        const bool seen = j < f ? y > act.limit : std::fabs(y) > act.limit;
+        // FP8 keeps both directions (the limit is on its grid); MXFP4's coarser grid may round a
+        // value at or within the limit past it (7 -> 8 at scale 2^2), never one beyond back inside
+        if (fp4 && !beyond) continue;
+        ASSERT_EQ(beyond, seen) << (fp4 ? "mxfp4 " : "fp8 ") << (j < f ? "gate " : "up ") << x << " saved as " << y;
+      }
+  }
+  GatedActivation plain;
+  cpu::saved_h(h.data(), m, f, hs.data(), plain);
+  EXPECT_EQ(h, hs);  // SwiGLU saves h itself
 }
 
 struct Out {

@@ -2,6 +2,7 @@
 // arithmetic against float64 formulas, the non-finite policy, and the fused quantizers against the
 // composition of the existing conversions (quantize_row, quantize_col, scaling_aware_transpose),
 // bit for bit, on several distributions, odd token counts and ragged segments with empty experts.
+// The gated activation's other kind (gpt-oss's clamped SwiGLU): test_swiglu_act.cpp.
 #include <gtest/gtest.h>
 
 #include <cmath>

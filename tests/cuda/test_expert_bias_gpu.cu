@@ -91,12 +91,12 @@ TEST(ExpertBiasGpu, GradMatchesCpu) {
 }
 
 // The experts-only layer with gpt-oss's experts: CUDA against the CPU layer, and sync_free's bits.
-struct Run {
+struct LayerOut {
   std::vector<bf16_t> y, dx;
   std::vector<float> dw1, dw2, dprobs, db1;
 };
 
-Run run_gpu(const flowmoe_test::RoutedProblem& p, const MoeConfig& cfg, const std::vector<float>& b1,
+LayerOut run_gpu(const flowmoe_test::RoutedProblem& p, const MoeConfig& cfg, const std::vector<float>& b1,
             bool sync_free) {
   CudaLayerOptions opt;
   opt.sync_free = sync_free;
@@ -115,7 +115,7 @@ Run run_gpu(const flowmoe_test::RoutedProblem& p, const MoeConfig& cfg, const st
   g.dprobs = dprobs.p;
   g.db1 = db1.p;
   l->backward(dy.p, dx.p, g);
-  return Run{y.get(), dx.get(), dw1.get(), dw2.get(), dprobs.get(), db1.get()};
+  return LayerOut{y.get(), dx.get(), dw1.get(), dw2.get(), dprobs.get(), db1.get()};
 }
 
 class ClampedBiasLayer : public ::testing::TestWithParam<Recipe> {};
@@ -132,7 +132,7 @@ TEST_P(ClampedBiasLayer, MatchesTheCpuLayerAndSyncFreeBits) {
   cfg.activation.limit = 0.5f;  // small enough that many of this problem's h values are clamped
   cfg.gemm1_bias = true;
   std::vector<float> b1 = normal_f32(size_t(8) * 2 * F, 0.3f, 47u);
-  const Run gpu = run_gpu(p, cfg, b1, false), gpu_sf = run_gpu(p, cfg, b1, true);
+  const LayerOut gpu = run_gpu(p, cfg, b1, false), gpu_sf = run_gpu(p, cfg, b1, true);
   expect_same_bits(gpu.y, gpu_sf.y, "y (sync_free)");
   expect_same_bits(gpu.dw1, gpu_sf.dw1, "dW1 (sync_free)");
   expect_same_bits(gpu.db1, gpu_sf.db1, "db1 (sync_free)");

@@ -1,6 +1,7 @@
 // SwiGLU kernels (flowmoe/swiglu.h) against the CPU reference, bit for bit: BF16 outputs, codes,
 // scales and counters, for every entry point, on several distributions (including overflow and
-// non-finite input), odd token counts and ragged segments with empty experts.
+// non-finite input), odd token counts and ragged segments with empty experts; with the default
+// activation (SwiGLU) and the clamped SwiGLU of gpt-oss (the `clamped_` cases).
 // Runs on the device machine only (CTest label `gpu`); skips without a device.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -89,12 +90,27 @@ struct Case {
   int64_t f;
   HDist dist;
   int64_t zero_row_every;
+  GatedActivation act = {};  // every launcher gets it
   int64_t m() const {
     int64_t s = 0;
     for (int32_t c : counts) s += c;
     return s;
   }
 };
+
+// H of a case: make_bf16's values; for the clamped activation scaled by 6 (N(0, 1) * 6 puts about
+// 24% of gate and up beyond the limit 7), with the clamp's boundary values sprinkled in (+-7 pass
+// the gradient, +-7.03125, the next BF16, do not) and -1 (up + 1 = 0).
+std::vector<bf16_t> make_h(const Case& c, int64_t rows, int64_t cols, uint64_t seed) {
+  auto h = make_bf16(c.dist, rows, cols, seed, c.zero_row_every);
+  if (!c.act.clamped()) return h;
+  const float sp[] = {7.0f, -7.0f, 7.03125f, -7.03125f, -1.0f};
+  for (size_t i = 0; i < h.size(); ++i) {
+    h[i] = num::bf16_canonical(6.0f * num::bf16_to_f32(h[i]));
+    if (i % 23 == 5 && h[i] != 0) h[i] = num::bf16_canonical(sp[(i / 23) % 5]);
+  }
+  return h;
+}
 
 // Device-side segment blocks for a Segments table.
 struct DevSegments {
@@ -139,7 +155,7 @@ TEST_P(SwigluGpu, ForwardBitExact) {
   const int64_t m = c.m(), f = c.f;
   const Segments seg = Segments::from_counts(c.counts);
   const int64_t nb = seg.num_blocks();
-  const auto h = make_bf16(c.dist, m, 2 * f, 1000 + m + f, c.zero_row_every);
+  const auto h = make_h(c, m, 2 * f, 1000 + m + f);
   DBuf<bf16_t> dh(h);
   DevSegments ds(seg, status_);
   const int64_t maxb = ds.sb.max_blocks;
@@ -147,23 +163,24 @@ TEST_P(SwigluGpu, ForwardBitExact) {
 
   // ---- plain BF16
   std::vector<bf16_t> a16(m * f);
-  const QuantStats st16 = cpu::swiglu(h.data(), m, f, a16.data());
+  const GatedActivation& act = c.act;
+  const QuantStats st16 = cpu::swiglu(h.data(), m, f, a16.data(), nullptr, act);
   DBuf<bf16_t> da16(m * f);
   reset();
-  cuda::swiglu(dh.p, m, f, da16.p, status_, 0);
+  cuda::swiglu(dh.p, m, f, da16.p, status_, 0, nullptr, nullptr, act);
   expect_same_bits(a16, da16.get(), m * f, "swiglu bf16");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st16.nonfinite));
-  cuda::swiglu(dh.p, m, f, da16.p, nullptr, 0);  // no status: nothing counted, same output
+  cuda::swiglu(dh.p, m, f, da16.p, nullptr, 0, nullptr, nullptr, act);  // no status: same output
   expect_same_bits(a16, da16.get(), m * f, "swiglu bf16 (no status)");
 
   // ---- fused, row-wise only
   QTensor row, col, hq;
-  const QuantStats st_row = cpu::swiglu_quant(h.data(), m, f, &row, nullptr, nullptr, nullptr);
-  const QuantStats st_all = cpu::swiglu_quant(h.data(), m, f, &row, &seg, &col, &hq);
+  const QuantStats st_row = cpu::swiglu_quant(h.data(), m, f, &row, nullptr, nullptr, nullptr, nullptr, act);
+  const QuantStats st_all = cpu::swiglu_quant(h.data(), m, f, &row, &seg, &col, &hq, nullptr, act);
   const int64_t nonfinite_h = st_all.nonfinite - st_row.nonfinite;
   DBuf<uint8_t> rc(m * f), rs(m * f / 128), cc(m * f), cs(maxb * f), hc(2 * m * f), hs(2 * m * f / 128);
   reset();
-  cuda::swiglu_quant(dh.p, m, f, rc.p, rs.p, nullptr, nullptr, status_, 0);
+  cuda::swiglu_quant(dh.p, m, f, rc.p, rs.p, nullptr, nullptr, status_, 0, nullptr, nullptr, act);
   expect_same_bits(row.codes, rc.get(), m * f, "swiglu_quant codes");
   expect_same_bits(row.scales, rs.get(), m * f / 128, "swiglu_quant scales");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st_row.nonfinite));
@@ -171,7 +188,7 @@ TEST_P(SwigluGpu, ForwardBitExact) {
   // ---- fused, row-wise + H saved as FP8
   DBuf<uint8_t> rc2(m * f), rs2(m * f / 128);
   reset();
-  cuda::swiglu_quant(dh.p, m, f, rc2.p, rs2.p, hc.p, hs.p, status_, 0);
+  cuda::swiglu_quant(dh.p, m, f, rc2.p, rs2.p, hc.p, hs.p, status_, 0, nullptr, nullptr, act);
   expect_same_bits(row.codes, rc2.get(), m * f, "swiglu_quant+H codes");
   expect_same_bits(row.scales, rs2.get(), m * f / 128, "swiglu_quant+H scales");
   expect_same_bits(hq.codes, hc.get(), 2 * m * f, "swiglu_quant H codes");
@@ -183,7 +200,7 @@ TEST_P(SwigluGpu, ForwardBitExact) {
     DBuf<uint8_t> rc3(m * f), rs3(m * f / 128), cc3(m * f), cs3(maxb * f), hc3(2 * m * f), hs3(2 * m * f / 128);
     reset();
     cuda::swiglu_quant_col(dh.p, f, ds.sb, rc3.p, rs3.p, cc3.p, cs3.p, with_h ? hc3.p : nullptr,
-                           with_h ? hs3.p : nullptr, status_, 0);
+                           with_h ? hs3.p : nullptr, status_, 0, nullptr, act);
     const std::string w = with_h ? " (+H)" : "";
     expect_same_bits(row.codes, rc3.get(), m * f, "swiglu_quant_col row codes" + w);
     expect_same_bits(row.scales, rs3.get(), m * f / 128, "swiglu_quant_col row scales" + w);
@@ -215,7 +232,7 @@ TEST_P(SwigluGpu, BackwardBitExact) {
   const int64_t m = c.m(), f = c.f, k = 2 * f;
   const Segments seg = Segments::from_counts(c.counts);
   const int64_t nb = seg.num_blocks();
-  const auto h = make_bf16(c.dist, m, k, 2000 + m + f, c.zero_row_every);
+  const auto h = make_h(c, m, k, 2000 + m + f);
   const auto da = make_bf16(c.dist == HDist::kNonFinite ? HDist::kNonFinite : HDist::kHeavy, m, f, 3000 + m,
                             c.zero_row_every);
   DBuf<bf16_t> dh_in(h), dda(da);
@@ -224,27 +241,28 @@ TEST_P(SwigluGpu, BackwardBitExact) {
 
   // ---- plain BF16 dH
   std::vector<bf16_t> dh(m * k);
-  const QuantStats st_dh = cpu::dswiglu(da.data(), h.data(), m, f, dh.data());
+  const GatedActivation& act = c.act;
+  const QuantStats st_dh = cpu::dswiglu(da.data(), h.data(), m, f, dh.data(), nullptr, nullptr, act);
   DBuf<bf16_t> ddh(m * k);
   reset();
-  cuda::dswiglu(dda.p, dh_in.p, m, f, ddh.p, status_, 0);
+  cuda::dswiglu(dda.p, dh_in.p, m, f, ddh.p, status_, 0, nullptr, nullptr, nullptr, act);
   expect_same_bits(dh, ddh.get(), m * k, "dswiglu bf16");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st_dh.nonfinite));
 
   // ---- fused
   QTensor row, col;
-  const QuantStats st = cpu::dswiglu_quant(da.data(), h.data(), m, f, seg, &row, &col);
+  const QuantStats st = cpu::dswiglu_quant(da.data(), h.data(), m, f, seg, &row, &col, nullptr, nullptr, act);
   DBuf<uint8_t> rc(m * k), rs(m * k / 128), cc(m * k), cs(maxb * k);
   reset();
-  cuda::dswiglu_quant(dda.p, dh_in.p, f, ds.sb, rc.p, rs.p, cc.p, cs.p, status_, 0);
+  cuda::dswiglu_quant(dda.p, dh_in.p, f, ds.sb, rc.p, rs.p, cc.p, cs.p, status_, 0, nullptr, nullptr, act);
   expect_same_bits(row.codes, rc.get(), m * k, "dswiglu_quant row codes");
   expect_same_bits(row.scales, rs.get(), m * k / 128, "dswiglu_quant row scales");
   expect_same_bits(col.codes, cc.get(), m * k, "dswiglu_quant col codes");
   expect_same_bits(col.scales, cs.get(), nb * k, "dswiglu_quant col scales");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st.nonfinite));
 
-  // ---- the unfused sequence: same bits
-  {
+  // ---- the unfused sequence (SwiGLU only): same bits
+  if (!act.clamped()) {
     DBuf<uint8_t> rc2(m * k), rs2(m * k / 128), cc2(m * k), cs2(maxb * k);
     DBuf<bf16_t> work(m * k);
     reset();
@@ -260,11 +278,12 @@ TEST_P(SwigluGpu, BackwardBitExact) {
   {
     QTensor hq, row8, col8;
     cpu::quantize_row(h.data(), m, k, &hq);
-    const QuantStats st8 = cpu::dswiglu_quant(da.data(), hq, seg, &row8, &col8);
+    const QuantStats st8 = cpu::dswiglu_quant(da.data(), hq, seg, &row8, &col8, nullptr, nullptr, act);
     DBuf<uint8_t> hc(hq.codes), hs(hq.scales);
     DBuf<uint8_t> rc2(m * k), rs2(m * k / 128), cc2(m * k), cs2(maxb * k);
     reset();
-    cuda::dswiglu_quant_fp8h(dda.p, hc.p, hs.p, f, ds.sb, rc2.p, rs2.p, cc2.p, cs2.p, status_, 0);
+    cuda::dswiglu_quant_fp8h(dda.p, hc.p, hs.p, f, ds.sb, rc2.p, rs2.p, cc2.p, cs2.p, status_, 0, nullptr, nullptr,
+                             act);
     expect_same_bits(row8.codes, rc2.get(), m * k, "dswiglu_quant_fp8h row codes");
     expect_same_bits(row8.scales, rs2.get(), m * k / 128, "dswiglu_quant_fp8h row scales");
     expect_same_bits(col8.codes, cc2.get(), m * k, "dswiglu_quant_fp8h col codes");
@@ -296,7 +315,7 @@ TEST_P(SwigluGpu, ForwardWithProbBitExact) {
   const int64_t m = c.m(), f = c.f;
   const Segments seg = Segments::from_counts(c.counts);
   const int64_t nb = seg.num_blocks();
-  const auto h = make_bf16(c.dist, m, 2 * f, 4000 + m + f, c.zero_row_every);
+  const auto h = make_h(c, m, 2 * f, 4000 + m + f);
   const auto prow = make_prow(m, 4500 + m);
   DBuf<bf16_t> dh(h);
   DBuf<float> dp(prow);
@@ -304,19 +323,20 @@ TEST_P(SwigluGpu, ForwardWithProbBitExact) {
   const int64_t maxb = ds.sb.max_blocks;
 
   std::vector<bf16_t> a16(m * f);
-  const QuantStats st16 = cpu::swiglu(h.data(), m, f, a16.data(), prow.data());
+  const GatedActivation& act = c.act;
+  const QuantStats st16 = cpu::swiglu(h.data(), m, f, a16.data(), prow.data(), act);
   DBuf<bf16_t> da16(m * f);
   reset();
-  cuda::swiglu(dh.p, m, f, da16.p, status_, 0, dp.p);
+  cuda::swiglu(dh.p, m, f, da16.p, status_, 0, dp.p, nullptr, act);
   expect_same_bits(a16, da16.get(), m * f, "swiglu*p bf16");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st16.nonfinite));
 
   QTensor row, col, hq;
-  const QuantStats st_row = cpu::swiglu_quant(h.data(), m, f, &row, nullptr, nullptr, nullptr, prow.data());
-  const QuantStats st_all = cpu::swiglu_quant(h.data(), m, f, &row, &seg, &col, &hq, prow.data());
+  const QuantStats st_row = cpu::swiglu_quant(h.data(), m, f, &row, nullptr, nullptr, nullptr, prow.data(), act);
+  const QuantStats st_all = cpu::swiglu_quant(h.data(), m, f, &row, &seg, &col, &hq, prow.data(), act);
   DBuf<uint8_t> rc(m * f), rs(m * f / 128), hc(2 * m * f), hs(2 * m * f / 128);
   reset();
-  cuda::swiglu_quant(dh.p, m, f, rc.p, rs.p, hc.p, hs.p, status_, 0, dp.p);
+  cuda::swiglu_quant(dh.p, m, f, rc.p, rs.p, hc.p, hs.p, status_, 0, dp.p, nullptr, act);
   expect_same_bits(row.codes, rc.get(), m * f, "swiglu_quant*p codes");
   expect_same_bits(row.scales, rs.get(), m * f / 128, "swiglu_quant*p scales");
   expect_same_bits(hq.codes, hc.get(), 2 * m * f, "swiglu_quant*p H codes");
@@ -325,7 +345,7 @@ TEST_P(SwigluGpu, ForwardWithProbBitExact) {
 
   DBuf<uint8_t> rc3(m * f), rs3(m * f / 128), cc3(m * f), cs3(maxb * f);
   reset();
-  cuda::swiglu_quant_col(dh.p, f, ds.sb, rc3.p, rs3.p, cc3.p, cs3.p, nullptr, nullptr, status_, 0, dp.p);
+  cuda::swiglu_quant_col(dh.p, f, ds.sb, rc3.p, rs3.p, cc3.p, cs3.p, nullptr, nullptr, status_, 0, dp.p, act);
   expect_same_bits(row.codes, rc3.get(), m * f, "swiglu_quant_col*p row codes");
   expect_same_bits(col.codes, cc3.get(), m * f, "swiglu_quant_col*p col codes");
   expect_same_bits(col.scales, cs3.get(), nb * f, "swiglu_quant_col*p col scales");
@@ -340,7 +360,7 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
   const int64_t m = c.m(), f = c.f, k = 2 * f, tiles = f / 128;
   const Segments seg = Segments::from_counts(c.counts);
   const int64_t nb = seg.num_blocks();
-  const auto h = make_bf16(c.dist, m, k, 5000 + m + f, c.zero_row_every);
+  const auto h = make_h(c, m, k, 5000 + m + f);
   const auto da = make_bf16(c.dist == HDist::kNonFinite ? HDist::kNonFinite : HDist::kHeavy, m, f, 5500 + m,
                             c.zero_row_every);
   const auto prow = make_prow(m, 5800 + m);
@@ -357,12 +377,13 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
   // plain BF16 dH and the dp partial sums, then their sum over the tiles
   std::vector<bf16_t> dh(m * k);
   std::vector<float> part(m * tiles), dprow(m);
-  const QuantStats st_dh = cpu::dswiglu(da.data(), h.data(), m, f, dh.data(), prow.data(), part.data());
+  const GatedActivation& act = c.act;
+  const QuantStats st_dh = cpu::dswiglu(da.data(), h.data(), m, f, dh.data(), prow.data(), part.data(), act);
   cpu::sum_dprow_parts(part.data(), m, f, dprow.data());
   DBuf<bf16_t> ddh(m * k);
   DBuf<float> dpart(m * tiles), ddprow(m);
   reset();
-  cuda::dswiglu(dda.p, dh_in.p, m, f, ddh.p, status_, 0, dp.p, dpart.p);
+  cuda::dswiglu(dda.p, dh_in.p, m, f, ddh.p, status_, 0, dp.p, dpart.p, nullptr, act);
   expect_same_bits(dh, ddh.get(), m * k, "dswiglu*p bf16");
   expect_same_bits(bits(part), bits(dpart.get()), m * tiles, "dswiglu*p dp partial sums");
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st_dh.nonfinite));
@@ -372,12 +393,13 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
   // fused, BF16 H and FP8 H
   QTensor row, col;
   std::vector<float> part2(m * tiles);
-  const QuantStats st = cpu::dswiglu_quant(da.data(), h.data(), m, f, seg, &row, &col, prow.data(), part2.data());
+  const QuantStats st =
+      cpu::dswiglu_quant(da.data(), h.data(), m, f, seg, &row, &col, prow.data(), part2.data(), act);
   expect_same_bits(bits(part), bits(part2), m * tiles, "cpu dswiglu_quant*p partial sums");
   DBuf<uint8_t> rc(m * k), rs(m * k / 128), cc(m * k), cs(maxb * k);
   DBuf<float> dpart2(m * tiles);
   reset();
-  cuda::dswiglu_quant(dda.p, dh_in.p, f, ds.sb, rc.p, rs.p, cc.p, cs.p, status_, 0, dp.p, dpart2.p);
+  cuda::dswiglu_quant(dda.p, dh_in.p, f, ds.sb, rc.p, rs.p, cc.p, cs.p, status_, 0, dp.p, dpart2.p, act);
   expect_same_bits(row.codes, rc.get(), m * k, "dswiglu_quant*p row codes");
   expect_same_bits(row.scales, rs.get(), m * k / 128, "dswiglu_quant*p row scales");
   expect_same_bits(col.codes, cc.get(), m * k, "dswiglu_quant*p col codes");
@@ -388,12 +410,12 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
   QTensor hq, row8, col8;
   cpu::quantize_row(h.data(), m, k, &hq);
   std::vector<float> part8(m * tiles);
-  const QuantStats st8 = cpu::dswiglu_quant(da.data(), hq, seg, &row8, &col8, prow.data(), part8.data());
+  const QuantStats st8 = cpu::dswiglu_quant(da.data(), hq, seg, &row8, &col8, prow.data(), part8.data(), act);
   DBuf<uint8_t> hc(hq.codes), hs(hq.scales);
   DBuf<uint8_t> rc2(m * k), rs2(m * k / 128), cc2(m * k), cs2(maxb * k);
   DBuf<float> dpart8(m * tiles);
   reset();
-  cuda::dswiglu_quant_fp8h(dda.p, hc.p, hs.p, f, ds.sb, rc2.p, rs2.p, cc2.p, cs2.p, status_, 0, dp.p, dpart8.p);
+  cuda::dswiglu_quant_fp8h(dda.p, hc.p, hs.p, f, ds.sb, rc2.p, rs2.p, cc2.p, cs2.p, status_, 0, dp.p, dpart8.p, act);
   expect_same_bits(row8.codes, rc2.get(), m * k, "dswiglu_quant_fp8h*p row codes");
   expect_same_bits(row8.scales, rs2.get(), m * k / 128, "dswiglu_quant_fp8h*p row scales");
   expect_same_bits(col8.codes, cc2.get(), m * k, "dswiglu_quant_fp8h*p col codes");
@@ -404,12 +426,14 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
   // H saved as MXFP4 (flow-fp4): forward writes it, backward decodes it
   {
     QTensor h4;
-    const QuantStats sh4 = cpu::quantize_mxfp4(h.data(), m, k, &h4);
+    std::vector<bf16_t> hsv(h.size());  // the saved copy (clamped activation: beyond-limit values marked)
+    cpu::saved_h(h.data(), m, f, hsv.data(), act);
+    const QuantStats sh4 = cpu::quantize_mxfp4(hsv.data(), m, k, &h4);
     QTensor arow;
-    const QuantStats sa = cpu::swiglu_quant(h.data(), m, f, &arow, nullptr, nullptr, nullptr, prow.data());
+    const QuantStats sa = cpu::swiglu_quant(h.data(), m, f, &arow, nullptr, nullptr, nullptr, prow.data(), act);
     DBuf<uint8_t> ac(m * f), as(m * f / 128), h4c(m * k / 2), h4s(m * k / 32);
     reset();
-    cuda::swiglu_quant_h4(dh_in.p, m, f, ac.p, as.p, h4c.p, h4s.p, status_, 0, dp.p);
+    cuda::swiglu_quant_h4(dh_in.p, m, f, ac.p, as.p, h4c.p, h4s.p, status_, 0, dp.p, nullptr, act);
     expect_same_bits(arow.codes, ac.get(), m * f, "swiglu_quant_h4 a' codes");
     expect_same_bits(arow.scales, as.get(), m * f / 128, "swiglu_quant_h4 a' scales");
     expect_same_bits(h4.codes, h4c.get(), m * k / 2, "swiglu_quant_h4 H MXFP4 codes");
@@ -418,11 +442,12 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
 
     QTensor row4, col4;
     std::vector<float> part4(m * tiles);
-    const QuantStats st4 = cpu::dswiglu_quant(da.data(), h4, seg, &row4, &col4, prow.data(), part4.data());
+    const QuantStats st4 = cpu::dswiglu_quant(da.data(), h4, seg, &row4, &col4, prow.data(), part4.data(), act);
     DBuf<uint8_t> rc4(m * k), rs4(m * k / 128), cc4(m * k), cs4(maxb * k);
     DBuf<float> dpart4(m * tiles);
     reset();
-    cuda::dswiglu_quant_fp4h(dda.p, h4c.p, h4s.p, f, ds.sb, rc4.p, rs4.p, cc4.p, cs4.p, status_, 0, dp.p, dpart4.p);
+    cuda::dswiglu_quant_fp4h(dda.p, h4c.p, h4s.p, f, ds.sb, rc4.p, rs4.p, cc4.p, cs4.p, status_, 0, dp.p, dpart4.p,
+                             act);
     expect_same_bits(row4.codes, rc4.get(), m * k, "dswiglu_quant_fp4h*p row codes");
     expect_same_bits(row4.scales, rs4.get(), m * k / 128, "dswiglu_quant_fp4h*p row scales");
     expect_same_bits(col4.codes, cc4.get(), m * k, "dswiglu_quant_fp4h*p col codes");
@@ -433,6 +458,72 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
 
   // dprow_part without prow is an argument error
   EXPECT_THROW(cuda::dswiglu(dda.p, dh_in.p, m, f, ddh.p, nullptr, 0, nullptr, dpart.p), Error);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// The inline view forms of swiglu.h pass `act` (and prow, dprow_part) on to the launcher that the
+// saved H's view picks: forward with H saved as MXFP4 and (with the column copy) as FP8, backward
+// from either.
+TEST_P(SwigluGpu, ViewFormsBitExact) {
+  const Case& c = GetParam();
+  const int64_t m = c.m(), f = c.f, k = 2 * f, tiles = f / 128;
+  if (m == 0) GTEST_SKIP() << "a view needs M > 0";
+  const Segments seg = Segments::from_counts(c.counts);
+  const int64_t nb = seg.num_blocks();
+  const GatedActivation& act = c.act;
+  const auto h = make_h(c, m, k, 6000 + m + f);
+  const auto da = make_bf16(c.dist == HDist::kNonFinite ? HDist::kNonFinite : HDist::kHeavy, m, f, 6500 + m,
+                            c.zero_row_every);
+  const auto prow = make_prow(m, 6800 + m);
+  DBuf<bf16_t> dh_in(h), dda(da);
+  DBuf<float> dp(prow);
+  DevSegments ds(seg, status_);
+  const int64_t maxb = ds.sb.max_blocks;
+  auto fbits = [](const std::vector<float>& v) {
+    std::vector<uint32_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = num::f32_bits(v[i]);
+    return b;
+  };
+
+  QTensor arow, acol, h8, h4;
+  cpu::swiglu_quant(h.data(), m, f, &arow, &seg, &acol, &h8, prow.data(), act);
+  std::vector<bf16_t> hsv(h.size());  // the saved copy (clamped activation: beyond-limit values marked)
+  cpu::saved_h(h.data(), m, f, hsv.data(), act);
+  cpu::quantize_mxfp4(hsv.data(), m, k, &h4);
+  DBuf<uint8_t> ac(m * f), as(m * f / 128), cc(m * f), cs(maxb * f);
+  DBuf<uint8_t> h8c(m * k), h8s(m * k / 128), h4c(m * k / 2), h4s(m * k / 32);
+  const auto a_row = cuda::row_1x128(ac.p, as.p, m, f);
+  const auto h8v = cuda::row_1x128(h8c.p, h8s.p, m, k);
+  const auto h4v = cuda::mxfp4_1x32(h4c.p, h4s.p, m, k);
+  cuda::swiglu_quant(dh_in.p, a_row, &h4v, status_, 0, dp.p, act);
+  expect_same_bits(arow.codes, ac.get(), m * f, "view swiglu_quant (MXFP4 H) A codes");
+  expect_same_bits(arow.scales, as.get(), m * f / 128, "view swiglu_quant (MXFP4 H) A scales");
+  expect_same_bits(h4.codes, h4c.get(), m * k / 2, "view swiglu_quant H MXFP4 codes");
+  expect_same_bits(h4.scales, h4s.get(), m * k / 32, "view swiglu_quant H MXFP4 scales");
+  cuda::swiglu_quant_col(dh_in.p, ds.sb, a_row, cuda::col_128x1(cc.p, cs.p, m, f, maxb), &h8v, status_, 0, dp.p,
+                         act);
+  expect_same_bits(arow.codes, ac.get(), m * f, "view swiglu_quant_col A row codes");
+  expect_same_bits(arow.scales, as.get(), m * f / 128, "view swiglu_quant_col A row scales");
+  expect_same_bits(acol.codes, cc.get(), m * f, "view swiglu_quant_col A col codes");
+  expect_same_bits(acol.scales, cs.get(), nb * f, "view swiglu_quant_col A col scales");
+  expect_same_bits(h8.codes, h8c.get(), m * k, "view swiglu_quant_col H FP8 codes");
+  expect_same_bits(h8.scales, h8s.get(), m * k / 128, "view swiglu_quant_col H FP8 scales");
+
+  for (int fp4 = 0; fp4 < 2; ++fp4) {
+    const std::string w = fp4 ? " (MXFP4 H)" : " (FP8 H)";
+    QTensor row, col;
+    std::vector<float> part(m * tiles);
+    cpu::dswiglu_quant(da.data(), fp4 ? h4 : h8, seg, &row, &col, prow.data(), part.data(), act);
+    DBuf<uint8_t> rc(m * k), rs(m * k / 128), bc(m * k), bs(maxb * k);
+    DBuf<float> dpart(m * tiles);
+    cuda::dswiglu_quant(dda.p, fp4 ? h4v : h8v, ds.sb, cuda::row_1x128(rc.p, rs.p, m, k),
+                        cuda::col_128x1(bc.p, bs.p, m, k, maxb), status_, 0, dp.p, dpart.p, act);
+    expect_same_bits(row.codes, rc.get(), m * k, "view dswiglu_quant row codes" + w);
+    expect_same_bits(row.scales, rs.get(), m * k / 128, "view dswiglu_quant row scales" + w);
+    expect_same_bits(col.codes, bc.get(), m * k, "view dswiglu_quant col codes" + w);
+    expect_same_bits(col.scales, bs.get(), nb * k, "view dswiglu_quant col scales" + w);
+    expect_same_bits(fbits(part), fbits(dpart.get()), m * tiles, "view dswiglu_quant partial sums" + w);
+  }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
@@ -451,6 +542,17 @@ std::vector<Case> cases() {
   v.push_back({"aligned16_8_experts", ragged(8, 2048, 7, 16), 512, HDist::kWide, 0});
   v.push_back({"v2lite_f1408_64_experts", ragged(64, 4096, 11, 1), 1408, HDist::kHeavy, 0});
   v.push_back({"v3_f2048_32_experts", ragged(32, 8192, 5, 128), 2048, HDist::kNormal, 0});
+  // the clamped SwiGLU of gpt-oss (alpha 1.702, limit 7) on H scaled beyond the limit (make_h):
+  // odd M, empty experts, padding rows; NaN and +-inf from the nonfinite distribution
+  GatedActivation clamped;
+  clamped.kind = ActivationKind::kClampedSwiglu;
+  for (HDist d : all) {
+    const std::string n = std::string("clamped_") + hdist_name(d);
+    v.push_back({n + "_m1", {1}, 128, d, 0, clamped});
+    v.push_back({n + "_m37", {0, 37}, 256, d, 0, clamped});
+    v.push_back({n + "_m300", {129, 0, 1, 170}, 384, d, 7, clamped});
+  }
+  v.push_back({"clamped_v2lite_f1408_64_experts", ragged(64, 4096, 11, 1), 1408, HDist::kHeavy, 0, clamped});
   return v;
 }
 
@@ -507,6 +609,15 @@ TEST(SwigluGpuArgs, BadArgumentsThrowClearErrors) {
                "build_segment_blocks");
   expect_error([&] { cuda::dswiglu_quant_fp8h(x.p, c.p, nullptr, 128, sb, c.p, s.p, c.p, s.p, nullptr, 0); },
                "build_segment_blocks");
+  // the clamped activation needs a limit > 0 and a finite alpha
+  GatedActivation bad_act;
+  bad_act.kind = ActivationKind::kClampedSwiglu;
+  bad_act.limit = 0.0f;
+  expect_error([&] { cuda::swiglu(x.p, 2, 128, x.p, nullptr, 0, nullptr, nullptr, bad_act); }, "limit > 0");
+  bad_act.limit = 7.0f;
+  bad_act.alpha = NAN;
+  expect_error([&] { cuda::dswiglu(x.p, x.p, 1, 128, x.p, nullptr, 0, nullptr, nullptr, nullptr, bad_act); },
+               "finite alpha");
   // M = 0 is a no-op
   EXPECT_NO_THROW(cuda::swiglu_quant(nullptr, 0, 128, nullptr, nullptr, nullptr, nullptr, nullptr, 0));
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cpu/moe/layer.h"
+#include "flowmoe/swiglu.h"
 
 namespace flowmoe {
 namespace cpu_moe {
@@ -128,7 +129,9 @@ void CpuMoeLayer::forward_flow(bf16_t* y, QuantStats* st) {
   const QuantStats tr =
       cpu::scaling_aware_transpose(ar, route_.segments, &sv.a_col, cfg_.transpose_exponent);
   st->underflow += tr.underflow;
-  // h saved for dSwiGLU: row-wise FP8 (flow) or MXFP4 1x32 (flow-fp4: FP4 saved activations)
+  // h saved for dSwiGLU: row-wise FP8 (flow) or MXFP4 1x32 (flow-fp4: FP4 saved activations), of
+  // the copy that keeps the clamped activation's decisions (cpu::saved_h; SwiGLU: h itself)
+  if (cfg_.activation.clamped()) cpu::saved_h(h.data(), Mp_, F_, h.data(), cfg_.activation);  // (a' is made)
   if (spec_.gemm1_output.format == TensorFormat::kFp8Row)
     *st += cpu::quantize_row(h.data(), Mp_, 2 * F_, &sv.h_quantized);
   else

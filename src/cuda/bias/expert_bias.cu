@@ -118,7 +118,7 @@ void add_expert_bias(bf16_t* h, int64_t m, int64_t n, const int32_t* offsets, in
                      const float* bias, const int32_t* rows_bound, cudaStream_t stream) {
   const char* what = "cuda::add_expert_bias";
   check_args(m, n, offsets, num_segments, what);
-  FLOWMOE_CHECK(h != nullptr && bias != nullptr && aligned16(h) && aligned16(bias),
+  FLOWMOE_CHECK(h != nullptr && bias != nullptr && detail::aligned16(h) && detail::aligned16(bias),
                 what << ": h and bias must be non-null and 16-byte aligned");
   if (m == 0) return;
   const int64_t threads = m * (n / 8);

@@ -105,7 +105,6 @@ void CudaMoeLayer::naive_col(const QTensorView& row, int64_t c, const QTensorVie
 
 void CudaMoeLayer::backward_naive(const bf16_t* dy, const MoeGrads& g) {
   ExpertBuffers& b = ws_.expert;
-  const WeightBuffers& w = ws_.weights;
   naive_entry(MoePass::kBackward, dy, b.rows_bf16);  // the dY rows
   { auto s = bwd("quantize dY (row, fp32 scales)");
     quantize_row_fp32_scale(b.rows_bf16, Mp_, H_, segment_offsets(), El_, b.dy_row_f32.codes, b.dy_row_f32.f32(),

@@ -11,6 +11,7 @@
 //                               registers, the BF16 tile kept in shared memory for the column-wise
 //                               quantization along tokens.
 //   sum_dprow_parts_kernel      dprow = the per-tile parts summed in tile order, one thread per row.
+// The dSwiGLU kernels take the gated activation `act` (swiglu_math.h) by value as an argument.
 #include <algorithm>
 #include <atomic>
 
@@ -26,7 +27,8 @@ template <bool kProb>
 __global__ void __launch_bounds__(kThreads)
 dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
                    const float* __restrict__ prow, int64_t m, int64_t f, bf16_t* __restrict__ dh,
-                   float* __restrict__ dpart, unsigned long long* nonfinite, const int32_t* __restrict__ m_bound) {
+                   float* __restrict__ dpart, unsigned long long* nonfinite, const int32_t* __restrict__ m_bound,
+                   GatedActivation act) {
   const int64_t kb = blockIdx.y;
   const int64_t mb = detail::bounded_rows(m, m_bound);  // rows processed; m is dpart's stride
   const int lane = threadIdx.x & 15;
@@ -56,11 +58,11 @@ dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
     uint4 dg, du;
     if constexpr (kProb) {
       float pair[4];
-      dswiglu8_prob(xd, p[i], xg, xu, dg, du, pair);
+      dswiglu8_prob(act, xd, p[i], xg, xu, dg, du, pair);
       const float acc = tile_sum16(pair);
       if (dpart && lane == 0 && r < mb) dpart[kb * m + r] = f32_canonical(acc);
     } else {
-      dswiglu8(xd, xg, xu, dg, du);
+      dswiglu8(act, xd, xg, xu, dg, du);
     }
     const uint32_t mg = detail::absmax8_bits(dg), mu = detail::absmax8_bits(du);
     if (nonfinite) {
@@ -102,7 +104,7 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
                      const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend,
                      uint8_t* __restrict__ row_codes, uint8_t* __restrict__ row_scales,
                      uint8_t* __restrict__ col_codes, uint8_t* __restrict__ col_scales,
-                     float* __restrict__ dpart, unsigned long long* nonfinite) {
+                     float* __restrict__ dpart, unsigned long long* nonfinite, GatedActivation act) {
   extern __shared__ __align__(16) uint8_t smem[];
   uint16_t* s_t = reinterpret_cast<uint16_t*>(smem);
   uint32_t* s_amax = reinterpret_cast<uint32_t*>(smem + size_t(kTile) * kBwdPitch * 2);  // [2][128]
@@ -178,11 +180,11 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
       uint4 dg, du;
       if constexpr (kProb) {
         float pair[4];
-        dswiglu8_prob(xd, pr[i], xg, xu, dg, du, pair);
+        dswiglu8_prob(act, xd, pr[i], xg, xu, dg, du, pair);
         const float acc = tile_sum16(pair);
         if (dpart && lane == 0 && row < n) dpart[kt * m + r] = f32_canonical(acc);
       } else {
-        dswiglu8(xd, xg, xu, dg, du);
+        dswiglu8(act, xd, xg, xu, dg, du);
       }
       const TileCodes qg = quantize_tile8(dg, nonfinite);
       const TileCodes qu = quantize_tile8(du, nonfinite);
@@ -195,7 +197,7 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
           row_scales[(f / kTile + kt) * m + r] = qu.scale;
         }
       }
-      // rows past n are all zero (zero inputs give zero gradients)
+      // rows past n are all zero (zero inputs give zero gradients, for either activation)
       *reinterpret_cast<uint4*>(&s_t[bwd_chunk(row, lane)]) = dg;
       *reinterpret_cast<uint4*>(&s_t[bwd_chunk(row, 16 + lane)]) = du;
     }
@@ -281,9 +283,10 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
 // ================================================================================================
 void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
              DeviceStatus* status, cudaStream_t stream, const float* prow, float* dprow_part,
-             const int32_t* rows_bound) {
+             const int32_t* rows_bound, const GatedActivation& act) {
   const char* what = "cuda::dswiglu";
   check_f(f, what);
+  check_act(act, what);
   check_m(m, what);
   check_prob(prow, dprow_part, what);
   if (m == 0) return;
@@ -292,10 +295,10 @@ void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh
   check_aligned(dh, "dh", what);
   if (prow) {
     dswiglu_row_kernel<true><<<row_grid(m, f), kThreads, 0, stream>>>(
-        da, h, prow, m, f, dh, dprow_part, nonfinite_ptr(status), rows_bound);
+        da, h, prow, m, f, dh, dprow_part, nonfinite_ptr(status), rows_bound, act);
   } else {
     dswiglu_row_kernel<false><<<row_grid(m, f), kThreads, 0, stream>>>(
-        da, h, nullptr, m, f, dh, nullptr, nonfinite_ptr(status), rows_bound);
+        da, h, nullptr, m, f, dh, nullptr, nonfinite_ptr(status), rows_bound, act);
   }
   FLOWMOE_LAUNCH_CHECK(what);
 }
@@ -306,7 +309,7 @@ void launch_dswiglu_quant(const bf16_t* da, const bf16_t* h, const uint8_t* hc, 
                           const float* prow, int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
                           uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
                           float* dprow_part, DeviceStatus* status, cudaStream_t stream,
-                          const char* what) {
+                          const GatedActivation& act, const char* what) {
   // More than 48 KB of dynamic shared memory needs an opt-in, per function and device; done once
   // per device (not on every launch, so that launches can be captured in a CUDA graph).
   static std::atomic<uint64_t> opted_in{0};
@@ -322,7 +325,7 @@ void launch_dswiglu_quant(const bf16_t* da, const bf16_t* h, const uint8_t* hc, 
   const dim3 grid = tile_grid(sb.max_blocks, f / kTile);
   dswiglu_quant_kernel<kH, kProb><<<grid, kThreads, kBwdSmem, stream>>>(
       da, h, hc, hs, prow, sb.m, f, sb.block_start, sb.block_end, row_codes, row_scales, col_codes,
-      col_scales, dprow_part, nonfinite_ptr(status));
+      col_scales, dprow_part, nonfinite_ptr(status), act);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
@@ -341,10 +344,12 @@ void dswiglu_quant_entry(const bf16_t* da, const bf16_t* h, const uint8_t* hc, c
                          const char* hc_name, const char* hs_name, int64_t f, const SegmentBlocks& sb,
                          uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
                          uint8_t* col_scales, DeviceStatus* status, cudaStream_t stream,
-                         const float* prow, float* dprow_part, const char* what) {
+                         const float* prow, float* dprow_part, const GatedActivation& act,
+                         const char* what) {
   check_f(f, what);
   check_blocks(sb, what);
   check_prob(prow, dprow_part, what);
+  check_act(act, what);
   if (sb.m == 0) return;
   check_aligned(da, "da", what);
   if constexpr (kH == HIn::kBf16) check_aligned(h, "h", what);
@@ -352,19 +357,19 @@ void dswiglu_quant_entry(const bf16_t* da, const bf16_t* h, const uint8_t* hc, c
   check_bwd_outputs(row_codes, row_scales, col_codes, col_scales, what);
   if (prow)
     launch_dswiglu_quant<kH, true>(da, h, hc, hs, prow, f, sb, row_codes, row_scales, col_codes,
-                                   col_scales, dprow_part, status, stream, what);
+                                   col_scales, dprow_part, status, stream, act, what);
   else
     launch_dswiglu_quant<kH, false>(da, h, hc, hs, nullptr, f, sb, row_codes, row_scales, col_codes,
-                                    col_scales, nullptr, status, stream, what);
+                                    col_scales, nullptr, status, stream, act, what);
 }
 }  // namespace
 
 void dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,
                    uint8_t* row_codes, uint8_t* row_scales, uint8_t* col_codes,
                    uint8_t* col_scales, DeviceStatus* status, cudaStream_t stream,
-                   const float* prow, float* dprow_part) {
+                   const float* prow, float* dprow_part, const GatedActivation& act) {
   dswiglu_quant_entry<HIn::kBf16>(da, h, nullptr, nullptr, nullptr, nullptr, f, sb, row_codes, row_scales,
-                                  col_codes, col_scales, status, stream, prow, dprow_part,
+                                  col_codes, col_scales, status, stream, prow, dprow_part, act,
                                   "cuda::dswiglu_quant");
 }
 
@@ -372,20 +377,20 @@ void dswiglu_quant_fp8h(const bf16_t* da, const uint8_t* h_codes, const uint8_t*
                         int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
                         uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
                         DeviceStatus* status, cudaStream_t stream, const float* prow,
-                        float* dprow_part) {
+                        float* dprow_part, const GatedActivation& act) {
   dswiglu_quant_entry<HIn::kFp8>(da, nullptr, h_codes, h_scales, "h_codes", "h_scales", f, sb, row_codes,
                                  row_scales, col_codes, col_scales, status, stream, prow, dprow_part,
-                                 "cuda::dswiglu_quant_fp8h");
+                                 act, "cuda::dswiglu_quant_fp8h");
 }
 
 void dswiglu_quant_fp4h(const bf16_t* da, const uint8_t* h4_codes, const uint8_t* h4_scales,
                         int64_t f, const SegmentBlocks& sb, uint8_t* row_codes,
                         uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
                         DeviceStatus* status, cudaStream_t stream, const float* prow,
-                        float* dprow_part) {
+                        float* dprow_part, const GatedActivation& act) {
   dswiglu_quant_entry<HIn::kFp4>(da, nullptr, h4_codes, h4_scales, "h4_codes", "h4_scales", f, sb, row_codes,
                                  row_scales, col_codes, col_scales, status, stream, prow, dprow_part,
-                                 "cuda::dswiglu_quant_fp4h");
+                                 act, "cuda::dswiglu_quant_fp4h");
 }
 
 namespace {

@@ -1,9 +1,9 @@
 // Private building blocks of the SwiGLU kernels (swiglu_forward.cu, swiglu_backward.cu, and GEMM1's
 // fused SwiGLU epilogue, gemm/sm90_grouped_swiglu_epilogue.cuh): element helpers (BF16
-// unpack/pack, SwiGLU and dSwiGLU of 8 features, E4M3 and E2M1 decoding), block quantization in
-// pieces (scale from the amax, pair encoding) and the quantization of a 1x128 row tile held by a
-// half-warp (and the MXFP4 1x32 blocks of H) built from them, the tuning constants both directions
-// share, and the host-side argument checks.
+// unpack/pack, the gated activation and its gradient of 8 features, E4M3 and E2M1 decoding),
+// block quantization in pieces (scale from the amax, pair encoding) and the quantization of a
+// 1x128 row tile held by a half-warp (and the MXFP4 1x32 blocks of H) built from them, the tuning
+// constants both directions share, and the host-side argument checks.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,13 +49,17 @@ __device__ __forceinline__ uint4 canonical_nan8(uint4 v, uint32_t absmax) {
 
 __device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-// A for 8 consecutive features: gate chunk g, up chunk u (8 bf16 each) -> 8 binary32 values.
-__device__ __forceinline__ void swiglu8(const uint4& g, const uint4& u, float (&a)[8]) {
+// The gated activation `act` (num::act_f32 and its gradients; a kernel argument, so the branch
+// on its kind inside act_f32 is uniform across the grid) in the three helpers below.
+// A = act(gate, up) for 8 consecutive features: gate chunk g, up chunk u (8 bf16 each) -> 8
+// binary32 values.
+__device__ __forceinline__ void swiglu8(const GatedActivation& act, const uint4& g, const uint4& u,
+                                        float (&a)[8]) {
   const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    a[2 * q] = swiglu_f32(bf16_lo(gw[q]), bf16_lo(uw[q]));
-    a[2 * q + 1] = swiglu_f32(bf16_hi(gw[q]), bf16_hi(uw[q]));
+    a[2 * q] = act_f32(act, bf16_lo(gw[q]), bf16_lo(uw[q]));
+    a[2 * q + 1] = act_f32(act, bf16_hi(gw[q]), bf16_hi(uw[q]));
   }
 }
 __device__ __forceinline__ uint4 pack8(const float (&a)[8]) {
@@ -63,14 +67,15 @@ __device__ __forceinline__ uint4 pack8(const float (&a)[8]) {
                     pack_bf16x2(a[6], a[7]));
 }
 
-// dgate and dup for 8 consecutive features from binary32 inputs.
-__device__ __forceinline__ void dswiglu8(const float (&da)[8], const float (&g)[8], const float (&u)[8],
-                                         uint4& dg, uint4& du) {
+// dgate and dup (num::dact_f32) for 8 consecutive features from binary32 inputs.
+__device__ __forceinline__ void dswiglu8(const GatedActivation& act, const float (&da)[8],
+                                         const float (&g)[8], const float (&u)[8], uint4& dg,
+                                         uint4& du) {
   uint32_t a[4], b[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    const SwigluGrad lo = dswiglu_f32(da[2 * q], g[2 * q], u[2 * q]);
-    const SwigluGrad hi = dswiglu_f32(da[2 * q + 1], g[2 * q + 1], u[2 * q + 1]);
+    const SwigluGrad lo = dact_f32(act, da[2 * q], g[2 * q], u[2 * q]);
+    const SwigluGrad hi = dact_f32(act, da[2 * q + 1], g[2 * q + 1], u[2 * q + 1]);
     a[q] = pack_bf16x2(lo.dgate, hi.dgate);
     b[q] = pack_bf16x2(lo.dup, hi.dup);
   }
@@ -78,15 +83,16 @@ __device__ __forceinline__ void dswiglu8(const float (&da)[8], const float (&g)[
   du = make_uint4(b[0], b[1], b[2], b[3]);
 }
 
-// The same with the routing probability p (num::dswiglu_prob_f32), and this lane's four pair
+// The same with the routing probability p (num::dact_prob_f32), and this lane's four pair
 // values of dp (swiglu.h's order): pair[q] = fma(da[2q+1], a[2q+1], fma(da[2q], a[2q], +0)).
-__device__ __forceinline__ void dswiglu8_prob(const float (&da)[8], float p, const float (&g)[8],
-                                              const float (&u)[8], uint4& dg, uint4& du, float (&pair)[4]) {
+__device__ __forceinline__ void dswiglu8_prob(const GatedActivation& act, const float (&da)[8],
+                                              float p, const float (&g)[8], const float (&u)[8],
+                                              uint4& dg, uint4& du, float (&pair)[4]) {
   uint32_t a[4], b[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    const SwigluGradProb lo = dswiglu_prob_f32(da[2 * q], p, g[2 * q], u[2 * q]);
-    const SwigluGradProb hi = dswiglu_prob_f32(da[2 * q + 1], p, g[2 * q + 1], u[2 * q + 1]);
+    const SwigluGradProb lo = dact_prob_f32(act, da[2 * q], p, g[2 * q], u[2 * q]);
+    const SwigluGradProb hi = dact_prob_f32(act, da[2 * q + 1], p, g[2 * q + 1], u[2 * q + 1]);
     pair[q] = f_fma(da[2 * q + 1], hi.a, f_fma(da[2 * q], lo.a, 0.0f));
     a[q] = pack_bf16x2(lo.dgate, hi.dgate);
     b[q] = pack_bf16x2(lo.dup, hi.dup);
@@ -113,6 +119,17 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&x)[8]) {
     x[2 * q] = bf16_lo(w[q]);
     x[2 * q + 1] = bf16_hi(w[q]);
   }
+}
+
+// The saved copy of 8 BF16 gate (up = false) or up values (num::saved_gate / saved_up): BF16 in,
+// BF16 out, unchanged for SwiGLU.
+__device__ __forceinline__ uint4 saved_h8(const GatedActivation& act, const uint4& v, bool up) {
+  if (!act.clamped()) return v;
+  float x[8];
+  unpack8(v, x);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = up ? saved_up(act, x[i]) : saved_gate(act, x[i]);
+  return pack8(x);
 }
 
 // 8 E4M3 codes (a uint2) of one 1x128 row tile with scale code `s`, decoded exactly to binary32
@@ -290,6 +307,14 @@ inline void check_pair(const void* codes, const void* scales, const char* cname,
                        const char* what) {
   check_aligned(codes, cname, what);
   FLOWMOE_CHECK(scales != nullptr, what << ": " << sname << " is null");
+}
+// The gated activation: a known kind; the clamped one with a limit > 0 and a finite alpha.
+inline void check_act(const GatedActivation& act, const char* what) {
+  FLOWMOE_CHECK(act.kind == ActivationKind::kSwiglu || act.kind == ActivationKind::kClampedSwiglu,
+                what << ": unknown activation kind " << static_cast<int>(act.kind));
+  FLOWMOE_CHECK(!act.clamped() || (act.limit > 0.0f && std::isfinite(act.alpha)),
+                what << ": the clamped SwiGLU needs limit > 0 and a finite alpha (got limit "
+                     << act.limit << ", alpha " << act.alpha << ")");
 }
 inline void check_prob(const float* prow, const float* dprow_part, const char* what) {
   FLOWMOE_CHECK(prow != nullptr || dprow_part == nullptr,

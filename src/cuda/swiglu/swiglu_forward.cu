@@ -4,7 +4,8 @@
 //
 // Kernels
 //   swiglu_row_kernel<Out>      half-warp per (token, 128-feature tile of A): reads the gate and
-//                               up chunks, computes A in binary32 (swiglu_math.h) and either
+//                               up chunks, computes A = act(gate, up) in binary32 (swiglu_math.h;
+//                               `act`, the gated activation, is a kernel argument) and either
 //                               stores it as BF16 (plain) or quantizes the 1x128 tile straight
 //                               from binary32 (fused), optionally quantizing the two H tiles it
 //                               read as well.
@@ -26,7 +27,8 @@ __global__ void __launch_bounds__(kThreads)
 swiglu_row_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, int64_t m, int64_t f,
                   bf16_t* __restrict__ a, uint8_t* __restrict__ a_codes, uint8_t* __restrict__ a_scales,
                   uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales,
-                  unsigned long long* nonfinite, const int32_t* __restrict__ m_bound) {
+                  unsigned long long* nonfinite, const int32_t* __restrict__ m_bound,
+                  GatedActivation act) {
   const int64_t kb = blockIdx.y;  // feature tile
   const int64_t mb = detail::bounded_rows(m, m_bound);  // rows processed; m is the scale grids' stride
   const int lane = threadIdx.x & 15;
@@ -49,7 +51,7 @@ swiglu_row_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, 
   for (int i = 0; i < kRowsPerHalfWarp; ++i) {
     const int64_t r = r0 + i * (kThreads / 16);
     float a32[8];
-    swiglu8(g[i], u[i], a32);
+    swiglu8(act, g[i], u[i], a32);
     if (prow) {
 #pragma unroll
       for (int q = 0; q < 8; ++q) a32[q] = f_mul(a32[q], p[i]);
@@ -66,8 +68,8 @@ swiglu_row_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, 
         if (lane == 0) a_scales[kb * m + r] = q.scale;
       }
       if constexpr (kOut == FwdOut::kFp8SaveH4) {  // H as MXFP4: codes [M, 2F/2], scales [M][2F/32]
-        const Fp4Codes qg = quantize_fp4x8(g[i], nonfinite);
-        const Fp4Codes qu = quantize_fp4x8(u[i], nonfinite);
+        const Fp4Codes qg = quantize_fp4x8(saved_h8(act, g[i], false), nonfinite);
+        const Fp4Codes qu = quantize_fp4x8(saved_h8(act, u[i], true), nonfinite);
         if (r < mb) {
           const int64_t col = kb * kTile + lane * 8;
           uint8_t* dst = h_codes + (r * 2 * f + col) / 2;
@@ -80,8 +82,8 @@ swiglu_row_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, 
         }
       }
       if constexpr (kOut == FwdOut::kFp8SaveH) {
-        const TileCodes qg = quantize_tile8(g[i], nonfinite);
-        const TileCodes qu = quantize_tile8(u[i], nonfinite);
+        const TileCodes qg = quantize_tile8(saved_h8(act, g[i], false), nonfinite);
+        const TileCodes qu = quantize_tile8(saved_h8(act, u[i], true), nonfinite);
         if (r < mb) {
           uint8_t* dst = h_codes + r * 2 * f + kb * kTile + lane * 8;
           *reinterpret_cast<uint2*>(dst) = qg.codes;
@@ -124,7 +126,7 @@ swiglu_quant_col_kernel(const bf16_t* __restrict__ h, const float* __restrict__ 
                         uint8_t* __restrict__ a_codes, uint8_t* __restrict__ a_scales,
                         uint8_t* __restrict__ a_col_codes, uint8_t* __restrict__ a_col_scales,
                         uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales,
-                        DeviceStatus* status) {
+                        DeviceStatus* status, GatedActivation act) {
   __shared__ __align__(16) uint8_t s_q[kTile * kBytePitch];
   __shared__ uint8_t s_e[kTile];
   __shared__ unsigned s_wmax[kTile / 32], s_wbad[kTile / 32];
@@ -155,7 +157,7 @@ swiglu_quant_col_kernel(const bf16_t* __restrict__ h, const float* __restrict__ 
       const int row = (p0 + i) * (kThreads / 16) + (tid >> 4);
       const int64_t r = static_cast<int64_t>(bs) + row;
       float a32[8];
-      swiglu8(g[i], u[i], a32);
+      swiglu8(act, g[i], u[i], a32);
       if (prow) {
         const float p = row < n ? __ldg(prow + r) : 0.0f;
 #pragma unroll
@@ -169,8 +171,8 @@ swiglu_quant_col_kernel(const bf16_t* __restrict__ h, const float* __restrict__ 
         if (lane == 0) a_scales[kt * m + r] = q.scale;
       }
       if constexpr (kSaveH) {
-        const TileCodes qg = quantize_tile8(g[i], nonfinite);
-        const TileCodes qu = quantize_tile8(u[i], nonfinite);
+        const TileCodes qg = quantize_tile8(saved_h8(act, g[i], false), nonfinite);
+        const TileCodes qu = quantize_tile8(saved_h8(act, u[i], true), nonfinite);
         if (row < n) {
           uint8_t* dst = h_codes + r * 2 * f + kt * kTile + lane * 8;
           *reinterpret_cast<uint2*>(dst) = qg.codes;
@@ -234,23 +236,26 @@ swiglu_quant_col_kernel(const bf16_t* __restrict__ h, const float* __restrict__ 
 // launchers
 // ================================================================================================
 void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* status,
-            cudaStream_t stream, const float* prow, const int32_t* rows_bound) {
+            cudaStream_t stream, const float* prow, const int32_t* rows_bound,
+            const GatedActivation& act) {
   const char* what = "cuda::swiglu";
   check_f(f, what);
+  check_act(act, what);
   check_m(m, what);
   if (m == 0) return;
   check_aligned(h, "h", what);
   check_aligned(a, "a", what);
   swiglu_row_kernel<FwdOut::kBf16><<<row_grid(m, f), kThreads, 0, stream>>>(
-      h, prow, m, f, a, nullptr, nullptr, nullptr, nullptr, nonfinite_ptr(status), rows_bound);
+      h, prow, m, f, a, nullptr, nullptr, nullptr, nullptr, nonfinite_ptr(status), rows_bound, act);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
 void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                   uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream,
-                  const float* prow, const int32_t* rows_bound) {
+                  const float* prow, const int32_t* rows_bound, const GatedActivation& act) {
   const char* what = "cuda::swiglu_quant";
   check_f(f, what);
+  check_act(act, what);
   check_m(m, what);
   FLOWMOE_CHECK((h_codes == nullptr) == (h_scales == nullptr),
                 what << ": give both h_codes and h_scales (H saved as FP8), or neither");
@@ -260,10 +265,12 @@ void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8
   if (h_codes) {
     check_aligned(h_codes, "h_codes", what);
     swiglu_row_kernel<FwdOut::kFp8SaveH><<<row_grid(m, f), kThreads, 0, stream>>>(
-        h, prow, m, f, nullptr, a_codes, a_scales, h_codes, h_scales, nonfinite_ptr(status), rows_bound);
+        h, prow, m, f, nullptr, a_codes, a_scales, h_codes, h_scales, nonfinite_ptr(status), rows_bound,
+        act);
   } else {
     swiglu_row_kernel<FwdOut::kFp8><<<row_grid(m, f), kThreads, 0, stream>>>(
-        h, prow, m, f, nullptr, a_codes, a_scales, nullptr, nullptr, nonfinite_ptr(status), rows_bound);
+        h, prow, m, f, nullptr, a_codes, a_scales, nullptr, nullptr, nonfinite_ptr(status), rows_bound,
+        act);
   }
   FLOWMOE_LAUNCH_CHECK(what);
 }
@@ -271,9 +278,10 @@ void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8
 void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8_t* a_codes,
                       uint8_t* a_scales, uint8_t* a_col_codes, uint8_t* a_col_scales,
                       uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status,
-                      cudaStream_t stream, const float* prow) {
+                      cudaStream_t stream, const float* prow, const GatedActivation& act) {
   const char* what = "cuda::swiglu_quant_col";
   check_f(f, what);
+  check_act(act, what);
   check_blocks(sb, what);
   FLOWMOE_CHECK((h_codes == nullptr) == (h_scales == nullptr),
                 what << ": give both h_codes and h_scales (H saved as FP8), or neither");
@@ -286,27 +294,30 @@ void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8
   if (h_codes) {
     swiglu_quant_col_kernel<true><<<grid, kThreads, 0, stream>>>(
         h, prow, sb.m, f, sb.block_start, sb.block_end, a_codes, a_scales, a_col_codes,
-        a_col_scales, h_codes, h_scales, status);
+        a_col_scales, h_codes, h_scales, status, act);
   } else {
     swiglu_quant_col_kernel<false><<<grid, kThreads, 0, stream>>>(
         h, prow, sb.m, f, sb.block_start, sb.block_end, a_codes, a_scales, a_col_codes,
-        a_col_scales, nullptr, nullptr, status);
+        a_col_scales, nullptr, nullptr, status, act);
   }
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
 void swiglu_quant_h4(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                      uint8_t* h4_codes, uint8_t* h4_scales, DeviceStatus* status,
-                     cudaStream_t stream, const float* prow, const int32_t* rows_bound) {
+                     cudaStream_t stream, const float* prow, const int32_t* rows_bound,
+                     const GatedActivation& act) {
   const char* what = "cuda::swiglu_quant_h4";
   check_f(f, what);
+  check_act(act, what);
   check_m(m, what);
   if (m == 0) return;
   check_aligned(h, "h", what);
   check_pair(a_codes, a_scales, "a_codes", "a_scales", what);
   check_pair(h4_codes, h4_scales, "h4_codes", "h4_scales", what);
   swiglu_row_kernel<FwdOut::kFp8SaveH4><<<row_grid(m, f), kThreads, 0, stream>>>(
-      h, prow, m, f, nullptr, a_codes, a_scales, h4_codes, h4_scales, nonfinite_ptr(status), rows_bound);
+      h, prow, m, f, nullptr, a_codes, a_scales, h4_codes, h4_scales, nonfinite_ptr(status), rows_bound,
+      act);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 

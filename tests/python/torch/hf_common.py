@@ -1,7 +1,7 @@
 """Tiny transformers MoE models for the flowmoe.hf tests (tests/python/torch/test_hf.py, test_gpu_hf.py).
 
-Hidden and expert intermediate sizes are multiples of 128 (flowmoe's tiles); everything else is as
-small as the models allow. Each maker returns a config; `build` makes the model with a given
+Hidden and expert intermediate sizes are multiples of 128 (flowmoe's tiles) except gpt-oss's (200, 72:
+flowmoe pads them); everything else is as small as the models allow. Each maker returns a config; `build` makes the model with a given
 experts implementation from a seed, so that "eager" and a flowmoe backend get the same weights.
 """
 
@@ -44,7 +44,19 @@ def olmoe():
                                     bos_token_id=1, eos_token_id=2)
 
 
-MODELS = {"qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3, "mixtral": mixtral, "olmoe": olmoe}
+def gpt_oss():
+    # issue 46: hidden and expert sizes that are not multiples of 128 (200, 72: zero-padded by
+    # flowmoe), expert biases, the clamped SwiGLU on interleaved gate/up columns, transposed weights;
+    # a limit of 3 so that the clamp acts on some values of these small weights (few lie near it:
+    # there the mask follows the last bits of h, which BF16 rounding decides)
+    return transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=200, intermediate_size=72, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=E,
+                                     num_experts_per_tok=K, sliding_window=8, max_position_embeddings=64,
+                                     swiglu_limit=3.0)
+
+
+MODELS = {"qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3, "mixtral": mixtral, "olmoe": olmoe,
+          "gpt_oss": gpt_oss}
 
 
 def build(make, impl, seed=0, dtype=torch.float32, device="cpu"):
@@ -58,6 +70,7 @@ def build(make, impl, seed=0, dtype=torch.float32, device="cpu"):
         for n, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+
     return model.to(device)
 
 
@@ -91,8 +104,25 @@ BOUNDS = {"bf16": (0.02, 2e-3, 0.05), "blockwise": (0.1, 0.02, 0.25), "fp8-naive
 # contributions cancel more, so the same per-token error is a larger relative error of the sum.
 # Measured on the CPU (all FP8 recipes alike, not a flow defect): blockwise 0.236, fp8-naive 0.15,
 # flow 0.267, flow-fp4 0.637 (MXFP4 h: the routing-weight gradients come from the saved h).
+# gpt-oss's loss with the FP8 recipes: measured 0.027 (blockwise), 0.031 (flow) on this tiny model
+# (attention sinks and biases everywhere, a clamped SwiGLU); its logits and gradients are within
+# the recipe's bounds.
+LOSS_BOUNDS = {("gpt_oss", "blockwise"): 0.05, ("gpt_oss", "flow"): 0.05, ("gpt_oss", "flow-fp4"): 0.08}
+# gpt-oss's logits on the GPU (CUDA eager and CUDA experts; on the CPU bf16 gives 0.005): bf16
+# 0.029, blockwise / flow 0.1006 (the second layer's routing and attention sinks amplify the
+# experts' BF16 / FP8 differences; the experts alone are within the usual bounds,
+# test_gpu_experts.py::test_gpu_gpt_oss_experts_against_float64)
+LOGITS_BOUNDS = {("gpt_oss", "bf16"): 0.05, ("gpt_oss", "blockwise"): 0.15, ("gpt_oss", "flow"): 0.15}
+# Gradients left out of the relative comparison (still required finite): gpt-oss's key bias, whose
+# gradient nearly cancels (the scores' softmax ignores a shift per query; only the attention sinks
+# break that), so its relative error is noise over a norm ~40x below its weight's (measured 0.43
+# with flow; 0.012 with bf16).
+GRADIENT_SKIP = {"gpt_oss": ("self_attn.k_proj.bias",)}
+# gpt-oss's second router (weight and bias) likewise: blockwise 0.31, flow 0.34 (flow-fp4's worst
+# gradient, 0.48, is an attention weight, within its bound).
 GRADIENT_BOUNDS = {("mixtral", "blockwise"): 0.35, ("mixtral", "fp8-naive"): 0.35, ("mixtral", "flow"): 0.35,
-                   ("mixtral", "flow-fp4"): 0.8}
+                   ("mixtral", "flow-fp4"): 0.8, ("gpt_oss", "blockwise"): 0.4, ("gpt_oss", "flow"): 0.4,
+                   ("gpt_oss", "flow-fp4"): 0.7}  # (gpt-oss flow-fp4 on the GPU: the first layer's sinks, 0.53)
 
 
 def compare(ref, got, recipe, model=None):
@@ -100,10 +130,14 @@ def compare(ref, got, recipe, model=None):
     loss_and_grads results; returns the errors."""
     lb, db, gb = BOUNDS[recipe]
     gb = GRADIENT_BOUNDS.get((model, recipe), gb)
+    db = LOSS_BOUNDS.get((model, recipe), db)
+    lb = LOGITS_BOUNDS.get((model, recipe), lb)
     e_logits = rel(got[0], ref[0])
     e_loss = abs(float(got[1]) - float(ref[1]))
     assert set(got[2]) == set(ref[2]), "the same parameters get gradients (the router's included)"
-    e_grad, worst = max((rel(got[2][k], v), k) for k, v in ref[2].items())
+    skip = GRADIENT_SKIP.get(model, ()) if recipe != "bf16" else ()
+    assert all(bool(torch.isfinite(g).all()) for g in got[2].values())
+    e_grad, worst = max((rel(got[2][k], v), k) for k, v in ref[2].items() if not k.endswith(skip))
     assert e_logits < lb, f"logits {e_logits:.4f} >= {lb}"
     assert e_loss < db, f"loss {e_loss:.5f} >= {db}"
     assert e_grad < gb, f"gradient of {worst}: {e_grad:.4f} >= {gb}"

@@ -128,3 +128,46 @@ def test_gpu_backward_derives_its_weights_from_the_parameters(recipe, from_param
             w1.mul_(2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             torch.autograd.grad(y, [x, w1, w2], dy)
+
+
+# ---- gpt-oss's experts (issue 46): the CUDA relayout kernels and the layer ----------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_gpu_relayout_kernels_equal_the_tensor_copies(dtype, interleaved):
+    """flowmoe_expert_relayout (transposed weights, on CUDA) moves every value as the CPU path's
+    tensor copies do, and the gradients back; padding is zeros."""
+    from flowmoe.experts import _Layout
+
+    g = torch.Generator().manual_seed(3)
+    E_, H_, F_ = 3, 200, 72
+    w1 = torch.randn(E_, H_, 2 * F_, generator=g).to(dtype)
+    w2 = torch.randn(E_, F_, H_, generator=g).to(dtype)
+    lay = _Layout(H_, F_, True, interleaved)
+    want = lay.weights(w1, w2)  # CPU: tensor copies
+    a1, a2 = w1.to(DEV).requires_grad_(), w2.to(DEV).requires_grad_()
+    got = lay.weights(a1, a2)  # CUDA: the kernels
+    for w, gt in zip(want, got):
+        assert torch.equal(w, gt.detach().cpu())
+    d1 = torch.randn(got[0].shape, generator=g).to(dtype)
+    d2 = torch.randn(got[1].shape, generator=g).to(dtype)
+    c1, c2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    cw = lay.weights(c1, c2)
+    torch.autograd.backward(cw, [d1, d2])
+    torch.autograd.backward(got, [d1.to(DEV), d2.to(DEV)])
+    assert torch.equal(c1.grad, a1.grad.cpu()) and torch.equal(c2.grad, a2.grad.cpu())
+
+
+@pytest.mark.parametrize("recipe,tol", [("bf16", 0.02), ("flow", 0.12), ("flow-fp4", 0.3)])
+def test_gpu_gpt_oss_experts_against_float64(recipe, tol):
+    import test_experts_gpt_oss as go
+
+    x, logits, gate_up, b1, down, b2, dy = (t.detach().to(DEV) for t in go.problem())
+    leaves = [t.requires_grad_() for t in (x, logits, gate_up, b1, down, b2)]
+    y, grads_ = go.run(recipe, *leaves, dy)
+    ref_leaves = [t.detach().cpu().clone().requires_grad_() for t in leaves]
+    ids, w = go.route(ref_leaves[1])
+    ref = go.reference(ref_leaves[0], ids, w, *ref_leaves[2:])
+    ref.backward(dy.cpu().double())
+    assert go.rel(y.cpu(), ref) < tol
+    for name, g_, leaf in zip(("x", "logits", "gate_up", "b1", "down", "b2"), grads_, ref_leaves):
+        assert go.rel(g_.cpu(), leaf.grad) < 2 * tol, f"d{name}: {go.rel(g_.cpu(), leaf.grad):.4f}"

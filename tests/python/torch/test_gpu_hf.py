@@ -17,6 +17,9 @@ DEV = "cuda"
 def test_gpu_backends_against_eager(model, impl):
     import flowmoe.hf
 
+    if model == "gpt_oss" and impl == "flowmoe-fp8-naive":
+        pytest.skip("expert biases with fp8-naive are refused (test_hf.py::test_gpt_oss_refusals)")
+
     ids = hc.batch(device=DEV)
     ref = hc.loss_and_grads(hc.build(hc.MODELS[model], "eager", device=DEV), ids)
     got = hc.loss_and_grads(hc.build(hc.MODELS[model], impl, device=DEV), ids)
@@ -32,7 +35,8 @@ def test_gpu_bf16_parameters(model):
     m = hc.build(hc.MODELS[model], "flowmoe-flow", dtype=torch.bfloat16, device=DEV)
     out = m(input_ids=ids, labels=ids)
     out.loss.backward()
-    assert abs(float(out.loss.detach()) - float(ref.loss.detach())) < hc.BOUNDS["flow"][1]
+    bound = hc.LOSS_BOUNDS.get((model, "flow"), hc.BOUNDS["flow"][1])
+    assert abs(float(out.loss.detach()) - float(ref.loss.detach())) < bound
     assert all(torch.isfinite(p.grad.float()).all() for p in m.parameters() if p.grad is not None)
 
 
@@ -57,3 +61,41 @@ def test_gpu_fused_adamw_follows_eager(model, impl, tol):
     assert fm[-1] < fm[0]
     for a, b in zip(fm, eager):
         assert abs(a - b) < tol * abs(b), (fm, eager)
+
+
+GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                   num_attention_heads=64, num_key_value_heads=8, head_dim=64)
+
+
+def test_gpu_gpt_oss_20b_sizes_against_eager(capsys):
+    """gpt-oss-20b's MoE sizes (H = F = 2880: zero-padded to 2944; 32 experts, top-4; biases, the
+    clamped SwiGLU at limit 7, transposed and interleaved weights), 2 layers, FP32 parameters, one
+    batch of 2 x 512 tokens: every recipe against "eager" within twice hf_common.BOUNDS (the
+    second layer's routing amplifies differences, as on the tiny model). Prints the table docs/HF.md
+    quotes."""
+    import flowmoe.hf
+    import transformers
+
+    def make():
+        return transformers.GptOssConfig(vocab_size=hc.VOCAB, num_hidden_layers=2, max_position_embeddings=1024,
+                                         **GPT_OSS_20B)
+
+    ids = hc.batch(b=2, s=512, device=DEV)
+    ref = hc.loss_and_grads(hc.build(make, "eager", device=DEV), ids)
+    rows = []
+    for impl in ("flowmoe-bf16", "flowmoe-blockwise", "flowmoe-flow", "flowmoe-flow-fp4"):
+        got = hc.loss_and_grads(hc.build(make, impl, device=DEV), ids)
+        recipe = flowmoe.hf.IMPLEMENTATIONS[impl]
+        e_logits = hc.rel(got[0], ref[0])
+        e_loss = abs(float(got[1]) - float(ref[1]))
+        e_grad, worst = max((hc.rel(got[2][k], v), k) for k, v in ref[2].items() if not k.endswith("k_proj.bias"))
+        rows.append((impl, e_logits, e_loss, e_grad, worst))
+        lb, db, gb = hc.BOUNDS[recipe]
+        assert e_logits < 2 * lb and e_loss < 2 * db and e_grad < 2 * gb, rows[-1]
+        del got
+        torch.cuda.empty_cache()
+    with capsys.disabled():
+        print("\n# gpt-oss-20b MoE sizes, 2 layers, 2 x 512 tokens, FP32 parameters, against eager")
+        print("# impl | logits rel | loss abs | worst gradient rel (of)")
+        for r in rows:
+            print(f"# {r[0]} | {r[1]:.4f} | {r[2]:.5f} | {r[3]:.4f} ({r[4]})")

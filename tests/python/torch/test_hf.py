@@ -41,15 +41,17 @@ def test_bf16_recipe_matches_eager(model):
     fm = hc.build(hc.MODELS[model], "flowmoe-bf16")
     got = hc.loss_and_grads(fm, ids)
     hc.compare(ref, got, "bf16")
-    routers = [k for k in got[2] if k.endswith("mlp.gate.weight")]
+    routers = [k for k in got[2] if k.endswith(("mlp.gate.weight", "mlp.router.weight"))]
     assert routers and all(float(got[2][k].abs().sum()) > 0 for k in routers), "the router trains"
     assert any(getattr(m, "_flowmoe_options", None) is not None for m in fm.modules()), "flowmoe ran the experts"
 
 
 @pytest.mark.parametrize("impl", ["flowmoe-blockwise", "flowmoe-fp8-naive", "flowmoe-flow", "flowmoe-flow-fp4",
                                   "flowmoe"])
-@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_fp8_recipes_within_bounds(model, impl):
+    if model == "gpt_oss" and impl == "flowmoe-fp8-naive":
+        pytest.skip("expert biases with fp8-naive are refused (test_gpt_oss_refusals)")
     import flowmoe.hf
 
     ids = hc.batch()
@@ -71,13 +73,16 @@ def test_gradient_checkpointing(model):
         assert torch.equal(got[2][k], v), k
 
 
-@pytest.mark.parametrize("model", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("model", ["qwen3_moe", "olmoe", "gpt_oss"])
 def test_fused_adamw_follows_eager(model):
     eager = hc.train_losses(hc.build(hc.MODELS[model], "eager"))
     fm = hc.train_losses(hc.build(hc.MODELS[model], "flowmoe-bf16"))
     assert fm[-1] < fm[0], f"flowmoe's loss does not go down: {fm}"
+    # BF16 rounding, 4 steps apart; gpt-oss's loss falls 3x in these 4 steps and the differences
+    # grow with it (measured 3.3% at the 4th step)
+    tol = 0.05 if model == "gpt_oss" else 0.02
     for a, b in zip(fm, eager):
-        assert abs(a - b) < 0.02 * abs(b), (fm, eager)  # BF16 rounding, 4 steps apart
+        assert abs(a - b) < tol * abs(b), (fm, eager)
 
 
 def _qwen(**kw):
@@ -87,14 +92,44 @@ def _qwen(**kw):
     return cfg
 
 
+@pytest.mark.parametrize("sizes", [dict(hidden_size=64, head_dim=32), dict(moe_intermediate_size=96)])
+def test_sizes_not_multiples_of_128_run_padded(sizes):
+    """H or F not a multiple of 128: zero-padded to the next multiple, the same computation. Compared
+    at the experts module (values and every gradient): through the whole tiny model a BF16 difference
+    can flip a later router's top-k for a token, which says nothing about the padding."""
+    mods = [[m for m in hc.build(lambda: _qwen(**sizes), impl).modules() if hasattr(m, "gate_up_proj")][0]
+            for impl in ("eager", "flowmoe-bf16")]
+    g = torch.Generator().manual_seed(3)
+    H = mods[0].gate_up_proj.shape[-1]
+    x = torch.randn(40, H, generator=g)
+    ids = torch.stack([torch.randperm(hc.E, generator=g)[:hc.K] for _ in range(40)])
+    w = torch.rand(40, hc.K, generator=g)
+    outs = []
+    for m in mods:
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = m(xi, ids, wi)
+        y.backward(torch.ones_like(y))
+        outs.append((y.detach(), xi.grad, wi.grad, m.gate_up_proj.grad, m.down_proj.grad))
+    assert mods[1]._flowmoe_options is not None
+    for name, a, b in zip(("y", "dx", "dw", "dgate_up", "ddown"), outs[1], outs[0]):
+        assert hc.rel(a, b) < 0.02, f"{name}: {hc.rel(a, b):.4f}"
+
+
+def test_gpt_oss_refusals(monkeypatch):
+    ids = hc.batch()
+    m = hc.build(hc.gpt_oss, "flowmoe-fp8-naive")
+    with pytest.raises(NotImplementedError, match=r"gpt_oss.*expert biases with the fp8-naive recipe"):
+        m(input_ids=ids)
+    m = hc.build(hc.gpt_oss, "flowmoe-flow")
+    experts = m.model.layers[0].mlp.experts
+    monkeypatch.setattr(type(experts), "_apply_gate",
+                        lambda self, gu: torch.nn.functional.gelu(gu[..., ::2]) * gu[..., 1::2])
+    with pytest.raises(NotImplementedError, match=r"gpt_oss.*custom gating function"):
+        m(input_ids=ids)
+
+
 def test_refusals_name_the_model_and_what_is_missing():
     ids = hc.batch()
-    m = hc.build(lambda: _qwen(hidden_size=64, head_dim=32), "flowmoe-bf16")
-    with pytest.raises(NotImplementedError, match=r"qwen3_moe.*hidden size 64, not a multiple of 128"):
-        m(input_ids=ids)
-    m = hc.build(lambda: _qwen(moe_intermediate_size=96), "flowmoe-bf16")
-    with pytest.raises(NotImplementedError, match=r"qwen3_moe.*intermediate size 96"):
-        m(input_ids=ids)
     m = hc.build(lambda: _qwen(hidden_act="gelu"), "flowmoe-bf16")
     with pytest.raises(NotImplementedError, match=r"qwen3_moe.*activation gelu"):
         m(input_ids=ids)

@@ -1,0 +1,55 @@
+// Expert weights stored transposed, with gate / up interleaved and sizes not multiples of 128
+// (gpt-oss's gate_up_proj [E, H, 2F], down_proj [E, F, H]), to and from the layer's layout
+// (w1 [E, 2F', H'] gate rows [0, F), up rows [F', F' + F); w2 [E, H', F']; issue 46). Pure copies:
+// every value moves unchanged, padding is written as zeros.
+//
+// A transposed source src [E, C, L] (C columns of the layer's weight, L its rows as stored, e.g.
+// w1: C = H, L = 2F) and the layer's dst [E, R, C'] (R = rows incl. padding, C' >= C: padding
+// columns) are related by a row map: layer row r takes stored index j = map(r), or nothing (zeros):
+//   map(r) = base0 + stride * r             for r < valid       (stride 1 or 2)
+//          = base1 + stride * (r - second)  for second <= r < second + valid   (second >= 0)
+//          = none                           otherwise
+//   w1 interleaved:  valid F, stride 2, base0 0, base1 1, second F'
+//   w1 concatenated: valid F, stride 1, base0 0, base1 F, second F'
+//   w2:              valid H, stride 1, base0 0, second -1
+//   to_layer    dst[e][r][c] = (c < C and map(r) exists) ? src[e][c][map(r)] : 0
+//   from_layer  grad[e][c][j] = dst_grad[e][r][c] with map(r) = j    (every j < L has one r)
+#pragma once
+
+#include <cstdint>
+
+namespace flowmoe {
+
+struct ExpertRowMap {
+  int64_t valid = 0;
+  int64_t stride = 1;
+  int64_t base0 = 0;
+  int64_t base1 = 0;
+  int64_t second = -1;  // first layer row of the second part, or -1
+  // the stored index of layer row r, or -1
+  int64_t map(int64_t r) const {
+    if (r < valid) return base0 + stride * r;
+    if (second >= 0 && r >= second && r < second + valid) return base1 + stride * (r - second);
+    return -1;
+  }
+};
+
+}  // namespace flowmoe
+
+#if defined(FLOWMOE_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+namespace flowmoe {
+namespace cuda {
+
+// elem_bytes 2 (BF16) or 4 (FP32). src [E, C, L] -> dst [E, R, Cp] (to_layer), or the gradient
+// back: dst_grad [E, R, Cp] -> grad [E, C, L] (from_layer). Device pointers, 16-byte alignment not
+// required; stream-ordered, nothing allocates.
+void expert_weights_to_layer(const void* src, void* dst, int elem_bytes, int num_experts, int64_t c, int64_t l,
+                             int64_t r, int64_t cp, const ExpertRowMap& map, cudaStream_t stream);
+void expert_grads_from_layer(const void* dst_grad, void* grad, int elem_bytes, int num_experts, int64_t c,
+                             int64_t l, int64_t r, int64_t cp, const ExpertRowMap& map, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace flowmoe
+#endif

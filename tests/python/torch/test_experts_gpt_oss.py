@@ -1,0 +1,143 @@
+"""flowmoe.torch.experts with gpt-oss's experts (issue 46) on the CPU: expert biases, the clamped
+SwiGLU, transposed weights with interleaved gate/up columns, and H / F that are not multiples of 128
+(zero-padded). Against a float64 reference of gpt-oss's formula (values and every gradient), the
+same bits as the weights relaid by hand into the layer's own layout, and the errors."""
+
+import pytest
+import torch
+
+import flowmoe.torch as ft
+
+T, H, F, E, K = 20, 200, 72, 3, 2
+ALPHA, LIMIT = 1.702, 1.0
+
+
+def reference(x, ids, w, gate_up, b1, down, b2):
+    """gpt-oss's experts in float64: gate_up [E, H, 2F] (gate, up interleaved), down [E, F, H]."""
+    x, w, gate_up, b1, down, b2 = (t.double() for t in (x, w, gate_up, b1, down, b2))
+    y = torch.zeros_like(x)
+    for s in range(ids.shape[1]):
+        e = ids[:, s].long()
+        # h rounded to BF16 as a BF16 model (and the layer) holds it: near the limit the clamp's
+        # gradient mask depends on that rounding (straight-through values, not an error of flowmoe)
+        mm = torch.einsum("th,thf->tf", x, gate_up[e])
+        gu = bf16_round(bf16_round(mm) + b1[e])
+        gate, up = gu[:, 0::2].clamp(max=LIMIT), gu[:, 1::2].clamp(-LIMIT, LIMIT)
+        a = (up + 1) * gate * torch.sigmoid(gate * ALPHA)
+        y = y + w[:, s:s + 1] * (torch.einsum("tf,tfh->th", a, down[e]) + b2[e])
+    return y
+
+
+def bf16_round(t):
+    """t rounded to BF16, differentiable (the identity's gradient)."""
+    return t + (t.to(torch.bfloat16).double() - t).detach()
+
+
+def problem(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).requires_grad_()
+    logits = torch.randn(T, E, generator=g, requires_grad=True)
+    gate_up = (torch.randn(E, H, 2 * F, generator=g) * 0.08).to(dtype).requires_grad_()
+    b1 = (torch.randn(E, 2 * F, generator=g) * 0.3).to(dtype).requires_grad_()
+    down = (torch.randn(E, F, H, generator=g) * 0.08).to(dtype).requires_grad_()
+    b2 = (torch.randn(E, H, generator=g) * 0.3).to(dtype).requires_grad_()
+    dy = torch.randn(T, H, generator=g)
+    _keep_off_the_limits(x, gate_up, b1)
+    return x, logits, gate_up, b1, down, b2, dy
+
+
+def _keep_off_the_limits(x, gate_up, b1, band=0.08):
+    """Shifts each b1[e, j] so that no token's pre-activation lies within `band` of a clamp bound
+    (gate: +LIMIT; up: +-LIMIT). There the clamp's gradient mask is decided by the last bits of h
+    (BF16 rounding, summation order; FP8 h in the flow recipes, whose backward reads h as saved), a
+    jump no tolerance covers; elsewhere the
+    clamp still acts on many values and the comparison is a plain BF16 tolerance."""
+    with torch.no_grad():
+        mm = torch.einsum("th,ehf->etf", x.double(), gate_up.double())  # [E, T, 2F]
+        b = b1.double()
+        for e in range(mm.shape[0]):
+            for j in range(mm.shape[2]):
+                bounds = (LIMIT,) if j % 2 == 0 else (LIMIT, -LIMIT)
+                for k in range(200):
+                    shift = 0.013 * k * (1 if k % 2 else -1)
+                    v = mm[e, :, j] + b[e, j] + shift
+                    if all(bool(((v - L).abs() > band).all()) for L in bounds):
+                        b1[e, j] += shift
+                        break
+
+
+def route(logits):
+    w, ids = torch.topk(torch.softmax(logits, -1), K)
+    return ids, w
+
+
+def run(recipe, x, logits, gate_up, b1, down, b2, dy):
+    ids, w = route(logits)
+    y = ft.experts(x, ids, w, gate_up, down, recipe=recipe, b1=b1, b2=b2, activation="clamped-swiglu",
+                   swiglu_alpha=ALPHA, swiglu_limit=LIMIT, transposed=True, interleaved=True)
+    y.float().backward(dy)
+    return y.detach().float(), [t.grad.clone() for t in (x, logits, gate_up, b1, down, b2)]
+
+
+def rel(a, b):
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("recipe,tol", [("bf16", 0.02), ("blockwise", 0.12), ("flow", 0.12), ("flow-fp4", 0.3)])
+def test_values_and_gradients_against_float64(recipe, tol):
+    x, logits, gate_up, b1, down, b2, dy = problem()
+    y, grads = run(recipe, x, logits, gate_up, b1, down, b2, dy)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, logits, gate_up, b1, down, b2)]
+    ids, w = route(leaves[1])
+    ref = reference(leaves[0], ids, w, leaves[2], leaves[3], leaves[4], leaves[5])
+    ref.backward(dy.double())
+    assert rel(y, ref) < tol
+    for name, g, leaf in zip(("x", "logits", "gate_up", "b1", "down", "b2"), grads, leaves):
+        assert float(leaf.grad.abs().sum()) > 0, name
+        assert rel(g, leaf.grad) < 2 * tol, f"d{name}: {rel(g, leaf.grad):.4f}"
+    clamped = (torch.einsum("th,ehf->tef", x.detach().double(), gate_up.detach().double()).abs() > LIMIT)
+    assert clamped.float().mean() > 0.1, "the clamp acts on this problem"
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "flow"])
+def test_same_bits_as_weights_relaid_by_hand(recipe):
+    """transposed / interleaved read by flowmoe give the bits of the same weights given in the
+    layer's own layout [E, 2F, H] (gate rows first) and [E, H, F]."""
+    x, logits, gate_up, b1, down, b2, dy = problem(1)
+    y, grads = run(recipe, x, logits, gate_up, b1, down, b2, dy)
+    gu = gate_up.detach().transpose(1, 2)
+    w1 = torch.cat([gu[:, 0::2], gu[:, 1::2]], 1).contiguous().requires_grad_()
+    bb = b1.detach()
+    b1c = torch.cat([bb[:, 0::2], bb[:, 1::2]], 1).contiguous().requires_grad_()
+    w2 = down.detach().transpose(1, 2).contiguous().requires_grad_()
+    x2, l2, b22 = (t.detach().clone().requires_grad_() for t in (x, logits, b2))
+    ids, w = route(l2)
+    y2 = ft.experts(x2, ids, w, w1, w2, recipe=recipe, b1=b1c, b2=b22, activation="clamped-swiglu",
+                    swiglu_alpha=ALPHA, swiglu_limit=LIMIT)
+    y2.float().backward(dy)
+    assert torch.equal(y, y2.detach().float())
+    assert torch.equal(grads[0], x2.grad) and torch.equal(grads[1], l2.grad) and torch.equal(grads[5], b22.grad)
+    g1 = grads[2].transpose(1, 2)
+    assert torch.equal(torch.cat([g1[:, 0::2], g1[:, 1::2]], 1), w1.grad)
+    assert torch.equal(torch.cat([grads[3][:, 0::2], grads[3][:, 1::2]], 1), b1c.grad)
+    assert torch.equal(grads[4].transpose(1, 2), w2.grad)
+
+
+def test_bf16_parameters_get_bf16_gradients():
+    x, logits, gate_up, b1, down, b2, dy = problem(2, torch.bfloat16)
+    y, grads = run("flow", x, logits, gate_up, b1, down, b2, dy)
+    assert all(g.dtype == torch.bfloat16 for g in grads[2:])
+    assert torch.isfinite(y).all()
+
+
+def test_errors_say_what_is_expected():
+    x, logits, gate_up, b1, down, b2, _ = problem()
+    ids, w = route(logits)
+    with pytest.raises(ValueError, match=r"b1 of shape \(3, 100\).*expected \[3, 144\]"):
+        ft.experts(x, ids, w, gate_up, down, recipe="bf16", b1=b1[:, :100], transposed=True, interleaved=True)
+    with pytest.raises(ValueError, match=r"activation 'gelu'"):
+        ft.experts(x, ids, w, gate_up, down, activation="gelu", transposed=True)
+    with pytest.raises(ValueError, match=r"expected w1 \[E, H, 2F\] and w2 \[E, F, H\] \(transposed=True\)"):
+        ft.experts(x, ids, w, gate_up, down.transpose(1, 2), transposed=True)
+    with pytest.raises(Exception, match=r"fp8-naive"):
+        ft.experts(x, ids, w, gate_up, down, recipe="fp8-naive", b1=b1, transposed=True, interleaved=True)
