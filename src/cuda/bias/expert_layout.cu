@@ -1,6 +1,7 @@
 // Expert weights to and from the layer's layout (include/flowmoe/expert_layout.h): tiled
-// transposes through shared memory (32 x 32 tiles, 32 x 8 threads), so both the strided side and
-// the contiguous side are read and written a warp-row at a time.
+// transposes through shared memory, so both the strided side and the contiguous side are read and
+// written a warp-row at a time: 64 x 64 tiles of 32-bit pairs for 2-byte elements with even sizes
+// (BF16 parameters), 32 x 32 tiles of single elements otherwise.
 #include <cuda_runtime.h>
 
 #include "cuda/common.cuh"
@@ -73,6 +74,64 @@ from_layer_kernel(const T* __restrict__ dgrad, T* __restrict__ grad, int64_t C, 
   }
 }
 
+// ---- 2-byte elements (BF16 parameters, the usual case): 64 x 64 tiles moved as 32-bit pairs ------
+// A block takes the stored indices [j0, j0 + 64) and the columns [c0, c0 + 64): the stored side
+// (src[c][j] / grad[c][j]) and the layer side (dst[inverse(j)][c]) are both read or written 128
+// bytes per warp access. Needs C and L even (checked); the layer rows no stored index maps to and
+// the padding columns are zeroed by pad_rows_kernel.
+constexpr int kWide = 64;
+
+__global__ void __launch_bounds__(kTile * kRowsPerPass)
+to_layer_pairs_kernel(const uint32_t* __restrict__ src, uint32_t* __restrict__ dst, int64_t C, int64_t L, int64_t R,
+                      int64_t Cp, DeviceMap m) {
+  __shared__ uint16_t tile[kWide][kWide + 2];  // [c - c0][j - j0]
+  const int64_t e = blockIdx.z, j0 = int64_t(blockIdx.y) * kWide, c0 = int64_t(blockIdx.x) * kWide;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const uint32_t* s = src + e * C * (L / 2);
+  for (int y = ty; y < kWide; y += kRowsPerPass) {
+    const int64_t c = c0 + y, j = j0 + 2 * tx;
+    const uint32_t w = (c < C && j < L) ? __ldg(s + c * (L / 2) + j / 2) : 0u;
+    tile[y][2 * tx] = uint16_t(w & 0xFFFFu);
+    tile[y][2 * tx + 1] = uint16_t(w >> 16);
+  }
+  __syncthreads();
+  uint32_t* d = dst + e * R * (Cp / 2);
+  for (int y = ty; y < kWide; y += kRowsPerPass) {
+    const int64_t j = j0 + y, c = c0 + 2 * tx;
+    if (j < L && c < C)
+      d[m.inverse(j) * (Cp / 2) + c / 2] = uint32_t(tile[2 * tx][y]) | (uint32_t(tile[2 * tx + 1][y]) << 16);
+  }
+}
+
+__global__ void __launch_bounds__(kTile * kRowsPerPass)
+from_layer_pairs_kernel(const uint32_t* __restrict__ dgrad, uint32_t* __restrict__ grad, int64_t C, int64_t L,
+                        int64_t R, int64_t Cp, DeviceMap m) {
+  __shared__ uint16_t tile[kWide][kWide + 2];  // [j - j0][c - c0]
+  const int64_t e = blockIdx.z, j0 = int64_t(blockIdx.y) * kWide, c0 = int64_t(blockIdx.x) * kWide;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const uint32_t* s = dgrad + e * R * (Cp / 2);
+  for (int y = ty; y < kWide; y += kRowsPerPass) {
+    const int64_t j = j0 + y, c = c0 + 2 * tx;
+    const uint32_t w = (j < L && c < C) ? __ldg(s + m.inverse(j) * (Cp / 2) + c / 2) : 0u;
+    tile[y][2 * tx] = uint16_t(w & 0xFFFFu);
+    tile[y][2 * tx + 1] = uint16_t(w >> 16);
+  }
+  __syncthreads();
+  uint32_t* g = grad + e * C * (L / 2);
+  for (int y = ty; y < kWide; y += kRowsPerPass) {
+    const int64_t c = c0 + y, j = j0 + 2 * tx;
+    if (c < C && j < L) g[c * (L / 2) + j / 2] = uint32_t(tile[2 * tx][y]) | (uint32_t(tile[2 * tx + 1][y]) << 16);
+  }
+}
+
+// Zeros of the layer's layout: whole rows no stored index maps to, and columns [C, Cp) of the others.
+__global__ void pad_rows_kernel(uint16_t* __restrict__ dst, int64_t C, int64_t R, int64_t Cp, DeviceMap m) {
+  const int64_t e = blockIdx.y, r = blockIdx.x;
+  uint16_t* row = dst + (e * R + r) * Cp;
+  const int64_t from = m.map(r) < 0 ? 0 : C;
+  for (int64_t c = from + threadIdx.x; c < Cp; c += blockDim.x) row[c] = 0;
+}
+
 void check(int elem_bytes, int num_experts, int64_t c, int64_t l, int64_t r, int64_t cp, const ExpertRowMap& m,
            const char* what) {
   FLOWMOE_CHECK(elem_bytes == 2 || elem_bytes == 4, what << ": element size " << elem_bytes << "; expected 2 or 4");
@@ -94,8 +153,18 @@ void expert_weights_to_layer(const void* src, void* dst, int elem_bytes, int num
                              int64_t r, int64_t cp, const ExpertRowMap& map, cudaStream_t stream) {
   const char* what = "cuda::expert_weights_to_layer";
   check(elem_bytes, num_experts, c, l, r, cp, map, what);
-  const dim3 grid(unsigned((cp + kTile - 1) / kTile), unsigned((r + kTile - 1) / kTile), unsigned(num_experts));
   const dim3 block(kTile, kRowsPerPass);
+  if (elem_bytes == 2 && c % 2 == 0 && l % 2 == 0 && cp % 2 == 0) {
+    const dim3 g2(unsigned((c + kWide - 1) / kWide), unsigned((l + kWide - 1) / kWide), unsigned(num_experts));
+    to_layer_pairs_kernel<<<g2, block, 0, stream>>>(static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst),
+                                                    c, l, r, cp, device_map(map));
+    FLOWMOE_LAUNCH_CHECK(what);
+    pad_rows_kernel<<<dim3(unsigned(r), unsigned(num_experts)), 128, 0, stream>>>(static_cast<uint16_t*>(dst), c, r,
+                                                                                  cp, device_map(map));
+    FLOWMOE_LAUNCH_CHECK(what);
+    return;
+  }
+  const dim3 grid(unsigned((cp + kTile - 1) / kTile), unsigned((r + kTile - 1) / kTile), unsigned(num_experts));
   if (elem_bytes == 2)
     to_layer_kernel<uint16_t><<<grid, block, 0, stream>>>(static_cast<const uint16_t*>(src),
                                                           static_cast<uint16_t*>(dst), c, l, r, cp, device_map(map));
@@ -109,8 +178,15 @@ void expert_grads_from_layer(const void* dst_grad, void* grad, int elem_bytes, i
                              int64_t r, int64_t cp, const ExpertRowMap& map, cudaStream_t stream) {
   const char* what = "cuda::expert_grads_from_layer";
   check(elem_bytes, num_experts, c, l, r, cp, map, what);
-  const dim3 grid(unsigned((c + kTile - 1) / kTile), unsigned((l + kTile - 1) / kTile), unsigned(num_experts));
   const dim3 block(kTile, kRowsPerPass);
+  if (elem_bytes == 2 && c % 2 == 0 && l % 2 == 0 && cp % 2 == 0) {
+    const dim3 g2(unsigned((c + kWide - 1) / kWide), unsigned((l + kWide - 1) / kWide), unsigned(num_experts));
+    from_layer_pairs_kernel<<<g2, block, 0, stream>>>(static_cast<const uint32_t*>(dst_grad),
+                                                      static_cast<uint32_t*>(grad), c, l, r, cp, device_map(map));
+    FLOWMOE_LAUNCH_CHECK(what);
+    return;
+  }
+  const dim3 grid(unsigned((c + kTile - 1) / kTile), unsigned((l + kTile - 1) / kTile), unsigned(num_experts));
   if (elem_bytes == 2)
     from_layer_kernel<uint16_t><<<grid, block, 0, stream>>>(static_cast<const uint16_t*>(dst_grad),
                                                             static_cast<uint16_t*>(grad), c, l, r, cp, device_map(map));

@@ -133,13 +133,14 @@ def test_gpu_backward_derives_its_weights_from_the_parameters(recipe, from_param
 # ---- gpt-oss's experts (issue 46): the CUDA relayout kernels and the layer ----------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_gpu_relayout_kernels_equal_the_tensor_copies(dtype, interleaved):
+@pytest.mark.parametrize("H_", [200, 201])  # even sizes: the 32-bit pair kernels (BF16); odd: the others
+def test_gpu_relayout_kernels_equal_the_tensor_copies(dtype, interleaved, H_):
     """flowmoe_expert_relayout (transposed weights, on CUDA) moves every value as the CPU path's
     tensor copies do, and the gradients back; padding is zeros."""
     from flowmoe.experts import _Layout
 
     g = torch.Generator().manual_seed(3)
-    E_, H_, F_ = 3, 200, 72
+    E_, F_ = 3, 72
     w1 = torch.randn(E_, H_, 2 * F_, generator=g).to(dtype)
     w2 = torch.randn(E_, F_, H_, generator=g).to(dtype)
     lay = _Layout(H_, F_, True, interleaved)

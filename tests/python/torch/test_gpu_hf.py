@@ -81,14 +81,17 @@ def test_gpu_gpt_oss_20b_sizes_against_eager(capsys):
                                          **GPT_OSS_20B)
 
     ids = hc.batch(b=2, s=512, device=DEV)
-    ref = hc.loss_and_grads(hc.build(make, "eager", device=DEV), ids)
+    # the model's own initialisation (std 0.02): hf_common's 0.08 would put pre-activations of
+    # std ~4 against the clamp at 7 at these widths
+    ref = hc.loss_and_grads(hc.build(make, "eager", device=DEV, init_std=None), ids)
     rows = []
     for impl in ("flowmoe-bf16", "flowmoe-blockwise", "flowmoe-flow", "flowmoe-flow-fp4"):
-        got = hc.loss_and_grads(hc.build(make, impl, device=DEV), ids)
+        got = hc.loss_and_grads(hc.build(make, impl, device=DEV, init_std=None), ids)
         recipe = flowmoe.hf.IMPLEMENTATIONS[impl]
         e_logits = hc.rel(got[0], ref[0])
         e_loss = abs(float(got[1]) - float(ref[1]))
-        e_grad, worst = max((hc.rel(got[2][k], v), k) for k, v in ref[2].items() if not k.endswith("k_proj.bias"))
+        e_grad, worst = max((hc.rel(got[2][k], v), k) for k, v in ref[2].items()
+                            if not k.endswith(hc.GRADIENT_SKIP["gpt_oss"]))
         rows.append((impl, e_logits, e_loss, e_grad, worst))
         lb, db, gb = hc.BOUNDS[recipe]
         assert e_logits < 2 * lb and e_loss < 2 * db and e_grad < 2 * gb, rows[-1]
