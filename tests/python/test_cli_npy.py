@@ -572,6 +572,15 @@ def test_numerics():
         check("numerics: FP32-scale naive copy re-rounds (double quantization)",
               rows["e"][0] > 0 and rows["d"][1] == "-" and rows["e"][1] == "-", out)
         check("numerics: direct FP4->FP8 conversions change nothing here", rows["h"][0] == rows["i"][0] == 0, out)
+        # the last line is the one-line verdict, and it quotes e)'s count (not d)'s)
+        last = out.strip().splitlines()[-1]
+        check("numerics: ends with an OK verdict", last.startswith("verdict: OK:"), out)
+        check("numerics: the verdict quotes the FP32-scale copy's re-rounded count",
+              f"re-rounded {rows['e'][0]} values" in last, out)
+    check("numerics: the prose only with --explain", "Double quantization happens" not in out, out)
+    out = run_ok("numerics", "--m", "256", "--k", "256", "--experts", "4", "--seed", "7", "--explain")
+    check("numerics --explain: the prose, then the verdict",
+          "Double quantization happens" in out and out.strip().splitlines()[-1].startswith("verdict: OK:"), out)
 
 
 def main():

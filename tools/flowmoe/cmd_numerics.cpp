@@ -51,7 +51,15 @@ const char kNumericsUsage[] =
     "                 (default heavy)\n"
     "  --seed S       random seed (default 1)\n"
     "  --experts E    split the M tokens into E random-sized segments, some possibly empty\n"
-    "                 (default 1: one segment)\n";
+    "                 (default 1: one segment)\n"
+    "  --explain      after the table, what each row shows and why (the double quantization of\n"
+    "                 FP32 scales, the exactness of the power-of-two paths)\n"
+    "\n"
+    "The last line is the verdict: OK when every flowmoe path keeps what it promises (the\n"
+    "scaling-aware transpose and the direct FP4->FP8 conversions change only the values they\n"
+    "count as underflow, the column-amax transpose equals the naive copy bit for bit, the naive\n"
+    "power-of-two copy changes no more values than the scaling-aware one), else MISMATCH naming\n"
+    "the path (exit status 1).\n";
 
 // Small deterministic generator (SplitMix64), so a seed means the same data everywhere.
 class Rng {
@@ -280,6 +288,7 @@ int run_numerics(const Args& args) {
   std::vector<float> buf(static_cast<size_t>(n)), deq_row(static_cast<size_t>(n)), deq_fp4(static_cast<size_t>(n));
   std::vector<Row> rows;
   QuantStats st;
+  int64_t c2_differs_from_b = 0;
 
   QTensor row, fp4;
   double ms = time_ms([&] { st = cpu::quantize_row(xb.data(), m, k, &row); });
@@ -289,12 +298,15 @@ int run_numerics(const Args& args) {
     QTensor col;
     ms = time_ms([&] { st = cpu::naive_col_copy(row, seg, &col); });
     rows.push_back(measure("b) naive DQ->T->Q col", "a", col, kNotCounted, ms, deq_row, x, buf));
+    const std::vector<float> deq_naive = buf;
     ms = time_ms([&] { st = cpu::scaling_aware_transpose(row, seg, &col); });
     rows.push_back(measure("c) scaling-aware transpose col", "a", col, st.underflow, ms, deq_row, x, buf));
     ms = time_ms([&] {
       st = cpu::scaling_aware_transpose(row, seg, &col, cpu::TransposeExponent::kColumnAmax);
     });
     rows.push_back(measure("c2) aware, column-amax exponent", "a", col, st.underflow, ms, deq_row, x, buf));
+    for (int64_t i = 0; i < n; ++i)
+      c2_differs_from_b += num::f32_bits(buf[static_cast<size_t>(i)]) != num::f32_bits(deq_naive[static_cast<size_t>(i)]);
   }
   {
     // DeepSeek-V3-style FP32 scales (the comparison rows, see Fp32ScaledFp8 above).
@@ -334,8 +346,39 @@ int run_numerics(const Args& args) {
 
   const Row& naive = rows[1];
   const Row& aware = rows[2];
-  const Row& naive32 = rows[4];
+  const Row& naive32 = rows[5];  // e) vs d)
   const long long nb = naive.changed, na = aware.changed, nu = aware.underflow, ne = naive32.changed;
+  // The verdict: what each flowmoe path promises, checked on this data.
+  std::vector<std::string> bad;
+  auto only_counted = [&](const Row& r) {
+    if (r.changed != r.underflow)
+      bad.push_back(r.name.substr(0, r.name.find(')') + 1) + " changed " + std::to_string(r.changed) +
+                    " values but counted " + std::to_string(r.underflow) + " as underflow");
+  };
+  only_counted(aware);
+  only_counted(rows[8]);  // h) FP4->FP8 direct col
+  only_counted(rows[9]);  // i) FP4->FP8 direct row
+  if (c2_differs_from_b) bad.push_back("c2) differs from b) in " + std::to_string(c2_differs_from_b) + " values");
+  if (nb > na)
+    bad.push_back("b) changed " + std::to_string(nb) + " values, more than c)'s " + std::to_string(na));
+  const bool ok = bad.empty();
+  auto verdict = [&] {
+    if (ok) {
+      std::printf("\nverdict: OK: the scaling-aware transpose (c) and the FP4->FP8 conversions (h, i) changed only "
+                  "the values they counted as underflow (%lld, %lld, %lld); c2 equals b bit for bit; the FP32-scale "
+                  "naive copy (e) re-rounded %lld values (double quantization)\n",
+                  na, static_cast<long long>(rows[8].changed), static_cast<long long>(rows[9].changed), ne);
+    } else {
+      std::string all;
+      for (const std::string& b : bad) all += (all.empty() ? "" : "; ") + b;
+      std::printf("\nverdict: MISMATCH: %s\n", all.c_str());
+    }
+  };
+  if (!args.flag("explain")) {
+    std::printf("\n'vs': the tensor each row is compared with (x: the input); --explain says what the rows show.\n");
+    verdict();
+    return ok ? 0 : 1;
+  }
   std::printf(
       "\n'vs' is the tensor each path is compared with (x = the BF16 input, a = row-wise FP8,\n"
       "d = row-wise FP8 with FP32 scales, f = MXFP4); relative errors are always against x.\n"
@@ -361,7 +404,8 @@ int run_numerics(const Args& args) {
       "A max rel err of 1 means some nonzero input decoded to zero (below half the smallest\n"
       "subnormal of its tile's scale).\n",
       ne, na, nu, nb, na);
-  return 0;
+  verdict();
+  return ok ? 0 : 1;
 }
 
 }  // namespace
@@ -369,7 +413,7 @@ int run_numerics(const Args& args) {
 Command numerics_command() {
   return {"numerics", "compare the FP8/MXFP4 conversion paths on random data (CPU reference)",
           kNumericsUsage,
-          {{"m", true}, {"k", true}, {"dist", true}, {"seed", true}, {"experts", true}},
+          {{"m", true}, {"k", true}, {"dist", true}, {"seed", true}, {"experts", true}, {"explain", false}},
           run_numerics};
 }
 
