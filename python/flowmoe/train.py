@@ -161,12 +161,53 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def _usage_error(msg):
+    """A mistake in the arguments: one line, argparse's form, exit status 2 (no traceback)."""
+    print(f"flowmoe.train: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _check_device(name):
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        _usage_error(f"--device {name}: not a device; expected cpu or cuda (cuda:N)")
+    if dev.type not in ("cpu", "cuda"):
+        _usage_error(f"--device {name}: expected cpu or cuda (cuda:N)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            _usage_error(f"--device {name}: PyTorch sees no GPU (torch.cuda.is_available() is False); expected "
+                         "--device cpu (the default here) or a machine with a CUDA GPU")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            _usage_error(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+
+
+def _check_model(cfg, args):
+    """The model's sizes, checked before anything is built (each mistake: one line)."""
+    for k in ("layers", "hidden", "heads", "ffn", "experts", "topk", "seq_len"):
+        if getattr(cfg, k) < 1:
+            _usage_error(f"--{k.replace('_', '-')} {getattr(cfg, k)}: expected a positive integer")
+    if args.moe == "flowmoe":
+        for k, v in (("hidden", cfg.hidden), ("ffn", cfg.ffn)):
+            if v % 128:
+                near = sorted({max(128, v // 128 * 128), (v // 128 + 1) * 128})
+                _usage_error(f"--{k} {v}: flowmoe's MoE layer takes a multiple of 128 (its 1x128 FP8 tiles and "
+                             f"128x128 weight blocks); expected e.g. {' or '.join(map(str, near))}")
+    if cfg.topk > cfg.experts:
+        _usage_error(f"--topk {cfg.topk}: more than the {cfg.experts} experts")
+    try:
+        cfg.validate()
+    except ValueError as e:
+        _usage_error(f"--hidden {cfg.hidden} / --heads {cfg.heads}: {e}")
+
+
 def resolve(args):
     """Fills the defaults of the chosen configuration; returns (LMConfig, hyper-parameters)."""
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    _check_device(args.device)
     if args.tiny and args.small:
-        raise SystemExit("--tiny and --small exclude each other")
+        _usage_error("--tiny and --small exclude each other")
     base = TINY if (args.tiny or (not args.small and args.device == "cpu")) else SMALL
     args.config_name = "tiny" if base is TINY else "small"
     if args.precision is None:
@@ -181,11 +222,12 @@ def resolve(args):
         model["seq_len"] = args.seq_len
     cfg = LMConfig(router=args.router, renormalize=args.renormalize, aux_loss_coef=args.aux_loss_coef,
                    transpose_exponent=args.exponent, **model)
+    _check_model(cfg, args)
     for k in ("batch", "steps", "lr", "warmup", "val_every", "val_batches", "log_every"):
         if getattr(args, k) is None:
             setattr(args, k, base[k])
     if args.steps < 1 or args.batch < 1:
-        raise SystemExit("--steps and --batch must be >= 1")
+        _usage_error(f"--steps {args.steps} --batch {args.batch}: expected both >= 1")
     if args.name is None:
         args.name = args.recipe if args.moe == "flowmoe" else f"torch-{args.recipe}"
         if args.freeze_experts:

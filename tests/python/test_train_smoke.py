@@ -150,6 +150,41 @@ def stale_forward(forward):
 
 
 @unittest.skipIf(torch is None, "torch is not installed")
+@unittest.skipIf(torch is None, "needs torch")
+class ArgumentErrors(unittest.TestCase):
+    """A mistake in the trainer's arguments ends in one line naming it and what is expected, exit
+    status 2, before anything is built (issue 44)."""
+
+    def run_main(self, *argv):
+        import io
+        from contextlib import redirect_stderr
+
+        import flowmoe.train as tr
+
+        err = io.StringIO()
+        with redirect_stderr(err), self.assertRaises(SystemExit) as cm:
+            tr.main(["--tiny", "--steps", "1", "--quiet", *argv])
+        self.assertEqual(cm.exception.code, 2)
+        lines = err.getvalue().strip().splitlines()
+        self.assertEqual(len(lines), 1, err.getvalue())
+        self.assertTrue(lines[0].startswith("flowmoe.train: error: "), lines[0])
+        self.assertNotIn("Traceback", err.getvalue())
+        self.assertNotRegex(lines[0], r"\[[\w/]+\.(cpp|cu|h):\d+\]")  # no source location
+        return lines[0]
+
+    def test_each_mistake_is_one_line(self):
+        self.assertIn("--hidden 100: flowmoe's MoE layer takes a multiple of 128", self.run_main("--hidden", "100"))
+        self.assertIn("expected e.g. 128", self.run_main("--hidden", "100"))
+        self.assertIn("--ffn 200", self.run_main("--ffn", "200"))
+        self.assertIn("--device tpu: not a device", self.run_main("--device", "tpu"))
+        self.assertIn("--topk 9: more than the 4 experts", self.run_main("--topk", "9"))
+        self.assertIn("--heads 3", self.run_main("--heads", "3"))
+        self.assertIn("--layers 0", self.run_main("--layers", "0"))
+        self.assertIn("--steps 0", self.run_main("--steps", "0"))
+        if not torch.cuda.is_available():
+            self.assertIn("PyTorch sees no GPU", self.run_main("--device", "cuda"))
+
+
 class ErrorProbe(unittest.TestCase):
     """bench/convergence/error_probe.py (issue 35) on the tiny model: every recipe's error against
     FP32, per tensor, on the model's own x and dy."""
