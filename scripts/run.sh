@@ -69,8 +69,14 @@ else
   core_minutes=2  # measured: g++ for the library, CLI and C ABI
   rest=1          # numerics check, package, the tiny model's 30 steps on the CPU
 fi
+# the trainer's arguments, checked before anything is installed or built (flowmoe/train_args.py needs
+# no PyTorch): a mistake ends here in one line; else what the run will use, for the banner
+dev_flag=()
+[ $gpu = 1 ] && [ "$FLOWMOE_CUDA" = ON ] && dev_flag=(--gpu)
+plan=$(python3 "$ROOT/python/flowmoe/train_args.py" "${dev_flag[@]}" "$@") || exit 2
+plan_get() { echo "$plan" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
 minutes=$(( (core_minutes + cores - 1) / cores ))
-echo "flowmoe main job: build, numerics check, training; about $((minutes + rest)) minutes on $cores cores once the dependencies are installed"
+echo "flowmoe main job: build, numerics check, training ($(plan_get preset) model, recipe $(plan_get recipe), $(plan_get steps) steps on the $(plan_get device)); about $((minutes + rest)) minutes on $cores cores once the dependencies are installed"
 
 phase 1 "dependencies" "Checks the build tools (cmake, ninja, g++, GoogleTest) and the Python packages (numpy, ml_dtypes, torch, pytest) and installs only what is missing: seconds when present; the first time, torch is a download of several GB (minutes)."
 scripts/setup-deps.sh --tests
@@ -86,8 +92,11 @@ phase 3 "build (about $minutes minute$([ $minutes = 1 ] || echo s))" "Compiles w
 scripts/build.sh --target flowmoe_main >>"$LOG" 2>&1 &
 build_pid=$!
 last=""
-while kill -0 "$build_pid" 2>/dev/null; do
-  sleep 15
+polls=0
+while kill -0 "$build_pid" 2>/dev/null; do  # (a build with nothing to do ends within the first second)
+  sleep 1
+  polls=$((polls + 1))
+  [ $((polls % 15)) = 0 ] || continue
   now=$(grep -o '^\[[0-9]*/[0-9]*\]' "$LOG" | tail -n 1 || true)
   if [ -n "$now" ] && [ "$now" != "$last" ]; then
     echo "   ... $now compiled, $(since "$phase_start")"
@@ -116,14 +125,10 @@ echo "   installed $(basename "$wheel") into $("$py" -c 'import os, flowmoe; pri
 train_args=("$@")
 have() { local a; for a in "${train_args[@]}"; do [ "$a" = "$1" ] && return 0; done; return 1; }
 have --json || train_args+=(--json "$ROOT/$BUILD/train-run.json")
-if [ $gpu = 1 ] && [ "$FLOWMOE_CUDA" = ON ]; then
-  what="the small MoE language model (170M parameters, 2000 steps) on the GPU with flowmoe's layer, recipe flow: about 2 minutes on an H200"
-else
-  if [ $gpu = 1 ] && ! have --device && ! have --moe; then
-    train_args+=(--device cpu)  # this build has no CUDA backend
-  fi
-  what="the tiny MoE language model (0.6M parameters, 30 steps) on the CPU with flowmoe's layer, recipe flow: under a minute"
+if [ $gpu = 1 ] && [ "$FLOWMOE_CUDA" != ON ] && ! have --device && ! have --moe; then
+  train_args+=(--device cpu)  # this build has no CUDA backend
 fi
+what="the $(plan_get preset) MoE language model, $(plan_get steps) steps on the $(plan_get device) with $(plan_get moe)'s layer, recipe $(plan_get recipe) (the default small run: about 2 minutes on an H200; the tiny one: under a minute on a CPU)"
 phase 6 "training" "python -m flowmoe.train ${train_args[*]}: $what. Ends with a summary; the curves go to the JSON named there."
 cd "${TMPDIR:-/tmp}"  # the installed package, not the source tree's python/ folder
 "$py" -m flowmoe.train "${train_args[@]}"

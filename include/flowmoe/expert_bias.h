@@ -9,8 +9,9 @@
 //                      layer with bias rounds its output; everything after (the activation, the
 //                      saved copy of h) sees the biased h.
 //   expert_bias_grad   db[e, c] (=, or += with accumulate) the sum over the rows of segment e of
-//                      dH[r, c], where dH is the tensor GEMM1's dgrad reads: BF16 (bf16,
-//                      blockwise) or row-wise FP8 1x128 with UE8M0 scales (flow, flow-fp4), each
+//                      dH[r, c]: the BF16 dSwiGLU output (bf16; blockwise, before its
+//                      quantization) or the row-wise FP8 1x128 copy GEMM1's dgrad reads, with
+//                      UE8M0 scales (flow, flow-fp4: no BF16 dH exists there), each
 //                      value decoded exactly (num::dequant_e4m3). Summed in binary32 in row order
 //                      from +0 (one f_add per row), then added to db's old value when accumulating.
 // Both backends give the same bits (the sums are sequential per column on the GPU too).

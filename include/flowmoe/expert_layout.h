@@ -43,8 +43,9 @@ namespace flowmoe {
 namespace cuda {
 
 // elem_bytes 2 (BF16) or 4 (FP32). src [E, C, L] -> dst [E, R, Cp] (to_layer), or the gradient
-// back: dst_grad [E, R, Cp] -> grad [E, C, L] (from_layer). Device pointers, 16-byte alignment not
-// required; stream-ordered, nothing allocates.
+// back: dst_grad [E, R, Cp] -> grad [E, C, L] (from_layer). Device pointers, any alignment (4-byte
+// aligned BF16 with even sizes takes the 32-bit pair kernels); the map must be one of the three
+// above (checked); stream-ordered, nothing allocates.
 void expert_weights_to_layer(const void* src, void* dst, int elem_bytes, int num_experts, int64_t c, int64_t l,
                              int64_t r, int64_t cp, const ExpertRowMap& map, cudaStream_t stream);
 void expert_grads_from_layer(const void* dst_grad, void* grad, int elem_bytes, int num_experts, int64_t c,

@@ -246,7 +246,9 @@ FLOWMOE_HD SwigluGrad dact_f32(const GatedActivation& act, float da, float gate,
 // value it then uses is the limit itself, as in the forward. Without this, a gate a little above the
 // limit could be rounded onto it and pass a gradient the forward did not have. (The other way, a
 // value at or within the limit rounded past it, cannot happen in FP8 when the limit lies on the
-// E4M3 grid, as 7 does; MXFP4's grid is coarser: 7 may be saved as 8.) Values within the
+// E4M3 grid, as 7 does; MXFP4's grid is coarser: 7 may be saved as 8. The mark itself is lost
+// where its block's scale flushes it to zero: an MXFP4 1x32 block of h with amax above 27 x limit
+// (192 for gpt-oss), an FP8 1x128 tile above ~5e5 x limit; there the backward sees 0.) Values within the
 // limits are saved as they are; kSwiglu saves h unchanged. 2 * limit is taken rounded to BF16, so a
 // BF16 h stays BF16 (the quantizers of BF16 tensors save it).
 FLOWMOE_HD float saved_mark(const GatedActivation& act) { return bf16_to_f32(f32_to_bf16(f_mul(2.0f, act.limit))); }

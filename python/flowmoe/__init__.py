@@ -5,10 +5,9 @@
 """
 
 from ._errors import CommError, FlowmoeError, NonFiniteError, OutOfMemoryError
+from ._recipes import RECIPES
 
 __version__ = "0.1.0"
-
-RECIPES = ("bf16", "blockwise", "fp8-naive", "flow", "flow-fp4")
 
 __all__ = ["FlowmoeError", "NonFiniteError", "CommError", "OutOfMemoryError", "RECIPES", "__version__", "native_available"]
 

@@ -226,7 +226,8 @@ class _Layout:
         b = b1.to(torch.float32)
         gate, up = (b[:, 0::2], b[:, 1::2]) if self.interleaved else (b[:, :F], b[:, F:])
         if Fp == F and not self.interleaved:
-            return b.contiguous()
+            b = b.contiguous()
+            return b if b.data_ptr() % 16 == 0 else b.clone()  # (the layer reads it 16 bytes at a time)
         out = b.new_zeros((b.shape[0], 2 * Fp))
         out[:, :F] = gate
         out[:, Fp:Fp + F] = up

@@ -165,10 +165,11 @@ int backward(const char* what, flowmoe_layer* layer, const uint16_t* dy, uint16_
     g.dwr = dwr;
     g.dprobs = dprobs;
     g.accumulate = accumulate;
-    flowmoe_layer* l = checked(layer, what);
-    g.db1 = l->db1;
-    l->db1 = nullptr;  // (for this backward only, whatever it does)
-    l->layer->backward(dy, dx, g);
+    if (layer != nullptr) {  // for this backward only, whatever happens to it (even a failed device switch)
+      g.db1 = layer->db1;
+      layer->db1 = nullptr;
+    }
+    checked(layer, what)->layer->backward(dy, dx, g);
   });
 }
 

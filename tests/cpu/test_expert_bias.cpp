@@ -199,6 +199,16 @@ TEST(ExpertBiasLayer, Refusals) {
   std::vector<bf16_t> x(8 * 128, 0), y(8 * 128);
   l->set_routing(ids.data(), probs.data());
   EXPECT_THROW(l->forward(x.data(), 8, y.data()), Error);  // no set_gemm1_bias
+  // a bias given to a forward refused by its checks is not kept for the next one
+  std::vector<float> b1(4 * 256, 0.0f);
+  l->set_routing(ids.data(), probs.data());
+  l->set_gemm1_bias(b1.data());
+  EXPECT_THROW(l->forward(x.data(), 9, y.data()), Error);  // T > max_tokens
+  l->set_routing(ids.data(), probs.data());
+  EXPECT_THROW(l->forward(x.data(), 8, y.data()), Error);  // the refused forward's bias is gone
+  l->set_routing(ids.data(), probs.data());
+  l->set_gemm1_bias(b1.data());
+  EXPECT_NO_THROW(l->forward(x.data(), 8, y.data()));
   cfg.gemm1_bias = false;
   std::unique_ptr<MoeLayer> nb = make_cpu_layer(cfg);
   EXPECT_THROW(nb->set_gemm1_bias(w1.data()), Error);  // a layer without biases

@@ -107,6 +107,9 @@ void CpuMoeLayer::set_weights(const MoeWeights& w) {
 
 void CpuMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   const char* what = "MoeLayer::forward";
+  // the caller's routing and bias are for this forward only, even one refused by the checks below
+  const RoutingInput ext = take_routing(what);
+  const float* b1 = take_gemm1_bias(what);
   collective_checks(comm_, what, [&] {
     FLOWMOE_CHECK(have_weights_, what << ": no weights; call set_weights first");
     FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
@@ -114,8 +117,6 @@ void CpuMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
                        << cfg_.max_tokens);
     FLOWMOE_CHECK(x && y, what << ": x and y must be non-null host pointers to [T, H] bf16");
   });
-  const RoutingInput ext = take_routing(what);
-  const float* b1 = take_gemm1_bias(what);
   if (b1) gemm1_bias_.assign(b1, b1 + El_ * 2 * F_);
   T_ = tokens;
   have_forward_ = false;

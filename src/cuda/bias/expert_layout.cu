@@ -138,11 +138,24 @@ void check(int elem_bytes, int num_experts, int64_t c, int64_t l, int64_t r, int
   FLOWMOE_CHECK(num_experts >= 1 && num_experts <= 65535 && c >= 1 && l >= 1 && r >= 1 && cp >= c,
                 what << ": E " << num_experts << ", C " << c << ", L " << l << ", R " << r << ", C' " << cp
                      << "; expected positive sizes, E <= 65535, C' >= C");
-  FLOWMOE_CHECK(m.valid >= 0 && (m.stride == 1 || m.stride == 2),
-                what << ": row map stride " << m.stride << "; expected 1 (concatenated) or 2 (interleaved)");
-  for (int64_t x : {m.map(0), m.map(m.valid - 1), m.second >= 0 ? m.map(m.second + m.valid - 1) : 0})
-    FLOWMOE_CHECK(x < l, what << ": the row map reaches stored index " << x << " of " << l);
+  // the three maps of expert_layout.h: each stored index [0, L) from exactly one layer row < R
+  const bool one_part = m.stride == 1 && m.second < 0 && m.valid == l;
+  const bool concatenated = m.stride == 1 && m.second >= m.valid && m.base1 == m.valid && 2 * m.valid == l;
+  const bool interleaved = m.stride == 2 && m.second >= m.valid && m.base1 == 1 && 2 * m.valid == l;
+  FLOWMOE_CHECK(m.base0 == 0 && m.valid >= 1 && (one_part || concatenated || interleaved),
+                what << ": row map {valid " << m.valid << ", stride " << m.stride << ", base0 " << m.base0 << ", base1 "
+                     << m.base1 << ", second " << m.second << "} for " << l << " stored rows; expected one part "
+                     << "{L, 1, 0, -, -1}, concatenated {L/2, 1, 0, L/2, >= L/2} or interleaved {L/2, 2, 0, 1, >= L/2}");
+  FLOWMOE_CHECK((m.second < 0 ? m.valid : m.second + m.valid) <= r,
+                what << ": the row map reaches layer row " << (m.second < 0 ? m.valid : m.second + m.valid) - 1
+                     << " of " << r);
   FLOWMOE_CHECK((r + kTile - 1) / kTile <= 65535 && (l + kTile - 1) / kTile <= 65535, what << ": too many rows");
+}
+
+// The 32-bit pair kernels: 2-byte elements, even sizes and 4-byte aligned pointers.
+bool pairs(int elem_bytes, int64_t c, int64_t l, int64_t cp, const void* a, const void* b) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b);
+  return elem_bytes == 2 && c % 2 == 0 && l % 2 == 0 && cp % 2 == 0 && addr % 4 == 0;
 }
 
 DeviceMap device_map(const ExpertRowMap& m) { return DeviceMap{m.valid, m.stride, m.base0, m.base1, m.second}; }
@@ -154,7 +167,7 @@ void expert_weights_to_layer(const void* src, void* dst, int elem_bytes, int num
   const char* what = "cuda::expert_weights_to_layer";
   check(elem_bytes, num_experts, c, l, r, cp, map, what);
   const dim3 block(kTile, kRowsPerPass);
-  if (elem_bytes == 2 && c % 2 == 0 && l % 2 == 0 && cp % 2 == 0) {
+  if (pairs(elem_bytes, c, l, cp, src, dst)) {
     const dim3 g2(unsigned((c + kWide - 1) / kWide), unsigned((l + kWide - 1) / kWide), unsigned(num_experts));
     to_layer_pairs_kernel<<<g2, block, 0, stream>>>(static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst),
                                                     c, l, r, cp, device_map(map));
@@ -179,7 +192,7 @@ void expert_grads_from_layer(const void* dst_grad, void* grad, int elem_bytes, i
   const char* what = "cuda::expert_grads_from_layer";
   check(elem_bytes, num_experts, c, l, r, cp, map, what);
   const dim3 block(kTile, kRowsPerPass);
-  if (elem_bytes == 2 && c % 2 == 0 && l % 2 == 0 && cp % 2 == 0) {
+  if (pairs(elem_bytes, c, l, cp, dst_grad, grad)) {
     const dim3 g2(unsigned((c + kWide - 1) / kWide), unsigned((l + kWide - 1) / kWide), unsigned(num_experts));
     from_layer_pairs_kernel<<<g2, block, 0, stream>>>(static_cast<const uint32_t*>(dst_grad),
                                                       static_cast<uint32_t*>(grad), c, l, r, cp, device_map(map));

@@ -341,6 +341,9 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
 void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   const char* what = "MoeLayer::forward";
   backward_weights_ = MoeWeights();  // (set_backward_weights holds for the backward that follows it)
+  // the caller's routing and bias are for this forward only, even one refused by the checks below
+  const RoutingInput ext = take_routing(what);
+  gemm1_bias_ = take_gemm1_bias(what);
   collective_checks(comm_, what, [&] {
     FLOWMOE_CHECK(have_weights_, what << ": no weights; call set_weights first");
     FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
@@ -348,8 +351,6 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
     FLOWMOE_CHECK(x && y, what << ": x and y must be non-null device pointers to [T, H] bf16");
     check_bound(what, /*saved=*/true);
   });
-  const RoutingInput ext = take_routing(what);
-  gemm1_bias_ = take_gemm1_bias(what);
   T_ = tokens;
   have_forward_ = false;
   rep_.drop_ops(MoePass::kForward);
