@@ -2,7 +2,7 @@
 # `pip install .` as a user runs it, checked without touching the system's site-packages: builds
 # the package's wheel (CPU only: -DFLOWMOE_ENABLE_CUDA=OFF, so CI does not build the CUDA code a
 # second time), installs it into a scratch folder and runs one forward + backward of
-# flowmoe.torch.MoE from there.
+# flowmoe.torch.MoE from there, and the `flowmoe` command the package puts on PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -28,5 +28,11 @@ x = torch.randn(16, 128).bfloat16().requires_grad_()
 m(x).float().sum().backward()
 assert x.grad is not None and m.w1.grad is not None
 print("python-smoke: the installed wheel ran a forward + backward of flowmoe.torch.MoE")
-print("python-smoke: 1 passed, 0 failed")
 PY
+# the console script `flowmoe` (pyproject.toml [project.scripts]) runs the tool installed with it
+version=$(PYTHONPATH="$PWD/site" "$PWD/site/bin/flowmoe" --version | head -n 1)
+case "$version" in
+  "flowmoe "*) echo "python-smoke: the installed 'flowmoe' command runs the tool ($version)" ;;
+  *) echo "python-smoke: the installed 'flowmoe' command did not run the tool: '$version'" >&2; exit 1 ;;
+esac
+echo "python-smoke: 2 passed, 0 failed"

