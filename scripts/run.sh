@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job, on a fresh machine. Six phases, each announced with what it does and how long it
 # roughly takes:
-#   1. dependencies  scripts/setup-deps.sh --tests: build tools, numpy, torch, pytest; only what is
+#   1. dependencies  scripts/setup-deps.sh --tests: build tools, numpy, torch, pytest, transformers; only what is
 #                    missing is installed
 #   2. configure     CMake into build/ (FLOWMOE_BUILD_DIR); the CUDA backend only where a GPU is
 #                    visible and nvcc is found (FLOWMOE_CUDA=ON|OFF decides instead)
@@ -57,8 +57,8 @@ export FLOWMOE_CUDA
 
 if [ "$FLOWMOE_CUDA" = ON ]; then
   backend="CPU reference and CUDA backend (sm_90a)"
-  core_minutes=8  # measured: nvcc and g++ for the library, CLI and C ABI (ninja runs one job per core)
-  rest=3          # numerics check, package, the small model's 2000 steps on an H200
+  core_seconds=480  # measured: nvcc and g++ for the library, CLI and C ABI, one core's worth (ninja: one job per core)
+  rest=180          # dependencies check, numerics check, package, the small model's 2000 steps on an H200
 else
   backend="CPU reference only"
   if [ "$user_cuda" = OFF ]; then backend="$backend (FLOWMOE_CUDA=OFF)"
@@ -66,8 +66,8 @@ else
     backend="$backend: no GPU is visible, so the CUDA kernels would not run here (FLOWMOE_CUDA=ON builds them anyway)"
   elif [ $gpu = 1 ]; then backend="$backend: nvcc was not found (the CUDA toolkit builds the GPU backend)"
   fi
-  core_minutes=2  # measured: g++ for the library, CLI and C ABI
-  rest=1          # numerics check, package, the tiny model's 30 steps on the CPU
+  core_seconds=46  # measured: g++ for the library, CLI and C ABI (23 s on two cores)
+  rest=22          # dependencies check, numerics check, package, the tiny model's 30 steps on the CPU
 fi
 # the trainer's arguments, checked before anything is installed or built (flowmoe/train_args.py needs
 # no PyTorch): a mistake ends here in one line; else what the run will use, for the banner
@@ -75,10 +75,11 @@ dev_flag=()
 [ $gpu = 1 ] && [ "$FLOWMOE_CUDA" = ON ] && dev_flag=(--gpu)
 plan=$(python3 "$ROOT/python/flowmoe/train_args.py" "${dev_flag[@]}" "$@") || exit 2
 plan_get() { echo "$plan" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
-minutes=$(( (core_minutes + cores - 1) / cores ))
-echo "flowmoe main job: build, numerics check, training ($(plan_get preset) model, recipe $(plan_get recipe), $(plan_get steps) steps on the $(plan_get device)); about $((minutes + rest)) minutes on $cores cores once the dependencies are installed"
+build_seconds=$(( (core_seconds + cores - 1) / cores ))
+about() { if [ "$1" -lt 90 ]; then echo "about $(( ($1 + 4) / 5 * 5 )) s"; else echo "about $(( ($1 + 30) / 60 )) minutes"; fi; }
+echo "flowmoe main job: build, numerics check, training ($(plan_get preset) model, recipe $(plan_get recipe), $(plan_get steps) steps on the $(plan_get device)); $(about $((build_seconds + rest))) on $cores cores once the dependencies are installed"
 
-phase 1 "dependencies" "Checks the build tools (cmake, ninja, g++, GoogleTest) and the Python packages (numpy, ml_dtypes, torch, pytest) and installs only what is missing: seconds when present; the first time, torch is a download of several GB (minutes)."
+phase 1 "dependencies" "Checks the build tools (cmake, ninja, g++, GoogleTest) and the Python packages of requirements-test.txt (numpy, ml_dtypes, torch, pytest, transformers) and installs only what is missing: seconds when present; the first time, torch is a download of several GB (minutes)."
 scripts/setup-deps.sh --tests
 py=python3
 [ -x .venv-test/bin/python ] && py=$ROOT/.venv-test/bin/python
@@ -88,7 +89,7 @@ mkdir -p "$BUILD"
 : >"$LOG"
 scripts/build.sh --configure-only >>"$LOG" 2>&1 || { tail -n 30 "$LOG"; echo "run: CMake failed; the whole log is $LOG" >&2; exit 1; }
 
-phase 3 "build (about $minutes minute$([ $minutes = 1 ] || echo s))" "Compiles what this job runs: the flowmoe command-line tool and the C ABI library the Python package loads (target flowmoe_main; the tests and benchmarks are left to scripts/test.sh). Compiler output: $LOG."
+phase 3 "build ($(about "$build_seconds"))" "Compiles what this job runs: the flowmoe command-line tool and the C ABI library the Python package loads (target flowmoe_main; the tests and benchmarks are left to scripts/test.sh). Compiler output: $LOG."
 scripts/build.sh --target flowmoe_main >>"$LOG" 2>&1 &
 build_pid=$!
 last=""
