@@ -37,6 +37,7 @@ from torch import nn
 
 from . import _native, _ops
 from ._errors import FlowmoeError
+from ._runner import _NoTokens, _Runner, keep_fp32, keep_layer_on_failure
 
 __all__ = ["experts", "MoEExperts"]
 
@@ -68,8 +69,6 @@ class _ExpertsLayer:
         return (E, 2 * F, H), (E, H, F)
 
     def _ensure_runner(self, device: torch.device, tokens: int):
-        from .torch import _Runner  # (flowmoe.torch imports this module at its end)
-
         r = self._runner
         if r is not None and r.device == device and tokens <= r.max_tokens:
             return r
@@ -101,8 +100,6 @@ class _ExpertsLayer:
 
     def run(self, xb: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
             w2: torch.Tensor, b1: Optional[torch.Tensor] = None) -> torch.Tensor:
-        from .torch import keep_layer_on_failure  # (flowmoe.torch imports this module at its end)
-
         with keep_layer_on_failure(self):
             return self._run(xb, ids, probs, w1, w2, b1)
 
@@ -335,8 +332,6 @@ def _call(layer: _ExpertsLayer, x, top_k_index, top_k_weights, w1, w2, H: int, l
           b1=None, b2=None) -> torch.Tensor:
     """The layer on x (any strides; bfloat16, float32 or float16, computed in bfloat16 and returned in
     x's dtype); no tokens: the empty output and zero gradients, no layer call."""
-    from .torch import _NoTokens
-
     if x.numel() == 0:
         return _NoTokens.apply(x, top_k_weights, w1, w2, *[b for b in (b1, b2) if b is not None])
     xb = x.reshape(-1, H)
@@ -393,8 +388,6 @@ class MoEExperts(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         # the masters stay float32 under a dtype conversion (as MoE's): the layer needs FP32 masters
-        from .torch import keep_fp32  # (flowmoe.torch imports this module at its end)
-
         return super()._apply(keep_fp32(fn, (self.w1, self.w2)), *args, **kwargs)
 
     def extra_repr(self) -> str:

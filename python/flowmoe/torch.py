@@ -17,6 +17,8 @@ from torch import nn
 
 from . import _native, _ops
 from ._errors import FlowmoeError
+from ._runner import _NoTokens, _Runner, keep_fp32, keep_layer_on_failure  # noqa: F401  (MoE uses them)
+from .experts import MoEExperts, experts  # noqa: F401  (flowmoe.torch.experts, MoEExperts)
 
 __all__ = ["MoE", "FlowmoeError", "microbatch"]
 _ROUTERS = ("softmax", "sigmoid")
@@ -40,21 +42,6 @@ def _install_optimizer_hook() -> None:
         _hook_handle = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
-def keep_fp32(fn, masters):
-    """`fn` for nn.Module._apply that moves the FP32 masters (tensors of `masters`; None allowed)
-    but leaves their dtype under a dtype conversion (.to(torch.bfloat16), .half()): the layer
-    needs FP32 masters (convert the input instead)."""
-    own = {id(t) for t in masters if t is not None}
-
-    def apply(t):
-        out = fn(t)
-        if id(t) in own and out.dtype != t.dtype:
-            out = t.to(device=out.device)
-        return out
-
-    return apply
-
-
 _microbatch = threading.local()
 
 
@@ -69,94 +56,6 @@ def microbatch(first: bool):
         yield
     finally:
         _microbatch.first = old
-
-
-class _Runner:
-    """The native layer of one module on one device and stream. A CUDA layer takes all its memory
-    from PyTorch (caller memory): ``plan`` = (weights, saved, transient) bytes per call."""
-
-    @staticmethod
-    def build(cfg: _native.Config, comm, device: torch.device, max_tokens: int, sync_free: bool,
-              who: str) -> "_Runner":
-        """The native layer of `cfg` on `device`: a CUDA layer on PyTorch's current stream there
-        (its own stream where that is the legacy default stream), taking its memory from PyTorch
-        (caller memory), or a CPU layer."""
-        if device.type != "cuda":
-            return _Runner(_native.Layer(cfg, comm), device, None, max_tokens)
-        if not _native.has_cuda():
-            raise FlowmoeError(f"{who}: CUDA tensors but this flowmoe library was built without the CUDA "
-                               "backend (no nvcc at build time); reinstall the package where nvcc is found, "
-                               "or run on CPU tensors")
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = torch.cuda.current_stream(device)
-        if stream.cuda_stream == 0:
-            # The legacy default stream cannot take part in a CUDA graph capture (a later capture
-            # on another stream would make it wait on the capturing stream: an error), so a layer
-            # built there gets a stream of its own, ordered with the caller's by events (ordered()).
-            with torch.cuda.device(index):
-                stream = torch.cuda.Stream(device)
-        with torch.cuda.device(index):
-            layer = _native.Layer(cfg, comm, device=index, stream=stream.cuda_stream, sync_free=sync_free,
-                                  caller_memory=True)
-        return _Runner(layer, device, stream, max_tokens)
-
-    def __init__(self, layer: _native.Layer, device: torch.device, stream, max_tokens: int):
-        self.layer = layer
-        self.device = device
-        self.stream = stream  # torch.cuda.Stream of a CUDA layer, None for CPU
-        self.max_tokens = max_tokens
-        self.plan = layer.memory_plan()
-        # whether a backward can derive its dgrad weights from the parameters (the experts-only CUDA
-        # layer of the FP8 block recipes): the weight copies then need not outlive the forward
-        self.backward_weights = layer.takes_backward_weights
-
-    @contextlib.contextmanager
-    def ordered(self):
-        """The layer's work ordered after the caller's current stream, and the current stream after
-        the layer's (so that PyTorch may reuse the call's transient memory on it right away)."""
-        if self.stream is None:
-            yield
-            return
-        cur = torch.cuda.current_stream(self.device)
-        if cur == self.stream:
-            yield
-            return
-        self.stream.wait_stream(cur)
-        try:
-            yield
-        finally:
-            cur.wait_stream(self.stream)
-
-
-class _NoTokens(torch.autograd.Function):
-    """A call with no tokens (T = 0), as a native op treats it: the empty output, zero gradients
-    for the weights and routing weights, and no layer call."""
-
-    @staticmethod
-    def forward(ctx, x, *weights):
-        ctx.shapes = [(w.shape, w.dtype, w.device) for w in weights]
-        return x.new_empty(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return (dy.new_empty(dy.shape), *[torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes])
-
-
-@contextlib.contextmanager
-def keep_layer_on_failure(owner):
-    """A call that fails (out of memory, bad input) leaves `owner` (a module or experts layer with
-    `_runner`) as it was: a layer built or grown for the failed call is dropped (its memory with it)
-    and the previous one, if any, stays, so a smaller call after an out-of-memory error runs as
-    before (PyTorch's and accelerate's batch-size finders retry smaller)."""
-    before = owner._runner
-    try:
-        yield
-    except BaseException:
-        if owner._runner is not before:
-            owner._runner = before
-            if hasattr(owner, "_wbuf"):
-                owner._wbuf, owner._wkey = None, None
-        raise
 
 
 class MoE(nn.Module):
@@ -522,6 +421,5 @@ class MoE(nn.Module):
 
 
 # The experts-only layer (routing from the caller, issue 31): flowmoe/experts.py.
-from .experts import MoEExperts, experts  # noqa: E402  (needs _Runner above)
 
 __all__ += ["MoEExperts", "experts"]
