@@ -7,25 +7,27 @@ import pytest
 import torch
 
 import flowmoe.torch as ft
+from reference import experts_reference
 
 T, H, F, E, K = 20, 200, 72, 3, 2
 ALPHA, LIMIT = 1.702, 1.0
 
 
+def clamped_swiglu(gate, up):
+    gate, up = gate.clamp(max=LIMIT), up.clamp(-LIMIT, LIMIT)
+    return (up + 1) * gate * torch.sigmoid(gate * ALPHA)
+
+
 def reference(x, ids, w, gate_up, b1, down, b2):
-    """gpt-oss's experts in float64: gate_up [E, H, 2F] (gate, up interleaved), down [E, F, H]."""
-    x, w, gate_up, b1, down, b2 = (t.double() for t in (x, w, gate_up, b1, down, b2))
-    y = torch.zeros_like(x)
-    for s in range(ids.shape[1]):
-        e = ids[:, s].long()
-        # h rounded to BF16 as a BF16 model (and the layer) holds it: near the limit the clamp's
-        # gradient mask depends on that rounding (straight-through values, not an error of flowmoe)
-        mm = torch.einsum("th,thf->tf", x, gate_up[e])
-        gu = bf16_round(bf16_round(mm) + b1[e])
-        gate, up = gu[:, 0::2].clamp(max=LIMIT), gu[:, 1::2].clamp(-LIMIT, LIMIT)
-        a = (up + 1) * gate * torch.sigmoid(gate * ALPHA)
-        y = y + w[:, s:s + 1] * (torch.einsum("tf,tfh->th", a, down[e]) + b2[e])
-    return y
+    """gpt-oss's experts in float64 (reference.experts_reference): gate_up [E, H, 2F] (gate, up
+    interleaved), down [E, F, H]; h rounded to BF16 as a BF16 model (and the layer) holds it: near the
+    limit the clamp's gradient mask depends on that rounding."""
+    gu = gate_up.double().transpose(1, 2)
+    w1 = torch.cat([gu[:, 0::2], gu[:, 1::2]], 1)
+    b = b1.double()
+    b1c = torch.cat([b[:, 0::2], b[:, 1::2]], 1)
+    return experts_reference(x, ids, w, w1, down.double().transpose(1, 2), b1=b1c, b2=b2, act=clamped_swiglu,
+                             h_round=bf16_round)
 
 
 def bf16_round(t):
