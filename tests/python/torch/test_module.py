@@ -416,3 +416,12 @@ def test_the_readme_snippet_runs_as_written():
     blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "from flowmoe.torch import MoE" in b]
     assert blocks, "README.md has no PyTorch snippet"
     exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme"})
+
+
+def test_python_recipe_names_are_the_native_tables():
+    """flowmoe.RECIPES (read without the library: argument parsing, scripts/run.sh's check) and the
+    Hugging Face names list the native recipe table's names, in its order."""
+    import flowmoe.hf
+
+    assert flowmoe.RECIPES == native.recipe_names()
+    assert set(flowmoe.hf.IMPLEMENTATIONS.values()) == set(native.recipe_names())
