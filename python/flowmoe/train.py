@@ -45,7 +45,9 @@ from . import data as data_mod
 from . import train_guards
 from .lm import LMConfig, MoELM
 from .train_guards import GuardFailure, MoEGuard
-from .train_args import TINY, check_model, model_sizes, parse_args, preset, usage_error
+# (RECIPES, SMALL, TINY stay importable from flowmoe.train: bench/convergence uses them)
+from .train_args import (RECIPES, SMALL, TINY, check_model, model_sizes, parse_args,  # noqa: F401
+                         preset, usage_error)
 
 
 def _check_device(name):
