@@ -110,7 +110,8 @@ void sum_dprow_parts(const float* dprow_part, int64_t m, int64_t f, float* dprow
 #if defined(FLOWMOE_HAVE_CUDA)
 #include <cuda_runtime.h>
 
-#include "flowmoe/cuda/convert.h"
+#include "flowmoe/cuda/qtensor_view.h"  // QTensorView, SegmentBlocks, the views' checks
+#include "flowmoe/cuda/status.h"        // DeviceStatus
 
 namespace flowmoe {
 namespace cuda {

@@ -23,21 +23,7 @@ namespace flowmoe {
 namespace cuda {
 
 
-// Per-expert token segments resolved on the device into 128-token blocks, without a host sync.
-// Sized for at most `max_blocks` = ceil(M/128) + E blocks; blocks past the real count are empty.
-struct SegmentBlocks {
-  const int32_t* offsets = nullptr;  // [E+1] token offsets (device)
-  int num_segments = 0;              // E
-  int64_t m = 0;                     // tokens (offsets[E] must equal m, or not exceed it: capacity)
-  int64_t max_blocks = 0;            // ceil(M/128) + E
-  int32_t* block_start = nullptr;    // [max_blocks] first token of each block (-1: no block)
-  int32_t* block_end = nullptr;      // [max_blocks] one past its last token
-  int32_t* block_offsets = nullptr;  // [E+1] first block of each segment; [E] = number of blocks
-  // m is a capacity (the buffers' rows) and offsets[E] <= m the rows in use, a count the host has
-  // not fetched: rows past offsets[E] belong to no block (the column-wise kernels skip them).
-  bool capacity = false;
-};
-int64_t segment_max_blocks(int64_t m, int num_segments);
+// SegmentBlocks, segment_max_blocks: flowmoe/cuda/qtensor_view.h (next to the views that use them).
 // Fills block_start/block_end/block_offsets of `sb` (buffers provided by the caller) from
 // sb.offsets. Malformed offsets (not from 0 to M, decreasing) count in status->bad_segments
 // (status is required) and leave every block empty, so the column-wise outputs are not written:
@@ -157,28 +143,7 @@ void quantize_weights_fp32_scale(const bf16_t* w, int num_experts, int64_t n, in
 // flowmoe::Error) and calls the pointer launcher above. Views with UE8M0 scales; a row-wise view's
 // scale_ld must equal its rows (the kernels write the tight [K/128][M] grid), a column-wise view
 // covers sb.m tokens with at least sb.max_blocks scale rows.
-namespace view_detail {
-inline void check_row(const QTensorView& v, const char* what) {
-  check_view(v, Layout::kRow1x128, ScaleFormat::kUe8m0, what);
-  FLOWMOE_CHECK(v.scale_ld == v.rows, what << ": row-wise scale_ld = " << v.scale_ld
-                                           << "; expected the tight grid, scale_ld = rows = "
-                                           << v.rows);
-}
-inline void check_col(const QTensorView& v, const SegmentBlocks& sb, int64_t k, const char* what) {
-  check_view(v, Layout::kCol128x1, ScaleFormat::kUe8m0, what);
-  FLOWMOE_CHECK(v.rows == sb.m && v.cols == k && v.scale_rows >= sb.max_blocks,
-                what << ": column-wise view [" << v.rows << ", " << v.cols << "] with "
-                     << v.scale_rows << " scale rows; expected [" << sb.m << ", " << k
-                     << "] (the segments' tokens) with at least " << sb.max_blocks);
-  FLOWMOE_CHECK(v.offsets == nullptr || v.offsets == sb.offsets,
-                what << ": the view's segment offsets are not those of the SegmentBlocks");
-}
-inline void check_same_shape(const QTensorView& a, const QTensorView& b, const char* what) {
-  FLOWMOE_CHECK(a.rows == b.rows && a.cols == b.cols,
-                what << ": views of [" << a.rows << ", " << a.cols << "] and [" << b.rows << ", "
-                     << b.cols << "]; expected the same shape");
-}
-}  // namespace view_detail
+// (view_detail::check_row, check_col, check_same_shape: flowmoe/cuda/qtensor_view.h)
 
 // x [out.rows, out.cols] bf16 -> out (row-wise).
 inline void quantize_row(const bf16_t* x, const QTensorView& out, DeviceStatus* status,
