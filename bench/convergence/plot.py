@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Merge the convergence runs and draw the figures and the table of docs/CONVERGENCE.md.
 
-    python3 bench/convergence/plot.py [--out docs/convergence]
+    python3 bench/convergence/plot.py [--out results/convergence]
 
 Reads every <out>/runs/*.json written by `python -m flowmoe.train --json` (bench/convergence/run.sh)
 and writes:
@@ -340,7 +340,7 @@ def plot_seed_delta(groups, out, smooth, col):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="docs/convergence")
+    ap.add_argument("--out", default="results/convergence")
     ap.add_argument("--smooth", type=int, default=50, help="moving-average window of the train curves")
     args = ap.parse_args(argv)
     runs = load_runs(args.out)

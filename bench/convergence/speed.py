@@ -11,7 +11,7 @@ clipping, fused AdamW; timed with a device synchronisation at the end of every s
 --reps steps after --warmup steps. The tokens are random bytes (speed does not depend on the text).
 
     python3 bench/convergence/speed.py                         # torch BF16 vs flowmoe flow
-    python3 bench/convergence/speed.py --recipes bf16 blockwise flow flow-fp4 --json docs/convergence/speed.json
+    python3 bench/convergence/speed.py --recipes bf16 blockwise flow flow-fp4 --json results/convergence/speed.json
     python3 bench/convergence/speed.py --tiny --device cpu --moe torch   # smoke test
 
 Printed: per model, step ms, tokens/s, model TFLOP/s (6 x active parameters + attention),

@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Writes results/README.md: every file under results/ and the documents that cite it (by its path
+from the repository root, or a folder of it), so that a reader of a figure finds its log and a
+file nobody cites stands out. Run after adding or citing results:
+
+    python3 scripts/results_index.py            # rewrites results/README.md
+    python3 scripts/results_index.py --check    # exit 1 when it is out of date or a file is uncited
+"""
+
+import os
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+DOCS = ["README.md"] + sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs"))
+                              if n.endswith(".md"))
+
+
+def citations():
+    texts = {d: open(os.path.join(ROOT, d), encoding="utf-8").read() for d in DOCS}
+    rows = []
+    for base, dirs, files in os.walk(os.path.join(ROOT, "results")):
+        dirs.sort()
+        for n in sorted(files):
+            rel = os.path.relpath(os.path.join(base, n), ROOT).replace(os.sep, "/")
+            if rel == "results/README.md":
+                continue
+            # a citation names the file, a folder of it (e.g. results/convergence/sympy-6l/), or its short
+            # name in backquotes
+            parts = rel.split("/")
+            prefixes = [rel] + ["/".join(parts[:i]) + "/" for i in range(3, len(parts))]
+            base_stem = os.path.splitext(n)[0]
+            # the documents' short forms: the name without its date ("s2-bench-convert" for
+            # 2026-11-29-s2-bench-convert.log, PERFORMANCE.md's log column) or without its extension
+            short = base_stem[11:] if len(base_stem) > 11 and base_stem[:4].isdigit() and base_stem[10] == "-" else None
+            names = [base_stem] + ([short] if short else [])
+            # or a sibling's shorthand: "`...-v1.log`, `-v2.log`" after a full name of the same session
+            ext = os.path.splitext(n)[1]
+            words = base_stem.split("-")
+            session = "-".join(words[:4])  # e.g. 2026-12-04-s16
+            tails = [f"`-{'-'.join(words[-k:])}{ext}`" for k in range(1, len(words) - 3)]
+            cited = [d for d, t in texts.items()
+                     if any(p in t for p in prefixes) or any(f"`{x}" in t or f"{x}`" in t for x in names)
+                     or (session in t and any(tl in t for tl in tails))]
+            rows.append((rel, cited))
+    return rows
+
+
+def render(rows):
+    out = ["# results/: the measurements the documents cite",
+           "",
+           "Raw logs, JSON and figures of the device sessions (docs/ keeps documents only). Each file and the",
+           "documents that cite it; written by `scripts/results_index.py` (run it after adding a result).",
+           "",
+           "| file | cited by |",
+           "| --- | --- |"]
+    for rel, cited in rows:
+        out.append(f"| `{rel[len('results/'):]}` | {', '.join(cited) if cited else '(none)'} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv):
+    rows = citations()
+    text = render(rows)
+    path = os.path.join(ROOT, "results", "README.md")
+    if "--check" in argv:
+        old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+        uncited = [r for r, c in rows if not c]
+        if old != text or uncited:
+            print(f"results_index: {'out of date' if old != text else ''} {len(uncited)} uncited: "
+                  + ", ".join(uncited[:10]), file=sys.stderr)
+            return 1
+        return 0
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"results_index: {len(rows)} files, {sum(1 for _, c in rows if not c)} uncited")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
