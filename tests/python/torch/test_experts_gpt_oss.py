@@ -143,3 +143,22 @@ def test_errors_say_what_is_expected():
         ft.experts(x, ids, w, gate_up, down.transpose(1, 2), transposed=True)
     with pytest.raises(Exception, match=r"fp8-naive"):
         ft.experts(x, ids, w, gate_up, down, recipe="fp8-naive", b1=b1, transposed=True, interleaved=True)
+
+
+def test_gradient_accumulation_and_weights_move():
+    """Two backwards accumulate into .grad (twice one backward's, exactly) and a fused AdamW step moves
+    every gpt-oss parameter (weights and biases) from where it started."""
+    x, logits, gate_up, b1, down, b2, dy = problem(3)
+    ids, w = route(logits.detach())
+    params = (gate_up, b1, down, b2)
+    kw = dict(recipe="flow", b1=b1, b2=b2, activation="clamped-swiglu", swiglu_alpha=ALPHA, swiglu_limit=LIMIT,
+              transposed=True, interleaved=True)
+    ft.experts(x, ids, w, gate_up, down, **kw).float().backward(dy)
+    once = [p.grad.clone() for p in params]
+    ft.experts(x, ids, w, gate_up, down, **kw).float().backward(dy)
+    for g1, p in zip(once, params):
+        assert torch.equal(p.grad, 2 * g1)
+    before = [p.detach().clone() for p in params]
+    torch.optim.AdamW(params, lr=1e-3, fused=True).step()
+    for b, p in zip(before, params):
+        assert not torch.equal(b, p.detach())

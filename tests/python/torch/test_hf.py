@@ -60,7 +60,7 @@ def test_fp8_recipes_within_bounds(model, impl):
     hc.compare(ref, got, flowmoe.hf.IMPLEMENTATIONS[impl], model)
 
 
-@pytest.mark.parametrize("model", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_gradient_checkpointing(model):
     ids = hc.batch()
     plain = hc.loss_and_grads(hc.build(hc.MODELS[model], "flowmoe-flow"), ids)
