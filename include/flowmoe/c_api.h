@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define FLOWMOE_CAPI_VERSION 6
+#define FLOWMOE_CAPI_VERSION 7
 
 enum flowmoe_status_code {
   FLOWMOE_OK = 0,
@@ -34,7 +34,6 @@ enum flowmoe_status_code {
 
 typedef struct flowmoe_layer flowmoe_layer;
 typedef struct flowmoe_comm flowmoe_comm;
-typedef struct flowmoe_step flowmoe_step;
 
 // ---- library ----------------------------------------------------------------------------------
 int flowmoe_capi_version(void);  // FLOWMOE_CAPI_VERSION of the built library
@@ -150,11 +149,14 @@ int flowmoe_layer_takes_backward_weights(flowmoe_layer* layer, int* out);
 int flowmoe_layer_set_backward_weights(flowmoe_layer* layer, const float* w1, const float* w2, const float* wr);
 int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2,
                                             const float* wr);
-// Several forwards in flight (moe.h MoeLayer::take_step): after a forward, its state as a handle;
-// before its backward, resume puts it back (once; the handle is then empty, destroy it anyway).
-int flowmoe_layer_take_step(flowmoe_layer* layer, flowmoe_step** out);
-int flowmoe_layer_resume_step(flowmoe_layer* layer, flowmoe_step* step);
-int flowmoe_step_destroy(flowmoe_step* step);  // null is allowed
+// A forward's state as a value (version 7; moe.h MoeLayer::step_state / load_step): after a
+// forward, *size = its host state's bytes, written to out when capacity >= *size (else nothing is
+// written: call again with *size bytes; out null and capacity 0 ask the size alone). Before a
+// backward, load_step puts such bytes back (not consumed: the same bytes may back any number of
+// backwards; the CUDA layer also needs that forward's saved region bound). Replaces version 6's
+// take_step / resume_step / step_destroy handles.
+int flowmoe_layer_step_state(flowmoe_layer* layer, void* out, int64_t capacity, int64_t* size);
+int flowmoe_layer_load_step(flowmoe_layer* layer, const void* bytes, int64_t size);
 
 typedef struct flowmoe_layer_status {
   int64_t nonfinite;  // MoeStatus

@@ -262,15 +262,7 @@ struct MoeStatus {
   float aux_loss = 0.0f;  // load-balancing loss of the last forward (0 when aux_loss_alpha is 0)
 };
 
-// ---- steps in flight and caller-owned memory ----------------------------------------------------
-// What one forward leaves for its backward on the host: the routing's row counts and segments, the
-// EP plan (CUDA), or the whole saved state (CPU: routing, saved activations, the weight copies the
-// forward used). Opaque; made by MoeLayer::take_step, consumed by MoeLayer::resume_step.
-class MoeStep {
- public:
-  virtual ~MoeStep() = default;
-};
-
+// ---- caller-owned memory ------------------------------------------------------------------
 // The device memory a CUDA layer built with CudaLayerOptions::caller_memory asks its caller for,
 // in bytes (MoeLayer::memory_plan; all zero for a layer that owns its memory):
 //   weights    the weight copies set_weights writes and forward / backward read (per weight update)
@@ -293,9 +285,10 @@ struct MoeMemory {
 // ---- the layer --------------------------------------------------------------------------------
 // Call order: set_weights (after construction and after every weight update), then any number of
 // (forward, backward) pairs; backward uses what the latest forward saved and takes the same T.
-// Several forwards in flight: take_step() after each forward moves its state out of the layer,
-// resume_step(step) before its backward moves it back (any order of the backwards; with the CUDA
-// layer this needs caller memory, each forward with its own saved region).
+// Several forwards in flight, or several backwards of one forward: step_state() after a forward
+// gives its host state as bytes, load_step(bytes) before a backward puts it back (any order, any
+// number of times; with the CUDA layer this needs caller memory, each forward with its own saved
+// region).
 // Not thread-safe. The CUDA backend allocates its workspaces at construction for cfg.max_tokens
 // (steady-state calls allocate nothing) or, with CudaLayerOptions::caller_memory, uses the memory
 // bound by bind_memory; the CPU reference allocates per call.
@@ -339,10 +332,16 @@ class MoeLayer {
   double saved_bytes_per_token() const { return cast_report().saved_bytes_per_token(); }
   virtual MoeStatus status() const = 0;
 
-  // After a forward: its state, moved out of the layer (the layer then has no forward to back-
-  // propagate until resume_step). Before that forward's backward: resume_step puts it back.
-  virtual std::unique_ptr<MoeStep> take_step() = 0;
-  virtual void resume_step(std::unique_ptr<MoeStep> step) = 0;
+  // The state of a forward as a value. After a forward: what its backward needs on the host, as
+  // bytes (CUDA: the routing's row counts and segments and the EP plan, a few KB, the device state
+  // being in the caller's saved region; CPU: the whole saved state, routing, activations and the
+  // weight copies the forward used). They start with the backend and the layer's shape. Before a
+  // backward: load_step puts such bytes back, so that the backward backs that forward (with the
+  // CUDA layer, bind the saved region that forward used). The bytes are not consumed: the same
+  // bytes may back any number of backwards (PyTorch's retain_graph), in any order. Refused, with
+  // what was expected, for bytes of another backend or layer shape and truncated bytes.
+  virtual std::vector<uint8_t> step_state() const = 0;
+  virtual void load_step(const uint8_t* bytes, size_t size) = 0;
 
   // Caller-owned memory (CUDA layer with CudaLayerOptions::caller_memory): the sizes to provide,
   // and the regions the next calls use (set_weights: weights + transient; forward and backward:

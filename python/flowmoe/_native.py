@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from ._errors import CommError, FlowmoeError, NonFiniteError, OutOfMemoryError
 
 LIBRARY_NAME = "libflowmoe_capi.so"
-CAPI_VERSION = 6
+CAPI_VERSION = 7
 
 OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED, ERROR_OUT_OF_MEMORY = 0, 1, 2, 3, 4, 5
 
@@ -118,9 +118,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_status_get": (c_int, [vp, ctypes.POINTER(LayerStatus)]),
         "flowmoe_layer_memory_plan": (c_int, [vp, ctypes.POINTER(i64)]),
         "flowmoe_layer_bind_memory": (c_int, [vp, vp, vp, vp]),
-        "flowmoe_layer_take_step": (c_int, [vp, ctypes.POINTER(vp)]),
-        "flowmoe_layer_resume_step": (c_int, [vp, vp]),
-        "flowmoe_step_destroy": (c_int, [vp]),
+        "flowmoe_layer_step_state": (c_int, [vp, vp, i64, ctypes.POINTER(i64)]),
+        "flowmoe_layer_load_step": (c_int, [vp, vp, i64]),
         "flowmoe_layer_cast_report": (c_int, [vp, c_int, ctypes.POINTER(ctypes.c_char_p)]),
         "flowmoe_set_callback_error": (None, [ctypes.c_char_p]),
         "flowmoe_comm_create_host": (c_int, [c_int, c_int, ctypes.POINTER(HostCommOps), ctypes.c_double,
@@ -368,17 +367,16 @@ class Layer:
     def bind_memory(self, weights: int, saved: int, transient: int) -> None:
         check(lib().flowmoe_layer_bind_memory(self.handle, weights or None, saved or None, transient or None))
 
-    def take_step(self) -> "Step":
-        handle = ctypes.c_void_p()
-        check(lib().flowmoe_layer_take_step(self.handle, ctypes.byref(handle)))
-        return Step(handle.value)
+    def step_state(self, out: int, capacity: int) -> int:
+        """After a forward: the size in bytes of its host state (moe.h MoeLayer::step_state),
+        written to the host address `out` when `capacity` is at least that (else nothing is written)."""
+        size = ctypes.c_int64()
+        check(lib().flowmoe_layer_step_state(self.handle, out or None, int(capacity), ctypes.byref(size)))
+        return int(size.value)
 
-    def resume_step(self, step: "Step") -> None:
-        if step.handle is None:
-            raise FlowmoeError("flowmoe: this forward's step is gone (its backward ran already, or the "
-                               "step was released); each forward backs one backward")
-        check(lib().flowmoe_layer_resume_step(self.handle, step.handle))
-        step.close()
+    def load_step(self, address: int, size: int) -> None:
+        """Before a backward: the state of the forward it backs (bytes of step_state; not consumed)."""
+        check(lib().flowmoe_layer_load_step(self.handle, address or None, int(size)))
 
     def status(self) -> dict:
         s = LayerStatus()
@@ -395,24 +393,6 @@ class Layer:
         if getattr(self, "handle", None):
             h, self.handle = self.handle, None
             check(lib().flowmoe_layer_destroy(h))
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class Step:
-    """What one forward left for its backward on the host (moe.h MoeStep); freed with the object."""
-
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def close(self) -> None:
-        if getattr(self, "handle", None):
-            h, self.handle = self.handle, None
-            lib().flowmoe_step_destroy(h)
 
     def __del__(self):
         try:

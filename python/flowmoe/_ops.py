@@ -7,9 +7,12 @@ Operators, each opaque to torch.compile and with a fake (meta) implementation:
   as BF16 parameters, used as the BF16 copies: no FP32 copy; the experts-only layer), into a new
   uint8 tensor (CUDA; CPU: the copies stay inside the CPU layer and wbuf is empty).
 - ``flowmoe::moe_forward(x, w1, w2, wr, wbuf, module_id, keep_step) -> (y, saved, step)``: y and
-  what the backward needs, as a uint8 tensor ``saved`` (CUDA: codes, scales and routing tables; CPU:
-  empty, the state travels in the step) and ``step``, an int64 CPU tensor naming the host-side
-  state of this forward (moe.h MoeStep). w1, w2, wr are passed for autograd only (the op reads wbuf).
+  what the backward needs: a uint8 tensor ``saved`` on x's device (CUDA: codes, scales and routing
+  tables; CPU: empty) and ``step``, a uint8 CPU tensor holding the forward's host state as a value
+  (_runner.py: the native layer's id and its step_state bytes; CPU: the whole saved state). Autograd
+  keeps both as the node's saved tensors, so a second backward through one forward
+  (retain_graph=True) gives the same gradients again; nothing outside the graph holds a forward's
+  state. w1, w2, wr are passed for autograd only (the op reads wbuf).
 - ``flowmoe::moe_backward(...)`` / ``flowmoe::moe_backward_accumulate(...)``: dx and the weight
   gradients as new tensors, or (main_grad mode, eager only) accumulated into given FP32 buffers.
 - ``flowmoe::experts_forward(x, ids, probs, w1, w2, wbuf, module_id, keep_step)`` and
@@ -35,16 +38,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ._errors import FlowmoeError
+from ._runner import _Runner
 
 _lock = threading.Lock()
 _modules: Dict[int, "weakref.ref"] = {}  # module_id -> the MoE module
-# step id -> [runner, native Step, owners]: the host state of a forward until its backward takes it.
-# Two owners keep it: the step tensor the forward returned (or what autograd saved of it) and the
-# autograd node of the forward. It is freed when both are gone, so that neither a forward whose
-# activations checkpointing recomputes (its node lives, its tensors do not) nor saved tensors that
-# hooks copy to the host and back (the original tensor dies, the node lives) lose it, and a graph
-# dropped without a backward does not leak it.
-_steps: Dict[int, list] = {}
 _ids = itertools.count(1)
 
 
@@ -63,48 +60,15 @@ def _module(module_id: int):
     return m
 
 
-def _put_step(runner, step) -> int:
-    with _lock:
-        i = next(_ids)
-        _steps[i] = [runner, step, 1]
-    return i
+def _no_step() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
 
 
-def _own_step(step_id: int) -> bool:
-    with _lock:
-        e = _steps.get(step_id)
-        if e is not None:
-            e[2] += 1
-        return e is not None
-
-
-def _release_step(step_id: int) -> None:
-    with _lock:
-        e = _steps.get(step_id)
-        if e is not None:
-            e[2] -= 1
-            if e[2] <= 0:
-                del _steps[step_id]
-
-
-def _pop_step(step_id: int):
-    with _lock:
-        e = _steps.pop(step_id, None)
-    if e is None:
-        raise FlowmoeError(
-            "flowmoe.torch.MoE: backward of a forward whose state is gone: its backward ran already "
-            "(retain_graph is not supported: each forward backs one backward) or the graph was freed")
-    return e[0], e[1]
-
-
-class _NodeOwner:
-    """The autograd node's share of a step (see _steps)."""
-
-    def __init__(self, step_id: int):
-        self.step_id = step_id
-
-    def __del__(self):
-        _release_step(self.step_id)
+def _fake_step(keep_step: bool) -> torch.Tensor:
+    """The fake step of a forward: its size is known only when the layer has run."""
+    if not keep_step:
+        return _no_step()
+    return torch.empty(torch.library.get_ctx().new_dynamic_size(min=9), dtype=torch.uint8)
 
 
 def _addr(t: Optional[torch.Tensor]) -> int:
@@ -159,7 +123,7 @@ def _(w1, w2, wr, router_bias, module_id, tokens):
 # ---- forward ----------------------------------------------------------------------------------------
 def _run_forward(r, x, wbuf, keep_step, routing=None, b1=None):
     """One forward of the native layer on PyTorch memory: y, the saved bytes and the step tensor
-    (its host state registered under the id it holds; 0 and nothing kept when keep_step is off).
+    (the forward's host state; empty when keep_step is off: no backward will follow).
     routing: (ids [T, k] int32, probs [T, k] fp32) of the experts-only layer; b1: its GEMM1 bias
     [E, 2F] fp32 (gemm1_bias layers)."""
     y = torch.empty_like(x)
@@ -172,14 +136,8 @@ def _run_forward(r, x, wbuf, keep_step, routing=None, b1=None):
         if b1 is not None:
             r.layer.set_gemm1_bias(b1.data_ptr())
         r.layer.forward(x.data_ptr(), x.shape[0], y.data_ptr())
-        step = r.layer.take_step()
-    if not keep_step:
-        step.close()
-        return y, saved, torch.zeros(1, dtype=torch.int64)
-    sid = _put_step(r, step)
-    step_tensor = torch.tensor([sid], dtype=torch.int64)
-    weakref.finalize(step_tensor, _release_step, sid)
-    return y, saved, step_tensor
+        step = r.step() if keep_step else _no_step()
+    return y, saved, step
 
 
 @torch.library.custom_op("flowmoe::moe_forward", mutates_args=())
@@ -200,7 +158,7 @@ def moe_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, wr: torch.T
 def _(x, w1, w2, wr, wbuf, module_id, keep_step):
     r = _module(module_id)._runner
     saved = r.plan[1] if r is not None else 0
-    return torch.empty_like(x), x.new_empty((saved,), dtype=torch.uint8), torch.empty(1, dtype=torch.int64)
+    return torch.empty_like(x), x.new_empty((saved,), dtype=torch.uint8), _fake_step(keep_step)
 
 
 # ---- backward ---------------------------------------------------------------------------------------
@@ -213,13 +171,13 @@ def _set_backward_weights(runner, params):
 
 
 def _run_backward(dy, wbuf, saved, step, params, grads, accumulate):
-    runner, native_step = _pop_step(int(step[0]))
+    runner = _Runner.of_step(step, "flowmoe.torch.MoE backward")
     dy = dy.to(torch.bfloat16).contiguous()
     dx = torch.empty_like(dy)
     tbuf = _bytes(runner.plan[2], dy.device) if runner.plan[2] else None
     with runner.ordered():
         runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
-        runner.layer.resume_step(native_step)
+        runner.load_step(step)
         _set_backward_weights(runner, params)
         runner.layer.backward(dy.data_ptr(), dx.data_ptr(), *[_addr(g) for g in grads], accumulate)
     return dx
@@ -268,14 +226,13 @@ def _(dy, wbuf, saved, step, w1, w2, wr, dw1, dw2, dwr):
 # ---- autograd ---------------------------------------------------------------------------------------
 def _save_step(ctx, module_id, wbuf, saved, step, params=()):
     """What a forward node keeps for its backward (both ops): the module, the weight copies (or
-    None and the parameters `params` they are derived from again), the saved bytes and the step; in
-    eager mode (not a compiler's fake tensor) the node owns the step too (see _steps)."""
+    None and the parameters `params` they are derived from again), the saved bytes and the step,
+    all as saved tensors; and (eager) the native layer that ran the forward, so that it lives as
+    long as the node even when the module builds a larger one."""
     ctx.module_id = module_id
-    ctx.owner = None
-    if type(step) is torch.Tensor:
-        sid = int(step[0])
-        if sid and _own_step(sid):
-            ctx.owner = _NodeOwner(sid)
+    m = _modules.get(module_id)
+    m = m() if m is not None else None
+    ctx.runner = getattr(m, "_runner", None)
     ctx.save_for_backward(wbuf, saved, step, *params)
 
 
@@ -335,14 +292,14 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1:
 def _(x, ids, probs, w1, w2, wbuf, module_id, keep_step, b1=None):
     r = _module(module_id)._runner
     saved = r.plan[1] if r is not None else 0
-    return torch.empty_like(x), x.new_empty((saved,), dtype=torch.uint8), torch.empty(1, dtype=torch.int64)
+    return torch.empty_like(x), x.new_empty((saved,), dtype=torch.uint8), _fake_step(keep_step)
 
 
 def _run_experts_backward(dy, wbuf, saved, step, params, dw1, dw2, topk, db1=None):
     """dx and d loss / d probs, the weight gradients written into dw1 / dw2 (FP32, or BF16 for BF16
     parameters: rounded once by the wgrad itself). params: (w1, w2) when the layer derives the
     backward's dgrad weights from them (wbuf is then None: no weight copy outlived the forward)."""
-    runner, native_step = _pop_step(int(step[0]))
+    runner = _Runner.of_step(step, "flowmoe.torch.experts backward")
     dy = dy.to(torch.bfloat16).contiguous()
     dx = torch.empty_like(dy)
     dprobs = torch.empty((dy.shape[0], topk), dtype=torch.float32, device=dy.device)
@@ -350,7 +307,7 @@ def _run_experts_backward(dy, wbuf, saved, step, params, dw1, dw2, topk, db1=Non
     bf16_grads = any(g is not None and g.dtype == torch.bfloat16 for g in (dw1, dw2))
     with runner.ordered():
         runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
-        runner.layer.resume_step(native_step)
+        runner.load_step(step)
         _set_backward_weights(runner, params)
         if db1 is not None:
             runner.layer.set_gemm1_bias_grad(db1.data_ptr())

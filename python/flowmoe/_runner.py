@@ -6,6 +6,8 @@ Shared by torch.py and experts.py (neither imports the other for these)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 
 import torch
 
@@ -30,7 +32,16 @@ def keep_fp32(fn, masters):
 
 class _Runner:
     """The native layer of one module on one device and stream. A CUDA layer takes all its memory
-    from PyTorch (caller memory): ``plan`` = (weights, saved, transient) bytes per call."""
+    from PyTorch (caller memory): ``plan`` = (weights, saved, transient) bytes per call.
+
+    A forward's step (what its backward needs on the host) is a uint8 CPU tensor: this runner's id
+    (8 bytes) and the layer's step_state bytes. A backward finds the runner by that id
+    (``_Runner.of_step``): the forward's own runner, also when the module has built a larger one
+    since (its saved memory is laid out for the runner that made it). Runners are held by their
+    module and by the autograd nodes of their forwards, not by this lookup."""
+
+    _ids = itertools.count(1)
+    _live: "weakref.WeakValueDictionary[int, _Runner]" = weakref.WeakValueDictionary()
 
     @staticmethod
     def build(cfg: _native.Config, comm, device: torch.device, max_tokens: int, sync_free: bool,
@@ -66,6 +77,38 @@ class _Runner:
         # whether a backward can derive its dgrad weights from the parameters (the experts-only CUDA
         # layer of the FP8 block recipes): the weight copies then need not outlive the forward
         self.backward_weights = layer.takes_backward_weights
+        self.id = next(_Runner._ids)
+        self.step_capacity = 4096  # bytes of the last step_state (a first guess before the first)
+        _Runner._live[self.id] = self
+
+    def step(self) -> torch.Tensor:
+        """After a forward: its step, a uint8 CPU tensor (the runner's id, then the layer's state)."""
+        buf = torch.empty(8 + self.step_capacity, dtype=torch.uint8)
+        n = self.layer.step_state(buf.data_ptr() + 8, self.step_capacity)
+        if n > self.step_capacity:
+            self.step_capacity = n
+            buf = torch.empty(8 + n, dtype=torch.uint8)
+            self.layer.step_state(buf.data_ptr() + 8, n)
+        buf[:8].view(torch.int64)[0] = self.id
+        return buf if n == self.step_capacity else buf[:8 + n]
+
+    @staticmethod
+    def of_step(step: torch.Tensor, who: str) -> "_Runner":
+        """The runner that made `step` (a tensor of step())."""
+        if step.dtype != torch.uint8 or step.dim() != 1 or step.numel() <= 8 or step.device.type != "cpu":
+            raise FlowmoeError(f"{who}: a step of {step.numel()} {step.dtype} values on {step.device}; expected "
+                               "the uint8 CPU tensor a flowmoe forward returned")
+        r = _Runner._live.get(int(step[:8].contiguous().view(torch.int64)[0]))
+        if r is None:
+            raise FlowmoeError(f"{who}: the native layer of this forward is gone (the module built a larger one "
+                               "and nothing kept the old one, as happens under torch.compile); give the module "
+                               "max_tokens to keep one layer for every size")
+        return r
+
+    def load_step(self, step: torch.Tensor) -> None:
+        """Before a backward (its memory bound): the state of the forward of `step` (not consumed)."""
+        step = step.contiguous()
+        self.layer.load_step(step.data_ptr() + 8, step.numel() - 8)
 
     @contextlib.contextmanager
     def ordered(self):

@@ -21,10 +21,6 @@ struct flowmoe_comm {
   std::unique_ptr<flowmoe::Communicator> comm;
 };
 
-struct flowmoe_step {
-  std::unique_ptr<flowmoe::MoeStep> step;
-};
-
 struct flowmoe_layer {
   std::unique_ptr<flowmoe::MoeLayer> layer;
   int device = -1;  // CUDA device of a CUDA layer (made current for each call), -1 for CPU
@@ -419,27 +415,24 @@ int flowmoe_layer_bind_memory(flowmoe_layer* layer, void* weights, void* saved, 
   });
 }
 
-int flowmoe_layer_take_step(flowmoe_layer* layer, flowmoe_step** out) {
-  return guarded("flowmoe_layer_take_step", [&] {
-    FLOWMOE_CHECK(out != nullptr, "flowmoe_layer_take_step: null output handle");
-    *out = nullptr;
-    std::unique_ptr<flowmoe_step> h(new flowmoe_step);
-    h->step = checked(layer, "flowmoe_layer_take_step")->layer->take_step();
-    *out = h.release();
+int flowmoe_layer_step_state(flowmoe_layer* layer, void* out, int64_t capacity, int64_t* size) {
+  return guarded("flowmoe_layer_step_state", [&] {
+    FLOWMOE_CHECK(size != nullptr, "flowmoe_layer_step_state: null size pointer");
+    FLOWMOE_CHECK(capacity >= 0 && (out != nullptr || capacity == 0),
+                  "flowmoe_layer_step_state: " << capacity << " bytes at " << out
+                                               << "; expected a buffer and its size (or null and 0 to ask the size)");
+    const std::vector<uint8_t> bytes = checked(layer, "flowmoe_layer_step_state")->layer->step_state();
+    *size = static_cast<int64_t>(bytes.size());
+    if (capacity >= *size && !bytes.empty()) std::memcpy(out, bytes.data(), bytes.size());
   });
 }
 
-int flowmoe_layer_resume_step(flowmoe_layer* layer, flowmoe_step* step) {
-  return guarded("flowmoe_layer_resume_step", [&] {
-    FLOWMOE_CHECK(step != nullptr && step->step,
-                  "flowmoe_layer_resume_step: the step is null or already resumed (each forward's step "
-                  "backs one backward)");
-    checked(layer, "flowmoe_layer_resume_step")->layer->resume_step(std::move(step->step));
+int flowmoe_layer_load_step(flowmoe_layer* layer, const void* bytes, int64_t size) {
+  return guarded("flowmoe_layer_load_step", [&] {
+    FLOWMOE_CHECK(size >= 0, "flowmoe_layer_load_step: " << size << " bytes; expected the size step_state gave");
+    checked(layer, "flowmoe_layer_load_step")
+        ->layer->load_step(static_cast<const uint8_t*>(bytes), static_cast<size_t>(size));
   });
-}
-
-int flowmoe_step_destroy(flowmoe_step* step) {
-  return guarded("flowmoe_step_destroy", [&] { delete step; });
 }
 
 int flowmoe_layer_status_get(flowmoe_layer* layer, flowmoe_layer_status* out) {

@@ -1,7 +1,9 @@
-// Several forwards in flight on the CPU layer (MoeLayer::take_step / resume_step, moe.h): forward A,
-// set_weights with other weights, forward B, backward B, backward A give the bits of the plain
-// (set_weights, forward, backward) runs of A and B, every recipe (each forward keeps the weight
-// copies it ran with); a step resumes once and only on its own layer; caller memory is refused.
+// A forward's state as a value on the CPU layer (MoeLayer::step_state / load_step, moe.h): forward
+// A, set_weights with other weights, forward B, backward B, backward A give the bits of the plain
+// (set_weights, forward, backward) runs of A and B, every recipe (each step keeps the weight
+// copies its forward ran with); the same bytes back a second backward with the same bits, also in
+// another layer of the same shape; foreign, truncated or misshapen bytes are refused and leave the
+// layer as it was; caller memory is refused.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -86,14 +88,25 @@ TEST_P(MoeSteps, TwoForwardsInFlightAcrossAWeightUpdateGiveThePairsBits) {
   Out got_a(a.T), got_b(b.T);
   l->set_weights(weights(a));
   l->forward(a.x.data(), a.T, got_a.y.data());
-  std::unique_ptr<flowmoe::MoeStep> sa = l->take_step();
+  const std::vector<uint8_t> sa = l->step_state();
   l->set_weights(weights(b));  // the forward in flight keeps the copies of a's weights
   l->forward(b.x.data(), b.T, got_b.y.data());
-  std::unique_ptr<flowmoe::MoeStep> sb = l->take_step();
-  l->resume_step(std::move(sb));
+  const std::vector<uint8_t> sb = l->step_state();
+  l->load_step(sb.data(), sb.size());
   l->backward(b.dy.data(), got_b.dx.data(), got_b.grads());
-  l->resume_step(std::move(sa));
+  l->load_step(sa.data(), sa.size());
   l->backward(a.dy.data(), got_a.dx.data(), got_a.grads());
+  // the same bytes again (retain_graph): the same bits, on this layer and on a fresh one
+  Out again_a(a.T), other_a(a.T);
+  again_a.y = got_a.y, other_a.y = got_a.y;
+  l->load_step(sa.data(), sa.size());
+  l->backward(a.dy.data(), again_a.dx.data(), again_a.grads());
+  auto fresh = flowmoe::make_cpu_layer(config(r));
+  fresh->set_weights(weights(b));  // (its own weights are not the step's)
+  fresh->load_step(sa.data(), sa.size());
+  fresh->backward(a.dy.data(), other_a.dx.data(), other_a.grads());
+  expect_same(want_a, again_a, flowmoe::recipe_name(r) + std::string(": the first forward's second backward"));
+  expect_same(want_a, other_a, flowmoe::recipe_name(r) + std::string(": the first forward on another layer"));
   expect_same(want_a, got_a, flowmoe::recipe_name(r) + std::string(": the first forward"));
   expect_same(want_b, got_b, flowmoe::recipe_name(r) + std::string(": the second forward"));
 }
@@ -115,12 +128,32 @@ TEST(MoeStepsErrors, MisuseIsAClearError) {
   l->set_weights(weights(a));
   other->set_weights(weights(a));
   Out o(a.T);
-  EXPECT_THROW(l->take_step(), flowmoe::Error);  // no forward yet
+  EXPECT_THROW(l->step_state(), flowmoe::Error);  // no forward yet
   l->forward(a.x.data(), a.T, o.y.data());
-  std::unique_ptr<flowmoe::MoeStep> st = l->take_step();
-  EXPECT_THROW(l->take_step(), flowmoe::Error);                              // taken already
-  EXPECT_THROW(l->backward(a.dy.data(), o.dx.data(), o.grads()), flowmoe::Error);  // its state was taken
-  EXPECT_THROW(other->resume_step(std::move(st)), flowmoe::Error);           // another layer's step
+  std::vector<uint8_t> st = l->step_state();
+  auto refused = [&](flowmoe::MoeLayer& layer, const std::vector<uint8_t>& bytes, const char* expect) {
+    try {
+      layer.load_step(bytes.data(), bytes.size());
+      ADD_FAILURE() << "load_step accepted " << expect;
+    } catch (const flowmoe::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << e.what();
+    }
+  };
+  refused(*l, std::vector<uint8_t>(st.begin(), st.begin() + st.size() / 2), "truncated");
+  std::vector<uint8_t> longer = st;
+  longer.push_back(0);
+  refused(*l, longer, "left over");
+  std::vector<uint8_t> foreign(st.size(), 0x5a);
+  refused(*l, foreign, "not a flowmoe step");
+  auto fp4 = flowmoe::make_cpu_layer(config(Recipe::kFlowFp4));  // another recipe
+  refused(*fp4, st, "another shape");
+  // refused bytes leave the layer as it was: the backward still backs its own forward
+  Out want(a.T), got(a.T);
+  l->backward(a.dy.data(), got.dx.data(), got.grads());
+  other->forward(a.x.data(), a.T, want.y.data());
+  other->backward(a.dy.data(), want.dx.data(), want.grads());
+  got.y = want.y;
+  expect_same(want, got, "after refused steps");
   // the CPU layer owns its memory: a plan of zeros, and caller regions are refused
   EXPECT_EQ(l->memory_plan().saved, 0);
   char region[256];

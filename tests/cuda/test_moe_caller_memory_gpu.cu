@@ -1,5 +1,5 @@
 // The CUDA layer on caller memory (CudaLayerOptions::caller_memory, the PyTorch op's mode): two
-// forwards in flight (take_step / resume_step), the scratch region overwritten with 0xFF between
+// forwards in flight (step_state / load_step; a step's bytes backing a second backward), the scratch region overwritten with 0xFF between
 // every call, the weights and saved regions moved to other addresses before the backward, give
 // the bits of the layer that owns its memory running (forward, backward) pairs. Every recipe, with
 // and without sync_free, and the flow pipeline with its fused epilogues. The FP8 recipes' weights
@@ -114,13 +114,13 @@ void two_forwards_in_flight_give_the_bits_of_owned_pairs(Recipe recipe, CudaLaye
   t.poison();
   l->bind_memory(MoeMemory{w.p, s1.p, t.p});
   l->forward(in.x1.p, T1, b1.y.p);
-  std::unique_ptr<MoeStep> st1 = l->take_step();
+  const std::vector<uint8_t> st1 = l->step_state();
   t.poison();
   l->bind_memory(MoeMemory{w.p, s2.p, t.p});
   l->forward(in.x2.p, T2, b2.y.p);
-  std::unique_ptr<MoeStep> st2 = l->take_step();
+  const std::vector<uint8_t> st2 = l->step_state();
   t.poison();
-  l->resume_step(std::move(st2));
+  l->load_step(st2.data(), st2.size());
   l->backward(in.dy2.p, b2.dx.p, b2.grads());
   t.poison();
   // the first forward's weights and saved bytes moved elsewhere (e.g. offloaded and brought back)
@@ -130,13 +130,21 @@ void two_forwards_in_flight_give_the_bits_of_owned_pairs(Recipe recipe, CudaLaye
   w.poison();
   s1.poison();
   l->bind_memory(MoeMemory{w_moved.p, s1_moved.p, t.p});
-  l->resume_step(std::move(st1));
+  l->load_step(st1.data(), st1.size());
   l->backward(in.dy1.p, b1.dx.p, b1.grads());
+  // the first forward's bytes again (PyTorch's retain_graph): the same bits; the backward must not
+  // have changed what its forward saved
+  Outs again1(T1);
+  ASSERT_EQ(cudaMemcpy(again1.y.p, b1.y.p, size_t(T1 * kH) * sizeof(bf16_t), cudaMemcpyDeviceToDevice), cudaSuccess);
+  t.poison();
+  l->load_step(st1.data(), st1.size());
+  l->backward(in.dy1.p, again1.dx.p, again1.grads());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::string what = std::string(recipe_name(recipe)) + (opt.sync_free ? " sync_free" : "") +
                            (opt.fused_swiglu ? " fused epilogues" : "");
   expect_same(a1.get(), b1.get(), what + " first forward");
   expect_same(a2.get(), b2.get(), what + " second forward");
+  expect_same(a1.get(), again1.get(), what + " first forward's second backward");
   EXPECT_EQ(l->status().nonfinite, 0);
 }
 
@@ -167,7 +175,7 @@ INSTANTIATE_TEST_SUITE_P(Recipes, CallerMemory,
                            return recipe_param_name(std::get<0>(p.param), std::get<1>(p.param));
                          });
 
-TEST(CallerMemoryErrors, UnboundRegionsForeignStepsAndOwnedTakeAreClearErrors) {
+TEST(CallerMemoryErrors, UnboundRegionsForeignStepsAndOwnedStepsAreClearErrors) {
   REQUIRE_SM90();
   Inputs in;
   CudaLayerOptions opt;
@@ -190,13 +198,17 @@ TEST(CallerMemoryErrors, UnboundRegionsForeignStepsAndOwnedTakeAreClearErrors) {
   EXPECT_THROW(l->forward(in.x1.p, kTm, o.y.p), Error);  // no saved region bound
   l->bind_memory(MoeMemory{w.p, s.p, t.p});
   l->forward(in.x1.p, kTm, o.y.p);
-  std::unique_ptr<MoeStep> st = l->take_step();
-  EXPECT_THROW(l->backward(in.dy1.p, o.dx.p, o.grads()), Error);  // its state was taken
-  EXPECT_THROW(other->resume_step(std::move(st)), Error);         // a step of another layer
+  const std::vector<uint8_t> st = l->step_state();
+  EXPECT_THROW(l->load_step(st.data(), st.size() - 1), Error);  // truncated
+  std::unique_ptr<MoeLayer> fp4 = make_cuda_layer(config(Recipe::kFlowFp4), nullptr, opt);
+  EXPECT_THROW(fp4->load_step(st.data(), st.size()), Error);  // a layer of another shape
+  std::unique_ptr<MoeLayer> cpu = make_cpu_layer(config(Recipe::kFlow));
+  EXPECT_THROW(cpu->load_step(st.data(), st.size()), Error);  // the other backend
+  other->load_step(st.data(), st.size());                      // a value: any layer of this shape
   std::unique_ptr<MoeLayer> owned = make_cuda_layer(config(Recipe::kFlow), nullptr, CudaLayerOptions());
   owned->set_weights(in.weights());
   owned->forward(in.x1.p, kTm, o.y.p);
-  EXPECT_THROW(owned->take_step(), Error);  // owned memory: one forward in flight
+  EXPECT_THROW(owned->step_state(), Error);  // owned memory: one forward in flight
   EXPECT_THROW(owned->bind_memory(MoeMemory{w.p, s.p, t.p}), Error);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/moe_ep.h"
+#include "common/step_bytes.h"
 #include "cpu/moe/layer.h"
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
@@ -191,41 +192,106 @@ void CpuMoeLayer::backward_f32_grads(const bf16_t* dy, bf16_t* dx, const MoeGrad
 }
 
 namespace {
-// A forward's whole state (CpuMoeLayer::take_step): routing, saved activations, the weight copies.
-struct CpuStep final : MoeStep {
-  const void* layer = nullptr;
-  int64_t T = 0, Mp = 0;
-  RoutingState route;
-  SavedActivations saved;
-  size_t forward_columns = 0;
-  std::shared_ptr<const WeightCopies> weights;
-};
-}  // namespace
+// The CPU layer's step bytes: every field of its saved state, in declaration order.
+namespace sb = step_bytes;
 
-std::unique_ptr<MoeStep> CpuMoeLayer::take_step() {
-  FLOWMOE_CHECK(have_forward_, "MoeLayer::take_step: no forward to take (call it right after forward, once)");
-  std::unique_ptr<CpuStep> st(new CpuStep);
-  st->layer = this;
-  st->T = T_, st->Mp = Mp_;
-  st->route = std::move(route_);
-  st->saved = std::move(saved_);
-  st->forward_columns = forward_columns_;
-  st->weights = std::move(step_weights_);
-  route_ = RoutingState();
-  saved_ = SavedActivations();
-  have_forward_ = false;
-  return std::unique_ptr<MoeStep>(st.release());
+void put(sb::Writer& w, const cpu::QTensorF32& q) {
+  w.put(q.layout), w.put(q.rows), w.put(q.cols), w.put(q.codes), w.put(q.scales);
+  sb::put(w, q.segments);
+}
+void get(sb::Reader& r, cpu::QTensorF32* q) {
+  r.get(&q->layout), r.get(&q->rows), r.get(&q->cols), r.get(&q->codes), r.get(&q->scales);
+  sb::get(r, &q->segments);
+}
+template <typename Q>
+void put(sb::Writer& w, const std::vector<Q>& v) {
+  w.put<int64_t>(int64_t(v.size()));
+  for (const Q& q : v) put(w, q);
+}
+template <typename Q>
+void get(sb::Reader& r, std::vector<Q>* v) {
+  int64_t n = 0;
+  r.get(&n);
+  FLOWMOE_CHECK(n >= 0 && n <= (int64_t(1) << 24), r.what() << ": a table of " << n
+                                                             << " tensors; expected the bytes of step_state()");
+  v->assign(size_t(n), Q());
+  for (Q& q : *v) get(r, &q);
 }
 
-void CpuMoeLayer::resume_step(std::unique_ptr<MoeStep> step) {
-  CpuStep* st = dynamic_cast<CpuStep*>(step.get());
-  FLOWMOE_CHECK(st != nullptr && st->layer == this,
-                "MoeLayer::resume_step: the step was not taken from this layer (take_step of another layer or backend)");
-  T_ = st->T, Mp_ = st->Mp;
-  route_ = std::move(st->route);
-  saved_ = std::move(st->saved);
-  forward_columns_ = st->forward_columns;
-  step_weights_ = std::move(st->weights);
+void put(sb::Writer& w, const RoutingState& s) {
+  w.put(s.x), w.put(s.logits), w.put(s.expert_ids), w.put(s.probs), w.put(s.aux_coef), w.put(s.aux_loss);
+  sb::put(w, s.routing), sb::put(w, s.segments);
+  w.put(s.row_probs);
+  sb::put(w, s.plan);
+}
+void get(sb::Reader& r, RoutingState* s) {
+  r.get(&s->x), r.get(&s->logits), r.get(&s->expert_ids), r.get(&s->probs), r.get(&s->aux_coef);
+  r.get(&s->aux_loss);
+  sb::get(r, &s->routing), sb::get(r, &s->segments);
+  r.get(&s->row_probs);
+  sb::get(r, &s->plan);
+}
+
+void put(sb::Writer& w, const SavedActivations& s) {
+  w.put(s.xperm_bf16), w.put(s.h_bf16), w.put(s.a_bf16);
+  put(w, s.xperm_col), put(w, s.a_col), put(w, s.xperm_fp8), put(w, s.h_quantized), put(w, s.xperm_mxfp4);
+  put(w, s.xperm_fp32s), put(w, s.a_fp32s);
+}
+void get(sb::Reader& r, SavedActivations* s) {
+  r.get(&s->xperm_bf16), r.get(&s->h_bf16), r.get(&s->a_bf16);
+  get(r, &s->xperm_col), get(r, &s->a_col), get(r, &s->xperm_fp8), get(r, &s->h_quantized), get(r, &s->xperm_mxfp4);
+  get(r, &s->xperm_fp32s), get(r, &s->a_fp32s);
+}
+
+void put(sb::Writer& w, const WeightCopies& c) {
+  w.put(c.wr), w.put(c.router_bias), w.put(c.w1_bf16), w.put(c.w2_bf16);
+  put(w, c.w1_fp8), put(w, c.w1t_fp8), put(w, c.w2_fp8), put(w, c.w2t_fp8);
+  put(w, c.w1_fp32s), put(w, c.w1t_fp32s), put(w, c.w2_fp32s), put(w, c.w2t_fp32s);
+}
+void get(sb::Reader& r, WeightCopies* c) {
+  r.get(&c->wr), r.get(&c->router_bias), r.get(&c->w1_bf16), r.get(&c->w2_bf16);
+  get(r, &c->w1_fp8), get(r, &c->w1t_fp8), get(r, &c->w2_fp8), get(r, &c->w2t_fp8);
+  get(r, &c->w1_fp32s), get(r, &c->w1t_fp32s), get(r, &c->w2_fp32s), get(r, &c->w2t_fp32s);
+}
+}  // namespace
+
+// A forward's whole state: routing, saved activations, the weight copies it used (so that a
+// weight update between a forward and its backward does not change that backward).
+std::vector<uint8_t> CpuMoeLayer::step_state() const {
+  FLOWMOE_CHECK(have_forward_, "MoeLayer::step_state: no forward yet; call it after a forward");
+  sb::Writer w;
+  sb::put_header(w, sb::step_header(cfg_, El_, false));
+  w.put(T_), w.put(Mp_), w.put(uint64_t(forward_columns_));
+  put(w, route_);
+  put(w, saved_);
+  put(w, *step_weights_);
+  return w.take();
+}
+
+void CpuMoeLayer::load_step(const uint8_t* bytes, size_t size) {
+  const char* what = "MoeLayer::load_step";
+  FLOWMOE_CHECK(bytes != nullptr || size == 0, what << ": null bytes; expected the bytes of step_state()");
+  sb::Reader r(bytes, size, what);
+  sb::check_header(r, sb::step_header(cfg_, El_, false));
+  // (read into locals first: refused bytes leave the layer as it was)
+  int64_t T = 0, Mp = 0;
+  uint64_t columns = 0;
+  r.get(&T), r.get(&Mp), r.get(&columns);
+  RoutingState route;
+  SavedActivations saved;
+  auto weights = std::make_shared<WeightCopies>();
+  get(r, &route);
+  get(r, &saved);
+  get(r, weights.get());
+  r.finish();
+  FLOWMOE_CHECK(T >= 1 && T <= cfg_.max_tokens && int64_t(route.x.size()) == T * cfg_.hidden,
+                what << ": a step of " << T << " tokens with " << route.x.size() << " input values; expected 1.."
+                     << cfg_.max_tokens << " tokens of " << cfg_.hidden << " values (the bytes of step_state())");
+  T_ = T, Mp_ = Mp;
+  forward_columns_ = size_t(columns);
+  route_ = std::move(route);
+  saved_ = std::move(saved);
+  step_weights_ = std::move(weights);
   have_forward_ = true;
 }
 

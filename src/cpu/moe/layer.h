@@ -154,8 +154,8 @@ class CpuMoeLayer final : public MoeLayer {
   void backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) override;
   const CastReport& cast_report() const override { return report_; }
   MoeStatus status() const override { return status_; }
-  std::unique_ptr<MoeStep> take_step() override;
-  void resume_step(std::unique_ptr<MoeStep> step) override;
+  std::vector<uint8_t> step_state() const override;
+  void load_step(const uint8_t* bytes, size_t size) override;
 
  private:
   // ---- router.cpp ----

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "common/step_bytes.h"
 #include "cuda/moe/layer.h"
 #include "flowmoe/error.h"
 
@@ -121,44 +122,47 @@ void CudaMoeLayer::check_bound(const char* what, bool saved, bool weights) const
                      << " bytes) first");
 }
 
-namespace {
-// A forward's host-side state (CudaMoeLayer::take_step): the rows and segments of the routing, the
-// EP plan. Its device state is in the caller's saved region.
-struct CudaStep final : MoeStep {
-  const void* layer = nullptr;
-  int64_t T = 0, Mp = 0, routed = 0, held = 0, blocks = 0, dedup_recv_tokens = 0;
-  CudaMoeLayer::RoutingTokens routing_tokens;
-  Segments seg;
-  DispatchPlan plan;
-};
-}  // namespace
-
-std::unique_ptr<MoeStep> CudaMoeLayer::take_step() {
-  const char* what = "MoeLayer::take_step";
+// A forward's host state (MoeLayer::step_state): the rows and segments of the routing, the EP
+// plan. Its device state is in the caller's saved region.
+std::vector<uint8_t> CudaMoeLayer::step_state() const {
+  const char* what = "MoeLayer::step_state";
   FLOWMOE_CHECK(caller_memory_, what << ": several forwards in flight need each forward's saved memory apart; "
                                         "build the layer with CudaLayerOptions::caller_memory");
-  FLOWMOE_CHECK(have_forward_, what << ": no forward to take (call it right after forward, once)");
-  std::unique_ptr<CudaStep> st(new CudaStep);
-  st->layer = this;
-  st->T = T_, st->Mp = Mp_, st->routed = routed_, st->held = held_, st->blocks = blocks_;
-  st->dedup_recv_tokens = dedup_recv_tokens_;
-  st->routing_tokens = routing_tokens();
-  st->seg = std::move(seg_);
-  st->plan = std::move(plan_);
-  have_forward_ = false;
-  return std::unique_ptr<MoeStep>(st.release());
+  FLOWMOE_CHECK(have_forward_, what << ": no forward yet; call it after a forward");
+  step_bytes::Writer w;
+  step_bytes::put_header(w, step_bytes::step_header(cfg_, El_, true));
+  w.put(T_), w.put(Mp_), w.put(routed_), w.put(held_), w.put(blocks_), w.put(dedup_recv_tokens_);
+  const RoutingTokens rt = routing_tokens();
+  w.put(rt.tokens), w.put(rt.to_ranks), w.put(rt.received);
+  step_bytes::put(w, seg_);
+  step_bytes::put(w, plan_);
+  return w.take();
 }
 
-void CudaMoeLayer::resume_step(std::unique_ptr<MoeStep> step) {
-  const char* what = "MoeLayer::resume_step";
-  CudaStep* st = dynamic_cast<CudaStep*>(step.get());
-  FLOWMOE_CHECK(st != nullptr && st->layer == this,
-                what << ": the step was not taken from this layer (take_step of another layer or backend)");
-  T_ = st->T, Mp_ = st->Mp, routed_ = st->routed, held_ = st->held, blocks_ = st->blocks;
-  dedup_recv_tokens_ = st->dedup_recv_tokens;
-  set_routing_tokens(st->routing_tokens);
-  seg_ = std::move(st->seg);
-  plan_ = std::move(st->plan);
+void CudaMoeLayer::load_step(const uint8_t* bytes, size_t size) {
+  const char* what = "MoeLayer::load_step";
+  FLOWMOE_CHECK(caller_memory_, what << ": several forwards in flight need each forward's saved memory apart; "
+                                        "build the layer with CudaLayerOptions::caller_memory");
+  FLOWMOE_CHECK(bytes != nullptr || size == 0, what << ": null bytes; expected the bytes of step_state()");
+  step_bytes::Reader r(bytes, size, what);
+  step_bytes::check_header(r, step_bytes::step_header(cfg_, El_, true));
+  // (read into locals first: refused bytes leave the layer as it was)
+  int64_t T = 0, Mp = 0, routed = 0, held = 0, blocks = 0, dedup = 0;
+  r.get(&T), r.get(&Mp), r.get(&routed), r.get(&held), r.get(&blocks), r.get(&dedup);
+  RoutingTokens rt;
+  r.get(&rt.tokens), r.get(&rt.to_ranks), r.get(&rt.received);
+  Segments seg;
+  DispatchPlan plan;
+  step_bytes::get(r, &seg);
+  step_bytes::get(r, &plan);
+  r.finish();
+  FLOWMOE_CHECK(T >= 1 && T <= max_tokens_ && Mp >= 0 && Mp <= max_rows_ && blocks >= 0,
+                what << ": a step of " << T << " tokens and " << Mp << " rows; expected 1.." << max_tokens_
+                     << " tokens and at most " << max_rows_ << " rows (the bytes of step_state() of this layer)");
+  T_ = T, Mp_ = Mp, routed_ = routed, held_ = held, blocks_ = blocks, dedup_recv_tokens_ = dedup;
+  set_routing_tokens(rt);
+  seg_ = std::move(seg);
+  plan_ = std::move(plan);
   have_forward_ = true;
   backward_done_ = false;
 }

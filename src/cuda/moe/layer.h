@@ -67,8 +67,8 @@ class CudaMoeLayer final : public MoeLayer {
   void backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) override;
   const CastReport& cast_report() const override;
   MoeStatus status() const override;
-  std::unique_ptr<MoeStep> take_step() override;
-  void resume_step(std::unique_ptr<MoeStep> step) override;
+  std::vector<uint8_t> step_state() const override;
+  void load_step(const uint8_t* bytes, size_t size) override;
   MoeMemoryPlan memory_plan() const override { return caller_memory_ ? plan_bytes_ : MoeMemoryPlan(); }
   void bind_memory(const MoeMemory& memory) override;
   bool takes_backward_weights() const override;
@@ -83,7 +83,7 @@ class CudaMoeLayer final : public MoeLayer {
   bool sync_free() const { return sync_free_; }
   bool caller_memory() const { return caller_memory_; }
   // The token counts the routing views carry on the host (set by each forward): kept across a
-  // re-layout of the workspace and in a step (take_step).
+  // re-layout of the workspace and in a step (step_state).
   struct RoutingTokens {
     int64_t tokens = 0, to_ranks = 0, received = 0;
   };

@@ -53,6 +53,19 @@ def test_values_and_gradients_against_float64(recipe, tol):
         assert rel(a, b) < tol, name
 
 
+@pytest.mark.parametrize("recipe", ("bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_retain_graph_a_second_grad_gives_the_same_bits(recipe, dtype):
+    x, logits, w1, w2, dy = problem(2, dtype)
+    ids, w = route(logits)
+    y = ft.experts(x, ids, w, w1, w2, recipe=recipe)
+    loss = (y.float() * dy).sum()
+    first = torch.autograd.grad(loss, [x, logits, w1, w2], retain_graph=True)
+    second = torch.autograd.grad(loss, [x, logits, w1, w2])
+    for name, a, b in zip(("dx", "dlogits", "dw1", "dw2"), first, second):
+        assert torch.equal(a, b), name
+
+
 def test_module_equals_function_bits():
     x, logits, w1, w2, dy = problem(1)
     ids, w = route(logits.detach())

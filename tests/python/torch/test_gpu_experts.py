@@ -58,6 +58,28 @@ def test_gpu_forwards_in_flight_equal_sequential():
 
 @pytest.mark.parametrize("recipe", ["bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"])
 @pytest.mark.parametrize("sync_free", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_retain_graph_a_second_grad_gives_the_same_bits(recipe, sync_free, dtype):
+    """retain_graph=True: the forward's saved bytes and step back a second backward with the same
+    bits (the backward never writes what its forward saved), with and without the parameters kept
+    for the dgrad weights (FP8 block recipes) and in any order with another forward in flight."""
+    x, logits, w1, w2, dy = problem(12, dtype)
+    ids, w = route(logits.detach())
+    x, ids, w, w1, w2, dy = [t.detach().to(DEV) for t in (x, ids, w, w1, w2, dy)]
+    for t in (x, w, w1, w2):
+        t.requires_grad_()
+    y = ft.experts(x, ids, w, w1, w2, recipe=recipe, sync_free=sync_free)
+    loss = (y.float() * dy).sum()
+    first = torch.autograd.grad(loss, [x, w, w1, w2], retain_graph=True)
+    other = ft.experts(x * 0.5, ids, w, w1, w2, recipe=recipe, sync_free=sync_free)  # another forward in flight
+    torch.autograd.grad((other.float() * dy).sum(), [x, w1])
+    second = torch.autograd.grad(loss, [x, w, w1, w2])
+    for name, a, b in zip(("dx", "dprobs", "dw1", "dw2"), first, second):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"])
+@pytest.mark.parametrize("sync_free", [False, True])
 def test_gpu_bf16_parameters_give_the_bits_of_fp32_masters(recipe, sync_free):
     # quantized straight from the BF16 parameters (one launch per weight, no FP32 copy): the bits
     # of FP32 masters of the same values; gradients are the FP32 ones rounded to BF16

@@ -42,6 +42,31 @@ def poison(m):
 
 @pytest.mark.parametrize("sync_free", (False, True))
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_retain_graph_second_backward_same_bits_after_a_larger_layer(recipe, sync_free):
+    """backward(retain_graph=True) twice: twice the gradients of one, bit for bit, with the scratch
+    overwritten in between and the module rebuilt for a larger input (the forward keeps its own
+    native layer)."""
+    m = make(recipe, sync_free=sync_free)
+    x, dy = data(300, 3)
+    want = pair(m, x, dy)
+    m.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_()
+    y = m(xr)
+    y.backward(dy, retain_graph=True)
+    poison(m)
+    m(data(700, 4)[0]).sum().backward()  # a larger input: the module builds a larger layer
+    assert m._runner.max_tokens >= 700
+    m.zero_grad(set_to_none=True)
+    xr.grad = None
+    poison(m)
+    y.backward(dy)
+    torch.cuda.synchronize()
+    for a, b in zip(want[1:], [xr.grad] + [p.grad for p in (m.w1, m.w2, m.wr)]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("sync_free", (False, True))
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_two_forwards_in_flight_with_the_scratch_overwritten(recipe, sync_free):
     m = make(recipe, sync_free=sync_free)
     (x1, dy1), (x2, dy2) = data(300, 1), data(211, 2)

@@ -225,12 +225,26 @@ def test_batched_input_and_fp32_input():
     assert xf.grad.dtype == torch.float32
 
 
-def test_a_second_backward_through_one_forward_is_refused():
-    m = make("bf16")
+@pytest.mark.parametrize("recipe", flowmoe.RECIPES)
+def test_retain_graph_a_second_backward_gives_the_same_gradients(recipe):
+    """The forward's state is a value autograd keeps: backward(retain_graph=True) twice accumulates
+    exactly twice the gradients of one, and torch.autograd.grad twice gives the same bits."""
+    m = make(recipe)
     x, dy = data()
-    y = m(x.clone().requires_grad_())
+    xr = x.clone().requires_grad_()
+    y = m(xr)
     y.backward(dy, retain_graph=True)
-    with pytest.raises(flowmoe.FlowmoeError, match="one backward"):
+    once = [xr.grad.clone()] + [p.grad.clone() for p in m.parameters()]
+    y.backward(dy, retain_graph=True)
+    twice = [xr.grad] + [p.grad for p in m.parameters()]
+    for a, b in zip(once, twice):
+        assert torch.equal(b, a + a)
+    params = [xr] + list(m.parameters())
+    g1 = torch.autograd.grad(y, params, dy, retain_graph=True)
+    g2 = torch.autograd.grad(y, params, dy)
+    for a, b, c in zip(g1, g2, once):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    with pytest.raises(RuntimeError, match="second time"):  # the graph is freed now, as for any op
         y.backward(dy)
 
 
