@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._recipes import RECIPES
 from .torch import experts
 
 try:
@@ -55,15 +56,9 @@ __all__ = ["IMPLEMENTATIONS", "SYNC_FREE", "register", "check_experts_module", "
 # CUDA: the experts layer without host synchronisation (read at each call; see the module docstring)
 SYNC_FREE = True
 
-# experts_implementation name -> flowmoe recipe
-IMPLEMENTATIONS = {
-    "flowmoe": "flow",
-    "flowmoe-bf16": "bf16",
-    "flowmoe-blockwise": "blockwise",
-    "flowmoe-fp8-naive": "fp8-naive",
-    "flowmoe-flow": "flow",
-    "flowmoe-flow-fp4": "flow-fp4",
-}
+# experts_implementation name -> flowmoe recipe: "flowmoe" (the flow recipe) and "flowmoe-<recipe>"
+# for every recipe of the table
+IMPLEMENTATIONS = {"flowmoe": "flow", **{f"flowmoe-{r}": r for r in RECIPES}}
 
 
 def _model_name(module) -> str:
