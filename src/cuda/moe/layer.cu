@@ -366,11 +366,11 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status, 0, 4 * sizeof(DeviceStatus), stream_));
 
   route(x, ext);
-  switch (path_.pipeline) {
-    case Pipeline::kBf16Gemms: forward_bf16(y); break;
-    case Pipeline::kBlockwise: forward_blockwise(y); break;
-    case Pipeline::kFp8Naive: forward_naive(y); break;
-    case Pipeline::kFlow: streams_.with_side_drained([&] { forward_flow(y); }); break;
+  switch (path_.dataflow) {
+    case Dataflow::kBf16Gemms: forward_bf16(y); break;
+    case Dataflow::kBlockwise: forward_blockwise(y); break;
+    case Dataflow::kFp8Naive: forward_naive(y); break;
+    case Dataflow::kFlow: streams_.with_side_drained([&] { forward_flow(y); }); break;
   }
   if (!sync_free_) save_activations(row_counts());  // (sync_free: when the report is read)
   have_forward_ = true;
@@ -404,11 +404,11 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   grads_accumulate_ = g.accumulate;
   dx_ready_marked_ = false;  // (a backward that threw may have left it set)
   backward_params_ = params;
-  switch (path_.pipeline) {
-    case Pipeline::kBf16Gemms: streams_.with_side_drained([&] { backward_bf16(dy, g); }); break;
-    case Pipeline::kBlockwise: streams_.with_side_drained([&] { backward_blockwise(dy, g); }); break;
-    case Pipeline::kFp8Naive: backward_naive(dy, g); break;
-    case Pipeline::kFlow: streams_.with_side_drained([&] { backward_flow(dy, g); }); break;
+  switch (path_.dataflow) {
+    case Dataflow::kBf16Gemms: streams_.with_side_drained([&] { backward_bf16(dy, g); }); break;
+    case Dataflow::kBlockwise: streams_.with_side_drained([&] { backward_blockwise(dy, g); }); break;
+    case Dataflow::kFp8Naive: backward_naive(dy, g); break;
+    case Dataflow::kFlow: streams_.with_side_drained([&] { backward_flow(dy, g); }); break;
   }
   if (streams_.tail()) {  // the tail stream joins stream_ even when the tail throws (stream-ordered,
                           // so that a graph capture stays well-formed; errors of the join ignored)

@@ -4,7 +4,7 @@
 // be compared on the same inputs. One class, its members defined by job:
 //   layer.cu        API and lifecycle: construction, set_weights, forward / backward entry points,
 //                   make_cuda_layer, moe_debug.h
-//   recipe_path.h/.cu the recipe as data (RecipePath: pipeline, formats, the options that apply),
+//   recipe_path.h/.cu the recipe as data (RecipePath: dataflow, formats, the options that apply),
 //                   made once at construction; the rooms read it instead of the Recipe enum
 //   workspace.h/.cu the device buffers (named views), allocated once at construction
 //   streams.h/.cu   side stream (fork / mark / join), tail stream, stage clock
@@ -147,7 +147,7 @@ class CudaMoeLayer final : public MoeLayer {
   int combine_piece_count() const;
   bool device_ep() const { return sync_free_ && comm_ != nullptr; }
 
-  // ---- forward per pipeline (forward.cu; path_.pipeline picks one) -------------------------------
+  // ---- forward per pipeline (forward.cu; path_.dataflow picks one) -------------------------------
   void forward_bf16(bf16_t* y);
   void forward_blockwise(bf16_t* y);
   void naive_entry(MoePass pass, const bf16_t* in, bf16_t* out);
@@ -244,7 +244,7 @@ class CudaMoeLayer final : public MoeLayer {
   const int El_;              // experts held here: E_ alone, E_ / ranks with a communicator
   Communicator* const comm_;  // null: single GPU, all experts local
   const int64_t max_tokens_, max_rows_;
-  // The recipe's path (recipe_path.h): pipeline, formats, and the options that depend on the recipe
+  // The recipe's path (recipe_path.h): dataflow, formats, and the options that depend on the recipe
   // (grouped GEMMs, fused epilogues, side stream, deduplicated EP dispatch)
   const RecipePath path_;
   const float* gemm1_bias_ = nullptr;  // b1 of the current forward (set_gemm1_bias), else null
