@@ -166,6 +166,21 @@ const char* dq_t_q_dequantize_name(WgradOperand o);
 const char* dq_t_q_quantize_name(WgradOperand o);
 
 // ---- the table -------------------------------------------------------------------------------------
+// The dataflow a recipe's layer step runs: one forward / backward pair each in every backend (the
+// CPU layer's forward_* / backward_*, src/cpu/moe/; the CUDA layer's pipelines,
+// src/cuda/moe/pipelines/). The backends switch on this, never on the Recipe enum: a recipe that
+// reuses a dataflow with other formats is a table row alone; a new dataflow is a value here, its
+// row(s), and the pair in each backend.
+enum class Dataflow : uint8_t {
+  kBf16Gemms,  // BF16 GEMMs (bf16)
+  kBlockwise,  // BF16 between the GEMMs, each grouped linear quantizes its BF16 input (row + col
+               // copies, UE8M0 scales; blockwise)
+  kFp8Naive,   // operator substitution with FP32 scales, column copies DQ -> T -> Q (fp8-naive)
+  kFlow,       // quantized once at the entry, FP8 / MXFP4 between the GEMMs, fused (d)SwiGLU +
+               // quantize, exact column copies (flow, flow-fp4)
+};
+const char* dataflow_name(Dataflow d);  // "bf16-gemms", "blockwise", "fp8-naive", "flow"
+
 // The weight copies made by set_weights (from the BF16 copies of the FP32 masters).
 enum class WeightCopy : uint8_t {
   kBf16Only,          // BF16 copies only
@@ -192,6 +207,7 @@ struct ColumnSpec {
 struct RecipeSpec {
   Recipe recipe;
   const char* name;               // recipe_name
+  Dataflow dataflow;              // the forward / backward pair the backends run for it
   TensorFormat entry;             // x as the forward dispatch / permute moves it
   TensorFormat backward_entry;    // dy as the backward dispatch / permute moves it
   WireFormat forward_wire;        // wire format of the forward dispatch (expert parallelism)

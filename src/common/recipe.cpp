@@ -18,7 +18,7 @@ using LW = LayerWidth;
 // Columns in WgradOperand order: GEMM1 input x_perm, GEMM2 input a', GEMM2 grad dY, GEMM1 grad dh.
 const std::vector<RecipeSpec>& table() {
   static const std::vector<RecipeSpec> rows = {
-      {Recipe::kBf16, "bf16",
+      {Recipe::kBf16, "bf16", Dataflow::kBf16Gemms,
        TF::kBf16, TF::kBf16, WireFormat::kBf16, WireFormat::kBf16,
        nullptr, nullptr, nullptr, nullptr,
        WeightCopy::kBf16Only, nullptr, nullptr,
@@ -27,7 +27,7 @@ const std::vector<RecipeSpec>& table() {
        {"GEMM2 input a'", TF::kBf16, LW::kF},
        {{CM::kNone, nullptr}, {CM::kNone, nullptr}, {CM::kNone, nullptr}, {CM::kNone, nullptr}}},
 
-      {Recipe::kBlockwise, "blockwise",
+      {Recipe::kBlockwise, "blockwise", Dataflow::kBlockwise,
        TF::kBf16, TF::kBf16, WireFormat::kBf16, WireFormat::kBf16,
        nullptr, nullptr, nullptr, nullptr,
        WeightCopy::kFp8Block, rn::kQuantizeW1, rn::kQuantizeW2,
@@ -39,7 +39,7 @@ const std::vector<RecipeSpec>& table() {
         {CM::kQuantizeFromBf16, nullptr},  // kQuantizeDYBoth
         {CM::kQuantizeFromBf16, nullptr}}},  // kQuantizeDhBoth
 
-      {Recipe::kFp8Naive, "fp8-naive",
+      {Recipe::kFp8Naive, "fp8-naive", Dataflow::kFp8Naive,
        TF::kFp8RowFp32Scale, TF::kFp8RowFp32Scale, WireFormat::kFp8Fp32Scale,
        WireFormat::kFp8Fp32Scale,
        rn::kQuantizeXBeforeDispatch, rn::kQuantizeDyBeforeDispatch,
@@ -54,7 +54,7 @@ const std::vector<RecipeSpec>& table() {
         {CM::kDequantTransposeQuant, nullptr},
         {CM::kDequantTransposeQuant, nullptr}}},
 
-      {Recipe::kFlow, "flow",
+      {Recipe::kFlow, "flow", Dataflow::kFlow,
        TF::kFp8Row, TF::kFp8Row, WireFormat::kFp8, WireFormat::kFp8,
        rn::kQuantizeXEntryFp8, rn::kQuantizeDyEntryFp8, nullptr, nullptr,
        WeightCopy::kFp8Block, rn::kQuantizeW1, rn::kQuantizeW2,
@@ -66,7 +66,7 @@ const std::vector<RecipeSpec>& table() {
         {CM::kScalingAwareTranspose, rn::kTransposeDY},
         {CM::kQuantizeFromBf16, nullptr}}},  // fused: kDswigluQuantRowCol
 
-      {Recipe::kFlowFp4, "flow-fp4",
+      {Recipe::kFlowFp4, "flow-fp4", Dataflow::kFlow,
        TF::kMxfp4Row, TF::kFp8Row, WireFormat::kMxfp4, WireFormat::kFp8,
        rn::kQuantizeXEntryMxfp4, rn::kQuantizeDyEntryFp8, nullptr, nullptr,
        WeightCopy::kFp8Block, rn::kQuantizeW1, rn::kQuantizeW2,
@@ -150,6 +150,16 @@ const char* moe_pass_name(MoePass p) {
     case MoePass::kForward: return "forward";
     case MoePass::kBackward: return "backward";
     case MoePass::kWeightUpdate: return "weights";
+  }
+  return "?";
+}
+
+const char* dataflow_name(Dataflow d) {
+  switch (d) {
+    case Dataflow::kBf16Gemms: return "bf16-gemms";
+    case Dataflow::kBlockwise: return "blockwise";
+    case Dataflow::kFp8Naive: return "fp8-naive";
+    case Dataflow::kFlow: return "flow";
   }
   return "?";
 }

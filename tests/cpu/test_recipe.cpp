@@ -1,7 +1,7 @@
 // The recipe table (flowmoe/recipe.h): rows in enum order, names parse back, the wire formats
 // follow the entry formats, every FP8 recipe names its weight and entry operators, the saved
-// formats and row sizes are the report's strings, and the column methods agree with what the
-// saved tensors can provide.
+// formats and row sizes are the report's strings, the column methods agree with what the saved
+// tensors can provide, and each row's dataflow with its formats.
 #include <gtest/gtest.h>
 
 #include <set>
@@ -97,6 +97,22 @@ TEST(RecipeTable, ColumnMethodsMatchWhatIsSaved) {
   EXPECT_STREQ(dq_t_q_quantize_name(WgradOperand::kGemm1Grad),
                "quantize dh col (transposed, FP32 scales)");
   EXPECT_STREQ(wgrad_operand_name(WgradOperand::kGemm2Grad), "GEMM2 grad dY");
+}
+
+// The row's dataflow (what the backends switch on) agrees with where the row quantizes: no FP8
+// weight copy, BF16 GEMMs; FP32-scale weights, fp8-naive's operator substitution; UE8M0 weights
+// with a BF16 entry, a quantization at each grouped linear (blockwise); a quantized entry, flow.
+TEST(RecipeTable, DataflowFollowsTheFormats) {
+  for (const RecipeSpec& r : recipe_table()) {
+    const Dataflow expected = r.weights == WeightCopy::kBf16Only            ? Dataflow::kBf16Gemms
+                              : r.weights == WeightCopy::kFp8BlockFp32Scale ? Dataflow::kFp8Naive
+                              : r.entry == TensorFormat::kBf16              ? Dataflow::kBlockwise
+                                                                            : Dataflow::kFlow;
+    EXPECT_EQ(r.dataflow, expected) << r.name << ": " << dataflow_name(r.dataflow);
+  }
+  EXPECT_STREQ(dataflow_name(Dataflow::kFlow), "flow");
+  EXPECT_STREQ(dataflow_name(recipe_spec(Recipe::kFlowFp4).dataflow), "flow");
+  EXPECT_STREQ(dataflow_name(recipe_spec(Recipe::kBf16).dataflow), "bf16-gemms");
 }
 
 }  // namespace

@@ -133,12 +133,11 @@ void CpuMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   QuantStats& st = report_.forward_stats;
 
   route(x, ext, &st);
-  switch (cfg_.recipe) {
-    case Recipe::kBf16: forward_bf16(y, &st); break;
-    case Recipe::kBlockwise: forward_blockwise(y, &st); break;
-    case Recipe::kFp8Naive: forward_fp8_naive(y, &st); break;
-    case Recipe::kFlow:
-    case Recipe::kFlowFp4: forward_flow(y, &st); break;
+  switch (spec_.dataflow) {
+    case Dataflow::kBf16Gemms: forward_bf16(y, &st); break;
+    case Dataflow::kBlockwise: forward_blockwise(y, &st); break;
+    case Dataflow::kFp8Naive: forward_fp8_naive(y, &st); break;
+    case Dataflow::kFlow: forward_flow(y, &st); break;
   }
   save_routing_state();
   forward_columns_ = report_.columns.size();
@@ -179,12 +178,11 @@ void CpuMoeLayer::backward_f32_grads(const bf16_t* dy, bf16_t* dx, const MoeGrad
   // expert path: dXp [Mp, H] bf16, dp [Mp] fp32
   std::vector<bf16_t> dxp(Mp_ * H_);
   std::vector<float> dp(Mp_, 0.0f);
-  switch (cfg_.recipe) {
-    case Recipe::kBf16: backward_bf16(dy, g, dxp.data(), dp.data(), &st); break;
-    case Recipe::kBlockwise: backward_blockwise(dy, g, dxp.data(), dp.data(), &st); break;
-    case Recipe::kFp8Naive: backward_fp8_naive(dy, g, dxp.data(), dp.data(), &st); break;
-    case Recipe::kFlow:
-    case Recipe::kFlowFp4: backward_flow(dy, g, dxp.data(), dp.data(), &st); break;
+  switch (spec_.dataflow) {
+    case Dataflow::kBf16Gemms: backward_bf16(dy, g, dxp.data(), dp.data(), &st); break;
+    case Dataflow::kBlockwise: backward_blockwise(dy, g, dxp.data(), dp.data(), &st); break;
+    case Dataflow::kFp8Naive: backward_fp8_naive(dy, g, dxp.data(), dp.data(), &st); break;
+    case Dataflow::kFlow: backward_flow(dy, g, dxp.data(), dp.data(), &st); break;
   }
   backward_router(dxp, dp, g, dx);
   status_.nonfinite += st.nonfinite;

@@ -9,8 +9,10 @@
 //   router.cpp       the router and the routing of a forward; the router's backward and dx tail
 //   ep_exchange.cpp  token movement: permute+pad / unpermute on one rank, dispatch / combine over
 //                    the ranks of a communicator (expert parallelism, docs/EP.md §5)
-//   forward.cpp      the forward path of each recipe (GEMM1, SwiGLU, GEMM2, what is saved)
-//   backward.cpp     the backward path of each recipe (dgrads, the wgrad column copies, wgrads)
+//   forward.cpp      the forward path of each dataflow (GEMM1, SwiGLU, GEMM2, what is saved)
+//   backward.cpp     the backward path of each dataflow (dgrads, the wgrad column copies, wgrads)
+// The entry points switch on the table row's dataflow (recipe.h Dataflow), never on the Recipe
+// enum: flow and flow-fp4 share forward_flow / backward_flow, their formats read from the row.
 //   operators.cpp    the layer's arithmetic: SwiGLU with probabilities, grouped GEMM wrappers,
 //                    the FP32-scale (fp8-naive) block-scaled GEMMs
 //   report.cpp       the cast report: operators as executed, saved tensors, column checks
@@ -190,7 +192,7 @@ class CpuMoeLayer final : public MoeLayer {
   void unpermute_dx(const std::vector<bf16_t>& dxp, const std::vector<float>& dp,
                     std::vector<bf16_t>* dx_expert, std::vector<float>* dprobs);
 
-  // ---- forward.cpp: the forward path of each recipe (y [T, H]) ----
+  // ---- forward.cpp: the forward path of each dataflow (recipe.h Dataflow; y [T, H]) ----
   void forward_bf16(bf16_t* y, QuantStats* st);
   void forward_blockwise(bf16_t* y, QuantStats* st);
   void forward_fp8_naive(bf16_t* y, QuantStats* st);

@@ -14,7 +14,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/moe/kernels.cuh"
-#include "cuda/moe/layer.h"
+#include "cuda/moe/step_context.h"
 #include "flowmoe/error.h"
 
 namespace flowmoe {
@@ -163,72 +163,27 @@ void ep_pull_rows(const EpPiece* pieces, int n, void* const* peer_bases, int64_t
   FLOWMOE_LAUNCH_CHECK("moe::pull_rows_kernel");
 }
 
-// ---- the layer's part -------------------------------------------------------------------------------
+// ---- the step context's part (step_context.h; the plan: routing.cu; the shared buffers: layer.cu) --
 
-// Construction (make_cuda_layer, after every rank built its layer; collective): the peers'
-// addresses of every buffer a peer reads from, in the same order on every rank.
-void CudaMoeLayer::share_ep_buffers() {
-  peers_ = comm_->device_peers();
-  FLOWMOE_CHECK(peers_ != nullptr, "make_cuda_layer: internal error: no device peer access");
-  EpBuffers& ep = ws_.ep;
-  std::vector<void*> mine = {ws_.routing.tokens.counts, ep.send_rows, ep.send_scales, ep.send_probs,
-                             ws_.expert.rows_bf16, ep.row_dprob};
-  if (path_.ep_dedup) {
-    mine.push_back(ep.tokens_to_ranks.counts);
-    mine.push_back(ep.send_ids);
-    mine.push_back(ep.send_token_probs);
-  }
-  for (void* p : mine) peer_tables_.push_back({p, peers_->share(p)});
-}
-
-void* const* CudaMoeLayer::peer_table(const void* mine) const {
+void* const* StepContext::peer_table(const void* mine) const {
   for (const auto& t : peer_tables_)
     if (t.first == mine) return t.second;
   FLOWMOE_CHECK(false, "MoeLayer: internal error: a buffer the peers read was not shared at construction");
   return nullptr;
 }
 
-// route(), after build_routing: every rank's counts (and, deduplicated, its tokens per rank) ->
-// count_matrix / token_matrix -> the plan's local offsets and pieces; the matrices also go to
-// pinned memory for the report (read when it is read).
-void CudaMoeLayer::plan_on_device() {
-  auto s = fwd("dispatch plan (on the device)");
-  RoutingBuffers& r = ws_.routing;
-  EpBuffers& ep = ws_.ep;
-  const int W = comm_->world_size();
-  if (path_.ep_dedup) {
-    ep.tokens_to_ranks.tokens = T_;
-    ep_peer_ids(r.ids, T_, K_, El_, ep.peer_ids, stream_);
-    build_routing(ep.peer_ids, ep.tokens_to_ranks, nullptr, stream_);
-  }
-  // A peer rewrites its counts only in its next forward, after barriers this rank reaches once the
-  // gathers below have run: one barrier before them suffices.
-  peers_->barrier(stream_);
-  ep_gather_peer_ints(reinterpret_cast<const int32_t* const*>(peer_table(r.tokens.counts)), W, E_, ep.count_matrix,
-                      stream_);
-  if (path_.ep_dedup)
-    ep_gather_peer_ints(reinterpret_cast<const int32_t* const*>(peer_table(ep.tokens_to_ranks.counts)), W, W,
-                        ep.token_matrix, stream_);
-  ep_device_plan(ep.count_matrix, path_.ep_dedup ? ep.token_matrix : nullptr, W, El_, comm_->rank(), cfg_.align,
-                 ep.local_offsets, ep.dispatch_pieces, ep.combine_pieces, path_.ep_dedup ? ep.dedup_pieces : nullptr,
-                 stream_);
-  const int64_t n = int64_t(W) * E_ + (path_.ep_dedup ? int64_t(W) * W : 0);  // token_matrix follows count_matrix
-  FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(ep.host_matrices, ep.count_matrix, sizeof(int32_t) * n, cudaMemcpyDeviceToHost,
-                                     stream_));
-}
-
 // One exchange: barrier (every rank's source rows are written), each stream's rows pulled from the
 // peers' `send` buffers into `recv` by the pieces, barrier (no rank changes a buffer a peer may
 // still read).
-void CudaMoeLayer::pull_exchange(const EpPiece* pieces, int n, const std::vector<RowStream>& streams,
-                                 cudaStream_t s) {
+void StepContext::pull_exchange(const EpPiece* pieces, int n, const std::vector<RowStream>& streams,
+                                cudaStream_t s) {
   peers_->barrier(s);
   for (const RowStream& st : streams) ep_pull_rows(pieces, n, peer_table(st.send), st.row_bytes, st.recv, s);
   peers_->barrier(s);
 }
 
-int CudaMoeLayer::dispatch_piece_count() const { return comm_->world_size() * El_ + El_; }
-int CudaMoeLayer::combine_piece_count() const { return comm_->world_size() * El_; }
+int StepContext::dispatch_piece_count() const { return comm_->world_size() * El_ + El_; }
+int StepContext::combine_piece_count() const { return comm_->world_size() * El_; }
 
 }  // namespace moe
 }  // namespace cuda

@@ -1,23 +1,25 @@
 // The CUDA layer's token movement: token rows [T, H] to the padded rows [Mp, H] of the local
 // experts and back. One GPU: permute+pad / unpermute (token.h). Expert parallelism (cfg.comm, a
 // device-memory communicator; docs/EP.md §6): dispatch / combine in the recipe's wire format (the
-// CPU layer's plan), deduplicated by default (CudaLayerOptions::ep_dedup).
+// CPU layer's plan), deduplicated by default (CudaLayerOptions::ep_dedup). Step context services
+// (step_context.h), which every pipeline calls.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <string>
 #include <vector>
 
+#include "common/moe_ep.h"
 #include "cuda/common.cuh"
-#include "cuda/moe/layer.h"
+#include "cuda/moe/step_context.h"
 #include "flowmoe/cuda/copy_pieces.h"
 
 namespace flowmoe {
 namespace cuda {
 namespace moe {
 
-void CudaMoeLayer::log_combine(MoePass pass, const std::string& name, const std::string& format,
-                               int64_t row_bytes) {
+void StepContext::log_combine(MoePass pass, const std::string& name, const std::string& format,
+                              int64_t row_bytes) {
   rep_.wire.push_back(ep_detail::combine_transfer(pass, name, format, row_bytes, plan_));
 }
 
@@ -27,7 +29,7 @@ void CudaMoeLayer::log_combine(MoePass pass, const std::string& name, const std:
 // comm.synchronize() waits for them, so the work enqueued on stream_ afterwards reads complete
 // rows whatever stream the communicator uses. One host sync of stream_ per exchange (counted)
 // plus the communicator's.
-void CudaMoeLayer::ep_exchange(const std::function<void()>& fn) {
+void StepContext::ep_exchange(const std::function<void()>& fn) {
   FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
   ++host_syncs_;
   fn();
@@ -37,7 +39,7 @@ void CudaMoeLayer::ep_exchange(const std::function<void()>& fn) {
 // EP: moves `streams` (send-order rows -> their padded rows on the experts' ranks) in one
 // exchange, with the routing probabilities (FP32, into row_prob) in the forward; the padding rows
 // of every receive buffer are zero.
-void CudaMoeLayer::ep_dispatch(MoePass pass, const char* name, WireFormat f, std::vector<RowStream> streams) {
+void StepContext::ep_dispatch(MoePass pass, const char* name, WireFormat f, std::vector<RowStream> streams) {
   EpBuffers& ep = ws_.ep;
   if (pass == MoePass::kForward) {
     ep_gather_rows(ws_.routing.probs, int64_t(sizeof(float)), true, ws_.routing.tokens.row_map_unpadded, T_, K_,
@@ -72,8 +74,8 @@ void CudaMoeLayer::ep_dispatch(MoePass pass, const char* name, WireFormat f, std
 // the wire instead of k. `streams`: the token rows already gathered by tokens_to_ranks.row_map
 // (send) and the recv_* buffers, rank-major. One message per peer and stream; own rows by a
 // local copy.
-void CudaMoeLayer::dedup_exchange(MoePass pass, const char* name, const std::string& format,
-                                  std::vector<RowStream> streams) {
+void StepContext::dedup_exchange(MoePass pass, const char* name, const std::string& format,
+                                 std::vector<RowStream> streams) {
   EpBuffers& ep = ws_.ep;
   const bool fwd = pass == MoePass::kForward;
   const int W = comm_->world_size(), me = comm_->rank();
@@ -128,7 +130,7 @@ void CudaMoeLayer::dedup_exchange(MoePass pass, const char* name, const std::str
 
 // The received tokens (n slots: rank 0's first, each rank's in token order) over the local
 // experts: the padded layout of the plan, row for row, and each row's probability.
-void CudaMoeLayer::route_received_tokens(int64_t n) {
+void StepContext::route_received_tokens(int64_t n) {
   EpBuffers& ep = ws_.ep;
   dedup_recv_tokens_ = n;
   Routing& rr = ep.received_tokens;
@@ -139,8 +141,8 @@ void CudaMoeLayer::route_received_tokens(int64_t n) {
   scatter_row_probs(ep.recv_probs, rr.row_map, n, K_, ws_.routing.row_prob, stream_);
 }
 
-WireTransfer CudaMoeLayer::dedup_transfer(MoePass pass, const std::string& name, const std::string& format,
-                                          int64_t row_bytes, const DispatchPlan& plan) {
+WireTransfer StepContext::dedup_transfer(MoePass pass, const std::string& name, const std::string& format,
+                                         int64_t row_bytes, const DispatchPlan& plan) {
   WireTransfer w;
   w.pass = pass;
   w.name = name;
@@ -152,7 +154,7 @@ WireTransfer CudaMoeLayer::dedup_transfer(MoePass pass, const std::string& name,
 }
 
 // token rows [T, H] bf16 -> padded rows [Mp, H] bf16 of the local experts
-void CudaMoeLayer::move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name) {
+void StepContext::move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name) {
   const Routing& routing = ws_.routing.tokens;
   EpBuffers& ep = ws_.ep;
   if (comm_ == nullptr) {
@@ -172,7 +174,7 @@ void CudaMoeLayer::move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, cons
 // FP8 row-wise token rows (codes [T, H], scales [H/128][T]) -> rows: codes [Mp, H], scales
 // [H/128][Mp]. EP wire format fp8: codes + UE8M0 scales row-major [rows][H/128] next to them; the
 // receiver transposes the scales (as the CPU's ep_dispatch_fp8).
-void CudaMoeLayer::move_fp8(const QTensorView& tok, const QTensorView& rows, MoePass pass, const char* name) {
+void StepContext::move_fp8(const QTensorView& tok, const QTensorView& rows, MoePass pass, const char* name) {
   const Routing& routing = ws_.routing.tokens;
   EpBuffers& ep = ws_.ep;
   if (comm_ == nullptr) {
@@ -199,7 +201,7 @@ void CudaMoeLayer::move_fp8(const QTensorView& tok, const QTensorView& rows, Moe
 
 // MXFP4 token rows (codes [T, H/2], scales [T][H/32]) -> rows [Mp, H/2] + [Mp][H/32] (the wire
 // layout is the final layout). Forward only.
-void CudaMoeLayer::move_mxfp4(const QTensorView& tok, const QTensorView& rows) {
+void StepContext::move_mxfp4(const QTensorView& tok, const QTensorView& rows) {
   const Routing& routing = ws_.routing.tokens;
   EpBuffers& ep = ws_.ep;
   if (comm_ == nullptr) {
@@ -226,7 +228,7 @@ void CudaMoeLayer::move_mxfp4(const QTensorView& tok, const QTensorView& rows) {
 // the scales are transposed into x_recv_f32's scales ([H/128][Mp]) and the rows dequantized into
 // out [Mp, H] bf16 (padding rows: code 0 x scale 0 = +0, the zero rows one GPU's permute+pad
 // writes). Dequantization is element-wise, so this gives the bits of dequantize-then-permute.
-void CudaMoeLayer::move_naive(bf16_t* out, MoePass pass, const char* name) {
+void StepContext::move_naive(bf16_t* out, MoePass pass, const char* name) {
   const Routing& routing = ws_.routing.tokens;
   EpBuffers& ep = ws_.ep;
   const QTensorView& entry = ws_.expert.entry_f32;
@@ -242,7 +244,7 @@ void CudaMoeLayer::move_naive(bf16_t* out, MoePass pass, const char* name) {
 
 // expert output rows [Mp, H] -> y [T, H] (plain sum in slot order; EP: the rows come back to the
 // token's rank in send order first, and the sum runs there, as unpermute does)
-void CudaMoeLayer::combine_y(bf16_t* y) {
+void StepContext::combine_y(bf16_t* y) {
   const Routing& routing = ws_.routing.tokens;
   const bf16_t* rows = ws_.expert.rows_bf16;
   if (comm_ == nullptr) {
@@ -266,7 +268,7 @@ void CudaMoeLayer::combine_y(bf16_t* y) {
 // Called by every recipe's backward right after GEMM1 dgrad wrote the dX rows and before GEMM1
 // wgrad: marks the point (dx_ready), so that the tail (one GPU: on the tail stream; EP: the
 // combine, after each row's dprob partials are summed here) runs while the wgrad computes.
-void CudaMoeLayer::mark_dx_rows_ready() {
+void StepContext::mark_dx_rows_ready() {
   if (!comm_) {
     if (streams_.tail()) {
       FLOWMOE_CUDA_CHECK(cudaEventRecord(streams_.dx_ready(), stream_));

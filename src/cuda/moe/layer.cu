@@ -1,6 +1,6 @@
-// The CUDA MoE layer's API and lifecycle (layer.h): construction (workspace, GEMM object, streams),
-// set_weights, the forward / backward entry points that pick the recipe's path, make_cuda_layer
-// and the inspection functions of moe_debug.h.
+// The CUDA MoE layer's API and lifecycle (layer.h): construction (workspace, GEMM object, streams,
+// the dataflow's pipeline), set_weights, the forward / backward entry points (routing, the
+// pipeline, the common tail), make_cuda_layer and the inspection functions of moe_debug.h.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,7 +22,7 @@ namespace moe {
 CudaMoeLayer::CudaMoeLayer(const MoeConfig& cfg, cudaStream_t stream, const CudaLayerOptions& options)
     : MoeLayer(cfg), stream_(stream), E_(cfg.num_experts), H_(cfg.hidden), F_(cfg.ffn), K_(cfg.topk),
       El_(cfg.num_local_experts()), comm_(cfg.comm), max_tokens_(cfg.max_tokens), max_rows_(workspace_rows(cfg)),
-      path_(make_recipe_path(cfg, options)), arena_(cfg_) {
+      path_(make_recipe_path(cfg, options)), arena_(cfg_), ctx_(*this), pipeline_(make_pipeline(path_)) {
   int ndev = 0;
   const cudaError_t err = cudaGetDeviceCount(&ndev);
   FLOWMOE_CHECK(err == cudaSuccess && ndev > 0,
@@ -74,6 +74,22 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   // the simulated ranks of one GPU share, where one rank's waiting barrier would block another's.)
   const bool tail = !comm_ && options.tail_stream;
   streams_.create(stream_, side, tail, /*dx_event=*/comm_ || tail);
+}
+
+// Construction (make_cuda_layer, after every rank built its layer; collective): the peers'
+// addresses of every buffer a peer reads from, in the same order on every rank.
+void CudaMoeLayer::share_ep_buffers() {
+  peers_ = comm_->device_peers();
+  FLOWMOE_CHECK(peers_ != nullptr, "make_cuda_layer: internal error: no device peer access");
+  EpBuffers& ep = ws_.ep;
+  std::vector<void*> mine = {ws_.routing.tokens.counts, ep.send_rows, ep.send_scales, ep.send_probs,
+                             ws_.expert.rows_bf16, ep.row_dprob};
+  if (path_.ep_dedup) {
+    mine.push_back(ep.tokens_to_ranks.counts);
+    mine.push_back(ep.send_ids);
+    mine.push_back(ep.send_token_probs);
+  }
+  for (void* p : mine) peer_tables_.push_back({p, peers_->share(p)});
 }
 
 void CudaMoeLayer::layout_workspace() {
@@ -189,54 +205,6 @@ void CudaMoeLayer::set_backward_weights(const MoeWeights& w) {
   backward_weights_ = w;
 }
 
-// W_g^T of experts [e0, e0 + n) (FP8 128 x 128 blocks, the exact transposes of W_g's) in the
-// backward's scratch: quantized straight from the parameters of set_backward_weights (one pass per
-// weight; the forward's W is not read), or transposed from the forward's W.
-QTensorView CudaMoeLayer::make_dgrad_weights(int g, int e0, int n) {
-  const WeightBuffers& wb = ws_.weights;
-  const int64_t rows = g == 1 ? 2 * F_ : H_, cols = g == 1 ? H_ : F_;  // W_g [rows, cols] per expert
-  const int64_t off = int64_t(e0) * rows * cols;
-  QTensorView wt = weight_128x128_f32(wb.wt_codes, wb.wt_scales, n, cols, rows);
-  const MoeWeights& p = backward_params_;
-  if (p.w1 || p.w1_bf16) {
-    auto s = bwd(g == 1 ? "quantize W1^T from the parameters (dgrad weights)"
-                        : "quantize W2^T from the parameters (dgrad weights)");
-    // (their non-finite values were counted when the forward's W was quantized: no status here)
-    const auto transposed_only = [&](const auto* w) {  // BF16 parameters or FP32 masters
-      quantize_weights(w + off, n, rows, cols, nullptr, nullptr, wt.codes, wb.wt_ue8m0, nullptr, stream_);
-    };
-    if (p.bf16_params())
-      transposed_only(g == 1 ? p.w1_bf16 : p.w2_bf16);
-    else
-      transposed_only(g == 1 ? p.w1 : p.w2);
-    weight_scales_to_f32(wb.wt_ue8m0, n, cols, rows, wt.f32(), stream_);
-    return wt;
-  }
-  auto s = bwd(g == 1 ? "transpose W1^T from W1 (dgrad weights)" : "transpose W2^T from W2 (dgrad weights)");
-  const QTensorView& w = g == 1 ? wb.w1 : wb.w2;
-  const QTensorView part = weight_128x128_f32(w.codes + off, w.f32() + int64_t(e0) * gemm::weight_scale_f32_elems(1, rows, cols),
-                                              n, rows, cols);
-  transpose_weight_blocks(part, wt, /*gate_up_interleaved=*/g == 1 && path_.fused_swiglu, stream_);
-  return wt;
-}
-
-void CudaMoeLayer::weight_dgrad(int g, const QTensorView& in, bf16_t* out, DeviceStatus* st) {
-  const int64_t n = g == 1 ? 2 * F_ : H_, k = g == 1 ? H_ : F_;  // dY [Mp, n] -> dX [Mp, k]
-  const char* name = g == 1 ? "GEMM1 dgrad (fp8)" : "GEMM2 dgrad (fp8)";
-  if (!path_.transposes_in_backward) {
-    auto s = bwd(name);
-    fp8_dgrad(in, n, k, g == 1 ? ws_.weights.w1t : ws_.weights.w2t, out, st);
-    return;
-  }
-  const int chunk = g == 1 ? path_.wt_chunk1 : path_.wt_chunk2;
-  for (int e0 = 0; e0 < El_; e0 += chunk) {
-    const int ne = std::min(chunk, El_ - e0);
-    const QTensorView wt = make_dgrad_weights(g, e0, ne);
-    auto s = bwd(name);
-    fp8_dgrad(in, n, k, wt, out, st, e0, ne);
-  }
-}
-
 void CudaMoeLayer::set_weights(const MoeWeights& w) {
   const char* what = "MoeLayer::set_weights";
   const bool router = !cfg_.external_routing;
@@ -325,8 +293,8 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
           cudaMemcpyAsync(natural.scales, w1.scales, w1.scale_bytes(), cudaMemcpyDeviceToDevice, stream_));
       interleave_gate_up(natural, w1, stream_);
     }
-    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2 * El_, n1);
-    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2 * El_, n2);
+    ctx_.log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2 * El_, n1);
+    ctx_.log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2 * El_, n2);
   } else if (spec.weights == WeightCopy::kFp8BlockFp32Scale) {
     if (!bf16_params) {  // (BF16 parameters: quantized above, straight from them)
       quantize_weights_fp32_scale(wb.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), w1t_codes, w1t_f32,
@@ -334,8 +302,8 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
       quantize_weights_fp32_scale(wb.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), w2t_codes, w2t_f32,
                                   wstatus, stream_);
     }
-    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2, n1);
-    log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2, n2);
+    ctx_.log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2, n1);
+    ctx_.log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2, n2);
   }
   have_weights_ = true;
   have_forward_ = false;
@@ -370,12 +338,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status, 0, 4 * sizeof(DeviceStatus), stream_));
 
   route(x, ext);
-  switch (path_.pipeline) {
-    case Pipeline::kBf16Gemms: forward_bf16(y); break;
-    case Pipeline::kBlockwise: forward_blockwise(y); break;
-    case Pipeline::kFp8Naive: forward_naive(y); break;
-    case Pipeline::kFlow: streams_.with_side_drained([&] { forward_flow(y); }); break;
-  }
+  pipeline_->forward(ctx_, y);  // (pipelines/: the expert path of path_.dataflow, from the token rows to y)
   if (!sync_free_) save_activations(row_counts());  // (sync_free: when the report is read)
   have_forward_ = true;
 }
@@ -408,12 +371,7 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   grads_accumulate_ = g.accumulate;
   dx_ready_marked_ = false;  // (a backward that threw may have left it set)
   backward_params_ = params;
-  switch (path_.pipeline) {
-    case Pipeline::kBf16Gemms: streams_.with_side_drained([&] { backward_bf16(dy, g); }); break;
-    case Pipeline::kBlockwise: streams_.with_side_drained([&] { backward_blockwise(dy, g); }); break;
-    case Pipeline::kFp8Naive: backward_naive(dy, g); break;
-    case Pipeline::kFlow: streams_.with_side_drained([&] { backward_flow(dy, g); }); break;
-  }
+  pipeline_->backward(ctx_, dy, g);  // (pipelines/: from dy to the dX rows and the wgrads)
   if (streams_.tail()) {  // the tail stream joins stream_ even when the tail throws (stream-ordered,
                           // so that a graph capture stays well-formed; errors of the join ignored)
     try {

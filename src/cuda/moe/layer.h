@@ -1,21 +1,24 @@
 // The CUDA MoE layer (include/flowmoe/moe.h make_cuda_layer; docs/MOE_GPU.md): the five recipes of
 // SPEC §6 built from the CUDA operators (convert.h, token.h, swiglu.h, gemm.h) and the layer's own
 // kernels (kernels.cuh), with the dataflow of the CPU backend step for step, so that the two can
-// be compared on the same inputs. One class, its members defined by job:
-//   layer.cu        API and lifecycle: construction, set_weights, forward / backward entry points,
-//                   make_cuda_layer, moe_debug.h
-//   recipe_path.h/.cu the recipe as data (RecipePath: pipeline, formats, the options that apply),
+// be compared on the same inputs. The class owns the state and runs what every dataflow shares;
+// the dataflows themselves are pipelines (pipelines/pipeline.h) over a step context:
+//   layer.cu        API and lifecycle: construction, set_weights, forward / backward entry points
+//                   (route, then the pipeline, then the tail), make_cuda_layer, moe_debug.h
+//   routing.cu      router, routing tables, the one host sync, the EP dispatch plan (sync_free:
+//                   made on the device)
+//   backward_tail.cu the common tail: dprobs, router backward, dWr, dx (tail stream / EP combine)
+//   report.cu       the cast report's saved tensors, status counters, stage times
+// Around it:
+//   recipe_path.h/.cu the recipe as data (RecipePath: dataflow, formats, the options that apply),
 //                   made once at construction; the rooms read it instead of the Recipe enum
 //   workspace.h/.cu the device buffers (named views), allocated once at construction
 //   streams.h/.cu   side stream (fork / mark / join), tail stream, stage clock
-//   routing.cu      router, routing tables, the one host sync, the EP dispatch plan
-//   ep_exchange.cu  token movement: permute+pad / unpermute on one GPU, dispatch / combine with EP
-//   ep_device.cu    EP without host synchronisation (sync_free): the plan on the device, pulls
-//   forward.cu      forward per pipeline (forward_bf16, forward_blockwise, forward_naive, forward_flow)
-//   backward.cu     backward per pipeline: GEMM2 / GEMM1 dgrad + wgrad (backward_*, fp8_gemm*_grads)
-//   backward_tail.cu the common tail: dprobs, router backward, dWr, dx (tail stream / EP combine)
-//   operands.cu     the workspace's FP8 tensors and the weights as GEMM operands
-//   report.cu       the cast report, saved tensors, status counters, stage times
+//   step_context.h  what a pipeline sees of the layer (views, streams, options) and the services
+//                   the dataflows share: step_context.cu (segments, report logging), operands.cu
+//                   (GEMMs and operands), ep_exchange.cu / ep_device.cu (token movement, EP)
+//   pipelines/      one file per dataflow (bf16, blockwise, fp8_naive, flow) with its forward and
+//                   backward; shared.cu, the steps several of them run
 //
 // Synchronisation: one per forward (the per-expert padded counts, which the grouped GEMM's
 // per-expert launches need on the host, fetched right after routing); backward reuses them and
@@ -34,7 +37,9 @@
 
 #include "common/moe_ep.h"
 #include "cuda/moe/kernels.cuh"
+#include "cuda/moe/pipelines/pipeline.h"
 #include "cuda/moe/recipe_path.h"
+#include "cuda/moe/step_context.h"
 #include "flowmoe/cuda/qtensor_view.h"
 #include "cuda/moe/streams.h"
 #include "cuda/moe/workspace.h"
@@ -49,12 +54,6 @@
 namespace flowmoe {
 namespace cuda {
 namespace moe {
-
-// GEMM spans of n elements: read-only (cs) and written (ms).
-template <typename T>
-gemm::Span<const T> cs(const T* p, int64_t n) { return {p, n}; }
-template <typename T>
-gemm::Span<T> ms(T* p, int64_t n) { return {p, n}; }
 
 class CudaMoeLayer final : public MoeLayer {
  public:
@@ -89,10 +88,12 @@ class CudaMoeLayer final : public MoeLayer {
   };
   bool has_weights() const { return have_weights_; }
   cudaStream_t stream() const { return stream_; }
+  // Sync-free EP (sync_free with comm_): make_cuda_layer, once every rank built its layer
+  // (collective): the peers' addresses of the buffers the pulls read
+  void share_ep_buffers();
 
  private:
-  using Fp8Op = gemm::Fp8Operand;
-  enum { kStatusFwd = 0, kStatusFwdAux = 1, kStatusBwd = 2, kStatusBwdAux = 3 };
+  friend class StepContext;  // refers to the state below (step_context.h)
   static constexpr int kHostStatusWeights = 4;  // routing.host_status[4]: set_weights' check (sync_free)
 
   // ---- lifecycle (layer.cu) --------------------------------------------------------------------
@@ -103,113 +104,19 @@ class CudaMoeLayer final : public MoeLayer {
   void set_routing_tokens(const RoutingTokens& t);
   // caller memory: the regions `what` needs are bound (weights, plus saved for forward / backward)
   void check_bound(const char* what, bool saved, bool weights = true) const;
-  // GEMM g's dgrad (g = 1: dX rows from dh; 2: da' from dY) through W_g^T: the copy kept since
-  // set_weights, or (caller memory) made here a group of experts at a time (RecipePath::wt_chunk*)
-  void weight_dgrad(int g, const QTensorView& in, bf16_t* out, DeviceStatus* st);
-  // W_g^T of experts [e0, e0 + n) in WeightBuffers::wt_*: quantized from this backward's parameters
-  // (set_backward_weights) or transposed from the forward's W (caller memory)
-  QTensorView make_dgrad_weights(int g, int e0, int n);
   // Wr as the backward reads it: set_backward_weights' parameter, else the weights region's copy
   const float* router_weights() const { return backward_params_.wr ? backward_params_.wr : ws_.weights.wr; }
 
   // ---- routing (routing.cu) --------------------------------------------------------------------
   void route(const bf16_t* x, const RoutingInput& ext);  // ext: MoeConfig::external_routing's ids, probs
   void plan_expert_parallel();  // EP: the dispatch plan from the fetched counts (collective)
-  SegmentBlocks blocks() const;
-  // the device offsets of the expert segments the GEMMs and the segment-aware kernels see
-  const int32_t* segment_offsets() const;
+  void plan_on_device();        // sync-free EP: the plan from every rank's device counts
+  EpConfig ep_config() const;   // the plan's configuration (forward wire format, probabilities)
 
-  // ---- token movement (ep_exchange.cu) ---------------------------------------------------------
-  void ep_exchange(const std::function<void()>& fn);
-  void ep_dispatch(MoePass pass, const char* name, WireFormat f, std::vector<RowStream> streams);
-  void dedup_exchange(MoePass pass, const char* name, const std::string& format, std::vector<RowStream> streams);
-  void route_received_tokens(int64_t n);  // dedup: the received token slots over the local experts
-  void move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name);
-  void move_fp8(const QTensorView& tok, const QTensorView& rows, MoePass pass, const char* name);
-  void move_mxfp4(const QTensorView& tok, const QTensorView& rows);
-  void move_naive(bf16_t* out, MoePass pass, const char* name);
-  void combine_y(bf16_t* y);
-  void mark_dx_rows_ready();  // after GEMM1 dgrad: the tail (one GPU) or the EP combine may start
-  void log_combine(MoePass pass, const std::string& name, const std::string& format, int64_t row_bytes);
-  EpConfig ep_config() const;  // the plan's configuration (forward wire format, probabilities)
-  // The report's entry of a deduplicated exchange: one row of row_bytes per (token, peer rank).
-  static WireTransfer dedup_transfer(MoePass pass, const std::string& name, const std::string& format,
-                                     int64_t row_bytes, const DispatchPlan& plan);
-
-  // ---- expert parallelism without host synchronisation (ep_device.cu; sync_free with comm_) -----
- public:
-  void share_ep_buffers();  // make_cuda_layer, once every rank built its layer (collective)
- private:
-  void plan_on_device();    // route(): the plan from every rank's device counts
-  void pull_exchange(const EpPiece* pieces, int n, const std::vector<RowStream>& streams, cudaStream_t s);
-  void* const* peer_table(const void* mine) const;  // the peers' addresses of a shared buffer
-  int dispatch_piece_count() const;
-  int combine_piece_count() const;
-  bool device_ep() const { return sync_free_ && comm_ != nullptr; }
-
-  // ---- forward per pipeline (forward.cu; path_.pipeline picks one) -------------------------------
-  void forward_bf16(bf16_t* y);
-  void forward_blockwise(bf16_t* y);
-  void naive_entry(MoePass pass, const bf16_t* in, bf16_t* out);
-  void forward_naive(bf16_t* y);
-  void forward_flow(bf16_t* y);
-  void gemm2_then_combine(const char* gemm_stage, const std::function<void()>& gemm2, bf16_t* y);
-
-  // ---- backward per pipeline (backward.cu, backward_tail.cu) ------------------------------------
-  void backward_bf16(const bf16_t* dy, const MoeGrads& g);
-  void backward_blockwise(const bf16_t* dy, const MoeGrads& g);
-  void backward_naive(const bf16_t* dy, const MoeGrads& g);
-  void backward_flow(const bf16_t* dy, const MoeGrads& g);
-  void fp8_gemm2_grads(const MoeGrads& g, int side);
-  void fp8_gemm2_wgrad(const MoeGrads& g, int side);
-  void backward_flow_dswiglu();
-  // MoeConfig::gemm1_bias (forward.cu, backward.cu): h += b1 after GEMM1; db1 from dH
-  void add_gemm1_bias();
-  void gemm1_bias_grad_bf16(const MoeGrads& g);
-  void gemm1_bias_grad_fp8(const MoeGrads& g, const QTensorView& dh_row);
-  void fp8_gemm1_grads(const MoeGrads& g, const QTensorView& dh_row, const QTensorView& dh_col,
-                       const QTensorView& x_perm_col, int side);
-  void naive_col(const QTensorView& row, int64_t c, const QTensorView& col, WgradOperand what);
+  // ---- the backward's common tail (backward_tail.cu), after the pipeline's dX rows ------------
   void backward_tail(const MoeGrads& g, bf16_t* dx);
 
-  // ---- GEMM operands (operands.cu) -------------------------------------------------------------
-  Fp8Op act_operand(const QTensorView& rows, int64_t c, DeviceStatus* st);
-  Fp8Op col_operand(const QTensorView& col, int64_t c, float* scales_f32, cudaStream_t s);
-  Fp8Op f32_row_operand(const QTensorView& rows, int64_t c) const;
-  Fp8Op f32_col_operand(const QTensorView& col, int64_t c) const;
-  Fp8Op weight_operand(const QTensorView& w, int64_t n, int64_t k) const;
-  gemm::WgradOut dw_out(float* f32, bf16_t* b16, int64_t n) const;
-  // The FP8 fprop (in = x [Mp, k], w = W [El*n, k], out [Mp, n]) and dgrad (in = dy [Mp, n],
-  // w = Wt [El*k, n], out [Mp, k]) of every FP8 recipe: `in` row-wise with UE8M0 scales
-  // [c/128][Mp] or (fp8-naive) expert-packed FP32; the grouped kernel or cuBLASLt per expert
-  // (CudaLayerOptions::fprop_dgrad); `st` counts malformed offsets / non-finite scales.
-  void fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st);
-  // (e0, ne: the dgrad of experts [e0, e0 + ne) alone, w holding theirs; the grouped kernel only)
-  void fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st,
-                 int e0 = 0, int ne = -1);
-  QTensorView gemm_rows(const QTensorView& rows, int64_t c) const;  // `rows` as the [Mp, c] the GEMM reads
-  QTensorView saved_h() const;  // flow's saved h as this step's [Mp, 2F] view (FP8 rows or MXFP4)
-  // FP8 wgrad dW [El, n, k] from the column-wise copies of the gradient [n over Mp] and the input
-  // [k over Mp] (UE8M0 scales, converted to FP32 on the way): cuBLASLt per expert or the kernel on
-  // host segments, or the kernel on device segments (sync_free).
-  void fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTensorView& in_col, int64_t k, float* dw,
-                 bf16_t* dw_bf16);
-  // The bf16 recipe's GEMMs (fprop: in [Mp, k], w = W [El*n, k], out [Mp, n]; dgrad: in [Mp, n],
-  // the same W, out [Mp, k]; wgrad: dW [El, n, k] from the gradient [Mp, n] and the input [Mp, k]):
-  // cuBLASLt per expert on the host segments, or the sm_90a BF16 kernels on the device segments
-  // (path_.grouped_gemm: sync_free or CudaLayerOptions::FpropDgrad::kGrouped; wgrad with align 128).
-  void bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
-  void bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
-  void bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw, bf16_t* dw_bf16);
-  // The device row count the row-wise kernels stop at (sync_free: padded offsets[El]), or null.
-  const int32_t* rows_bound() const { return sync_free_ ? segment_offsets() + El_ : nullptr; }
-
   // ---- report (report.cu) ----------------------------------------------------------------------
-  void log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t elements);
-  // An operator over the padded rows: Mp x cols elements (sync_free: resolved when the report is read).
-  void log_rows(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t cols);
-  // An operator over the rows the local experts hold: held x cols elements (sync_free: resolved later).
-  void log_held(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t cols);
   // The row counts the report needs: padded rows, rows held, 128-row blocks.
   struct RowCounts {
     int64_t padded = 0, held = 0, blocks = 0;
@@ -224,17 +131,6 @@ class CudaMoeLayer final : public MoeLayer {
   void save_activations(const RowCounts& rc) const;
   int64_t saved_bytes(TensorFormat f, int64_t cols, const RowCounts& rc) const;
   void read_status() const;
-  StageClock::Scope fwd(const char* name, cudaStream_t s = nullptr) {
-    return StageClock::Scope(&clock_, MoePass::kForward, name, s ? s : stream_);
-  }
-  StageClock::Scope bwd(const char* name, cudaStream_t s = nullptr) {
-    return StageClock::Scope(&clock_, MoePass::kBackward, name, s ? s : stream_);
-  }
-  StageClock::Scope stage(MoePass pass, const char* name) { return StageClock::Scope(&clock_, pass, name, stream_); }
-  DeviceStatus* st_fwd() { return ws_.routing.pass_status + kStatusFwd; }
-  DeviceStatus* st_fwd_aux() { return ws_.routing.pass_status + kStatusFwdAux; }
-  DeviceStatus* st_bwd() { return ws_.routing.pass_status + kStatusBwd; }
-  DeviceStatus* st_bwd_aux() { return ws_.routing.pass_status + kStatusBwdAux; }
 
   // ---- configuration ---------------------------------------------------------------------------
   cudaStream_t stream_;
@@ -244,7 +140,7 @@ class CudaMoeLayer final : public MoeLayer {
   const int El_;              // experts held here: E_ alone, E_ / ranks with a communicator
   Communicator* const comm_;  // null: single GPU, all experts local
   const int64_t max_tokens_, max_rows_;
-  // The recipe's path (recipe_path.h): pipeline, formats, and the options that depend on the recipe
+  // The recipe's path (recipe_path.h): dataflow, formats, and the options that depend on the recipe
   // (grouped GEMMs, fused epilogues, side stream, deduplicated EP dispatch)
   const RecipePath path_;
   const float* gemm1_bias_ = nullptr;  // b1 of the current forward (set_gemm1_bias), else null
@@ -281,24 +177,15 @@ class CudaMoeLayer final : public MoeLayer {
   std::vector<std::pair<const void*, void* const*>> peer_tables_;  // buffer -> its peers' addresses
 
   // ---- report ----------------------------------------------------------------------------------
-  struct PendingOp {  // sync_free: an operator of the step, elements + Mp * row_cols
-    MoePass pass;
-    CastKind kind;
-    std::string name;
-    int64_t calls, outputs, elements, row_cols, held_cols;  // + held rows * held_cols
-  };
-  std::vector<PendingOp> pending_ops_;
-  struct PendingWire {  // sync-free EP: an exchange of the step, sized from the plan when resolved
-    enum Kind { kDispatch, kDedup, kCombine } kind;
-    MoePass pass;
-    std::string name, format;
-    WireFormat wire;    // kDispatch
-    int64_t row_bytes;  // kDedup, kCombine
-  };
-  std::vector<PendingWire> pending_wire_;
+  std::vector<PendingOp> pending_ops_;      // sync_free: the step's operators (step_context.h)
+  std::vector<PendingWire> pending_wire_;  // sync-free EP: the step's exchanges
   mutable CastReport rep_;
   mutable MoeStatus mstatus_;
   mutable bool stats_valid_ = false;
+
+  // ---- the dataflow (last: refers to everything above) ----------------------------------------
+  StepContext ctx_;                          // what the pipeline and the shared services see
+  std::unique_ptr<PipelineSteps> pipeline_;  // path_.dataflow's (pipelines/pipeline.h)
 };
 
 }  // namespace moe

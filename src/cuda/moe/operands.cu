@@ -1,39 +1,42 @@
-// The CUDA layer's GEMM operands: the FP8 tensors of the workspace as gemm.h operands (UE8M0
-// scales converted to the GEMM-ready FP32 layouts on the way), the weights, the wgrad output mode.
+// The CUDA layer's GEMMs and their operands (step context services, step_context.h): the FP8
+// tensors of the workspace as gemm.h operands (UE8M0 scales converted to the GEMM-ready FP32
+// layouts on the way), the weights and the dgrad weights W^T, the wgrad output mode.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "cuda/common.cuh"
-#include "cuda/moe/layer.h"
+#include "cuda/moe/step_context.h"
 
 namespace flowmoe {
 namespace cuda {
 namespace moe {
 
 // Row-wise UE8M0 operand [Mp, C] -> GEMM-ready (expert-packed FP32 scales in gemm_row_scales).
-gemm::Fp8Operand CudaMoeLayer::act_operand(const QTensorView& rows, int64_t c, DeviceStatus* st) {
+gemm::Fp8Operand StepContext::act_operand(const QTensorView& rows, int64_t c, DeviceStatus* st) {
   float* f32 = ws_.expert.gemm_row_scales;
   act_scales_to_f32(rows.ue8m0(), Mp_, c, segment_offsets(), El_, f32, st, stream_);
   return Fp8Op{cs<uint8_t>(rows.codes, Mp_ * c), cs<float>(f32, Mp_ * c / 128)};
 }
 // Column-wise UE8M0 operand [C over Mp] -> GEMM-ready FP32 [blocks][C] in `scales_f32`.
-gemm::Fp8Operand CudaMoeLayer::col_operand(const QTensorView& col, int64_t c, float* scales_f32, cudaStream_t s) {
+gemm::Fp8Operand StepContext::col_operand(const QTensorView& col, int64_t c, float* scales_f32, cudaStream_t s) {
   col_scales_to_f32(col.ue8m0(), blocks_, c, scales_f32, s);
   return Fp8Op{cs<uint8_t>(col.codes, c * Mp_), cs<float>(scales_f32, blocks_ * c)};
 }
 // fp8-naive operands: FP32 scales already GEMM-ready.
-gemm::Fp8Operand CudaMoeLayer::f32_row_operand(const QTensorView& rows, int64_t c) const {
+gemm::Fp8Operand StepContext::f32_row_operand(const QTensorView& rows, int64_t c) const {
   return Fp8Op{cs<uint8_t>(rows.codes, Mp_ * c), cs<float>(rows.f32(), Mp_ * c / 128)};
 }
-gemm::Fp8Operand CudaMoeLayer::f32_col_operand(const QTensorView& col, int64_t c) const {
+gemm::Fp8Operand StepContext::f32_col_operand(const QTensorView& col, int64_t c) const {
   return Fp8Op{cs<uint8_t>(col.codes, c * Mp_), cs<float>(col.f32(), blocks_ * c)};
 }
 // El expert weights [N, K] (or their transposes).
-gemm::Fp8Operand CudaMoeLayer::weight_operand(const QTensorView& w, int64_t n, int64_t k) const {
+gemm::Fp8Operand StepContext::weight_operand(const QTensorView& w, int64_t n, int64_t k) const {
   return Fp8Op{cs<uint8_t>(w.codes, int64_t(El_) * n * k), cs<float>(w.f32(), gemm::weight_scale_f32_elems(El_, n, k))};
 }
 // `rows` as the GEMM reads it: [Mp, c], UE8M0 scales [c/128][Mp] as the layer's kernels write
 // them, or expert-packed FP32 over this pass's segments.
-QTensorView CudaMoeLayer::gemm_rows(const QTensorView& rows, int64_t c) const {
+QTensorView StepContext::gemm_rows(const QTensorView& rows, int64_t c) const {
   QTensorView v = rows;
   v.rows = Mp_;
   v.cols = c;
@@ -45,12 +48,12 @@ QTensorView CudaMoeLayer::gemm_rows(const QTensorView& rows, int64_t c) const {
   }
   return v;
 }
-QTensorView CudaMoeLayer::saved_h() const {
+QTensorView StepContext::saved_h() const {
   const QTensorView& h = ws_.expert.h_saved;
   return path_.h_mxfp4() ? mxfp4_1x32(h.codes, h.ue8m0(), Mp_, 2 * F_) : row_1x128(h.codes, h.ue8m0(), Mp_, 2 * F_);
 }
-void CudaMoeLayer::fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out,
-                             DeviceStatus* st) {
+void StepContext::fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out,
+                            DeviceStatus* st) {
   if (path_.grouped_gemm) {
     gemm_->fprop(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st}, n, k, gemm_rows(in, k), w,
                  ms<bf16_t>(out, Mp_ * n), stream_);
@@ -59,8 +62,8 @@ void CudaMoeLayer::fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const 
   const Fp8Op a = in.scale_format == ScaleFormat::kF32 ? f32_row_operand(in, k) : act_operand(in, k, st);
   gemm_->fprop(seg_, n, k, a, weight_operand(w, n, k), ms<bf16_t>(out, Mp_ * n), stream_);
 }
-void CudaMoeLayer::fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out,
-                             DeviceStatus* st, int e0, int ne) {
+void StepContext::fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out,
+                            DeviceStatus* st, int e0, int ne) {
   if (path_.grouped_gemm) {  // (experts [e0, e0 + ne): their offsets, from row offsets[e0] on)
     gemm_->dgrad(gemm::DeviceSegments{segment_offsets() + e0, ne < 0 ? El_ : ne, Mp_, st}, n, k, gemm_rows(in, n), w,
                  ms<bf16_t>(out, Mp_ * k), stream_);
@@ -71,8 +74,56 @@ void CudaMoeLayer::fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const 
   gemm_->dgrad(seg_, n, k, a, weight_operand(w, k, n), ms<bf16_t>(out, Mp_ * k), stream_);
 }
 
-void CudaMoeLayer::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTensorView& in_col, int64_t k,
-                             float* dw, bf16_t* dw_bf16) {
+// W_g^T of experts [e0, e0 + n) (FP8 128 x 128 blocks, the exact transposes of W_g's) in the
+// backward's scratch: quantized straight from the parameters of set_backward_weights (one pass per
+// weight; the forward's W is not read), or transposed from the forward's W.
+QTensorView StepContext::make_dgrad_weights(int g, int e0, int n) {
+  const WeightBuffers& wb = ws_.weights;
+  const int64_t rows = g == 1 ? 2 * F_ : H_, cols = g == 1 ? H_ : F_;  // W_g [rows, cols] per expert
+  const int64_t off = int64_t(e0) * rows * cols;
+  QTensorView wt = weight_128x128_f32(wb.wt_codes, wb.wt_scales, n, cols, rows);
+  const MoeWeights& p = backward_params_;
+  if (p.w1 || p.w1_bf16) {
+    auto s = bwd(g == 1 ? "quantize W1^T from the parameters (dgrad weights)"
+                        : "quantize W2^T from the parameters (dgrad weights)");
+    // (their non-finite values were counted when the forward's W was quantized: no status here)
+    const auto transposed_only = [&](const auto* w) {  // BF16 parameters or FP32 masters
+      quantize_weights(w + off, n, rows, cols, nullptr, nullptr, wt.codes, wb.wt_ue8m0, nullptr, stream_);
+    };
+    if (p.bf16_params())
+      transposed_only(g == 1 ? p.w1_bf16 : p.w2_bf16);
+    else
+      transposed_only(g == 1 ? p.w1 : p.w2);
+    weight_scales_to_f32(wb.wt_ue8m0, n, cols, rows, wt.f32(), stream_);
+    return wt;
+  }
+  auto s = bwd(g == 1 ? "transpose W1^T from W1 (dgrad weights)" : "transpose W2^T from W2 (dgrad weights)");
+  const QTensorView& w = g == 1 ? wb.w1 : wb.w2;
+  const QTensorView part = weight_128x128_f32(w.codes + off, w.f32() + int64_t(e0) * gemm::weight_scale_f32_elems(1, rows, cols),
+                                              n, rows, cols);
+  transpose_weight_blocks(part, wt, /*gate_up_interleaved=*/g == 1 && path_.fused_swiglu, stream_);
+  return wt;
+}
+
+void StepContext::weight_dgrad(int g, const QTensorView& in, bf16_t* out, DeviceStatus* st) {
+  const int64_t n = g == 1 ? 2 * F_ : H_, k = g == 1 ? H_ : F_;  // dY [Mp, n] -> dX [Mp, k]
+  const char* name = g == 1 ? "GEMM1 dgrad (fp8)" : "GEMM2 dgrad (fp8)";
+  if (!path_.transposes_in_backward) {
+    auto s = bwd(name);
+    fp8_dgrad(in, n, k, g == 1 ? ws_.weights.w1t : ws_.weights.w2t, out, st);
+    return;
+  }
+  const int chunk = g == 1 ? path_.wt_chunk1 : path_.wt_chunk2;
+  for (int e0 = 0; e0 < El_; e0 += chunk) {
+    const int ne = std::min(chunk, El_ - e0);
+    const QTensorView wt = make_dgrad_weights(g, e0, ne);
+    auto s = bwd(name);
+    fp8_dgrad(in, n, k, wt, out, st, e0, ne);
+  }
+}
+
+void StepContext::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTensorView& in_col, int64_t k,
+                            float* dw, bf16_t* dw_bf16) {
   ExpertBuffers& b = ws_.expert;
   const gemm::WgradOut out = dw_out(dw, dw_bf16, int64_t(El_) * n * k);
   const bool f32 = grad_col.scale_format == ScaleFormat::kF32;  // fp8-naive: GEMM-ready already
@@ -95,7 +146,7 @@ void CudaMoeLayer::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTens
                f32_col(grad_col, n, b.grad_col_scales), f32_col(in_col, k, b.input_col_scales), out, stream_);
 }
 
-void CudaMoeLayer::bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {
+void StepContext::bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {
   const auto x = cs<bf16_t>(in, Mp_ * k);
   const auto wt = cs<bf16_t>(w, int64_t(El_) * n * k);
   if (path_.grouped_gemm)
@@ -104,7 +155,7 @@ void CudaMoeLayer::bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16
   else
     gemm_->fprop_bf16(seg_, n, k, x, wt, ms<bf16_t>(out, Mp_ * n), stream_);
 }
-void CudaMoeLayer::bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {
+void StepContext::bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {
   const auto dy = cs<bf16_t>(in, Mp_ * n);
   const auto wt = cs<bf16_t>(w, int64_t(El_) * n * k);
   if (path_.grouped_gemm)
@@ -113,8 +164,8 @@ void CudaMoeLayer::bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16
   else
     gemm_->dgrad_bf16(seg_, n, k, dy, wt, ms<bf16_t>(out, Mp_ * k), stream_);
 }
-void CudaMoeLayer::bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw,
-                              bf16_t* dw_bf16) {
+void StepContext::bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw,
+                             bf16_t* dw_bf16) {
   const auto dy = cs<bf16_t>(grad, Mp_ * n);
   const auto x = cs<bf16_t>(in, Mp_ * k);
   const gemm::WgradOut out = dw_out(dw, dw_bf16, int64_t(El_) * n * k);
@@ -126,7 +177,7 @@ void CudaMoeLayer::bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, i
 
 // A BF16 gradient (overwritten, rounded once as the wgrad stores it), or an FP32 one with
 // MoeGrads::accumulate: beta = 1 into the gradients, or beta = 0 (the old values never read)
-gemm::WgradOut CudaMoeLayer::dw_out(float* f32, bf16_t* b16, int64_t n) const {
+gemm::WgradOut StepContext::dw_out(float* f32, bf16_t* b16, int64_t n) const {
   if (b16) return gemm::WgradOut::bf16(b16, n);
   return grads_accumulate_ ? gemm::WgradOut::accumulate(f32, n) : gemm::WgradOut::f32(f32, n);
 }

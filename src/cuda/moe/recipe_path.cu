@@ -15,12 +15,12 @@ namespace {
 
 // How each pipeline's code makes the wgrad copy of GEMM1's input x_perm: the table row must say
 // the same (a check that the row and the pipeline agree).
-ColumnMethod x_perm_column_method(Pipeline p, bool x_mxfp4) {
-  switch (p) {
-    case Pipeline::kBf16Gemms: return ColumnMethod::kNone;
-    case Pipeline::kBlockwise: return ColumnMethod::kQuantizeFromBf16;
-    case Pipeline::kFp8Naive: return ColumnMethod::kDequantTransposeQuant;
-    case Pipeline::kFlow: return x_mxfp4 ? ColumnMethod::kFp4RowToFp8Col : ColumnMethod::kScalingAwareTranspose;
+ColumnMethod x_perm_column_method(Dataflow d, bool x_mxfp4) {
+  switch (d) {
+    case Dataflow::kBf16Gemms: return ColumnMethod::kNone;
+    case Dataflow::kBlockwise: return ColumnMethod::kQuantizeFromBf16;
+    case Dataflow::kFp8Naive: return ColumnMethod::kDequantTransposeQuant;
+    case Dataflow::kFlow: return x_mxfp4 ? ColumnMethod::kFp4RowToFp8Col : ColumnMethod::kScalingAwareTranspose;
   }
   return ColumnMethod::kNone;
 }
@@ -34,19 +34,8 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
   RecipePath p;
   p.row = &s;
 
-  // The pipeline, from where the row quantizes: no FP8 weight copy means BF16 GEMMs; FP32-scale
-  // weights are fp8-naive's operator substitution; UE8M0 weights with a BF16 entry quantize at each
-  // grouped linear (blockwise); a quantized entry is the flow dataflow. (The table has no field
-  // for the dataflow: it follows from these, and a field would be a second source of truth.)
-  if (s.weights == WeightCopy::kBf16Only)
-    p.pipeline = Pipeline::kBf16Gemms;
-  else if (s.weights == WeightCopy::kFp8BlockFp32Scale)
-    p.pipeline = Pipeline::kFp8Naive;
-  else if (s.entry == TensorFormat::kBf16)
-    p.pipeline = Pipeline::kBlockwise;
-  else
-    p.pipeline = Pipeline::kFlow;
-  const bool flow = p.pipeline == Pipeline::kFlow;
+  p.dataflow = s.dataflow;  // (recipe.h; tests/cpu/test_recipe.cpp checks it against the formats)
+  const bool flow = p.dataflow == Dataflow::kFlow;
 
   p.fp8 = s.uses_fp8();
   p.pow2_weights = s.weights == WeightCopy::kFp8Block;
@@ -61,7 +50,7 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
 
   // The row and the pipeline's code agree (the flow pipeline: the entry and h quantized row-wise,
   // x_perm saved in its entry format; the others: h in BF16, no MXFP4).
-  const bool agrees = s.column(WgradOperand::kGemm1Input).method == x_perm_column_method(p.pipeline, p.x_mxfp4) &&
+  const bool agrees = s.column(WgradOperand::kGemm1Input).method == x_perm_column_method(p.dataflow, p.x_mxfp4) &&
                       (flow ? quantized_row(s.entry) && quantized_row(p.h_saved) && p.x_perm_saved == s.entry
                             : p.h_saved == TensorFormat::kBf16 && !p.x_mxfp4);
   FLOWMOE_CHECK(agrees, "make_cuda_layer: internal error: recipe " << s.name << "'s table row (recipe.h) asks for "

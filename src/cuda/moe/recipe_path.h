@@ -2,7 +2,8 @@
 // construction (make_recipe_path) from the recipe's row of the table (flowmoe/recipe.h RecipeSpec)
 // and the layer options that depend on the recipe (CudaLayerOptions). The layer's rooms read these
 // fields and never compare the Recipe enum; a new recipe is a table row whose fields select one of
-// the pipelines below (or a new pipeline with its forward / backward pair).
+// the dataflows (recipe.h Dataflow; each one pipeline, src/cuda/moe/pipelines/), or a new
+// dataflow with its pipeline.
 #pragma once
 
 #include <cstdint>
@@ -14,21 +15,9 @@ namespace flowmoe {
 namespace cuda {
 namespace moe {
 
-// The dataflow a layer step runs: one forward / backward pair each (forward.cu, backward.cu).
-enum class Pipeline : uint8_t {
-  kBf16Gemms,  // BF16 GEMMs (bf16): forward_bf16, backward_bf16
-  kBlockwise,  // BF16 between the GEMMs, each grouped linear quantizes its BF16 input (row + col
-               // copies, UE8M0 scales; blockwise): forward_blockwise, backward_blockwise
-  kFp8Naive,   // operator substitution with FP32 scales, column copies DQ -> T -> Q (fp8-naive):
-               // forward_naive, backward_naive
-  kFlow,       // the flow dataflow (flow, flow-fp4): quantized once at the entry, FP8 / MXFP4
-               // between the GEMMs, fused (d)SwiGLU + quantize, exact column copies: forward_flow,
-               // backward_flow
-};
-
 struct RecipePath {
   const RecipeSpec* row = nullptr;  // the recipe's table row: report names, saved tensors
-  Pipeline pipeline = Pipeline::kBf16Gemms;
+  Dataflow dataflow = Dataflow::kBf16Gemms;  // the row's: which pipeline runs (pipelines/pipeline.h)
 
   // ---- formats (the table row's fields) ------------------------------------------------------------
   bool fp8 = false;           // FP8 weight copies and GEMMs (RecipeSpec::uses_fp8: all but bf16)
@@ -60,7 +49,8 @@ struct RecipePath {
 
 // The path of cfg.recipe on a layer with these options (cfg.comm, cfg's row capacity and local
 // experts enter the GEMM and EP choices). Throws flowmoe::Error if the table row asks for a
-// combination no pipeline runs (an internal error: the table and this layer disagree).
+// combination its dataflow's pipeline does not run (an internal error: the table and this layer
+// disagree).
 RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& options);
 
 }  // namespace moe

@@ -1,5 +1,6 @@
-// The CUDA layer's report (moe.h CastReport, MoeStatus): the operators a pass ran, the tensors the
-// forward saved, the device status counters, and the stage times of moe_debug.h.
+// The CUDA layer's report (moe.h CastReport, MoeStatus): the tensors the forward saved, the
+// operators and exchanges of a sync-free step resolved, the device status counters, and the stage
+// times of moe_debug.h. (The operators are logged as they run: StepContext::log*, step_context.cu.)
 #include <cuda_runtime.h>
 
 #include "cuda/common.cuh"
@@ -8,28 +9,6 @@
 namespace flowmoe {
 namespace cuda {
 namespace moe {
-
-void CudaMoeLayer::log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
-                       int64_t elements) {
-  if (sync_free_ && pass != MoePass::kWeightUpdate)  // (weight updates: no row counts, kept)
-    pending_ops_.push_back({pass, kind, name, calls, outputs, elements, 0, 0});
-  else
-    rep_.add_op(pass, kind, name, calls, outputs, elements);
-}
-void CudaMoeLayer::log_rows(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
-                            int64_t cols) {
-  if (sync_free_)
-    pending_ops_.push_back({pass, kind, name, calls, outputs, 0, cols, 0});
-  else
-    rep_.add_op(pass, kind, name, calls, outputs, Mp_ * cols);
-}
-void CudaMoeLayer::log_held(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
-                            int64_t cols) {
-  if (sync_free_)
-    pending_ops_.push_back({pass, kind, name, calls, outputs, 0, 0, cols});
-  else
-    rep_.add_op(pass, kind, name, calls, outputs, held_ * cols);
-}
 
 void CudaMoeLayer::save_rows(const std::string& name, const std::string& format, int64_t bytes, double per_row,
                              int64_t held) const {
@@ -108,7 +87,7 @@ void CudaMoeLayer::resolve_report() const {
       } else if (w.kind == PendingWire::kCombine) {
         rep_.wire.push_back(ep_detail::combine_transfer(w.pass, w.name, w.format, w.row_bytes, plan));
       } else {
-        rep_.wire.push_back(dedup_transfer(w.pass, w.name, w.format, w.row_bytes, plan));
+        rep_.wire.push_back(StepContext::dedup_transfer(w.pass, w.name, w.format, w.row_bytes, plan));
       }
     }
   }
@@ -135,7 +114,7 @@ void CudaMoeLayer::read_status() const {
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.host_status + kHostStatusWeights, r.weight_status + 1, sizeof(DeviceStatus),
                                        cudaMemcpyDeviceToHost, stream_));
   FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (device_ep()) {  // a device barrier that timed out: the exchanges after it read incomplete rows
+  if (ctx_.device_ep()) {  // a device barrier that timed out: the exchanges after it read incomplete rows
     const std::string failed = peers_->failed();
     if (!failed.empty()) throw CommError(__FILE__, __LINE__, "MoeLayer (rank " + std::to_string(comm_->rank()) + "): " + failed);
   }

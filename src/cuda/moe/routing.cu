@@ -1,7 +1,7 @@
 // The CUDA layer's routing (every recipe): router logits, top-k, aux loss, the routing tables, the
 // one host synchronisation of a forward (the per-expert counts the grouped GEMM's per-expert
 // launches need on the host; none with sync_free) and, with expert parallelism, the dispatch plan
-// (sync_free: made on the device, ep_device.cu).
+// (sync_free: made on the device, plan_on_device below; its kernels in ep_device.cu).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -14,46 +14,29 @@ namespace flowmoe {
 namespace cuda {
 namespace moe {
 
-const int32_t* CudaMoeLayer::segment_offsets() const {
-  return comm_ ? ws_.ep.local_offsets : ws_.routing.tokens.padded_offsets;
-}
-
-SegmentBlocks CudaMoeLayer::blocks() const {
-  SegmentBlocks sb;
-  sb.offsets = segment_offsets();
-  sb.num_segments = El_;
-  sb.m = Mp_;
-  sb.max_blocks = segment_max_blocks(Mp_, El_);
-  sb.capacity = sync_free_;  // Mp_ is the row capacity, offsets[El] the rows in use
-  sb.block_start = ws_.routing.block_start;
-  sb.block_end = ws_.routing.block_end;
-  sb.block_offsets = ws_.routing.block_offsets;
-  return sb;
-}
-
 void CudaMoeLayer::route(const bf16_t* x, const RoutingInput& ext) {
   RoutingBuffers& r = ws_.routing;
   EpBuffers& ep = ws_.ep;
   const RouterConfig rc = cfg_.router_config();
   if (cfg_.external_routing) {  // the caller's ids and probs: no logits, no top-k, no aux loss
-    auto s = fwd("routing from the caller (ids, probs)");
+    auto s = ctx_.fwd("routing from the caller (ids, probs)");
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.x, x, sizeof(bf16_t) * T_ * H_, cudaMemcpyDeviceToDevice, stream_));
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.ids, ext.ids, sizeof(int32_t) * T_ * K_, cudaMemcpyDeviceToDevice, stream_));
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.probs, ext.probs, sizeof(float) * T_ * K_, cudaMemcpyDeviceToDevice, stream_));
   } else {
-    auto s = fwd("router (logits GEMM, top-k, aux loss)");
+    auto s = ctx_.fwd("router (logits GEMM, top-k, aux loss)");
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.x, x, sizeof(bf16_t) * T_ * H_, cudaMemcpyDeviceToDevice, stream_));
     router_logits(r.x, ws_.weights.wr, T_, E_, H_, r.logits, stream_);
-    router_forward(r.logits, T_, rc, has_bias_ ? ws_.weights.router_bias : nullptr, r.ids, r.probs, st_fwd(),
+    router_forward(r.logits, T_, rc, has_bias_ ? ws_.weights.router_bias : nullptr, r.ids, r.probs, ctx_.st_fwd(),
                    stream_);
     if (cfg_.aux_loss_alpha > 0.0f)
       router_aux_loss(r.logits, r.ids, T_, rc, cfg_.aux_loss_alpha, r.aux_loss, r.aux_coef, r.aux_workspace,
                       stream_);
   }
   if (sync_free_) {  // the counts stay on the device; a copy for the report, read when it is read
-    auto s = fwd("routing tables");
+    auto s = ctx_.fwd("routing tables");
     r.tokens.tokens = T_;
-    build_routing(r.ids, r.tokens, st_fwd_aux(), stream_);
+    build_routing(r.ids, r.tokens, ctx_.st_fwd_aux(), stream_);
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.host_counts, r.tokens.counts, sizeof(int32_t) * E_, cudaMemcpyDeviceToHost,
                                        stream_));
     if (comm_) plan_on_device();
@@ -63,9 +46,9 @@ void CudaMoeLayer::route(const bf16_t* x, const RoutingInput& ext) {
     seg_ = Segments();
     rep_.tokens = T_;
   } else {
-    auto s = fwd("routing tables + count fetch (host sync)");
+    auto s = ctx_.fwd("routing tables + count fetch (host sync)");
     r.tokens.tokens = T_;
-    build_routing(r.ids, r.tokens, st_fwd_aux(), stream_);
+    build_routing(r.ids, r.tokens, ctx_.st_fwd_aux(), stream_);
     if (path_.ep_dedup) {  // tokens per destination rank, fetched by the same host sync
       ep.tokens_to_ranks.tokens = T_;
       if (T_ > 0) {
@@ -98,11 +81,11 @@ void CudaMoeLayer::route(const bf16_t* x, const RoutingInput& ext) {
     rep_.padded_rows = Mp_;
   }
   {
-    auto s = fwd("row probabilities + segment blocks");
+    auto s = ctx_.fwd("row probabilities + segment blocks");
     FLOWMOE_CUDA_CHECK(cudaMemsetAsync(r.row_prob, 0, sizeof(float) * std::max<int64_t>(Mp_, 1), stream_));
     // EP: the forward dispatch brings each received row's probability into row_prob
     if (comm_ == nullptr) scatter_row_probs(r.probs, r.tokens.row_map, T_, K_, r.row_prob, stream_);
-    if (path_.segment_blocks && Mp_ > 0) build_segment_blocks(blocks(), st_fwd_aux(), stream_);
+    if (path_.segment_blocks && Mp_ > 0) build_segment_blocks(ctx_.blocks(), ctx_.st_fwd_aux(), stream_);
   }
 }
 
@@ -123,7 +106,7 @@ EpConfig CudaMoeLayer::ep_config() const {
 // the device offsets describe this rank's El local expert segments of the rows every rank sends.
 void CudaMoeLayer::plan_expert_parallel() {
   EpBuffers& ep = ws_.ep;
-  auto s = fwd("dispatch plan (count all-to-all)");
+  auto s = ctx_.fwd("dispatch plan (count all-to-all)");
   // the configuration was agreed on at construction (make_cuda_layer): one collective here
   plan_ = plan_dispatch_counts(*comm_, ep_config(), ws_.routing.host_counts, T_, /*config_agreed=*/true,
                                path_.ep_dedup ? ep.host_tokens_to_rank : nullptr);
@@ -139,6 +122,35 @@ void CudaMoeLayer::plan_expert_parallel() {
   std::copy(plan_.padded_offsets.begin(), plan_.padded_offsets.end(), ep.host_local_offsets);
   FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(ep.local_offsets, ep.host_local_offsets, sizeof(int32_t) * (El_ + 1),
                                      cudaMemcpyHostToDevice, stream_));
+}
+
+// route(), after build_routing: every rank's counts (and, deduplicated, its tokens per rank) ->
+// count_matrix / token_matrix -> the plan's local offsets and pieces; the matrices also go to
+// pinned memory for the report (read when it is read).
+void CudaMoeLayer::plan_on_device() {
+  auto s = ctx_.fwd("dispatch plan (on the device)");
+  RoutingBuffers& r = ws_.routing;
+  EpBuffers& ep = ws_.ep;
+  const int W = comm_->world_size();
+  if (path_.ep_dedup) {
+    ep.tokens_to_ranks.tokens = T_;
+    ep_peer_ids(r.ids, T_, K_, El_, ep.peer_ids, stream_);
+    build_routing(ep.peer_ids, ep.tokens_to_ranks, nullptr, stream_);
+  }
+  // A peer rewrites its counts only in its next forward, after barriers this rank reaches once the
+  // gathers below have run: one barrier before them suffices.
+  peers_->barrier(stream_);
+  ep_gather_peer_ints(reinterpret_cast<const int32_t* const*>(ctx_.peer_table(r.tokens.counts)), W, E_, ep.count_matrix,
+                      stream_);
+  if (path_.ep_dedup)
+    ep_gather_peer_ints(reinterpret_cast<const int32_t* const*>(ctx_.peer_table(ep.tokens_to_ranks.counts)), W, W,
+                        ep.token_matrix, stream_);
+  ep_device_plan(ep.count_matrix, path_.ep_dedup ? ep.token_matrix : nullptr, W, El_, comm_->rank(), cfg_.align,
+                 ep.local_offsets, ep.dispatch_pieces, ep.combine_pieces, path_.ep_dedup ? ep.dedup_pieces : nullptr,
+                 stream_);
+  const int64_t n = int64_t(W) * E_ + (path_.ep_dedup ? int64_t(W) * W : 0);  // token_matrix follows count_matrix
+  FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(ep.host_matrices, ep.count_matrix, sizeof(int32_t) * n, cudaMemcpyDeviceToHost,
+                                     stream_));
 }
 
 }  // namespace moe

@@ -223,7 +223,7 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
   // writes dh in FP8), so the groups and then da' (its BF16 a buffer serves only as da') live
   // there when they fit.
   uint8_t* h_free =
-      path.pipeline == Pipeline::kFlow && !fused_dswiglu && x.h ? reinterpret_cast<uint8_t*>(x.h) : nullptr;
+      path.dataflow == Dataflow::kFlow && !fused_dswiglu && x.h ? reinterpret_cast<uint8_t*>(x.h) : nullptr;
   int64_t h_left = h_free ? int64_t(sizeof(bf16_t)) * R * 2 * F : 0;
   const auto take_h = [&](int64_t bytes) -> uint8_t* {
     bytes = (bytes + 255) / 256 * 256;
@@ -272,13 +272,13 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
     x.a_col_f32 = x.x_perm_col_f32 =
         col_128x1_f32(x.x_perm_col_flow.codes, x.input_col_scales, R, maxC, MB);
   }
-  switch (path.pipeline) {
-    case Pipeline::kBf16Gemms: break;
-    case Pipeline::kBlockwise:
+  switch (path.dataflow) {
+    case Dataflow::kBf16Gemms: break;
+    case Dataflow::kBlockwise:
       x.x_perm_col = col_128x1(a.device<uint8_t>(H * R, kS), a.device<uint8_t>(MB * H, kS), R, H, MB);
       x.a_col = col_128x1(a.device<uint8_t>(F * R, kS), a.device<uint8_t>(MB * F, kS), R, F, MB);
       break;
-    case Pipeline::kFp8Naive:
+    case Dataflow::kFp8Naive:
       x.entry_f32 = row_1x128_f32(a.device<uint8_t>(Tm * H, kT), a.device<float>(Tm * H / 128, kT), Tm, H);
       x.entry_dequantized = a.device<bf16_t>(Tm * H, kT);
       x.x_perm_f32 = row_1x128_f32(a.device<uint8_t>(R * H, kS), a.device<float>(R * H / 128, kS), R, H);
@@ -286,7 +286,7 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
       x.naive_dequantized = a.device<bf16_t>(R * maxC, kT);
       x.naive_transposed = a.device<bf16_t>(R * maxC, kT);
       break;
-    case Pipeline::kFlow: {
+    case Dataflow::kFlow: {
       uint8_t* entry_codes = a.device<uint8_t>(Tm * H, kT);
       x.entry_fp8 = row_1x128(entry_codes, a.device<uint8_t>((H / 128) * Tm, kT), Tm, H);
       if (!path.h_mxfp4()) {  // h saved row-wise FP8 (flow)

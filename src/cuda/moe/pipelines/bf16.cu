@@ -1,0 +1,85 @@
+// The bf16 recipe's pipeline (Dataflow::kBf16Gemms; pipeline.h): BF16 token rows, BF16 GEMMs
+// (cuBLASLt per expert or the sm_90a BF16 kernels: StepContext::bf16_*), BF16 activations saved.
+// Its backward runs the GEMMs' dgrads and wgrads from the BF16 dY rows; no quantization anywhere.
+#include <cuda_runtime.h>
+
+#include <memory>
+
+#include "cuda/common.cuh"
+#include "cuda/moe/pipelines/pipeline.h"
+#include "flowmoe/swiglu.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+namespace {
+
+void forward_bf16(StepContext& c, bf16_t* y) {
+  ExpertBuffers& b = c.ws_.expert;
+  const WeightBuffers& w = c.ws_.weights;
+  {
+    auto s = c.fwd(c.comm_ ? "dispatch x (bf16)" : "permute+pad x (bf16)");
+    c.move_bf16(c.ws_.routing.x, b.x_perm, MoePass::kForward, report_names::kDispatchX);
+  }
+  {
+    auto s = c.fwd("GEMM1 fprop (bf16)");
+    c.bf16_fprop(b.x_perm, 2 * c.F_, c.H_, w.w1_bf16, b.h);
+  }
+  c.add_gemm1_bias();
+  {
+    auto s = c.fwd("SwiGLU*prob (bf16)");
+    cuda::swiglu(b.h, c.Mp_, c.F_, b.a, c.st_fwd(), c.stream_, c.ws_.routing.row_prob, c.rows_bound(),
+                 c.cfg_.activation);
+  }
+  c.gemm2_then_combine(
+      "GEMM2 fprop (bf16)", [&] { c.bf16_fprop(b.a, c.H_, c.F_, w.w2_bf16, b.rows_bf16); }, y);
+}
+
+void backward_bf16(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
+  ExpertBuffers& b = c.ws_.expert;
+  const WeightBuffers& w = c.ws_.weights;
+  {
+    auto s = c.bwd(c.comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");  // dY rows into rows_bf16
+    c.move_bf16(dy, b.rows_bf16, MoePass::kBackward, report_names::kDispatchDy);
+  }
+  {
+    auto s = c.bwd("GEMM2 dgrad (bf16)");
+    c.bf16_dgrad(b.rows_bf16, c.H_, c.F_, w.w2_bf16, b.da);
+  }
+  if (g.wants_dw2()) {
+    auto s = c.bwd("GEMM2 wgrad (bf16)");
+    c.bf16_wgrad(b.rows_bf16, c.H_, b.a, c.F_, g.dw2, g.dw2_bf16);
+  }
+  {
+    auto s = c.bwd("dSwiGLU*prob (bf16)");
+    cuda::dswiglu(b.da, b.h, c.Mp_, c.F_, b.dh, c.st_bwd(), c.stream_, c.ws_.routing.row_prob,
+                  c.ws_.routing.dprob_partials, c.rows_bound(), c.cfg_.activation);
+  }
+  c.gemm1_bias_grad_bf16(g);
+  // GEMM1 dgrad overwrites dY's storage with the dX rows: GEMM2's grads have read it
+  {
+    auto s = c.bwd("GEMM1 dgrad (bf16)");
+    c.bf16_dgrad(b.dh, 2 * c.F_, c.H_, w.w1_bf16, b.rows_bf16);
+  }
+  c.mark_dx_rows_ready();
+  if (g.wants_dw1()) {
+    auto s = c.bwd("GEMM1 wgrad (bf16)");
+    c.bf16_wgrad(b.dh, 2 * c.F_, b.x_perm, c.H_, g.dw1, g.dw1_bf16);
+  }
+}
+
+class Bf16Steps final : public PipelineSteps {
+ public:
+  void forward(StepContext& c, bf16_t* y) override { forward_bf16(c, y); }
+  void backward(StepContext& c, const bf16_t* dy, const MoeGrads& g) override {
+    c.streams_.with_side_drained([&] { backward_bf16(c, dy, g); });
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<PipelineSteps> make_bf16_pipeline() { return std::unique_ptr<PipelineSteps>(new Bf16Steps); }
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe

@@ -1,0 +1,53 @@
+// The CUDA layer's pipelines: one per dataflow (recipe.h Dataflow), each a forward and a backward
+// over the step context (step_context.h: the workspace's views, the streams, the recipe path and
+// options, the shared services). The layer (layer.cu) routes, then hands the step to its
+// pipeline, made once at construction from the recipe path (make_pipeline); after the backward
+// it runs the tail common to every dataflow (backward_tail.cu).
+//   bf16.cu       Dataflow::kBf16Gemms (bf16): BF16 GEMMs
+//   blockwise.cu  Dataflow::kBlockwise (blockwise): BF16 between the GEMMs, each grouped linear
+//                 quantizes its BF16 input (row + col copies, UE8M0 scales)
+//   fp8_naive.cu  Dataflow::kFp8Naive (fp8-naive): operator substitution with FP32 scales, column
+//                 copies DQ -> T -> Q
+//   flow.cu       Dataflow::kFlow (flow, flow-fp4): quantized once at the entry, FP8 / MXFP4
+//                 between the GEMMs, fused (d)SwiGLU + quantize, exact column copies
+//   shared.cu     the steps more than one of them runs (StepContext members)
+// The contract of a pipeline:
+//   forward   routing has run (routing.cu): move the token rows to the experts, GEMM1, SwiGLU*prob,
+//             GEMM2 in the recipe's precision, save what its backward needs, bring the expert rows
+//             back to y (gemm2_then_combine).
+//   backward  up to the dX rows: dY to the experts, GEMM2 dgrad + wgrad, dSwiGLU*prob, GEMM1 dgrad
+//             + wgrad. Leaves the dX rows [Mp, H] bf16 in ExpertBuffers::rows_bf16 and the partial
+//             sums of dp ([F/128][Mp], swiglu.h) in RoutingBuffers::dprob_partials, and calls
+//             mark_dx_rows_ready() between GEMM1 dgrad and GEMM1 wgrad; in every pipeline a dgrad
+//             runs before the wgrad that reads the same gradient.
+// A new dataflow: a value of recipe.h Dataflow, its table row(s), a file here with its pipeline
+// (and, in workspace.cu, the buffers only it uses), and its case in make_pipeline.
+#pragma once
+
+#include <memory>
+
+#include "cuda/moe/step_context.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+
+class PipelineSteps {
+ public:
+  virtual ~PipelineSteps() = default;
+  virtual void forward(StepContext& c, bf16_t* y) = 0;
+  virtual void backward(StepContext& c, const bf16_t* dy, const MoeGrads& g) = 0;
+};
+
+// The pipeline of path.dataflow (pipeline.cu).
+std::unique_ptr<PipelineSteps> make_pipeline(const RecipePath& path);
+
+// One per file of this folder.
+std::unique_ptr<PipelineSteps> make_bf16_pipeline();
+std::unique_ptr<PipelineSteps> make_blockwise_pipeline();
+std::unique_ptr<PipelineSteps> make_fp8_naive_pipeline();
+std::unique_ptr<PipelineSteps> make_flow_pipeline();
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe

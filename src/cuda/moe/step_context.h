@@ -1,0 +1,220 @@
+// The CUDA layer's step context: what a pipeline (pipelines/pipeline.h) sees of the layer while it
+// runs a forward or a backward, and the services every dataflow shares. The layer (layer.h) owns
+// all state: the workspace's views, the streams, the recipe path and options, the rows and
+// segments of the step, the report; the context refers to them (references bound once, at the
+// layer's construction) under the names the layer gives them, so that a step reads the same in
+// the layer, in a service and in a pipeline (`c.ws_.expert`, `c.Mp_`, `c.fwd(...)`).
+//
+// The services, by file:
+//   step_context.cu  the stage scopes and status counters, the segments (offsets, 128-row blocks),
+//                    report logging (log, log_rows, log_held)
+//   operands.cu      the GEMMs and their operands: FP8 fprop / dgrad / wgrad, the dgrad weights
+//                    W^T (kept or made per backward), BF16 GEMMs, the wgrad output mode
+//   ep_exchange.cu   token movement: permute+pad / unpermute on one GPU, dispatch / combine with
+//                    EP (deduplicated or per row), the dX rows' ready mark
+//   ep_device.cu     EP without host synchronisation: the pulls from the peers' buffers
+//   pipelines/shared.cu  steps more than one pipeline runs: GEMM2 + combine, GEMM1's bias and
+//                    its gradient, the UE8M0 recipes' backward GEMM pairs
+// What only one dataflow runs lives in its pipeline's file.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cuda/moe/kernels.cuh"
+#include "cuda/moe/recipe_path.h"
+#include "cuda/moe/streams.h"
+#include "cuda/moe/workspace.h"
+#include "flowmoe/comm.h"
+#include "flowmoe/cuda/qtensor_view.h"
+#include "flowmoe/gemm.h"
+#include "flowmoe/moe.h"
+#include "flowmoe/recipe.h"
+#include "flowmoe/token.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace moe {
+
+class CudaMoeLayer;
+
+// GEMM spans of n elements: read-only (cs) and written (ms).
+template <typename T>
+gemm::Span<const T> cs(const T* p, int64_t n) { return {p, n}; }
+template <typename T>
+gemm::Span<T> ms(T* p, int64_t n) { return {p, n}; }
+
+// RoutingBuffers::pass_status: the device counters of each pass
+enum PassStatus { kStatusFwd = 0, kStatusFwdAux = 1, kStatusBwd = 2, kStatusBwdAux = 3 };
+
+// sync_free: an operator of the step, elements + Mp * row_cols (+ held rows * held_cols), entered
+// into the report when it is read (the row counts stay on the device until then)
+struct PendingOp {
+  MoePass pass;
+  CastKind kind;
+  std::string name;
+  int64_t calls, outputs, elements, row_cols, held_cols;
+};
+// sync-free EP: an exchange of the step, sized from the plan when resolved
+struct PendingWire {
+  enum Kind { kDispatch, kDedup, kCombine } kind;
+  MoePass pass;
+  std::string name, format;
+  WireFormat wire;    // kDispatch
+  int64_t row_bytes;  // kDedup, kCombine
+};
+
+class StepContext {
+ public:
+  explicit StepContext(CudaMoeLayer& layer);  // (step_context.cu)
+  StepContext(const StepContext&) = delete;
+  StepContext& operator=(const StepContext&) = delete;
+  using Fp8Op = gemm::Fp8Operand;
+
+  // ---- the layer's configuration and options (recipe_path.h) ---------------------------------------
+  const MoeConfig& cfg_;
+  const int E_;
+  const int64_t H_, F_;
+  const int K_;
+  const int El_;              // experts held here: E_ alone, E_ / ranks with a communicator
+  Communicator* const comm_;  // null: single GPU, all experts local
+  const int64_t max_tokens_;
+  const RecipePath& path_;
+  const cudaStream_t& stream_;
+  const bool& sync_free_;
+  const int64_t& direct_bytes_;
+  const float* const& gemm1_bias_;  // b1 of the current forward, else null
+
+  // ---- views and resources ---------------------------------------------------------------------------
+  Workspace& ws_;
+  const std::unique_ptr<GroupedGemm>& gemm_;
+  LayerStreams& streams_;
+  StageClock& clock_;
+
+  // ---- the step: rows and segments of the forward (routing.cu), the running backward ---------------
+  const int64_t& T_;
+  const int64_t& Mp_;
+  const int64_t& held_;
+  const int64_t& blocks_;
+  const Segments& seg_;
+  const DispatchPlan& plan_;
+  int64_t& dedup_recv_tokens_;
+  const MoeWeights& backward_params_;
+  const bool& grads_accumulate_;
+  bool& dx_ready_marked_;
+  int64_t& host_syncs_;
+  DevicePeers* const& peers_;
+  const std::vector<std::pair<const void*, void* const*>>& peer_tables_;
+
+  // ---- report (step_context.cu) ------------------------------------------------------------------------
+  CastReport& rep_;
+  std::vector<PendingOp>& pending_ops_;
+  std::vector<PendingWire>& pending_wire_;
+  void log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t elements);
+  // An operator over the padded rows: Mp x cols elements (sync_free: resolved when the report is read).
+  void log_rows(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t cols);
+  // An operator over the rows the local experts hold: held x cols elements (sync_free: resolved later).
+  void log_held(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t cols);
+  StageClock::Scope fwd(const char* name, cudaStream_t s = nullptr) {
+    return StageClock::Scope(&clock_, MoePass::kForward, name, s ? s : stream_);
+  }
+  StageClock::Scope bwd(const char* name, cudaStream_t s = nullptr) {
+    return StageClock::Scope(&clock_, MoePass::kBackward, name, s ? s : stream_);
+  }
+  StageClock::Scope stage(MoePass pass, const char* name) { return StageClock::Scope(&clock_, pass, name, stream_); }
+  DeviceStatus* st_fwd() { return ws_.routing.pass_status + kStatusFwd; }
+  DeviceStatus* st_fwd_aux() { return ws_.routing.pass_status + kStatusFwdAux; }
+  DeviceStatus* st_bwd() { return ws_.routing.pass_status + kStatusBwd; }
+  DeviceStatus* st_bwd_aux() { return ws_.routing.pass_status + kStatusBwdAux; }
+
+  // ---- segments (step_context.cu) ----------------------------------------------------------------------
+  SegmentBlocks blocks() const;
+  // the device offsets of the expert segments the GEMMs and the segment-aware kernels see
+  const int32_t* segment_offsets() const;
+  // The device row count the row-wise kernels stop at (sync_free: padded offsets[El]), or null.
+  const int32_t* rows_bound() const { return sync_free_ ? segment_offsets() + El_ : nullptr; }
+
+  // ---- GEMM operands and GEMMs (operands.cu) ------------------------------------------------------------
+  Fp8Op act_operand(const QTensorView& rows, int64_t c, DeviceStatus* st);
+  Fp8Op col_operand(const QTensorView& col, int64_t c, float* scales_f32, cudaStream_t s);
+  Fp8Op f32_row_operand(const QTensorView& rows, int64_t c) const;
+  Fp8Op f32_col_operand(const QTensorView& col, int64_t c) const;
+  Fp8Op weight_operand(const QTensorView& w, int64_t n, int64_t k) const;
+  gemm::WgradOut dw_out(float* f32, bf16_t* b16, int64_t n) const;
+  // The FP8 fprop (in = x [Mp, k], w = W [El*n, k], out [Mp, n]) and dgrad (in = dy [Mp, n],
+  // w = Wt [El*k, n], out [Mp, k]) of every FP8 recipe: `in` row-wise with UE8M0 scales
+  // [c/128][Mp] or (fp8-naive) expert-packed FP32; the grouped kernel or cuBLASLt per expert
+  // (CudaLayerOptions::fprop_dgrad); `st` counts malformed offsets / non-finite scales.
+  void fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st);
+  // (e0, ne: the dgrad of experts [e0, e0 + ne) alone, w holding theirs; the grouped kernel only)
+  void fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out, DeviceStatus* st,
+                 int e0 = 0, int ne = -1);
+  // GEMM g's dgrad (g = 1: dX rows from dh; 2: da' from dY) through W_g^T: the copy kept since
+  // set_weights, or (caller memory) made here a group of experts at a time (RecipePath::wt_chunk*)
+  void weight_dgrad(int g, const QTensorView& in, bf16_t* out, DeviceStatus* st);
+  // W_g^T of experts [e0, e0 + n) in WeightBuffers::wt_*: quantized from this backward's parameters
+  // (set_backward_weights) or transposed from the forward's W (caller memory)
+  QTensorView make_dgrad_weights(int g, int e0, int n);
+  QTensorView gemm_rows(const QTensorView& rows, int64_t c) const;  // `rows` as the [Mp, c] the GEMM reads
+  QTensorView saved_h() const;  // flow's saved h as this step's [Mp, 2F] view (FP8 rows or MXFP4)
+  // FP8 wgrad dW [El, n, k] from the column-wise copies of the gradient [n over Mp] and the input
+  // [k over Mp] (UE8M0 scales, converted to FP32 on the way): cuBLASLt per expert or the kernel on
+  // host segments, or the kernel on device segments (sync_free).
+  void fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTensorView& in_col, int64_t k, float* dw,
+                 bf16_t* dw_bf16);
+  // The bf16 recipe's GEMMs (fprop: in [Mp, k], w = W [El*n, k], out [Mp, n]; dgrad: in [Mp, n],
+  // the same W, out [Mp, k]; wgrad: dW [El, n, k] from the gradient [Mp, n] and the input [Mp, k]):
+  // cuBLASLt per expert on the host segments, or the sm_90a BF16 kernels on the device segments
+  // (path_.grouped_gemm: sync_free or CudaLayerOptions::FpropDgrad::kGrouped; wgrad with align 128).
+  void bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
+  void bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
+  void bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw, bf16_t* dw_bf16);
+
+  // ---- token movement (ep_exchange.cu) ----------------------------------------------------------------
+  void move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name);
+  void move_fp8(const QTensorView& tok, const QTensorView& rows, MoePass pass, const char* name);
+  void move_mxfp4(const QTensorView& tok, const QTensorView& rows);
+  void move_naive(bf16_t* out, MoePass pass, const char* name);
+  void combine_y(bf16_t* y);
+  void mark_dx_rows_ready();  // after GEMM1 dgrad: the tail (one GPU) or the EP combine may start
+  void log_combine(MoePass pass, const std::string& name, const std::string& format, int64_t row_bytes);
+  // The report's entry of a deduplicated exchange: one row of row_bytes per (token, peer rank).
+  static WireTransfer dedup_transfer(MoePass pass, const std::string& name, const std::string& format,
+                                     int64_t row_bytes, const DispatchPlan& plan);
+  bool device_ep() const { return sync_free_ && comm_ != nullptr; }
+  // sync-free EP (ep_device.cu): one exchange as pulls from the peers' buffers
+  void pull_exchange(const EpPiece* pieces, int n, const std::vector<RowStream>& streams, cudaStream_t s);
+  void* const* peer_table(const void* mine) const;  // the peers' addresses of a shared buffer
+  int dispatch_piece_count() const;
+  int combine_piece_count() const;
+
+  // ---- steps more than one pipeline runs (pipelines/shared.cu) ----------------------------------------
+  // GEMM2 (gemm2() computes the expert output rows into ExpertBuffers::rows_bf16) and the way back
+  void gemm2_then_combine(const char* gemm_stage, const std::function<void()>& gemm2, bf16_t* y);
+  // MoeConfig::gemm1_bias: h += b1 after GEMM1; db1 from dH (BF16 or row-wise FP8)
+  void add_gemm1_bias();
+  void gemm1_bias_grad_bf16(const MoeGrads& g);
+  void gemm1_bias_grad_fp8(const MoeGrads& g, const QTensorView& dh_row);
+  // The UE8M0 recipes' backward GEMMs (blockwise, flow, flow-fp4); `side`: the side event the
+  // wgrad waits for, or -1
+  void fp8_gemm2_grads(const MoeGrads& g, int side);
+  void fp8_gemm2_wgrad(const MoeGrads& g, int side);
+  void fp8_gemm1_grads(const MoeGrads& g, const QTensorView& dh_row, const QTensorView& dh_col,
+                       const QTensorView& x_perm_col, int side);
+
+ private:
+  void ep_exchange(const std::function<void()>& fn);
+  void ep_dispatch(MoePass pass, const char* name, WireFormat f, std::vector<RowStream> streams);
+  void dedup_exchange(MoePass pass, const char* name, const std::string& format, std::vector<RowStream> streams);
+  void route_received_tokens(int64_t n);  // dedup: the received token slots over the local experts
+};
+
+}  // namespace moe
+}  // namespace cuda
+}  // namespace flowmoe
