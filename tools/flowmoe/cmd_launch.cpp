@@ -75,7 +75,7 @@ const char kBenchEpUsageTail[] =
     "  --stages        per-stage times of each recipe's EP layer (rank 0) next to the 1 GPU share's\n"
     "  --port P        MASTER_PORT (default 29500); --timeout S: watchdog (default 540)\n"
     "Needs a build with NCCL (flowmoe_bench_ep next to this binary, or FLOWMOE_BENCH_EP=path).\n"
-    "Measured on two H200s: docs/PERFORMANCE.md, \"Expert parallelism on two H200s\".\n";
+    "Measured on two H200s: docs/PERFORMANCE.md §7 and docs/CHANGELOG.md, \"Expert parallelism on two H200s\".\n";
 
 int visible_gpus() {
 #if defined(FLOWMOE_HAVE_CUDA)
