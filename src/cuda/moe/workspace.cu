@@ -272,56 +272,14 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
     x.a_col_f32 = x.x_perm_col_f32 =
         col_128x1_f32(x.x_perm_col_flow.codes, x.input_col_scales, R, maxC, MB);
   }
+  // the buffers only this dataflow uses (its pipeline's file)
+  const DataflowBufferPlan own{a, x, path, R, Tm, H, F, MB, maxC};
   switch (path.dataflow) {
-    case Dataflow::kBf16Gemms: break;
-    case Dataflow::kBlockwise:
-      x.x_perm_col = col_128x1(a.device<uint8_t>(H * R, kS), a.device<uint8_t>(MB * H, kS), R, H, MB);
-      x.a_col = col_128x1(a.device<uint8_t>(F * R, kS), a.device<uint8_t>(MB * F, kS), R, F, MB);
-      break;
-    case Dataflow::kFp8Naive:
-      x.entry_f32 = row_1x128_f32(a.device<uint8_t>(Tm * H, kT), a.device<float>(Tm * H / 128, kT), Tm, H);
-      x.entry_dequantized = a.device<bf16_t>(Tm * H, kT);
-      x.x_perm_f32 = row_1x128_f32(a.device<uint8_t>(R * H, kS), a.device<float>(R * H / 128, kS), R, H);
-      x.a_f32 = row_1x128_f32(a.device<uint8_t>(R * F, kS), a.device<float>(R * F / 128, kS), R, F);
-      x.naive_dequantized = a.device<bf16_t>(R * maxC, kT);
-      x.naive_transposed = a.device<bf16_t>(R * maxC, kT);
-      break;
-    case Dataflow::kFlow: {
-      uint8_t* entry_codes = a.device<uint8_t>(Tm * H, kT);
-      x.entry_fp8 = row_1x128(entry_codes, a.device<uint8_t>((H / 128) * Tm, kT), Tm, H);
-      if (!path.h_mxfp4()) {  // h saved row-wise FP8 (flow)
-        uint8_t* codes = a.device<uint8_t>(R * 2 * F, kS);
-        x.h_saved = row_1x128(codes, a.device<uint8_t>((2 * F / 128) * R, kS), R, 2 * F);
-      } else {  // h saved as MXFP4 [R, 2F/2] + [R][2F/32] (flow-fp4)
-        uint8_t* codes = a.device<uint8_t>(R * F, kS);
-        x.h_saved = mxfp4_1x32(codes, a.device<uint8_t>(R * (2 * F / 32), kS), R, 2 * F);
-      }
-      x.a_col = col_128x1(a.device<uint8_t>(F * R, kS), a.device<uint8_t>(MB * F, kS), R, F, MB);
-      if (fused_dswiglu) {
-        x.dh_row_fused =
-            row_1x128(a.device<uint8_t>(R * 2 * F, kT), a.device<uint8_t>((2 * F / 128) * R, kT), R, 2 * F);
-        uint8_t* h_bytes = reinterpret_cast<uint8_t*>(x.h);  // free in the backward: h is saved quantized
-        if (h_bytes && 2 * F * R + MB * 2 * F <= int64_t(sizeof(bf16_t)) * R * 2 * F)
-          x.dh_col_fused = col_128x1(h_bytes, h_bytes + 2 * F * R, R, 2 * F, MB);
-        else
-          x.dh_col_fused =
-              col_128x1(a.device<uint8_t>(2 * F * R, kT), a.device<uint8_t>(MB * 2 * F, kT), R, 2 * F, MB);
-      }
-      if (!path.x_mxfp4) {  // x_perm saved row-wise FP8 (flow)
-        uint8_t* codes = a.device<uint8_t>(R * H, kS);
-        x.x_perm_row = row_1x128(codes, a.device<uint8_t>((H / 128) * R, kS), R, H);
-      } else {
-        uint8_t* codes = a.device<uint8_t>(Tm * H / 2, kT);
-        x.entry_mxfp4 = mxfp4_1x32(codes, a.device<uint8_t>(Tm * H / 32, kT), Tm, H);
-        uint8_t* xcodes = a.device<uint8_t>(R * H / 2, kS);
-        x.x_perm_mxfp4 = mxfp4_1x32(xcodes, a.device<uint8_t>(R * H / 32, kS), R, H);
-        // [H/128][R] scale bytes fit dy_col's [MB][maxC] (MB >= R/128, maxC >= H)
-        x.x_perm_fp8_fused = row_1x128(x.dy_col.codes, x.dy_col.ue8m0(), R, H);
-      }
-      break;
-    }
+    case Dataflow::kBf16Gemms: break;  // (none)
+    case Dataflow::kBlockwise: plan_blockwise_buffers(own); break;
+    case Dataflow::kFp8Naive: plan_fp8_naive_buffers(own); break;
+    case Dataflow::kFlow: plan_flow_buffers(own); break;
   }
-
 }
 
 }  // namespace moe

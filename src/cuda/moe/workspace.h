@@ -218,6 +218,20 @@ struct EpBuffers {
   EpPiece* dedup_pieces = nullptr;    // [W]
 };
 
+// The buffers only one dataflow uses, planned by its pipeline's file (pipelines/*.cu), last of
+// Workspace::allocate's allocations (so the other buffers' places do not depend on the dataflow):
+// what it saves (Region::kSaved) and its own scratch. R rows of the expert path, Tm tokens, MB
+// 128-row blocks, maxC = max(H, 2F).
+struct DataflowBufferPlan {
+  DeviceArena& arena;
+  ExpertBuffers& x;
+  const RecipePath& path;
+  int64_t R, Tm, H, F, MB, maxC;
+};
+void plan_blockwise_buffers(const DataflowBufferPlan& p);  // pipelines/blockwise.cu
+void plan_fp8_naive_buffers(const DataflowBufferPlan& p);  // pipelines/fp8_naive.cu
+void plan_flow_buffers(const DataflowBufferPlan& p);       // pipelines/flow.cu
+
 struct Workspace {
   RoutingBuffers routing;
   WeightBuffers weights;

@@ -89,6 +89,16 @@ class BlockwiseSteps final : public PipelineSteps {
 
 }  // namespace
 
+// The buffers only blockwise uses (workspace.h DataflowBufferPlan): the saved column copies of x_perm and a'.
+void plan_blockwise_buffers(const DataflowBufferPlan& p) {
+  DeviceArena& a = p.arena;
+  ExpertBuffers& x = p.x;
+  const int64_t R = p.R, H = p.H, F = p.F, MB = p.MB;
+  constexpr Region kS = Region::kSaved;
+  x.x_perm_col = col_128x1(a.device<uint8_t>(H * R, kS), a.device<uint8_t>(MB * H, kS), R, H, MB);
+  x.a_col = col_128x1(a.device<uint8_t>(F * R, kS), a.device<uint8_t>(MB * F, kS), R, F, MB);
+}
+
 std::unique_ptr<PipelineSteps> make_blockwise_pipeline() { return std::unique_ptr<PipelineSteps>(new BlockwiseSteps); }
 
 }  // namespace moe

@@ -197,6 +197,47 @@ class FlowSteps final : public PipelineSteps {
 
 }  // namespace
 
+// The buffers only the flow recipes use (workspace.h DataflowBufferPlan): the entry's FP8 / MXFP4 rows,
+// the saved quantized h, a' column-wise and x_perm (FP8 rows or MXFP4), the fused dSwiGLU's dh.
+void plan_flow_buffers(const DataflowBufferPlan& p) {
+  DeviceArena& a = p.arena;
+  ExpertBuffers& x = p.x;
+  const RecipePath& path = p.path;
+  const int64_t R = p.R, Tm = p.Tm, H = p.H, F = p.F, MB = p.MB;
+  constexpr Region kS = Region::kSaved, kT = Region::kTransient;
+  uint8_t* entry_codes = a.device<uint8_t>(Tm * H, kT);
+  x.entry_fp8 = row_1x128(entry_codes, a.device<uint8_t>((H / 128) * Tm, kT), Tm, H);
+  if (!path.h_mxfp4()) {  // h saved row-wise FP8 (flow)
+    uint8_t* codes = a.device<uint8_t>(R * 2 * F, kS);
+    x.h_saved = row_1x128(codes, a.device<uint8_t>((2 * F / 128) * R, kS), R, 2 * F);
+  } else {  // h saved as MXFP4 [R, 2F/2] + [R][2F/32] (flow-fp4)
+    uint8_t* codes = a.device<uint8_t>(R * F, kS);
+    x.h_saved = mxfp4_1x32(codes, a.device<uint8_t>(R * (2 * F / 32), kS), R, 2 * F);
+  }
+  x.a_col = col_128x1(a.device<uint8_t>(F * R, kS), a.device<uint8_t>(MB * F, kS), R, F, MB);
+  if (path.fused_dswiglu) {
+    x.dh_row_fused =
+        row_1x128(a.device<uint8_t>(R * 2 * F, kT), a.device<uint8_t>((2 * F / 128) * R, kT), R, 2 * F);
+    uint8_t* h_bytes = reinterpret_cast<uint8_t*>(x.h);  // free in the backward: h is saved quantized
+    if (h_bytes && 2 * F * R + MB * 2 * F <= int64_t(sizeof(bf16_t)) * R * 2 * F)
+      x.dh_col_fused = col_128x1(h_bytes, h_bytes + 2 * F * R, R, 2 * F, MB);
+    else
+      x.dh_col_fused =
+          col_128x1(a.device<uint8_t>(2 * F * R, kT), a.device<uint8_t>(MB * 2 * F, kT), R, 2 * F, MB);
+  }
+  if (!path.x_mxfp4) {  // x_perm saved row-wise FP8 (flow)
+    uint8_t* codes = a.device<uint8_t>(R * H, kS);
+    x.x_perm_row = row_1x128(codes, a.device<uint8_t>((H / 128) * R, kS), R, H);
+  } else {
+    uint8_t* codes = a.device<uint8_t>(Tm * H / 2, kT);
+    x.entry_mxfp4 = mxfp4_1x32(codes, a.device<uint8_t>(Tm * H / 32, kT), Tm, H);
+    uint8_t* xcodes = a.device<uint8_t>(R * H / 2, kS);
+    x.x_perm_mxfp4 = mxfp4_1x32(xcodes, a.device<uint8_t>(R * H / 32, kS), R, H);
+    // [H/128][R] scale bytes fit dy_col's [MB][maxC] (MB >= R/128, maxC >= H)
+    x.x_perm_fp8_fused = row_1x128(x.dy_col.codes, x.dy_col.ue8m0(), R, H);
+  }
+}
+
 std::unique_ptr<PipelineSteps> make_flow_pipeline() { return std::unique_ptr<PipelineSteps>(new FlowSteps); }
 
 }  // namespace moe

@@ -152,6 +152,21 @@ class Fp8NaiveSteps final : public PipelineSteps {
 
 }  // namespace
 
+// The buffers only fp8-naive uses (workspace.h DataflowBufferPlan): the entry's FP32-scale rows and their
+// dequantized copy, the saved x_perm and a' with FP32 scales, the DQ -> T -> Q column copies' scratch.
+void plan_fp8_naive_buffers(const DataflowBufferPlan& p) {
+  DeviceArena& a = p.arena;
+  ExpertBuffers& x = p.x;
+  const int64_t R = p.R, Tm = p.Tm, H = p.H, F = p.F, maxC = p.maxC;
+  constexpr Region kS = Region::kSaved, kT = Region::kTransient;
+  x.entry_f32 = row_1x128_f32(a.device<uint8_t>(Tm * H, kT), a.device<float>(Tm * H / 128, kT), Tm, H);
+  x.entry_dequantized = a.device<bf16_t>(Tm * H, kT);
+  x.x_perm_f32 = row_1x128_f32(a.device<uint8_t>(R * H, kS), a.device<float>(R * H / 128, kS), R, H);
+  x.a_f32 = row_1x128_f32(a.device<uint8_t>(R * F, kS), a.device<float>(R * F / 128, kS), R, F);
+  x.naive_dequantized = a.device<bf16_t>(R * maxC, kT);
+  x.naive_transposed = a.device<bf16_t>(R * maxC, kT);
+}
+
 std::unique_ptr<PipelineSteps> make_fp8_naive_pipeline() { return std::unique_ptr<PipelineSteps>(new Fp8NaiveSteps); }
 
 }  // namespace moe

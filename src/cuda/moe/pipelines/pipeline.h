@@ -20,8 +20,9 @@
 //             sums of dp ([F/128][Mp], swiglu.h) in RoutingBuffers::dprob_partials, and calls
 //             mark_dx_rows_ready() between GEMM1 dgrad and GEMM1 wgrad; in every pipeline a dgrad
 //             runs before the wgrad that reads the same gradient.
-// A new dataflow: a value of recipe.h Dataflow, its table row(s), a file here with its pipeline
-// (and, in workspace.cu, the buffers only it uses), and its case in make_pipeline.
+// A new dataflow: a value of recipe.h Dataflow, its table row(s), a file here with its pipeline and
+// its plan_<name>_buffers (the buffers only it uses; workspace.h, called by Workspace::allocate),
+// and its case in make_pipeline.
 #pragma once
 
 #include <memory>
