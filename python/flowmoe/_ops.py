@@ -230,9 +230,7 @@ def _save_step(ctx, module_id, wbuf, saved, step, params=()):
     all as saved tensors; and (eager) the native layer that ran the forward, so that it lives as
     long as the node even when the module builds a larger one."""
     ctx.module_id = module_id
-    m = _modules.get(module_id)
-    m = m() if m is not None else None
-    ctx.runner = getattr(m, "_runner", None)
+    ctx.runner = _module(module_id)._runner
     ctx.save_for_backward(wbuf, saved, step, *params)
 
 
