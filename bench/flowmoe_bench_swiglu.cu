@@ -491,6 +491,7 @@ int main(int argc, char** argv) {
   const Config configs[] = {
       {"DeepSeek-V3", 2048, 32},       // 256 experts / EP8
       {"DeepSeek-V2-Lite", 1408, 8},   // 64 experts / EP8
+      {"Qwen3-30B-A3B", 768, 128},     // 128 experts, no EP (issue 51: use --rows 262144 for T 32768 top-8)
   };
   for (const Config& c : configs) {
     if (gemm1_only || (!only.empty() && only != c.name)) continue;

@@ -34,7 +34,21 @@ QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, moe_intermediate_size=76
 # (e.g. 2944: the multiple of 128 that 2880 is padded to, the padding's control)
 GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
                    num_attention_heads=64, num_key_value_heads=8, head_dim=64)
+# --shape v3-ep8 (issue 51): the local experts of DeepSeek-V3 under 8-way expert parallelism (H 7168, 32
+# experts of F 2048, top-8) as a Qwen3-MoE block; --hidden / --ffn / --experts / --topk override any size
+SHAPES = {"qwen3-30b-a3b": {}, "v3-ep8": dict(hidden_size=7168, moe_intermediate_size=2048, num_experts=32,
+                                            num_experts_per_tok=8, num_attention_heads=56, head_dim=128)}
 MiB = 2 ** 20
+
+
+def qwen3_dims(args):
+    dims = dict(QWEN3_30B_A3B)
+    dims.update(SHAPES[args.shape])
+    for arg, key in (("hidden", "hidden_size"), ("ffn", "moe_intermediate_size"), ("experts", "num_experts"),
+                     ("topk", "num_experts_per_tok")):
+        if getattr(args, arg) is not None:
+            dims[key] = getattr(args, arg)
+    return dims
 
 
 def import_flowmoe_hf(lib):
@@ -49,7 +63,7 @@ def import_flowmoe_hf(lib):
 def hidden_size(args):
     if args.family == "gpt-oss":
         return args.size or GPT_OSS_20B["hidden_size"]
-    return QWEN3_30B_A3B["hidden_size"]
+    return qwen3_dims(args)["hidden_size"]
 
 
 def build_block(impl, device, args):
@@ -59,7 +73,7 @@ def build_block(impl, device, args):
             dims.update(hidden_size=args.size, intermediate_size=args.size)
         cfg = transformers.GptOssConfig(vocab_size=256, num_hidden_layers=1, **dims)
     else:
-        cfg = transformers.Qwen3MoeConfig(vocab_size=256, num_hidden_layers=1, norm_topk_prob=True, **QWEN3_30B_A3B)
+        cfg = transformers.Qwen3MoeConfig(vocab_size=256, num_hidden_layers=1, norm_topk_prob=True, **qwen3_dims(args))
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=impl,
@@ -109,9 +123,9 @@ def measure(args, impl, device):
         kinds = step_profile.kernel_kinds(prof)
         out["kernel_ms"] = kinds
         out["kernel_total_ms"] = sum(kinds.values())
-        out["top_kernels"] = [(e.key[:80], round(e.self_device_time_total / 1e3, 3)) for e in sorted(
+        out["top_kernels"] = [(e.key[:140], round(e.self_device_time_total / 1e3, 3)) for e in sorted(
             (e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
-            key=lambda e: -e.self_device_time_total)[:12]]
+            key=lambda e: -e.self_device_time_total)[:20]]
     del block, opt, params
     torch.cuda.empty_cache()
     return out
@@ -123,6 +137,10 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--family", choices=["qwen3-moe", "gpt-oss"], default="qwen3-moe")
     ap.add_argument("--size", type=int, default=None, help="gpt-oss: H = F = this (the padding's control)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+                    help="qwen3-moe: the expert sizes (v3-ep8: DeepSeek-V3's local experts under EP8)")
+    for name, what in (("hidden", "H"), ("ffn", "F (moe_intermediate_size)"), ("experts", "E"), ("topk", "top-k")):
+        ap.add_argument("--" + name, type=int, default=None, help="qwen3-moe: " + what + " instead of --shape's")
     ap.add_argument("--opt", choices=["sgd", "adamw"], default="sgd")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
@@ -154,7 +172,8 @@ def main(argv=None):
                 print(f"#     {ms:7.3f} ms  {name}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"tokens": args.tokens, "opt": args.opt, "rows": rows}, f, indent=1)
+                json.dump({"tokens": args.tokens, "opt": args.opt, "family": args.family,
+                           "dims": qwen3_dims(args) if args.family == "qwen3-moe" else None, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@
 //
 // Kernels
 //   dswiglu_row_kernel          plain backward, same grid as the forward row kernel.
-//   dswiglu_quant_kernel<Fp8H>  one CTA per (token block, feature tile): dA, gate and up tiles in,
-//                               dgate and dup (BF16) formed once, row-wise tiles quantized from
-//                               registers, the BF16 tile kept in shared memory for the column-wise
-//                               quantization along tokens.
+//   dswiglu_quant_kernel<H, prob, act>  one CTA per (token block, feature tile): dA, gate and up
+//                               tiles in, dgate and dup (BF16) formed once, row-wise tiles quantized
+//                               from registers, each thread's 8 tokens parked in its own shared
+//                               memory slots for the column-wise quantization along tokens.
 //   sum_dprow_parts_kernel      dprow = the per-tile parts summed in tile order, one thread per row.
 // The dSwiGLU kernels take the gated activation `act` (swiglu_math.h) by value as an argument.
 #include <algorithm>
@@ -78,25 +78,91 @@ dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
 }
 
 // ---- backward: fused dSwiGLU + row-wise and column-wise quantize --------------------------------------
-// Shared tile: 128 tokens x 256 bf16 (dgate features [0, 128), dup features [128, 256)), pitch
-// 264 elements (528 bytes: 16-byte aligned rows; a warp reading 32 consecutive words of a row
-// touches every bank once).
-constexpr int kBwdPitch = 2 * kTile + 8;  // bf16 elements
-constexpr int kBwdWords = kBwdPitch / 2;  // 32-bit words per row
-constexpr size_t kBwdSmem = size_t(kTile) * kBwdPitch * 2 + 2 * kTile * sizeof(uint32_t) + 2 * kTile;
-// Swizzled 16-byte chunks of a tile row (32 chunks of 8 bf16): chunk c of row r is stored at chunk
-// c ^ ((r / 16) % 8) so that lanes reading the same word of rows 16 apart hit different banks.
-__device__ __forceinline__ int bwd_chunk(int row, int chunk) {  // bf16 element offset
-  return row * kBwdPitch + ((chunk ^ ((row >> 4) & 7)) << 3);
-}
-__device__ __forceinline__ int bwd_word(int row, int p) {  // 32-bit word offset of pair p
-  return row * kBwdWords + ((((p >> 2) ^ ((row >> 4) & 7)) << 2) | (p & 3));
-}
-constexpr int kBwdCtasPerSm = FLOWMOE_SWIGLU_BWD_CTAS_PER_SM;
+// One CTA of 256 threads per (128-token block, 128-feature tile): half-warp hw (0..15) owns the 8
+// consecutive tokens 8hw .. 8hw+7 of the block, lane l (0..15) of it the features 8l .. 8l+7 of
+// the gate side and of the up side. Each row's dgate and dup (BF16) are formed once and quantized
+// row-wise at once (the half-warp holds the row's two 1x128 tiles); the thread keeps a running
+// amax of its 16 features and parks the row in its own slots of shared memory (no transposed tile,
+// no bank conflicts). The column amax of each feature over the block then comes from the other
+// half-warp (shuffle) and the 8 warps (4 KB of shared memory), and each thread encodes its 8
+// tokens of each of its 16 features into one 8-byte store of the column copy. The row loop is not
+// unrolled: the kernel's code stays small enough for the instruction cache (fully unrolled, the
+// ~45 instructions of each element's exact SwiGLU arithmetic made ~140 KB of code and the kernel
+// ran at a quarter of the copy bandwidth). The saved H's loads are issued kBwdPrefetch rows ahead.
+constexpr int kBwdRows = 8;      // consecutive tokens per thread: 16 half-warps x 8 = the 128-token block
+constexpr int kBwdPrefetch = 2;  // rows whose loads are in flight while a row is computed
+constexpr int kBwdCtasPerSm = 3;
+static_assert((kThreads / 16) * kBwdRows == kTile, "the half-warps' rows cover one token block");
+// dynamic shared memory: each thread's 8 rows of dgate and dup, [row][side][thread] uint4
+constexpr size_t kBwdSmem = size_t(kBwdRows) * 2 * kThreads * sizeof(uint4);
 
 enum class HIn { kBf16, kFp8, kFp4 };  // how the backward reads the saved H
 
+// One row's inputs for one lane: da' (8 BF16), the saved gate and up (8 each, in H's format,
+// with their block scales), the routing probability.
+struct BwdRowIn {
+  uint4 d, g, u;   // da'; gate and up as BF16 (HIn::kBf16)
+  uint2 cg, cu;    // gate and up codes (E4M3: 8 bytes; E2M1: the low word)
+  uint8_t sg, su;  // their scales
+  float p;
+};
+
 template <HIn kH, bool kProb>
+__device__ __forceinline__ BwdRowIn bwd_load(bool valid, const bf16_t* __restrict__ da,
+                                             const bf16_t* __restrict__ h, const uint8_t* __restrict__ hc,
+                                             const uint8_t* __restrict__ hs, const float* __restrict__ prow,
+                                             int64_t r, int64_t m, int64_t f, int64_t kt, int lane) {
+  BwdRowIn in;
+  in.d = in.g = in.u = make_uint4(0, 0, 0, 0);
+  in.cg = in.cu = make_uint2(0, 0);
+  in.sg = in.su = 0;
+  in.p = 0.0f;
+  if (!valid) return in;
+  const int64_t k2 = 2 * f, col = kt * kTile + lane * 8;
+  in.d = ldg16(da + r * f + col);
+  if constexpr (kProb) in.p = __ldg(prow + r);
+  if constexpr (kH == HIn::kFp8) {
+    const uint8_t* src = hc + r * k2 + col;
+    in.cg = __ldg(reinterpret_cast<const uint2*>(src));
+    in.cu = __ldg(reinterpret_cast<const uint2*>(src + f));
+    in.sg = __ldg(hs + kt * m + r);
+    in.su = __ldg(hs + (f / kTile + kt) * m + r);
+  } else if constexpr (kH == HIn::kFp4) {
+    const uint8_t* src = hc + (r * k2 + col) / 2;
+    in.cg.x = __ldg(reinterpret_cast<const uint32_t*>(src));
+    in.cu.x = __ldg(reinterpret_cast<const uint32_t*>(src + f / 2));
+    in.sg = __ldg(hs + r * (k2 / 32) + col / 32);
+    in.su = __ldg(hs + r * (k2 / 32) + (f + col) / 32);
+  } else {
+    const bf16_t* src = h + r * k2 + col;
+    in.g = ldg16(src);
+    in.u = ldg16(src + f);
+  }
+  return in;
+}
+
+// Column codes of one feature for the thread's 8 tokens: w[i] holds token i's BF16 pair of the
+// feature's column pair, `hi` picks the feature; scale code s (0xFF: non-finite column).
+__device__ __forceinline__ uint2 encode_col8(const uint32_t (&w)[kBwdRows], bool hi, uint8_t s) {
+  if (s == kUE8M0NaN) return make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+  const int e = static_cast<int>(s) - 127;
+  const float inv = detail::inv_pow2(e);
+  uint32_t out[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t x = 0;
+#pragma unroll
+    for (int pp = 0; pp < 2; ++pp) {
+      const uint32_t a = w[4 * h + 2 * pp], b = w[4 * h + 2 * pp + 1];
+      const float va = hi ? bf16_hi(a) : bf16_lo(a), vb = hi ? bf16_hi(b) : bf16_lo(b);
+      x |= static_cast<uint32_t>(detail::e4m3x2(va * inv, vb * inv)) << (16 * pp);
+    }
+    out[h] = detail::e4m3x4_saturate_for_scale(x, e);
+  }
+  return make_uint2(out[0], out[1]);
+}
+
+template <HIn kH, bool kProb, ActivationKind kAct>
 __global__ void __launch_bounds__(kThreads, kBwdCtasPerSm)
 dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
                      const uint8_t* __restrict__ hc, const uint8_t* __restrict__ hs,
@@ -104,173 +170,139 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
                      const int32_t* __restrict__ bstart, const int32_t* __restrict__ bend,
                      uint8_t* __restrict__ row_codes, uint8_t* __restrict__ row_scales,
                      uint8_t* __restrict__ col_codes, uint8_t* __restrict__ col_scales,
-                     float* __restrict__ dpart, unsigned long long* nonfinite, GatedActivation act) {
-  extern __shared__ __align__(16) uint8_t smem[];
-  uint16_t* s_t = reinterpret_cast<uint16_t*>(smem);
-  uint32_t* s_amax = reinterpret_cast<uint32_t*>(smem + size_t(kTile) * kBwdPitch * 2);  // [2][128]
+                     float* __restrict__ dpart, unsigned long long* nonfinite, GatedActivation act_in) {
+  extern __shared__ __align__(16) uint4 s_rows[];                  // [kBwdRows][2][kThreads]
+  __shared__ __align__(16) uint32_t s_amax[kThreads / 32][16][8];  // [warp][lane][column pair word]
+  __shared__ __align__(16) uint16_t s_code[16][8];                 // [lane][word]: the pair's two scale codes
+  GatedActivation act = act_in;
+  act.kind = kAct;  // known here: no per-element branch on the kind
   int64_t b, kt;
   detail::tile_coords(b, kt);
   const int bs = bstart[b];
   if (bs < 0) return;
   const int n = bend[b] - bs;
-  const int tid = threadIdx.x, lane = tid & 15;
+  const int tid = threadIdx.x, lane = tid & 15, hw = tid >> 4;
   const int64_t k2 = 2 * f;
+  const int row0 = hw * kBwdRows;  // the thread's first token in the block
 
-  // Phase 1: rows. dH for 8 features of (row, gate side) and (row, up side) per lane.
+  // Phase 1: rows. dgate and dup of 8 features per lane, quantized row-wise as they are formed.
+  uint32_t cm[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // running |.| max of the 8 BF16 pair words (gate 0-3, up 4-7)
+  BwdRowIn in[kBwdPrefetch];
 #pragma unroll
-  for (int p0 = 0; p0 < kPasses; p0 += kPassGroup) {
-    uint4 vd[kPassGroup], vg[kPassGroup], vu[kPassGroup];
-    uint2 cg[kPassGroup], cu[kPassGroup];
-    uint8_t sg[kPassGroup], su[kPassGroup];
-    float pr[kPassGroup];
+  for (int i = 0; i < kBwdPrefetch; ++i)
+    in[i] = bwd_load<kH, kProb>(row0 + i < n, da, h, hc, hs, prow, int64_t(bs) + row0 + i, m, f, kt, lane);
+#pragma unroll 1
+  for (int i = 0; i < kBwdRows; ++i) {
+    const BwdRowIn cur = in[0];
 #pragma unroll
-    for (int i = 0; i < kPassGroup; ++i) {
-      const int row = (p0 + i) * (kThreads / 16) + (tid >> 4);
-      const int64_t r = static_cast<int64_t>(bs) + row;
-      vd[i] = vg[i] = vu[i] = make_uint4(0, 0, 0, 0);
-      cg[i] = cu[i] = make_uint2(0, 0);
-      sg[i] = su[i] = 0;
-      pr[i] = 0.0f;
-      if (row < n) {
-        vd[i] = ldg16(da + r * f + kt * kTile + lane * 8);
-        if constexpr (kProb) pr[i] = __ldg(prow + r);
-        if constexpr (kH == HIn::kFp8) {
-          const uint8_t* src = hc + r * k2 + kt * kTile + lane * 8;
-          cg[i] = __ldg(reinterpret_cast<const uint2*>(src));
-          cu[i] = __ldg(reinterpret_cast<const uint2*>(src + f));
-          sg[i] = __ldg(hs + kt * m + r);
-          su[i] = __ldg(hs + (f / kTile + kt) * m + r);
-        } else if constexpr (kH == HIn::kFp4) {
-          const int64_t col = kt * kTile + lane * 8;
-          const uint8_t* src = hc + (r * k2 + col) / 2;
-          cg[i].x = __ldg(reinterpret_cast<const uint32_t*>(src));
-          cu[i].x = __ldg(reinterpret_cast<const uint32_t*>(src + f / 2));
-          sg[i] = __ldg(hs + r * (k2 / 32) + col / 32);
-          su[i] = __ldg(hs + r * (k2 / 32) + (f + col) / 32);
-        } else {
-          const bf16_t* src = h + r * k2 + kt * kTile + lane * 8;
-          vg[i] = ldg16(src);
-          vu[i] = ldg16(src + f);
-        }
+    for (int j = 0; j + 1 < kBwdPrefetch; ++j) in[j] = in[j + 1];
+    {
+      const int row = row0 + i + kBwdPrefetch;
+      in[kBwdPrefetch - 1] =
+          bwd_load<kH, kProb>(i + kBwdPrefetch < kBwdRows && row < n, da, h, hc, hs, prow, int64_t(bs) + row, m, f, kt, lane);
+    }
+    const int row = row0 + i;
+    const int64_t r = static_cast<int64_t>(bs) + row;
+    float xd[8], xg[8], xu[8];
+    unpack8(cur.d, xd);
+    if constexpr (kH == HIn::kFp8) {
+      decode8(cur.cg, cur.sg, xg);
+      decode8(cur.cu, cur.su, xu);
+    } else if constexpr (kH == HIn::kFp4) {
+      decode8_fp4(cur.cg.x, cur.sg, xg);
+      decode8_fp4(cur.cu.x, cur.su, xu);
+    } else {
+      unpack8(cur.g, xg);
+      unpack8(cur.u, xu);
+    }
+    if (kH != HIn::kBf16 && row >= n) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) xg[j] = xu[j] = 0.0f;
+    }
+    uint4 dg, du;
+    if constexpr (kProb) {
+      float pair[4];
+      dswiglu8_prob(act, xd, cur.p, xg, xu, dg, du, pair);
+      const float acc = tile_sum16(pair);
+      if (dpart && lane == 0 && row < n) dpart[kt * m + r] = f32_canonical(acc);
+    } else {
+      dswiglu8(act, xd, xg, xu, dg, du);
+    }
+    const TileCodes qg = quantize_tile8(dg, nonfinite);
+    const TileCodes qu = quantize_tile8(du, nonfinite);
+    if (row < n) {
+      uint8_t* dst = row_codes + r * k2 + kt * kTile + lane * 8;
+      *reinterpret_cast<uint2*>(dst) = qg.codes;
+      *reinterpret_cast<uint2*>(dst + f) = qu.codes;
+      if (lane == 0) {
+        row_scales[kt * m + r] = qg.scale;
+        row_scales[(f / kTile + kt) * m + r] = qu.scale;
       }
     }
+    // rows past n are all zero (zero inputs give zero gradients, for either activation)
+    const uint32_t wg[4] = {dg.x, dg.y, dg.z, dg.w}, wu[4] = {du.x, du.y, du.z, du.w};
 #pragma unroll
-    for (int i = 0; i < kPassGroup; ++i) {
-      const int row = (p0 + i) * (kThreads / 16) + (tid >> 4);
-      const int64_t r = static_cast<int64_t>(bs) + row;
-      float xd[8], xg[8], xu[8];
-      unpack8(vd[i], xd);
-      if constexpr (kH != HIn::kBf16) {
-        if (row < n) {
-          if constexpr (kH == HIn::kFp8) {
-            decode8(cg[i], sg[i], xg);
-            decode8(cu[i], su[i], xu);
-          } else {
-            decode8_fp4(cg[i].x, sg[i], xg);
-            decode8_fp4(cu[i].x, su[i], xu);
-          }
-        } else {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) xg[j] = xu[j] = 0.0f;
-        }
-      } else {
-        unpack8(vg[i], xg);
-        unpack8(vu[i], xu);
-      }
-      uint4 dg, du;
-      if constexpr (kProb) {
-        float pair[4];
-        dswiglu8_prob(act, xd, pr[i], xg, xu, dg, du, pair);
-        const float acc = tile_sum16(pair);
-        if (dpart && lane == 0 && row < n) dpart[kt * m + r] = f32_canonical(acc);
-      } else {
-        dswiglu8(act, xd, xg, xu, dg, du);
-      }
-      const TileCodes qg = quantize_tile8(dg, nonfinite);
-      const TileCodes qu = quantize_tile8(du, nonfinite);
-      if (row < n) {
-        uint8_t* dst = row_codes + r * k2 + kt * kTile + lane * 8;
-        *reinterpret_cast<uint2*>(dst) = qg.codes;
-        *reinterpret_cast<uint2*>(dst + f) = qu.codes;
-        if (lane == 0) {
-          row_scales[kt * m + r] = qg.scale;
-          row_scales[(f / kTile + kt) * m + r] = qu.scale;
-        }
-      }
-      // rows past n are all zero (zero inputs give zero gradients, for either activation)
-      *reinterpret_cast<uint4*>(&s_t[bwd_chunk(row, lane)]) = dg;
-      *reinterpret_cast<uint4*>(&s_t[bwd_chunk(row, 16 + lane)]) = du;
+    for (int w = 0; w < 4; ++w) {
+      cm[w] = __vmaxu2(cm[w], wg[w] & 0x7FFF7FFFu);
+      cm[4 + w] = __vmaxu2(cm[4 + w], wu[w] & 0x7FFF7FFFu);
     }
+    s_rows[(i * 2 + 0) * kThreads + tid] = dg;
+    s_rows[(i * 2 + 1) * kThreads + tid] = du;
+  }
+
+  // Phase 2: columns. The block's amax of each adjacent feature pair (one BF16x2 word): the two
+  // half-warps, then the 8 warps; 128 threads turn it into the pair's two scale codes; every
+  // thread encodes its 8 tokens of its 16 features.
+#pragma unroll
+  for (int w = 0; w < 8; ++w) cm[w] = __vmaxu2(cm[w], __shfl_xor_sync(0xffffffffu, cm[w], 16));
+  if ((tid & 16) == 0) {
+    uint4* dst = reinterpret_cast<uint4*>(&s_amax[tid >> 5][lane][0]);
+    dst[0] = make_uint4(cm[0], cm[1], cm[2], cm[3]);
+    dst[1] = make_uint4(cm[4], cm[5], cm[6], cm[7]);
   }
   __syncthreads();
-
-  // Phase 2: columns. (a) amax per pair of adjacent features p over the block: thread = (p, half
-  // of the tokens); (b) encode and store: task = (16-token group j, pair p), the 8 lanes of a
-  // group covering one feature row's 128 tokens, so each store instruction writes full 128-byte
-  // row segments. The swizzle (bwd_word) keeps both read patterns free of bank conflicts.
-  uint8_t* s_code = reinterpret_cast<uint8_t*>(s_amax + 2 * kTile);  // [2][128]: scale code of pair p
-  {
-    const int p = tid & (kTile - 1), half = tid >> 7;
+  if (tid < 16 * 8) {
+    const int l = tid >> 3, w = tid & 7;
     uint32_t mx = 0;
-#pragma unroll 8
-    for (int i = 0; i < kTile / 2; ++i) {
-      const int t = half * (kTile / 2) + i;
-      mx = __vmaxu2(mx, reinterpret_cast<const uint32_t*>(s_t)[bwd_word(t, p)] & 0x7FFF7FFFu);
-    }
-    s_amax[half * kTile + p] = mx;
-  }
-  __syncthreads();
-  if (tid < kTile) {
-    const int p = tid;
-    const uint32_t mx = __vmaxu2(s_amax[p], s_amax[kTile + p]);
+#pragma unroll
+    for (int wp = 0; wp < kThreads / 32; ++wp) mx = __vmaxu2(mx, s_amax[wp][l][w]);
     const uint32_t a0 = mx & 0xFFFFu, a1 = mx >> 16;
     const uint8_t s0 = a0 >= detail::kBf16NonFiniteBits ? kUE8M0NaN : ue8m0_from_exp(e4m3_scale_exp(detail::bf16_bits_to_f32(a0)));
     const uint8_t s1 = a1 >= detail::kBf16NonFiniteBits ? kUE8M0NaN : ue8m0_from_exp(e4m3_scale_exp(detail::bf16_bits_to_f32(a1)));
-    s_code[p] = s0;
-    s_code[kTile + p] = s1;
-    const int c = 2 * p;  // tile column in [0, 256): dgate side below 128, dup side above
-    const int64_t feat = (c < kTile ? 0 : f - kTile) + kt * kTile + c;  // dH feature of column c
+    s_code[l][w] = static_cast<uint16_t>(s0 | (s1 << 8));
+    const int64_t feat = (w < 4 ? 0 : f) + kt * kTile + l * 8 + 2 * (w & 3);  // dH feature of the pair's first
     col_scales[b * k2 + feat] = s0;
     col_scales[b * k2 + feat + 1] = s1;
   }
   __syncthreads();
-  const bool vec = (m % 16 == 0) && (bs % 16 == 0);
-  for (int task = tid; task < kTile * (kTile / 16); task += kThreads) {
-    const int j = task & 7, p = task >> 3;
-    const int t0 = j * 16;
-    if (t0 >= n) continue;
-    const uint8_t s0 = s_code[p], s1 = s_code[kTile + p];
-    const bool bad0 = s0 == kUE8M0NaN, bad1 = s1 == kUE8M0NaN;
-    const float inv0 = bad0 ? 0.0f : detail::inv_pow2(static_cast<int>(s0) - 127);
-    const float inv1 = bad1 ? 0.0f : detail::inv_pow2(static_cast<int>(s1) - 127);
-    const int c = 2 * p;
-    const int64_t feat = (c < kTile ? 0 : f - kTile) + kt * kTile + c;
-    uint8_t* dst0 = col_codes + feat * m + bs;
-    uint8_t* dst1 = dst0 + m;
-    uint32_t w0[4], w1[4];
+  const int t0 = row0;  // the thread's first token
+  if (t0 >= n) return;
+  const uint4 sc = *reinterpret_cast<const uint4*>(&s_code[lane][0]);
+  const uint32_t codes[4] = {sc.x, sc.y, sc.z, sc.w};  // word w's two codes: bytes 2(w%2), 2(w%2)+1 of codes[w/2]
+  const bool full = t0 + kBwdRows <= n && (m % 8 == 0) && (bs % 8 == 0);
+#pragma unroll 1
+  for (int side = 0; side < 2; ++side) {
+    uint32_t v[4][kBwdRows];  // [word][token]
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      uint32_t x0 = 0, x1 = 0;
-#pragma unroll
-      for (int pp = 0; pp < 2; ++pp) {
-        const int t = t0 + 4 * q + 2 * pp;
-        const uint32_t va = reinterpret_cast<const uint32_t*>(s_t)[bwd_word(t, p)];
-        const uint32_t vb = reinterpret_cast<const uint32_t*>(s_t)[bwd_word(t + 1, p)];
-        const uint32_t c0 = bad0 ? 0x7F7Fu : detail::e4m3x2(bf16_lo(va) * inv0, bf16_lo(vb) * inv0);
-        const uint32_t c1 = bad1 ? 0x7F7Fu : detail::e4m3x2(bf16_hi(va) * inv1, bf16_hi(vb) * inv1);
-        x0 |= c0 << (16 * pp);
-        x1 |= c1 << (16 * pp);
-      }
-      w0[q] = bad0 ? x0 : detail::e4m3x4_saturate_for_scale(x0, static_cast<int>(s0) - 127);
-      w1[q] = bad1 ? x1 : detail::e4m3x4_saturate_for_scale(x1, static_cast<int>(s1) - 127);
+    for (int i = 0; i < kBwdRows; ++i) {
+      const uint4 x = s_rows[(i * 2 + side) * kThreads + tid];
+      v[0][i] = x.x, v[1][i] = x.y, v[2][i] = x.z, v[3][i] = x.w;
     }
-    if (vec && t0 + 16 <= n) {
-      *reinterpret_cast<uint4*>(dst0 + t0) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
-      *reinterpret_cast<uint4*>(dst1 + t0) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
-    } else {
-      for (int t = t0; t < min(t0 + 16, n); ++t) {
-        dst0[t] = static_cast<uint8_t>(w0[(t - t0) >> 2] >> (8 * ((t - t0) & 3)));
-        dst1[t] = static_cast<uint8_t>(w1[(t - t0) >> 2] >> (8 * ((t - t0) & 3)));
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int ws = 4 * side + w;  // the pair's word among the 8
+      const int64_t feat = (side ? f : 0) + kt * kTile + lane * 8 + 2 * w;
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        const uint8_t s = static_cast<uint8_t>(codes[ws >> 1] >> (16 * (ws & 1) + 8 * hi));
+        const uint2 c = encode_col8(v[w], hi != 0, s);
+        uint8_t* dst = col_codes + (feat + hi) * m + bs + t0;
+        if (full) {
+          *reinterpret_cast<uint2*>(dst) = c;
+        } else {
+          for (int t = 0; t < min(kBwdRows, n - t0); ++t)
+            dst[t] = static_cast<uint8_t>((t < 4 ? c.x : c.y) >> (8 * (t & 3)));
+        }
       }
     }
   }
@@ -310,22 +342,24 @@ void launch_dswiglu_quant(const bf16_t* da, const bf16_t* h, const uint8_t* hc, 
                           uint8_t* row_scales, uint8_t* col_codes, uint8_t* col_scales,
                           float* dprow_part, DeviceStatus* status, cudaStream_t stream,
                           const GatedActivation& act, const char* what) {
+  auto kernel = act.clamped() ? dswiglu_quant_kernel<kH, kProb, ActivationKind::kClampedSwiglu>
+                              : dswiglu_quant_kernel<kH, kProb, ActivationKind::kSwiglu>;
   // More than 48 KB of dynamic shared memory needs an opt-in, per function and device; done once
   // per device (not on every launch, so that launches can be captured in a CUDA graph).
-  static std::atomic<uint64_t> opted_in{0};
+  static std::atomic<uint64_t> opted_in[2] = {{0}, {0}};
+  std::atomic<uint64_t>& opted = opted_in[act.clamped() ? 1 : 0];
   int dev = 0;
   FLOWMOE_CUDA_CHECK(cudaGetDevice(&dev));
   const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
-  if (!bit || !(opted_in.load(std::memory_order_relaxed) & bit)) {
-    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(dswiglu_quant_kernel<kH, kProb>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+  if (!bit || !(opted.load(std::memory_order_relaxed) & bit)) {
+    FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(kBwdSmem)));
-    opted_in.fetch_or(bit, std::memory_order_relaxed);
+    opted.fetch_or(bit, std::memory_order_relaxed);
   }
   const dim3 grid = tile_grid(sb.max_blocks, f / kTile);
-  dswiglu_quant_kernel<kH, kProb><<<grid, kThreads, kBwdSmem, stream>>>(
-      da, h, hc, hs, prow, sb.m, f, sb.block_start, sb.block_end, row_codes, row_scales, col_codes,
-      col_scales, dprow_part, nonfinite_ptr(status), act);
+  kernel<<<grid, kThreads, kBwdSmem, stream>>>(da, h, hc, hs, prow, sb.m, f, sb.block_start, sb.block_end,
+                                               row_codes, row_scales, col_codes, col_scales, dprow_part,
+                                               nonfinite_ptr(status), act);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 

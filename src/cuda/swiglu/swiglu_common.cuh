@@ -280,9 +280,6 @@ __device__ __forceinline__ TileCodes quantize_tile8(const float (&a)[8], unsigne
 #ifndef FLOWMOE_SWIGLU_PASS_GROUP
 #define FLOWMOE_SWIGLU_PASS_GROUP 4
 #endif
-#ifndef FLOWMOE_SWIGLU_BWD_CTAS_PER_SM
-#define FLOWMOE_SWIGLU_BWD_CTAS_PER_SM 3
-#endif
 constexpr int kRowsPerHalfWarp = FLOWMOE_SWIGLU_ROWS_PER_HALF_WARP;  // rows in flight per half-warp
 constexpr int kRowsPerCta = (kThreads / 16) * kRowsPerHalfWarp;  // 32
 constexpr int kPasses = kTile / (kThreads / 16);  // 8 passes of 16 rows cover a 128-token block
