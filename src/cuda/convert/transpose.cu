@@ -32,19 +32,17 @@ __device__ __noinline__ uint32_t rescale4_slow(uint32_t w, int d, int& lost) {
   return out;
 }
 
-// Rescales the 4 codes of a word by shift_down d, counting lost values. SWAR fast path: when
-// every byte keeps an exponent field >= 1 (and none is NaN) the shift only subtracts d from
-// each exponent field; otherwise byte by byte through the numerics core.
-__device__ __forceinline__ uint32_t rescale4(uint32_t w, int d, int& lost) {
-  if (d == 0) return w;
-  if (d < 15) {
-    const uint32_t ef = (w >> 3) & 0x0F0F0F0Fu;
-    const uint32_t ge = (ef + 0x01010101u * static_cast<uint32_t>(15 - d)) & 0x10101010u;  // ef >= d+1
-    const uint32_t nan = (w & 0x7F7F7F7Fu) ^ 0x7F7F7F7Fu;                                  // 0 byte: NaN
-    const bool has_nan = ((nan - 0x01010101u) & ~nan & 0x80808080u) != 0;
-    if (ge == 0x10101010u && !has_nan) return w - 0x01010101u * (static_cast<uint32_t>(d) << 3);
-  }
-  return rescale4_slow(w, d, lost);
+// Word masks of the SWAR rescale (4 E4M3 codes per word).
+// Non-zero where a byte is a NaN code (0x7F / 0xFF): the exact "has a zero byte" test of
+// (magnitude ^ 0x7F).
+__device__ __forceinline__ uint32_t nan_bytes4(uint32_t w) {
+  const uint32_t x = (w & 0x7F7F7F7Fu) ^ 0x7F7F7F7Fu;
+  return (x - 0x01010101u) & ~x & 0x80808080u;
+}
+// True when every byte keeps an exponent field >= 1 after subtracting d (1 <= d <= 14): then the
+// shift only subtracts d from each exponent field. `bias` = (15 - d) per byte.
+__device__ __forceinline__ bool shift_stays_normal4(uint32_t w, uint32_t bias) {
+  return (((((w >> 3) & 0x0F0F0F0Fu) + bias) & 0x10101010u) == 0x10101010u);
 }
 
 // One CTA per (128-token block, 128-feature tile). The target exponent of every column of the
@@ -86,25 +84,50 @@ scaling_aware_transpose_kernel(const uint8_t* __restrict__ row_codes, const uint
   const int emax = max(max(s_wmax[0], s_wmax[1]), max(s_wmax[2], s_wmax[3]));
   const int nbad = s_wbad[0] + s_wbad[1] + s_wbad[2] + s_wbad[3];
 
-  // Row pass: shift each 16-code chunk by (emax - e_row) into the byte tile.
+  // Row pass: shift each 16-code chunk by (emax - e_row) into the byte tile. The SWAR fast path
+  // (every code normal, not NaN, and still normal after the shift: the shift only lowers each
+  // exponent field) covers almost every word of real data; the others are marked in `slow` and
+  // re-encoded byte by byte after the pass, so that the hot path holds no call.
   int lost = 0, nan_codes = 0;
+  uint32_t slow = 0;  // bit 4i + j: word j of chunk i goes byte by byte
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
-    uint4 w = v[i];
+    uint32_t x[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
     if (row < n) {
       if (nbad) {
-        w = make_uint4(0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) x[j] = 0x7F7F7F7Fu;
       } else {
         const int d = emax - s_e[row];
-        nan_codes += nan_codes4(w.x) + nan_codes4(w.y) + nan_codes4(w.z) + nan_codes4(w.w);
-        w.x = rescale4(w.x, d, lost);
-        w.y = rescale4(w.y, d, lost);
-        w.z = rescale4(w.z, d, lost);
-        w.w = rescale4(w.w, d, lost);
+        uint32_t nanw[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) nanw[j] = nan_bytes4(x[j]);
+        if (nanw[0] | nanw[1] | nanw[2] | nanw[3])
+          nan_codes += nan_codes4(x[0]) + nan_codes4(x[1]) + nan_codes4(x[2]) + nan_codes4(x[3]);
+        if (d != 0) {
+          const uint32_t bias = 0x01010101u * static_cast<uint32_t>(15 - d);
+          const uint32_t sub = 0x01010101u * (static_cast<uint32_t>(d) << 3);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (d < 15 && nanw[j] == 0 && shift_stays_normal4(x[j], bias)) x[j] -= sub;
+            else slow |= 1u << (4 * i + j);
+          }
+        }
       }
     }
-    *reinterpret_cast<uint4*>(&s_q[detail::swz_chunk(row, ch)]) = w;
+    *reinterpret_cast<uint4*>(&s_q[detail::swz_chunk(row, ch)]) = make_uint4(x[0], x[1], x[2], x[3]);
+  }
+  if (slow) {  // rare: zeros, subnormals, NaN codes, values that leave the normal range
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int c = i * kThreads + tid, row = c >> 3, ch = c & 7;
+      for (uint32_t bits = (slow >> (4 * i)) & 0xFu; bits; bits &= bits - 1) {
+        const int j = __ffs(bits) - 1;  // (the word read again: nothing stays live across the pass)
+        const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(row_codes + (bs + row) * k + kt * kTile) + 4 * ch + j);
+        reinterpret_cast<uint32_t*>(&s_q[detail::swz_chunk(row, ch)])[j] = rescale4_slow(w, emax - s_e[row], lost);
+      }
+    }
   }
   detail::warp_count(status ? &status->underflow : nullptr, lost);
   detail::warp_count(status ? &status->nonfinite : nullptr, nan_codes);
