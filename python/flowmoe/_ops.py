@@ -224,11 +224,17 @@ def _(dy, wbuf, saved, step, w1, w2, wr, dw1, dw2, dwr):
 
 
 # ---- autograd ---------------------------------------------------------------------------------------
-def _save_step(ctx, module_id, wbuf, saved, step, params=()):
+def _save_step(ctx, module_id, y, wbuf, saved, step, params=()):
     """What a forward node keeps for its backward (both ops): the module, the weight copies (or
     None and the parameters `params` they are derived from again), the saved bytes and the step,
     all as saved tensors; and (eager) the native layer that ran the forward, so that it lives as
-    long as the node even when the module builds a larger one."""
+    long as the node even when the module builds a larger one.
+
+    Gradients are not materialised: `saved` and `step` never get one, and autograd would otherwise
+    hand the backward a zero-filled tensor of the saved bytes' size (a fill of up to gigabytes per
+    step on the GPU). dy is None only when y itself got no gradient (_dy makes it zeros then)."""
+    ctx.set_materialize_grads(False)
+    ctx.y_like = (y.shape, y.dtype, y.device)
     ctx.module_id = module_id
     ctx.runner = _module(module_id)._runner
     ctx.save_for_backward(wbuf, saved, step, *params)
@@ -247,10 +253,19 @@ def _setup_context(ctx, inputs, output):
     x, w1, w2, wr, wbuf, module_id, keep_step = inputs
     y, saved, step = output
     from_params = _from_params(module_id)
-    _save_step(ctx, module_id, None if from_params else wbuf, saved, step, (w1, w2, wr) if from_params else ())
+    _save_step(ctx, module_id, y, None if from_params else wbuf, saved, step, (w1, w2, wr) if from_params else ())
+
+
+def _dy(ctx, dy):
+    """The output's gradient, zeros where autograd gave none (gradients are not materialised)."""
+    if dy is not None:
+        return dy
+    shape, dtype, device = ctx.y_like
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _backward(ctx, dy, _dsaved, _dstep):
+    dy = _dy(ctx, dy)
     wbuf, saved, step, *params = ctx.saved_tensors
     w1, w2, wr = params if params else (None, None, None)
     module = _module(ctx.module_id)
@@ -360,12 +375,13 @@ def _experts_setup_context(ctx, inputs, output):
     from_params = _from_params(module_id)
     # (w1, w2: the parameters as the caller holds them, any dtype and strides; the backward converts
     # them as the forward did, for as long as it runs)
-    _save_step(ctx, module_id, None if from_params else wbuf, saved, step, (w1, w2) if from_params else ())
+    _save_step(ctx, module_id, y, None if from_params else wbuf, saved, step, (w1, w2) if from_params else ())
     ctx.weight_dtypes = (w1.dtype, w2.dtype)
     ctx.has_b1 = b1 is not None
 
 
 def _experts_backward(ctx, dy, _dsaved, _dstep):
+    dy = _dy(ctx, dy)
     wbuf, saved, step, *params = ctx.saved_tensors
     w1, w2 = params if params else (None, None)
     needs = [bool(ctx.needs_input_grad[3]), bool(ctx.needs_input_grad[4])]

@@ -205,3 +205,25 @@ def test_native_op_edges_no_tokens_strides_float16():
     assert torch.equal(yh, ft.experts(xh.detach().bfloat16(), ids, w, w1d, w2d, recipe="flow").half())
     yh.float().sum().backward()
     assert xh.grad.dtype == torch.float16
+
+
+def zero_fills_in_backward(loss):
+    """aten::zeros calls while `loss` backpropagates (CPU profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    return [e.name for e in prof.events() if e.name in ("aten::zeros", "aten::zeros_like")]
+
+
+@pytest.mark.parametrize("recipe", ("bf16", "flow"))
+def test_backward_materialises_no_gradient_for_the_saved_bytes(recipe):
+    # The op's `saved` and `step` outputs never get a gradient; autograd would otherwise hand the
+    # backward zero-filled tensors of their size (on the GPU a fill of the whole saved buffer, up to
+    # gigabytes per step). The backward gets None for them and allocates no zeros.
+    x, logits, w1, w2, dy = problem(3)
+    ids, w = route(logits.detach())  # (topk's own backward allocates zeros: the routing stays out)
+    w.requires_grad_()
+    y = ft.experts(x, ids, w, w1, w2, recipe=recipe)
+    assert zero_fills_in_backward((y.float() * dy).sum()) == []
+    assert x.grad is not None and w.grad is not None and w1.grad is not None and torch.isfinite(w1.grad).all()

@@ -439,3 +439,17 @@ def test_python_recipe_names_are_the_native_tables():
 
     assert flowmoe.RECIPES == native.recipe_names()
     assert set(flowmoe.hf.IMPLEMENTATIONS.values()) == set(native.recipe_names())
+
+
+def test_backward_materialises_no_gradient_for_the_saved_bytes():
+    # As test_experts.py: the saved bytes and the step get no zero-filled gradient in the backward.
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    moe = MoE(hidden=256, ffn=128, experts=4, topk=2, recipe="flow")
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    loss = moe(x).float().square().mean()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    assert [e.name for e in prof.events() if e.name in ("aten::zeros", "aten::zeros_like")] == []
+    assert x.grad is not None and moe.w1.grad is not None
