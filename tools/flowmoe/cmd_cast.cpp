@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "npy.h"
 #include "output_set.h"
+#include "set_files.h"
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/tensor.h"
@@ -51,7 +52,10 @@ int run_cast(const Args& args) {
   const std::string fmt = parse_choice(args.require("format"), "--format", {"e4m3", "e2m1", "bf16"});
   const std::string& in = args.positional()[0];
   const std::string& out = args.positional()[1];
-  const NpyArray a = npy_load(in);
+  const NpyArray a = [&] {
+    const SetReadGuard guard({in});  // (a flowmoe writer of this file waits; set_files.h)
+    return npy_load(in);
+  }();
   const std::vector<float> x = load_as_f32(a, in);
   OutputSet set;
   if (fmt == "bf16") {
@@ -72,7 +76,10 @@ int run_decode(const Args& args) {
   const std::string fmt = parse_choice(args.require("format"), "--format", {"e4m3", "e2m1", "ue8m0", "bf16"});
   const std::string& in = args.positional()[0];
   const std::string& out = args.positional()[1];
-  const NpyArray a = npy_load(in);
+  const NpyArray a = [&] {
+    const SetReadGuard guard({in});  // (a flowmoe writer of this file waits; set_files.h)
+    return npy_load(in);
+  }();
   std::vector<float> y(static_cast<size_t>(a.numel()));
   if (fmt == "bf16") {
     const std::vector<bf16_t> h = npy_values<bf16_t>(a, kNpyU16, in);

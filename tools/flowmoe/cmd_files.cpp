@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "npy.h"
 #include "output_set.h"
+#include "set_files.h"
 #include "flowmoe/cpu/convert.h"
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
@@ -27,7 +28,10 @@ struct HpInput {
 };
 
 HpInput load_hp_input(const std::string& path) {
-  const NpyArray a = npy_load(path);
+  const NpyArray a = [&] {
+    const SetReadGuard guard({path});  // (a flowmoe writer of this file waits; set_files.h)
+    return npy_load(path);
+  }();
   HpInput in;
   in.path = path;
   FLOWMOE_CHECK(a.dtype == kNpyF32 || a.dtype == kNpyU16,
@@ -81,7 +85,8 @@ const char kQuantizeUsage[] =
     "                     (exit 1) and nothing is written.\n"
     "\n"
     "The files of the output appear together or not at all: on any error (exit 1) no file of\n"
-    "the set is written and an existing set of that name is left as it was.\n"
+    "the set is written and an existing set of that name is left as it was; so too when it is\n"
+    "interrupted (Ctrl-C, kill). flowmoe commands reading the set see it whole, old or new.\n"
     "\n"
     "Prints 'input:', then one 'wrote PATH DTYPE [SHAPE]' line per file, then 'layout:',\n"
     "'nonfinite: N' and 'flushed: N' (non-zero inputs encoded as zero) lines per tensor.\n"
@@ -148,6 +153,7 @@ int run_quantize(const Args& args) {
   const std::string& in_path = args.positional()[0];
   const std::string& prefix = args.positional()[1];
 
+  check_output_prefix(prefix);  // before any work; --layout both appends '.row' / '.col' to it
   const HpInput in = load_hp_input(in_path);
   std::cout << "input: " << in_path << " " << (in.is_bf16 ? "bfloat16" : "float32") << " [" << in.m << ", "
             << in.k << "]\n";
@@ -289,6 +295,7 @@ int run_transpose(const Args& args) {
   args.expect_positional({"PREFIX", "OUTPREFIX"});
   const std::string method = parse_choice(args.require("method"), "--method", {"aware", "naive"});
   const TransposeExponent exponent = parse_exponent(args, method == "aware", "--method aware");
+  check_output_prefix(args.positional()[1]);
   const QTensor row = load_qtensor(Layout::kRow1x128, args.positional()[0], args.get("shape"), "");
   const Segments seg = segments_from_option(args.get("segments"), row.rows);
   std::vector<float> decoded;
@@ -341,6 +348,7 @@ int run_fp4_to_fp8(const Args& args) {
   const std::string to = parse_choice(args.require("to"), "--to", {"row", "col", "col-stepwise"});
   if (to == "row" && args.has("segments")) throw UsageError("--segments applies to --to col and col-stepwise only");
   const TransposeExponent exponent = parse_exponent(args, to == "col", "--to col");
+  check_output_prefix(args.positional()[1]);
   const QTensor fp4 = load_qtensor(Layout::kMxfp4Row1x32, args.positional()[0], args.get("shape"), "");
   std::vector<float> decoded;
   const int64_t overflow = check_decodes_finite(fp4, args.positional()[0], args.flag("allow-nonfinite"), &decoded);

@@ -11,7 +11,6 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <sstream>
 
@@ -344,9 +343,9 @@ NpyArray npy_load(const std::string& path) {
   return a;
 }
 
-void npy_save(const std::string& path, const std::string& dtype, const std::vector<int64_t>& shape,
-              const void* data) {
-  FLOWMOE_CHECK(host_is_little_endian(), "npy_save: only little-endian hosts are supported");
+void npy_write(int fd, const std::string& path, const std::string& dtype, const std::vector<int64_t>& shape,
+               const void* data) {
+  FLOWMOE_CHECK(host_is_little_endian(), "npy_write: only little-endian hosts are supported");
   const size_t item = npy_itemsize(dtype);
   const int64_t n = numel_of(shape, path);
 
@@ -365,19 +364,31 @@ void npy_save(const std::string& path, const std::string& dtype, const std::vect
   dict.append(header_len - dict.size() - 1, ' ');
   dict += '\n';
 
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  FLOWMOE_CHECK(f.is_open(), path << ": cannot open for writing (" << std::strerror(errno) << ")");
-  f.write(kMagic, kMagicLen);
-  const char version[2] = {static_cast<char>(v2 ? 2 : 1), 0};
-  f.write(version, 2);
-  for (size_t i = 0; i < (v2 ? 4u : 2u); ++i) f.put(static_cast<char>((header_len >> (8 * i)) & 0xFF));
-  f.write(dict.data(), static_cast<std::streamsize>(dict.size()));
-  if (n > 0) {
-    FLOWMOE_CHECK(data != nullptr, path << ": npy_save given no data for shape " << npy_shape_str(shape));
-    f.write(static_cast<const char*>(data), static_cast<std::streamsize>(n * static_cast<int64_t>(item)));
-  }
-  f.close();
-  FLOWMOE_CHECK(!f.fail(), path << ": write failed (" << std::strerror(errno) << "; disk full?)");
+  std::string head(kMagic, kMagicLen);
+  head += static_cast<char>(v2 ? 2 : 1);
+  head += '\0';
+  for (size_t i = 0; i < (v2 ? 4u : 2u); ++i) head += static_cast<char>((header_len >> (8 * i)) & 0xFF);
+  head += dict;
+  if (n > 0) FLOWMOE_CHECK(data != nullptr, path << ": npy_write given no data for shape " << npy_shape_str(shape));
+  // write(2) on the descriptor, in pieces of at most 1 GiB, until every byte is written.
+  const auto write_all = [&](const char* p, size_t len) {
+    while (len > 0) {
+      const ssize_t w = ::write(fd, p, len < (size_t(1) << 30) ? len : (size_t(1) << 30));
+      if (w < 0 && errno == EINTR) continue;
+      const int err = w < 0 ? errno : ENOSPC;  // (0 bytes written: no room)
+      FLOWMOE_CHECK(w > 0, path << ": write failed (" << std::strerror(err)
+                                << (err == ENOSPC  ? "; the disk is full"
+                                    : err == EDQUOT ? "; the disk quota is used up"
+                                    : err == EFBIG  ? "; the file size limit (ulimit -f) or the file system's largest "
+                                                      "file size was reached"
+                                                    : "")
+                                << ")");
+      p += w;
+      len -= static_cast<size_t>(w);
+    }
+  };
+  write_all(head.data(), head.size());
+  if (n > 0) write_all(static_cast<const char*>(data), static_cast<size_t>(n) * item);
 }
 
 }  // namespace flowmoe

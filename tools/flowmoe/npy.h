@@ -40,9 +40,11 @@ std::string npy_shape_str(const std::vector<int64_t>& shape);
 // refused with what it is, checked on the opened descriptor (opened without blocking), so neither
 // a FIFO without a writer nor a path swapped for one after a check can hang the call.
 NpyArray npy_load(const std::string& path);
-// `data` holds prod(shape) elements of `dtype`, C order.
-void npy_save(const std::string& path, const std::string& dtype, const std::vector<int64_t>& shape,
-              const void* data);
+// Writes a whole .npy file to the open descriptor `fd` (an exclusively created temporary, see
+// set_files.h; never a path, which could be a planted link); `path` names the file in errors. The
+// caller closes fd. `data` holds prod(shape) elements of `dtype`, C order.
+void npy_write(int fd, const std::string& path, const std::string& dtype, const std::vector<int64_t>& shape,
+               const void* data);
 
 // Copies the elements of `a` out as T, checking that the dtype is `dtype` (path is for messages).
 template <typename T>

@@ -10,6 +10,7 @@
 
 #include "cli.h"
 #include "npy.h"
+#include "set_files.h"
 #include "flowmoe/error.h"
 
 namespace flowmoe {
@@ -118,11 +119,21 @@ bool file_exists(const std::string& path) {
   return stat(path.c_str(), &st) == 0;
 }
 
-void save_qtensor(const QTensor& q, const std::string& prefix, OutputSet* out) {
+void check_output_prefix(const std::string& prefix) {
   const size_t slash = prefix.rfind('/');
-  FLOWMOE_CHECK(!prefix.empty() && slash != prefix.size() - 1,
-                "output prefix '" << prefix << "' names no file (it would write hidden files such as '"
-                                  << prefix << ".codes.npy'); expected a prefix such as out/name");
+  const std::string last = slash == std::string::npos ? prefix : prefix.substr(slash + 1);
+  FLOWMOE_CHECK(!last.empty() && last != "." && last != "..",
+                "output prefix '" << prefix << "' names no file: its last part is "
+                                  << (last.empty() ? "empty" : "'" + last + "'")
+                                  << ", so it would write hidden files such as '" << prefix
+                                  << ".codes.npy'; expected a prefix such as out/name");
+  FLOWMOE_CHECK(last.compare(0, 9, ".flowmoe-") != 0,
+                "output prefix '" << prefix << "' starts with '.flowmoe-', the names flowmoe keeps for its "
+                                  << "temporary files (they are removed as leftovers); choose another name");
+}
+
+void save_qtensor(const QTensor& q, const std::string& prefix, OutputSet* out) {
+  check_output_prefix(prefix);
   const std::vector<int64_t> cs = code_shape(q.layout, q.rows, q.cols);
   const std::vector<int64_t> ss = scale_shape(q.layout, q.rows, q.cols, q.segments);
   // Sanity: the library produced exactly the layout documented in docs/NPY_FILES.md.
@@ -144,6 +155,9 @@ QTensor load_qtensor(Layout l, const std::string& prefix, const std::string& sha
                      const std::string& seg_counts) {
   const std::string codes_path = prefix + ".codes.npy";
   const std::string scales_path = prefix + ".scales.npy";
+  // Every file of the set is read under the directory's shared lock: a flowmoe writer replacing
+  // the set waits, so this sees the old set or the new one whole (set_files.h).
+  const SetReadGuard guard({codes_path, scales_path, prefix + ".segments.npy"});
   FLOWMOE_CHECK(file_exists(codes_path), codes_path << ": missing (expected the " << layout_word(l)
                                                     << " codes written by 'flowmoe quantize')");
 

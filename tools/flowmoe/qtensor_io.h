@@ -37,6 +37,11 @@ std::vector<int64_t> scale_shape(Layout l, int64_t rows, int64_t cols, const Seg
 // Segments from "--segments a,b,c" token counts (must sum to m), or one segment when empty.
 Segments segments_from_option(const std::string& counts, int64_t m);
 
+// Refuses an output prefix that names no file: '' or 'dir/', or a last part '.' or '..' (each would
+// write hidden files such as 'dir/.codes.npy'), and one whose last part starts with '.flowmoe-' (the
+// names of flowmoe's own temporary files). A prefix such as '.x' is allowed: the user asked for it.
+void check_output_prefix(const std::string& prefix);
+
 // Adds PREFIX.codes.npy, PREFIX.scales.npy (and PREFIX.segments.npy for col) to `out`; they
 // appear, with the rest of the set, when the caller commits it (output_set.h).
 void save_qtensor(const QTensor& q, const std::string& prefix, OutputSet* out);
