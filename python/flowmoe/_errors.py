@@ -67,3 +67,22 @@ class OutOfMemoryError(FlowmoeError, _TorchOutOfMemoryError):
     """flowmoe::OutOfMemoryError: a device allocation of the library failed. Also a
     ``torch.OutOfMemoryError`` (when PyTorch is installed) and its message says "CUDA out of
     memory.", so batch-size finders (transformers' ``auto_find_batch_size``, accelerate) retry smaller."""
+
+
+class MissingTorchError(ModuleNotFoundError):
+    """PyTorch is not installed but a module that needs it was imported. ``pip install .`` does not
+    install PyTorch (``import flowmoe`` and the C ABI work without it); the ``[torch]`` extra does."""
+
+
+def require_torch(who: str) -> None:
+    """Raises MissingTorchError, naming the install command, where PyTorch cannot be imported.
+    Called by the modules that need PyTorch before their own ``import torch``."""
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        raise MissingTorchError(
+            f"{who} needs PyTorch, which is not installed (`pip install .` leaves it out). Install the "
+            "package with its [torch] extra: pip install '.[torch]' (from the source folder), or "
+            "PyTorch alone: pip install torch (https://pytorch.org for a CUDA build)", name="torch") from None

@@ -32,7 +32,10 @@ from __future__ import annotations
 import weakref
 from typing import Dict, Optional, Tuple
 
-import torch
+from ._errors import require_torch
+
+require_torch("flowmoe.experts")  # where PyTorch is missing: an error naming pip install '.[torch]'
+import torch  # noqa: E402
 from torch import nn
 
 from . import _native, _ops

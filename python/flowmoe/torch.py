@@ -12,7 +12,10 @@ import math
 import threading
 from typing import Optional
 
-import torch
+from ._errors import require_torch
+
+require_torch("flowmoe.torch")  # where PyTorch is missing: an error naming pip install '.[torch]'
+import torch  # noqa: E402
 from torch import nn
 
 from . import _native, _ops

@@ -39,7 +39,15 @@ import sys
 import textwrap
 import time
 
-import torch
+from ._errors import require_torch
+
+try:  # where PyTorch is missing: one line naming pip install '.[torch]' (also for --help)
+    require_torch("python -m flowmoe.train")
+except ImportError as e:
+    if __name__ != "__main__":
+        raise
+    sys.exit(f"flowmoe.train: {e}")
+import torch  # noqa: E402
 
 from . import data as data_mod
 from . import train_guards
