@@ -71,13 +71,17 @@ else
 fi
 # the trainer's arguments, checked before anything is installed or built (flowmoe/train_args.py needs
 # no PyTorch): a mistake ends here in one line; else what the run will use, for the banner
+# (--device cuda without a GPU is refused here, not after the build)
 dev_flag=()
-[ $gpu = 1 ] && [ "$FLOWMOE_CUDA" = ON ] && dev_flag=(--gpu)
+if [ $gpu = 1 ] && [ "$FLOWMOE_CUDA" = ON ]; then dev_flag=(--gpu)
+elif [ $gpu = 0 ]; then dev_flag=("--no-cuda=no GPU is visible on this machine (nvidia-smi lists none)")
+fi
 plan=$(python3 "$ROOT/python/flowmoe/train_args.py" "${dev_flag[@]}" "$@") || exit 2
 plan_get() { echo "$plan" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
+device_words() { case "$(plan_get device)" in cuda*) echo "GPU" ;; cpu) echo "CPU" ;; *) plan_get device ;; esac; }
 build_seconds=$(( (core_seconds + cores - 1) / cores ))
 about() { if [ "$1" -lt 90 ]; then echo "about $(( ($1 + 4) / 5 * 5 )) s"; else echo "about $(( ($1 + 30) / 60 )) minutes"; fi; }
-echo "flowmoe main job: build, numerics check, training ($(plan_get preset) model, recipe $(plan_get recipe), $(plan_get steps) steps on the $(plan_get device)); $(about $((build_seconds + rest))) on $cores cores once the dependencies are installed"
+echo "flowmoe main job: build, numerics check, training ($(plan_get preset) model, recipe $(plan_get recipe), $(plan_get steps) steps on the $(device_words)); $(about $((build_seconds + rest))) on $cores cores once the dependencies are installed"
 
 phase 1 "dependencies" "Checks the build tools (cmake, ninja, g++, GoogleTest) and the Python packages of requirements-test.txt (numpy, ml_dtypes, torch, pytest, transformers) and installs only what is missing: seconds when present; the first time, torch is a download of several GB (minutes)."
 scripts/setup-deps.sh --tests
@@ -129,7 +133,7 @@ have --json || train_args+=(--json "$ROOT/$BUILD/train-run.json")
 if [ $gpu = 1 ] && [ "$FLOWMOE_CUDA" != ON ] && ! have --device && ! have --moe; then
   train_args+=(--device cpu)  # this build has no CUDA backend
 fi
-what="the $(plan_get preset) MoE language model, $(plan_get steps) steps on the $(plan_get device) with $(plan_get moe)'s layer, recipe $(plan_get recipe) (the default small run: about 2 minutes on an H200; the tiny one: under a minute on a CPU)"
+what="the $(plan_get preset) MoE language model, $(plan_get steps) steps on the $(device_words) with $(plan_get moe)'s layer, recipe $(plan_get recipe) (the default small run: about 2 minutes on an H200; the tiny one: under a minute on a CPU)"
 phase 6 "training" "python -m flowmoe.train ${train_args[*]}: $what. Ends with a summary; the curves go to the JSON named there."
 cd "${TMPDIR:-/tmp}"  # the installed package, not the source tree's python/ folder
 "$py" -m flowmoe.train "${train_args[@]}"

@@ -214,7 +214,7 @@ def plot(runs, out, smooth):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("plot.py: matplotlib is not installed; figures not drawn (pip install matplotlib)", file=sys.stderr)
+        print("plot.py: matplotlib is not installed; figures not drawn (pip install matplotlib, or the package's extra: pip install '.[torch]')", file=sys.stderr)
         return []
     col = colors(runs)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))

@@ -4,12 +4,13 @@
 ``flowmoe.torch.MoE``) loads it on first use. See docs/PYTHON.md.
 """
 
-from ._errors import CommError, FlowmoeError, NonFiniteError, OutOfMemoryError
+from ._errors import CommError, ConfigError, FlowmoeError, NonFiniteError, OutOfMemoryError, set_debug
 from ._recipes import RECIPES
 
 __version__ = "0.1.0"
 
-__all__ = ["FlowmoeError", "NonFiniteError", "CommError", "OutOfMemoryError", "RECIPES", "__version__", "native_available"]
+__all__ = ["FlowmoeError", "ConfigError", "NonFiniteError", "CommError", "OutOfMemoryError", "RECIPES", "__version__",
+           "native_available", "set_debug"]
 
 
 def native_available() -> bool:

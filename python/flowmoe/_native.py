@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Callable, Optional
 
-from ._errors import CommError, FlowmoeError, NonFiniteError, OutOfMemoryError
+from ._errors import CommError, FlowmoeError, NonFiniteError, OutOfMemoryError, debug, split_location
 
 LIBRARY_NAME = "libflowmoe_capi.so"
 CAPI_VERSION = 7
@@ -170,7 +170,8 @@ def check(rc: int) -> None:
     if rc == OK:
         return
     msg = lib().flowmoe_last_error().decode("utf-8", "replace")
-    raise _ERRORS.get(rc, FlowmoeError)(msg, rc)
+    text, location = split_location(msg)
+    raise _ERRORS.get(rc, FlowmoeError)(msg if debug() else text, rc, location)
 
 
 def has_cuda() -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 import weakref
 
 import torch
@@ -50,6 +51,12 @@ class _Runner:
         (its own stream where that is the legacy default stream), taking its memory from PyTorch
         (caller memory), or a CPU layer."""
         if device.type != "cuda":
+            if sync_free:
+                # Accepted at construction (a module built on the CPU is often moved to a GPU
+                # afterwards) but it means nothing here: say so rather than ignore it silently.
+                warnings.warn(f"{who}: sync_free=True has no effect on CPU tensors (the CPU layer has no "
+                              "host synchronisation to remove); it applies once the module runs on a "
+                              "CUDA device", UserWarning, stacklevel=2)
             return _Runner(_native.Layer(cfg, comm), device, None, max_tokens)
         if not _native.has_cuda():
             raise FlowmoeError(f"{who}: CUDA tensors but this flowmoe library was built without the CUDA "

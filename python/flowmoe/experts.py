@@ -32,12 +32,16 @@ from __future__ import annotations
 import weakref
 from typing import Dict, Optional, Tuple
 
-import torch
+from ._errors import require_torch
+
+require_torch("flowmoe.experts")  # where PyTorch is missing: an error naming pip install '.[torch]'
+import torch  # noqa: E402
 from torch import nn
 
 from . import _native, _ops
 from ._errors import FlowmoeError
 from ._runner import _NoTokens, _Runner, keep_fp32, keep_layer_on_failure
+from ._validate import check_sizes, native_config_errors
 
 __all__ = ["experts", "MoEExperts"]
 
@@ -56,7 +60,8 @@ class _ExpertsLayer:
         self.weight_updates = 0
         self._runner = None  # flowmoe.torch._Runner
         self._op_id = _ops.register_module(self)
-        _native.Layer(self._config(1)).close()  # the library checks the configuration now
+        with native_config_errors(who):  # the library checks the configuration now
+            _native.Layer(self._config(1)).close()
 
     def _config(self, max_tokens: int) -> _native.Config:
         act, alpha, limit = self.activation
@@ -310,6 +315,7 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
     (b1 too). H and F that are not multiples of 128 are zero-padded to the next multiple."""
     who = "flowmoe.torch.experts"
     E, H, F, k = _check_inputs(who, x, top_k_index, top_k_weights, w1, w2, bool(transposed))
+    check_sizes(who, H, F, E, k, pads=True)  # (H and F are padded below)
     _check_biases(who, b1, b2, E, H, F, x.device)
     recipes = _native.recipe_names()
     if recipe not in recipes:
@@ -362,9 +368,7 @@ class MoEExperts(nn.Module):
                  align: int = 128, max_tokens: Optional[int] = None, sync_free: bool = False,
                  check_finite: Optional[bool] = None, seed: Optional[int] = None, device=None):
         super().__init__()
-        for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("topk", topk)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"flowmoe.torch.MoEExperts: {name} = {v!r}; expected a positive int")
+        check_sizes("flowmoe.torch.MoEExperts", hidden, ffn, experts, topk)
         self.hidden, self.ffn, self.experts, self.topk = hidden, ffn, experts, topk
         self.recipe, self.align, self.max_tokens = recipe, align, max_tokens
         self.sync_free, self.check_finite = bool(sync_free), check_finite

@@ -39,7 +39,10 @@ supports, biases with fp8-naive.
 
 from __future__ import annotations
 
-import torch
+from ._errors import require_torch
+
+require_torch("flowmoe.hf")  # where PyTorch is missing: an error naming pip install '.[torch]'
+import torch  # noqa: E402
 from torch import nn
 
 from ._recipes import RECIPES

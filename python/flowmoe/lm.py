@@ -22,7 +22,10 @@
 import dataclasses
 import math
 
-import torch
+from ._errors import require_torch
+
+require_torch("flowmoe.lm")  # where PyTorch is missing: an error naming pip install '.[torch]'
+import torch  # noqa: E402
 import torch.nn.functional as F
 
 from .reference_moe import ReferenceMoE, init_moe_parameters

@@ -28,7 +28,10 @@ On CUDA the expert GEMMs use torch._grouped_mm over the ragged expert segments w
 has it; elsewhere (CPU, or an older PyTorch) one matmul per expert.
 """
 
-import torch
+from ._errors import require_torch
+
+require_torch("flowmoe.reference_moe")  # where PyTorch is missing: an error naming pip install '.[torch]'
+import torch  # noqa: E402
 import torch.nn.functional as F
 
 ROUTERS = ("softmax", "sigmoid")

@@ -12,11 +12,15 @@ import math
 import threading
 from typing import Optional
 
-import torch
+from ._errors import require_torch
+
+require_torch("flowmoe.torch")  # where PyTorch is missing: an error naming pip install '.[torch]'
+import torch  # noqa: E402
 from torch import nn
 
 from . import _native, _ops
 from ._errors import FlowmoeError
+from ._validate import check_sizes, native_config_errors
 from ._runner import _NoTokens, _Runner, keep_fp32, keep_layer_on_failure  # noqa: F401  (MoE uses them)
 from .experts import MoEExperts, experts  # noqa: F401  (flowmoe.torch.experts, MoEExperts)
 
@@ -84,9 +88,7 @@ class MoE(nn.Module):
                  check_columns: bool = False, transpose_exponent: str = "row-max",
                  comm_timeout_s: float = 300.0, sync_free: bool = False, device=None):
         super().__init__()
-        for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("topk", topk)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"flowmoe.torch.MoE: {name} = {v!r}; expected a positive int")
+        check_sizes("flowmoe.torch.MoE", hidden, ffn, experts, topk)
         recipes = _native.recipe_names()
         if recipe not in recipes:
             raise ValueError(f"flowmoe.torch.MoE: unknown recipe {recipe!r}; expected one of "
@@ -132,7 +134,8 @@ class MoE(nn.Module):
         self.local_experts = experts // self.ep_world
 
         # The configuration is checked by the library now (not at the first forward).
-        _native.Layer(self._config(1)).close()
+        with native_config_errors("flowmoe.torch.MoE"):
+            _native.Layer(self._config(1)).close()
 
         E, El, H, F = experts, self.local_experts, hidden, ffn
         self.w1 = nn.Parameter(torch.empty(El, 2 * F, H, dtype=torch.float32, device=device))

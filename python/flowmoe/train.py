@@ -39,7 +39,15 @@ import sys
 import textwrap
 import time
 
-import torch
+from ._errors import require_torch
+
+try:  # where PyTorch is missing: one line naming pip install '.[torch]' (also for --help)
+    require_torch("python -m flowmoe.train")
+except ImportError as e:
+    if __name__ != "__main__":
+        raise
+    sys.exit(f"flowmoe.train: {e}")
+import torch  # noqa: E402
 
 from . import data as data_mod
 from . import train_guards
@@ -197,11 +205,32 @@ def save_checkpoint(path, model, opt, state, guard):
     os.replace(tmp, path)
 
 
+# The small preset's training speed on a CPU, measured (issue 54: two cores, flowmoe's layer, recipe
+# flow): 21 tokens/s, so one step of 8 x 512 tokens takes about 3 minutes and `--steps 1` with its
+# validation 285 s. The tiny preset's 30 steps take under a minute there.
+SMALL_CPU_TOKENS_PER_S = 21
+
+
+def slow_on_cpu_note(args, device, tokens_per_step: int):
+    """A warning for a run that will be slow on the CPU (the small preset): how slow, and the
+    alternative; None for any other run."""
+    if device.type != "cpu" or args.config_name != "small":
+        return None
+    step_s = tokens_per_step / SMALL_CPU_TOKENS_PER_S
+    return (f"# note: the small model on a CPU is slow: about {fmt_time(step_s)} per step of {tokens_per_step} "
+            f"tokens (measured on two cores: {SMALL_CPU_TOKENS_PER_S} tok/s), so {args.steps} step(s) take about "
+            f"{fmt_time(args.steps * step_s)} plus validation; --tiny (the CPU preset) runs its 30 steps in "
+            f"under a minute. A line follows each step.")
+
+
 def run(args):
     cfg = resolve(args)
     device = torch.device(args.device)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     torch.manual_seed(args.seed)
+    slow_note = slow_on_cpu_note(args, device, args.batch * cfg.seq_len)
+    if slow_note:  # before anything is loaded or built: the first step's line comes minutes later
+        log(textwrap.fill(slow_note, width=100, subsequent_indent="# "))
 
     corpus = data_mod.load(args.data)
     corpus.check_window(cfg.seq_len)
@@ -251,6 +280,8 @@ def run(args):
     saved = None
     t_start = time.perf_counter()
     model.train()
+    if slow_note and state["step"] < stop_at:
+        log(f"# step {state['step'] + 1} of {args.steps} started")
     while state["step"] < stop_at:
         step = state["step"]
         for g in opt.param_groups:
@@ -275,7 +306,7 @@ def run(args):
         last = state["step"] == args.steps
         if last:
             saved = moe_saved_bytes(model)  # the report of a training forward, before validation
-        if state["step"] % args.log_every == 0 or last or state["step"] == 1:
+        if state["step"] % args.log_every == 0 or last or state["step"] == 1 or slow_note:
             times = state["step_times"][args.timing_warmup:] or state["step_times"]
             tps = tokens_per_step / statistics.median(times[-100:])
             eta = (args.steps - state["step"]) * statistics.mean(times[-100:])
@@ -283,6 +314,8 @@ def run(args):
                 f"grad {float(norm):.3f} | lr {opt.param_groups[0]['lr']:.2e} | {tps:,.0f} tok/s | "
                 f"ETA {fmt_time(eta)}" + ("" if ok else " | SKIPPED (non-finite)"))
         if state["step"] % args.val_every == 0 or last:
+            if slow_note:
+                log(f"# validation on {len(val_batches)} batches (minutes on a CPU)")
             v = evaluate(model, val_batches, amp)
             state["val"].append([state["step"], v])
             log(f"val  {state['step']:>6}/{args.steps} | loss {v:.4f} | {v / math.log(2):.3f} bits/byte")

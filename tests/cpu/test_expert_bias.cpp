@@ -6,6 +6,7 @@
 #include <cmath>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/moe_config.h"
@@ -179,7 +180,13 @@ TEST_P(ExpertBiasLayer, ZeroBiasSameBitsAndABiasMovesTheOutput) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, ExpertBiasLayer,
-                         ::testing::Values(Recipe::kBf16, Recipe::kBlockwise, Recipe::kFlow, Recipe::kFlowFp4));
+                         ::testing::Values(Recipe::kBf16, Recipe::kBlockwise, Recipe::kFlow, Recipe::kFlowFp4),
+                         [](const ::testing::TestParamInfo<Recipe>& p) {  // "flow_fp4": names are [A-Za-z0-9_]
+                           std::string n = flowmoe::recipe_name(p.param);
+                           for (char& c : n)
+                             if (c == '-') c = '_';
+                           return n;
+                         });
 
 TEST(ExpertBiasLayer, Refusals) {
   MoeConfig cfg = flowmoe_test::moe_config(128, 128, 4, 2).recipe(Recipe::kFp8Naive).max_tokens(8);

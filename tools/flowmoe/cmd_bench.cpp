@@ -373,9 +373,20 @@ int run_bench(const Args& args) {
   int ndev = 0;
   const cudaError_t derr = cudaGetDeviceCount(&ndev);
   if (derr != cudaSuccess || ndev == 0) {
-    std::cerr << "flowmoe bench: no CUDA device ("
-              << (derr == cudaSuccess ? "none found" : cudaGetErrorString(derr))
-              << "); the benchmark needs a Hopper GPU (sm_90)\n";
+    // Without any NVIDIA driver the runtime reports "CUDA driver version is insufficient", which
+    // reads like an upgrade to make: on a machine with no driver at all, say there is no GPU.
+    int driver = 0;
+    const bool no_driver = cudaDriverGetVersion(&driver) == cudaSuccess && driver == 0;
+    std::string why = "no GPU found";
+    if (derr == cudaErrorInsufficientDriver && !no_driver)
+      why = "the NVIDIA driver (CUDA " + std::to_string(driver / 1000) + "." + std::to_string(driver % 1000 / 10) +
+            ") is older than this build's CUDA runtime; update the driver";
+    else if (no_driver || derr == cudaErrorNoDevice || derr == cudaErrorInsufficientDriver)
+      why = "no GPU here: no NVIDIA driver is loaded or no device is visible";
+    else if (derr != cudaSuccess)
+      why = std::string("the CUDA runtime reports: ") + cudaGetErrorString(derr);
+    std::cerr << "flowmoe bench: " << why << "; the benchmark needs a Hopper GPU (sm_90). "
+              << "`flowmoe numerics` runs on the CPU\n";
     return 1;
   }
   cudaDeviceProp prop{};

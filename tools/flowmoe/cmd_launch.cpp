@@ -117,6 +117,17 @@ int run_launch(const Args& args) {
 int run_bench_ep(const Args& args) {
   const char* env = std::getenv("FLOWMOE_BENCH_EP");
   const std::string worker = env && *env ? env : sibling("flowmoe_bench_ep");
+#if !defined(FLOWMOE_HAVE_CUDA)
+  // A CPU-only install (no nvcc at build time, e.g. `pip install .` without the CUDA toolkit): the
+  // missing piece is the CUDA backend, not NCCL, so say that first.
+  if (!(env && *env)) {
+    std::fprintf(stderr,
+                 "flowmoe bench-ep: this flowmoe was built without the CUDA backend (no nvcc at build time), "
+                 "and the expert-parallel benchmark runs on GPUs; rebuild where the CUDA toolkit is installed "
+                 "(and NCCL, for flowmoe_bench_ep) on a machine with 2 or more Hopper GPUs\n");
+    return 1;
+  }
+#endif
   if (::access(worker.c_str(), X_OK) != 0) {
     std::fprintf(stderr,
                  "flowmoe bench-ep: %s not found or not executable; it is built only where NCCL is found "

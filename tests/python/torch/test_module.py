@@ -290,7 +290,7 @@ def test_max_tokens_grows_unless_fixed():
 def test_bad_configuration_raises_library_message():
     with pytest.raises(ValueError, match="unknown recipe 'fp3'"):
         make("fp3")
-    with pytest.raises(flowmoe.FlowmoeError, match="hidden H = 100"):
+    with pytest.raises(flowmoe.FlowmoeError, match="hidden = 100"):
         MoE(100, F, E, K)
     with pytest.raises(flowmoe.FlowmoeError, match="top_k|topk"):
         MoE(H, F, E, E + 1)
