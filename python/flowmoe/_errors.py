@@ -2,22 +2,20 @@
 
 Messages of the native library end with the C++ source location of the check that failed
 ("... [src/common/moe_common.cpp:119]"). That is for flowmoe's developers, so the Python package
-drops it from the message unless debugging is on (``FLOWMOE_DEBUG=1`` in the environment or
-``flowmoe.set_debug(True)``); the location is always kept in the exception's ``location``.
+drops it from the message unless debugging is on (``flowmoe.set_debug(True)``; the package reads no
+environment variable); the location is always kept in the exception's ``location``.
 """
 
-import os
 import re
 
 # " [src/common/moe_common.cpp:119]": a repository path and a line (include/flowmoe/error.h).
 _LOCATION = re.compile(r" \[((?:src|include|tools|tests|bench|python)/[^\]\s]+:\d+)\]")
 
-_debug = os.environ.get("FLOWMOE_DEBUG", "") not in ("", "0")
+_debug = False
 
 
 def set_debug(on: bool) -> None:
-    """Whether error messages keep the C++ source location of the failed check (default: the
-    environment variable FLOWMOE_DEBUG, off when unset or "0")."""
+    """Whether error messages keep the C++ source location of the failed check (default: off)."""
     global _debug
     _debug = bool(on)
 

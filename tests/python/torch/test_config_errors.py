@@ -1,6 +1,6 @@
 """Configuration mistakes in flowmoe.torch are ValueErrors that say what was wrong and what is
 expected, raised up front, and no error message carries a C++ source location unless debugging is
-on (flowmoe.set_debug / FLOWMOE_DEBUG). CPU only."""
+on (flowmoe.set_debug). CPU only."""
 
 import re
 import warnings
