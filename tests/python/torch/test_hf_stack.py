@@ -191,6 +191,7 @@ def _lm_dataset(n=4, s=24):
 
 
 def _train(impl, tmp_path, steps, **kw):
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate: pip install accelerate")
     model = hc.build(hc.qwen3_moe, impl)
     before = copy.deepcopy(model.state_dict())
     args = _trainer_args(transformers.TrainingArguments, tmp_path, max_steps=steps, **kw)
