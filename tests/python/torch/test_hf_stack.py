@@ -145,6 +145,7 @@ def test_peft_merge_and_unload(impl):
         got = merged(input_ids=ids).logits
     assert _ran_flowmoe(merged)
     err = hc.rel(got, want)
+    print(f"{impl}: merged against adapter logits {err:.2e}")
     assert err < (5e-3 if impl == "flowmoe-bf16" else 0.02), err
     # and the merge changed the experts' weights: the adapters were not zero
     plain = hc.build(hc.qwen3_moe, impl)
@@ -313,3 +314,22 @@ def test_sft_trainer_model_init_kwargs_and_peft(tmp_path):
               if "lora_" not in k}
     for k, v in base.items():
         assert torch.equal(merged[k], v), f"frozen {k} changed"
+
+
+def test_docs_peft_snippet_runs():
+    """docs/HF.md's PEFT snippet ("Fine-tuning stacks"), run as written: LoRA gradients reach the
+    experts' adapters through flowmoe."""
+    import os
+    import re
+
+    _peft()
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "HF.md")).read()
+    section = doc[doc.index("## Fine-tuning stacks"):]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "get_peft_model" in snippet
+    env = {}
+    exec(compile(snippet, "docs/HF.md", "exec"), env)
+    model = env["model"]
+    assert _ran_flowmoe(model)
+    grads = {n: p.grad for n, p in model.named_parameters() if "lora_" in n and "experts" in n}
+    assert grads and all(g is not None for g in grads.values())
