@@ -2,7 +2,7 @@
 # Installs what the build and tests need, from Debian and PyPI only, and only what is missing.
 #   scripts/setup-deps.sh          build tools: cmake (>= 3.24), ninja, g++, GoogleTest
 #   scripts/setup-deps.sh --tests  also the Python test packages (numpy, ml_dtypes, torch, pytest,
-#                                  transformers, matplotlib for the convergence figures:
+#                                  transformers, matplotlib for the convergence figures, peft:
 #                                  requirements-test.txt; torch is PyPI's, with its CUDA
 #                                  libraries, several GB on first install). Where the
 #                                  system Python refuses pip installs (PEP 668, Debian 12), they go
@@ -41,7 +41,7 @@ fi
 if [ "${1:-}" = "--tests" ]; then
   py=python3
   [ -x .venv-test/bin/python ] && py=.venv-test/bin/python
-  if ! "$py" -c 'import numpy, ml_dtypes, torch, pytest, transformers, matplotlib' 2>/dev/null; then
+  if ! "$py" -c 'import numpy, ml_dtypes, torch, pytest, transformers, matplotlib, peft' 2>/dev/null; then
     echo "setup-deps: installing Python test packages (requirements-test.txt) from PyPI"
     if ! python3 -m pip --version >/dev/null 2>&1; then apt_install python3-pip; fi
     if ! python3 -m pip install -q -r requirements-test.txt 2>/tmp/flowmoe-pip.log; then
@@ -57,6 +57,6 @@ if [ "${1:-}" = "--tests" ]; then
         exit 1
       fi
     fi
-    "$py" -c 'import numpy, ml_dtypes, torch, pytest, transformers, matplotlib' || { echo "setup-deps: numpy/ml_dtypes/torch/pytest/transformers/matplotlib still not importable by $py" >&2; exit 1; }
+    "$py" -c 'import numpy, ml_dtypes, torch, pytest, transformers, matplotlib, peft' || { echo "setup-deps: numpy/ml_dtypes/torch/pytest/transformers/matplotlib/peft still not importable by $py" >&2; exit 1; }
   fi
 fi
