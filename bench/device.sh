@@ -10,7 +10,9 @@
 # Words after a mode that start with -- are that mode's options (below). With no mode: `tests`.
 #
 # One GPU
-#   tests [--filter F]     flowmoe_gpu_tests (every GPU test, or the gtest filter F), failures shown
+#   tests [--filter F] [--shard I/N]  flowmoe_gpu_tests (every GPU test, or the gtest filter F; with
+#                          --shard, part I of N: the whole suite takes more than one 600 s call),
+#                          failures shown
 #   moe-tests              the MoE layer tests (*Moe*, including the stored-digest test)
 #   gemm-tests             the GEMM tests (*Gemm*)
 #   ep-sim                 expert parallelism through simulated ranks on the first GPU (*MoeEp*)
@@ -303,14 +305,31 @@ while [ $# -gt 0 ]; do
     opts+=("$1")
     shift
     case ${opts[-1]} in  # options that take a value: the next word, whatever it looks like
-      --filter|--opts|--baseline|--grads|--kernel|--bench|--args|--metrics|--gpus|--config|--tokens|--reps|\
+      --filter|--shard|--opts|--baseline|--grads|--kernel|--bench|--args|--metrics|--gpus|--config|--tokens|--reps|\
       --warmup|--recipes|--align|--json)
         [ $# -gt 0 ] && { opts+=("$1"); shift; } ;;
     esac
   done
   case $mode in
     tests)
-      if [ "${opts[0]:-}" = --filter ]; then run_tests gpu-tests-filtered 420 --gtest_filter="${opts[1]}"
+      # --filter F: only the gtest filter F; --shard I/N: the I-th of N parts of the suite (gtest's
+      # sharding: every test in exactly one part), so that the whole suite fits in calls of 600 s
+      filter=() shard=""
+      for ((j = 0; j < ${#opts[@]}; j += 2)); do
+        case ${opts[j]} in
+          --filter) filter=(--gtest_filter="${opts[j + 1]}") ;;
+          --shard) shard=${opts[j + 1]} ;;
+          *) echo "tests: unknown option ${opts[j]}"; FAILED=$((FAILED + 1)) ;;
+        esac
+      done
+      if [[ -n $shard ]]; then
+        if [[ ! $shard =~ ^([0-9]+)/([0-9]+)$ ]] || ((BASH_REMATCH[1] >= BASH_REMATCH[2])); then
+          echo "tests: --shard $shard; expected I/N with 0 <= I < N, e.g. 0/2"; FAILED=$((FAILED + 1))
+        else
+          GTEST_SHARD_INDEX=${BASH_REMATCH[1]} GTEST_TOTAL_SHARDS=${BASH_REMATCH[2]} \
+            run_tests "gpu-tests-shard-${BASH_REMATCH[1]}of${BASH_REMATCH[2]}" 540 "${filter[@]}"
+        fi
+      elif [ ${#filter[@]} -gt 0 ]; then run_tests gpu-tests-filtered 420 "${filter[@]}"
       else run_tests gpu-tests 420; fi ;;
     moe-tests) run_tests gpu-tests-moe 300 --gtest_filter='*Moe*' ;;
     gemm-tests) run_tests gpu-tests-gemm 240 --gtest_filter='*Gemm*' ;;
