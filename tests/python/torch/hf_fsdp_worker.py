@@ -62,7 +62,9 @@ def main():
     if rank == 0:
         res["state_dict"] = {k: v.detach().clone() for k, v in full.items()}
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    print(f"rank {rank}: saved", flush=True)
     dist.destroy_process_group()
+    print(f"rank {rank}: process group destroyed", flush=True)
 
 
 if __name__ == "__main__":
