@@ -20,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then  # this header; the trainer's own options after it
-  sed -n '2,/^set -euo/p' "$0" | sed '$d' | cut -c3-
+  sed -n '2,/^set -euo/p' scripts/run.sh | sed '$d' | cut -c3-
   echo
   echo "Trainer options (python -m flowmoe.train --help, once phase 5 has installed the package):"
   echo "  --tiny | --small (the preset), --recipe bf16|blockwise|fp8-naive|flow|flow-fp4, --steps N,"
@@ -34,15 +34,8 @@ export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 cores=$(nproc 2>/dev/null || echo 1)
 T0=$(date +%s)
 
-since() { local s=$(( $(date +%s) - $1 )); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
-phase_start=0
-phase() {  # phase N "title" "what it does and how long"
-  [ "$phase_start" -gt 0 ] && echo "    (took $(since "$phase_start"))"
-  phase_start=$(date +%s)
-  printf '\n== %s/6 %s\n' "$1" "$2"
-  [ -n "${3:-}" ] && echo "$3" | fold -s -w 96 | sed 's/^/   /'
-  return 0
-}
+PHASES=6
+. scripts/phases.sh  # (the working directory is the repository root here)
 
 gpu=0
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
@@ -80,7 +73,6 @@ plan=$(python3 "$ROOT/python/flowmoe/train_args.py" "${dev_flag[@]}" "$@") || ex
 plan_get() { echo "$plan" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
 device_words() { case "$(plan_get device)" in cuda*) echo "GPU" ;; cpu) echo "CPU" ;; *) plan_get device ;; esac; }
 build_seconds=$(( (core_seconds + cores - 1) / cores ))
-about() { if [ "$1" -lt 90 ]; then echo "about $(( ($1 + 4) / 5 * 5 )) s"; else echo "about $(( ($1 + 30) / 60 )) minutes"; fi; }
 echo "flowmoe main job: build, numerics check, training ($(plan_get preset) model, recipe $(plan_get recipe), $(plan_get steps) steps on the $(device_words)); $(about $((build_seconds + rest))) on $cores cores once the dependencies are installed"
 
 phase 1 "dependencies" "Checks the build tools (cmake, ninja, g++, GoogleTest) and the Python packages of requirements-test.txt (numpy, ml_dtypes, torch, pytest, transformers) and installs only what is missing: seconds when present; the first time, torch is a download of several GB (minutes)."

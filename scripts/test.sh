@@ -21,7 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then  # this header
-  sed -n '2,/^set -euo/p' "$0" | sed '$d' | cut -c3-
+  sed -n '2,/^set -euo/p' scripts/test.sh | sed '$d' | cut -c3-
   exit 0
 fi
 BUILD=${FLOWMOE_BUILD_DIR:-build}
@@ -31,16 +31,8 @@ CTEST_LOG=$BUILD/test-ctest.log
 cores=$(nproc 2>/dev/null || echo 1)
 T0=$(date +%s)
 
-since() { local s=$(( $(date +%s) - $1 )); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
-phase_start=0
-phase() {  # phase N "title" "what it does and how long"
-  [ "$phase_start" -gt 0 ] && echo "    (took $(since "$phase_start"))"
-  phase_start=$(date +%s)
-  printf '\n== %s/4 %s\n' "$1" "$2"
-  [ -n "${3:-}" ] && echo "$3" | fold -s -w 96 | sed 's/ *$//; s/^/   /'
-  return 0
-}
-about() { if [ "$1" -lt 90 ]; then echo "about $(( ($1 + 4) / 5 * 5 )) s"; else echo "about $(( ($1 + 30) / 60 )) minutes"; fi; }
+PHASES=4
+. scripts/phases.sh  # (the working directory is the repository root here)
 fail() {  # fail "what failed" LOG: the log's first errors (or its end) and where the whole log is
   grep -B2 -A12 -m 3 -i 'error' "$2" | head -n 60 || tail -n 40 "$2"
   echo "test: $1; the whole log is $2" >&2

@@ -17,12 +17,13 @@ the i-th rename's source into a directory first (a directory appearing at an out
 Needs numpy and a C compiler (cc / gcc).
 """
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
 import numpy as np
+
+import preload_shim
 
 FLOWMOE = None
 FAILED = []
@@ -94,14 +95,7 @@ def snapshot(d):
 
 
 def build_shim(tmp):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        sys.exit("test_cli_output_set.py: no C compiler (cc or gcc) for the LD_PRELOAD shim")
-    src, lib = os.path.join(tmp, "shim.c"), os.path.join(tmp, "shim.so")
-    with open(src, "w") as f:
-        f.write(SHIM_C)
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", lib, src, "-ldl"], check=True)
-    return lib
+    return preload_shim.build_shim(tmp, SHIM_C, "test_cli_output_set.py")
 
 
 def test_rollback(tmp, shim):

@@ -31,7 +31,6 @@ import fcntl
 import os
 import re
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +39,8 @@ import threading
 import time
 
 import numpy as np
+
+import preload_shim
 
 FLOWMOE = None
 FAILED = []
@@ -139,14 +140,7 @@ def leftovers(d):
 
 
 def build_shim(tmp):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        sys.exit("test_cli_set_safety.py: no C compiler (cc or gcc) for the LD_PRELOAD shim")
-    src, lib = os.path.join(tmp, "shim.c"), os.path.join(tmp, "shim.so")
-    with open(src, "w") as f:
-        f.write(SHIM_C)
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", lib, src, "-ldl"], check=True)
-    return lib
+    return preload_shim.build_shim(tmp, SHIM_C, "test_cli_set_safety.py")
 
 
 def inputs(tmp, shape=(256, 512)):
@@ -312,8 +306,8 @@ def test_plants(tmp, shim, a):
         f.write("precious\n")
     prefix = os.path.join(d, "p")
     # the old predictable names .flowmoe-PID-N.tmp / .old, planted by the process that then execs flowmoe
-    script = (f'for i in 0 1 2 3 4 5 6 7 8 9; do ln -s "$VICTIM" "$D/.flowmoe-$$-$i.tmp"; '
-              f'ln -s "$VICTIM" "$D/.flowmoe-$$-$i.old"; done; exec "$FLOWMOE" quantize --layout both "$A" "$P"')
+    script = ('for i in 0 1 2 3 4 5 6 7 8 9; do ln -s "$VICTIM" "$D/.flowmoe-$$-$i.tmp"; '
+              'ln -s "$VICTIM" "$D/.flowmoe-$$-$i.old"; done; exec "$FLOWMOE" quantize --layout both "$A" "$P"')
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=20,
                        env=dict(os.environ, VICTIM=victim, D=d, FLOWMOE=FLOWMOE, A=a, P=prefix))
     check(r.returncode == 0, f"plants at the old names: quantize succeeds ({r.stderr.strip()})")
