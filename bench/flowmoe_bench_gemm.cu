@@ -325,7 +325,9 @@ void bench_layer(cuda::GroupedGemm& gg, const std::string& name, const std::vect
 // ---- FP8 wgrad: flowmoe's sm_90a kernel against cuBLASLt per expert ---------------------------------
 // Same operands (128-aligned experts, as permute+pad with alignment 128 lays them out), FP32
 // accumulate (the main-gradient mode), FP32 overwrite and BF16 overwrite (BF16 parameters' gradients);
-// the FP32 overwrite outputs compared (relative RMS).
+// the FP32 overwrite outputs compared (relative RMS). The kernel twice: on GEMM-ready FP32 scales
+// (host offsets), and on device offsets with the UE8M0 scale bytes as the column copies hold them
+// (decoded in the kernel: what the layer runs, with no col_scales_to_f32 pass before).
 void bench_wgrad_kernel(const std::string& name, const std::vector<int32_t>& counts, int64_t n, int64_t k) {
   LayerBuffers b(counts, n, k, true);
   const int64_t m = b.m;
@@ -336,6 +338,9 @@ void bench_wgrad_kernel(const std::string& name, const std::vector<int32_t>& cou
   cuda::GroupedGemm kern(ok), blas(ob);
   const auto dyc = b.op(b.dyc_c, m * n, b.dyc_s, gemm::col_scale_f32_elems(b.seg, n));
   const auto xc = b.op(b.xc_c, m * k, b.xc_s, gemm::col_scale_f32_elems(b.seg, k));
+  const gemm::DeviceSegments dseg{b.offsets, E, m, b.st};
+  const cuda::QTensorView dyc8 = cuda::col_128x1(b.dyc_c, b.dyc_s8, m, n, b.nb);
+  const cuda::QTensorView xc8 = cuda::col_128x1(b.xc_c, b.xc_s8, m, k, b.nb);
   const double flops = 2.0 * m * n * k;
   using Kind = gemm::WgradOut::Kind;
   for (Kind kind : {Kind::kF32Accumulate, Kind::kF32, Kind::kBf16}) {
@@ -346,23 +351,25 @@ void bench_wgrad_kernel(const std::string& name, const std::vector<int32_t>& cou
                                           : gemm::WgradOut::bf16(reinterpret_cast<bf16_t*>(p), g);
     };
     const Timing tk = time_call([&] { kern.wgrad(b.seg, n, k, dyc, xc, out(b.g8), g_stream); });
+    const Timing tu = time_call([&] { kern.wgrad(dseg, n, k, dyc8, xc8, out(b.g8), g_stream); });
     const Timing tb = time_call([&] { blas.wgrad(b.seg, n, k, dyc, xc, out(b.g16), g_stream); });
     double diff = -1;
     if (kind == Kind::kF32) diff = rel_diff(b.g8, b.g16, g);
     // bytes: both operands once plus the output written (and read when accumulating)
     const double bytes = double(m) * (n + k) + double(g) * (kind == Kind::kF32Accumulate ? 8 : kind == Kind::kF32 ? 4 : 2);
     const char* label = kind == Kind::kF32Accumulate ? "+= FP32" : kind == Kind::kF32 ? "= FP32" : "= BF16";
-    std::printf("| %-22s | %3d | %6lld | %-9s | %8.1f | %6.0f | %8.1f | %6.0f | %5.2fx | %7.1f | %s |\n", name.c_str(), E,
-                (long long)m, label, tk.us, flops / tk.us * 1e-6, tb.us, flops / tb.us * 1e-6, tb.us / tk.us,
-                bytes / tk.us * 1e-3, diff < 0 ? "-" : std::to_string(diff).c_str());
+    std::printf("| %-22s | %3d | %6lld | %-9s | %8.1f | %6.0f | %8.1f | %6.0f | %8.1f | %6.0f | %5.2fx | %7.1f | %s |\n",
+                name.c_str(), E, (long long)m, label, tk.us, flops / tk.us * 1e-6, tu.us, flops / tu.us * 1e-6, tb.us,
+                flops / tb.us * 1e-6, tb.us / tu.us, bytes / tu.us * 1e-3, diff < 0 ? "-" : std::to_string(diff).c_str());
   }
   if (kern.stats().wgrad_kernel_calls == 0) std::printf("(the kernel did not take this problem: cuBLASLt both times)\n");
 }
 void wgrad_kernel_section() {
   std::printf("\n## FP8 wgrad: flowmoe's sm_90a kernel (one persistent launch) against cuBLASLt per expert\n\n");
-  std::printf("| %-22s | %3s | %6s | %-9s | %8s | %6s | %8s | %6s | %6s | %7s | %s |\n", "shape", "E", "tokens", "output",
-              "kernel us", "TFLOP/s", "cuBLASLt us", "TFLOP/s", "speed-up", "GB/s", "rel RMS vs cuBLASLt");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| %-22s | %3s | %6s | %-9s | %8s | %6s | %8s | %6s | %8s | %6s | %6s | %7s | %s |\n", "shape", "E", "tokens",
+              "output", "kernel FP32-scale us", "TFLOP/s", "kernel UE8M0 us", "TFLOP/s", "cuBLASLt us", "TFLOP/s",
+              "speed-up (UE8M0)", "GB/s", "rel RMS vs cuBLASLt");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const auto v3 = ragged_counts(32, 32 * 2048, 101, 128);     // DeepSeek-V3 EP8: 32 experts x ~2048 rows
   bench_wgrad_kernel("V3 GEMM1 [4096, 7168]", v3, 4096, 7168);
   bench_wgrad_kernel("V3 GEMM2 [7168, 2048]", v3, 7168, 2048);
@@ -377,6 +384,9 @@ void wgrad_kernel_section() {
   const auto qwen = ragged_counts(128, 128 * 512, 105, 128);  // Qwen3-30B-A3B: 128 experts x ~512 rows
   bench_wgrad_kernel("Qwen3-30B GEMM1 [1536, 2048]", qwen, 1536, 2048);
   bench_wgrad_kernel("Qwen3-30B GEMM2 [2048, 768]", qwen, 2048, 768);
+  const auto qwen4 = ragged_counts(128, 128 * 2048, 106, 128);  // the same at 2048 rows (T 32768)
+  bench_wgrad_kernel("Qwen3 T32k GEMM1", qwen4, 1536, 2048);
+  bench_wgrad_kernel("Qwen3 T32k GEMM2", qwen4, 2048, 768);
 }
 
 // ---- grouped kernels on device segments against cuBLASLt per expert and BF16 ---------------------

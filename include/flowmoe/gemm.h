@@ -323,6 +323,9 @@ class GroupedGemm {
   // dw E*N*K.
   void wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& dy_col,
              const Fp8Operand& x_col, const WgradOut& dw, cudaStream_t stream);
+  // Whether wgrad on these host segments runs flowmoe's sm_90a kernel (not cuBLASLt per expert):
+  // then the same problem on device segments gives the same bits, and takes UE8M0 scales.
+  bool wgrad_runs_kernel(const Segments& seg, int64_t n, int64_t k, WgradOut::Kind kind) const;
 
   // The same on device views with GEMM-ready FP32 scales (gemm::fp8_operand): x, dy row-wise,
   // w, wt 128x128 (E experts stacked), dy_col, x_col column-wise.
@@ -349,8 +352,9 @@ class GroupedGemm {
   // scales ([K/128][scale_ld], read as they are: no conversion pass) or expert-packed FP32 over the
   // same offsets; w [E*N, K], wt [E*K, N] 128x128 with UE8M0 or GEMM-ready FP32 scales; y, dx
   // [capacity, N or K] BF16 (rows past offsets[E] untouched). wgrad: every offset a multiple of 128
-  // (permute+pad alignment 128), capacity a multiple of 128, dy_col/x_col column-wise with FP32
-  // scales [capacity/128][C], FP32 output (overwrite zeroes empty experts, or accumulate) or BF16
+  // (permute+pad alignment 128), capacity a multiple of 128, dy_col/x_col column-wise with scales
+  // [capacity/128][C], both FP32 or both UE8M0 as the column copies are written (the kernel decodes
+  // them: the same bits, and no conversion pass before it), FP32 output (overwrite zeroes empty experts, or accumulate) or BF16
   // output (overwrite; each FP32 sum rounded once, RNE).
   // Malformed offsets are counted in seg.status and leave the output untouched; bad shapes throw.
   using DeviceSegments = gemm::DeviceSegments;

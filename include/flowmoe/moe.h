@@ -406,6 +406,13 @@ struct CudaLayerOptions {
   // One GPU: the backward's tail (router backward, dWr, dx = unpermute + router path) runs on its
   // own highest-priority stream next to GEMM1 wgrad; false: after it, on the layer's stream.
   bool tail_stream = true;
+  // flow / flow-fp4 on one GPU: GEMM1's wgrad runs before its dgrad, so that the dgrad writes the dX
+  // rows (BF16 [Mp, H]) into the storage of the two FP8 column copies the wgrad has just read: the
+  // layer's scratch holds no dX-rows buffer of its own (2 bytes per row and hidden feature less; the
+  // forward's GEMM2 output rows live there too). The backward's tail then follows GEMM1's dgrad with
+  // nothing left to overlap. false: dgrad first, the dX rows in a buffer of their own, and the tail
+  // next to the wgrad (tail_stream).
+  bool dx_rows_in_column_copies = true;
   // Expert parallelism (MoeConfig::comm): the deduplicated dispatch, each token sent once to each
   // rank holding one of its experts (not used by fp8-naive); false: every (token, expert) row
   // travels, as in the CPU layer's exchange. Every rank must pass the same value (make_cuda_layer

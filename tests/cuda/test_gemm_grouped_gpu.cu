@@ -198,6 +198,64 @@ TEST_P(GemmGroupedGpuWgrad, DeviceOffsetsMatchReferenceAndHostPath) {
   EXPECT_GT(nans, 0);
   expect_same_bits(want_nan, nan16.get(), "wgrad BF16 output with NaN sums");
 }
+// The column copies' UE8M0 scales read as they are (the kernel decodes them in shared memory) give
+// the bits of their FP32 conversion (col_scales_to_f32), at every tile width and output kind, also
+// with the extreme codes: 0 (2^-127, a subnormal), 254 (2^127) and 255 (NaN) in both operands.
+TEST_P(GemmGroupedGpuWgrad, Ue8m0ScalesGiveTheBitsOfTheirConversion) {
+  REQUIRE_SM90();
+  const Case& c = GetParam().c;
+  Problem p = make_problem(c, false, 654u);
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round == 0 ? "scales as quantized" : "extreme scale codes");
+    if (round == 1) {  // a few scales of each operand set to the extreme codes
+      const uint8_t codes[] = {0, 254, 255, 0, 254};
+      for (size_t i = 0; i < sizeof codes; ++i) {
+        p.dy_col.scales[(i * 131) % p.dy_col.scales.size()] = codes[i];
+        p.x_col.scales[(i * 197 + 3) % p.x_col.scales.size()] = codes[i];
+      }
+    }
+    Device d(p);  // (its FP32 column scales converted from the UE8M0 bytes by col_scales_to_f32)
+    Views v(p, d, p.E);
+    GBuf<uint8_t> dy_s8(p.dy_col.scales), x_s8(p.x_col.scales);
+    const cuda::QTensorView dy8 = cuda::col_128x1(d.dyc_c.p, dy_s8.p, p.m, p.n, p.m / 128);
+    const cuda::QTensorView x8 = cuda::col_128x1(d.xc_c.p, x_s8.p, p.m, p.k, p.m / 128);
+    const gemm::DeviceSegments seg{d.offsets.p, p.E, p.m, nullptr};
+    const int64_t nw = int64_t(p.E) * p.n * p.k;
+    for (int tile_n : {0, 128, 256}) {
+      if (tile_n != 0 && p.k % tile_n != 0) continue;
+      cuda::GroupedGemm::Options o = env_gemm_options();
+      o.wgrad_tile_n = tile_n;
+      cuda::GroupedGemm gg(o);
+      const std::string what = "tile width " + std::to_string(tile_n);
+      GBuf<float> f32(nw), u8(nw), acc32(nw), acc8(nw);
+      GBuf<bf16_t> b32(nw), b8(nw);
+      gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::f32(f32.p, nw), 0);
+      gg.wgrad(seg, p.n, p.k, dy8, x8, gemm::WgradOut::f32(u8.p, nw), 0);
+      gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::bf16(b32.p, nw), 0);
+      gg.wgrad(seg, p.n, p.k, dy8, x8, gemm::WgradOut::bf16(b8.p, nw), 0);
+      std::vector<float> g0(nw);
+      for (int64_t i = 0; i < nw; ++i) g0[i] = float((i * 29) % 97) - 48.0f;
+      acc32.put(g0), acc8.put(g0);
+      gg.wgrad(seg, p.n, p.k, v.dy_col, v.x_col, gemm::WgradOut::accumulate(acc32.p, nw), 0);
+      gg.wgrad(seg, p.n, p.k, dy8, x8, gemm::WgradOut::accumulate(acc8.p, nw), 0);
+      const auto want = f32.get();
+      if (round == 1) {
+        int64_t nans = 0;
+        for (float f : want) nans += f != f;
+        EXPECT_GT(nans, 0) << what << ": the NaN scale reached no output";
+      }
+      expect_same_bits(want, u8.get(), what + ", FP32 output");
+      expect_same_bits(b32.get(), b8.get(), what + ", BF16 output");
+      expect_same_bits(acc32.get(), acc8.get(), what + ", accumulated");
+    }
+    // one operand UE8M0 and the other FP32: refused before anything is launched
+    cuda::GroupedGemm gg(env_gemm_options());
+    GBuf<float> dw(nw);
+    EXPECT_THROW(gg.wgrad(seg, p.n, p.k, dy8, v.x_col, gemm::WgradOut::f32(dw.p, nw), 0), Error);
+    for (float f : dw.get()) ASSERT_TRUE(std::isnan(f)) << "a refused wgrad wrote dW";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Tiles, GemmGroupedGpuWgrad,
                          ::testing::Values(WgradCase{{"ragged_k384", {256, 0, 128, 384, 0, 128}, 256, 384, {}}, {1, 4}},
                                            WgradCase{{"ragged_k512", {256, 0, 128, 384, 0, 128}, 128, 512, {}}, {1, 4}},

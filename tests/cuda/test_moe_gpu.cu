@@ -313,6 +313,24 @@ TEST_P(MoeGpuRecipe, SideStreamGivesTheInlineBits) {
   }
 }
 
+// flow / flow-fp4: GEMM1's wgrad before its dgrad, the dX rows in the column copies' storage (the
+// default on one GPU), gives the bits of the dgrad-first order with a dX-rows buffer of its own
+// (CudaLayerOptions::dx_rows_in_column_copies false), call after call; the other recipes ignore it.
+TEST_P(MoeGpuRecipe, DxRowsInColumnCopiesGiveTheSameBits) {
+  REQUIRE_DEVICE();
+  const Shape& s = kShapes[1];
+  const Recipe r = GetParam();
+  const Data d = make_data(s, s.tokens, 89);
+  DevData dd(d);
+  auto layers = layers_with(&CudaLayerOptions::dx_rows_in_column_copies, s, r);
+  for (int call = 0; call < 2; ++call) {
+    SCOPED_TRACE("call " + std::to_string(call));
+    const Outputs a = run_gpu(layers.first.get(), s, d, dd, s.tokens);
+    const Outputs b = run_gpu(layers.second.get(), s, d, dd, s.tokens);
+    expect_same_outputs(a, b);
+  }
+}
+
 // A bad CudaLayerOptions value is an error naming the field.
 TEST(MoeGpu, BadLayerOptionsAreErrors) {
   REQUIRE_DEVICE();

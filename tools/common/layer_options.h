@@ -32,6 +32,7 @@ inline CudaLayerOptions layer_options_from_env() {
   };
   flag("FLOWMOE_LAYER_OVERLAP", &o.side_stream);
   flag("FLOWMOE_LAYER_TAIL_OVERLAP", &o.tail_stream);
+  flag("FLOWMOE_LAYER_DX_ROWS_IN_COLUMNS", &o.dx_rows_in_column_copies);
   flag("FLOWMOE_LAYER_FUSED_SWIGLU", &o.fused_swiglu);
   flag("FLOWMOE_LAYER_FUSED_DSWIGLU", &o.fused_dswiglu);
   flag("FLOWMOE_EP_DEDUP", &o.ep_dedup);

@@ -202,6 +202,10 @@ size_t wgrad_elem_bytes(const gemm::WgradOut& dw) {
 }
 }  // namespace
 
+bool GroupedGemm::wgrad_runs_kernel(const Segments& seg, int64_t n, int64_t k, WgradOut::Kind kind) const {
+  return impl_->cc_major == 9 && impl_->cc_minor == 0 && gemm::choose_wgrad_kernel(impl_->opt.wgrad_kernel, seg, n, k, kind);
+}
+
 void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& dy_col,
                         const Fp8Operand& x_col, const WgradOut& dw, cudaStream_t stream) {
   const char* what = "FP8 wgrad";
@@ -215,8 +219,7 @@ void GroupedGemm::wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Oper
   const bool aligned = ((reinterpret_cast<uintptr_t>(dy_col.codes.data) | reinterpret_cast<uintptr_t>(dy_col.scales.data) |
                          reinterpret_cast<uintptr_t>(x_col.codes.data) | reinterpret_cast<uintptr_t>(x_col.scales.data) |
                          reinterpret_cast<uintptr_t>(dw.data)) & 15u) == 0;
-  if (aligned && impl_->cc_major == 9 && impl_->cc_minor == 0 &&
-      gemm::choose_wgrad_kernel(impl_->opt.wgrad_kernel, seg, n, k, dw.kind)) {
+  if (aligned && wgrad_runs_kernel(seg, n, k, dw.kind)) {
     // one launch over all experts (empty experts zero-filled there when overwriting)
     sm90::WgradArgs a;
     a.host_offsets = seg.offsets.data();
@@ -412,8 +415,8 @@ void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const Q
       FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw.data, 0, wgrad_elem_bytes(dw) * seg.num_segments * n * k, stream));
     return;
   }
-  check_view(dy_col, Layout::kCol128x1, ScaleFormat::kF32, what);
-  check_view(x_col, Layout::kCol128x1, ScaleFormat::kF32, what);
+  check_view(dy_col, Layout::kCol128x1, dy_col.scale_format, what);
+  check_view(x_col, Layout::kCol128x1, dy_col.scale_format, what);  // (both UE8M0 or both FP32)
   check_shape(dy_col, seg.capacity, n, what, "dy_col");
   check_shape(x_col, seg.capacity, k, what, "x_col");
   FLOWMOE_CHECK(dy_col.scale_rows * kFp8Block >= seg.capacity && x_col.scale_rows * kFp8Block >= seg.capacity,
@@ -425,9 +428,10 @@ void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const Q
   a.n = n;
   a.k = k;
   a.dy_codes = dy_col.codes;
-  a.dy_scales = dy_col.f32();
+  a.dy_scales = dy_col.scales;
   a.x_codes = x_col.codes;
-  a.x_scales = x_col.f32();
+  a.x_scales = x_col.scales;
+  a.scales_ue8m0 = dy_col.scale_format == ScaleFormat::kUe8m0;
   a.dw = dw.data;
   a.accumulate = dw.kind == WgradOut::Kind::kF32Accumulate;
   a.out_bf16 = dw.kind == WgradOut::Kind::kBf16;

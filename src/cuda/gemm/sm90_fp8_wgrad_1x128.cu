@@ -6,16 +6,21 @@
 //
 //   dW_e [N, K] (+)= sum over the 128-token blocks b of expert e of
 //                    (dY_b^T . X_b) * sa[b][n] * sb[b][k]
-// dY and X column-wise: codes [N, M] and [K, M] (tokens contiguous), FP32 scales [NB][N], [NB][K]
-// (the GEMM-ready layouts of gemm.h). Every expert's token count and offset a multiple of 128, so
-// block b of expert e is global block offsets[e] / 128 + b and no block mixes two experts.
+// dY and X column-wise: codes [N, M] and [K, M] (tokens contiguous), scales [NB][N], [NB][K]: FP32
+// (the GEMM-ready layouts of gemm.h) or the UE8M0 bytes the column copies are written with (the
+// same layout, one byte each; decoded in shared memory, so no conversion pass runs before). Every
+// expert's token count and offset a multiple of 128, so block b of expert e is global block
+// offsets[e] / 128 + b and no block mixes two experts.
 //
 // Output tiles are 128 rows (N) x kBN columns (K): kBN = 256 when K allows and the experts average
 // at least 1024 tokens (the dY tile feeds twice the math: a quarter less operand traffic per FLOP),
 // else 128.
 //
 // CTA: 3 warpgroups. Warpgroup 0: one thread issues the TMA loads of a ring of stages (dY tile
-// 128 x 128 tokens, X tile kBN x 128 tokens, 128-byte swizzle, and the block's scales). Warpgroups 1
+// 128 x 128 tokens, X tile kBN x 128 tokens, 128-byte swizzle, and the block's scales); with UE8M0
+// scales the scale bytes go first, on a barrier of their own (`codes_full`), and the second warp
+// decodes them into the stage's FP32 scales while the tiles are still in flight, then signals the
+// stage's `decoded` barrier, which the math warps wait for after `full`. Warpgroups 1
 // and 2: rows 0-63 and 64-127 of the output tile; per block and 128-column half four m64n128k32
 // WGMMAs into a block accumulator, then acc += block * (sa * sb) (exact power-of-two scales: the CPU
 // reference's block order and roundings). Epilogue per warpgroup and half: into shared memory
@@ -40,6 +45,7 @@
 #include "flowmoe/cuda/status.h"
 #include "flowmoe/error.h"
 #include "flowmoe/gemm.h"
+#include "flowmoe/numerics.h"
 
 namespace flowmoe {
 namespace cuda {
@@ -59,11 +65,12 @@ struct WCfg {
   static constexpr int kStages = kBN == 256 ? 3 : 4;
   static constexpr int kStageBytes = kTile * kTile + kBN * kTile;  // dY tile + X tile, FP8
   static constexpr int kScaleBytes = (kTile + kBN) * 4;            // per stage: the block's dY and X scales
+  static constexpr int kScaleCodes = kTile + kBN;                  // per stage: the same as UE8M0 bytes
   // X scale pairs (of 16 per half) read before the wait: all at kBN = 128, where the products are
   // formed while the WGMMAs run; half at 256, where the 128 accumulators leave fewer registers
   static constexpr int kEarlyScales = kBN == 128 ? 16 : 8;
-  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes +
-                                    2 * kStages * 8 + 2 * kTileSlots * 8 + 64 + (kMaxGroupedExperts + 2) * 4 + 1024;
+  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kStages * (kScaleBytes + kScaleCodes) +
+                                    4 * kStages * 8 + 2 * kTileSlots * 8 + 64 + (kMaxGroupedExperts + 2) * 4 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit");
 };
 
@@ -74,8 +81,9 @@ struct Work {
   int n = 0, k = 0;
   int accumulate = 0;
   int store = 0;                     // WgradStore
-  const float* sa = nullptr;         // [NB][N]
-  const float* sb = nullptr;         // [NB][K]
+  const void* sa = nullptr;          // [NB][N] FP32, or UE8M0 bytes with ue8m0
+  const void* sb = nullptr;          // [NB][K]
+  int ue8m0 = 0;                     // the scales are UE8M0 bytes (decoded by the second producer warp)
   int* next_tile = nullptr;          // the tile counter (0 at launch)
   unsigned long long* bad_segments = nullptr;
   const int32_t* offsets = nullptr;  // [E + 1] on the device, or null: inline_offsets
@@ -94,14 +102,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* epi = reinterpret_cast<float*>(smem + kStages * kStageBytes);
   float* scl = reinterpret_cast<float*>(smem + kStages * kStageBytes + 2 * kEpiBytes);  // [stage][128 + kBN]
   const uint32_t scl_u32 = smem_u32(scl);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes);
+  uint8_t* scl_codes = smem + kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes;  // UE8M0 [stage][128 + kBN]
+  uint64_t* full = reinterpret_cast<uint64_t*>(scl_codes + kStages * C::kScaleCodes);
   uint64_t* empty = full + kStages;
-  uint64_t* tile_full = empty + kStages;     // [kTileSlots]: a tile id is in tile_id[slot]
+  uint64_t* decoded = empty + kStages;       // [kStages]: the stage's UE8M0 scales decoded into scl
+  uint64_t* codes_full = decoded + kStages;  // [kStages]: the stage's UE8M0 scale bytes landed
+  uint64_t* tile_full = codes_full + kStages;  // [kTileSlots]: a tile id is in tile_id[slot]
   uint64_t* tile_empty = tile_full + kTileSlots;
   int* tile_id = reinterpret_cast<int*>(tile_empty + kTileSlots);
   int* s_off = tile_id + 16;  // [E + 1] token offsets; s_off[E + 1]: 1 when they are malformed
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   const int E = work.num_experts;
+  const bool ue8m0 = work.ue8m0 != 0;
   const int32_t* offsets = work.offsets ? work.offsets : work.inline_offsets;
   for (int i = threadIdx.x; i <= E; i += kThreads) s_off[i] = offsets[i];
   if (threadIdx.x == 0) s_off[E + 1] = 0;
@@ -112,11 +124,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (s_off[0] != 0 || s_off[E] > work.m || s_off[E] % kTile != 0) s_off[E + 1] = 1;
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8);  // the 8 consumer warps
+      mbar_init(&empty[s], 8);     // the 8 consumer warps
+      mbar_init(&decoded[s], 32);  // the decoding warp's lanes
+      mbar_init(&codes_full[s], 1);
     }
     for (int s = 0; s < kTileSlots; ++s) {
       mbar_init(&tile_full[s], 1);
-      mbar_init(&tile_empty[s], 8);
+      mbar_init(&tile_empty[s], ue8m0 ? 9 : 8);  // the consumer warps and the decoding warp
     }
     fence_mbarrier_init();
   }
@@ -153,14 +167,52 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_wait(&empty[s], ph ^ 1);
           uint8_t* a = smem + s * kStageBytes;
           const int64_t gb = t0 / kTile + b;  // global 128-token block
-          mbar_expect_tx(&full[s], kStageBytes + kScaleBytes);
+          const int64_t ia = gb * work.n + tn * kTile, ib = gb * work.k + tk * kBN;
+          if (ue8m0) {  // the bytes first (decoded while the tiles travel)
+            uint8_t* cs = scl_codes + s * C::kScaleCodes;
+            mbar_expect_tx(&codes_full[s], C::kScaleCodes);
+            bulk_load(cs, static_cast<const uint8_t*>(work.sa) + ia, kTile, &codes_full[s]);
+            bulk_load(cs + kTile, static_cast<const uint8_t*>(work.sb) + ib, kBN, &codes_full[s]);
+            mbar_expect_tx(&full[s], kStageBytes);
+          } else {
+            mbar_expect_tx(&full[s], kStageBytes + kScaleBytes);
+            float* ss = scl + s * (kTile + kBN);
+            bulk_load(ss, static_cast<const float*>(work.sa) + ia, kTile * 4, &full[s]);
+            bulk_load(ss + kTile, static_cast<const float*>(work.sb) + ib, kBN * 4, &full[s]);
+          }
           tma_load_2d(a, &map_dy, &full[s], t0 + b * kTile, tn * kTile);
 #pragma unroll
           for (int h = 0; h < C::kHalves; ++h)
             tma_load_2d(a + (1 + h) * kTile * kTile, &map_x, &full[s], t0 + b * kTile, tk * kBN + h * kTile);
-          float* ss = scl + s * (kTile + kBN);
-          bulk_load(ss, work.sa + gb * work.n + tn * kTile, kTile * 4, &full[s]);
-          bulk_load(ss + kTile, work.sb + gb * work.k + tk * kBN, kBN * 4, &full[s]);
+        }
+      }
+    } else if (ue8m0 && t / 32 == 1) {
+      // The decoding warp: the same tiles and blocks as the math warps; per stage, the 128 + kBN
+      // scale bytes into FP32 (num::ue8m0_to_f32: 2^(c - 127), 255 NaN), one 4-byte group per lane
+      // step, then each lane arrives on `decoded`. The codes of a stage are reloaded only after the
+      // math warps release it, and they wait for `decoded` first: the bytes are read before then.
+      const int lane = t % 32;
+      uint32_t it = 0;
+      for (uint32_t j = 0;; ++j) {
+        const int slot = j % kTileSlots;
+        mbar_wait(&tile_full[slot], (j / kTileSlots) & 1);
+        const int tile = tile_id[slot];
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&tile_empty[slot]);
+        if (tile >= total_tiles) break;
+        const int w = tile / per_expert;
+        const int nb = (s_off[w + 1] - s_off[w]) / kTile;
+        for (int b = 0; b < nb; ++b, ++it) {
+          const int s = it % kStages;
+          mbar_wait(&codes_full[s], (it / kStages) & 1);
+          const uchar4* in = reinterpret_cast<const uchar4*>(scl_codes + s * C::kScaleCodes);
+          float4* out = reinterpret_cast<float4*>(scl + s * (kTile + kBN));
+          for (int i = lane; i < C::kScaleCodes / 4; i += 32) {
+            const uchar4 c = in[i];
+            out[i] = make_float4(num::ue8m0_to_f32(c.x), num::ue8m0_to_f32(c.y), num::ue8m0_to_f32(c.z),
+                                 num::ue8m0_to_f32(c.w));
+          }
+          mbar_arrive(&decoded[s]);
         }
       }
     }
@@ -193,6 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int s = it % kStages;
       const uint32_t ph = (it / kStages) & 1;
       mbar_wait(&full[s], ph);
+      if (ue8m0) mbar_wait(&decoded[s], ph);
       // This block's scales (landed with the tiles): dY's for rows r0, r0 + 8, X's for the columns,
       // read into registers before the WGMMAs are issued so that the promotion after the wait is
       // only arithmetic.
@@ -305,6 +358,7 @@ void fp8_wgrad_1x128(const WgradArgs& a, const char* what, cudaStream_t stream) 
   work.store = int(store);
   work.sa = a.dy_scales;
   work.sb = a.x_scales;
+  work.ue8m0 = a.scales_ue8m0 ? 1 : 0;
   work.next_tile = a.tile_counter;
   work.bad_segments = a.status ? &a.status->bad_segments : nullptr;
   work.offsets = a.offsets;

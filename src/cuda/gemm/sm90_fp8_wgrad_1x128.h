@@ -15,8 +15,9 @@ namespace sm90 {
 constexpr int kMaxInlineWgradExperts = 256;
 
 // dW [E][N][K] FP32 (+)= (or BF16 =) per expert dY_col_e . X_col_e^T with 1x128 scales along tokens (gemm.h
-// conventions; scales GEMM-ready FP32 [NB][N], [NB][K], block b of expert e at row
-// offsets[e]/128 + b). Every offset a multiple of 128 (permute+pad with alignment 128).
+// conventions; scales [NB][N], [NB][K], block b of expert e at row offsets[e]/128 + b: GEMM-ready
+// FP32, or with scales_ue8m0 the UE8M0 bytes of the column copies, decoded in the kernel to the same
+// FP32 values, so the same bits). Every offset a multiple of 128 (permute+pad with alignment 128).
 struct WgradArgs {
   const int32_t* offsets = nullptr;       // [E + 1] on the device (read by the kernel), or null:
   const int32_t* host_offsets = nullptr;  // [E + 1] on the host (copied into the launch, E <= 256)
@@ -24,9 +25,10 @@ struct WgradArgs {
   int64_t m = 0;                          // token capacity of the codes [C, m]: a multiple of 128
   int64_t n = 0, k = 0;                   // multiples of 128
   const uint8_t* dy_codes = nullptr;      // [N, m]
-  const float* dy_scales = nullptr;       // [m/128][N]
+  const void* dy_scales = nullptr;        // [m/128][N] FP32, or UE8M0 bytes with scales_ue8m0
   const uint8_t* x_codes = nullptr;       // [K, m]
-  const float* x_scales = nullptr;        // [m/128][K]
+  const void* x_scales = nullptr;         // [m/128][K] likewise
+  bool scales_ue8m0 = false;              // both operands' scales are UE8M0 bytes
   void* dw = nullptr;                     // [E][N][K] FP32, or BF16 with out_bf16
   bool accumulate = false;                // += into dw (FP32 only), else overwrite (empty experts zeroed)
   bool out_bf16 = false;                  // dw is BF16: each FP32 sum rounded once (RNE) as it is stored

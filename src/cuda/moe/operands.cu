@@ -127,23 +127,29 @@ void StepContext::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTenso
   ExpertBuffers& b = ws_.expert;
   const gemm::WgradOut out = dw_out(dw, dw_bf16, int64_t(El_) * n * k);
   const bool f32 = grad_col.scale_format == ScaleFormat::kF32;  // fp8-naive: GEMM-ready already
+  if (!f32 && (sync_free_ || gemm_->wgrad_runs_kernel(seg_, n, k, out.kind))) {
+    // the kernel reads the UE8M0 scales as the column copies hold them (the capacity's blocks;
+    // those past the segments' are never read): no conversion pass, the same bits
+    gemm_->wgrad(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k,
+                 col_128x1(grad_col.codes, grad_col.ue8m0(), Mp_, n, blocks_),
+                 col_128x1(in_col.codes, in_col.ue8m0(), Mp_, k, blocks_), out, stream_);
+    return;
+  }
   if (!sync_free_) {
     const Fp8Op g = f32 ? f32_col_operand(grad_col, n) : col_operand(grad_col, n, b.grad_col_scales, stream_);
     const Fp8Op x = f32 ? f32_col_operand(in_col, k) : col_operand(in_col, k, b.input_col_scales, stream_);
     gemm_->wgrad(seg_, n, k, g, x, out, stream_);
     return;
   }
-  // UE8M0: the blocks of the capacity (blocks_ = segment_max_blocks(Mp_, El_)) converted; those
-  // past the segments' are never read
-  const auto f32_col = [&](const QTensorView& col, int64_t c, float* converted) {
-    if (!f32) col_scales_to_f32(col.ue8m0(), blocks_, c, converted, stream_);
+  // fp8-naive's FP32 scales, GEMM-ready
+  const auto f32_col = [&](const QTensorView& col, int64_t c) {
     QTensorView v = col_128x1(col.codes, nullptr, Mp_, c, blocks_);
-    v.scales = f32 ? col.scales : converted;
+    v.scales = col.scales;
     v.scale_format = ScaleFormat::kF32;
     return v;
   };
-  gemm_->wgrad(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k,
-               f32_col(grad_col, n, b.grad_col_scales), f32_col(in_col, k, b.input_col_scales), out, stream_);
+  gemm_->wgrad(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k, f32_col(grad_col, n),
+               f32_col(in_col, k), out, stream_);
 }
 
 void StepContext::bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {

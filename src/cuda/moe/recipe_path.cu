@@ -71,6 +71,9 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
   // Only the flow pipeline makes its wgrad column copies as operators of their own (the scaling-aware
   // transposes, FP4RowToFP8Col), which can run next to the GEMMs; the others make them inline.
   p.side_stream = options.side_stream && flow;
+  // The flow pipeline's column copies are its own buffers (dy_col / dh_col, x_perm's), dead once
+  // GEMM1's wgrad has read them; with expert parallelism the dX rows travel while the wgrad runs.
+  p.dx_rows_in_column_copies = options.dx_rows_in_column_copies && flow && cfg.comm == nullptr;
   // The deduplicated exchange moves BF16, FP8 (UE8M0 1x128) and MXFP4 token rows; fp8-naive's
   // FP32-scale rows take its own exchange (move_naive: every (token, expert) row, as DeepSeek-V3's).
   p.ep_dedup = cfg.comm != nullptr && options.ep_dedup && s.forward_wire != WireFormat::kFp8Fp32Scale;

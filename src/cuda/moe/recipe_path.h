@@ -36,6 +36,8 @@ struct RecipePath {
   bool fused_swiglu = false;   // GEMM1 + SwiGLU*prob + quantize in one kernel (W1 interleaved)
   bool fused_dswiglu = false;  // GEMM2 dgrad + dSwiGLU*prob + quantize in one kernel
   bool side_stream = false;    // the wgrad column copies on the side stream
+  bool dx_rows_in_column_copies = false;  // flow, one GPU: GEMM1 wgrad before its dgrad, whose dX rows
+                                          // (and GEMM2's output rows) share the column copies' storage
   bool ep_dedup = false;       // the deduplicated EP dispatch
   bool transposes_in_backward = false;  // FP8 dgrad weights W^T made in each backward (transient)
                                         // rather than written by set_weights (caller memory)

@@ -213,7 +213,8 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
 
   // The expert path: what the recipe's table saves (recipe.h SavedSpec) is kS, the rest scratch.
   ExpertBuffers& x = expert;
-  x.rows_bf16 = a.device<bf16_t>(R * H, kT);
+  // the expert output rows and the dX rows: in the column copies' codes (below) or their own
+  if (!path.dx_rows_in_column_copies) x.rows_bf16 = a.device<bf16_t>(R * H, kT);
   const bool h_bf16 = path.h_saved == TensorFormat::kBf16;  // all but the flow pipeline
   const bool a_bf16 = path.a_saved == TensorFormat::kBf16;  // bf16
   // (the fused epilogues, flow pipeline only, leave out BF16 h and da')
@@ -259,10 +260,14 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
     const QTensorView row =
         row_1x128(a.device<uint8_t>(R * maxC, kT), a.device<uint8_t>((maxC / 128) * R, kT), R, maxC);
     x.x_perm_fp8 = x.a_row = x.dy_row = x.dh_row = row;
-    const QTensorView grad_col =
-        col_128x1(a.device<uint8_t>(maxC * R, kT), a.device<uint8_t>(MB * maxC, kT), R, maxC, MB);
+    // the two column copies' codes in one piece: 2 R maxC >= 2 R H bytes, the dX rows' when they
+    // share it (RecipePath::dx_rows_in_column_copies: GEMM1's wgrad has read both copies before its
+    // dgrad writes the rows; the forward's GEMM2 rows come after every forward use of them)
+    uint8_t* col_codes = a.device<uint8_t>(2 * maxC * R, kT);
+    if (path.dx_rows_in_column_copies) x.rows_bf16 = reinterpret_cast<bf16_t*>(col_codes);
+    const QTensorView grad_col = col_128x1(col_codes, a.device<uint8_t>(MB * maxC, kT), R, maxC, MB);
     x.dy_col = x.dh_col = grad_col;
-    x.x_perm_col_flow = col_128x1(a.device<uint8_t>(maxC * R, kT), a.device<uint8_t>(MB * maxC, kT), R, maxC, MB);
+    x.x_perm_col_flow = col_128x1(col_codes + maxC * R, a.device<uint8_t>(MB * maxC, kT), R, maxC, MB);
     x.gemm_row_scales = a.device<float>(R * maxC / 128, kT);
     x.grad_col_scales = a.device<float>(MB * maxC, kT);
     x.input_col_scales = a.device<float>(MB * maxC, kT);

@@ -18,8 +18,9 @@
 //   backward  up to the dX rows: dY to the experts, GEMM2 dgrad + wgrad, dSwiGLU*prob, GEMM1 dgrad
 //             + wgrad. Leaves the dX rows [Mp, H] bf16 in ExpertBuffers::rows_bf16 and the partial
 //             sums of dp ([F/128][Mp], swiglu.h) in RoutingBuffers::dprob_partials, and calls
-//             mark_dx_rows_ready() between GEMM1 dgrad and GEMM1 wgrad; in every pipeline a dgrad
-//             runs before the wgrad that reads the same gradient.
+//             mark_dx_rows_ready() right after GEMM1 dgrad. A dgrad runs before the wgrad that
+//             reads the same gradient, except GEMM1's in the flow pipeline with
+//             RecipePath::dx_rows_in_column_copies (the dX rows overwrite the wgrad's operands).
 // A new dataflow: a value of recipe.h Dataflow, its table row(s), a file here with its pipeline and
 // its plan_<name>_buffers (the buffers only it uses; workspace.h, called by Workspace::allocate),
 // and its case in make_pipeline.

@@ -64,16 +64,21 @@ void StepContext::fp8_gemm2_wgrad(const MoeGrads& g, int side) {
   fp8_wgrad(ws_.expert.dy_col, H_, ws_.expert.a_col, F_, g.dw2, g.dw2_bf16);
 }
 // GEMM1: dgrad from dh row-wise into the dX rows (rows_bf16), then mark_dx_rows_ready; wgrad from dh's column
-// copy and x_perm's (`x_perm_col`) into dW1.
+// copy and x_perm's (`x_perm_col`) into dW1. RecipePath::dx_rows_in_column_copies: the wgrad first,
+// since the dgrad then writes the dX rows over the two column copies.
 void StepContext::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& dh_row, const QTensorView& dh_col,
                                  const QTensorView& x_perm_col, int side) {
   ExpertBuffers& b = ws_.expert;
+  const auto wgrad = [&] {
+    if (side >= 0) streams_.join(side);
+    if (!g.wants_dw1()) return;
+    auto s = bwd("GEMM1 wgrad (fp8)");
+    fp8_wgrad(dh_col, 2 * F_, x_perm_col, H_, g.dw1, g.dw1_bf16);
+  };
+  if (path_.dx_rows_in_column_copies) wgrad();
   weight_dgrad(1, dh_row, b.rows_bf16, st_bwd_aux());
   mark_dx_rows_ready();
-  if (side >= 0) streams_.join(side);
-  if (!g.wants_dw1()) return;
-  auto s = bwd("GEMM1 wgrad (fp8)");
-  fp8_wgrad(dh_col, 2 * F_, x_perm_col, H_, g.dw1, g.dw1_bf16);
+  if (!path_.dx_rows_in_column_copies) wgrad();
 }
 
 }  // namespace moe
