@@ -333,3 +333,35 @@ def test_docs_peft_snippet_runs():
     assert _ran_flowmoe(model)
     grads = {n: p.grad for n, p in model.named_parameters() if "lora_" in n and "experts" in n}
     assert grads and all(g is not None for g in grads.values())
+
+
+@pytest.mark.parametrize("impl", ["flowmoe-bf16", "flowmoe-flow"])
+def test_weight_edits_between_calls_are_seen(impl):
+    """The HF experts path keeps no weight copy across calls: an in-place edit through `.data` (which
+    does not bump the parameter's version counter), a `load_state_dict` and a frozen expert weight
+    (requires_grad off) all reach the next forward, which then equals eager's on the same weights."""
+    ids = hc.batch()
+    model = hc.build(hc.qwen3_moe, impl)
+    eager = hc.build(hc.qwen3_moe, "eager")
+    with torch.no_grad():
+        before = model(ids).logits
+    for m in (model, eager):
+        experts = m.model.layers[0].mlp.experts
+        experts.gate_up_proj.data.mul_(-0.5)  # no version bump
+        experts.down_proj.requires_grad_(False)
+    with torch.no_grad():
+        after, want = model(ids).logits, eager(ids).logits
+    bound = hc.BOUNDS[impl.removeprefix("flowmoe-")][0]  # relative L2 error of the logits
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    assert rel(after, want) < bound
+    assert rel(after, before) > 3 * bound, "the edit did not reach the forward"
+    # a state dict of other weights, loaded in place
+    other = hc.build(hc.qwen3_moe, "eager", seed=3)
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        loaded, want = model(ids).logits, other(ids).logits
+    assert rel(loaded, want) < bound
+    assert rel(loaded, after) > 3 * bound, "the loaded weights did not reach the forward"

@@ -135,26 +135,28 @@ void backward_flow(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
     c.move_fp8(b.entry_fp8, b.dy_row, MoePass::kBackward, report_names::kDispatchDy);
   }
   {  // the wgrad copies on the side stream: dY's next to GEMM2 dgrad (both read dY row-wise),
-     // then x_perm's next to everything up to GEMM1 wgrad (its buffer is free until then)
+     // then x_perm's next to everything up to GEMM1 wgrad (its buffer is free until then); none for
+     // a weight whose gradient is not asked for (frozen experts)
     cudaStream_t ts = c.streams_.fork();
-    {
+    if (g.wants_dw2()) {
       auto s = c.bwd(side ? "scaling-aware transpose dY (side stream)" : "scaling-aware transpose dY", ts);
       scaling_aware_transpose(b.dy_row.codes, b.dy_row.ue8m0(), c.H_, sb, b.dy_col.codes, b.dy_col.ue8m0(), c.st_bwd(),
                               ts, c.cfg_.transpose_exponent);
     }
     c.streams_.mark(LayerStreams::kSideA);
-    if (!c.path_.x_mxfp4) {
+    if (g.wants_dw1() && !c.path_.x_mxfp4) {
       auto s = c.bwd(side ? "scaling-aware transpose x_perm (side stream)" : "scaling-aware transpose x_perm", ts);
       scaling_aware_transpose(b.x_perm_row.codes, b.x_perm_row.ue8m0(), c.H_, sb, b.x_perm_col_flow.codes,
                               b.x_perm_col_flow.ue8m0(), c.st_bwd(), ts, c.cfg_.transpose_exponent);
-    } else {
+    } else if (g.wants_dw1()) {
       auto s = c.bwd(side ? "FP4RowToFP8Col x_perm (side stream)" : "FP4RowToFP8Col x_perm", ts);
       fp4_to_fp8_col(b.x_perm_mxfp4.codes, b.x_perm_mxfp4.ue8m0(), c.H_, sb, b.x_perm_col_flow.codes,
                      b.x_perm_col_flow.ue8m0(), c.st_bwd(), ts, c.cfg_.transpose_exponent);
     }
     c.streams_.mark(LayerStreams::kSideB);
   }
-  c.log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm2Grad).op, 1, 1, c.H_);
+  if (g.wants_dw2())
+    c.log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm2Grad).op, 1, 1, c.H_);
   if (c.path_.fused_dswiglu) {
     {  // one kernel: GEMM2 dgrad with dSwiGLU*prob and dh's quantizations in its epilogue (no BF16 da')
       const QTensorView w2t = c.path_.transposes_in_backward ? c.make_dgrad_weights(2, 0, c.El_) : c.ws_.weights.w2t;
@@ -178,7 +180,8 @@ void backward_flow(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   }
   const bool fused = c.path_.fused_dswiglu;
   c.gemm1_bias_grad_fp8(g, fused ? b.dh_row_fused : b.dh_row);
-  c.log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, c.H_);
+  if (g.wants_dw1())
+    c.log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm1Input).op, 1, 1, c.H_);
   // the wgrad after x_perm's column copy
   c.fp8_gemm1_grads(g, fused ? b.dh_row_fused : b.dh_row, fused ? b.dh_col_fused : b.dh_col, b.x_perm_col_flow,
                     LayerStreams::kSideB);
