@@ -11,7 +11,8 @@ parameters, Trainer(bf16=True) (autocast), fused AdamW, --steps steps of random 
 Each case runs in its own process (a fresh CUDA context), except "after", which first runs the
 grouped_mm case and then flowmoe's in one process (the caching allocator then holds the first
 model's pool). Prints a JSON line per case: the batch size settled on, the tries, the seconds, the
-loss, and the error if none was found.
+loss, and the error if none was found; per try, the GiB allocated and reserved when it began
+(what the failed tries before it left behind).
 
     python3 bench/hf_auto_batch.py --flowmoe-lib build/libflowmoe_capi.so --json out.json
 """
@@ -39,7 +40,7 @@ def run_case(args, impls):
     for impl in impls:
         model = hf_experts.build_model(hf_experts.QWEN3_30B_A3B, args.layers, args.seq_len, impl, "fp32-autocast",
                                        0, "cuda")
-        tries = []
+        tries, held = [], []
 
         class Data(torch.utils.data.Dataset):
             def __len__(self):
@@ -52,7 +53,10 @@ def run_case(args, impls):
 
         class Record(transformers.TrainerCallback):
             def on_train_begin(self, a, state, control, **kw):
+                # what the earlier tries left: allocated by live tensors, and reserved by the pool
                 tries.append(state.train_batch_size)
+                held.append([round(torch.cuda.memory_allocated() / 2 ** 30, 2),
+                             round(torch.cuda.memory_reserved() / 2 ** 30, 2)])
 
         targs = transformers.TrainingArguments(
             output_dir=os.path.join(args.workdir, impl), per_device_train_batch_size=args.start_batch,
@@ -67,7 +71,7 @@ def run_case(args, impls):
             rec.update(batch=trainer._train_batch_size, loss=res.training_loss)
         except Exception as e:  # (the finder's "No executable batch size found" or an error it did not catch)
             rec.update(batch=None, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-        rec.update(tries=tries, seconds=round(time.time() - t0, 1),
+        rec.update(tries=tries, held_gib=held, seconds=round(time.time() - t0, 1),
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2 ** 30, 1))
         if impl.startswith("flowmoe") and rec.get("batch"):
             hf_experts.check_flowmoe_ran(model, impl)

@@ -19,8 +19,8 @@
 // CTA: 3 warpgroups. Warpgroup 0: one thread issues the TMA loads of a ring of stages (dY tile
 // 128 x 128 tokens, X tile kBN x 128 tokens, 128-byte swizzle, and the block's scales); with UE8M0
 // scales the scale bytes go first, on a barrier of their own (`codes_full`), and the second warp
-// decodes them into the stage's FP32 scales while the tiles are still in flight, then signals the
-// stage's `decoded` barrier, which the math warps wait for after `full`. Warpgroups 1
+// decodes them into the stage's FP32 scales while the tiles are still in flight; its 32 lanes are
+// arrivals of the stage's `full` barrier, so the math warps wait for one barrier either way. Warpgroups 1
 // and 2: rows 0-63 and 64-127 of the output tile; per block and 128-column half four m64n128k32
 // WGMMAs into a block accumulator, then acc += block * (sa * sb) (exact power-of-two scales: the CPU
 // reference's block order and roundings). Epilogue per warpgroup and half: into shared memory
@@ -70,7 +70,7 @@ struct WCfg {
   // formed while the WGMMAs run; half at 256, where the 128 accumulators leave fewer registers
   static constexpr int kEarlyScales = kBN == 128 ? 16 : 8;
   static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kEpiBytes + kStages * (kScaleBytes + kScaleCodes) +
-                                    4 * kStages * 8 + 2 * kTileSlots * 8 + 64 + (kMaxGroupedExperts + 2) * 4 + 1024;
+                                    3 * kStages * 8 + 2 * kTileSlots * 8 + 64 + (kMaxGroupedExperts + 2) * 4 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 per-CTA limit");
 };
 
@@ -105,8 +105,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* scl_codes = smem + kStages * kStageBytes + 2 * kEpiBytes + kStages * kScaleBytes;  // UE8M0 [stage][128 + kBN]
   uint64_t* full = reinterpret_cast<uint64_t*>(scl_codes + kStages * C::kScaleCodes);
   uint64_t* empty = full + kStages;
-  uint64_t* decoded = empty + kStages;       // [kStages]: the stage's UE8M0 scales decoded into scl
-  uint64_t* codes_full = decoded + kStages;  // [kStages]: the stage's UE8M0 scale bytes landed
+  uint64_t* codes_full = empty + kStages;    // [kStages]: the stage's UE8M0 scale bytes landed
   uint64_t* tile_full = codes_full + kStages;  // [kTileSlots]: a tile id is in tile_id[slot]
   uint64_t* tile_empty = tile_full + kTileSlots;
   int* tile_id = reinterpret_cast<int*>(tile_empty + kTileSlots);
@@ -123,9 +122,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     if (s_off[0] != 0 || s_off[E] > work.m || s_off[E] % kTile != 0) s_off[E + 1] = 1;
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
+      mbar_init(&full[s], ue8m0 ? 33 : 1);  // the producer (and the decoding warp's lanes)
       mbar_init(&empty[s], 8);     // the 8 consumer warps
-      mbar_init(&decoded[s], 32);  // the decoding warp's lanes
       mbar_init(&codes_full[s], 1);
     }
     for (int s = 0; s < kTileSlots; ++s) {
@@ -189,8 +187,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else if (ue8m0 && t / 32 == 1) {
       // The decoding warp: the same tiles and blocks as the math warps; per stage, the 128 + kBN
       // scale bytes into FP32 (num::ue8m0_to_f32: 2^(c - 127), 255 NaN), one 4-byte group per lane
-      // step, then each lane arrives on `decoded`. The codes of a stage are reloaded only after the
-      // math warps release it, and they wait for `decoded` first: the bytes are read before then.
+      // step, then each lane arrives on `full` (which completes once the tiles have landed too).
+      // The codes of a stage are reloaded only after the math warps release it, which they do after
+      // `full`: the bytes are read before then.
       const int lane = t % 32;
       uint32_t it = 0;
       for (uint32_t j = 0;; ++j) {
@@ -212,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             out[i] = make_float4(num::ue8m0_to_f32(c.x), num::ue8m0_to_f32(c.y), num::ue8m0_to_f32(c.z),
                                  num::ue8m0_to_f32(c.w));
           }
-          mbar_arrive(&decoded[s]);
+          mbar_arrive(&full[s]);
         }
       }
     }
@@ -245,7 +244,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int s = it % kStages;
       const uint32_t ph = (it / kStages) & 1;
       mbar_wait(&full[s], ph);
-      if (ue8m0) mbar_wait(&decoded[s], ph);
       // This block's scales (landed with the tiles): dY's for rows r0, r0 + 8, X's for the columns,
       // read into registers before the WGMMAs are issued so that the promotion after the wait is
       // only arithmetic.
