@@ -298,18 +298,16 @@ def _backward(ctx, dy, _dsaved, _dstep):
     dx_wanted = bool(wants[0])
     if module.grad_mode == "main_grad":
         bufs = [module._main_grad(i) if n else None for i, n in enumerate(needs)]
-        # (every argument positional: PyTorch 2.11 bumps the mutated arguments' versions by their
-        # schema position in the call's positional arguments, without the defaults)
-        dx = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, False, False, True,
-                          bufs[0], bufs[1], bufs[2])[0]
+        dx = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, accumulate=True,
+                          main_w1=bufs[0], main_w2=bufs[1], main_wr=bufs[2])[0]
         return (dx if dx_wanted else None,) + (None,) * 9
     # BF16 parameters of the experts-only layer get BF16 gradients straight from the wgrad (no FP32
     # copy, no rounding pass); others FP32 ones, converted to their parameter's dtype here
     d1, d2 = ctx.weight_dtypes
     bf16 = module.external_routing and d1 == d2 == torch.bfloat16
     bias_grad = ctx.has_b1 and bool(wants[9])
-    dx, dw1, dw2, dwr, dprobs, db1 = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, bf16,
-                                                  bias_grad, False, None, None, None)
+    dx, dw1, dw2, dwr, dprobs, db1 = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id,
+                                                  bf16_grads=bf16, bias_grad=bias_grad)
     return (dx if dx_wanted else None, dw1.to(d1) if needs[0] else None, dw2.to(d2) if needs[1] else None,
             dwr if needs[2] else None, None, None, None, None, dprobs if wants[8] else None,
             db1 if bias_grad else None)
