@@ -41,7 +41,7 @@ fi
 if [ "${1:-}" = "--tests" ]; then
   py=python3
   [ -x .venv-test/bin/python ] && py=.venv-test/bin/python
-  if ! "$py" -c 'import numpy, ml_dtypes, torch, pytest, transformers, matplotlib, peft' 2>/dev/null; then
+  if ! "$py" -c 'import numpy, ml_dtypes, torch, pytest, transformers, matplotlib, peft, trl' 2>/dev/null; then
     echo "setup-deps: installing Python test packages (requirements-test.txt) from PyPI"
     if ! python3 -m pip --version >/dev/null 2>&1; then apt_install python3-pip; fi
     if ! python3 -m pip install -q -r requirements-test.txt 2>/tmp/flowmoe-pip.log; then
@@ -57,6 +57,6 @@ if [ "${1:-}" = "--tests" ]; then
         exit 1
       fi
     fi
-    "$py" -c 'import numpy, ml_dtypes, torch, pytest, transformers, matplotlib, peft' || { echo "setup-deps: numpy/ml_dtypes/torch/pytest/transformers/matplotlib/peft still not importable by $py" >&2; exit 1; }
+    "$py" -c 'import numpy, ml_dtypes, torch, pytest, transformers, matplotlib, peft, trl' || { echo "setup-deps: numpy/ml_dtypes/torch/pytest/transformers/matplotlib/peft/trl still not importable by $py" >&2; exit 1; }
   fi
 fi
