@@ -4,7 +4,8 @@
 // library has no Python ABI: one build serves every Python version (docs/PYTHON.md).
 //
 // Conventions:
-//  - Every function returns FLOWMOE_OK (0) or an error code; on an error flowmoe_last_error()
+//  - Every function returns FLOWMOE_OK (0) or an error code (queries such as flowmoe_has_cuda and
+//    flowmoe_config_size_multiple return their value); on an error flowmoe_last_error()
 //    returns the message (the flowmoe::Error text: file:line, what was wrong, what was expected)
 //    of the last failed call of this thread. No C++ exception crosses this interface.
 //  - Pointers to tensors are host pointers for a CPU layer and device pointers for a CUDA layer;
@@ -21,7 +22,9 @@
 extern "C" {
 #endif
 
-#define FLOWMOE_CAPI_VERSION 7
+// Bumped when a function or field is added (each is marked with the version that added it);
+// earlier versions' functions keep their signatures and meaning.
+#define FLOWMOE_CAPI_VERSION 8
 
 enum flowmoe_status_code {
   FLOWMOE_OK = 0,
@@ -95,6 +98,25 @@ int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm
                                    void* stream, const flowmoe_cuda_options* options,
                                    flowmoe_layer** out);
 int flowmoe_layer_destroy(flowmoe_layer* layer);  // null is allowed
+
+// ---- configuration checks (version 8) ------------------------------------------------------------
+// The library's checks of a configuration, without making a layer: nothing is allocated, no GPU is
+// touched, and it works in a library built without CUDA. FLOWMOE_OK when the layer's construction
+// would accept it; else FLOWMOE_ERROR with the message in flowmoe_last_error(): the text the
+// construction gives for that rule (those of the C fields' names start with this function's name
+// instead of the factory's), since both run the same code, where each rule is written once:
+// MoeConfig::validate and check_sync_free_options (moe.h). The Python package calls it when a
+// module is built.
+//  ep_world: the rank count of the communicator the layer will be given (0: none, one rank holding
+//  all E experts; a communicator of 1 rank is still a communicator: 1).
+//  options: the CUDA layer's options (null: none), checked with the configuration whatever the
+//  backend the layer is later made on; their rules that need no GPU: sync_free needs align 128 and,
+//  with ep_world >= 1, a communicator with device peers, which neither of this interface's
+//  communicators (host callbacks, NCCL) offers.
+int flowmoe_config_check(const flowmoe_config* cfg, int ep_world, const flowmoe_cuda_options* options);
+// H and F are multiples of this (moe.h kMoeSizeMultiple, 128: the FP8 tiles and weight blocks);
+// callers with other sizes zero-pad to it (the Python package's flowmoe.torch.experts does).
+int64_t flowmoe_config_size_multiple(void);
 // Version 6 (flowmoe/expert_layout.h): expert weights stored transposed (and interleaved, unpadded)
 // to the layer's layout (to_layer 1: src [E, C, L] -> dst [E, R, Cp]) or their gradients back
 // (to_layer 0: dst_grad [E, R, Cp] -> grad [E, C, L]); map = {valid, stride, base0, base1, second};

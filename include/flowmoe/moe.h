@@ -68,9 +68,25 @@ namespace flowmoe {
 class Communicator;
 
 // ---- configuration ----------------------------------------------------------------------------
+// H and F are multiples of this: the 1x128 FP8 tiles and 128x128 weight blocks. Callers with other
+// sizes zero-pad to it (the Python package's flowmoe.torch.experts asks the C ABI for it:
+// flowmoe_config_size_multiple), which leaves every real output unchanged.
+constexpr int64_t kMoeSizeMultiple = 128;
+
+// The communicator a layer is given, as the configuration checks see it (MoeConfig::validate,
+// check_sync_free_options): made from a Communicator (CommShape::of), or described before any
+// exists, so that a configuration can be checked without making a layer (the C ABI's
+// flowmoe_config_check, which Python calls when a module is built).
+struct CommShape {
+  int world = 0;              // ranks; 0: no communicator (one rank holding all E experts)
+  bool device_peers = false;  // its kernels reach the peers' memory (Communicator::device_peers)
+  std::string backend;        // its name in messages ("sim", "nccl", ...)
+  static CommShape of(Communicator* comm);  // null: world 0
+};
+
 struct MoeConfig {
-  int64_t hidden = 0;       // H: positive multiple of 128
-  int64_t ffn = 0;          // F (per expert): positive multiple of 128
+  int64_t hidden = 0;       // H: positive multiple of kMoeSizeMultiple (128)
+  int64_t ffn = 0;          // F (per expert): positive multiple of kMoeSizeMultiple (128)
   int num_experts = 0;      // E: 1..kRouterMaxExperts
   int topk = 0;             // k: 1..min(E, kMaxTopk)
   RouterScore router = RouterScore::kSoftmax;
@@ -118,6 +134,10 @@ struct MoeConfig {
 
   // Throws flowmoe::Error naming the field, its value and what is expected.
   void validate() const;
+  // The same checks with the communicator described by `comm` instead of this->comm (which is
+  // ignored): validate() is validate(CommShape::of(this->comm)) once the communicator reports at
+  // least one rank. For checking a configuration before its communicator exists.
+  void validate(const CommShape& comm) const;
   RouterConfig router_config() const;  // the token.h router configuration
   int num_local_experts() const;       // El = E / ranks (= E without a communicator)
   // Row capacity of the permuted buffers for max_tokens: routing_max_rows(max_tokens, k, E, A);
@@ -388,6 +408,15 @@ class MoeLayer {
 // The CPU backend (host pointers everywhere). Validates cfg; throws flowmoe::Error.
 std::unique_ptr<MoeLayer> make_cpu_layer(const MoeConfig& cfg);
 
+// The rules of the CUDA layer's options that depend on the configuration and the communicator
+// alone (CudaLayerOptions::sync_free: align 128; with expert parallelism a communicator with
+// device peers, and the layer's own memory rather than caller_memory). Host code in every build,
+// written once: make_cuda_layer runs it, and so does the C ABI's flowmoe_config_check, also in a
+// library built without CUDA. Nothing is checked when sync_free is false. Throws flowmoe::Error
+// whose message starts with `what`.
+void check_sync_free_options(const char* what, const MoeConfig& cfg, const CommShape& comm, bool sync_free,
+                             bool caller_memory);
+
 }  // namespace flowmoe
 
 // ---- CUDA backend (src/cuda/moe/): declared when the CUDA backend is built (linking flowmoe_cuda
@@ -447,7 +476,8 @@ struct CudaLayerOptions {
   // must offer device-side peer access (Communicator::device_peers: make_device_sim_world's ranks
   // today, not NCCL): every rank's counts are read on the device, the plan is made there and the
   // rows are pulled from the peers' buffers between device barriers (docs/EP.md §8); the same bits
-  // as the synchronous exchange. make_cuda_layer rejects anything else.
+  // as the synchronous exchange. make_cuda_layer rejects anything else (check_sync_free_options,
+  // above: host code, which the C ABI's flowmoe_config_check runs too).
   bool sync_free = false;
   // flow / flow-fp4 with the grouped kernel running GEMM1 (fprop_dgrad above): SwiGLU*prob and the
   // quantizations of a' and the saved h run in GEMM1's epilogue (GroupedGemm::fprop_swiglu; W1

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import json
+import operator
 import os
 import threading
 from typing import Callable, Optional
 
-from ._errors import CommError, FlowmoeError, NonFiniteError, OutOfMemoryError, debug, split_location
+from ._errors import CommError, ConfigError, FlowmoeError, NonFiniteError, OutOfMemoryError, debug, split_location
 
 LIBRARY_NAME = "libflowmoe_capi.so"
-CAPI_VERSION = 7
+CAPI_VERSION = 8
 
 OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED, ERROR_OUT_OF_MEMORY = 0, 1, 2, 3, 4, 5
 
@@ -99,6 +100,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_create_cuda_opts": (c_int, [ctypes.POINTER(Config), vp, c_int, vp,
                                                    ctypes.POINTER(CudaOptions), ctypes.POINTER(vp)]),
         "flowmoe_layer_destroy": (c_int, [vp]),
+        "flowmoe_config_check": (c_int, [ctypes.POINTER(Config), c_int, ctypes.POINTER(CudaOptions)]),
+        "flowmoe_config_size_multiple": (i64, []),
         "flowmoe_expert_relayout": (c_int, [vp, vp, c_int, c_int, i64, i64, i64, i64, ctypes.POINTER(i64), c_int,
                                             vp]),
         "flowmoe_layer_backend": (ctypes.c_char_p, [vp]),
@@ -194,17 +197,63 @@ def expert_relayout(src: int, dst: int, elem_bytes: int, experts: int, c: int, l
                                         int(bool(to_layer)), stream))
 
 
+def _c_int(name: str, v, bits: int) -> int:
+    """v as a C int<bits> field: an int (operator.index: also numpy's; not a bool, not a float) that
+    fits, else ConfigError. ctypes would wrap or truncate silently, and the library would then check
+    another value than the caller's."""
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        i = operator.index(v)
+    except TypeError:
+        raise ConfigError(f"{name} = {v!r}; expected an int") from None
+    hi = (1 << (bits - 1)) - 1
+    if not -hi - 1 <= i <= hi:
+        raise ConfigError(f"{name} = {i} does not fit the C ABI's int{bits}; expected at most {hi}")
+    return i
+
+
+def _c_str(name: str, v) -> bytes:
+    if not isinstance(v, str):
+        raise ConfigError(f"{name} = {v!r}; expected a str")
+    return v.encode()
+
+
 def make_config(hidden: int, ffn: int, experts: int, topk: int, router: str, renormalize: bool,
                 routed_scaling: float, aux_loss_coef: float, align: int, recipe: str,
                 max_tokens: int, check_columns: bool = False,
                 transpose_exponent: str = "row-max", external_routing: bool = False,
                 activation: str = "swiglu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                 gemm1_bias: bool = False) -> Config:
-    return Config(int(hidden), int(ffn), int(experts), int(topk), router.encode(), int(bool(renormalize)),
-                  float(routed_scaling), float(aux_loss_coef), int(align), recipe.encode(),
-                  int(max_tokens), int(bool(check_columns)), transpose_exponent.encode(),
-                  int(bool(external_routing)), activation.encode(), float(swiglu_alpha), float(swiglu_limit),
+    """The C configuration. Only the C types are checked here (ConfigError, named by the argument);
+    the values are the library's to judge (check_config, or the layer's construction)."""
+    return Config(_c_int("hidden", hidden, 64), _c_int("ffn", ffn, 64), _c_int("experts", experts, 32),
+                  _c_int("topk", topk, 32), _c_str("router", router), int(bool(renormalize)),
+                  float(routed_scaling), float(aux_loss_coef), _c_int("align", align, 32), _c_str("recipe", recipe),
+                  _c_int("max_tokens", max_tokens, 64), int(bool(check_columns)),
+                  _c_str("transpose_exponent", transpose_exponent), int(bool(external_routing)),
+                  _c_str("activation", activation), float(swiglu_alpha), float(swiglu_limit),
                   int(bool(gemm1_bias)))
+
+
+def check_config(config: Config, ep_world: int = 0, sync_free: bool = False) -> None:
+    """flowmoe_config_check: raises FlowmoeError with the library's message unless a layer of
+    `config` would be accepted, given a communicator of `ep_world` ranks (0: none) and the CUDA
+    options the package uses (caller memory; `sync_free`). Makes no layer and touches no GPU."""
+    opts = CudaOptions(int(bool(sync_free)), 1)
+    check(lib().flowmoe_config_check(ctypes.byref(config), int(ep_world), ctypes.byref(opts)))
+
+
+_size_multiple: Optional[int] = None
+
+
+def size_multiple() -> int:
+    """H and F of a layer are multiples of this (flowmoe_config_size_multiple: 128); callers that
+    zero-pad other sizes pad to it."""
+    global _size_multiple
+    if _size_multiple is None:
+        _size_multiple = int(lib().flowmoe_config_size_multiple())
+    return _size_multiple
 
 
 class Comm:

@@ -1,64 +1,47 @@
-"""Up-front checks of a layer's configuration, shared by flowmoe.torch.MoE, MoEExperts and
-flowmoe.torch.experts: a mistake in the sizes is a ``ConfigError`` (a ``ValueError``) that says
-what was wrong and what is expected, raised by the Python call itself (never a native error with a
-C++ location).
+"""Up-front configuration checks of flowmoe.torch.MoE, MoEExperts and flowmoe.torch.experts.
 
-The limits are the library's (include/flowmoe/token.h, MoeConfig::validate); the library still
-checks everything again, and ``native_config_errors`` turns what it refuses at construction into
-``ConfigError`` (a ValueError) too.
+The rules are the library's, each written once there (MoeConfig::validate and the sync-free rules of
+check_sync_free_options, src/common/moe_common.cpp): ``check_config`` asks the C ABI's
+``flowmoe_config_check`` when a module is built, which checks the configuration without making a
+layer, allocating or touching a GPU. What it refuses is a ``ConfigError`` (a ``ValueError``) raised
+by the Python call itself, carrying the library's message (what was wrong, what is expected; its
+C++ location only in debug mode) prefixed with the Python call's name.
+
+What stays on the Python side is the package's own: the ints and strings the C fields take
+(_native.make_config: ctypes would wrap or truncate a value silently) and, for sizes that are not a
+multiple of the library's (``flowmoe_config_size_multiple``), the hint naming the package's calls
+that zero-pad them.
 """
 
 from __future__ import annotations
 
-import contextlib
-
+from . import _native
 from ._errors import ConfigError, FlowmoeError
 
-MAX_EXPERTS = 1024  # kRouterMaxExperts: the router kernels' limit (one warp per token)
-MAX_TOPK = 32       # kMaxTopk: one lane per routing slot
-TILE = 128          # H and F are multiples of the layer's 1x128 / 128x128 FP8 tiles
 
-# Where a caller with H or F not a multiple of 128 goes instead: these pad to the next multiple.
-PADDING_WAY_OUT = ("flowmoe.torch.experts(...) (the experts with your own router) and flowmoe.hf "
-                   "(Hugging Face models) zero-pad any size to the next multiple of 128")
+def padding_way_out() -> str:
+    """Where a caller with H or F not a multiple of the layer's size goes instead: these pad."""
+    return ("flowmoe.torch.experts(...) (the experts with your own router) and flowmoe.hf (Hugging Face "
+            f"models) zero-pad any size to the next multiple of {_native.size_multiple()}")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _unpadded(sizes) -> bool:
+    m = _native.size_multiple()
+    return any(isinstance(v, int) and not isinstance(v, bool) and v > 0 and v % m for v in sizes)
 
 
-def check_sizes(who: str, hidden, ffn, experts, topk, *, pads: bool = False) -> None:
-    """ConfigError (a ValueError) unless hidden, ffn, experts and topk make a layer the library
-    accepts. ``pads``: the caller zero-pads hidden and ffn to multiples of 128 itself (any positive
-    size is fine)."""
-    for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("topk", topk)):
-        if not _is_int(v) or v < 1:
-            raise ConfigError(f"{who}: {name} = {v!r}; expected a positive int")
-    if experts > MAX_EXPERTS:
-        raise ConfigError(f"{who}: experts = {experts}; expected at most {MAX_EXPERTS} (the router's limit)")
-    if topk > MAX_TOPK:
-        raise ConfigError(f"{who}: topk = {topk}; expected at most {MAX_TOPK} experts per token")
-    if topk > experts:
-        raise ConfigError(f"{who}: topk = {topk} with experts = {experts}; each token picks topk distinct "
-                         f"experts, so expected topk <= experts")
-    if pads:
-        return
-    for name, v in (("hidden", hidden), ("ffn", ffn)):
-        if v % TILE:
-            lower, upper = (v // TILE) * TILE, -(-v // TILE) * TILE
-            nearest = f"{lower} or {upper}" if lower else f"{upper}"
-            raise ConfigError(f"{who}: {name} = {v} is not a multiple of {TILE} (the layer's FP8 tiles); "
-                             f"expected a multiple of {TILE} such as {nearest}. For other sizes, "
-                             f"{PADDING_WAY_OUT}")
-
-
-@contextlib.contextmanager
-def native_config_errors(who: str):
-    """Inside: a plain FlowmoeError of the library (a configuration it refuses while building a
-    layer) becomes ConfigError, a ValueError prefixed with `who`. Other errors pass unchanged."""
+def check_config(who: str, make, *, ep_world: int = 0, sync_free: bool = False, sizes=()) -> None:
+    """ConfigError (a ValueError) prefixed with ``who`` unless the library accepts the configuration
+    ``make()`` builds (a _native.Config; its own ConfigError for a value the C fields cannot take)
+    with a communicator of ``ep_world`` ranks (0: none) and, with ``sync_free``, the CUDA layer's
+    sync-free options. ``sizes``: the caller's (hidden, ffn) where it does not pad them itself; when
+    one is not a multiple of the library's size, the message adds the padding way out."""
     try:
-        yield
+        _native.check_config(make(), ep_world=ep_world, sync_free=sync_free)
     except FlowmoeError as e:
-        if type(e) is not FlowmoeError:
+        if type(e) not in (FlowmoeError, ConfigError):
             raise
-        raise ConfigError(f"{who}: {e}", e.code, e.location) from None
+        msg = f"{who}: {e}"
+        if _unpadded(sizes):
+            msg += f". For other sizes, {padding_way_out()}"
+        raise ConfigError(msg, e.code, e.location) from None

@@ -41,9 +41,30 @@ from torch import nn
 from . import _native, _ops
 from ._errors import FlowmoeError
 from ._runner import _NoTokens, _Runner, keep_fp32, keep_layer_on_failure
-from ._validate import check_sizes, native_config_errors
+from ._validate import check_config
 
 __all__ = ["experts", "MoEExperts"]
+
+
+def _experts_config(hidden, ffn, experts, topk, recipe, align, max_tokens, activation, gemm1_bias) -> _native.Config:
+    """The C configuration of an experts-only layer (external routing: no router, no aux loss)."""
+    act, alpha, limit = activation
+    return _native.make_config(hidden, ffn, experts, topk, "softmax", False, 1.0, 0.0, align, recipe, max_tokens,
+                               external_routing=True, activation=act, swiglu_alpha=alpha, swiglu_limit=limit,
+                               gemm1_bias=gemm1_bias)
+
+
+def refusal(experts: int, hidden: int, ffn: int, topk: int, recipe: str, *, align: int = 128,
+            activation: Tuple[str, float, float] = ("swiglu", 1.702, 7.0), gemm1_bias: bool = False) -> Optional[str]:
+    """Why the library refuses the experts-only layer that ``experts()`` would build for these sizes
+    (hidden and ffn zero-padded as it pads them), in its words, or None when it accepts it. For
+    callers that check a model before running it (flowmoe.hf), so that the rules stay the library's."""
+    try:
+        _native.check_config(_experts_config(_pad(hidden), _pad(ffn), experts, topk, recipe, align, 1, activation,
+                                             gemm1_bias))
+    except FlowmoeError as e:  # the library's message (or make_config's for a value C cannot take)
+        return str(e)
+    return None
 
 
 class _ExpertsLayer:
@@ -59,15 +80,15 @@ class _ExpertsLayer:
         self.sync_free, self.check_finite, self.who = sync_free, check_finite, who
         self.weight_updates = 0
         self._runner = None  # flowmoe.torch._Runner
+        # the library checks the configuration now, without making a layer (sizes, top-k, recipe,
+        # alignment, activation, biases, sync_free's needs: its rules, its words)
+        check_config(who, lambda: self._config(1 if max_tokens is None else max_tokens), sync_free=sync_free,
+                     sizes=(hidden, ffn))
         self._op_id = _ops.register_module(self)
-        with native_config_errors(who):  # the library checks the configuration now
-            _native.Layer(self._config(1)).close()
 
     def _config(self, max_tokens: int) -> _native.Config:
-        act, alpha, limit = self.activation
-        return _native.make_config(self.hidden, self.ffn, self.experts, self.topk, "softmax", False, 1.0, 0.0,
-                                   self.align, self.recipe, max_tokens, external_routing=True, activation=act,
-                                   swiglu_alpha=alpha, swiglu_limit=limit, gemm1_bias=self.gemm1_bias)
+        return _experts_config(self.hidden, self.ffn, self.experts, self.topk, self.recipe, self.align, max_tokens,
+                               self.activation, self.gemm1_bias)
 
     def _param_shapes(self):
         E, H, F = self.experts, self.hidden, self.ffn
@@ -176,8 +197,10 @@ def _check_biases(who, b1, b2, E, H, F, device):
             raise ValueError(f"{who}: {name} of shape {tuple(b.shape)} on {b.device}; expected {list(shape)} on {device}")
 
 
-def _round128(n: int) -> int:
-    return -(-n // 128) * 128
+def _pad(n: int) -> int:
+    """n rounded up to the layer's size multiple (the library's: _native.size_multiple(), 128)."""
+    m = _native.size_multiple()
+    return -(-n // m) * m
 
 
 class _Layout:
@@ -190,7 +213,7 @@ class _Layout:
     layout at multiples of 128."""
 
     def __init__(self, H: int, F: int, transposed: bool, interleaved: bool):
-        self.H, self.F, self.Hp, self.Fp = H, F, _round128(H), _round128(F)
+        self.H, self.F, self.Hp, self.Fp = H, F, _pad(H), _pad(F)
         self.transposed, self.interleaved = transposed, interleaved
         self.identity = not transposed and not interleaved and self.Hp == H and self.Fp == F
 
@@ -293,9 +316,6 @@ class _Relayout(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
-_ACTIVATIONS = ("swiglu", "clamped-swiglu")
-
-
 def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w1: torch.Tensor,
             w2: torch.Tensor, *, recipe: str = "flow", align: int = 128, max_tokens: Optional[int] = None,
             sync_free: bool = False, check_finite: Optional[bool] = None, owner=None,
@@ -315,15 +335,9 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
     (b1 too). H and F that are not multiples of 128 are zero-padded to the next multiple."""
     who = "flowmoe.torch.experts"
     E, H, F, k = _check_inputs(who, x, top_k_index, top_k_weights, w1, w2, bool(transposed))
-    check_sizes(who, H, F, E, k, pads=True)  # (H and F are padded below)
     _check_biases(who, b1, b2, E, H, F, x.device)
-    recipes = _native.recipe_names()
-    if recipe not in recipes:
-        raise ValueError(f"{who}: unknown recipe {recipe!r}; expected one of {', '.join(recipes)}")
-    if align not in (16, 32, 64, 128):
-        raise ValueError(f"{who}: align {align!r}; expected one of (16, 32, 64, 128)")
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"{who}: activation {activation!r}; expected one of {', '.join(_ACTIVATIONS)}")
+    # sizes, top-k, recipe, alignment and activation: the library's checks, when the layer of this
+    # configuration is first made (_ExpertsLayer)
     act = (activation, float(swiglu_alpha), float(swiglu_limit)) if activation != "swiglu" else ("swiglu", 1.702, 7.0)
     lay = _Layout(H, F, bool(transposed), bool(interleaved))
     key = (recipe, align, max_tokens, bool(sync_free), check_finite, E, H, F, k, act, b1 is not None,
@@ -368,7 +382,6 @@ class MoEExperts(nn.Module):
                  align: int = 128, max_tokens: Optional[int] = None, sync_free: bool = False,
                  check_finite: Optional[bool] = None, seed: Optional[int] = None, device=None):
         super().__init__()
-        check_sizes("flowmoe.torch.MoEExperts", hidden, ffn, experts, topk)
         self.hidden, self.ffn, self.experts, self.topk = hidden, ffn, experts, topk
         self.recipe, self.align, self.max_tokens = recipe, align, max_tokens
         self.sync_free, self.check_finite = bool(sync_free), check_finite

@@ -33,8 +33,9 @@ hidden / intermediate sizes that are not multiples of 128 (zero-padded to the ne
 
 Refused, with the model and what is missing named (never run wrong): experts without a gate
 (gate_up_proj), with an activation other than SiLU or the clamped SwiGLU, another custom gating
-function, a post-expert norm, expert parallelism, more experts or a larger top-k than the layer
-supports, biases with fp8-naive.
+function, a post-expert norm, expert parallelism, and any configuration the layer itself refuses
+(more experts or a larger top-k than it supports, biases with fp8-naive...): those are asked of the
+library (flowmoe.torch.experts' ``refusal``: the C ABI's flowmoe_config_check) and named in its words.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch  # noqa: E402
 from torch import nn
 
 from ._recipes import RECIPES
+from .experts import refusal
 from .torch import experts
 
 try:
@@ -114,9 +116,6 @@ def experts_options(module, recipe: str, top_k: int = None) -> dict:
         b1, b2 = getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None)
         if b1 is None or b2 is None:
             missing.append("expert biases other than gate_up_proj_bias and down_proj_bias")
-        elif recipe == "fp8-naive":
-            missing.append("expert biases with the fp8-naive recipe (use flowmoe-flow, -flow-fp4, -blockwise "
-                           "or -bf16)")
         opts["biases"] = True
     if getattr(module, "has_post_expert_norm", False):
         missing.append("a post-expert norm")
@@ -140,10 +139,18 @@ def experts_options(module, recipe: str, top_k: int = None) -> dict:
         w1, w2 = module.gate_up_proj, getattr(module, "down_proj", None)
         if w2 is None or w1.dim() != 3 or w2.dim() != 3:
             missing.append("3D gate_up_proj and down_proj parameters")
-        elif w1.shape[0] > 1024:
-            missing.append(f"{w1.shape[0]} experts; flowmoe's layer takes at most 1024")
-        if top_k is not None and top_k > 32:
-            missing.append(f"top-k {top_k}; flowmoe's layer takes at most 32")
+        else:
+            # the layer's own rules (experts, top-k, biases with the recipe...): asked of the library,
+            # for the configuration flowmoe.torch.experts would build (H and F zero-padded)
+            E, a, b = (int(n) for n in w1.shape)
+            H, F = (a, b // 2) if opts["transposed"] else (b, a // 2)  # w1 [E, H, 2F] or [E, 2F, H]
+            act = ("swiglu", 1.702, 7.0)
+            if "activation" in opts:
+                act = (opts["activation"], opts["swiglu_alpha"], opts["swiglu_limit"])
+            reason = refusal(E, H, F, 1 if top_k is None else int(top_k), recipe, activation=act,
+                             gemm1_bias=bool(opts.get("biases")))
+            if reason:
+                missing.append(f"a configuration the layer refuses ({reason})")
     if missing:
         raise NotImplementedError(f"flowmoe.hf: {name} cannot run on flowmoe: " + "; ".join(missing) +
                                   ". Use experts_implementation='grouped_mm' or 'eager' for this model.")

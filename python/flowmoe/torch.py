@@ -20,13 +20,11 @@ from torch import nn
 
 from . import _native, _ops
 from ._errors import FlowmoeError
-from ._validate import check_sizes, native_config_errors
+from ._validate import check_config
 from ._runner import _NoTokens, _Runner, keep_fp32, keep_layer_on_failure  # noqa: F401  (MoE uses them)
 from .experts import MoEExperts, experts  # noqa: F401  (flowmoe.torch.experts, MoEExperts)
 
 __all__ = ["MoE", "FlowmoeError", "microbatch"]
-_ROUTERS = ("softmax", "sigmoid")
-_ALIGNS = (16, 32, 64, 128)
 
 
 _optimizer_steps = 0  # optimizer.step() calls of any optimizer in this process (global post-hook)
@@ -88,26 +86,12 @@ class MoE(nn.Module):
                  check_columns: bool = False, transpose_exponent: str = "row-max",
                  comm_timeout_s: float = 300.0, sync_free: bool = False, device=None):
         super().__init__()
-        check_sizes("flowmoe.torch.MoE", hidden, ffn, experts, topk)
-        recipes = _native.recipe_names()
-        if recipe not in recipes:
-            raise ValueError(f"flowmoe.torch.MoE: unknown recipe {recipe!r}; expected one of "
-                             f"{', '.join(recipes)}")
-        if router not in _ROUTERS:
-            raise ValueError(f"flowmoe.torch.MoE: router {router!r}; expected 'softmax' or 'sigmoid'")
-        if align not in _ALIGNS:
-            raise ValueError(f"flowmoe.torch.MoE: align {align!r}; expected one of {_ALIGNS}")
-        if transpose_exponent not in ("row-max", "column-amax"):
-            raise ValueError(f"flowmoe.torch.MoE: transpose_exponent {transpose_exponent!r}; expected "
-                             "'row-max' or 'column-amax'")
+        who = "flowmoe.torch.MoE"
+        # Python's own arguments are checked here; the configuration's rules (sizes, top-k, recipe,
+        # router, alignment, sync_free's needs, expert parallelism) are the library's, asked below.
         if grad_mode not in ("autograd", "main_grad"):
-            raise ValueError(f"flowmoe.torch.MoE: grad_mode {grad_mode!r}; expected 'autograd' (gradients "
+            raise ValueError(f"{who}: grad_mode {grad_mode!r}; expected 'autograd' (gradients "
                              "through autograd into .grad) or 'main_grad' (accumulated into p.main_grad)")
-        if sync_free and (align != 128 or ep_group is not None):
-            raise ValueError(f"flowmoe.torch.MoE: sync_free needs one GPU (no ep_group) and align 128; "
-                             f"got align {align}{', an ep_group' if ep_group is not None else ''}")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise ValueError(f"flowmoe.torch.MoE: max_tokens {max_tokens!r}; expected None or an int >= 1")
         self.hidden, self.ffn, self.experts, self.topk = hidden, ffn, experts, topk
         self.router, self.renormalize, self.routed_scaling = router, bool(renormalize), float(routed_scaling)
         self.aux_loss_coef, self.recipe, self.align = float(aux_loss_coef), recipe, align
@@ -125,17 +109,17 @@ class MoE(nn.Module):
             import torch.distributed as dist
 
             self.ep_rank, self.ep_world = dist.get_rank(ep_group), dist.get_world_size(ep_group)
-            if experts % self.ep_world:
-                raise ValueError(f"flowmoe.torch.MoE: {experts} experts over {self.ep_world} ranks; "
-                                 "expected a multiple of the ep_group size")
             if max_tokens is None:
-                raise ValueError("flowmoe.torch.MoE: ep_group needs max_tokens (every rank must build "
+                raise ValueError(f"{who}: ep_group needs max_tokens (every rank must build "
                                  "its layer with the same configuration)")
-        self.local_experts = experts // self.ep_world
 
-        # The configuration is checked by the library now (not at the first forward).
-        with native_config_errors("flowmoe.torch.MoE"):
-            _native.Layer(self._config(1)).close()
+        # The library checks the configuration now (not at the first forward), without making a
+        # layer: with the communicator's rank count, and sync_free's rules on any device (a module
+        # built on the CPU may move to a GPU; the CUDA runner uses caller memory).
+        check_config(who, lambda: self._config(1 if max_tokens is None else max_tokens),
+                     ep_world=self.ep_world if ep_group is not None else 0, sync_free=self.sync_free,
+                     sizes=(hidden, ffn))
+        self.local_experts = experts // self.ep_world
 
         E, El, H, F = experts, self.local_experts, hidden, ffn
         self.w1 = nn.Parameter(torch.empty(El, 2 * F, H, dtype=torch.float32, device=device))

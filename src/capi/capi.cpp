@@ -97,7 +97,7 @@ MoeConfig to_config(const flowmoe_config* c, flowmoe_comm* comm, const char* wha
   } else if (exponent == "column-amax") {
     cfg.transpose_exponent = TransposeExponent::kColumnAmax;
   } else {
-    FLOWMOE_CHECK(false, what << ": transpose exponent '" << exponent
+    FLOWMOE_CHECK(false, what << ": transpose_exponent '" << exponent
                               << "' is unknown; expected 'row-max' or 'column-amax'");
   }
   FLOWMOE_CHECK(c->external_routing == 0 || c->external_routing == 1,
@@ -117,6 +117,24 @@ MoeConfig to_config(const flowmoe_config* c, flowmoe_comm* comm, const char* wha
   cfg.gemm1_bias = c->gemm1_bias == 1;
   cfg.comm = comm ? comm->comm.get() : nullptr;
   return cfg;
+}
+
+// The CUDA layer's C options as flags (each 0 or 1), shared by the layer's creation and
+// flowmoe_config_check. null: the defaults.
+struct CudaFlags {
+  bool sync_free = false;
+  bool caller_memory = false;
+};
+
+CudaFlags cuda_flags(const flowmoe_cuda_options* o, const char* what) {
+  CudaFlags f;
+  if (o == nullptr) return f;
+  FLOWMOE_CHECK(o->sync_free == 0 || o->sync_free == 1, what << ": sync_free = " << o->sync_free << "; expected 0 or 1");
+  FLOWMOE_CHECK(o->caller_memory == 0 || o->caller_memory == 1,
+                what << ": caller_memory = " << o->caller_memory << "; expected 0 or 1");
+  f.sync_free = o->sync_free == 1;
+  f.caller_memory = o->caller_memory == 1;
+  return f;
 }
 
 flowmoe_layer* checked(flowmoe_layer* l, const char* what) {
@@ -228,6 +246,26 @@ const char* flowmoe_recipe_names(void) {
   return names.c_str();
 }
 
+int flowmoe_config_check(const flowmoe_config* cfg, int ep_world, const flowmoe_cuda_options* options) {
+  const char* what = "flowmoe_config_check";
+  return guarded(what, [&] {
+    FLOWMOE_CHECK(ep_world >= 0, what << ": ep_world = " << ep_world
+                                      << "; expected 0 (no communicator) or the communicator's rank count");
+    const flowmoe::MoeConfig c = flowmoe::capi::to_config(cfg, nullptr, what);
+    // The communicators this interface makes (flowmoe_comm_create_host, flowmoe_comm_create_nccl)
+    // size their messages on the host: neither offers device peers (Communicator::device_peers).
+    flowmoe::CommShape comm;
+    comm.world = ep_world;
+    comm.device_peers = false;
+    comm.backend = "host callbacks or nccl, the C ABI's communicators";
+    c.validate(comm);
+    const flowmoe::capi::CudaFlags flags = flowmoe::capi::cuda_flags(options, what);
+    flowmoe::check_sync_free_options(what, c, comm, flags.sync_free, flags.caller_memory);
+  });
+}
+
+int64_t flowmoe_config_size_multiple(void) { return flowmoe::kMoeSizeMultiple; }
+
 int flowmoe_layer_create_cpu(const flowmoe_config* cfg, flowmoe_comm* comm, flowmoe_layer** out) {
   const char* what = "flowmoe_layer_create_cpu";
   return guarded(what, [&] {
@@ -260,14 +298,9 @@ int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm
     std::unique_ptr<flowmoe_layer> h(new flowmoe_layer);
     h->device = device;
     flowmoe::CudaLayerOptions o;
-    if (options) {
-      FLOWMOE_CHECK(options->sync_free == 0 || options->sync_free == 1,
-                    what << ": sync_free = " << options->sync_free << "; expected 0 or 1");
-      o.sync_free = options->sync_free == 1;
-      FLOWMOE_CHECK(options->caller_memory == 0 || options->caller_memory == 1,
-                    what << ": caller_memory = " << options->caller_memory << "; expected 0 or 1");
-      o.caller_memory = options->caller_memory == 1;
-    }
+    const flowmoe::capi::CudaFlags flags = flowmoe::capi::cuda_flags(options, what);
+    o.sync_free = flags.sync_free;
+    o.caller_memory = flags.caller_memory;
     h->layer = flowmoe::make_cuda_layer(c, static_cast<cudaStream_t>(stream), o);
     *out = h.release();
   });

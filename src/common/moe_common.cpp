@@ -1,5 +1,7 @@
-// The backend-independent part of the MoE layer (include/flowmoe/moe.h): configuration checks and
-// the cast / saved-bytes report. The recipes and their table: src/common/recipe.cpp.
+// The backend-independent part of the MoE layer (include/flowmoe/moe.h): configuration checks (the
+// one place of each rule: MoeConfig::validate, and check_sync_free_options for the CUDA layer's
+// options, which the C ABI's flowmoe_config_check also runs without making a layer) and the cast /
+// saved-bytes report. The recipes and their table: src/common/recipe.cpp.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -101,23 +103,76 @@ void MoeLayer::check_weights(const MoeWeights& w, const char* space) const {
 }
 
 // ---- configuration ------------------------------------------------------------------------------
+namespace {
+
+// " such as 128 or 256 (the nearest)" for a positive size that is not a multiple of
+// kMoeSizeMultiple ("" otherwise): what to change it to, in the message that refuses it.
+std::string nearest_multiples(int64_t v) {
+  if (v <= 0 || v % kMoeSizeMultiple == 0) return "";
+  const int64_t lower = v / kMoeSizeMultiple * kMoeSizeMultiple, upper = lower + kMoeSizeMultiple;
+  std::ostringstream os;
+  os << " such as ";
+  if (lower > 0) os << lower << " or ";
+  os << upper << " (the nearest)";
+  return os.str();
+}
+
+// The recipes a rule leaves, from the recipe table ("bf16, blockwise, flow, flow-fp4"), so that
+// a message naming them follows the table.
+std::string recipes_except(Recipe excluded) {
+  std::string s;
+  for (Recipe r : all_recipes())
+    if (r != excluded) s += (s.empty() ? "" : ", ") + std::string(recipe_name(r));
+  return s;
+}
+
+// MoeConfig::max_rows over a communicator of `world` ranks (0: none).
+int64_t max_rows_over(const MoeConfig& c, int world) {
+  if (world == 0) return routing_max_rows(c.max_tokens, c.topk, c.num_experts, c.align);
+  // Expert parallelism: every rank (same max_tokens, checked across ranks by the layer) may send
+  // all its routed rows to this rank's El experts.
+  return routing_max_rows(int64_t(world) * c.max_tokens, c.topk, c.num_experts / world, c.align);
+}
+
+}  // namespace
+
+CommShape CommShape::of(Communicator* comm) {
+  CommShape s;
+  if (comm == nullptr) return s;
+  s.world = comm->world_size();
+  s.device_peers = comm->device_peers() != nullptr;
+  s.backend = comm->backend();
+  return s;
+}
+
 void MoeConfig::validate() const {
+  if (comm != nullptr) {
+    const int world = comm->world_size();
+    FLOWMOE_CHECK(world >= 1, "MoeConfig: the communicator reports " << world << " ranks");
+  }
+  validate(CommShape::of(comm));
+}
+
+void MoeConfig::validate(const CommShape& shape) const {
   const char* what = "MoeConfig";
-  FLOWMOE_CHECK(hidden > 0 && hidden % 128 == 0,
-                what << ": hidden H = " << hidden
-                     << " is not a positive multiple of 128 (1x128 FP8 tiles and 128x128 weight "
-                        "blocks); expected H % 128 == 0, e.g. 2048, 5120 or 7168");
-  FLOWMOE_CHECK(ffn > 0 && ffn % 128 == 0,
-                what << ": ffn F = " << ffn
-                     << " is not a positive multiple of 128 (the SwiGLU tiles and 128x128 weight "
-                        "blocks); expected F % 128 == 0, e.g. 1408 or 2048");
+  const int64_t m = kMoeSizeMultiple;
+  FLOWMOE_CHECK(hidden > 0 && hidden % m == 0,
+                what << ": hidden H = " << hidden << " is not a positive multiple of " << m
+                     << " (1x128 FP8 tiles and 128x128 weight blocks); expected H % " << m << " == 0"
+                     << (hidden > 0 ? nearest_multiples(hidden) : std::string(", e.g. 2048, 5120 or 7168")));
+  FLOWMOE_CHECK(ffn > 0 && ffn % m == 0,
+                what << ": ffn F = " << ffn << " is not a positive multiple of " << m
+                     << " (the SwiGLU tiles and 128x128 weight blocks); expected F % " << m << " == 0"
+                     << (ffn > 0 ? nearest_multiples(ffn) : std::string(", e.g. 1408 or 2048")));
   FLOWMOE_CHECK(num_experts >= 1 && num_experts <= kRouterMaxExperts,
                 what << ": num_experts E = " << num_experts << " out of range; expected 1 <= E <= "
-                     << kRouterMaxExperts);
+                     << kRouterMaxExperts << " (the router kernels' limit: one warp per token)");
   FLOWMOE_CHECK(topk >= 1 && topk <= kMaxTopk,
-                what << ": top_k k = " << topk << " out of range; expected 1 <= k <= " << kMaxTopk);
+                what << ": top_k k = " << topk << " out of range; expected 1 <= k <= " << kMaxTopk
+                     << " (one lane per routing slot)");
   FLOWMOE_CHECK(topk <= num_experts, what << ": top_k k = " << topk << " exceeds num_experts E = "
-                                          << num_experts << "; expected k <= E");
+                                          << num_experts
+                                          << "; expected k <= E (each token picks k distinct experts)");
   FLOWMOE_CHECK(router == RouterScore::kSoftmax || router == RouterScore::kSigmoid,
                 what << ": router score " << static_cast<int>(router)
                      << " unknown; expected softmax or sigmoid");
@@ -135,9 +190,9 @@ void MoeConfig::validate() const {
                      << " unknown; expected one of: " << recipe_names(", "));
   FLOWMOE_CHECK(max_tokens >= 1, what << ": max_tokens = " << max_tokens
                                       << "; expected the largest T of a forward call, >= 1");
-  if (comm != nullptr) {
-    const int world = comm->world_size();
-    FLOWMOE_CHECK(world >= 1, what << ": the communicator reports " << world << " ranks");
+  const int world = shape.world;
+  FLOWMOE_CHECK(world >= 0, what << ": a communicator of " << world << " ranks; expected 0 (none) or more");
+  if (world >= 1) {
     FLOWMOE_CHECK(num_experts % world == 0,
                   what << ": num_experts E = " << num_experts << " is not divisible by the "
                        << world << " ranks of the communicator; expert parallelism splits the "
@@ -150,8 +205,8 @@ void MoeConfig::validate() const {
                   what << ": aux_loss_alpha = " << aux_loss_alpha
                        << " with external_routing: the layer has no router (the caller routes), so "
                           "no load-balancing loss; expected 0 (the caller's router adds its own)");
-    FLOWMOE_CHECK(comm == nullptr, what << ": external_routing with a communicator (expert "
-                                           "parallelism) is not supported; expected one rank");
+    FLOWMOE_CHECK(world == 0, what << ": external_routing with a communicator (expert "
+                                      "parallelism) is not supported; expected one rank");
   }
   if (activation.clamped())
     FLOWMOE_CHECK(std::isfinite(activation.alpha) && std::isfinite(activation.limit) && activation.limit > 0.0f,
@@ -161,15 +216,35 @@ void MoeConfig::validate() const {
                 what << ": activation " << static_cast<int>(activation.kind)
                      << " unknown; expected SwiGLU or clamped SwiGLU");
   if (gemm1_bias) {
+    // fp8-naive's dataflow (quantize before the dispatch, FP32 scales) has no GEMM1 bias step.
     FLOWMOE_CHECK(recipe != Recipe::kFp8Naive,
-                  what << ": GEMM1 biases with the fp8-naive recipe are not supported; expected bf16, "
-                          "blockwise, flow or flow-fp4");
-    FLOWMOE_CHECK(comm == nullptr, what << ": GEMM1 biases with a communicator (expert parallelism) are not "
-                                           "supported; expected one rank");
+                  what << ": GEMM1 (expert) biases with the fp8-naive recipe are not supported; expected "
+                          "one of "
+                       << recipes_except(Recipe::kFp8Naive));
+    FLOWMOE_CHECK(world == 0, what << ": GEMM1 biases with a communicator (expert parallelism) are not "
+                                      "supported; expected one rank");
   }
-  FLOWMOE_CHECK(max_rows() <= INT32_MAX,
-                what << ": max_tokens = " << max_tokens << " gives up to " << max_rows()
+  const int64_t rows = max_rows_over(*this, world);
+  FLOWMOE_CHECK(rows <= INT32_MAX,
+                what << ": max_tokens = " << max_tokens << " gives up to " << rows
                      << " padded rows, which do not fit int32 row indices; expected fewer tokens");
+}
+
+void check_sync_free_options(const char* what, const MoeConfig& cfg, const CommShape& comm, bool sync_free,
+                             bool caller_memory) {
+  if (!sync_free) return;
+  FLOWMOE_CHECK(comm.world == 0 || comm.device_peers,
+                what << ": CudaLayerOptions::sync_free with expert parallelism needs a communicator whose kernels "
+                        "reach the peers' memory (Communicator::device_peers: make_device_sim_world's ranks); "
+                        "this one ("
+                     << comm.backend
+                     << ") sizes its messages on the host; expected sync_free off, or one GPU (no communicator)");
+  FLOWMOE_CHECK(cfg.align == 128, what << ": CudaLayerOptions::sync_free needs align = 128 (the wgrad kernels' "
+                                          "128-token blocks); align is "
+                                       << cfg.align);
+  FLOWMOE_CHECK(comm.world == 0 || !caller_memory,
+                what << ": CudaLayerOptions::caller_memory with sync_free expert parallelism: the peers read this "
+                        "layer's buffers at addresses shared once, at construction; expected the layer's own memory");
 }
 
 RouterConfig MoeConfig::router_config() const {
@@ -186,13 +261,7 @@ int MoeConfig::num_local_experts() const {
   return comm ? num_experts / comm->world_size() : num_experts;
 }
 
-int64_t MoeConfig::max_rows() const {
-  if (comm == nullptr) return routing_max_rows(max_tokens, topk, num_experts, align);
-  // Expert parallelism: every rank (same max_tokens, checked across ranks by the layer) may send
-  // all its routed rows to this rank's El experts.
-  const int64_t world = comm->world_size();
-  return routing_max_rows(world * max_tokens, topk, num_local_experts(), align);
-}
+int64_t MoeConfig::max_rows() const { return max_rows_over(*this, comm ? comm->world_size() : 0); }
 
 std::string MoeConfig::describe() const {
   std::ostringstream os;

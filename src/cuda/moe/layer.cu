@@ -439,22 +439,15 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                                                       << options.ep_direct_bytes
                                                       << "; expected -1 (the default) or a byte count >= 0");
   };
+  // the sync-free rules live in host code (src/common/moe_common.cpp), shared with the C ABI's
+  // flowmoe_config_check, so that a configuration is refused with the same words before any GPU work
   auto check_sync_free = [&] {
-    if (!options.sync_free) return;
-    FLOWMOE_CHECK(cfg.comm == nullptr || cfg.comm->device_peers() != nullptr,
-                  what << ": CudaLayerOptions::sync_free with expert parallelism needs a communicator whose kernels "
-                          "reach the peers' memory (Communicator::device_peers: make_device_sim_world's ranks); "
-                          "this one (" << cfg.comm->backend() << ") sizes its messages on the host");
-    FLOWMOE_CHECK(cfg.align == 128, what << ": CudaLayerOptions::sync_free needs align = 128 (the wgrad kernels' "
-                                            "128-token blocks); align is " << cfg.align);
-    FLOWMOE_CHECK(cfg.comm == nullptr || !options.caller_memory,
-                  what << ": CudaLayerOptions::caller_memory with sync_free expert parallelism: the peers read this "
-                          "layer's buffers at addresses shared once, at construction; expected the layer's own memory");
+    check_sync_free_options(what, cfg, CommShape::of(cfg.comm), options.sync_free, options.caller_memory);
   };
   if (cfg.comm == nullptr) {
-    check_sync_free();
     cfg.validate();
     check_options();
+    check_sync_free();
     return std::unique_ptr<MoeLayer>(new cuda::moe::CudaMoeLayer(cfg, stream, options));
   }
   // Expert parallelism (docs/EP.md §6): collective, as make_cpu_layer. First the configuration

@@ -160,7 +160,7 @@ def test_errors_say_what_is_expected():
         ft.experts(x, ids[:5], w[:5], w1, w2)
     with pytest.raises(ValueError, match="w1"):
         ft.experts(x, ids, w, w1[:, :7], w2)
-    with pytest.raises(ValueError, match="unknown recipe"):
+    with pytest.raises(ValueError, match="unknown MoE recipe 'fp16'"):  # the library's words
         ft.experts(x, ids, w, w1, w2, recipe="fp16")
     with pytest.raises(TypeError, match="integer"):
         ft.experts(x, w, w, w1, w2)

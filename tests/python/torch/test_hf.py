@@ -118,8 +118,16 @@ def test_sizes_not_multiples_of_128_run_padded(sizes):
 def test_gpt_oss_refusals(monkeypatch):
     ids = hc.batch()
     m = hc.build(hc.gpt_oss, "flowmoe-fp8-naive")
-    with pytest.raises(NotImplementedError, match=r"gpt_oss.*expert biases with the fp8-naive recipe"):
+    with pytest.raises(NotImplementedError,
+                       match=r"gpt_oss.*GEMM1 \(expert\) biases with the fp8-naive recipe are not supported") as info:
         m(input_ids=ids)
+    # the library's words (C ABI flowmoe_config_check), not a restatement in flowmoe.hf: the text the
+    # library gives for the layer flowmoe.torch.experts would build (gpt_oss: H 200, F 72, padded)
+    from flowmoe.experts import refusal
+
+    reason = refusal(hc.E, 200, 72, hc.K, "fp8-naive", gemm1_bias=True)
+    assert reason and reason in str(info.value), (reason, str(info.value))
+    assert refusal(hc.E, 200, 72, hc.K, "flow", gemm1_bias=True) is None
     m = hc.build(hc.gpt_oss, "flowmoe-flow")
     experts = m.model.layers[0].mlp.experts
     monkeypatch.setattr(type(experts), "_apply_gate",

@@ -288,9 +288,9 @@ def test_max_tokens_grows_unless_fixed():
 
 # ---- bad input --------------------------------------------------------------------------------------
 def test_bad_configuration_raises_library_message():
-    with pytest.raises(ValueError, match="unknown recipe 'fp3'"):
+    with pytest.raises(ValueError, match="unknown MoE recipe 'fp3'"):
         make("fp3")
-    with pytest.raises(flowmoe.FlowmoeError, match="hidden = 100"):
+    with pytest.raises(flowmoe.FlowmoeError, match="hidden H = 100"):
         MoE(100, F, E, K)
     with pytest.raises(flowmoe.FlowmoeError, match="top_k|topk"):
         MoE(H, F, E, E + 1)
@@ -298,7 +298,7 @@ def test_bad_configuration_raises_library_message():
         make("bf16", router="relu")
     # sync_free (CudaLayerOptions::sync_free) takes one GPU and align 128
     for recipe, align in (("bf16", 64), ("flow", 64)):
-        with pytest.raises(ValueError, match="sync_free"):
+        with pytest.raises(ValueError, match="sync_free needs align = 128"):
             make(recipe, align=align, sync_free=True)
 
 
