@@ -296,15 +296,13 @@ TEST_P(MoeGpuRecipe, TailStreamGivesTheSerialBits) {
   expect_same_outputs(a, b);
 }
 
-// flow / flow-fp4: the wgrad column copies on the side stream (the default) give the bits of the
-// inline order (CudaLayerOptions::side_stream false), call after call; the other recipes ignore it.
-TEST_P(MoeGpuRecipe, SideStreamGivesTheInlineBits) {
-  REQUIRE_DEVICE();
+// The layer with `field` cleared against the default options, on the same data, call after call:
+// the same bits (the options change where and in which order work runs, never a result).
+void expect_option_keeps_bits(bool CudaLayerOptions::*field, Recipe r, uint32_t seed) {
   const Shape& s = kShapes[1];
-  const Recipe r = GetParam();
-  const Data d = make_data(s, s.tokens, 87);
+  const Data d = make_data(s, s.tokens, seed);
   DevData dd(d);
-  auto layers = layers_with(&CudaLayerOptions::side_stream, s, r);
+  auto layers = layers_with(field, s, r);
   for (int call = 0; call < 2; ++call) {
     SCOPED_TRACE("call " + std::to_string(call));
     const Outputs a = run_gpu(layers.first.get(), s, d, dd, s.tokens);
@@ -313,22 +311,19 @@ TEST_P(MoeGpuRecipe, SideStreamGivesTheInlineBits) {
   }
 }
 
+// flow / flow-fp4: the wgrad column copies on the side stream (the default) give the bits of the
+// inline order (CudaLayerOptions::side_stream false); the other recipes ignore it.
+TEST_P(MoeGpuRecipe, SideStreamGivesTheInlineBits) {
+  REQUIRE_DEVICE();
+  expect_option_keeps_bits(&CudaLayerOptions::side_stream, GetParam(), 87);
+}
+
 // flow / flow-fp4: GEMM1's wgrad before its dgrad, the dX rows in the column copies' storage (the
 // default on one GPU), gives the bits of the dgrad-first order with a dX-rows buffer of its own
-// (CudaLayerOptions::dx_rows_in_column_copies false), call after call; the other recipes ignore it.
+// (CudaLayerOptions::dx_rows_in_column_copies false); the other recipes ignore it.
 TEST_P(MoeGpuRecipe, DxRowsInColumnCopiesGiveTheSameBits) {
   REQUIRE_DEVICE();
-  const Shape& s = kShapes[1];
-  const Recipe r = GetParam();
-  const Data d = make_data(s, s.tokens, 89);
-  DevData dd(d);
-  auto layers = layers_with(&CudaLayerOptions::dx_rows_in_column_copies, s, r);
-  for (int call = 0; call < 2; ++call) {
-    SCOPED_TRACE("call " + std::to_string(call));
-    const Outputs a = run_gpu(layers.first.get(), s, d, dd, s.tokens);
-    const Outputs b = run_gpu(layers.second.get(), s, d, dd, s.tokens);
-    expect_same_outputs(a, b);
-  }
+  expect_option_keeps_bits(&CudaLayerOptions::dx_rows_in_column_copies, GetParam(), 89);
 }
 
 // A bad CudaLayerOptions value is an error naming the field.
