@@ -14,10 +14,15 @@ longer runs. With ``swiglu=False`` (TrainingArguments(liger_kernel_config={"swig
 Trainer / TRL's use_liger_kernel) the experts stay flowmoe's. The module-level replacements happen even
 when a model instance is given, so these tests restore the transformers module afterwards."""
 
+import os
+import runpy
+
 import pytest
 import torch
 
 import hf_common as hc
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 transformers = hc.transformers
 
@@ -33,20 +38,11 @@ def _liger():
 @pytest.fixture
 def restore_qwen3_moe():
     """Liger patches transformers' qwen3_moe module globally (RoPE, RMSNorm, the experts class, with or
-    without a model instance): put it back so that later tests build unpatched models."""
-    from transformers.models.qwen3_moe import modeling_qwen3_moe as mod
-
-    saved = dict(vars(mod))
-    fwd = mod.Qwen3MoeForCausalLM.forward
-    ce = torch.nn.functional.cross_entropy
-    yield mod
-    for k in [k for k in vars(mod) if k not in saved]:
-        delattr(mod, k)
-    for k, v in saved.items():
-        if vars(mod).get(k) is not v:
-            setattr(mod, k, v)
-    mod.Qwen3MoeForCausalLM.forward = fwd
-    torch.nn.functional.cross_entropy = ce
+    without a model instance): put it back so that later tests build unpatched models (the stack
+    benchmark's restorer, bench/hf_stack.py, which its Liger rows use too)."""
+    restored = runpy.run_path(os.path.join(ROOT, "bench", "hf_stack.py"))["restored_qwen3_moe"]
+    with restored() as mod:
+        yield mod
 
 
 def _experts_outputs(model, seed=3, tokens=40):
