@@ -1,26 +1,33 @@
-"""The flowmoe MoE layer as PyTorch operators (torch.library custom ops), used by flowmoe.torch.MoE.
+"""The flowmoe layer as PyTorch operators (torch.library custom ops), used by flowmoe.torch.MoE (the
+full layer with its router) and by the experts-only layer of flowmoe.torch.experts / flowmoe.hf
+(routing from the caller, issue 31): one operator pair for both, the differences passed as
+arguments.
 
 Operators, each opaque to torch.compile and with a fake (meta) implementation:
 
 - ``flowmoe::derive_weights(w1, w2, wr, router_bias, module_id, tokens) -> wbuf``: the layer's
   weight copies (BF16 / FP8 blocks with their transposes) made from the FP32 masters (or from w1, w2
-  as BF16 parameters, used as the BF16 copies: no FP32 copy; the experts-only layer), into a new
-  uint8 tensor (CUDA; CPU: the copies stay inside the CPU layer and wbuf is empty).
-- ``flowmoe::moe_forward(x, w1, w2, wr, wbuf, module_id, keep_step) -> (y, saved, step)``: y and
-  what the backward needs: a uint8 tensor ``saved`` on x's device (CUDA: codes, scales and routing
-  tables; CPU: empty) and ``step``, a uint8 CPU tensor holding the forward's host state as a value
-  (_runner.py: the native layer's id and its step_state bytes; CPU: the whole saved state). Autograd
-  keeps both as the node's saved tensors, so a second backward through one forward
-  (retain_graph=True) gives the same gradients again; nothing outside the graph holds a forward's
-  state. w1, w2, wr are passed for autograd only (the op reads wbuf).
-- ``flowmoe::moe_backward(...)`` / ``flowmoe::moe_backward_accumulate(...)``: dx and the weight
-  gradients as new tensors, or (main_grad mode, eager only) accumulated into given FP32 buffers.
-- ``flowmoe::experts_forward(x, ids, probs, w1, w2, wbuf, module_id, keep_step)`` and
-  ``flowmoe::experts_backward(...)``: the experts-only layer (routing from the caller, issue 31;
-  wr is None in its derive_weights): the same contract, with the routing's ids [T, k] int32 and
-  probs [T, k] fp32 as inputs and d loss / d probs as an output of the backward. Its weight
-  gradients come in the parameters' dtype (BF16 parameters: BF16 written by the wgrad itself). Where
-  the layer takes them (the FP8 block recipes on CUDA), its backward gets the parameters w1, w2
+  as BF16 parameters, used as the BF16 copies: no FP32 copy; the experts-only layer, whose wr and
+  router_bias are None), into a new uint8 tensor (CUDA; CPU: the copies stay inside the CPU layer
+  and wbuf is empty).
+- ``flowmoe::moe_forward(x, w1, w2, wr, wbuf, module_id, keep_step, ids, probs, b1) -> (y, saved,
+  step)``: y and what the backward needs: a uint8 tensor ``saved`` on x's device (CUDA: codes,
+  scales and routing tables; CPU: empty) and ``step``, a uint8 CPU tensor holding the forward's host
+  state as a value (_runner.py: the native layer's id and its step_state bytes; CPU: the whole saved
+  state). Autograd keeps both as the node's saved tensors, so a second backward
+  through one forward (retain_graph=True) gives the same gradients again; nothing outside the graph
+  holds a forward's state. w1, w2, wr are passed for autograd only (the op reads wbuf). The full
+  layer passes ids, probs, b1 None; the experts-only layer wr None and the routing: ids [T, k] int32,
+  probs [T, k] fp32, and (its gemm1_bias layers) GEMM1's bias b1 [E, 2F] fp32, else None. (No
+  defaults: a defaulted argument would be left out of autograd's needs_input_grad.)
+- ``flowmoe::moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, module_id, ...) -> (dx, dw1,
+  dw2, dwr, dprobs, db1)``: dx and the gradients asked for (``needs``: w1, w2, wr) as new tensors
+  (an empty one for each gradient not computed): dprobs = d loss / d probs of an experts-only layer,
+  db1 with ``bias_grad``; the expert weights' gradients in FP32, or in BF16 with ``bf16_grads`` (BF16
+  parameters of the experts-only layer: written by the wgrad itself). With ``accumulate`` (main_grad
+  mode, eager only) the weight gradients are added in place into the FP32 buffers main_w1, main_w2,
+  main_wr instead (the op's mutated arguments) and dw1, dw2, dwr come back empty. Where the layer
+  takes them (the FP8 block recipes on CUDA), the backward gets the parameters w1, w2 (and wr)
   instead of wbuf and quantizes the dgrad weights from them: no weight copy outlives its forward.
 
 Memory (CUDA): every buffer comes from PyTorch's caching allocator: wbuf per weight refresh, saved
@@ -41,7 +48,7 @@ from ._errors import FlowmoeError
 from ._runner import _Runner
 
 _lock = threading.Lock()
-_modules: Dict[int, "weakref.ref"] = {}  # module_id -> the MoE module
+_modules: Dict[int, "weakref.ref"] = {}  # module_id -> its owner (_runner.LayerOwner: MoE, experts layer)
 _ids = itertools.count(1)
 
 
@@ -141,21 +148,27 @@ def _run_forward(r, x, wbuf, keep_step, routing=None, b1=None):
 
 
 @torch.library.custom_op("flowmoe::moe_forward", mutates_args=())
-def moe_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, wr: torch.Tensor, wbuf: torch.Tensor,
-                module_id: int, keep_step: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, wr: Optional[torch.Tensor], wbuf: torch.Tensor,
+                module_id: int, keep_step: bool, ids: Optional[torch.Tensor], probs: Optional[torch.Tensor],
+                b1: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m = _module(module_id)
     r = m._runner
     if r is None or r.device != x.device or x.shape[0] > r.max_tokens:
-        raise FlowmoeError("flowmoe.torch.MoE: moe_forward without the layer's weights for this input "
+        raise FlowmoeError(f"{m.who}: moe_forward without the layer's weights for this input "
                            "(derive_weights first; the module's forward does)")
-    m._check_call(x)
-    out = _run_forward(r, x, wbuf, keep_step)
+    m._check_call(x, ids)
+    if (b1 is not None) != m.gemm1_bias:
+        raise FlowmoeError(f"{m.who}: b1 given to a layer without GEMM1 biases" if b1 is not None
+                           else f"{m.who}: b1 missing; the layer's experts have a GEMM1 bias")
+    if b1 is not None and (b1.dtype != torch.float32 or not b1.is_contiguous() or b1.device != x.device):
+        raise FlowmoeError(f"{m.who}: b1 {b1.dtype} on {b1.device}; expected contiguous float32 on {x.device}")
+    out = _run_forward(r, x, wbuf, keep_step, routing=(ids, probs) if ids is not None else None, b1=b1)
     m._have_forward = True
     return out
 
 
 @moe_forward.register_fake
-def _(x, w1, w2, wr, wbuf, module_id, keep_step):
+def _(x, w1, w2, wr, wbuf, module_id, keep_step, ids, probs, b1):
     r = _module(module_id)._runner
     saved = r.plan[1] if r is not None else 0
     return torch.empty_like(x), x.new_empty((saved,), dtype=torch.uint8), _fake_step(keep_step)
@@ -163,97 +176,108 @@ def _(x, w1, w2, wr, wbuf, module_id, keep_step):
 
 # ---- backward ---------------------------------------------------------------------------------------
 def _set_backward_weights(runner, params):
-    """params: (w1, w2[, wr]) the backward derives its weights from (wbuf then None), or None."""
+    """params: (w1, w2, wr) the backward derives its weights from (wbuf then None; wr None for the
+    experts-only layer), or None."""
     if params is not None:
-        w1, w2 = params[0], params[1]
-        wr = params[2] if len(params) > 2 else None
+        w1, w2, wr = params
         runner.layer.set_backward_weights(w1.data_ptr(), w2.data_ptr(), w1.dtype == torch.bfloat16, _addr(wr))
 
 
-def _run_backward(dy, wbuf, saved, step, params, grads, accumulate):
-    runner = _Runner.of_step(step, "flowmoe.torch.MoE backward")
+def _run_backward(m, dy, wbuf, saved, step, params, grads, db1, accumulate):
+    """dx and dprobs (d loss / d probs [T, k] fp32 of an experts-only layer, else empty); the weight
+    gradients written (or, accumulate, added) into grads (dw1, dw2, dwr: None where not wanted),
+    db1 written where given. BF16 gradient tensors (BF16 parameters of the experts-only layer) are
+    written by the wgrad itself, rounded once from its FP32 sums."""
+    runner = _Runner.of_step(step, f"{m.who} backward")
     dy = dy.to(torch.bfloat16).contiguous()
     dx = torch.empty_like(dy)
+    dprobs = _dprobs_buffer(m, dy)
     tbuf = _bytes(runner.plan[2], dy.device) if runner.plan[2] else None
+    bf16_grads = any(g is not None and g.dtype == torch.bfloat16 for g in grads[:2])
     with runner.ordered():
         runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
         runner.load_step(step)
         _set_backward_weights(runner, params)
-        runner.layer.backward(dy.data_ptr(), dx.data_ptr(), *[_addr(g) for g in grads], accumulate)
-    return dx
+        if db1 is not None:
+            runner.layer.set_gemm1_bias_grad(db1.data_ptr())
+        if bf16_grads:
+            runner.layer.backward_bf16(dy.data_ptr(), dx.data_ptr(), _addr(grads[0]), _addr(grads[1]),
+                                       dprobs=_addr(dprobs))
+        else:
+            runner.layer.backward(dy.data_ptr(), dx.data_ptr(), *[_addr(g) for g in grads], accumulate,
+                                  dprobs=_addr(dprobs))
+    return dx, dprobs
 
 
-def _grad_buffers(module_id: int, device, needs):
-    """New FP32 weight-gradient tensors (an empty one where not needed), shaped like the parameters."""
-    shapes = _module(module_id)._param_shapes()
-    return [torch.empty(s, dtype=torch.float32, device=device) if n else torch.empty(0, device=device)
-            for s, n in zip(shapes, needs)]
+def _grad_buffers(m, device, needs, bf16: bool):
+    """New weight-gradient tensors shaped like the parameters (w1, w2, wr), an empty one where not
+    needed: FP32, or BF16 (BF16 parameters of the experts-only layer: written by the wgrad directly)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return [torch.empty(s if n else (0,), dtype=dtype, device=device) for s, n in zip(m._param_shapes(), needs)]
 
 
-def _params(w1, w2, wr):
-    return (w1.detach(), w2.detach(), wr.detach()) if w1 is not None else None
+def _dprobs_buffer(m, dy) -> torch.Tensor:
+    """d loss / d probs [T, k] fp32 of an experts-only layer (written by every backward), else empty."""
+    return torch.empty((dy.shape[0], m.topk) if m.external_routing else (0,), dtype=torch.float32, device=dy.device)
 
 
-@torch.library.custom_op("flowmoe::moe_backward", mutates_args=())
+def _bias_grad_buffer(m, device, needed: bool) -> torch.Tensor:
+    """db1 [E, 2F] fp32 (written by the backward, not accumulated), or an empty tensor."""
+    return torch.empty((m.experts, 2 * m.ffn) if needed else (0,), dtype=torch.float32, device=device)
+
+
+@torch.library.custom_op("flowmoe::moe_backward", mutates_args=("main_w1", "main_w2", "main_wr"))
 def moe_backward(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torch.Tensor, step: torch.Tensor,
                  w1: Optional[torch.Tensor], w2: Optional[torch.Tensor], wr: Optional[torch.Tensor],
-                 needs: List[bool], module_id: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = _grad_buffers(module_id, dy.device, needs)
-    dx = _run_backward(dy, wbuf, saved, step, _params(w1, w2, wr), [g if n else None for g, n in zip(grads, needs)],
-                       False)
-    return dx, grads[0], grads[1], grads[2]
+                 needs: List[bool], module_id: int, bf16_grads: bool = False, bias_grad: bool = False,
+                 accumulate: bool = False, main_w1: Optional[torch.Tensor] = None,
+                 main_w2: Optional[torch.Tensor] = None, main_wr: Optional[torch.Tensor] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    m = _module(module_id)
+    grads = _grad_buffers(m, dy.device, [n and not accumulate for n in needs], bf16_grads)
+    db1 = _bias_grad_buffer(m, dy.device, bias_grad)
+    # (w1, w2: the parameters as the caller holds them, converted as the forward did, for as long as
+    # the backward runs)
+    params = (*layer_weights(w1.detach(), w2.detach()), wr.detach() if wr is not None else None) \
+        if w1 is not None else None
+    into = [main_w1, main_w2, main_wr] if accumulate else [g if n else None for g, n in zip(grads, needs)]
+    dx, dprobs = _run_backward(m, dy, wbuf, saved, step, params, into, db1 if bias_grad else None, accumulate)
+    return dx, grads[0], grads[1], grads[2], dprobs, db1
 
 
 @moe_backward.register_fake
-def _(dy, wbuf, saved, step, w1, w2, wr, needs, module_id):
-    grads = _grad_buffers(module_id, dy.device, needs)
-    return torch.empty_like(dy, dtype=torch.bfloat16), grads[0], grads[1], grads[2]
-
-
-@torch.library.custom_op("flowmoe::moe_backward_accumulate", mutates_args=("dw1", "dw2", "dwr"))
-def moe_backward_accumulate(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torch.Tensor, step: torch.Tensor,
-                            w1: Optional[torch.Tensor], w2: Optional[torch.Tensor], wr: Optional[torch.Tensor],
-                            dw1: Optional[torch.Tensor], dw2: Optional[torch.Tensor],
-                            dwr: Optional[torch.Tensor]) -> torch.Tensor:
-    return _run_backward(dy, wbuf, saved, step, _params(w1, w2, wr), [dw1, dw2, dwr], True)
-
-
-@moe_backward_accumulate.register_fake
-def _(dy, wbuf, saved, step, w1, w2, wr, dw1, dw2, dwr):
-    return torch.empty_like(dy, dtype=torch.bfloat16)
+def _(dy, wbuf, saved, step, w1, w2, wr, needs, module_id, bf16_grads=False, bias_grad=False, accumulate=False,
+      main_w1=None, main_w2=None, main_wr=None):
+    m = _module(module_id)
+    grads = _grad_buffers(m, dy.device, [n and not accumulate for n in needs], bf16_grads)
+    return (torch.empty_like(dy, dtype=torch.bfloat16), grads[0], grads[1], grads[2], _dprobs_buffer(m, dy),
+            _bias_grad_buffer(m, dy.device, bias_grad))
 
 
 # ---- autograd ---------------------------------------------------------------------------------------
-def _save_step(ctx, module_id, y, wbuf, saved, step, params=()):
-    """What a forward node keeps for its backward (both ops): the module, the weight copies (or
-    None and the parameters `params` they are derived from again), the saved bytes and the step,
-    all as saved tensors; and (eager) the native layer that ran the forward, so that it lives as
-    long as the node even when the module builds a larger one.
+def _setup_context(ctx, inputs, output):
+    """What a forward node keeps for its backward: the module, the weight copies (or None and the
+    parameters w1, w2, wr they are derived from again), the saved bytes and the step, all as saved
+    tensors; and (eager) the native layer that ran the forward, so that it lives as long as the node
+    even when the module builds a larger one.
+
+    The parameters are kept instead of the copies where the layer derives a backward's dgrad
+    weights from them (the FP8 block recipes on CUDA): no copy; autograd's version counters refuse
+    an in-place change before the backward, as for any op that saves its weight.
 
     Gradients are not materialised: `saved` and `step` never get one, and autograd would otherwise
     hand the backward a zero-filled tensor of the saved bytes' size (a fill of up to gigabytes per
     step on the GPU). dy is None only when y itself got no gradient (_dy makes it zeros then)."""
+    x, w1, w2, wr, wbuf, module_id, keep_step, ids, probs, b1 = inputs
+    y, saved, step = output
     ctx.set_materialize_grads(False)
     ctx.y_like = (y.shape, y.dtype, y.device)
     ctx.module_id = module_id
     ctx.runner = _module(module_id)._runner
-    ctx.save_for_backward(wbuf, saved, step, *params)
-
-
-def _from_params(module_id) -> bool:
-    """Whether the layer derives a backward's dgrad weights from the parameters (the FP8 block
-    recipes on CUDA): the autograd node then keeps the parameters (no copy; autograd's version
-    counters refuse an in-place change before the backward, as for any op that saves its weight)
-    instead of the forward's weight copies."""
-    r = _module(module_id)._runner
-    return r is not None and r.backward_weights
-
-
-def _setup_context(ctx, inputs, output):
-    x, w1, w2, wr, wbuf, module_id, keep_step = inputs
-    y, saved, step = output
-    from_params = _from_params(module_id)
-    _save_step(ctx, module_id, y, None if from_params else wbuf, saved, step, (w1, w2, wr) if from_params else ())
+    from_params = ctx.runner is not None and ctx.runner.backward_weights
+    ctx.save_for_backward(None if from_params else wbuf, saved, step, *((w1, w2, wr) if from_params else ()))
+    ctx.weight_dtypes = (w1.dtype, w2.dtype)
+    ctx.has_b1 = b1 is not None
 
 
 def _dy(ctx, dy):
@@ -269,132 +293,24 @@ def _backward(ctx, dy, _dsaved, _dstep):
     wbuf, saved, step, *params = ctx.saved_tensors
     w1, w2, wr = params if params else (None, None, None)
     module = _module(ctx.module_id)
-    needs = [bool(n) for n in ctx.needs_input_grad[1:4]]
+    wants = ctx.needs_input_grad  # x, w1, w2, wr, wbuf, module_id, keep_step, ids, probs, b1
+    needs = [bool(n) for n in wants[1:4]]
+    dx_wanted = bool(wants[0])
     if module.grad_mode == "main_grad":
         bufs = [module._main_grad(i) if n else None for i, n in enumerate(needs)]
-        dx = moe_backward_accumulate(dy, wbuf, saved, step, w1, w2, wr, *bufs)
-        return dx if ctx.needs_input_grad[0] else None, None, None, None, None, None, None
-    dx, dw1, dw2, dwr = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id)
-    gs = [g if n else None for g, n in zip((dw1, dw2, dwr), needs)]
-    return (dx if ctx.needs_input_grad[0] else None, gs[0], gs[1], gs[2], None, None, None)
-
-
-moe_forward.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ---- the experts-only layer (routing from the caller: flowmoe.torch.experts, flowmoe.hf) -------------
-@torch.library.custom_op("flowmoe::experts_forward", mutates_args=())
-def experts_forward(x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                    wbuf: torch.Tensor, module_id: int, keep_step: bool, b1: Optional[torch.Tensor] = None
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    m = _module(module_id)
-    r = m._runner
-    if r is None or r.device != x.device or x.shape[0] > r.max_tokens:
-        raise FlowmoeError("flowmoe.torch.experts: experts_forward without the layer's weights for this input "
-                           "(derive_weights first; flowmoe.torch.experts does)")
-    m._check_call(x, ids, probs)
-    if (b1 is not None) != m.gemm1_bias:
-        raise FlowmoeError(f"{m.who}: b1 given to a layer without GEMM1 biases" if b1 is not None
-                           else f"{m.who}: b1 missing; the layer's experts have a GEMM1 bias")
-    if b1 is not None and (b1.dtype != torch.float32 or not b1.is_contiguous() or b1.device != x.device):
-        raise FlowmoeError(f"{m.who}: b1 {b1.dtype} on {b1.device}; expected contiguous float32 on {x.device}")
-    return _run_forward(r, x, wbuf, keep_step, routing=(ids, probs), b1=b1)
-
-
-@experts_forward.register_fake
-def _(x, ids, probs, w1, w2, wbuf, module_id, keep_step, b1=None):
-    r = _module(module_id)._runner
-    saved = r.plan[1] if r is not None else 0
-    return torch.empty_like(x), x.new_empty((saved,), dtype=torch.uint8), _fake_step(keep_step)
-
-
-def _run_experts_backward(dy, wbuf, saved, step, params, dw1, dw2, topk, db1=None):
-    """dx and d loss / d probs, the weight gradients written into dw1 / dw2 (FP32, or BF16 for BF16
-    parameters: rounded once by the wgrad itself). params: (w1, w2) when the layer derives the
-    backward's dgrad weights from them (wbuf is then None: no weight copy outlived the forward)."""
-    runner = _Runner.of_step(step, "flowmoe.torch.experts backward")
-    dy = dy.to(torch.bfloat16).contiguous()
-    dx = torch.empty_like(dy)
-    dprobs = torch.empty((dy.shape[0], topk), dtype=torch.float32, device=dy.device)
-    tbuf = _bytes(runner.plan[2], dy.device) if runner.plan[2] else None
-    bf16_grads = any(g is not None and g.dtype == torch.bfloat16 for g in (dw1, dw2))
-    with runner.ordered():
-        runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
-        runner.load_step(step)
-        _set_backward_weights(runner, params)
-        if db1 is not None:
-            runner.layer.set_gemm1_bias_grad(db1.data_ptr())
-        if bf16_grads:
-            runner.layer.backward_bf16(dy.data_ptr(), dx.data_ptr(), _addr(dw1), _addr(dw2),
-                                       dprobs=dprobs.data_ptr())
-        else:
-            runner.layer.backward(dy.data_ptr(), dx.data_ptr(), _addr(dw1), _addr(dw2), None, False,
-                                  dprobs=dprobs.data_ptr())
-    return dx, dprobs
-
-
-def _experts_grad_buffers(module_id: int, device, needs, bf16: bool):
-    """New weight-gradient tensors in the parameters' dtype (BF16 parameters: BF16, written by the
-    wgrad directly; else FP32), an empty one where not needed."""
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    shapes = _module(module_id)._param_shapes()
-    return [torch.empty(s, dtype=dtype, device=device) if n else torch.empty(0, dtype=dtype, device=device)
-            for s, n in zip(shapes, needs)]
-
-
-@torch.library.custom_op("flowmoe::experts_backward", mutates_args=())
-def experts_backward(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torch.Tensor, step: torch.Tensor,
-                     w1: Optional[torch.Tensor], w2: Optional[torch.Tensor], needs: List[bool], bf16_grads: bool,
-                     module_id: int, bias_grad: bool = False
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    m = _module(module_id)
-    grads = _experts_grad_buffers(module_id, dy.device, needs, bf16_grads)
-    db1 = _bias_grad_buffer(m, dy.device, bias_grad)
-    params = layer_weights(w1.detach(), w2.detach()) if w1 is not None else None
-    dx, dprobs = _run_experts_backward(dy, wbuf, saved, step, params, grads[0] if needs[0] else None,
-                                       grads[1] if needs[1] else None, m.topk, db1 if bias_grad else None)
-    return dx, grads[0], grads[1], dprobs, db1
-
-
-def _bias_grad_buffer(m, device, needed: bool) -> torch.Tensor:
-    """db1 [E, 2F] fp32 (written by the backward, not accumulated), or an empty tensor."""
-    return torch.empty((m.experts, 2 * m.ffn) if needed else (0,), dtype=torch.float32, device=device)
-
-
-@experts_backward.register_fake
-def _(dy, wbuf, saved, step, w1, w2, needs, bf16_grads, module_id, bias_grad=False):
-    m = _module(module_id)
-    grads = _experts_grad_buffers(module_id, dy.device, needs, bf16_grads)
-    return (torch.empty_like(dy, dtype=torch.bfloat16), grads[0], grads[1],
-            dy.new_empty((dy.shape[0], m.topk), dtype=torch.float32), _bias_grad_buffer(m, dy.device, bias_grad))
-
-
-def _experts_setup_context(ctx, inputs, output):
-    x, ids, probs, w1, w2, wbuf, module_id, keep_step, b1 = inputs
-    y, saved, step = output
-    from_params = _from_params(module_id)
-    # (w1, w2: the parameters as the caller holds them, any dtype and strides; the backward converts
-    # them as the forward did, for as long as it runs)
-    _save_step(ctx, module_id, y, None if from_params else wbuf, saved, step, (w1, w2) if from_params else ())
-    ctx.weight_dtypes = (w1.dtype, w2.dtype)
-    ctx.has_b1 = b1 is not None
-
-
-def _experts_backward(ctx, dy, _dsaved, _dstep):
-    dy = _dy(ctx, dy)
-    wbuf, saved, step, *params = ctx.saved_tensors
-    w1, w2 = params if params else (None, None)
-    needs = [bool(ctx.needs_input_grad[3]), bool(ctx.needs_input_grad[4])]
-    # BF16 parameters get BF16 gradients straight from the wgrad (no FP32 copy, no rounding pass);
-    # others FP32 ones, converted to their parameter's dtype here
+        dx = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, accumulate=True,
+                          main_w1=bufs[0], main_w2=bufs[1], main_wr=bufs[2])[0]
+        return (dx if dx_wanted else None,) + (None,) * 9
+    # BF16 parameters of the experts-only layer get BF16 gradients straight from the wgrad (no FP32
+    # copy, no rounding pass); others FP32 ones, converted to their parameter's dtype here
     d1, d2 = ctx.weight_dtypes
-    bf16 = d1 == d2 == torch.bfloat16
-    bias_grad = ctx.has_b1 and bool(ctx.needs_input_grad[8])
-    dx, dw1, dw2, dprobs, db1 = experts_backward(dy, wbuf, saved, step, w1, w2, needs, bf16, ctx.module_id,
-                                                 bias_grad)
-    return (dx if ctx.needs_input_grad[0] else None, None, dprobs if ctx.needs_input_grad[2] else None,
-            dw1.to(d1) if needs[0] else None, dw2.to(d2) if needs[1] else None, None, None, None,
+    bf16 = module.external_routing and d1 == d2 == torch.bfloat16
+    bias_grad = ctx.has_b1 and bool(wants[9])
+    dx, dw1, dw2, dwr, dprobs, db1 = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id,
+                                                  bf16_grads=bf16, bias_grad=bias_grad)
+    return (dx if dx_wanted else None, dw1.to(d1) if needs[0] else None, dw2.to(d2) if needs[1] else None,
+            dwr if needs[2] else None, None, None, None, None, dprobs if wants[8] else None,
             db1 if bias_grad else None)
 
 
-experts_forward.register_autograd(_experts_backward, setup_context=_experts_setup_context)
+moe_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,7 +1,8 @@
 """The native layer as the PyTorch modules use it (flowmoe.torch.MoE, flowmoe.torch.experts): the
-runner that builds it on a device and stream with PyTorch's memory, the no-token call, the rule
-that keeps FP32 masters under a dtype conversion, and the recovery of a module after a failed call.
-Shared by torch.py and experts.py (neither imports the other for these)."""
+runner that builds it on a device and stream with PyTorch's memory, the owner of a runner (what
+MoE and the experts-only layer share: building and growing it, the checks of a call, the recovery
+after a failed call), the no-token call and the rule that keeps FP32 masters under a dtype
+conversion. Shared by torch.py and experts.py (neither imports the other for these)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 import itertools
 import warnings
 import weakref
+from typing import Optional
 
 import torch
 
@@ -149,18 +151,90 @@ class _NoTokens(torch.autograd.Function):
         return (dy.new_empty(dy.shape), *[torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes])
 
 
-@contextlib.contextmanager
-def keep_layer_on_failure(owner):
-    """A call that fails (out of memory, bad input) leaves `owner` (a module or experts layer with
-    `_runner`) as it was: a layer built or grown for the failed call is dropped (its memory with it)
-    and the previous one, if any, stays, so a smaller call after an out-of-memory error runs as
-    before (PyTorch's and accelerate's batch-size finders retry smaller)."""
-    before = owner._runner
-    try:
-        yield
-    except BaseException:
-        if owner._runner is not before:
-            owner._runner = before
-            if hasattr(owner, "_wbuf"):
-                owner._wbuf, owner._wkey = None, None
-        raise
+class LayerOwner:
+    """The owner of a native layer, named by the operators of _ops.py by its module id: flowmoe.torch.MoE
+    (the full layer) and the experts-only layer of experts.py. An owner sets ``who`` (the name its
+    messages begin with), ``hidden``, ``ffn``, ``experts``, ``local_experts``, ``topk``,
+    ``max_tokens``, ``sync_free``, ``check_finite``, ``_runner = None``, ``_have_forward = False``
+    and defines ``_config(max_tokens)``, the native configuration."""
+
+    external_routing = False  # the caller routes: each forward gets ids and probs (the experts-only layer)
+    gemm1_bias = False  # each forward gets GEMM1's bias b1 [E, 2F]
+    grad_mode = "autograd"  # MoE: or "main_grad" (weight gradients added into p.main_grad)
+
+    def _ep_comm(self, device: torch.device):
+        """The communicator of the layer on `device` (expert parallelism), or None."""
+        return None
+
+    def _drop_kept_weights(self) -> None:
+        """Forgets weight copies kept across forwards (MoE's micro-batches) when the layer changes."""
+
+    def _param_shapes(self):
+        """The shapes of w1, w2 and wr (the router's: none in an experts-only layer) as the layer takes them."""
+        El, H, F = self.local_experts, self.hidden, self.ffn
+        return (El, 2 * F, H), (El, H, F), (self.experts, H)
+
+    def _ensure_runner(self, device: torch.device, tokens: int) -> _Runner:
+        """The native layer for `tokens` tokens on `device`, built (or rebuilt larger) when needed. A
+        replaced layer lives on while forwards in flight hold it."""
+        r = self._runner
+        if r is not None and r.device == device and tokens <= r.max_tokens:
+            return r
+        if self.max_tokens is not None and tokens > self.max_tokens:
+            raise ValueError(f"{self.who}: {tokens} tokens; expected at most max_tokens = {self.max_tokens}")
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise FlowmoeError(f"{self.who}: forward inside a CUDA graph capture with {tokens} tokens needs a "
+                               f"layer built beforehand (building it allocates memory): run one eager forward "
+                               f"(a warm-up step) with at least this many tokens on {device} before capturing")
+        max_tokens = self.max_tokens or max(tokens, r.max_tokens if r is not None else 0)
+        self._runner = None
+        self._drop_kept_weights()
+        comm = self._ep_comm(device)
+        cfg = self._config(max_tokens)
+        self._runner = _Runner.build(cfg, comm, device, max_tokens, self.sync_free, self.who)
+        return self._runner
+
+    def _check_call(self, xb: torch.Tensor, ids: Optional[torch.Tensor] = None) -> None:
+        """Checks of a forward that need the data or the stream state (run inside the operator); ids:
+        the caller's routing [T, k] of an experts-only layer."""
+        if xb.is_cuda and torch.cuda.is_current_stream_capturing():
+            if not self.sync_free:
+                raise FlowmoeError(f"{self.who}: forward inside a CUDA graph capture needs sync_free=True "
+                                   "(without it every forward synchronises the host to read the routing "
+                                   "counts, which capture forbids)")
+            if self.check_finite:
+                raise FlowmoeError(f"{self.who}: check_finite=True synchronises the host, which a CUDA graph "
+                                   "capture forbids; capture with check_finite off")
+            return
+        check = self.check_finite if self.check_finite is not None else xb.device.type == "cpu"
+        if not check:
+            return
+        if not bool(torch.isfinite(xb).all()):
+            bad = int((~torch.isfinite(xb)).sum())
+            raise ValueError(f"{self.who}: the input holds {bad} non-finite value(s) (after conversion to "
+                             "bfloat16); expected finite values")
+        if ids is not None:
+            bad = (ids < -1) | (ids >= self.experts)
+            if bool(bad.any()):
+                raise ValueError(f"{self.who}: top_k_index holds {int(bad.sum())} id(s) outside [0, "
+                                 f"{self.experts}) (e.g. {int(ids[bad][0])}); expected expert ids (-1: dropped)")
+
+    @staticmethod
+    def _backward_follows(*tensors) -> bool:
+        """Whether a forward on these inputs may be differentiated (its step must then be kept)."""
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+    @contextlib.contextmanager
+    def _keep_layer_on_failure(self):
+        """A call that fails (out of memory, bad input) leaves the owner as it was: a layer built or
+        grown for the failed call is dropped (its memory with it) and the previous one, if any,
+        stays, so a smaller call after an out-of-memory error runs as before (PyTorch's and
+        accelerate's batch-size finders retry smaller)."""
+        before = self._runner
+        try:
+            yield
+        except BaseException:
+            if self._runner is not before:
+                self._runner = before
+                self._drop_kept_weights()
+            raise

@@ -4,10 +4,11 @@
 GEMM1, SwiGLU·p, GEMM2 and combine of the recipe for a routing chosen by the caller (e.g. a
 Hugging Face model's router, ``flowmoe.hf``), with gradients for x, w1, w2 and the routing weights
 (so the caller's router trains). ``flowmoe.torch.MoEExperts`` is the same as a module that owns
-w1 and w2. Both run on the ``flowmoe::experts_forward`` / ``experts_backward`` operators
-(flowmoe._ops) exactly as ``flowmoe.torch.MoE`` runs on its own: the weight copies re-derived
-from the parameters at every forward (``flowmoe::derive_weights``), memory from PyTorch's caching
-allocator on CUDA, several forwards in flight, torch.compile sees opaque operators.
+w1 and w2. Both run on the operators of ``flowmoe.torch.MoE`` (``flowmoe::moe_forward``, given the
+routing, and ``flowmoe::moe_backward``; flowmoe._ops) exactly as that module does: the weight
+copies re-derived from the parameters at every forward (``flowmoe::derive_weights``), memory from
+PyTorch's caching allocator on CUDA, several forwards in flight, torch.compile sees opaque
+operators.
 
 Shapes: x ``[T, H]`` (or ``[..., H]``) bf16 or fp32 (computed in BF16, returned in x's dtype);
 top_k_index ``[T, k]`` integer expert ids in ``[0, E)`` (-1: slot dropped); top_k_weights ``[T, k]``
@@ -40,7 +41,7 @@ from torch import nn
 
 from . import _native, _ops
 from ._errors import FlowmoeError
-from ._runner import _NoTokens, _Runner, keep_fp32, keep_layer_on_failure
+from ._runner import LayerOwner, _NoTokens, keep_fp32
 from ._validate import check_config
 
 __all__ = ["experts", "MoEExperts"]
@@ -67,8 +68,10 @@ def refusal(experts: int, hidden: int, ffn: int, topk: int, recipe: str, *, alig
     return None
 
 
-class _ExpertsLayer:
+class _ExpertsLayer(LayerOwner):
     """The native experts-only layer of one weight set (the object the operators name by module_id)."""
+
+    external_routing = True  # (LayerOwner) ids and probs come with every forward
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int, recipe: str, align: int,
                  max_tokens: Optional[int], sync_free: bool, check_finite: Optional[bool], who: str,
@@ -79,7 +82,8 @@ class _ExpertsLayer:
         self.recipe, self.align, self.max_tokens = recipe, align, max_tokens
         self.sync_free, self.check_finite, self.who = sync_free, check_finite, who
         self.weight_updates = 0
-        self._runner = None  # flowmoe.torch._Runner
+        self._runner = None  # _runner._Runner
+        self._have_forward = False
         # the library checks the configuration now, without making a layer (sizes, top-k, recipe,
         # alignment, activation, biases, sync_free's needs: its rules, its words)
         check_config(who, lambda: self._config(1 if max_tokens is None else max_tokens), sync_free=sync_free,
@@ -90,57 +94,22 @@ class _ExpertsLayer:
         return _experts_config(self.hidden, self.ffn, self.experts, self.topk, self.recipe, self.align, max_tokens,
                                self.activation, self.gemm1_bias)
 
-    def _param_shapes(self):
-        E, H, F = self.experts, self.hidden, self.ffn
-        return (E, 2 * F, H), (E, H, F)
-
-    def _ensure_runner(self, device: torch.device, tokens: int):
-        r = self._runner
-        if r is not None and r.device == device and tokens <= r.max_tokens:
-            return r
-        if self.max_tokens is not None and tokens > self.max_tokens:
-            raise ValueError(f"{self.who}: {tokens} tokens; expected at most max_tokens = {self.max_tokens}")
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise FlowmoeError(f"{self.who}: forward inside a CUDA graph capture with {tokens} tokens needs a "
-                               f"layer built beforehand: run one eager forward with at least this many tokens "
-                               f"on {device} before capturing")
-        max_tokens = self.max_tokens or max(tokens, r.max_tokens if r is not None else 0)
-        self._runner = None
-        self._runner = _Runner.build(self._config(max_tokens), None, device, max_tokens, self.sync_free, self.who)
-        return self._runner
-
-    def _check_call(self, xb: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> None:
-        if xb.is_cuda and torch.cuda.is_current_stream_capturing():
-            if not self.sync_free:
-                raise FlowmoeError(f"{self.who}: forward inside a CUDA graph capture needs sync_free=True")
-            return
-        check = self.check_finite if self.check_finite is not None else xb.device.type == "cpu"
-        if check:
-            if not bool(torch.isfinite(xb).all()):
-                raise ValueError(f"{self.who}: the input holds {int((~torch.isfinite(xb)).sum())} non-finite "
-                                 "value(s) (after conversion to bfloat16); expected finite values")
-            bad = (ids < -1) | (ids >= self.experts)
-            if bool(bad.any()):
-                raise ValueError(f"{self.who}: top_k_index holds {int(bad.sum())} id(s) outside [0, "
-                                 f"{self.experts}) (e.g. {int(ids[bad][0])}); expected expert ids (-1: dropped)")
-
     def run(self, xb: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
             w2: torch.Tensor, b1: Optional[torch.Tensor] = None) -> torch.Tensor:
-        with keep_layer_on_failure(self):
+        with self._keep_layer_on_failure():
             return self._run(xb, ids, probs, w1, w2, b1)
 
     def _run(self, xb, ids, probs, w1, w2, b1):
         tokens = int(xb.shape[0])
         if xb.is_cuda and torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
-            self._check_call(xb, ids, probs)
+            self._check_call(xb, ids)
         # the weight copies, re-derived from the parameters at every forward (MoE's default rule);
         # the operator gets the parameters themselves (what its node may keep: no converted copy)
         w1c, w2c = _ops.layer_weights(w1.detach(), w2.detach())
         wbuf = _ops.derive_weights(w1c, w2c, None, None, self._op_id, tokens)
         del w1c, w2c
-        keep = torch.is_grad_enabled() and (xb.requires_grad or probs.requires_grad or w1.requires_grad
-                                            or w2.requires_grad or (b1 is not None and b1.requires_grad))
-        y, _saved, _step = _ops.experts_forward(xb, ids, probs, w1, w2, wbuf, self._op_id, keep, b1)
+        keep = self._backward_follows(xb, probs, w1, w2, b1)
+        y, _saved, _step = _ops.moe_forward(xb, w1, w2, None, wbuf, self._op_id, keep, ids, probs, b1)
         return y
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from . import _native, _ops
 from ._errors import FlowmoeError
 from ._validate import check_config
-from ._runner import _NoTokens, _Runner, keep_fp32, keep_layer_on_failure  # noqa: F401  (MoE uses them)
+from ._runner import LayerOwner, _NoTokens, _Runner, keep_fp32  # noqa: F401  (MoE uses them)
 from .experts import MoEExperts, experts  # noqa: F401  (flowmoe.torch.experts, MoEExperts)
 
 __all__ = ["MoE", "FlowmoeError", "microbatch"]
@@ -60,7 +60,7 @@ def microbatch(first: bool):
         _microbatch.first = old
 
 
-class MoE(nn.Module):
+class MoE(nn.Module, LayerOwner):
     """A Mixture-of-Experts FFN (router, top-k, SwiGLU experts) computed by flowmoe.
 
     Parameters (FP32 masters): ``w1 [E, 2F, H]`` (rows [0, F) gate, [F, 2F) up), ``w2 [E, H, F]``,
@@ -77,6 +77,8 @@ class MoE(nn.Module):
     gradient is already applied by the layer's backward: do not add it to the loss you
     differentiate (add ``aux_loss.item()`` only to what you log). See docs/PYTHON.md.
     """
+
+    who = "flowmoe.torch.MoE"  # (LayerOwner: the name its messages begin with)
 
     def __init__(self, hidden: int, ffn: int, experts: int, topk: int, *, router: str = "softmax",
                  renormalize: bool = False, routed_scaling: float = 1.0, aux_loss_coef: float = 0.0,
@@ -190,7 +192,7 @@ class MoE(nn.Module):
                                    self.align, self.recipe, max_tokens, self.check_columns,
                                    self.transpose_exponent)
 
-    # ---- the native layer ------------------------------------------------------------------------
+    # ---- the native layer (built and grown by LayerOwner._ensure_runner) -----------------------------
     def _ep_comm(self, device: torch.device):
         if self.ep_group is None:
             return None
@@ -205,46 +207,10 @@ class MoE(nn.Module):
         self._comm_device = device
         return self._comm
 
-    def _ensure_runner(self, device: torch.device, tokens: int) -> _Runner:
-        """The native layer for `tokens` tokens on `device`, built (or rebuilt larger) when needed. A
-        replaced layer lives on while forwards in flight hold it."""
-        r = self._runner
-        if r is not None and r.device == device and tokens <= r.max_tokens:
-            return r
-        if self.max_tokens is not None and tokens > self.max_tokens:
-            raise ValueError(f"flowmoe.torch.MoE: {tokens} tokens; expected at most max_tokens = "
-                             f"{self.max_tokens}")
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise FlowmoeError(f"flowmoe.torch.MoE: forward inside a CUDA graph capture with {tokens} "
-                               f"tokens needs a layer built beforehand (building it allocates memory): "
-                               f"run one eager forward (a warm-up step) with at least this many tokens on "
-                               f"{device} before capturing")
-        max_tokens = self.max_tokens or max(tokens, r.max_tokens if r is not None else 0)
-        self._runner = None
-        self._wbuf, self._wkey = None, None
-        comm = self._ep_comm(device)
-        cfg = self._config(max_tokens)
-        self._runner = _Runner.build(cfg, comm, device, max_tokens, self.sync_free, "flowmoe.torch.MoE")
-        return self._runner
-
-    def _check_call(self, xb: torch.Tensor) -> None:
-        """Checks of a forward that need the data or the stream state (run inside the operator)."""
-        if xb.is_cuda and torch.cuda.is_current_stream_capturing():
-            if not self.sync_free:
-                raise FlowmoeError("flowmoe.torch.MoE: forward inside a CUDA graph capture needs "
-                                   "sync_free=True (without it every forward synchronises the host to "
-                                   "read the routing counts, which capture forbids)")
-            if self.check_finite:
-                raise FlowmoeError("flowmoe.torch.MoE: check_finite=True synchronises the host, which a "
-                                   "CUDA graph capture forbids; capture with check_finite off")
-            return
-        check = self.check_finite if self.check_finite is not None else xb.device.type == "cpu"
-        if check and not bool(torch.isfinite(xb).all()):
-            bad = int((~torch.isfinite(xb)).sum())
-            raise ValueError(f"flowmoe.torch.MoE: the input holds {bad} non-finite value(s) (after "
-                             "conversion to bfloat16); expected finite values")
-
     # ---- weights -----------------------------------------------------------------------------------
+    def _drop_kept_weights(self) -> None:
+        self._wbuf, self._wkey = None, None
+
     def _weights_key(self):
         ts = (self.w1, self.w2, self.wr, self.router_bias)
         return (_optimizer_steps, self._runner,
@@ -261,10 +227,6 @@ class MoE(nn.Module):
 
     def _params(self):
         return self.w1, self.w2, self.wr
-
-    def _param_shapes(self):
-        El, H, F = self.local_experts, self.hidden, self.ffn
-        return (El, 2 * F, H), (El, H, F), (self.experts, H)
 
     def _main_grad(self, i: int) -> torch.Tensor:
         p = self._params()[i]
@@ -310,7 +272,7 @@ class MoE(nn.Module):
                             "True or False")
         if x.numel() == 0:  # (main_grad mode: nothing to add, and autograd gets no weight gradient)
             return _NoTokens.apply(x, *(self._params() if self.grad_mode != "main_grad" else ()))
-        with keep_layer_on_failure(self):
+        with self._keep_layer_on_failure():
             return self._forward(x, is_first_microbatch)
 
     def _forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool]) -> torch.Tensor:
@@ -332,7 +294,7 @@ class MoE(nn.Module):
                 wbuf = self._wbuf
         if wbuf is None:
             if not compiling:  # the old copies go back to the allocator before the new ones are made
-                self._wbuf, self._wkey = None, None
+                self._drop_kept_weights()
             bias = self.router_bias.detach() if self.router_bias is not None else None
             wbuf = _ops.derive_weights(self.w1.detach(), self.w2.detach(), self.wr.detach(), bias,
                                        self._op_id, tokens)
@@ -340,8 +302,8 @@ class MoE(nn.Module):
                 # kept for the later micro-batches only when asked: otherwise the copies live as
                 # long as the forwards that use them (autograd frees them after the backward)
                 self._wbuf, self._wkey = wbuf, self._weights_key()
-        keep = torch.is_grad_enabled() and (xb.requires_grad or any(p.requires_grad for p in self._params()))
-        y, _saved, _step = _ops.moe_forward(xb, self.w1, self.w2, self.wr, wbuf, self._op_id, keep)
+        keep = self._backward_follows(xb, *self._params())
+        y, _saved, _step = _ops.moe_forward(xb, self.w1, self.w2, self.wr, wbuf, self._op_id, keep, None, None, None)
         return y.reshape(x.shape).to(x.dtype)
 
     # ---- reports -----------------------------------------------------------------------------------
@@ -386,7 +348,7 @@ class MoE(nn.Module):
         in flight keep the layer they ran on until their backward."""
         self._runner = None
         self._comm = None
-        self._wbuf, self._wkey = None, None
+        self._drop_kept_weights()
 
     def _apply(self, fn, *args, **kwargs):
         # .to(device) / .cuda() move the masters; a dtype conversion (.to(torch.bfloat16), .half())
