@@ -229,10 +229,11 @@ def _bias_grad_buffer(m, device, needed: bool) -> torch.Tensor:
 @torch.library.custom_op("flowmoe::moe_backward", mutates_args=("main_w1", "main_w2", "main_wr"))
 def moe_backward(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torch.Tensor, step: torch.Tensor,
                  w1: Optional[torch.Tensor], w2: Optional[torch.Tensor], wr: Optional[torch.Tensor],
-                 needs: List[bool], module_id: int, bf16_grads: bool = False, bias_grad: bool = False,
-                 accumulate: bool = False, main_w1: Optional[torch.Tensor] = None,
-                 main_w2: Optional[torch.Tensor] = None, main_wr: Optional[torch.Tensor] = None
+                 needs: List[bool], module_id: int, bf16_grads: bool, bias_grad: bool, accumulate: bool,
+                 main_w1: Optional[torch.Tensor], main_w2: Optional[torch.Tensor], main_wr: Optional[torch.Tensor]
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (no argument has a default: a boxed call drops trailing arguments equal to their defaults, and
+    # PyTorch 2.11 then fails to bump the versions of the mutated main_* arguments, indexing past them)
     m = _module(module_id)
     grads = _grad_buffers(m, dy.device, [n and not accumulate for n in needs], bf16_grads)
     db1 = _bias_grad_buffer(m, dy.device, bias_grad)
@@ -246,8 +247,8 @@ def moe_backward(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torch.Te
 
 
 @moe_backward.register_fake
-def _(dy, wbuf, saved, step, w1, w2, wr, needs, module_id, bf16_grads=False, bias_grad=False, accumulate=False,
-      main_w1=None, main_w2=None, main_wr=None):
+def _(dy, wbuf, saved, step, w1, w2, wr, needs, module_id, bf16_grads, bias_grad, accumulate, main_w1, main_w2,
+      main_wr):
     m = _module(module_id)
     grads = _grad_buffers(m, dy.device, [n and not accumulate for n in needs], bf16_grads)
     return (torch.empty_like(dy, dtype=torch.bfloat16), grads[0], grads[1], grads[2], _dprobs_buffer(m, dy),
@@ -298,16 +299,16 @@ def _backward(ctx, dy, _dsaved, _dstep):
     dx_wanted = bool(wants[0])
     if module.grad_mode == "main_grad":
         bufs = [module._main_grad(i) if n else None for i, n in enumerate(needs)]
-        dx = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, accumulate=True,
-                          main_w1=bufs[0], main_w2=bufs[1], main_wr=bufs[2])[0]
+        dx = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, False, False, True,
+                          bufs[0], bufs[1], bufs[2])[0]
         return (dx if dx_wanted else None,) + (None,) * 9
     # BF16 parameters of the experts-only layer get BF16 gradients straight from the wgrad (no FP32
     # copy, no rounding pass); others FP32 ones, converted to their parameter's dtype here
     d1, d2 = ctx.weight_dtypes
     bf16 = module.external_routing and d1 == d2 == torch.bfloat16
     bias_grad = ctx.has_b1 and bool(wants[9])
-    dx, dw1, dw2, dwr, dprobs, db1 = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id,
-                                                  bf16_grads=bf16, bias_grad=bias_grad)
+    dx, dw1, dw2, dwr, dprobs, db1 = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, bf16,
+                                                  bias_grad, False, None, None, None)
     return (dx if dx_wanted else None, dw1.to(d1) if needs[0] else None, dw2.to(d2) if needs[1] else None,
             dwr if needs[2] else None, None, None, None, None, dprobs if wants[8] else None,
             db1 if bias_grad else None)

@@ -278,3 +278,21 @@ def test_python_level_digest_is_unchanged(recipe):
     assert digest_of(recipe) == stored[recipe], (
         f"{recipe}: y, dx, dW1, dW2, dWr of the module changed bits (if deliberate, re-record "
         "tests/python/torch/data/module_digests.json and say so)")
+
+
+def test_mutated_op_arguments_have_no_defaults():
+    """A flowmoe custom op's mutated arguments carry no default: a boxed call drops trailing
+    arguments equal to their defaults, and PyTorch 2.11 then indexes past them when it bumps their
+    versions (IndexError in every backward on the GPU machine; PyTorch 2.15 guards the index)."""
+    import flowmoe.torch  # noqa: F401  (registers the ops)
+
+    ops = [getattr(torch.ops.flowmoe, name) for name in dir(torch.ops.flowmoe)]
+    ops = [op for op in ops if isinstance(op, torch._ops.OpOverloadPacket)]
+    checked = 0
+    for op in ops:
+        for overload in op.overloads():
+            for arg in getattr(op, overload)._schema.arguments:
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    checked += 1
+                    assert not arg.has_default_value(), f"{op}: mutated argument {arg.name} has a default"
+    assert checked > 0, "no flowmoe op mutates an argument: this test no longer guards anything"
