@@ -24,7 +24,7 @@ extern "C" {
 
 // Bumped when a function or field is added (each is marked with the version that added it);
 // earlier versions' functions keep their signatures and meaning.
-#define FLOWMOE_CAPI_VERSION 8
+#define FLOWMOE_CAPI_VERSION 9
 
 enum flowmoe_status_code {
   FLOWMOE_OK = 0,
@@ -171,6 +171,22 @@ int flowmoe_layer_takes_backward_weights(flowmoe_layer* layer, int* out);
 int flowmoe_layer_set_backward_weights(flowmoe_layer* layer, const float* w1, const float* w2, const float* wr);
 int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2,
                                             const float* wr);
+// Version 9 (moe.h MoeWeights): the weights as one struct, with the expert weights where a model
+// stores them (flowmoe/expert_layout.h ExpertStorage; gpt-oss's gate_up_proj [El, Hs, 2Fs] and
+// down_proj [El, Fs, Hs]), read in place by the layers for which reads_stored_weights gives 1.
+typedef struct flowmoe_weights {
+  const void* w1;           // [El, 2F, H], or stored [El, Hs, 2Fs]: fp32, or bf16 bits when bf16 = 1
+  const void* w2;           // [El, H, F], or stored [El, Fs, Hs]
+  int bf16;                 // 0: FP32 masters, 1: BF16 parameters
+  const float* wr;          // [E, H] fp32 router weights (null for an external_routing layer)
+  const float* router_bias; // [E] fp32 or null (set_weights only)
+  int64_t stored_hidden;    // 0: the layer's layout; else Hs (<= H), with stored_ffn Fs (<= F)
+  int64_t stored_ffn;
+  int interleaved;          // stored gate / up alternating along 2Fs (1) or concatenated (0)
+} flowmoe_weights;
+int flowmoe_layer_set_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w);
+int flowmoe_layer_set_backward_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w);
+int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int* out);
 // A forward's state as a value (version 7; moe.h MoeLayer::step_state / load_step): after a
 // forward, *size = its host state's bytes, written to out when capacity >= *size (else nothing is
 // written: call again with *size bytes; out null and capacity 0 ask the size alone). Before a

@@ -14,9 +14,15 @@
 //   w2:              valid H, stride 1, base0 0, second -1
 //   to_layer    dst[e][r][c] = (c < C and map(r) exists) ? src[e][c][map(r)] : 0
 //   from_layer  grad[e][c][j] = dst_grad[e][r][c] with map(r) = j    (every j < L has one r)
+//
+// ExpertStorage describes such weights to the layer itself (MoeWeights::storage): the CUDA layer's
+// FP8 block recipes then quantize them where they are (cuda::quantize_weights_stored), with no
+// relaid BF16 copy; cpu::expert_weights_to_layer is the reference of that read.
 #pragma once
 
 #include <cstdint>
+
+#include "flowmoe/numerics.h"  // FLOWMOE_HD
 
 namespace flowmoe {
 
@@ -27,12 +33,44 @@ struct ExpertRowMap {
   int64_t base1 = 0;
   int64_t second = -1;  // first layer row of the second part, or -1
   // the stored index of layer row r, or -1
-  int64_t map(int64_t r) const {
+  FLOWMOE_HD int64_t map(int64_t r) const {
     if (r < valid) return base0 + stride * r;
     if (second >= 0 && r >= second && r < second + valid) return base1 + stride * (r - second);
     return -1;
   }
 };
+
+// Expert weights stored transposed: w1 [El, H, 2F] (gate / up concatenated or, interleaved,
+// alternating along 2F), w2 [El, F, H], with the stored sizes H and F at most the layer's H', F'
+// (the rest reads as zeros: zero rows and columns leave every real output unchanged). hidden = 0:
+// the layer's own layout (w1 [El, 2F', H'], w2 [El, H', F']), nothing to describe.
+struct ExpertStorage {
+  int64_t hidden = 0;  // stored H (0: the layer's layout)
+  int64_t ffn = 0;     // stored F
+  bool interleaved = false;
+  bool is_layer_layout() const { return hidden == 0; }
+  // layer row r of W1 [2F', H'] (gate rows [0, F), up rows [F', F' + F)) -> index along stored 2F
+  ExpertRowMap w1_rows(int64_t layer_ffn) const {
+    return interleaved ? ExpertRowMap{ffn, 2, 0, 1, layer_ffn} : ExpertRowMap{ffn, 1, 0, ffn, layer_ffn};
+  }
+  // layer row r of W2 [H', F'] -> index along stored H
+  ExpertRowMap w2_rows() const { return ExpertRowMap{hidden, 1, 0, 0, -1}; }
+};
+
+namespace cpu {
+// The layer's weight dst [E, R, Cp] from a transposed src [E, C, L] (to_layer above): bf16 bits or
+// fp32 values, moved unchanged, padding zeros.
+template <typename T>
+void expert_weights_to_layer(const T* src, T* dst, int num_experts, int64_t c, int64_t l, int64_t r, int64_t cp,
+                             const ExpertRowMap& map) {
+  for (int64_t e = 0; e < num_experts; ++e)
+    for (int64_t i = 0; i < r; ++i) {
+      const int64_t j = map.map(i);
+      for (int64_t k = 0; k < cp; ++k)
+        dst[(e * r + i) * cp + k] = (j >= 0 && k < c) ? src[(e * c + k) * l + j] : T(0);
+    }
+}
+}  // namespace cpu
 
 }  // namespace flowmoe
 

@@ -53,6 +53,7 @@
 #include <string>
 #include <vector>
 
+#include "flowmoe/expert_layout.h"  // ExpertStorage (MoeWeights::storage)
 #include "flowmoe/recipe.h"
 #include "flowmoe/swiglu_math.h"
 #include "flowmoe/tensor.h"
@@ -165,6 +166,13 @@ struct MoeWeights {
   const float* router_bias = nullptr;  // [E] fp32 or null
   const bf16_t* w1_bf16 = nullptr;  // [El, 2F, H] bf16, instead of w1
   const bf16_t* w2_bf16 = nullptr;  // [El, H, F]  bf16, instead of w2
+  // W1 and W2 (either kind) as a model stores them, when not in the layout above: transposed
+  // (w1 [El, Hs, 2Fs], w2 [El, Fs, Hs]), gate / up concatenated or interleaved along 2Fs, stored
+  // sizes Hs <= H and Fs <= F (the rest of the layer's H, F reads as zeros; flowmoe/expert_layout.h).
+  // Read in place by the CUDA layer's FP8 block recipes (blockwise, flow, flow-fp4: the weight
+  // quantization reads them, no relaid copy); refused elsewhere. The gradients (MoeGrads) stay in
+  // the layer's layout.
+  ExpertStorage storage;
 
   bool bf16_params() const { return w1_bf16 != nullptr || w2_bf16 != nullptr; }
 };
@@ -380,6 +388,9 @@ class MoeLayer {
   // keeps them unchanged in between), reads Wr there, and reads nothing of the weights region,
   // which may then be unbound (null). Refused where takes_backward_weights() is false.
   virtual void set_backward_weights(const MoeWeights& w);
+  // Whether set_weights and set_backward_weights read W1, W2 where a model stores them
+  // (MoeWeights::storage not the layer's layout): the CUDA layer of the FP8 block recipes.
+  virtual bool reads_stored_weights() const { return false; }
 
  protected:
   explicit MoeLayer(const MoeConfig& cfg) : cfg_(cfg) {}

@@ -405,6 +405,46 @@ int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t
   });
 }
 
+namespace {
+flowmoe::MoeWeights weights_of(const char* what, const flowmoe_weights* c) {
+  FLOWMOE_CHECK(c, what << ": the weights struct is null");
+  FLOWMOE_CHECK(c->bf16 == 0 || c->bf16 == 1, what << ": bf16 = " << c->bf16 << "; expected 0 or 1");
+  FLOWMOE_CHECK(c->interleaved == 0 || c->interleaved == 1,
+                what << ": interleaved = " << c->interleaved << "; expected 0 or 1");
+  FLOWMOE_CHECK((c->stored_hidden == 0) == (c->stored_ffn == 0),
+                what << ": stored_hidden " << c->stored_hidden << ", stored_ffn " << c->stored_ffn
+                     << "; expected both 0 (the layer's layout) or both the stored sizes");
+  flowmoe::MoeWeights w = c->bf16 ? expert_weights(static_cast<const uint16_t*>(c->w1), static_cast<const uint16_t*>(c->w2))
+                         : expert_weights(static_cast<const float*>(c->w1), static_cast<const float*>(c->w2));
+  w.wr = c->wr;
+  w.router_bias = c->router_bias;
+  w.storage = flowmoe::ExpertStorage{c->stored_hidden, c->stored_ffn, c->interleaved == 1};
+  return w;
+}
+}  // namespace
+
+int flowmoe_layer_set_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w) {
+  const char* what = "flowmoe_layer_set_weights_ex";
+  return guarded(what, [&] { checked(layer, what)->layer->set_weights(weights_of(what, w)); });
+}
+
+int flowmoe_layer_set_backward_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w) {
+  const char* what = "flowmoe_layer_set_backward_weights_ex";
+  return guarded(what, [&] {
+    const flowmoe::MoeWeights mw = weights_of(what, w);
+    FLOWMOE_CHECK(mw.router_bias == nullptr, what << ": router_bias given; the backward does not read it (null)");
+    checked(layer, what)->layer->set_backward_weights(mw);
+  });
+}
+
+int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int* out) {
+  const char* what = "flowmoe_layer_reads_stored_weights";
+  return guarded(what, [&] {
+    FLOWMOE_CHECK(out, what << ": out is null");
+    *out = checked(layer, what)->layer->reads_stored_weights() ? 1 : 0;
+  });
+}
+
 int flowmoe_layer_set_routing(flowmoe_layer* layer, const int32_t* ids, const float* probs) {
   return guarded("flowmoe_layer_set_routing", [&] {
     checked(layer, "flowmoe_layer_set_routing")->layer->set_routing(ids, probs);

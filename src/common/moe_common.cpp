@@ -100,6 +100,18 @@ void MoeLayer::check_weights(const MoeWeights& w, const char* space) const {
   FLOWMOE_CHECK(router || (w.wr == nullptr && w.router_bias == nullptr),
                 what << ": wr or router_bias given to a layer without a router "
                         "(MoeConfig::external_routing: the caller routes); expected null");
+  const ExpertStorage& st = w.storage;
+  if (st.is_layer_layout()) return;
+  FLOWMOE_CHECK(reads_stored_weights(),
+                what << ": W1 and W2 given as a model stores them (MoeWeights::storage: transposed, H "
+                     << st.hidden << ", F " << st.ffn << "); this " << backend() << " layer (" << cfg_.describe()
+                     << ") reads only its own layout, w1 [El, 2F, H] and w2 [El, H, F]: relay them first "
+                        "(flowmoe/expert_layout.h). The CUDA layer of the FP8 block recipes (blockwise, flow, "
+                        "flow-fp4) reads them in place");
+  FLOWMOE_CHECK(st.hidden >= 1 && st.hidden <= cfg_.hidden && st.ffn >= 1 && st.ffn <= cfg_.ffn,
+                what << ": stored sizes H " << st.hidden << ", F " << st.ffn << " (MoeWeights::storage); expected "
+                     << "1 <= H <= " << cfg_.hidden << " and 1 <= F <= " << cfg_.ffn
+                     << " (the layer's sizes; the rest reads as zeros)");
 }
 
 // ---- configuration ------------------------------------------------------------------------------

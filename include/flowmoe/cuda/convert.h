@@ -17,6 +17,7 @@
 #include "flowmoe/cuda/qtensor_view.h"
 #include "flowmoe/cuda/status.h"  // DeviceStatus
 #include "flowmoe/error.h"
+#include "flowmoe/expert_layout.h"  // ExpertRowMap (quantize_weights_stored)
 #include "flowmoe/tensor.h"
 
 namespace flowmoe {
@@ -57,6 +58,19 @@ void quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k, ui
 void quantize_weights(const float* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
                       uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
                       cudaStream_t stream);
+
+// quantize_weights of the layer's W [E][N][K] read where a model stores it transposed
+// (flowmoe/expert_layout.h): src [E][C][L] with W[e][r][c] = (c < C and map(r) >= 0) ?
+// src[e][c][map(r)] : 0 (gpt-oss's gate_up_proj and down_proj; map: ExpertStorage::w1_rows /
+// w2_rows). The outputs and bits of expert_weights_to_layer followed by quantize_weights(W, ...),
+// without the BF16 copy (128 x 128 blocks quantize the same either way round). N, K multiples of
+// 128, C <= K, every map(r) < L; any src alignment (16-byte aligned rows take vector loads).
+void quantize_weights_stored(const bf16_t* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
+                             int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
+                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream);
+void quantize_weights_stored(const float* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
+                             int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
+                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream);
 
 // ---- dequantize -------------------------------------------------------------------------------
 // Row-wise FP8 [M, K] -> bf16 [M, K].

@@ -335,12 +335,73 @@ __device__ __forceinline__ uint4 load8_bf16(const float* p, int& in_bad) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// One bf16 value as 16 bits: bf16 as it is; fp32 rounded (RNE), counting a non-finite value in in_bad.
+__device__ __forceinline__ uint32_t bf16_bits(bf16_t v, int& /*in_bad*/) { return v; }
+__device__ __forceinline__ uint32_t bf16_bits(float v, int& in_bad) {
+  in_bad += !num::f32_is_finite(v);
+  return num::f32_to_bf16(v);
+}
+
+// Where quantize_weight_kernel reads the matrix X [n][k] it quantizes, 8 values along k at a time
+// (as 8 bf16 packed in a uint4). Dense: X itself, one expert after the other.
+template <typename In>
+struct DenseWeights {
+  const In* w;
+  int64_t k;
+  __device__ void to_expert(int64_t ex, int64_t n) { w += ex * n * k; }
+  __device__ uint4 load8(int64_t row, int64_t col, int& in_bad) const {
+    return load8_bf16(w + row * k + col, in_bad);
+  }
+};
+
+// X = W^T of a weight stored transposed (flowmoe/expert_layout.h): X[c][r] = src[c][map(r)], zeros
+// for c >= C and unmapped r. 8 layer rows in one part of the map read one aligned run of the stored
+// row (stride 2: every other value of 16, the other half being the partner gate/up block's, which
+// a neighbouring CTA reads from L2); anything else, value by value.
+template <typename In>
+struct StoredWeights {
+  const In* src;
+  int64_t c, l;
+  ExpertRowMap map;
+  __device__ void to_expert(int64_t ex, int64_t /*n*/) { src += ex * c * l; }
+  __device__ uint4 load8(int64_t row, int64_t col, int& in_bad) const {
+    if (row >= c) return make_uint4(0u, 0u, 0u, 0u);
+    const In* base = src + row * l;
+    const bool first = col + 7 < map.valid;
+    const bool second = !first && map.second >= 0 && col >= map.second && col + 7 < map.second + map.valid;
+    if (std::is_same<In, bf16_t>::value && (first || second)) {
+      const int64_t j0 = first ? map.base0 + map.stride * col : map.base1 + map.stride * (col - map.second);
+      const In* p = base + (map.stride == 2 ? (j0 & ~int64_t(1)) : j0);
+      if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
+        if (map.stride == 1) return a;
+        const uint4 b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+        const unsigned sel = (j0 & 1) ? 0x7632u : 0x5410u;  // the odd or the even halves
+        return make_uint4(__byte_perm(a.x, a.y, sel), __byte_perm(a.z, a.w, sel), __byte_perm(b.x, b.y, sel),
+                          __byte_perm(b.z, b.w, sel));
+      }
+    }
+    if (std::is_same<In, float>::value && first && map.stride == 1) {
+      const In* p = base + map.base0 + col;
+      if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) return load8_bf16(p, in_bad);
+    }
+    uint32_t h[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int64_t j = map.map(col + i);
+      h[i] = j >= 0 ? bf16_bits(__ldg(base + j), in_bad) : 0u;
+    }
+    return make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
+  }
+};
+
 // ---- K11: weights, one 128x128 block per CTA, plus the exact transposed copy; blockIdx.z the expert.
 // In = bf16_t, or float (the masters, rounded to BF16 on the way: the bits of the BF16 copy's
-// quantization; `nonfinite` then counts the FP32 values, as f32_to_bf16 does).
-template <typename In>
+// quantization; `nonfinite` then counts the FP32 values, as f32_to_bf16 does). Source: where X is
+// read (DenseWeights, StoredWeights).
+template <typename In, typename Source>
 __global__ void __launch_bounds__(kThreads)
-quantize_weight_kernel(const In* __restrict__ w, int64_t n, int64_t k, uint8_t* __restrict__ codes,
+quantize_weight_kernel(Source w, int64_t n, int64_t k, uint8_t* __restrict__ codes,
                        uint8_t* __restrict__ scales, uint8_t* __restrict__ t_codes,
                        uint8_t* __restrict__ t_scales, unsigned long long* nonfinite) {
   __shared__ __align__(16) uint8_t s_q[detail::kSwzBytes];  // the codes, swizzled (tile.cuh)
@@ -349,7 +410,7 @@ quantize_weight_kernel(const In* __restrict__ w, int64_t n, int64_t k, uint8_t* 
   const int64_t bn = blockIdx.y, bk = blockIdx.x;
   {  // expert blockIdx.z of a batch: each operand advanced by one expert's extent
     const int64_t ex = blockIdx.z, elems = n * k, blocks = (n / kTile) * (k / kTile);
-    w += ex * elems;
+    w.to_expert(ex, n);
     if (codes) {
       codes += ex * elems;
       scales += ex * blocks;
@@ -366,7 +427,7 @@ quantize_weight_kernel(const In* __restrict__ w, int64_t n, int64_t k, uint8_t* 
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int row = i * 16 + (tid >> 4), ch = tid & 15;
-    v[i] = load8_bf16(w + (bn * kTile + row) * k + bk * kTile + ch * 8, in_bad);
+    v[i] = w.load8(bn * kTile + row, bk * kTile + ch * 8, in_bad);
     amax8(v[i], amax, bad);
   }
   amax = detail::warp_max(amax, 32);
@@ -466,11 +527,57 @@ void launch_quantize_weights(const In* w, int num_experts, int64_t n, int64_t k,
   if (t_codes) check_aligned(t_codes, "t_codes", what);
   dim3 grid(static_cast<unsigned>(k / kTile), static_cast<unsigned>(n / kTile),
             static_cast<unsigned>(num_experts));
-  quantize_weight_kernel<In><<<grid, kThreads, 0, stream>>>(w, n, k, codes, scales, t_codes, t_scales,
-                                                            nonfinite_ptr(status));
+  quantize_weight_kernel<In><<<grid, kThreads, 0, stream>>>(DenseWeights<In>{w, k}, n, k, codes, scales, t_codes,
+                                                            t_scales, nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+// W [E][N][K] from src [E][C][L]: the kernel quantizes X = W^T [K][N] (read along the stored rows),
+// so its row copy is W's transposed one and its transposed copy W's own.
+template <typename In>
+void launch_quantize_weights_stored(const In* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
+                                    int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
+                                    uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::quantize_weights_stored";
+  FLOWMOE_CHECK(num_experts >= 1 && num_experts < 65536,
+                what << ": " << num_experts << " experts; expected 1 to 65535");
+  FLOWMOE_CHECK(n > 0 && n % kTile == 0 && n / kTile < 65536,
+                what << ": N = " << n << "; expected a positive multiple of 128 (at most 65535 tiles)");
+  FLOWMOE_CHECK(k > 0 && k % kTile == 0 && k / kTile < 65536,
+                what << ": K = " << k << "; expected a positive multiple of 128 (at most 65535 tiles)");
+  FLOWMOE_CHECK(c >= 1 && c <= k, what << ": C = " << c << " stored columns; expected 1 to K = " << k);
+  FLOWMOE_CHECK(src, what << ": src is null");
+  FLOWMOE_CHECK((map.stride == 1 || map.stride == 2) && map.valid >= 1 && map.valid <= n && map.base0 >= 0 &&
+                    map.base0 + map.stride * (map.valid - 1) < l &&
+                    (map.second < 0 || (map.second >= map.valid && map.second + map.valid <= n && map.base1 >= 0 &&
+                                        map.base1 + map.stride * (map.valid - 1) < l)),
+                what << ": the row map (valid " << map.valid << ", stride " << map.stride << ", bases " << map.base0
+                     << " / " << map.base1 << ", second " << map.second << ") leaves W's " << n
+                     << " rows or the stored rows of " << l << " values; expected one of flowmoe/expert_layout.h's");
+  FLOWMOE_CHECK((codes == nullptr) == (scales == nullptr), what << ": give both codes and scales, or neither");
+  FLOWMOE_CHECK((t_codes == nullptr) == (t_scales == nullptr),
+                what << ": give both t_codes and t_scales, or neither");
+  FLOWMOE_CHECK(codes || t_codes, what << ": no output; expected codes and scales, t_codes and t_scales, or both");
+  if (codes) check_aligned(codes, "codes", what);
+  if (t_codes) check_aligned(t_codes, "t_codes", what);
+  dim3 grid(static_cast<unsigned>(n / kTile), static_cast<unsigned>(k / kTile), static_cast<unsigned>(num_experts));
+  quantize_weight_kernel<In><<<grid, kThreads, 0, stream>>>(StoredWeights<In>{src, c, l, map}, k, n, t_codes,
+                                                            t_scales, codes, scales, nonfinite_ptr(status));
   FLOWMOE_LAUNCH_CHECK(what);
 }
 }  // namespace
+
+void quantize_weights_stored(const bf16_t* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
+                             int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
+                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream) {
+  launch_quantize_weights_stored(src, num_experts, c, l, map, n, k, codes, scales, t_codes, t_scales, status, stream);
+}
+
+void quantize_weights_stored(const float* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
+                             int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
+                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream) {
+  launch_quantize_weights_stored(src, num_experts, c, l, map, n, k, codes, scales, t_codes, t_scales, status, stream);
+}
 
 void quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
                       uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,

@@ -195,6 +195,8 @@ bool CudaMoeLayer::takes_backward_weights() const {
   return path_.transposes_in_backward && path_.spec().weights == WeightCopy::kFp8Block;
 }
 
+bool CudaMoeLayer::reads_stored_weights() const { return path_.spec().weights == WeightCopy::kFp8Block; }
+
 void CudaMoeLayer::set_backward_weights(const MoeWeights& w) {
   const char* what = "MoeLayer::set_backward_weights";
   FLOWMOE_CHECK(takes_backward_weights(),
@@ -228,7 +230,20 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   uint8_t* const w1t_ue8m0 = keep_t ? wb.w1t_ue8m0 : nullptr;
   uint8_t* const w2t_ue8m0 = keep_t ? wb.w2t_ue8m0 : nullptr;
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(wstatus, 0, sizeof(DeviceStatus), stream_));
-  if (spec.weights == WeightCopy::kFp8Block) {
+  const ExpertStorage& st = w.storage;
+  if (!st.is_layer_layout()) {
+    // (kFp8Block: check_weights) read where the model stores them: w1 [El, Hs, 2Fs], w2 [El, Fs, Hs]
+    const auto stored = [&](const auto* w1, const auto* w2) {
+      quantize_weights_stored(w1, El_, st.hidden, 2 * st.ffn, st.w1_rows(F_), 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0,
+                              w1t_codes, w1t_ue8m0, wstatus, stream_);
+      quantize_weights_stored(w2, El_, st.ffn, st.hidden, st.w2_rows(), H_, F_, wb.w2.codes, wb.w2_ue8m0, w2t_codes,
+                              w2t_ue8m0, wstatus, stream_);
+    };
+    if (bf16_params)
+      stored(w.w1_bf16, w.w2_bf16);
+    else
+      stored(w.w1, w.w2);
+  } else if (spec.weights == WeightCopy::kFp8Block) {
     // every expert in one launch per weight, FP32 masters rounded to BF16 on the way (no BF16 copy)
     if (bf16_params) {
       quantize_weights(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, w1t_codes, w1t_ue8m0, wstatus,

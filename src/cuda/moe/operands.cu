@@ -87,8 +87,16 @@ QTensorView StepContext::make_dgrad_weights(int g, int e0, int n) {
     auto s = bwd(g == 1 ? "quantize W1^T from the parameters (dgrad weights)"
                         : "quantize W2^T from the parameters (dgrad weights)");
     // (their non-finite values were counted when the forward's W was quantized: no status here)
+    const ExpertStorage& st = p.storage;
     const auto transposed_only = [&](const auto* w) {  // BF16 parameters or FP32 masters
-      quantize_weights(w + off, n, rows, cols, nullptr, nullptr, wt.codes, wb.wt_ue8m0, nullptr, stream_);
+      if (st.is_layer_layout()) {
+        quantize_weights(w + off, n, rows, cols, nullptr, nullptr, wt.codes, wb.wt_ue8m0, nullptr, stream_);
+        return;
+      }
+      // where the model stores them: W1 from [El, Hs, 2Fs], W2 from [El, Fs, Hs]
+      const int64_t c = g == 1 ? st.hidden : st.ffn, l = g == 1 ? 2 * st.ffn : st.hidden;
+      quantize_weights_stored(w + int64_t(e0) * c * l, n, c, l, g == 1 ? st.w1_rows(F_) : st.w2_rows(), rows, cols,
+                              nullptr, nullptr, wt.codes, wb.wt_ue8m0, nullptr, stream_);
     };
     if (p.bf16_params())
       transposed_only(g == 1 ? p.w1_bf16 : p.w2_bf16);
