@@ -9,7 +9,9 @@ and every flowmoe forward derives its weight copies again, as in training; adamw
 Columns: the median iteration time over --reps after --warmup (CUDA events, one synchronisation per
 iteration), the peak allocated memory during the iterations above what the block, its gradients and
 the optimizer state hold before the first one, and (--profile) the kernel time of one iteration by
-kind (torch.profiler; the kinds: bench/step_profile.py).
+kind (torch.profiler; the kinds: bench/step_profile.py). An impl with the suffix -relaid (e.g.
+flowmoe-flow-relaid, --family gpt-oss) copies the transposed weights into the layer's layout, as
+before issue 52, instead of the layer reading them where they are: the baseline of that change.
 
     python3 bench/hf_block.py --flowmoe-lib build/libflowmoe_capi.so --profile
 """
@@ -81,7 +83,19 @@ def build_block(impl, device, args):
     return model.model.layers[0].mlp
 
 
+RELAID = "-relaid"  # (an impl suffix) weights relaid by copies, not read where stored: issue 52's baseline
+
+
 def measure(args, impl, device):
+    if impl.endswith(RELAID):  # e.g. flowmoe-flow-relaid: the gpt-oss layout copied into the layer's
+        import flowmoe.experts as fx
+
+        reads = fx._reads_stored
+        fx._reads_stored = lambda recipe, device_type: False
+        try:
+            return dict(measure(args, impl[:-len(RELAID)], device), impl=impl)
+        finally:
+            fx._reads_stored = reads
     block = build_block(impl, device, args)
     params = [p for p in block.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.0) if args.opt == "sgd" else torch.optim.AdamW(params, lr=1e-4, fused=True)

@@ -187,6 +187,8 @@ typedef struct flowmoe_weights {
 int flowmoe_layer_set_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w);
 int flowmoe_layer_set_backward_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w);
 int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int* out);
+// The same for a layer of `recipe` on `backend` ("cpu" or "cuda") before one is made.
+int flowmoe_recipe_reads_stored_weights(const char* recipe, const char* backend, int* out);
 // A forward's state as a value (version 7; moe.h MoeLayer::step_state / load_step): after a
 // forward, *size = its host state's bytes, written to out when capacity >= *size (else nothing is
 // written: call again with *size bytes; out null and capacity 0 ask the size alone). Before a

@@ -391,6 +391,9 @@ class MoeLayer {
   // Whether set_weights and set_backward_weights read W1, W2 where a model stores them
   // (MoeWeights::storage not the layer's layout): the CUDA layer of the FP8 block recipes.
   virtual bool reads_stored_weights() const { return false; }
+  // What reads_stored_weights() gives for the layer of `backend` ("cpu", "cuda") and `recipe`,
+  // before one is made: the CUDA layer of the FP8 block recipes (blockwise, flow, flow-fp4).
+  static bool reads_stored_weights(const std::string& backend, Recipe recipe);
 
  protected:
   explicit MoeLayer(const MoeConfig& cfg) : cfg_(cfg) {}

@@ -11,12 +11,12 @@ import json
 import operator
 import os
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from ._errors import CommError, ConfigError, FlowmoeError, NonFiniteError, OutOfMemoryError, debug, split_location
 
 LIBRARY_NAME = "libflowmoe_capi.so"
-CAPI_VERSION = 8
+CAPI_VERSION = 9
 
 OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED, ERROR_OUT_OF_MEMORY = 0, 1, 2, 3, 4, 5
 
@@ -50,6 +50,12 @@ class Config(ctypes.Structure):
 
 class CudaOptions(ctypes.Structure):
     _fields_ = [("sync_free", ctypes.c_int32), ("caller_memory", ctypes.c_int32)]
+
+
+class Weights(ctypes.Structure):  # flowmoe_weights (version 9)
+    _fields_ = [("w1", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("bf16", ctypes.c_int32),
+                ("wr", ctypes.c_void_p), ("router_bias", ctypes.c_void_p), ("stored_hidden", ctypes.c_int64),
+                ("stored_ffn", ctypes.c_int64), ("interleaved", ctypes.c_int32)]
 
 
 class LayerStatus(ctypes.Structure):
@@ -106,15 +112,15 @@ def _declare(lib: ctypes.CDLL) -> None:
                                             vp]),
         "flowmoe_layer_backend": (ctypes.c_char_p, [vp]),
         "flowmoe_layer_local_experts": (c_int, [vp]),
-        "flowmoe_layer_set_weights": (c_int, [vp, vp, vp, vp, vp]),
-        "flowmoe_layer_set_weights_bf16": (c_int, [vp, vp, vp, vp, vp]),
+        "flowmoe_layer_set_weights_ex": (c_int, [vp, ctypes.POINTER(Weights)]),
+        "flowmoe_layer_reads_stored_weights": (c_int, [vp, ctypes.POINTER(c_int)]),
+        "flowmoe_recipe_reads_stored_weights": (c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(c_int)]),
         "flowmoe_layer_forward": (c_int, [vp, vp, i64, vp]),
         "flowmoe_layer_backward": (c_int, [vp, vp, vp, vp, vp, vp, c_int]),
         "flowmoe_layer_backward_ex": (c_int, [vp, vp, vp, vp, vp, vp, vp, c_int]),
         "flowmoe_layer_backward_bf16": (c_int, [vp, vp, vp, vp, vp, vp, vp]),
         "flowmoe_layer_takes_backward_weights": (c_int, [vp, ctypes.POINTER(c_int)]),
-        "flowmoe_layer_set_backward_weights": (c_int, [vp, vp, vp, vp]),
-        "flowmoe_layer_set_backward_weights_bf16": (c_int, [vp, vp, vp, vp]),
+        "flowmoe_layer_set_backward_weights_ex": (c_int, [vp, ctypes.POINTER(Weights)]),
         "flowmoe_layer_set_routing": (c_int, [vp, vp, vp]),
         "flowmoe_layer_set_gemm1_bias": (c_int, [vp, vp]),
         "flowmoe_layer_set_gemm1_bias_grad": (c_int, [vp, vp]),
@@ -187,6 +193,20 @@ def has_nccl() -> bool:
 
 def recipe_names() -> tuple:
     return tuple(lib().flowmoe_recipe_names().decode().split(","))
+
+
+def _weights(w1: int, w2: int, bf16: bool, wr: Optional[int], router_bias: Optional[int],
+             storage: Optional[Tuple[int, int, bool]]) -> "Weights":
+    hs, fs, interleaved = storage if storage is not None else (0, 0, False)
+    return Weights(w1, w2, int(bool(bf16)), wr or None, router_bias or None, int(hs), int(fs), int(bool(interleaved)))
+
+
+def recipe_reads_stored_weights(recipe: str, backend: str) -> bool:
+    """Whether the layer of `recipe` on `backend` ("cpu", "cuda") reads expert weights where a model
+    stores them (transposed, interleaved, unpadded: MoeWeights::storage), the library's rule."""
+    out = ctypes.c_int()
+    check(lib().flowmoe_recipe_reads_stored_weights(recipe.encode(), backend.encode(), ctypes.byref(out)))
+    return bool(out.value)
 
 
 def expert_relayout(src: int, dst: int, elem_bytes: int, experts: int, c: int, l: int, r: int, cp: int,
@@ -361,12 +381,24 @@ class Layer:
     def local_experts(self) -> int:
         return lib().flowmoe_layer_local_experts(self.handle)
 
-    def set_weights(self, w1: int, w2: int, wr: int, router_bias: Optional[int] = None) -> None:
-        check(lib().flowmoe_layer_set_weights(self.handle, w1, w2, wr, router_bias or None))
+    def set_weights(self, w1: int, w2: int, wr: int, router_bias: Optional[int] = None, *, bf16: bool = False,
+                    storage: Optional[Tuple[int, int, bool]] = None) -> None:
+        """W1, W2 (FP32, or BF16 bits with bf16: the bits of FP32 masters of the same values), Wr, the
+        router bias. storage: (H, F, interleaved) of W1, W2 stored transposed ([E, H, 2F], [E, F, H];
+        read in place where reads_stored_weights), or None: the layer's layout."""
+        w = _weights(w1, w2, bf16, wr, router_bias, storage)
+        check(lib().flowmoe_layer_set_weights_ex(self.handle, ctypes.byref(w)))
 
     def set_weights_bf16(self, w1: int, w2: int, wr: int, router_bias: Optional[int] = None) -> None:
         """set_weights with BF16 w1 / w2 (bf16 bits): the bits of FP32 masters of the same values."""
-        check(lib().flowmoe_layer_set_weights_bf16(self.handle, w1, w2, wr, router_bias or None))
+        self.set_weights(w1, w2, wr, router_bias, bf16=True)
+
+    @property
+    def reads_stored_weights(self) -> bool:
+        """Whether set_weights and set_backward_weights take a storage (weights read where stored)."""
+        out = ctypes.c_int()
+        check(lib().flowmoe_layer_reads_stored_weights(self.handle, ctypes.byref(out)))
+        return bool(out.value)
 
     def forward(self, x: int, tokens: int, y: int) -> None:
         check(lib().flowmoe_layer_forward(self.handle, x, int(tokens), y))
@@ -390,11 +422,12 @@ class Layer:
         check(lib().flowmoe_layer_takes_backward_weights(self.handle, ctypes.byref(out)))
         return bool(out.value)
 
-    def set_backward_weights(self, w1: int, w2: int, bf16: bool, wr: Optional[int] = None) -> None:
-        """The parameters of the next backward only: W1, W2 (FP32, or BF16 bits with bf16), Wr (FP32;
-        None for an experts-only layer)."""
-        fn = lib().flowmoe_layer_set_backward_weights_bf16 if bf16 else lib().flowmoe_layer_set_backward_weights
-        check(fn(self.handle, w1, w2, wr or None))
+    def set_backward_weights(self, w1: int, w2: int, bf16: bool, wr: Optional[int] = None,
+                             storage: Optional[Tuple[int, int, bool]] = None) -> None:
+        """The parameters of the next backward only: W1, W2 (FP32, or BF16 bits with bf16; storage as
+        in set_weights), Wr (FP32; None for an experts-only layer)."""
+        w = _weights(w1, w2, bf16, wr, None, storage)
+        check(lib().flowmoe_layer_set_backward_weights_ex(self.handle, ctypes.byref(w)))
 
     def set_routing(self, ids: int, probs: int) -> None:
         """The next forward's routing (external_routing layers): ids [T, k] int32, probs [T, k] fp32."""

@@ -113,10 +113,10 @@ def derive_weights(w1: torch.Tensor, w2: torch.Tensor, wr: Optional[torch.Tensor
                                "both float32 or both bfloat16)")
     wbuf = _bytes(r.plan[0], w1.device)
     tbuf = _bytes(r.plan[2], w1.device) if r.plan[2] else None
-    set_weights = r.layer.set_weights_bf16 if expert_dtype == torch.bfloat16 else r.layer.set_weights
     with r.ordered():
         r.layer.bind_memory(_addr(wbuf), 0, _addr(tbuf))
-        set_weights(_addr(w1), _addr(w2), _addr(wr), _addr(router_bias))
+        r.layer.set_weights(_addr(w1), _addr(w2), _addr(wr), _addr(router_bias),
+                            bf16=expert_dtype == torch.bfloat16, storage=m.storage)
     m.weight_updates += 1
     return wbuf
 
@@ -175,12 +175,13 @@ def _(x, w1, w2, wr, wbuf, module_id, keep_step, ids, probs, b1):
 
 
 # ---- backward ---------------------------------------------------------------------------------------
-def _set_backward_weights(runner, params):
+def _set_backward_weights(m, runner, params):
     """params: (w1, w2, wr) the backward derives its weights from (wbuf then None; wr None for the
-    experts-only layer), or None."""
+    experts-only layer; w1, w2 where m.storage says they are stored), or None."""
     if params is not None:
         w1, w2, wr = params
-        runner.layer.set_backward_weights(w1.data_ptr(), w2.data_ptr(), w1.dtype == torch.bfloat16, _addr(wr))
+        runner.layer.set_backward_weights(w1.data_ptr(), w2.data_ptr(), w1.dtype == torch.bfloat16, _addr(wr),
+                                          storage=m.storage)
 
 
 def _run_backward(m, dy, wbuf, saved, step, params, grads, db1, accumulate):
@@ -197,7 +198,7 @@ def _run_backward(m, dy, wbuf, saved, step, params, grads, db1, accumulate):
     with runner.ordered():
         runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
         runner.load_step(step)
-        _set_backward_weights(runner, params)
+        _set_backward_weights(m, runner, params)
         if db1 is not None:
             runner.layer.set_gemm1_bias_grad(db1.data_ptr())
         if bf16_grads:
@@ -309,6 +310,8 @@ def _backward(ctx, dy, _dsaved, _dstep):
     bias_grad = ctx.has_b1 and bool(wants[9])
     dx, dw1, dw2, dwr, dprobs, db1 = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, bf16,
                                                   bias_grad, False, None, None, None)
+    if module.storage is not None:  # the gradients from the layer's layout to the parameters' own
+        dw1, dw2 = module._grads_to_storage(dw1 if needs[0] else None, dw2 if needs[1] else None)
     return (dx if dx_wanted else None, dw1.to(d1) if needs[0] else None, dw2.to(d2) if needs[1] else None,
             dwr if needs[2] else None, None, None, None, None, dprobs if wants[8] else None,
             db1 if bias_grad else None)

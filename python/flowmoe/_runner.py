@@ -161,6 +161,10 @@ class LayerOwner:
     external_routing = False  # the caller routes: each forward gets ids and probs (the experts-only layer)
     gemm1_bias = False  # each forward gets GEMM1's bias b1 [E, 2F]
     grad_mode = "autograd"  # MoE: or "main_grad" (weight gradients added into p.main_grad)
+    # (H, F, interleaved): w1, w2 come as a model stores them, transposed ([E, H, 2F], [E, F, H]),
+    # read in place by the layer (its reads_stored_weights), the gradients mapped back by
+    # _grads_to_storage; None: the layer's layout (the experts-only layer of gpt-oss-like models)
+    storage = None
 
     def _ep_comm(self, device: torch.device):
         """The communicator of the layer on `device` (expert parallelism), or None."""

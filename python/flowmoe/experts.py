@@ -30,6 +30,7 @@ other than the layer's own are relaid by differentiable copies at every forward 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Dict, Optional, Tuple
 
@@ -75,8 +76,12 @@ class _ExpertsLayer(LayerOwner):
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int, recipe: str, align: int,
                  max_tokens: Optional[int], sync_free: bool, check_finite: Optional[bool], who: str,
-                 activation: Tuple[str, float, float] = ("swiglu", 1.702, 7.0), gemm1_bias: bool = False):
+                 activation: Tuple[str, float, float] = ("swiglu", 1.702, 7.0), gemm1_bias: bool = False,
+                 storage: Optional["_Layout"] = None):
         self.hidden, self.ffn, self.experts, self.topk = hidden, ffn, num_experts, topk
+        # (LayerOwner.storage) the caller's transposed weights, read where they are
+        self._layout = storage
+        self.storage = (storage.H, storage.F, storage.interleaved) if storage is not None else None
         self.activation, self.gemm1_bias = activation, bool(gemm1_bias)
         self.local_experts = num_experts
         self.recipe, self.align, self.max_tokens = recipe, align, max_tokens
@@ -93,6 +98,11 @@ class _ExpertsLayer(LayerOwner):
     def _config(self, max_tokens: int) -> _native.Config:
         return _experts_config(self.hidden, self.ffn, self.experts, self.topk, self.recipe, self.align, max_tokens,
                                self.activation, self.gemm1_bias)
+
+    def _grads_to_storage(self, dw1: Optional[torch.Tensor], dw2: Optional[torch.Tensor]):
+        """dW1 [E, 2F', H'] and dW2 [E, H', F'] (the layer's layout) as the stored weights' gradients
+        [E, H, 2F] and [E, F, H] (None stays None)."""
+        return self._layout.grads_from_layer(dw1, dw2)
 
     def run(self, xb: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
             w2: torch.Tensor, b1: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -199,9 +209,9 @@ class _Layout:
         if self.transposed and w1.is_cuda and w1.element_size() in (2, 4) and w2.element_size() in (2, 4):
             # tiled transposes (flowmoe_expert_relayout): torch's strided copies of a transpose run
             # at a fraction of the bandwidth
-            m1 = (F, 2, 0, 1, Fp) if self.interleaved else (F, 1, 0, F, Fp)
+            m1, m2 = self.row_maps()
             return (_Relayout.apply(w1, H, 2 * F, 2 * Fp, Hp, m1),
-                    _Relayout.apply(w2, F, H, Hp, Fp, (H, 1, 0, 0, -1)))
+                    _Relayout.apply(w2, F, H, Hp, Fp, m2))
         gate, up = self._gate_up(w1)
         w1l = w1.new_zeros((E, 2 * Fp, Hp))
         w1l[:, :F, :H] = gate
@@ -213,6 +223,28 @@ class _Layout:
             w2l = w2.new_zeros((E, Hp, Fp))
             w2l[:, :H, :F] = w2c
         return w1l, w2l
+
+    def row_maps(self):
+        """The relayout row maps (flowmoe/expert_layout.h) of transposed w1 and w2."""
+        F, Fp, H = self.F, self.Fp, self.H
+        return (F, 2, 0, 1, Fp) if self.interleaved else (F, 1, 0, F, Fp), (H, 1, 0, 0, -1)
+
+    def grads_from_layer(self, dw1: Optional[torch.Tensor], dw2: Optional[torch.Tensor]):
+        """Gradients in the layer's layout -> the transposed weights' [E, H, 2F], [E, F, H] (CUDA)."""
+        m1, m2 = self.row_maps()
+        out = []
+        for g, shape, c, l, r, cp, m in ((dw1, (self.H, 2 * self.F), self.H, 2 * self.F, 2 * self.Fp, self.Hp, m1),
+                                         (dw2, (self.F, self.H), self.F, self.H, self.Hp, self.Fp, m2)):
+            if g is None:
+                out.append(None)
+                continue
+            gc = g.contiguous()
+            dst = torch.empty((g.shape[0], *shape), dtype=g.dtype, device=g.device)
+            with torch.cuda.device(g.device):
+                _native.expert_relayout(gc.data_ptr(), dst.data_ptr(), gc.element_size(), g.shape[0], c, l, r, cp,
+                                        m, False, torch.cuda.current_stream(g.device).cuda_stream)
+            out.append(dst)
+        return out[0], out[1]
 
     def bias1(self, b1: torch.Tensor) -> torch.Tensor:
         """b1 [E, 2F] (the caller's gate/up order) -> [E, 2F'] fp32 contiguous in the layer's."""
@@ -309,12 +341,25 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
     # configuration is first made (_ExpertsLayer)
     act = (activation, float(swiglu_alpha), float(swiglu_limit)) if activation != "swiglu" else ("swiglu", 1.702, 7.0)
     lay = _Layout(H, F, bool(transposed), bool(interleaved))
+    # transposed weights are read where they are by the layers that can (the CUDA layer of the FP8
+    # block recipes: the library's rule), relaid by differentiable copies for the others
+    stored = lay.transposed and _reads_stored(recipe, x.device.type)
     key = (recipe, align, max_tokens, bool(sync_free), check_finite, E, H, F, k, act, b1 is not None,
-           lay.transposed, lay.interleaved)
+           lay.transposed, lay.interleaved, stored)
     layer = _layer_for(owner if owner is not None else w1, key,
                        lambda: _ExpertsLayer(lay.Hp, lay.Fp, E, k, recipe, align, max_tokens, bool(sync_free),
-                                             check_finite, who, act, b1 is not None))
+                                             check_finite, who, act, b1 is not None, lay if stored else None))
     return _call(layer, x, top_k_index, top_k_weights, w1, w2, H, lay, b1, b2)
+
+
+@functools.lru_cache(maxsize=None)
+def _reads_stored(recipe: str, device_type: str) -> bool:
+    if device_type not in ("cpu", "cuda"):
+        return False
+    try:
+        return _native.recipe_reads_stored_weights(recipe, device_type)
+    except FlowmoeError:  # (an unknown recipe: the layer's own check says so, in its words)
+        return False
 
 
 def _call(layer: _ExpertsLayer, x, top_k_index, top_k_weights, w1, w2, H: int, lay: Optional[_Layout] = None,
@@ -330,6 +375,9 @@ def _call(layer: _ExpertsLayer, x, top_k_index, top_k_weights, w1, w2, H: int, l
     probs = top_k_weights.to(torch.float32).contiguous()
     if lay is None or (lay.identity and b1 is None):
         y = layer.run(xb.contiguous(), ids, probs, w1, w2)
+    elif layer.storage is not None:  # w1, w2 as stored: the layer reads them there
+        y = lay.crop_y(layer.run(lay.pad_x(xb).contiguous(), ids, probs, w1, w2,
+                                 lay.bias1(b1) if b1 is not None else None))
     else:
         w1l, w2l = lay.weights(w1, w2)
         y = lay.crop_y(layer.run(lay.pad_x(xb).contiguous(), ids, probs, w1l, w2l,

@@ -445,6 +445,16 @@ int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int* out) {
   });
 }
 
+int flowmoe_recipe_reads_stored_weights(const char* recipe, const char* backend, int* out) {
+  const char* what = "flowmoe_recipe_reads_stored_weights";
+  return guarded(what, [&] {
+    FLOWMOE_CHECK(out && backend, what << ": out or backend is null");
+    const std::string b(backend);
+    FLOWMOE_CHECK(b == "cpu" || b == "cuda", what << ": backend '" << b << "'; expected \"cpu\" or \"cuda\"");
+    *out = flowmoe::MoeLayer::reads_stored_weights(b, flowmoe::parse_recipe(recipe ? recipe : "")) ? 1 : 0;
+  });
+}
+
 int flowmoe_layer_set_routing(flowmoe_layer* layer, const int32_t* ids, const float* probs) {
   return guarded("flowmoe_layer_set_routing", [&] {
     checked(layer, "flowmoe_layer_set_routing")->layer->set_routing(ids, probs);

@@ -85,6 +85,10 @@ void MoeLayer::check_grads(const MoeGrads& g) const {
 }
 
 // ---- weights ------------------------------------------------------------------------------------
+bool MoeLayer::reads_stored_weights(const std::string& backend, Recipe recipe) {
+  return backend == "cuda" && recipe_spec(recipe).weights == WeightCopy::kFp8Block;
+}
+
 void MoeLayer::check_weights(const MoeWeights& w, const char* space) const {
   const char* what = "MoeLayer::set_weights";
   const bool router = !cfg_.external_routing;

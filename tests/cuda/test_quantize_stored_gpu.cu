@@ -1,14 +1,15 @@
 // quantize_weights_stored (flowmoe/cuda/convert.h): the FP8 weights quantized where a model stores
 // them transposed (gpt-oss: gate_up_proj [E, H, 2F] with gate / up interleaved, down_proj [E, F, H],
 // H and F not multiples of 128) have the bits of the CPU reference that first relays them into the
-// layer's layout (cpu::expert_weights_to_layer) and then quantizes (cpu::quantize_weight), for BF16
-// and FP32 sources, every map of flowmoe/expert_layout.h, stored rows that take the vector loads and
+// layer's layout (cpu::expert_weights_to_layer) and then quantizes (cpu::quantize_weight; FP32
+// sources through their BF16 copy, as quantize_weights on FP32 masters), for BF16 and FP32 sources, every map of flowmoe/expert_layout.h, stored rows that take the vector loads and
 // rows that do not (odd sizes), a non-finite value; each output alone; bad maps are clear errors.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/device_buffer.h"
@@ -58,11 +59,23 @@ void check_case(const Case& t, const std::vector<T>& src, int experts) {
   cudaMemset(ds.p, 0, sizeof(cuda::DeviceStatus));
   cuda::quantize_weights_stored(dsrc.p, experts, s.c, s.l, s.map, s.n, s.k, c.p, sc.p, tc.p, ts.p, ds.p, 0);
   const auto codes = c.get(), scales = sc.get(), tcodes = tc.get(), tscales = ts.get();
+  // FP32 sources: the bits of quantizing their BF16 (RNE) copy, the FP32 values' non-finite count
+  // (as quantize_weights on FP32 masters)
+  std::vector<bf16_t> wb(w.size());
   int64_t nonfinite = 0;
+  for (size_t i = 0; i < w.size(); ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      wb[i] = num::f32_to_bf16(w[i]);
+      nonfinite += !std::isfinite(w[i]);
+    } else {
+      wb[i] = w[i];
+    }
+  }
   for (int e = 0; e < experts; ++e) {
     SCOPED_TRACE("expert " + std::to_string(e));
     QTensor q, qt;
-    nonfinite += cpu::quantize_weight(w.data() + e * elems, s.n, s.k, &q, &qt).nonfinite;
+    const int64_t counted = cpu::quantize_weight(wb.data() + e * elems, s.n, s.k, &q, &qt).nonfinite;
+    if constexpr (!std::is_same_v<T, float>) nonfinite += counted;
     const auto part = [&](const std::vector<uint8_t>& v, int64_t size) {
       return std::vector<uint8_t>(v.begin() + e * size, v.begin() + (e + 1) * size);
     };

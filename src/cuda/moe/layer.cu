@@ -195,7 +195,7 @@ bool CudaMoeLayer::takes_backward_weights() const {
   return path_.transposes_in_backward && path_.spec().weights == WeightCopy::kFp8Block;
 }
 
-bool CudaMoeLayer::reads_stored_weights() const { return path_.spec().weights == WeightCopy::kFp8Block; }
+bool CudaMoeLayer::reads_stored_weights() const { return MoeLayer::reads_stored_weights(backend(), cfg_.recipe); }
 
 void CudaMoeLayer::set_backward_weights(const MoeWeights& w) {
   const char* what = "MoeLayer::set_backward_weights";

@@ -220,3 +220,81 @@ def test_gpu_frozen_expert_weights_give_the_other_gradients_bits(recipe, frozen)
     part = torch.autograd.grad((y2.float() * dy).sum(), [part_in[i] for i in wanted])
     for i, g in zip(wanted, part):
         assert torch.equal(g, full[i]), ("dx", "dprobs", "dw1", "dw2")[i]
+
+
+# ---- gpt-oss's weights read where they are stored (issue 52) ----------------------------------------
+def _gpt_oss_relaid(recipe, x, logits, gate_up, b1, down, b2, dy):
+    """The same problem with the weights relaid by hand into the layer's own layout (gate rows first):
+    the path that copies them (what flowmoe did for every recipe before issue 52)."""
+    import test_experts_gpt_oss as go
+
+    gu = gate_up.detach().transpose(1, 2)
+    w1 = torch.cat([gu[:, 0::2], gu[:, 1::2]], 1).contiguous().requires_grad_()
+    bb = b1.detach()
+    b1c = torch.cat([bb[:, 0::2], bb[:, 1::2]], 1).contiguous().requires_grad_()
+    w2 = down.detach().transpose(1, 2).contiguous().requires_grad_()
+    x2, l2, b22 = (t.detach().clone().requires_grad_() for t in (x, logits, b2))
+    ids, w = go.route(l2)
+    y2 = ft.experts(x2, ids, w, w1, w2, recipe=recipe, b1=b1c, b2=b22, activation="clamped-swiglu",
+                    swiglu_alpha=go.ALPHA, swiglu_limit=go.LIMIT)
+    y2.float().backward(dy)
+    return y2.detach().float(), (x2.grad, l2.grad, w1.grad, b1c.grad, w2.grad, b22.grad)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "flow", "flow-fp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_gpt_oss_weights_read_in_place_give_the_bits_of_relaid_ones(recipe, dtype):
+    """The FP8 block recipes quantize gpt-oss's gate_up_proj [E, H, 2F] (interleaved) and down_proj
+    [E, F, H], H and F not multiples of 128, where they are (no relaid copy) and map the gradients
+    back: every output and gradient has the bits of the same weights given in the layer's layout."""
+    import test_experts_gpt_oss as go
+    from flowmoe import experts as fx
+
+    assert fx._reads_stored(recipe, "cuda") and not fx._reads_stored(recipe, "cpu")
+    x, logits, gate_up, b1, down, b2, dy = (t.detach().to(DEV) for t in go.problem(1, dtype))
+    leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, b1, down, b2)]
+    y, g = go.run(recipe, *leaves, dy)
+    y2, (dx, dl, dw1, db1, dw2, db2) = _gpt_oss_relaid(recipe, x, logits, gate_up, b1, down, b2, dy)
+    assert torch.equal(y, y2)
+    assert torch.equal(g[0], dx) and torch.equal(g[1], dl) and torch.equal(g[5], db2)
+    assert g[2].dtype == dtype and g[2].shape == gate_up.shape and g[4].shape == down.shape
+    g1 = g[2].transpose(1, 2)
+    assert torch.equal(torch.cat([g1[:, 0::2], g1[:, 1::2]], 1), dw1)
+    assert torch.equal(torch.cat([g[3][:, 0::2], g[3][:, 1::2]], 1), db1)
+    assert torch.equal(g[4].transpose(1, 2), dw2)
+
+
+def test_gpu_gpt_oss_forward_keeps_no_relaid_weights():
+    """Between forward and backward the node of the in-place path holds no copy of the weights: the
+    relaying path holds at least the relaid W1 and W2 more."""
+    import test_experts_gpt_oss as go
+
+    x, logits, gate_up, b1, down, b2, dy = (t.detach().to(DEV) for t in go.problem(2, torch.bfloat16))
+    relaid_bytes = 0
+
+    def held(transposed):
+        nonlocal relaid_bytes
+        leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, b1, down, b2)]
+        ids, w = go.route(leaves[1])
+        if transposed:
+            w1, w2, b1_ = leaves[2], leaves[4], leaves[3]
+        else:
+            gu = leaves[2].transpose(1, 2)
+            w1 = torch.cat([gu[:, 0::2], gu[:, 1::2]], 1)  # (differentiable copies, kept by the node)
+            w2 = leaves[4].transpose(1, 2).contiguous()
+            b1_ = torch.cat([leaves[3][:, 0::2], leaves[3][:, 1::2]], 1)
+            relaid_bytes = w1.numel() * w1.element_size() + w2.numel() * w2.element_size()
+        kw = dict(transposed=True, interleaved=True) if transposed else {}
+        ft.experts(leaves[0], ids, w, w1, w2, recipe="flow", b1=b1_, b2=leaves[5], activation="clamped-swiglu",
+                   swiglu_alpha=go.ALPHA, swiglu_limit=go.LIMIT, **kw)  # warm-up: the layer is built
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = ft.experts(leaves[0], ids, w, w1, w2, recipe="flow", b1=b1_, b2=leaves[5], activation="clamped-swiglu",
+                       swiglu_alpha=go.ALPHA, swiglu_limit=go.LIMIT, **kw)
+        torch.cuda.synchronize()
+        out = torch.cuda.memory_allocated() - before
+        del y
+        return out
+
+    stored, relaid = held(True), held(False)
+    assert relaid_bytes > 0 and relaid - stored >= relaid_bytes, (stored, relaid, relaid_bytes)
