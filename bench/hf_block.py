@@ -91,7 +91,7 @@ def measure(args, impl, device):
         import flowmoe.experts as fx
 
         reads = fx._reads_stored
-        fx._reads_stored = lambda recipe, device_type: False
+        fx._reads_stored = lambda recipe, device_type, bf16: False
         try:
             return dict(measure(args, impl[:-len(RELAID)], device), impl=impl)
         finally:

@@ -186,9 +186,10 @@ typedef struct flowmoe_weights {
 } flowmoe_weights;
 int flowmoe_layer_set_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w);
 int flowmoe_layer_set_backward_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w);
-int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int* out);
+// *out = 1 when the layer reads stored_hidden / stored_ffn weights of that kind (bf16: 1 BF16, 0 FP32).
+int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int bf16, int* out);
 // The same for a layer of `recipe` on `backend` ("cpu" or "cuda") before one is made.
-int flowmoe_recipe_reads_stored_weights(const char* recipe, const char* backend, int* out);
+int flowmoe_recipe_reads_stored_weights(const char* recipe, const char* backend, int bf16, int* out);
 // A forward's state as a value (version 7; moe.h MoeLayer::step_state / load_step): after a
 // forward, *size = its host state's bytes, written to out when capacity >= *size (else nothing is
 // written: call again with *size bytes; out null and capacity 0 ask the size alone). Before a

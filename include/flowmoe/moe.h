@@ -170,8 +170,9 @@ struct MoeWeights {
   // (w1 [El, Hs, 2Fs], w2 [El, Fs, Hs]), gate / up concatenated or interleaved along 2Fs, stored
   // sizes Hs <= H and Fs <= F (the rest of the layer's H, F reads as zeros; flowmoe/expert_layout.h).
   // Read in place by the CUDA layer's FP8 block recipes (blockwise, flow, flow-fp4: the weight
-  // quantization reads them, no relaid copy); refused elsewhere. The gradients (MoeGrads) stay in
-  // the layer's layout.
+  // quantization reads them, no relaid copy) and, for BF16 parameters, its bf16 recipe (its BF16
+  // copies written relaid); refused elsewhere (MoeLayer::reads_stored_weights). The gradients
+  // (MoeGrads) stay in the layer's layout.
   ExpertStorage storage;
 
   bool bf16_params() const { return w1_bf16 != nullptr || w2_bf16 != nullptr; }
@@ -389,11 +390,12 @@ class MoeLayer {
   // which may then be unbound (null). Refused where takes_backward_weights() is false.
   virtual void set_backward_weights(const MoeWeights& w);
   // Whether set_weights and set_backward_weights read W1, W2 where a model stores them
-  // (MoeWeights::storage not the layer's layout): the CUDA layer of the FP8 block recipes.
-  virtual bool reads_stored_weights() const { return false; }
-  // What reads_stored_weights() gives for the layer of `backend` ("cpu", "cuda") and `recipe`,
-  // before one is made: the CUDA layer of the FP8 block recipes (blockwise, flow, flow-fp4).
-  static bool reads_stored_weights(const std::string& backend, Recipe recipe);
+  // (MoeWeights::storage not the layer's layout), FP32 masters or (bf16_params) BF16 parameters.
+  virtual bool reads_stored_weights(bool bf16_params) const { return false; }
+  // What reads_stored_weights(bf16_params) gives for the layer of `backend` ("cpu", "cuda") and
+  // `recipe`, before one is made: the CUDA layer of the FP8 block recipes (blockwise, flow,
+  // flow-fp4), and of bf16 with BF16 parameters (its copies relaid from them).
+  static bool reads_stored_weights(const std::string& backend, Recipe recipe, bool bf16_params);
 
  protected:
   explicit MoeLayer(const MoeConfig& cfg) : cfg_(cfg) {}

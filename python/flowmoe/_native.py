@@ -113,8 +113,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_backend": (ctypes.c_char_p, [vp]),
         "flowmoe_layer_local_experts": (c_int, [vp]),
         "flowmoe_layer_set_weights_ex": (c_int, [vp, ctypes.POINTER(Weights)]),
-        "flowmoe_layer_reads_stored_weights": (c_int, [vp, ctypes.POINTER(c_int)]),
-        "flowmoe_recipe_reads_stored_weights": (c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(c_int)]),
+        "flowmoe_layer_reads_stored_weights": (c_int, [vp, c_int, ctypes.POINTER(c_int)]),
+        "flowmoe_recipe_reads_stored_weights": (c_int, [ctypes.c_char_p, ctypes.c_char_p, c_int,
+                                                        ctypes.POINTER(c_int)]),
         "flowmoe_layer_forward": (c_int, [vp, vp, i64, vp]),
         "flowmoe_layer_backward": (c_int, [vp, vp, vp, vp, vp, vp, c_int]),
         "flowmoe_layer_backward_ex": (c_int, [vp, vp, vp, vp, vp, vp, vp, c_int]),
@@ -201,11 +202,13 @@ def _weights(w1: int, w2: int, bf16: bool, wr: Optional[int], router_bias: Optio
     return Weights(w1, w2, int(bool(bf16)), wr or None, router_bias or None, int(hs), int(fs), int(bool(interleaved)))
 
 
-def recipe_reads_stored_weights(recipe: str, backend: str) -> bool:
-    """Whether the layer of `recipe` on `backend` ("cpu", "cuda") reads expert weights where a model
-    stores them (transposed, interleaved, unpadded: MoeWeights::storage), the library's rule."""
+def recipe_reads_stored_weights(recipe: str, backend: str, bf16: bool) -> bool:
+    """Whether the layer of `recipe` on `backend` ("cpu", "cuda") reads BF16 (bf16) or FP32 expert
+    weights where a model stores them (transposed, interleaved, unpadded: MoeWeights::storage), the
+    library's rule."""
     out = ctypes.c_int()
-    check(lib().flowmoe_recipe_reads_stored_weights(recipe.encode(), backend.encode(), ctypes.byref(out)))
+    check(lib().flowmoe_recipe_reads_stored_weights(recipe.encode(), backend.encode(), int(bool(bf16)),
+                                                    ctypes.byref(out)))
     return bool(out.value)
 
 
@@ -393,11 +396,11 @@ class Layer:
         """set_weights with BF16 w1 / w2 (bf16 bits): the bits of FP32 masters of the same values."""
         self.set_weights(w1, w2, wr, router_bias, bf16=True)
 
-    @property
-    def reads_stored_weights(self) -> bool:
-        """Whether set_weights and set_backward_weights take a storage (weights read where stored)."""
+    def reads_stored_weights(self, bf16: bool) -> bool:
+        """Whether set_weights and set_backward_weights take a storage (weights read where stored) for
+        BF16 (bf16) or FP32 expert weights."""
         out = ctypes.c_int()
-        check(lib().flowmoe_layer_reads_stored_weights(self.handle, ctypes.byref(out)))
+        check(lib().flowmoe_layer_reads_stored_weights(self.handle, int(bool(bf16)), ctypes.byref(out)))
         return bool(out.value)
 
     def forward(self, x: int, tokens: int, y: int) -> None:

@@ -342,8 +342,10 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
     act = (activation, float(swiglu_alpha), float(swiglu_limit)) if activation != "swiglu" else ("swiglu", 1.702, 7.0)
     lay = _Layout(H, F, bool(transposed), bool(interleaved))
     # transposed weights are read where they are by the layers that can (the CUDA layer of the FP8
-    # block recipes: the library's rule), relaid by differentiable copies for the others
-    stored = lay.transposed and _reads_stored(recipe, x.device.type)
+    # block recipes, and of bf16 with BF16 parameters: the library's rule), relaid by differentiable
+    # copies for the others
+    bf16_params = w1.dtype == w2.dtype == torch.bfloat16  # (else FP32: _ops.layer_weights)
+    stored = lay.transposed and _reads_stored(recipe, x.device.type, bf16_params)
     key = (recipe, align, max_tokens, bool(sync_free), check_finite, E, H, F, k, act, b1 is not None,
            lay.transposed, lay.interleaved, stored)
     layer = _layer_for(owner if owner is not None else w1, key,
@@ -353,11 +355,11 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
 
 
 @functools.lru_cache(maxsize=None)
-def _reads_stored(recipe: str, device_type: str) -> bool:
+def _reads_stored(recipe: str, device_type: str, bf16: bool) -> bool:
     if device_type not in ("cpu", "cuda"):
         return False
     try:
-        return _native.recipe_reads_stored_weights(recipe, device_type)
+        return _native.recipe_reads_stored_weights(recipe, device_type, bf16)
     except FlowmoeError:  # (an unknown recipe: the layer's own check says so, in its words)
         return False
 

@@ -437,21 +437,22 @@ int flowmoe_layer_set_backward_weights_ex(flowmoe_layer* layer, const flowmoe_we
   });
 }
 
-int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int* out) {
+int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int bf16, int* out) {
   const char* what = "flowmoe_layer_reads_stored_weights";
   return guarded(what, [&] {
     FLOWMOE_CHECK(out, what << ": out is null");
-    *out = checked(layer, what)->layer->reads_stored_weights() ? 1 : 0;
+    *out = checked(layer, what)->layer->reads_stored_weights(bf16 != 0) ? 1 : 0;
   });
 }
 
-int flowmoe_recipe_reads_stored_weights(const char* recipe, const char* backend, int* out) {
+int flowmoe_recipe_reads_stored_weights(const char* recipe, const char* backend, int bf16, int* out) {
   const char* what = "flowmoe_recipe_reads_stored_weights";
   return guarded(what, [&] {
     FLOWMOE_CHECK(out && backend, what << ": out or backend is null");
     const std::string b(backend);
     FLOWMOE_CHECK(b == "cpu" || b == "cuda", what << ": backend '" << b << "'; expected \"cpu\" or \"cuda\"");
-    *out = flowmoe::MoeLayer::reads_stored_weights(b, flowmoe::parse_recipe(recipe ? recipe : "")) ? 1 : 0;
+    *out = flowmoe::MoeLayer::reads_stored_weights(b, flowmoe::parse_recipe(recipe ? recipe : ""), bf16 != 0) ? 1
+                                                                                                            : 0;
   });
 }
 

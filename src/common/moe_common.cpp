@@ -85,8 +85,9 @@ void MoeLayer::check_grads(const MoeGrads& g) const {
 }
 
 // ---- weights ------------------------------------------------------------------------------------
-bool MoeLayer::reads_stored_weights(const std::string& backend, Recipe recipe) {
-  return backend == "cuda" && recipe_spec(recipe).weights == WeightCopy::kFp8Block;
+bool MoeLayer::reads_stored_weights(const std::string& backend, Recipe recipe, bool bf16_params) {
+  const WeightCopy copy = recipe_spec(recipe).weights;
+  return backend == "cuda" && (copy == WeightCopy::kFp8Block || (copy == WeightCopy::kBf16Only && bf16_params));
 }
 
 void MoeLayer::check_weights(const MoeWeights& w, const char* space) const {
@@ -106,12 +107,13 @@ void MoeLayer::check_weights(const MoeWeights& w, const char* space) const {
                         "(MoeConfig::external_routing: the caller routes); expected null");
   const ExpertStorage& st = w.storage;
   if (st.is_layer_layout()) return;
-  FLOWMOE_CHECK(reads_stored_weights(),
+  FLOWMOE_CHECK(reads_stored_weights(w.bf16_params()),
                 what << ": W1 and W2 given as a model stores them (MoeWeights::storage: transposed, H "
-                     << st.hidden << ", F " << st.ffn << "); this " << backend() << " layer (" << cfg_.describe()
+                     << st.hidden << ", F " << st.ffn << ", " << (w.bf16_params() ? "BF16" : "FP32") << "); this "
+                     << backend() << " layer (" << cfg_.describe()
                      << ") reads only its own layout, w1 [El, 2F, H] and w2 [El, H, F]: relay them first "
                         "(flowmoe/expert_layout.h). The CUDA layer of the FP8 block recipes (blockwise, flow, "
-                        "flow-fp4) reads them in place");
+                        "flow-fp4), and of bf16 with BF16 parameters, reads them in place");
   FLOWMOE_CHECK(st.hidden >= 1 && st.hidden <= cfg_.hidden && st.ffn >= 1 && st.ffn <= cfg_.ffn,
                 what << ": stored sizes H " << st.hidden << ", F " << st.ffn << " (MoeWeights::storage); expected "
                      << "1 <= H <= " << cfg_.hidden << " and 1 <= F <= " << cfg_.ffn

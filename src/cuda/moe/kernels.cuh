@@ -22,7 +22,7 @@ namespace moe {
 // status->nonfinite (status may be null).
 void f32_to_bf16(const float* in, int64_t n, bf16_t* out, DeviceStatus* status, cudaStream_t stream);
 // out[i] = in[i] (bf16 bits copied); non-finite values are counted in status->nonfinite (status may
-// be null).
+// be null). out null: the count alone.
 void copy_bf16_checked(const bf16_t* in, int64_t n, bf16_t* out, DeviceStatus* status, cudaStream_t stream);
 // Deterministic normal(0, stddev) values from (seed, index).
 void fill_normal(float* f32, bf16_t* bf16, int64_t n, uint64_t seed, float stddev,

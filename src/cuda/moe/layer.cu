@@ -14,6 +14,7 @@
 #include "cuda/common.cuh"
 #include "common/step_bytes.h"
 #include "cuda/moe/layer.h"
+#include "flowmoe/expert_layout.h"
 #include "flowmoe/error.h"
 
 namespace flowmoe {
@@ -195,7 +196,9 @@ bool CudaMoeLayer::takes_backward_weights() const {
   return path_.transposes_in_backward && path_.spec().weights == WeightCopy::kFp8Block;
 }
 
-bool CudaMoeLayer::reads_stored_weights() const { return MoeLayer::reads_stored_weights(backend(), cfg_.recipe); }
+bool CudaMoeLayer::reads_stored_weights(bool bf16_params) const {
+  return MoeLayer::reads_stored_weights(backend(), cfg_.recipe, bf16_params);
+}
 
 void CudaMoeLayer::set_backward_weights(const MoeWeights& w) {
   const char* what = "MoeLayer::set_backward_weights";
@@ -231,7 +234,15 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   uint8_t* const w2t_ue8m0 = keep_t ? wb.w2t_ue8m0 : nullptr;
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(wstatus, 0, sizeof(DeviceStatus), stream_));
   const ExpertStorage& st = w.storage;
-  if (!st.is_layer_layout()) {
+  if (!st.is_layer_layout() && spec.weights == WeightCopy::kBf16Only) {
+    // (BF16 parameters: check_weights) the BF16 copies relaid from where the model stores them,
+    // their non-finite values counted there
+    expert_weights_to_layer(w.w1_bf16, wb.w1_bf16, 2, El_, st.hidden, 2 * st.ffn, 2 * F_, H_, st.w1_rows(F_),
+                            stream_);
+    expert_weights_to_layer(w.w2_bf16, wb.w2_bf16, 2, El_, st.ffn, st.hidden, H_, F_, st.w2_rows(), stream_);
+    copy_bf16_checked(w.w1_bf16, int64_t(El_) * st.hidden * 2 * st.ffn, nullptr, wstatus, stream_);
+    copy_bf16_checked(w.w2_bf16, int64_t(El_) * st.ffn * st.hidden, nullptr, wstatus, stream_);
+  } else if (!st.is_layer_layout()) {
     // (kFp8Block: check_weights) read where the model stores them: w1 [El, Hs, 2Fs], w2 [El, Fs, Hs]
     const auto stored = [&](const auto* w1, const auto* w2) {
       quantize_weights_stored(w1, El_, st.hidden, 2 * st.ffn, st.w1_rows(F_), 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0,

@@ -72,7 +72,7 @@ class CudaMoeLayer final : public MoeLayer {
   void bind_memory(const MoeMemory& memory) override;
   bool takes_backward_weights() const override;
   void set_backward_weights(const MoeWeights& w) override;
-  bool reads_stored_weights() const override;
+  bool reads_stored_weights(bool bf16_params) const override;
 
   // moe_debug.h
   void set_profiling(bool on) { clock_.profiling = on; }

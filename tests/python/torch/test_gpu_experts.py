@@ -241,16 +241,18 @@ def _gpt_oss_relaid(recipe, x, logits, gate_up, b1, down, b2, dy):
     return y2.detach().float(), (x2.grad, l2.grad, w1.grad, b1c.grad, w2.grad, b22.grad)
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "flow", "flow-fp4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe,dtype", [(r, d) for r in ("blockwise", "flow", "flow-fp4")
+                                          for d in (torch.float32, torch.bfloat16)] + [("bf16", torch.bfloat16)])
 def test_gpu_gpt_oss_weights_read_in_place_give_the_bits_of_relaid_ones(recipe, dtype):
     """The FP8 block recipes quantize gpt-oss's gate_up_proj [E, H, 2F] (interleaved) and down_proj
-    [E, F, H], H and F not multiples of 128, where they are (no relaid copy) and map the gradients
-    back: every output and gradient has the bits of the same weights given in the layer's layout."""
+    [E, F, H], H and F not multiples of 128, where they are (no relaid copy), bf16 relays BF16 ones
+    straight into its copies, and the gradients are mapped back: every output and gradient has the
+    bits of the same weights given in the layer's layout."""
     import test_experts_gpt_oss as go
     from flowmoe import experts as fx
 
-    assert fx._reads_stored(recipe, "cuda") and not fx._reads_stored(recipe, "cpu")
+    bf16 = dtype == torch.bfloat16
+    assert fx._reads_stored(recipe, "cuda", bf16) and not fx._reads_stored(recipe, "cpu", bf16)
     x, logits, gate_up, b1, down, b2, dy = (t.detach().to(DEV) for t in go.problem(1, dtype))
     leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, b1, down, b2)]
     y, g = go.run(recipe, *leaves, dy)
