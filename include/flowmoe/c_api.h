@@ -190,6 +190,24 @@ int flowmoe_layer_set_backward_weights_ex(flowmoe_layer* layer, const flowmoe_we
 int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int bf16, int* out);
 // The same for a layer of `recipe` on `backend` ("cpu" or "cuda") before one is made.
 int flowmoe_recipe_reads_stored_weights(const char* recipe, const char* backend, int bf16, int* out);
+// Version 9 (moe.h MoeGrads): a backward's outputs as one struct (db1 included: no separate
+// set_gemm1_bias_grad call), the expert gradients optionally where a model stores the weights.
+typedef struct flowmoe_grads {
+  void* dw1;               // [El, 2F, H], or stored [El, Hs, 2Fs]: fp32, or bf16 bits when bf16 = 1; null: skipped
+  void* dw2;               // [El, H, F], or stored [El, Fs, Hs]
+  int bf16;                // 1: BF16 expert gradients (overwritten; accumulate must be 0)
+  float* dwr;              // [E, H] fp32 or null
+  float* dprobs;           // [T, k] fp32 or null (external_routing layers)
+  float* db1;              // [El, 2F] fp32 or null (gemm1_bias layers)
+  int accumulate;          // 1: += into the FP32 buffers, 0: overwritten
+  int64_t stored_hidden;   // 0: the layer's layout; else Hs, Fs as in flowmoe_weights
+  int64_t stored_ffn;
+  int interleaved;
+} flowmoe_grads;
+int flowmoe_layer_backward_grads(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, const flowmoe_grads* g);
+// *out = 1 when the layer's backward writes expert gradients of that kind (bf16) stored so.
+int flowmoe_layer_writes_stored_grads(flowmoe_layer* layer, int64_t stored_hidden, int64_t stored_ffn,
+                                      int interleaved, int bf16, int* out);
 // A forward's state as a value (version 7; moe.h MoeLayer::step_state / load_step): after a
 // forward, *size = its host state's bytes, written to out when capacity >= *size (else nothing is
 // written: call again with *size bytes; out null and capacity 0 ask the size alone). Before a

@@ -100,12 +100,24 @@ struct Fp8Operand {
 // (ScaleFormat::kF32): row-wise 1x128 (fprop x, dgrad dy), column-wise 128x1 (wgrad dy, x) or
 // 128x128 weights (fprop w, dgrad wt). Throws flowmoe::Error naming `what` for any other view.
 Fp8Operand fp8_operand(const cuda::QTensorView& v, const char* what);
+// A wgrad output written where a model stores the weight instead of as [E][N][K] (GroupedGemm::wgrad
+// on device segments, flowmoe's kernel only): [E][rows][cols] with rows <= N and cols <= K, the
+// rows and columns past them not written (a padded layer's zeros); `interleaved`: K's halves
+// [0, K/2) (gate) and [K/2, K) (up) alternate, column j of the gate half at 2 j and of the up half at
+// 2 j + 1 (K a multiple of 256). rows = 0: not stored ([E][N][K]). The layer computes the stored
+// weight's own gradient, the transpose of its layout's, by swapping the operands (dy_col <-> x_col).
+struct StoredDw {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  bool interleaved = false;
+};
 // wgrad output [E][N][K]: BF16, FP32, or FP32 accumulated into (main gradients, beta = 1).
 struct WgradOut {
   enum class Kind : uint8_t { kBf16, kF32, kF32Accumulate };
   Kind kind = Kind::kF32;
   void* data = nullptr;
   int64_t size = 0;  // elements
+  StoredDw stored;   // (rows > 0: [E][rows][cols] as above; size then counts those)
   static WgradOut bf16(bf16_t* p, int64_t n) { return {Kind::kBf16, p, n}; }
   static WgradOut f32(float* p, int64_t n) { return {Kind::kF32, p, n}; }
   static WgradOut accumulate(float* p, int64_t n) { return {Kind::kF32Accumulate, p, n}; }

@@ -202,6 +202,11 @@ struct MoeGrads {
   // MoeConfig::gemm1_bias: d loss / d b1 [El, 2F] fp32 (+= with accumulate, else overwritten);
   // null skips it.
   float* db1 = nullptr;
+  // dw1 / dw2 (either kind) where a model stores the weights, in MoeWeights::storage's layout (w1
+  // [El, Hs, 2Fs], w2 [El, Fs, Hs]; the padding's gradients not written) instead of the layer's:
+  // written so by the wgrad itself where MoeLayer::writes_stored_grads says it can, refused
+  // elsewhere. The layer's layout (the default): hidden = 0.
+  ExpertStorage storage;
   bool wants_dw1() const { return dw1 != nullptr || dw1_bf16 != nullptr; }
   bool wants_dw2() const { return dw2 != nullptr || dw2_bf16 != nullptr; }
 };
@@ -392,6 +397,13 @@ class MoeLayer {
   // Whether set_weights and set_backward_weights read W1, W2 where a model stores them
   // (MoeWeights::storage not the layer's layout), FP32 masters or (bf16_params) BF16 parameters.
   virtual bool reads_stored_weights(bool bf16_params) const { return false; }
+  // Whether the backward writes dW1 and dW2 (BF16 with bf16_grads, else FP32) in `storage`'s layout
+  // (MoeGrads::storage): the CUDA layer of the FP8 block recipes with align 128 (its wgrad kernel
+  // writes them; the stored rows a multiple of 16 bytes, and gate / up either interleaved or
+  // concatenated without padding between them).
+  virtual bool writes_stored_grads(const ExpertStorage& storage, bool bf16_grads) const {
+    return storage.is_layer_layout();
+  }
   // What reads_stored_weights(bf16_params) gives for the layer of `backend` ("cpu", "cuda") and
   // `recipe`, before one is made: the CUDA layer of the FP8 block recipes (blockwise, flow,
   // flow-fp4), and of bf16 with BF16 parameters (its copies relaid from them).

@@ -58,6 +58,13 @@ class Weights(ctypes.Structure):  # flowmoe_weights (version 9)
                 ("stored_ffn", ctypes.c_int64), ("interleaved", ctypes.c_int32)]
 
 
+class Grads(ctypes.Structure):  # flowmoe_grads (version 9)
+    _fields_ = [("dw1", ctypes.c_void_p), ("dw2", ctypes.c_void_p), ("bf16", ctypes.c_int32),
+                ("dwr", ctypes.c_void_p), ("dprobs", ctypes.c_void_p), ("db1", ctypes.c_void_p),
+                ("accumulate", ctypes.c_int32), ("stored_hidden", ctypes.c_int64), ("stored_ffn", ctypes.c_int64),
+                ("interleaved", ctypes.c_int32)]
+
+
 class LayerStatus(ctypes.Structure):
     _fields_ = [("nonfinite", ctypes.c_int64), ("underflow", ctypes.c_int64), ("aux_loss", ctypes.c_float)]
 
@@ -122,6 +129,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_backward_bf16": (c_int, [vp, vp, vp, vp, vp, vp, vp]),
         "flowmoe_layer_takes_backward_weights": (c_int, [vp, ctypes.POINTER(c_int)]),
         "flowmoe_layer_set_backward_weights_ex": (c_int, [vp, ctypes.POINTER(Weights)]),
+        "flowmoe_layer_backward_grads": (c_int, [vp, vp, vp, ctypes.POINTER(Grads)]),
+        "flowmoe_layer_writes_stored_grads": (c_int, [vp, i64, i64, c_int, c_int, ctypes.POINTER(c_int)]),
         "flowmoe_layer_set_routing": (c_int, [vp, vp, vp]),
         "flowmoe_layer_set_gemm1_bias": (c_int, [vp, vp]),
         "flowmoe_layer_set_gemm1_bias_grad": (c_int, [vp, vp]),
@@ -411,6 +420,25 @@ class Layer:
         """dprobs: d loss / d probs [T, k] fp32 (overwritten), or None."""
         check(lib().flowmoe_layer_backward_ex(self.handle, dy, dx, dw1 or None, dw2 or None, dwr or None,
                                               dprobs or None, int(bool(accumulate))))
+
+    def backward_grads(self, dy: int, dx: int, dw1: Optional[int], dw2: Optional[int], *, bf16: bool,
+                       dwr: Optional[int] = None, dprobs: Optional[int] = None, db1: Optional[int] = None,
+                       accumulate: bool = False, storage: Optional[Tuple[int, int, bool]] = None) -> None:
+        """The backward with every output in one call (C ABI v9): dw1, dw2 FP32 (+= with accumulate) or
+        BF16 (bf16, overwritten), in the layer's layout or (storage: (H, F, interleaved)) a model's
+        stored one where writes_stored_grads; dwr, dprobs, db1 as in the other entry points."""
+        hs, fs, inter = storage if storage is not None else (0, 0, False)
+        g = Grads(dw1 or None, dw2 or None, int(bool(bf16)), dwr or None, dprobs or None, db1 or None,
+                  int(bool(accumulate)), int(hs), int(fs), int(bool(inter)))
+        check(lib().flowmoe_layer_backward_grads(self.handle, dy, dx, ctypes.byref(g)))
+
+    def writes_stored_grads(self, storage: Tuple[int, int, bool], bf16: bool) -> bool:
+        """Whether backward_grads writes dW1, dW2 of that kind in `storage`'s layout."""
+        out = ctypes.c_int()
+        hs, fs, inter = storage
+        check(lib().flowmoe_layer_writes_stored_grads(self.handle, int(hs), int(fs), int(bool(inter)),
+                                                      int(bool(bf16)), ctypes.byref(out)))
+        return bool(out.value)
 
     def backward_bf16(self, dy: int, dx: int, dw1: Optional[int], dw2: Optional[int], dwr: Optional[int] = None,
                       dprobs: Optional[int] = None) -> None:

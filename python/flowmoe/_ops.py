@@ -184,11 +184,12 @@ def _set_backward_weights(m, runner, params):
                                           storage=m.storage)
 
 
-def _run_backward(m, dy, wbuf, saved, step, params, grads, db1, accumulate):
+def _run_backward(m, dy, wbuf, saved, step, params, grads, db1, accumulate, stored_grads=False):
     """dx and dprobs (d loss / d probs [T, k] fp32 of an experts-only layer, else empty); the weight
     gradients written (or, accumulate, added) into grads (dw1, dw2, dwr: None where not wanted),
     db1 written where given. BF16 gradient tensors (BF16 parameters of the experts-only layer) are
-    written by the wgrad itself, rounded once from its FP32 sums."""
+    written by the wgrad itself, rounded once from its FP32 sums; stored_grads: dw1, dw2 in m.storage's
+    layout (the layer's writes_stored_grads)."""
     runner = _Runner.of_step(step, f"{m.who} backward")
     dy = dy.to(torch.bfloat16).contiguous()
     dx = torch.empty_like(dy)
@@ -199,22 +200,19 @@ def _run_backward(m, dy, wbuf, saved, step, params, grads, db1, accumulate):
         runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
         runner.load_step(step)
         _set_backward_weights(m, runner, params)
-        if db1 is not None:
-            runner.layer.set_gemm1_bias_grad(db1.data_ptr())
-        if bf16_grads:
-            runner.layer.backward_bf16(dy.data_ptr(), dx.data_ptr(), _addr(grads[0]), _addr(grads[1]),
-                                       dprobs=_addr(dprobs))
-        else:
-            runner.layer.backward(dy.data_ptr(), dx.data_ptr(), *[_addr(g) for g in grads], accumulate,
-                                  dprobs=_addr(dprobs))
+        runner.layer.backward_grads(dy.data_ptr(), dx.data_ptr(), _addr(grads[0]), _addr(grads[1]), bf16=bf16_grads,
+                                    dwr=_addr(grads[2]), dprobs=_addr(dprobs), db1=_addr(db1), accumulate=accumulate,
+                                    storage=m.storage if stored_grads else None)
     return dx, dprobs
 
 
-def _grad_buffers(m, device, needs, bf16: bool):
+def _grad_buffers(m, device, needs, bf16: bool, stored: bool = False):
     """New weight-gradient tensors shaped like the parameters (w1, w2, wr), an empty one where not
-    needed: FP32, or BF16 (BF16 parameters of the experts-only layer: written by the wgrad directly)."""
+    needed: FP32, or BF16 (BF16 parameters of the experts-only layer: written by the wgrad directly);
+    stored: w1's and w2's as m.storage holds them."""
     dtype = torch.bfloat16 if bf16 else torch.float32
-    return [torch.empty(s if n else (0,), dtype=dtype, device=device) for s, n in zip(m._param_shapes(), needs)]
+    return [torch.empty(s if n else (0,), dtype=dtype, device=device)
+            for s, n in zip(m._param_shapes(stored), needs)]
 
 
 def _dprobs_buffer(m, dy) -> torch.Tensor:
@@ -231,27 +229,30 @@ def _bias_grad_buffer(m, device, needed: bool) -> torch.Tensor:
 def moe_backward(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torch.Tensor, step: torch.Tensor,
                  w1: Optional[torch.Tensor], w2: Optional[torch.Tensor], wr: Optional[torch.Tensor],
                  needs: List[bool], module_id: int, bf16_grads: bool, bias_grad: bool, accumulate: bool,
-                 main_w1: Optional[torch.Tensor], main_w2: Optional[torch.Tensor], main_wr: Optional[torch.Tensor]
+                 stored_grads: bool, main_w1: Optional[torch.Tensor], main_w2: Optional[torch.Tensor],
+                 main_wr: Optional[torch.Tensor]
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # (no argument has a default: a boxed call drops trailing arguments equal to their defaults, and
     # PyTorch 2.11 then fails to bump the versions of the mutated main_* arguments, indexing past them)
+    # stored_grads: dw1, dw2 written where the module's storage keeps the weights (_stored_grads)
     m = _module(module_id)
-    grads = _grad_buffers(m, dy.device, [n and not accumulate for n in needs], bf16_grads)
+    grads = _grad_buffers(m, dy.device, [n and not accumulate for n in needs], bf16_grads, stored_grads)
     db1 = _bias_grad_buffer(m, dy.device, bias_grad)
     # (w1, w2: the parameters as the caller holds them, converted as the forward did, for as long as
     # the backward runs)
     params = (*layer_weights(w1.detach(), w2.detach()), wr.detach() if wr is not None else None) \
         if w1 is not None else None
     into = [main_w1, main_w2, main_wr] if accumulate else [g if n else None for g, n in zip(grads, needs)]
-    dx, dprobs = _run_backward(m, dy, wbuf, saved, step, params, into, db1 if bias_grad else None, accumulate)
+    dx, dprobs = _run_backward(m, dy, wbuf, saved, step, params, into, db1 if bias_grad else None, accumulate,
+                               stored_grads)
     return dx, grads[0], grads[1], grads[2], dprobs, db1
 
 
 @moe_backward.register_fake
-def _(dy, wbuf, saved, step, w1, w2, wr, needs, module_id, bf16_grads, bias_grad, accumulate, main_w1, main_w2,
-      main_wr):
+def _(dy, wbuf, saved, step, w1, w2, wr, needs, module_id, bf16_grads, bias_grad, accumulate, stored_grads, main_w1,
+      main_w2, main_wr):
     m = _module(module_id)
-    grads = _grad_buffers(m, dy.device, [n and not accumulate for n in needs], bf16_grads)
+    grads = _grad_buffers(m, dy.device, [n and not accumulate for n in needs], bf16_grads, stored_grads)
     return (torch.empty_like(dy, dtype=torch.bfloat16), grads[0], grads[1], grads[2], _dprobs_buffer(m, dy),
             _bias_grad_buffer(m, dy.device, bias_grad))
 
@@ -300,7 +301,7 @@ def _backward(ctx, dy, _dsaved, _dstep):
     dx_wanted = bool(wants[0])
     if module.grad_mode == "main_grad":
         bufs = [module._main_grad(i) if n else None for i, n in enumerate(needs)]
-        dx = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, False, False, True,
+        dx = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, False, False, True, False,
                           bufs[0], bufs[1], bufs[2])[0]
         return (dx if dx_wanted else None,) + (None,) * 9
     # BF16 parameters of the experts-only layer get BF16 gradients straight from the wgrad (no FP32
@@ -308,9 +309,12 @@ def _backward(ctx, dy, _dsaved, _dstep):
     d1, d2 = ctx.weight_dtypes
     bf16 = module.external_routing and d1 == d2 == torch.bfloat16
     bias_grad = ctx.has_b1 and bool(wants[9])
+    # weights read where the model stores them: their gradients written there by the wgrad where
+    # the layer can (else in its layout, mapped back below)
+    stored = module.storage is not None and ctx.runner is not None and module._stored_grads(ctx.runner, bf16)
     dx, dw1, dw2, dwr, dprobs, db1 = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, bf16,
-                                                  bias_grad, False, None, None, None)
-    if module.storage is not None:  # the gradients from the layer's layout to the parameters' own
+                                                  bias_grad, False, stored, None, None, None)
+    if module.storage is not None and not stored:  # from the layer's layout to the parameters' own
         dw1, dw2 = module._grads_to_storage(dw1 if needs[0] else None, dw2 if needs[1] else None)
     return (dx if dx_wanted else None, dw1.to(d1) if needs[0] else None, dw2.to(d2) if needs[1] else None,
             dwr if needs[2] else None, None, None, None, None, dprobs if wants[8] else None,

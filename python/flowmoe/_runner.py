@@ -173,10 +173,23 @@ class LayerOwner:
     def _drop_kept_weights(self) -> None:
         """Forgets weight copies kept across forwards (MoE's micro-batches) when the layer changes."""
 
-    def _param_shapes(self):
-        """The shapes of w1, w2 and wr (the router's: none in an experts-only layer) as the layer takes them."""
+    def _param_shapes(self, stored: bool = False):
+        """The shapes of w1, w2 and wr (the router's: none in an experts-only layer) as the layer takes
+        them; stored: w1's and w2's as `storage` holds them ([E, H, 2F], [E, F, H])."""
         El, H, F = self.local_experts, self.hidden, self.ffn
+        if stored:
+            hs, fs, _ = self.storage
+            return (El, hs, 2 * fs), (El, fs, hs), (self.experts, H)
         return (El, 2 * F, H), (El, H, F), (self.experts, H)
+
+    def _stored_grads(self, runner: _Runner, bf16: bool) -> bool:
+        """Whether `runner`'s backward writes dW1, dW2 (BF16 with bf16) where `storage` keeps the
+        weights (the library's rule, asked once per runner and kind)."""
+        cache = runner.__dict__.setdefault("_stored_grads", {})
+        key = (self.storage, bool(bf16))
+        if key not in cache:
+            cache[key] = runner.layer.writes_stored_grads(self.storage, bf16)
+        return cache[key]
 
     def _ensure_runner(self, device: torch.device, tokens: int) -> _Runner:
         """The native layer for `tokens` tokens on `device`, built (or rebuilt larger) when needed. A

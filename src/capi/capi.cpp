@@ -445,6 +445,45 @@ int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int bf16, int* out)
   });
 }
 
+int flowmoe_layer_backward_grads(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, const flowmoe_grads* c) {
+  const char* what = "flowmoe_layer_backward_grads";
+  return guarded(what, [&] {
+    flowmoe_layer* l = checked(layer, what);
+    l->db1 = nullptr;  // (a set_gemm1_bias_grad pointer is not carried into this entry point)
+    FLOWMOE_CHECK(c, what << ": the gradients struct is null");
+    FLOWMOE_CHECK(c->bf16 == 0 || c->bf16 == 1, what << ": bf16 = " << c->bf16 << "; expected 0 or 1");
+    FLOWMOE_CHECK(c->accumulate == 0 || c->accumulate == 1,
+                  what << ": accumulate = " << c->accumulate << "; expected 0 or 1");
+    FLOWMOE_CHECK((c->stored_hidden == 0) == (c->stored_ffn == 0),
+                  what << ": stored_hidden " << c->stored_hidden << ", stored_ffn " << c->stored_ffn
+                       << "; expected both 0 (the layer's layout) or both the stored sizes");
+    flowmoe::MoeGrads g;
+    if (c->bf16) {
+      g.dw1_bf16 = static_cast<uint16_t*>(c->dw1);
+      g.dw2_bf16 = static_cast<uint16_t*>(c->dw2);
+    } else {
+      g.dw1 = static_cast<float*>(c->dw1);
+      g.dw2 = static_cast<float*>(c->dw2);
+    }
+    g.dwr = c->dwr;
+    g.dprobs = c->dprobs;
+    g.db1 = c->db1;
+    g.accumulate = c->accumulate == 1;
+    g.storage = flowmoe::ExpertStorage{c->stored_hidden, c->stored_ffn, c->interleaved != 0};
+    l->layer->backward(dy, dx, g);
+  });
+}
+
+int flowmoe_layer_writes_stored_grads(flowmoe_layer* layer, int64_t stored_hidden, int64_t stored_ffn,
+                                      int interleaved, int bf16, int* out) {
+  const char* what = "flowmoe_layer_writes_stored_grads";
+  return guarded(what, [&] {
+    FLOWMOE_CHECK(out, what << ": out is null");
+    const flowmoe::ExpertStorage st{stored_hidden, stored_ffn, interleaved != 0};
+    *out = checked(layer, what)->layer->writes_stored_grads(st, bf16 != 0) ? 1 : 0;
+  });
+}
+
 int flowmoe_recipe_reads_stored_weights(const char* recipe, const char* backend, int bf16, int* out) {
   const char* what = "flowmoe_recipe_reads_stored_weights";
   return guarded(what, [&] {

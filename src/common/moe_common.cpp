@@ -72,6 +72,11 @@ const float* MoeLayer::take_gemm1_bias(const char* what) {
 // ---- gradients ----------------------------------------------------------------------------------
 void MoeLayer::check_grads(const MoeGrads& g) const {
   const char* what = "MoeLayer::backward";
+  FLOWMOE_CHECK(writes_stored_grads(g.storage, g.dw1_bf16 != nullptr || g.dw2_bf16 != nullptr),
+                what << ": dW1 / dW2 asked in a model's stored layout (MoeGrads::storage: H " << g.storage.hidden
+                     << ", F " << g.storage.ffn << (g.storage.interleaved ? ", interleaved" : "") << "), which this "
+                     << backend() << " layer (" << cfg_.describe()
+                     << ") does not write (MoeLayer::writes_stored_grads); expected the layer's layout");
   FLOWMOE_CHECK(!(g.dw1 && g.dw1_bf16) && !(g.dw2 && g.dw2_bf16),
                 what << ": dW1 or dW2 given both as FP32 and as BF16; expected one buffer per gradient");
   FLOWMOE_CHECK(!(g.accumulate && (g.dw1_bf16 || g.dw2_bf16)),

@@ -176,6 +176,8 @@ void check_fp8_dgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand
 void check_fp8_wgrad(const Segments& seg, int64_t n, int64_t k, const Fp8Operand& dy_col,
                      const Fp8Operand& x_col, const WgradOut& dw) {
   const char* what = "FP8 wgrad";
+  FLOWMOE_CHECK(dw.stored.rows == 0, what << ": a stored output (WgradOut::stored) on host segments; only the "
+                                            "wgrad on device segments (flowmoe's kernel) writes one");
   check_segments(seg, what);
   check_dim(n, kFp8Block, "N", what, "128x128 weight-gradient blocks");
   check_dim(k, kFp8Block, "K", what, "128x128 weight-gradient blocks");

@@ -409,10 +409,12 @@ void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const Q
   const char* what = "FP8 wgrad (device segments)";
   impl_->require_fp8(what);
   check_device_segments(seg, what);
-  check_span_holds(dw.size, int64_t(seg.num_segments) * n * k, what, "the output");
+  const gemm::StoredDw& st = dw.stored;
+  const int64_t per_expert = st.rows > 0 ? st.rows * st.cols : n * k;
+  check_span_holds(dw.size, int64_t(seg.num_segments) * per_expert, what, "the output");
   if (seg.capacity == 0) {  // no rows: the gradients are zero (overwrite) or unchanged (accumulate)
     if (dw.kind != WgradOut::Kind::kF32Accumulate)
-      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw.data, 0, wgrad_elem_bytes(dw) * seg.num_segments * n * k, stream));
+      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(dw.data, 0, wgrad_elem_bytes(dw) * seg.num_segments * per_expert, stream));
     return;
   }
   check_view(dy_col, Layout::kCol128x1, dy_col.scale_format, what);
@@ -437,6 +439,9 @@ void GroupedGemm::wgrad(const DeviceSegments& seg, int64_t n, int64_t k, const Q
   a.out_bf16 = dw.kind == WgradOut::Kind::kBf16;
   a.tile_counter = impl_->tile_counter;
   a.tile_n = impl_->opt.wgrad_tile_n;
+  a.stored_rows = st.rows;
+  a.stored_cols = st.cols;
+  a.stored_interleaved = st.interleaved;
   a.status = seg.status;
   sm90::fp8_wgrad_1x128(a, what, stream);
   ++impl_->stats.wgrad_kernel_calls;
@@ -474,6 +479,8 @@ void GroupedGemm::dgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<con
 void GroupedGemm::wgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
                              Span<const bf16_t> x, const WgradOut& dw, cudaStream_t stream) {
   const char* what = "BF16 wgrad";
+  FLOWMOE_CHECK(dw.stored.rows == 0, what << ": a stored output (WgradOut::stored); only the FP8 wgrad on device "
+                                            "segments writes one");
   FLOWMOE_CHECK(dw.kind == WgradOut::Kind::kBf16 || dw.kind == WgradOut::Kind::kF32 ||
                     dw.kind == WgradOut::Kind::kF32Accumulate,
                 "BF16 wgrad: unknown output kind " << static_cast<int>(dw.kind));
@@ -540,6 +547,8 @@ void GroupedGemm::dgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Sp
 void GroupedGemm::wgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
                              Span<const bf16_t> x, const WgradOut& dw, cudaStream_t stream) {
   const char* what = "BF16 wgrad (device segments)";
+  FLOWMOE_CHECK(dw.stored.rows == 0, what << ": a stored output (WgradOut::stored); only the FP8 wgrad on device "
+                                            "segments writes one");
   check_device_segments(seg, what);
   check_span_holds(dw.size, int64_t(seg.num_segments) * n * k, what, "dw");
   check_span_holds(dy.size, seg.capacity * n, what, "dy");

@@ -84,17 +84,25 @@ struct Work {
   const void* sa = nullptr;          // [NB][N] FP32, or UE8M0 bytes with ue8m0
   const void* sb = nullptr;          // [NB][K]
   int ue8m0 = 0;                     // the scales are UE8M0 bytes (decoded by the second producer warp)
+  int up_offset = 0;                 // kStoredInterleaved: x's up rows start here; tile tk's x rows
+                                     // are gate [64 tk, + 64) and up up_offset + [64 tk, + 64)
   int* next_tile = nullptr;          // the tile counter (0 at launch)
   unsigned long long* bad_segments = nullptr;
   const int32_t* offsets = nullptr;  // [E + 1] on the device, or null: inline_offsets
   int32_t inline_offsets[kMaxInlineWgradExperts + 1];
 };
 
-template <int kBN>
+// How the kernel writes dW: [E][N][K] (kPlain), where a model stores it (kStored: WgradArgs::stored_*,
+// a 3-D map clipping each expert), and with interleaved gate / up columns (kStoredInterleaved, kBN 128).
+enum WgradMode : int { kPlain = 0, kStored = 1, kStoredInterleaved = 2 };
+
+template <int kBN, int kMode>
 __global__ void __launch_bounds__(kThreads, 1)
     wgrad_kernel(const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_x,
                  const __grid_constant__ CUtensorMap map_dw, const __grid_constant__ Work work) {
 #ifdef FLOWMOE_SM90A
+  static_assert(kMode != kStoredInterleaved || kBN == 128, "interleaved gate / up columns: 128-wide tiles");
+  constexpr bool kInterleaved = kMode == kStoredInterleaved;
   using C = WCfg<kBN>;
   constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kScaleBytes = C::kScaleBytes;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -166,22 +174,42 @@ __global__ void __launch_bounds__(kThreads, 1)
           uint8_t* a = smem + s * kStageBytes;
           const int64_t gb = t0 / kTile + b;  // global 128-token block
           const int64_t ia = gb * work.n + tn * kTile, ib = gb * work.k + tk * kBN;
+          // interleaved (kBN = 128): x's tile is gate rows [64 tk, + 64) then up rows from up_offset
+          const int up = kInterleaved ? work.up_offset : 0;
+          const int64_t ib_gate = gb * work.k + tk * 64, ib_up = ib_gate + up;
           if (ue8m0) {  // the bytes first (decoded while the tiles travel)
             uint8_t* cs = scl_codes + s * C::kScaleCodes;
+            const uint8_t* sb = static_cast<const uint8_t*>(work.sb);
             mbar_expect_tx(&codes_full[s], C::kScaleCodes);
             bulk_load(cs, static_cast<const uint8_t*>(work.sa) + ia, kTile, &codes_full[s]);
-            bulk_load(cs + kTile, static_cast<const uint8_t*>(work.sb) + ib, kBN, &codes_full[s]);
+            if constexpr (kInterleaved) {
+              bulk_load(cs + kTile, sb + ib_gate, 64, &codes_full[s]);
+              bulk_load(cs + kTile + 64, sb + ib_up, 64, &codes_full[s]);
+            } else {
+              bulk_load(cs + kTile, sb + ib, kBN, &codes_full[s]);
+            }
             mbar_expect_tx(&full[s], kStageBytes);
           } else {
             mbar_expect_tx(&full[s], kStageBytes + kScaleBytes);
             float* ss = scl + s * (kTile + kBN);
+            const float* sb = static_cast<const float*>(work.sb);
             bulk_load(ss, static_cast<const float*>(work.sa) + ia, kTile * 4, &full[s]);
-            bulk_load(ss + kTile, static_cast<const float*>(work.sb) + ib, kBN * 4, &full[s]);
+            if constexpr (kInterleaved) {
+              bulk_load(ss + kTile, sb + ib_gate, 64 * 4, &full[s]);
+              bulk_load(ss + kTile + 64, sb + ib_up, 64 * 4, &full[s]);
+            } else {
+              bulk_load(ss + kTile, sb + ib, kBN * 4, &full[s]);
+            }
           }
           tma_load_2d(a, &map_dy, &full[s], t0 + b * kTile, tn * kTile);
+          if constexpr (kInterleaved) {  // (map_x's box is 64 rows: two boxes make the swizzled 128-row tile)
+            tma_load_2d(a + kTile * kTile, &map_x, &full[s], t0 + b * kTile, tk * 64);
+            tma_load_2d(a + kTile * kTile + 64 * kTile, &map_x, &full[s], t0 + b * kTile, up + tk * 64);
+          } else {
 #pragma unroll
-          for (int h = 0; h < C::kHalves; ++h)
-            tma_load_2d(a + (1 + h) * kTile * kTile, &map_x, &full[s], t0 + b * kTile, tk * kBN + h * kTile);
+            for (int h = 0; h < C::kHalves; ++h)
+              tma_load_2d(a + (1 + h) * kTile * kTile, &map_x, &full[s], t0 + b * kTile, tk * kBN + h * kTile);
+          }
         }
       }
     } else if (ue8m0 && t / 32 == 1) {
@@ -298,8 +326,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // epilogue, per 128-column half, through ebuf by TMA (wgrad_tma_epilogue.cuh)
 #pragma unroll
     for (int h = 0; h < C::kHalves; ++h)
-      wgrad_half_to_global(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_dw, work.store,
-                           w * work.n + tn * kTile + 64 * ci, tk * kBN + h * kTile);
+      wgrad_half_to_global<kInterleaved>(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_dw, work.store,
+                                         (kMode != kPlain ? 0 : w * work.n) + tn * kTile + 64 * ci,
+                                         tk * kBN + h * kTile, kMode != kPlain ? w : -1);
     pending = true;
   }
   if (t == 0) bulk_wait_all();
@@ -311,10 +340,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 // SMs of the current device; the kernels' shared-memory limits raised once per device.
 int sm_count() {
   return detail::sm_count_after([] {
-    FLOWMOE_CUDA_CHECK(
-        cudaFuncSetAttribute(wgrad_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, WCfg<128>::kSmemBytes));
-    FLOWMOE_CUDA_CHECK(
-        cudaFuncSetAttribute(wgrad_kernel<256>, cudaFuncAttributeMaxDynamicSharedMemorySize, WCfg<256>::kSmemBytes));
+    const auto raise = [](auto kernel, int bytes) {
+      FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    };
+    raise(wgrad_kernel<128, kPlain>, WCfg<128>::kSmemBytes);
+    raise(wgrad_kernel<256, kPlain>, WCfg<256>::kSmemBytes);
+    raise(wgrad_kernel<128, kStored>, WCfg<128>::kSmemBytes);
+    raise(wgrad_kernel<128, kStoredInterleaved>, WCfg<128>::kSmemBytes);
   });
 }
 
@@ -335,6 +367,13 @@ const char* wgrad_device_unsupported(const WgradArgs& a) {
   if (a.m > 0 && (!a.dy_codes || !a.dy_scales || !a.x_codes || !a.x_scales)) return "a null operand pointer";
   if (!a.dw) return "a null output pointer";
   if (a.out_bf16 && a.accumulate) return "BF16 output with accumulation (BF16 gradients are overwritten only)";
+  if (a.stored_rows > 0) {
+    const int64_t elem = a.out_bf16 ? 2 : 4;
+    if (a.stored_rows > a.n || a.stored_cols <= 0 || a.stored_cols > a.k)
+      return "a stored dW larger than [N, K] (or with no columns)";
+    if (a.stored_cols * elem % 16 != 0) return "a stored dW whose rows are not a multiple of 16 bytes";
+    if (a.stored_interleaved && a.k % 256 != 0) return "interleaved gate / up columns need K a multiple of 256";
+  }
   const auto misaligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; };
   if (misaligned(a.dy_codes) || misaligned(a.dy_scales) || misaligned(a.x_codes) || misaligned(a.x_scales) ||
       misaligned(a.dw))
@@ -364,29 +403,43 @@ void fp8_wgrad_1x128(const WgradArgs& a, const char* what, cudaStream_t stream) 
   // 128 x 256 tiles where K allows and the experts are long (a tile's math, 128 tokens per block,
   // then outweighs its 128 KB epilogue); with few tokens per expert the epilogue's wait between its
   // two halves costs more than the wider tile saves (docs/GEMM.md, "The wgrad kernel").
-  const int bn = a.tile_n != 0 ? a.tile_n : a.k % 256 == 0 && a.m >= int64_t(1024) * a.num_experts ? 256 : 128;
+  const bool stored = a.stored_rows > 0, interleaved = stored && a.stored_interleaved;
+  work.up_offset = interleaved ? int(a.k / 2) : 0;
+  const int bn = stored ? 128  // (the stored outputs' one instantiation each)
+                 : a.tile_n != 0 ? a.tile_n
+                 : a.k % 256 == 0 && a.m >= int64_t(1024) * a.num_experts ? 256
+                                                                          : 128;
   work.tiles_k = int(a.k / bn);
   work.tiles_per_expert = int(a.n / kTile) * work.tiles_k;
   // Everything that can throw (map encoding, the device's shared-memory limit) comes before the
   // first enqueued operation, so a failed call leaves dW untouched. A zero-capacity problem has no
   // tiles: dW is zeroed when overwriting.
   if (a.m == 0) {
+    const int64_t per_expert = a.stored_rows > 0 ? a.stored_rows * a.stored_cols : a.n * a.k;
     if (!a.accumulate)
-      FLOWMOE_CUDA_CHECK(cudaMemsetAsync(a.dw, 0, size_t(wgrad_store_bytes(store)) * a.num_experts * a.n * a.k, stream));
+      FLOWMOE_CUDA_CHECK(
+          cudaMemsetAsync(a.dw, 0, size_t(wgrad_store_bytes(store)) * a.num_experts * per_expert, stream));
     return;
   }
   const int sms = sm_count();
   const CUtensorMap mdy = make_tensor_map_2d(a.dy_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(a.n),
                                              uint64_t(a.m), kTile, kTile, CU_TENSOR_MAP_SWIZZLE_128B, what);
   const CUtensorMap mx = make_tensor_map_2d(a.x_codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(a.k),
-                                            uint64_t(a.m), kTile, kTile, CU_TENSOR_MAP_SWIZZLE_128B, what);
-  const CUtensorMap mdw = wgrad_dw_map(a.dw, store, int64_t(a.num_experts) * a.n, a.k, what);
+                                            uint64_t(a.m), interleaved ? 64 : kTile, kTile, CU_TENSOR_MAP_SWIZZLE_128B,
+                                            what);
+  const CUtensorMap mdw = a.stored_rows > 0
+                              ? wgrad_dw_map(a.dw, store, a.stored_rows, a.stored_cols, what, a.num_experts)
+                              : wgrad_dw_map(a.dw, store, int64_t(a.num_experts) * a.n, a.k, what);
   const int grid = int(std::min<int64_t>(int64_t(a.num_experts) * work.tiles_per_expert, sms));
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(a.tile_counter, 0, sizeof(int), stream));
-  if (bn == 256)
-    wgrad_kernel<256><<<grid, kThreads, WCfg<256>::kSmemBytes, stream>>>(mdy, mx, mdw, work);
+  if (interleaved)
+    wgrad_kernel<128, kStoredInterleaved><<<grid, kThreads, WCfg<128>::kSmemBytes, stream>>>(mdy, mx, mdw, work);
+  else if (stored)
+    wgrad_kernel<128, kStored><<<grid, kThreads, WCfg<128>::kSmemBytes, stream>>>(mdy, mx, mdw, work);
+  else if (bn == 256)
+    wgrad_kernel<256, kPlain><<<grid, kThreads, WCfg<256>::kSmemBytes, stream>>>(mdy, mx, mdw, work);
   else
-    wgrad_kernel<128><<<grid, kThreads, WCfg<128>::kSmemBytes, stream>>>(mdy, mx, mdw, work);
+    wgrad_kernel<128, kPlain><<<grid, kThreads, WCfg<128>::kSmemBytes, stream>>>(mdy, mx, mdw, work);
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -33,6 +33,10 @@ struct WgradArgs {
   bool accumulate = false;                // += into dw (FP32 only), else overwrite (empty experts zeroed)
   bool out_bf16 = false;                  // dw is BF16: each FP32 sum rounded once (RNE) as it is stored
   int tile_n = 0;                         // output tile width along K: 0 by shape, 128, 256 (K % 256 == 0)
+  // dw written where a model stores the weight (gemm.h StoredDw): [E][stored_rows][stored_cols],
+  // gate / up halves of K alternating with stored_interleaved; stored_rows 0: [E][N][K]
+  int64_t stored_rows = 0, stored_cols = 0;
+  bool stored_interleaved = false;
   // One device int of the caller's, used by no other launch at the same time (reset here,
   // stream-ordered; two calls overlapping on different streams would skip or repeat tiles).
   int* tile_counter = nullptr;

@@ -29,13 +29,20 @@ enum class WgradStore : int { kF32 = 0, kF32Add = 1, kBf16 = 2 };
 
 inline int wgrad_store_bytes(WgradStore s) { return s == WgradStore::kBf16 ? 2 : 4; }
 
-// dW's tensor map for the epilogue below: rows E * N, columns K, 128-byte swizzled boxes.
-inline CUtensorMap wgrad_dw_map(void* dw, WgradStore s, int64_t rows, int64_t cols, const char* what) {
-  if (s == WgradStore::kBf16)
-    return make_tensor_map_2d(dw, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(rows), uint64_t(cols), 64, 64,
+// dW's tensor map for the epilogue below: rows E * N, columns K, 128-byte swizzled boxes; with
+// `experts` > 0 a 3-D map [experts][rows][cols] instead (each expert's matrix clipped at its edges:
+// a stored dW smaller than the tiles, gemm.h WgradOut::stored).
+inline CUtensorMap wgrad_dw_map(void* dw, WgradStore s, int64_t rows, int64_t cols, const char* what,
+                                int64_t experts = 0) {
+  const bool b16 = s == WgradStore::kBf16;
+  const auto type = b16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  const int elem = b16 ? 2 : 4;
+  const uint32_t box_cols = b16 ? 64 : 32;
+  if (experts > 0)
+    return make_tensor_map_3d(dw, type, elem, uint64_t(experts), uint64_t(rows), uint64_t(cols), 64, box_cols,
                               CU_TENSOR_MAP_SWIZZLE_128B, what);
-  return make_tensor_map_2d(dw, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(rows), uint64_t(cols), 64, 32,
-                            CU_TENSOR_MAP_SWIZZLE_128B, what);
+  return make_tensor_map_2d(dw, type, elem, uint64_t(rows), uint64_t(cols), 64, box_cols, CU_TENSOR_MAP_SWIZZLE_128B,
+                            what);
 }
 
 #ifdef FLOWMOE_SM90A
@@ -52,14 +59,36 @@ __device__ __forceinline__ uint32_t bf16x2_rne(float lo, float hi) {
 // columns 8 j + c0, + 1). `ebuf` may still be read by this warpgroup's previous bulk operations
 // when `wait_first`: thread 0 waits for them first. Writes the half into ebuf (16-byte chunk c of
 // row q at c ^ (q % 8): the TMA's 128-byte swizzle), then thread 0 issues the bulk operations at
-// dW rows orow .., columns ocol .. and commits them. `bar_id`: the warpgroup's named barrier.
+// dW rows orow .., columns ocol .. (of matrix `expert` of a 3-D map, when >= 0) and commits them.
+// `bar_id`: the warpgroup's named barrier. kInterleaved: the half's columns are a gate half
+// [0, 64) and an up half [64, 128), written alternating (gate j at 2 j, up j at 2 j + 1).
+template <bool kInterleaved = false>
 __device__ __forceinline__ void wgrad_half_to_global(const float* acc, float* ebuf, bool wait_first, int t, int r0,
                                                      int c0, int bar_id, const CUtensorMap* map_dw, int store,
-                                                     int orow, int ocol) {
+                                                     int orow, int ocol, int expert = -1) {
   if (wait_first && t == 0) bulk_wait_read_all();
   named_sync(bar_id, 128);
   const auto swizzled = [](int q, int byte) { return q * 128 + ((((byte >> 4) ^ (q & 7)) << 4) | (byte & 15)); };
-  if (store == int(WgradStore::kBf16)) {
+  if constexpr (kInterleaved) {  // value by value: a column pair of the fragment is two columns apart
+    const bool b16 = store == int(WgradStore::kBf16);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int cc = 8 * j + c0 + u, oc = cc < 64 ? 2 * cc : 2 * (cc - 64) + 1;
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const float v = acc[4 * j + 2 * rh + u];
+          uint8_t* eb = reinterpret_cast<uint8_t*>(ebuf);
+          if (b16)
+            *reinterpret_cast<uint16_t*>(eb + (oc / 64) * (64 * 128) + swizzled(r0 + 8 * rh, (oc % 64) * 2)) =
+                num::f32_to_bf16(v);
+          else
+            *reinterpret_cast<float*>(eb + (oc / 32) * (64 * 128) + swizzled(r0 + 8 * rh, (oc % 32) * 4)) = v;
+        }
+      }
+    }
+  } else if (store == int(WgradStore::kBf16)) {
     uint8_t* eb = reinterpret_cast<uint8_t*>(ebuf);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -84,17 +113,22 @@ __device__ __forceinline__ void wgrad_half_to_global(const float* acc, float* eb
   fence_async_smem();  // the writes above before the async proxy reads them
   named_sync(bar_id, 128);
   if (t == 0) {
-    if (store == int(WgradStore::kBf16)) {
+    const bool b16 = store == int(WgradStore::kBf16), add = store == int(WgradStore::kF32Add);
+    const int boxes = b16 ? 2 : 4, box_cols = b16 ? 64 : 32;
 #pragma unroll
-      for (int b = 0; b < 2; ++b)
-        tma_store_2d(map_dw, reinterpret_cast<uint8_t*>(ebuf) + b * (64 * 128), ocol + 64 * b, orow);
-    } else {
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        if (store == int(WgradStore::kF32Add))
-          tma_reduce_add_2d(map_dw, ebuf + b * (64 * 32), ocol + 32 * b, orow);
+    for (int b = 0; b < 4; ++b) {
+      if (b >= boxes) break;
+      const void* src = reinterpret_cast<uint8_t*>(ebuf) + b * (64 * 128);
+      const int col = ocol + box_cols * b;
+      if (expert >= 0) {
+        if (add)
+          tma_reduce_add_3d(map_dw, src, col, orow, expert);
         else
-          tma_store_2d(map_dw, ebuf + b * (64 * 32), ocol + 32 * b, orow);
+          tma_store_3d(map_dw, src, col, orow, expert);
+      } else if (add) {
+        tma_reduce_add_2d(map_dw, src, col, orow);
+      } else {
+        tma_store_2d(map_dw, src, col, orow);
       }
     }
     bulk_commit();

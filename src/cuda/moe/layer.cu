@@ -200,6 +200,14 @@ bool CudaMoeLayer::reads_stored_weights(bool bf16_params) const {
   return MoeLayer::reads_stored_weights(backend(), cfg_.recipe, bf16_params);
 }
 
+bool CudaMoeLayer::writes_stored_grads(const ExpertStorage& st, bool bf16_grads) const {
+  if (st.is_layer_layout()) return true;
+  const int64_t elem = bf16_grads ? 2 : 4;
+  return path_.spec().weights == WeightCopy::kFp8Block && cfg_.align == 128 && cfg_.comm == nullptr &&
+         st.hidden >= 1 && st.hidden <= H_ && st.ffn >= 1 && st.ffn <= F_ && (st.interleaved || st.ffn == F_) &&
+         st.hidden * elem % 16 == 0 && 2 * st.ffn * elem % 16 == 0;
+}
+
 void CudaMoeLayer::set_backward_weights(const MoeWeights& w) {
   const char* what = "MoeLayer::set_backward_weights";
   FLOWMOE_CHECK(takes_backward_weights(),

@@ -73,6 +73,7 @@ class CudaMoeLayer final : public MoeLayer {
   bool takes_backward_weights() const override;
   void set_backward_weights(const MoeWeights& w) override;
   bool reads_stored_weights(bool bf16_params) const override;
+  bool writes_stored_grads(const ExpertStorage& storage, bool bf16_grads) const override;
 
   // moe_debug.h
   void set_profiling(bool on) { clock_.profiling = on; }

@@ -131,10 +131,20 @@ void StepContext::weight_dgrad(int g, const QTensorView& in, bf16_t* out, Device
 }
 
 void StepContext::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTensorView& in_col, int64_t k,
-                            float* dw, bf16_t* dw_bf16) {
+                            float* dw, bf16_t* dw_bf16, const gemm::StoredDw& stored) {
   ExpertBuffers& b = ws_.expert;
-  const gemm::WgradOut out = dw_out(dw, dw_bf16, int64_t(El_) * n * k);
   const bool f32 = grad_col.scale_format == ScaleFormat::kF32;  // fp8-naive: GEMM-ready already
+  if (stored.rows > 0) {
+    // the stored weight is W^T's layout: its gradient dW^T = in^T . grad, the kernel with the two
+    // column copies swapped (MoeLayer::writes_stored_grads: FP8 block recipes, align 128)
+    gemm::WgradOut o = dw_out(dw, dw_bf16, int64_t(El_) * stored.rows * stored.cols);
+    o.stored = stored;
+    gemm_->wgrad(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, k, n,
+                 col_128x1(in_col.codes, in_col.ue8m0(), Mp_, k, blocks_),
+                 col_128x1(grad_col.codes, grad_col.ue8m0(), Mp_, n, blocks_), o, stream_);
+    return;
+  }
+  const gemm::WgradOut out = dw_out(dw, dw_bf16, int64_t(El_) * n * k);
   if (!f32 && (sync_free_ || gemm_->wgrad_runs_kernel(seg_, n, k, out.kind))) {
     // the kernel reads the UE8M0 scales as the column copies hold them (the capacity's blocks;
     // those past the segments' are never read): no conversion pass, the same bits

@@ -165,9 +165,10 @@ class StepContext {
   QTensorView saved_h() const;  // flow's saved h as this step's [Mp, 2F] view (FP8 rows or MXFP4)
   // FP8 wgrad dW [El, n, k] from the column-wise copies of the gradient [n over Mp] and the input
   // [k over Mp] (UE8M0 scales, converted to FP32 on the way): cuBLASLt per expert or the kernel on
-  // host segments, or the kernel on device segments (sync_free).
+  // host segments, or the kernel on device segments (sync_free). `stored` (rows > 0): the weight's
+  // gradient where the model stores it (MoeGrads::storage), by the kernel with the operands swapped.
   void fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTensorView& in_col, int64_t k, float* dw,
-                 bf16_t* dw_bf16);
+                 bf16_t* dw_bf16, const gemm::StoredDw& stored = {});
   // The bf16 recipe's GEMMs (fprop: in [Mp, k], w = W [El*n, k], out [Mp, n]; dgrad: in [Mp, n],
   // the same W, out [Mp, k]; wgrad: dW [El, n, k] from the gradient [Mp, n] and the input [Mp, k]):
   // cuBLASLt per expert on the host segments, or the sm_90a BF16 kernels on the device segments

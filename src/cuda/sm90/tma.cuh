@@ -52,6 +52,25 @@ inline CUtensorMap make_tensor_map_2d(const void* base, CUtensorMapDataType type
   return m;
 }
 
+// 3-D map over a row-major [depth, rows, cols] tensor, box [1, box_rows, box_cols]: boxes clipped
+// at each matrix's edges (e.g. per expert), which a 2-D map over depth * rows rows is not.
+inline CUtensorMap make_tensor_map_3d(const void* base, CUtensorMapDataType type, int elem, uint64_t depth,
+                                      uint64_t rows, uint64_t cols, uint32_t box_rows, uint32_t box_cols,
+                                      CUtensorMapSwizzle swizzle, const char* what) {
+  CUtensorMap m;
+  const cuuint64_t dims[3] = {cols, rows, depth};
+  const cuuint64_t strides[2] = {cols * elem, rows * cols * elem};
+  const cuuint32_t box[3] = {box_cols, box_rows, 1};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(&m, type, 3, const_cast<void*>(base), dims, strides, box, estr,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FLOWMOE_CHECK(r == CUDA_SUCCESS, what << ": cuTensorMapEncodeTiled failed (error " << int(r) << ", [" << depth
+                                        << ", " << rows << ", " << cols << "] box [" << box_rows << ", " << box_cols
+                                        << "])");
+  return m;
+}
+
 // ---- device: copies -------------------------------------------------------------------------
 #ifdef FLOWMOE_SM90A
 // Box at coordinates (c0 = column, c1 = row) of `map` -> shared `dst`; completes on `bar`.
@@ -81,6 +100,19 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
                    reinterpret_cast<uint64_t>(map)),
                "r"(smem_u32(src)), "r"(c0), "r"(c1)
+               : "memory");
+}
+// The same two at (c0 = column, c1 = row, c2 = matrix) of a 3-D map.
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
                : "memory");
 }
 // Closes the bulk group of this thread's operations issued since the last commit.

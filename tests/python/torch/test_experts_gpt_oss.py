@@ -73,10 +73,10 @@ def route(logits):
     return ids, w
 
 
-def run(recipe, x, logits, gate_up, b1, down, b2, dy):
+def run(recipe, x, logits, gate_up, b1, down, b2, dy, align=128):
     ids, w = route(logits)
     y = ft.experts(x, ids, w, gate_up, down, recipe=recipe, b1=b1, b2=b2, activation="clamped-swiglu",
-                   swiglu_alpha=ALPHA, swiglu_limit=LIMIT, transposed=True, interleaved=True)
+                   swiglu_alpha=ALPHA, swiglu_limit=LIMIT, transposed=True, interleaved=True, align=align)
     y.float().backward(dy)
     return y.detach().float(), [t.grad.clone() for t in (x, logits, gate_up, b1, down, b2)]
 

@@ -223,7 +223,7 @@ def test_gpu_frozen_expert_weights_give_the_other_gradients_bits(recipe, frozen)
 
 
 # ---- gpt-oss's weights read where they are stored (issue 52) ----------------------------------------
-def _gpt_oss_relaid(recipe, x, logits, gate_up, b1, down, b2, dy):
+def _gpt_oss_relaid(recipe, x, logits, gate_up, b1, down, b2, dy, align=128):
     """The same problem with the weights relaid by hand into the layer's own layout (gate rows first):
     the path that copies them (what flowmoe did for every recipe before issue 52)."""
     import test_experts_gpt_oss as go
@@ -236,18 +236,20 @@ def _gpt_oss_relaid(recipe, x, logits, gate_up, b1, down, b2, dy):
     x2, l2, b22 = (t.detach().clone().requires_grad_() for t in (x, logits, b2))
     ids, w = go.route(l2)
     y2 = ft.experts(x2, ids, w, w1, w2, recipe=recipe, b1=b1c, b2=b22, activation="clamped-swiglu",
-                    swiglu_alpha=go.ALPHA, swiglu_limit=go.LIMIT)
+                    swiglu_alpha=go.ALPHA, swiglu_limit=go.LIMIT, align=align)
     y2.float().backward(dy)
     return y2.detach().float(), (x2.grad, l2.grad, w1.grad, b1c.grad, w2.grad, b22.grad)
 
 
-@pytest.mark.parametrize("recipe,dtype", [(r, d) for r in ("blockwise", "flow", "flow-fp4")
-                                          for d in (torch.float32, torch.bfloat16)] + [("bf16", torch.bfloat16)])
-def test_gpu_gpt_oss_weights_read_in_place_give_the_bits_of_relaid_ones(recipe, dtype):
+@pytest.mark.parametrize("recipe,dtype,align", [(r, d, 128) for r in ("blockwise", "flow", "flow-fp4")
+                                                for d in (torch.float32, torch.bfloat16)]
+                         + [("bf16", torch.bfloat16, 128), ("flow", torch.bfloat16, 64)])
+def test_gpu_gpt_oss_weights_read_in_place_give_the_bits_of_relaid_ones(recipe, dtype, align):
     """The FP8 block recipes quantize gpt-oss's gate_up_proj [E, H, 2F] (interleaved) and down_proj
-    [E, F, H], H and F not multiples of 128, where they are (no relaid copy), bf16 relays BF16 ones
-    straight into its copies, and the gradients are mapped back: every output and gradient has the
-    bits of the same weights given in the layer's layout."""
+    [E, F, H], H and F not multiples of 128, where they are (no relaid copy) and their wgrad writes
+    the gradients there (align 128; with align 64 the layer's layout, mapped back); bf16 relays BF16
+    weights straight into its copies. Every output and gradient has the bits of the same weights
+    given in the layer's layout."""
     import test_experts_gpt_oss as go
     from flowmoe import experts as fx
 
@@ -255,8 +257,8 @@ def test_gpu_gpt_oss_weights_read_in_place_give_the_bits_of_relaid_ones(recipe, 
     assert fx._reads_stored(recipe, "cuda", bf16) and not fx._reads_stored(recipe, "cpu", bf16)
     x, logits, gate_up, b1, down, b2, dy = (t.detach().to(DEV) for t in go.problem(1, dtype))
     leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, b1, down, b2)]
-    y, g = go.run(recipe, *leaves, dy)
-    y2, (dx, dl, dw1, db1, dw2, db2) = _gpt_oss_relaid(recipe, x, logits, gate_up, b1, down, b2, dy)
+    y, g = go.run(recipe, *leaves, dy, align=align)
+    y2, (dx, dl, dw1, db1, dw2, db2) = _gpt_oss_relaid(recipe, x, logits, gate_up, b1, down, b2, dy, align)
     assert torch.equal(y, y2)
     assert torch.equal(g[0], dx) and torch.equal(g[1], dl) and torch.equal(g[5], db2)
     assert g[2].dtype == dtype and g[2].shape == gate_up.shape and g[4].shape == down.shape

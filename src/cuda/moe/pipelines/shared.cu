@@ -61,7 +61,9 @@ void StepContext::fp8_gemm2_wgrad(const MoeGrads& g, int side) {
   if (side >= 0) streams_.join(side);
   if (!g.wants_dw2()) return;
   auto s = bwd("GEMM2 wgrad (fp8)");
-  fp8_wgrad(ws_.expert.dy_col, H_, ws_.expert.a_col, F_, g.dw2, g.dw2_bf16);
+  const ExpertStorage& st = g.storage;  // (stored: W2 as [El, Fs, Hs])
+  fp8_wgrad(ws_.expert.dy_col, H_, ws_.expert.a_col, F_, g.dw2, g.dw2_bf16,
+            st.is_layer_layout() ? gemm::StoredDw{} : gemm::StoredDw{st.ffn, st.hidden, false});
 }
 // GEMM1: dgrad from dh row-wise into the dX rows (rows_bf16), then mark_dx_rows_ready; wgrad from dh's column
 // copy and x_perm's (`x_perm_col`) into dW1. RecipePath::dx_rows_in_column_copies: the wgrad first,
@@ -73,7 +75,9 @@ void StepContext::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& dh_row, 
     if (side >= 0) streams_.join(side);
     if (!g.wants_dw1()) return;
     auto s = bwd("GEMM1 wgrad (fp8)");
-    fp8_wgrad(dh_col, 2 * F_, x_perm_col, H_, g.dw1, g.dw1_bf16);
+    const ExpertStorage& st = g.storage;  // (stored: W1 as [El, Hs, 2Fs])
+    fp8_wgrad(dh_col, 2 * F_, x_perm_col, H_, g.dw1, g.dw1_bf16,
+              st.is_layer_layout() ? gemm::StoredDw{} : gemm::StoredDw{st.hidden, 2 * st.ffn, st.interleaved});
   };
   if (path_.dx_rows_in_column_copies) wgrad();
   weight_dgrad(1, dh_row, b.rows_bf16, st_bwd_aux());

@@ -1,0 +1,132 @@
+// The FP8 wgrad kernel writing dW where a model stores the weight (gemm.h StoredDw; issue 52):
+// with the operands swapped it computes the stored weight's gradient, the transpose of the layer
+// layout's, and writes [E][rows][cols] with the padding's rows and columns left out and, for
+// gpt-oss's gate_up_proj, the gate and up halves interleaved. Against the plain launch (dW [E][N][K],
+// itself checked against the CPU reference in test_gemm_grouped_gpu.cu), transposed and mapped on
+// the host: the same bits (the same products summed in the same order), for FP32 and UE8M0 column
+// scales, FP32 (=, +=) and BF16 outputs, an empty expert; nothing written past the stored tensor.
+// Shapes the kernel cannot store are clear errors. GPU label.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cuda/gemm_test_problem.h"
+#include "flowmoe/cuda/qtensor_view.h"
+#include "flowmoe/error.h"
+
+namespace flowmoe {
+namespace {
+
+using namespace gemmtest;
+
+struct StoredCase {
+  const char* name;
+  int64_t n, k;            // the plain problem dW [E][N][K] (N = 2F' for W1, H' for W2)
+  int64_t rows, cols;      // the stored gradient [E][rows][cols] of the swapped problem
+  bool interleaved;        // (then N = 2F', cols = 2F with F <= F')
+};
+
+// The stored gradient's (e, r, c) as an index into the plain dW [E][N][K]: the stored weight is the
+// transpose (its row r is K's index), its column c is N's row c, or (interleaved) gate row c / 2 or
+// up row N / 2 + c / 2.
+int64_t plain_index(const StoredCase& t, int64_t e, int64_t r, int64_t c) {
+  const int64_t row = !t.interleaved ? c : (c % 2 == 0 ? c / 2 : t.n / 2 + c / 2);
+  return (e * t.n + row) * t.k + r;
+}
+
+class WgradStoredGpu : public ::testing::TestWithParam<StoredCase> {};
+
+TEST_P(WgradStoredGpu, SameBitsAsThePlainGradientTransposedAndMapped) {
+  REQUIRE_SM90();
+  const StoredCase& t = GetParam();
+  const Problem p = make_problem(Case{t.name, {256, 0, 384}, t.n, t.k, {}}, false, 97u);
+  Device d(p);
+  GBuf<uint8_t> dy_s8(p.dy_col.scales), x_s8(p.x_col.scales);
+  const int64_t nb = p.m / 128;
+  for (int ue8m0 = 0; ue8m0 < 2; ++ue8m0) {
+    SCOPED_TRACE(ue8m0 ? "UE8M0 column scales" : "FP32 column scales");
+    cuda::QTensorView dy_col = cuda::col_128x1(d.dyc_c.p, dy_s8.p, p.m, p.n, nb);
+    cuda::QTensorView x_col = cuda::col_128x1(d.xc_c.p, x_s8.p, p.m, p.k, nb);
+    if (!ue8m0) {
+      dy_col.scales = d.dyc_s.p, dy_col.scale_format = cuda::ScaleFormat::kF32;
+      x_col.scales = d.xc_s.p, x_col.scale_format = cuda::ScaleFormat::kF32;
+    }
+    cuda::GroupedGemm gg(env_gemm_options());
+    const gemm::DeviceSegments seg{d.offsets.p, p.E, p.m, nullptr};
+    const int64_t nw = int64_t(p.E) * p.n * p.k, ns = int64_t(p.E) * t.rows * t.cols, guard = 4096;
+    GBuf<float> plain(nw);
+    gg.wgrad(seg, p.n, p.k, dy_col, x_col, gemm::WgradOut::f32(plain.p, nw), 0);
+    const auto pw = plain.get();
+    const gemm::StoredDw sd{t.rows, t.cols, t.interleaved};
+    std::vector<float> want(ns);
+    for (int64_t e = 0; e < p.E; ++e)
+      for (int64_t r = 0; r < t.rows; ++r)
+        for (int64_t c = 0; c < t.cols; ++c) want[(e * t.rows + r) * t.cols + c] = pw[plain_index(t, e, r, c)];
+    // FP32 =, the buffer one guard longer, all NaN: the stored tensor written whole, nothing past it
+    GBuf<float> st(ns + guard);
+    st.put(std::vector<float>(ns + guard, std::nanf("")));
+    gemm::WgradOut o = gemm::WgradOut::f32(st.p, ns);
+    o.stored = sd;
+    gg.wgrad(seg, p.k, p.n, x_col, dy_col, o, 0);  // (swapped: the stored weight's gradient)
+    auto got = st.get();
+    expect_same_bits(want, std::vector<float>(got.begin(), got.begin() + ns), "stored FP32");
+    for (int64_t i = ns; i < ns + guard; ++i) ASSERT_TRUE(std::isnan(got[i])) << "written past the stored tensor at " << i;
+    // FP32 +=
+    std::vector<float> g0(ns), want_acc(ns);
+    for (int64_t i = 0; i < ns; ++i) g0[i] = float((i * 31) % 89) - 44.0f, want_acc[i] = g0[i] + want[i];
+    GBuf<float> acc(ns);
+    acc.put(g0);
+    gemm::WgradOut oa = gemm::WgradOut::accumulate(acc.p, ns);
+    oa.stored = sd;
+    gg.wgrad(seg, p.k, p.n, x_col, dy_col, oa, 0);
+    expect_same_bits(want_acc, acc.get(), "stored FP32 +=");
+    // BF16 =: each FP32 sum rounded once
+    std::vector<bf16_t> want16(ns);
+    for (int64_t i = 0; i < ns; ++i) want16[i] = num::f32_to_bf16(want[i]);
+    GBuf<bf16_t> s16(ns + guard);
+    gemm::WgradOut ob = gemm::WgradOut::bf16(s16.p, ns);
+    ob.stored = sd;
+    gg.wgrad(seg, p.k, p.n, x_col, dy_col, ob, 0);
+    const auto got16 = s16.get();
+    expect_same_bits(want16, std::vector<bf16_t>(got16.begin(), got16.begin() + ns), "stored BF16");
+    for (int64_t i = ns; i < ns + guard; ++i) ASSERT_EQ(got16[i], 0xA5A5) << "written past the stored tensor at " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, WgradStoredGpu,
+    ::testing::Values(StoredCase{"w1_interleaved_padded", 256, 384, 300, 200, true},   // F 100 of 128, H 300 of 384
+                      StoredCase{"w1_interleaved_whole", 512, 256, 256, 512, true},
+                      StoredCase{"w1_concatenated", 256, 384, 384, 256, false},       // F = F' (no gap)
+                      StoredCase{"w2_padded", 384, 256, 200, 300, false}),           // dW2^T [F' rows][H' cols]
+    [](const ::testing::TestParamInfo<StoredCase>& i) { return std::string(i.param.name); });
+
+TEST(WgradStoredGpuErrors, ShapesTheKernelCannotStoreAreClearErrors) {
+  REQUIRE_SM90();
+  const Problem p = make_problem(Case{"errors", {256}, 256, 384, {}}, false, 5u);
+  Device d(p);
+  GBuf<uint8_t> dy_s8(p.dy_col.scales), x_s8(p.x_col.scales);
+  const cuda::QTensorView dy_col = cuda::col_128x1(d.dyc_c.p, dy_s8.p, p.m, p.n, p.m / 128);
+  const cuda::QTensorView x_col = cuda::col_128x1(d.xc_c.p, x_s8.p, p.m, p.k, p.m / 128);
+  cuda::GroupedGemm gg(env_gemm_options());
+  const gemm::DeviceSegments seg{d.offsets.p, p.E, p.m, nullptr};
+  GBuf<float> out(int64_t(p.n) * p.k);
+  const auto run = [&](gemm::StoredDw sd) {
+    gemm::WgradOut o = gemm::WgradOut::f32(out.p, int64_t(p.n) * p.k);
+    o.stored = sd;
+    gg.wgrad(seg, p.k, p.n, x_col, dy_col, o, 0);
+  };
+  EXPECT_THROW(run({p.k + 1, 100, false}), Error) << "more rows than N";
+  EXPECT_THROW(run({100, 101, false}), Error) << "rows not a multiple of 16 bytes";
+  EXPECT_THROW(run({100, p.n + 8, false}), Error) << "more columns than K";
+  // the host-segment path (cuBLASLt or the kernel by host offsets) writes no stored output
+  gemm::WgradOut o = gemm::WgradOut::f32(out.p, int64_t(p.n) * p.k);
+  o.stored = {100, 64, false};
+  EXPECT_THROW(gg.wgrad(p.seg, p.k, p.n, d.op(d.xc_c, d.xc_s), d.op(d.dyc_c, d.dyc_s), o, 0), Error);
+}
+
+}  // namespace
+}  // namespace flowmoe
