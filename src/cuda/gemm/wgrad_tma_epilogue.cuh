@@ -69,22 +69,25 @@ __device__ __forceinline__ void wgrad_half_to_global(const float* acc, float* eb
   if (wait_first && t == 0) bulk_wait_read_all();
   named_sync(bar_id, 128);
   const auto swizzled = [](int q, int byte) { return q * 128 + ((((byte >> 4) ^ (q & 7)) << 4) | (byte & 15)); };
-  if constexpr (kInterleaved) {  // value by value: a column pair of the fragment is two columns apart
+  if constexpr (kInterleaved) {  // a column pair of the fragment lands two columns apart
     const bool b16 = store == int(WgradStore::kBf16);
+    uint8_t* eb = reinterpret_cast<uint8_t*>(ebuf);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
+      const int cc = 8 * j + c0, oc = cc < 64 ? 2 * cc : 2 * (cc - 64) + 1;  // (cc + 1 goes to oc + 2)
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int cc = 8 * j + c0 + u, oc = cc < 64 ? 2 * cc : 2 * (cc - 64) + 1;
-#pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-          const float v = acc[4 * j + 2 * rh + u];
-          uint8_t* eb = reinterpret_cast<uint8_t*>(ebuf);
-          if (b16)
-            *reinterpret_cast<uint16_t*>(eb + (oc / 64) * (64 * 128) + swizzled(r0 + 8 * rh, (oc % 64) * 2)) =
-                num::f32_to_bf16(v);
-          else
-            *reinterpret_cast<float*>(eb + (oc / 32) * (64 * 128) + swizzled(r0 + 8 * rh, (oc % 32) * 4)) = v;
+      for (int rh = 0; rh < 2; ++rh) {
+        const float v0 = acc[4 * j + 2 * rh], v1 = acc[4 * j + 2 * rh + 1];
+        const int q = r0 + 8 * rh;
+        if (b16) {
+          const uint32_t pair = bf16x2_rne(v0, v1);  // (one cvt for both, as the plain path)
+          uint8_t* box = eb + (oc / 64) * (64 * 128);
+          *reinterpret_cast<uint16_t*>(box + swizzled(q, (oc % 64) * 2)) = uint16_t(pair);
+          *reinterpret_cast<uint16_t*>(box + swizzled(q, ((oc + 2) % 64) * 2)) = uint16_t(pair >> 16);
+        } else {
+          uint8_t* box = eb + (oc / 32) * (64 * 128);
+          *reinterpret_cast<float*>(box + swizzled(q, (oc % 32) * 4)) = v0;
+          *reinterpret_cast<float*>(box + swizzled(q, ((oc + 2) % 32) * 4)) = v1;
         }
       }
     }

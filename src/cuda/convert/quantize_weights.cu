@@ -1,0 +1,364 @@
+// FP8 quantization of expert weights in 128 x 128 blocks (flowmoe/cuda/convert.h: quantize_weight(s),
+// quantize_weights_stored): W and its exact transpose in one pass, from the layer's layout or from
+// where a model stores the weights (gpt-oss's transposed, interleaved, unpadded experts).
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "cuda/convert/quant8.cuh"
+#include "cuda/convert/tile.cuh"
+#include "flowmoe/cuda/convert.h"
+#include "flowmoe/numerics.h"
+
+namespace flowmoe {
+namespace cuda {
+namespace {
+
+using namespace flowmoe::num;
+using detail::amax8;
+using detail::encode8;
+using detail::kThreads;
+using detail::kTile;
+using namespace detail::host;
+
+// 8 weights as 8 bf16 values packed in a uint4: bf16 loaded as they are; fp32 rounded to BF16 (RNE,
+// num::f32_to_bf16), counting the FP32 values that are not finite in in_bad.
+__device__ __forceinline__ uint4 load8_bf16(const bf16_t* p, int& /*in_bad*/) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+__device__ __forceinline__ uint4 load8_bf16(const float* p, int& in_bad) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  uint32_t w[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    in_bad += !num::f32_is_finite(f[2 * q]) + !num::f32_is_finite(f[2 * q + 1]);
+    w[q] = num::f32_to_bf16(f[2 * q]) | (static_cast<uint32_t>(num::f32_to_bf16(f[2 * q + 1])) << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// One bf16 value as 16 bits: bf16 as it is; fp32 rounded (RNE), counting a non-finite value in in_bad.
+__device__ __forceinline__ uint32_t bf16_bits(bf16_t v, int& /*in_bad*/) { return v; }
+__device__ __forceinline__ uint32_t bf16_bits(float v, int& in_bad) {
+  in_bad += !num::f32_is_finite(v);
+  return num::f32_to_bf16(v);
+}
+
+// Where quantize_weight_kernel reads the matrix X [n][k] it quantizes, 8 values along k at a time
+// (as 8 bf16 packed in a uint4). Dense: X itself, one expert after the other.
+template <typename In>
+struct DenseWeights {
+  const In* w;
+  int64_t k;
+  __device__ void to_expert(int64_t ex, int64_t n) { w += ex * n * k; }
+  __device__ uint4 load8(int64_t row, int64_t col, int& in_bad) const {
+    return load8_bf16(w + row * k + col, in_bad);
+  }
+};
+
+// X = W^T of a weight stored transposed (flowmoe/expert_layout.h): X[c][r] = src[c][map(r)], zeros
+// for c >= C and unmapped r. 8 layer rows in one part of the map read one aligned run of the stored
+// row (stride 2: every other value of 16, the other half being the partner gate/up block's, which
+// a neighbouring CTA reads from L2); anything else, value by value.
+template <typename In>
+struct StoredWeights {
+  const In* src;
+  int64_t c, l;
+  ExpertRowMap map;
+  __device__ void to_expert(int64_t ex, int64_t /*n*/) { src += ex * c * l; }
+  __device__ uint4 load8(int64_t row, int64_t col, int& in_bad) const {
+    if (row >= c) return make_uint4(0u, 0u, 0u, 0u);
+    const In* base = src + row * l;
+    const bool first = col + 7 < map.valid;
+    const bool second = !first && map.second >= 0 && col >= map.second && col + 7 < map.second + map.valid;
+    if (std::is_same<In, bf16_t>::value && (first || second)) {
+      const int64_t j0 = first ? map.base0 + map.stride * col : map.base1 + map.stride * (col - map.second);
+      const In* p = base + (map.stride == 2 ? (j0 & ~int64_t(1)) : j0);
+      if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
+        if (map.stride == 1) return a;
+        const uint4 b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+        const unsigned sel = (j0 & 1) ? 0x7632u : 0x5410u;  // the odd or the even halves
+        return make_uint4(__byte_perm(a.x, a.y, sel), __byte_perm(a.z, a.w, sel), __byte_perm(b.x, b.y, sel),
+                          __byte_perm(b.z, b.w, sel));
+      }
+    }
+    if (std::is_same<In, float>::value && first && map.stride == 1) {
+      const In* p = base + map.base0 + col;
+      if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) return load8_bf16(p, in_bad);
+    }
+    uint32_t h[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int64_t j = map.map(col + i);
+      h[i] = j >= 0 ? bf16_bits(__ldg(base + j), in_bad) : 0u;
+    }
+    return make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
+  }
+};
+
+// ---- K11: weights, one 128x128 block per CTA, plus the exact transposed copy; blockIdx.z the expert.
+// In = bf16_t, or float (the masters, rounded to BF16 on the way: the bits of the BF16 copy's
+// quantization; `nonfinite` then counts the FP32 values, as f32_to_bf16 does). Source: where X is
+// read (DenseWeights, StoredWeights).
+template <typename In, typename Source>
+__global__ void __launch_bounds__(kThreads)
+quantize_weight_kernel(Source w, int64_t n, int64_t k, uint8_t* __restrict__ codes,
+                       uint8_t* __restrict__ scales, uint8_t* __restrict__ t_codes,
+                       uint8_t* __restrict__ t_scales, unsigned long long* nonfinite) {
+  __shared__ __align__(16) uint8_t s_q[detail::kSwzBytes];  // the codes, swizzled (tile.cuh)
+  __shared__ float s_amax[kThreads / 32];
+  __shared__ int s_bad[kThreads / 32];
+  const int64_t bn = blockIdx.y, bk = blockIdx.x;
+  {  // expert blockIdx.z of a batch: each operand advanced by one expert's extent
+    const int64_t ex = blockIdx.z, elems = n * k, blocks = (n / kTile) * (k / kTile);
+    w.to_expert(ex, n);
+    if (codes) {
+      codes += ex * elems;
+      scales += ex * blocks;
+    }
+    if (t_codes) {
+      t_codes += ex * elems;
+      t_scales += ex * blocks;
+    }
+  }
+  const int tid = threadIdx.x;
+  uint4 v[8];
+  float amax = 0.f;
+  int bad = 0, in_bad = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int row = i * 16 + (tid >> 4), ch = tid & 15;
+    v[i] = w.load8(bn * kTile + row, bk * kTile + ch * 8, in_bad);
+    amax8(v[i], amax, bad);
+  }
+  amax = detail::warp_max(amax, 32);
+  const int wbad = detail::warp_sum_i(bad);
+  detail::warp_count(nonfinite, std::is_same<In, float>::value ? in_bad : bad);
+  if ((tid & 31) == 0) {
+    s_amax[tid >> 5] = amax;
+    s_bad[tid >> 5] = wbad;
+  }
+  __syncthreads();
+  amax = 0.f;
+  bad = 0;
+  for (int i = 0; i < kThreads / 32; ++i) {
+    amax = fmaxf(amax, s_amax[i]);
+    bad += s_bad[i];
+  }
+  const int e = e4m3_scale_exp(amax);
+  const uint8_t sc = bad ? kUE8M0NaN : ue8m0_from_exp(e);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int row = i * 16 + (tid >> 4), ch = tid & 15;
+    const uint2 q = encode8(v[i], e, bad != 0);
+    if (codes) reinterpret_cast<uint2*>(codes + (bn * kTile + row) * k + bk * kTile)[ch] = q;
+    *reinterpret_cast<uint2*>(&s_q[detail::swz_chunk(row, ch >> 1) + (ch & 1) * 8]) = q;
+  }
+  if (tid == 0) {
+    if (scales) scales[bn * (k / kTile) + bk] = sc;
+    if (t_scales) t_scales[bk * (n / kTile) + bn] = sc;
+  }
+  if (!t_codes) return;
+  __syncthreads();
+  // (whole 128-byte rows of the transpose per 8 lanes: coalesced stores)
+  detail::store_col_tile_swz(s_q, kTile, t_codes + (bk * kTile) * n + bn * kTile, n, n % 16 == 0);
+}
+
+// ---- K11 for gpt-oss's interleaved gate_up_proj (BF16): one CTA per gate block and its up block ---
+// X = W1^T [n][k] read from src [C][L] with layer row r (gate) at stored 2 r and up row k/2 + r at
+// 2 r + 1: each thread loads 16 stored values (two aligned uint4) holding 8 gate and 8 up values, so
+// every stored byte is read once (the generic kernel reads each run twice, once per block). The bits
+// of quantize_weight_kernel on the same X (per block: the same amax, codes and transposed copy).
+__global__ void __launch_bounds__(kThreads)
+quantize_weight_pairs_kernel(StoredWeights<bf16_t> w, int64_t n, int64_t k, uint8_t* __restrict__ codes,
+                             uint8_t* __restrict__ scales, uint8_t* __restrict__ t_codes,
+                             uint8_t* __restrict__ t_scales, unsigned long long* nonfinite) {
+  __shared__ __align__(16) uint8_t s_q[2][detail::kSwzBytes];
+  __shared__ float s_amax[2][kThreads / 32];
+  __shared__ int s_bad[2][kThreads / 32];
+  const int64_t bn = blockIdx.y, bk = blockIdx.x, half = k / 2 / kTile;  // gate block bk, up bk + half
+  {
+    const int64_t ex = blockIdx.z, elems = n * k, blocks = (n / kTile) * (k / kTile);
+    w.to_expert(ex, n);
+    if (codes) {
+      codes += ex * elems;
+      scales += ex * blocks;
+    }
+    if (t_codes) {
+      t_codes += ex * elems;
+      t_scales += ex * blocks;
+    }
+  }
+  const int tid = threadIdx.x;
+  uint4 v[2][8];
+  float amax[2] = {0.f, 0.f};
+  int bad[2] = {0, 0};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int row = i * 16 + (tid >> 4), ch = tid & 15;
+    const int64_t c = bn * kTile + row, r0 = bk * kTile + ch * 8;
+    if (c < w.c && r0 < w.map.valid) {  // (valid % 8 == 0: a group is whole or padding)
+      const uint4* p = reinterpret_cast<const uint4*>(w.src + c * w.l + 2 * r0);
+      const uint4 a = __ldg(p), b = __ldg(p + 1);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const unsigned sel = h ? 0x7632u : 0x5410u;  // gate: the even values, up: the odd ones
+        v[h][i] = make_uint4(__byte_perm(a.x, a.y, sel), __byte_perm(a.z, a.w, sel), __byte_perm(b.x, b.y, sel),
+                             __byte_perm(b.z, b.w, sel));
+      }
+    } else {
+      v[0][i] = v[1][i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    amax8(v[0][i], amax[0], bad[0]);
+    amax8(v[1][i], amax[1], bad[1]);
+  }
+  detail::warp_count(nonfinite, bad[0] + bad[1]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float m = detail::warp_max(amax[h], 32);
+    const int wb = detail::warp_sum_i(bad[h]);
+    if ((tid & 31) == 0) {
+      s_amax[h][tid >> 5] = m;
+      s_bad[h][tid >> 5] = wb;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float m = 0.f;
+    int nb = 0;
+    for (int i = 0; i < kThreads / 32; ++i) {
+      m = fmaxf(m, s_amax[h][i]);
+      nb += s_bad[h][i];
+    }
+    const int e = e4m3_scale_exp(m);
+    const uint8_t sc = nb ? kUE8M0NaN : ue8m0_from_exp(e);
+    const int64_t cb = bk + h * half;  // X's column block
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int row = i * 16 + (tid >> 4), ch = tid & 15;
+      const uint2 q = encode8(v[h][i], e, nb != 0);
+      if (codes) reinterpret_cast<uint2*>(codes + (bn * kTile + row) * k + cb * kTile)[ch] = q;
+      *reinterpret_cast<uint2*>(&s_q[h][detail::swz_chunk(row, ch >> 1) + (ch & 1) * 8]) = q;
+    }
+    if (tid == 0) {
+      if (scales) scales[bn * (k / kTile) + cb] = sc;
+      if (t_scales) t_scales[cb * (n / kTile) + bn] = sc;
+    }
+  }
+  if (!t_codes) return;
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    detail::store_col_tile_swz(s_q[h], kTile, t_codes + ((bk + h * half) * kTile) * n + bn * kTile, n, n % 16 == 0);
+}
+
+}  // namespace
+
+void quantize_weight(const bf16_t* w, int64_t n, int64_t k, uint8_t* codes, uint8_t* scales,
+                     uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
+                     cudaStream_t stream) {
+  quantize_weights(w, 1, n, k, codes, scales, t_codes, t_scales, status, stream);
+}
+
+namespace {
+template <typename In>
+void launch_quantize_weights(const In* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
+                             uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
+                             cudaStream_t stream) {
+  const char* what = "cuda::quantize_weights";
+  FLOWMOE_CHECK(num_experts >= 1 && num_experts < 65536,
+                what << ": " << num_experts << " experts; expected 1 to 65535");
+  check_k(k, kTile, what);
+  FLOWMOE_CHECK(n > 0 && n % kTile == 0, what << ": N = " << n << " must be a positive multiple of 128");
+  FLOWMOE_CHECK(n / kTile < 65536, what << ": N = " << n << " too large (at most 65535 tiles of 128)");
+  check_aligned(w, "w", what);
+  FLOWMOE_CHECK((codes == nullptr) == (scales == nullptr), what << ": give both codes and scales, or neither");
+  FLOWMOE_CHECK((t_codes == nullptr) == (t_scales == nullptr),
+                what << ": give both t_codes and t_scales, or neither");
+  FLOWMOE_CHECK(codes || t_codes, what << ": no output; expected codes and scales, t_codes and t_scales, or both");
+  if (codes) check_aligned(codes, "codes", what);
+  if (t_codes) check_aligned(t_codes, "t_codes", what);
+  dim3 grid(static_cast<unsigned>(k / kTile), static_cast<unsigned>(n / kTile),
+            static_cast<unsigned>(num_experts));
+  quantize_weight_kernel<In><<<grid, kThreads, 0, stream>>>(DenseWeights<In>{w, k}, n, k, codes, scales, t_codes,
+                                                            t_scales, nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+
+// W [E][N][K] from src [E][C][L]: the kernel quantizes X = W^T [K][N] (read along the stored rows),
+// so its row copy is W's transposed one and its transposed copy W's own.
+template <typename In>
+void launch_quantize_weights_stored(const In* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
+                                    int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
+                                    uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream) {
+  const char* what = "cuda::quantize_weights_stored";
+  FLOWMOE_CHECK(num_experts >= 1 && num_experts < 65536,
+                what << ": " << num_experts << " experts; expected 1 to 65535");
+  FLOWMOE_CHECK(n > 0 && n % kTile == 0 && n / kTile < 65536,
+                what << ": N = " << n << "; expected a positive multiple of 128 (at most 65535 tiles)");
+  FLOWMOE_CHECK(k > 0 && k % kTile == 0 && k / kTile < 65536,
+                what << ": K = " << k << "; expected a positive multiple of 128 (at most 65535 tiles)");
+  FLOWMOE_CHECK(c >= 1 && c <= k, what << ": C = " << c << " stored columns; expected 1 to K = " << k);
+  FLOWMOE_CHECK(src, what << ": src is null");
+  FLOWMOE_CHECK((map.stride == 1 || map.stride == 2) && map.valid >= 1 && map.valid <= n && map.base0 >= 0 &&
+                    map.base0 + map.stride * (map.valid - 1) < l &&
+                    (map.second < 0 || (map.second >= map.valid && map.second + map.valid <= n && map.base1 >= 0 &&
+                                        map.base1 + map.stride * (map.valid - 1) < l)),
+                what << ": the row map (valid " << map.valid << ", stride " << map.stride << ", bases " << map.base0
+                     << " / " << map.base1 << ", second " << map.second << ") leaves W's " << n
+                     << " rows or the stored rows of " << l << " values; expected one of flowmoe/expert_layout.h's");
+  FLOWMOE_CHECK((codes == nullptr) == (scales == nullptr), what << ": give both codes and scales, or neither");
+  FLOWMOE_CHECK((t_codes == nullptr) == (t_scales == nullptr),
+                what << ": give both t_codes and t_scales, or neither");
+  FLOWMOE_CHECK(codes || t_codes, what << ": no output; expected codes and scales, t_codes and t_scales, or both");
+  if (codes) check_aligned(codes, "codes", what);
+  if (t_codes) check_aligned(t_codes, "t_codes", what);
+  // gpt-oss's interleaved BF16 gate_up_proj with whole 8-row groups and aligned rows: the pair kernel
+  const bool pairs = std::is_same<In, bf16_t>::value && map.stride == 2 && map.base0 == 0 && map.base1 == 1 &&
+                     map.second == n / 2 && (n / 2) % kTile == 0 && map.valid % 8 == 0 && l % 8 == 0 &&
+                     reinterpret_cast<uintptr_t>(src) % 16 == 0;
+  if (pairs) {
+    dim3 grid(static_cast<unsigned>(n / 2 / kTile), static_cast<unsigned>(k / kTile),
+              static_cast<unsigned>(num_experts));
+    quantize_weight_pairs_kernel<<<grid, kThreads, 0, stream>>>(
+        StoredWeights<bf16_t>{reinterpret_cast<const bf16_t*>(src), c, l, map}, k, n, t_codes, t_scales, codes,
+        scales, nonfinite_ptr(status));
+    FLOWMOE_LAUNCH_CHECK(what);
+    return;
+  }
+  dim3 grid(static_cast<unsigned>(n / kTile), static_cast<unsigned>(k / kTile), static_cast<unsigned>(num_experts));
+  quantize_weight_kernel<In><<<grid, kThreads, 0, stream>>>(StoredWeights<In>{src, c, l, map}, k, n, t_codes,
+                                                            t_scales, codes, scales, nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
+}
+}  // namespace
+
+void quantize_weights_stored(const bf16_t* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
+                             int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
+                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream) {
+  launch_quantize_weights_stored(src, num_experts, c, l, map, n, k, codes, scales, t_codes, t_scales, status, stream);
+}
+
+void quantize_weights_stored(const float* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
+                             int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
+                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream) {
+  launch_quantize_weights_stored(src, num_experts, c, l, map, n, k, codes, scales, t_codes, t_scales, status, stream);
+}
+
+void quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
+                      uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
+                      cudaStream_t stream) {
+  launch_quantize_weights(w, num_experts, n, k, codes, scales, t_codes, t_scales, status, stream);
+}
+
+void quantize_weights(const float* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
+                      uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
+                      cudaStream_t stream) {
+  launch_quantize_weights(w, num_experts, n, k, codes, scales, t_codes, t_scales, status, stream);
+}
+
+}  // namespace cuda
+}  // namespace flowmoe
