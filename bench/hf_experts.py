@@ -88,14 +88,16 @@ def model_config(dims, layers, seq_len):
                                        **{k: v for k, v in dims.items() if k != "family"})
 
 
-def build_model(dims, layers, seq_len, impl, params, seed, device):
+def build_model(dims, layers, seq_len, impl, params, seed, device, attn=None):
     cfg = model_config(dims, layers, seq_len)
     torch.manual_seed(seed)
+    # attn None: gpt-oss (attention sinks) has no SDPA path in transformers: its eager attention
+    # (--attn flex_attention: transformers' flex path, which takes the sinks)
+    if attn is None:
+        attn = "eager" if dims.get("family") == "gpt-oss" else "sdpa"
     with torch.device(device):  # initialised where it runs: the same weights for every implementation
         return transformers.AutoModelForCausalLM.from_config(
-            cfg, experts_implementation=impl,
-            # gpt-oss (attention sinks) has no SDPA path in transformers: its eager attention
-            attn_implementation="eager" if dims.get("family") == "gpt-oss" else "sdpa",
+            cfg, experts_implementation=impl, attn_implementation=attn,
             dtype=torch.bfloat16 if params == "bf16" else torch.float32)
 
 
@@ -152,7 +154,7 @@ def attempt(record, label, measure, describe, device):
 
 def measure_speed(args, dims, impl, params, device, checkpointing=False):
     used_before = device_used(device)
-    model = build_model(dims, args.layers, args.seq_len, impl, params, 0, device)
+    model = build_model(dims, args.layers, args.seq_len, impl, params, 0, device, args.attn)
     if checkpointing:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
@@ -206,7 +208,7 @@ def lr_factor(steps):
 
 
 def convergence_run(args, dims, corpus, impl, params, seed, device):
-    model = build_model(dims, args.conv_layers, args.seq_len, impl, params, seed, device)
+    model = build_model(dims, args.conv_layers, args.seq_len, impl, params, seed, device, args.attn)
     opt = torch.optim.AdamW(model.parameters(), lr=args.conv_lr, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args.conv_steps))
     autocast = params == "fp32-autocast"
@@ -325,6 +327,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="tiny model and run (CPU smoke test)")
     ap.add_argument("--family", choices=["qwen3-moe", "gpt-oss"], default="qwen3-moe",
                     help="the model: Qwen3-30B-A3B's MoE sizes or gpt-oss-20b's (issue 46)")
+    ap.add_argument("--attn", default=None, help="the model's attn_implementation (default: sdpa, gpt-oss eager; "
+                    "e.g. flex_attention, which serves gpt-oss's sinks)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--flowmoe-lib", default=None, help="libflowmoe_capi.so to use (with this checkout's python/)")
     ap.add_argument("--json", default=None, help="write every raw number here")
