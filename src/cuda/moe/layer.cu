@@ -43,7 +43,6 @@ CudaMoeLayer::~CudaMoeLayer() { release(); }
 
 void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
   // (the recipe's choices, the grouped GEMMs and fused epilogues among them: path_, recipe_path.cu)
-  sync_free_ = options.sync_free;
   if (comm_)  // agreed across ranks by make_cuda_layer
     direct_bytes_ = options.ep_direct_bytes < 0 ? kEpDirectBytes : options.ep_direct_bytes;
   caller_memory_ = options.caller_memory;
@@ -64,7 +63,7 @@ void CudaMoeLayer::allocate(const CudaLayerOptions& options) {
     gopt.pool_priority = 1;
   // sync_free: every GEMM is one launch of a grouped kernel, no per-expert pool to spread over
   // (fewer streams also keep the simulated ranks of one GPU on separate hardware queues)
-  if (sync_free_) gopt.streams = 1;
+  if (path_.sync_free) gopt.streams = 1;
   gemm_.reset(new GroupedGemm(gopt));
   gemm_workspace_ = gemm_->device_bytes();
   clock_.create();
@@ -96,7 +95,7 @@ void CudaMoeLayer::share_ep_buffers() {
 void CudaMoeLayer::layout_workspace() {
   const RoutingTokens kept = routing_tokens();  // host fields of the views, set per forward
   ws_ = Workspace();
-  ws_.allocate(arena_, cfg_, path_, /*device_plan=*/sync_free_ && comm_ != nullptr);
+  ws_.allocate(arena_, cfg_, path_, /*device_plan=*/path_.sync_free && comm_ != nullptr);
   set_routing_tokens(kept);
 }
 
@@ -297,7 +296,7 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   // The non-finite check of the weights (counted above): thrown here, or with sync_free (no host
   // synchronisation, so that the update can be captured in a CUDA graph) kept in weight_status[1]
   // (the quantization below counts into [0] again) and added to status().nonfinite.
-  if (sync_free_) {
+  if (path_.sync_free) {
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(wstatus + 1, wstatus, sizeof(DeviceStatus), cudaMemcpyDeviceToDevice, stream_));
   } else {
     DeviceStatus st{};
@@ -373,7 +372,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
 
   route(x, ext);
   pipeline_->forward(ctx_, y);  // (pipelines/: the expert path of path_.dataflow, from the token rows to y)
-  if (!sync_free_) save_activations(row_counts());  // (sync_free: when the report is read)
+  if (!path_.sync_free) save_activations(row_counts());  // (sync_free: when the report is read)
   have_forward_ = true;
 }
 

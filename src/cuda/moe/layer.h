@@ -81,7 +81,7 @@ class CudaMoeLayer final : public MoeLayer {
   size_t allocated_bytes() const { return arena_.allocated() + gemm_workspace_; }
   LayerCounters counters() const;
   // moe_graph.h
-  bool sync_free() const { return sync_free_; }
+  bool sync_free() const { return path_.sync_free; }
   bool caller_memory() const { return caller_memory_; }
   // The token counts the routing views carry on the host (set by each forward): kept across a
   // re-layout of the workspace and in a step (step_state).
@@ -146,7 +146,6 @@ class CudaMoeLayer final : public MoeLayer {
   // (grouped GEMMs, fused epilogues, side stream, deduplicated EP dispatch)
   const RecipePath path_;
   const float* gemm1_bias_ = nullptr;  // b1 of the current forward (set_gemm1_bias), else null
-  bool sync_free_ = false;    // CudaLayerOptions::sync_free: Mp_ is the capacity max_rows_
   int64_t direct_bytes_ = -1; // dispatch_rows / combine_rows message grouping (comm.h)
   bool caller_memory_ = false;  // CudaLayerOptions::caller_memory: ws_ laid over bound_ per call
   MoeMemoryPlan plan_bytes_;    // the sizes of the caller's regions

@@ -145,7 +145,7 @@ void StepContext::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTenso
     return;
   }
   const gemm::WgradOut out = dw_out(dw, dw_bf16, int64_t(El_) * n * k);
-  if (!f32 && (sync_free_ || gemm_->wgrad_runs_kernel(seg_, n, k, out.kind))) {
+  if (!f32 && (path_.sync_free || gemm_->wgrad_runs_kernel(seg_, n, k, out.kind))) {
     // the kernel reads the UE8M0 scales as the column copies hold them (the capacity's blocks;
     // those past the segments' are never read): no conversion pass, the same bits
     gemm_->wgrad(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k,
@@ -153,7 +153,7 @@ void StepContext::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTenso
                  col_128x1(in_col.codes, in_col.ue8m0(), Mp_, k, blocks_), out, stream_);
     return;
   }
-  if (!sync_free_) {
+  if (!path_.sync_free) {
     const Fp8Op g = f32 ? f32_col_operand(grad_col, n) : col_operand(grad_col, n, b.grad_col_scales, stream_);
     const Fp8Op x = f32 ? f32_col_operand(in_col, k) : col_operand(in_col, k, b.input_col_scales, stream_);
     gemm_->wgrad(seg_, n, k, g, x, out, stream_);

@@ -59,6 +59,7 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
   // The layer options. kAuto's rule for the grouped kernels was measured for the FP8 kernels:
   // bf16 keeps cuBLASLt (CudaLayerOptions::fprop_dgrad).
   using FD = CudaLayerOptions::FpropDgrad;
+  p.sync_free = options.sync_free;
   p.grouped_gemm = options.sync_free || options.fprop_dgrad == FD::kGrouped ||
                    (options.fprop_dgrad == FD::kAuto && p.fp8 &&
                     workspace_rows(cfg) <= CudaLayerOptions::kGroupedAutoRows * cfg.num_local_experts());

@@ -32,6 +32,8 @@ struct RecipePath {
   bool segment_blocks = false;  // routing builds the segments' 128-row blocks (a column copy reads them)
 
   // ---- the layer options that apply to this recipe ------------------------------------------------
+  bool sync_free = false;      // CudaLayerOptions::sync_free: no host synchronisation; Mp is the row
+                               // capacity and the kernels read the rows in use on the device
   bool grouped_gemm = true;    // fprop / dgrad (bf16: and wgrad) by flowmoe's grouped kernels
   bool fused_swiglu = false;   // GEMM1 + SwiGLU*prob + quantize in one kernel (W1 interleaved)
   bool fused_dswiglu = false;  // GEMM2 dgrad + dSwiGLU*prob + quantize in one kernel

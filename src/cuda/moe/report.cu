@@ -105,12 +105,12 @@ void CudaMoeLayer::resolve_report() const {
 
 void CudaMoeLayer::read_status() const {
   // sync_free: always read (a graph replay of the step changes the device values, not this object)
-  if ((stats_valid_ && !sync_free_) || !have_forward_) return;
+  if ((stats_valid_ && !path_.sync_free) || !have_forward_) return;
   const RoutingBuffers& r = ws_.routing;
   FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.host_status, r.pass_status, 4 * sizeof(DeviceStatus), cudaMemcpyDeviceToHost,
                                      stream_));
   FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.host_aux_loss, r.aux_loss, sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  if (sync_free_)  // set_weights' non-finite count, not checked on the host there
+  if (path_.sync_free)  // set_weights' non-finite count, not checked on the host there
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.host_status + kHostStatusWeights, r.weight_status + 1, sizeof(DeviceStatus),
                                        cudaMemcpyDeviceToHost, stream_));
   FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -127,10 +127,10 @@ void CudaMoeLayer::read_status() const {
     rep_.backward_stats.underflow = int64_t(s[kStatusBwd].underflow + s[kStatusBwdAux].underflow);
   }
   mstatus_.nonfinite = rep_.forward_stats.nonfinite + rep_.backward_stats.nonfinite +
-                      (sync_free_ ? int64_t(s[kHostStatusWeights].nonfinite) : 0);
+                      (path_.sync_free ? int64_t(s[kHostStatusWeights].nonfinite) : 0);
   mstatus_.underflow = rep_.forward_stats.underflow + rep_.backward_stats.underflow;
   mstatus_.aux_loss = cfg_.aux_loss_alpha > 0.0f ? *r.host_aux_loss : 0.0f;
-  if (sync_free_) resolve_report();
+  if (path_.sync_free) resolve_report();
   stats_valid_ = true;
 }
 

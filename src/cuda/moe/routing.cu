@@ -33,7 +33,7 @@ void CudaMoeLayer::route(const bf16_t* x, const RoutingInput& ext) {
       router_aux_loss(r.logits, r.ids, T_, rc, cfg_.aux_loss_alpha, r.aux_loss, r.aux_coef, r.aux_workspace,
                       stream_);
   }
-  if (sync_free_) {  // the counts stay on the device; a copy for the report, read when it is read
+  if (path_.sync_free) {  // the counts stay on the device; a copy for the report, read when it is read
     auto s = ctx_.fwd("routing tables");
     r.tokens.tokens = T_;
     build_routing(r.ids, r.tokens, ctx_.st_fwd_aux(), stream_);

@@ -11,7 +11,7 @@ namespace moe {
 
 StepContext::StepContext(CudaMoeLayer& l)
     : cfg_(l.cfg_), E_(l.E_), H_(l.H_), F_(l.F_), K_(l.K_), El_(l.El_), comm_(l.comm_), max_tokens_(l.max_tokens_),
-      path_(l.path_), stream_(l.stream_), sync_free_(l.sync_free_), direct_bytes_(l.direct_bytes_),
+      path_(l.path_), stream_(l.stream_), direct_bytes_(l.direct_bytes_),
       gemm1_bias_(l.gemm1_bias_), ws_(l.ws_), gemm_(l.gemm_), streams_(l.streams_), clock_(l.clock_), T_(l.T_),
       Mp_(l.Mp_), held_(l.held_), blocks_(l.blocks_), seg_(l.seg_), plan_(l.plan_),
       dedup_recv_tokens_(l.dedup_recv_tokens_), backward_params_(l.backward_params_),
@@ -29,7 +29,7 @@ SegmentBlocks StepContext::blocks() const {
   sb.num_segments = El_;
   sb.m = Mp_;
   sb.max_blocks = segment_max_blocks(Mp_, El_);
-  sb.capacity = sync_free_;  // Mp_ is the row capacity, offsets[El] the rows in use
+  sb.capacity = path_.sync_free;  // Mp_ is the row capacity, offsets[El] the rows in use
   sb.block_start = ws_.routing.block_start;
   sb.block_end = ws_.routing.block_end;
   sb.block_offsets = ws_.routing.block_offsets;
@@ -38,7 +38,7 @@ SegmentBlocks StepContext::blocks() const {
 
 void StepContext::log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
                       int64_t elements) {
-  if (sync_free_ && pass != MoePass::kWeightUpdate)  // (weight updates: no row counts, kept)
+  if (path_.sync_free && pass != MoePass::kWeightUpdate)  // (weight updates: no row counts, kept)
     pending_ops_.push_back({pass, kind, name, calls, outputs, elements, 0, 0});
   else
     rep_.add_op(pass, kind, name, calls, outputs, elements);
@@ -46,7 +46,7 @@ void StepContext::log(MoePass pass, CastKind kind, const std::string& name, int6
 
 void StepContext::log_rows(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
                            int64_t cols) {
-  if (sync_free_)
+  if (path_.sync_free)
     pending_ops_.push_back({pass, kind, name, calls, outputs, 0, cols, 0});
   else
     rep_.add_op(pass, kind, name, calls, outputs, Mp_ * cols);
@@ -54,7 +54,7 @@ void StepContext::log_rows(MoePass pass, CastKind kind, const std::string& name,
 
 void StepContext::log_held(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs,
                            int64_t cols) {
-  if (sync_free_)
+  if (path_.sync_free)
     pending_ops_.push_back({pass, kind, name, calls, outputs, 0, 0, cols});
   else
     rep_.add_op(pass, kind, name, calls, outputs, held_ * cols);

@@ -87,7 +87,6 @@ class StepContext {
   const int64_t max_tokens_;
   const RecipePath& path_;
   const cudaStream_t& stream_;
-  const bool& sync_free_;
   const int64_t& direct_bytes_;
   const float* const& gemm1_bias_;  // b1 of the current forward, else null
 
@@ -138,7 +137,7 @@ class StepContext {
   // the device offsets of the expert segments the GEMMs and the segment-aware kernels see
   const int32_t* segment_offsets() const;
   // The device row count the row-wise kernels stop at (sync_free: padded offsets[El]), or null.
-  const int32_t* rows_bound() const { return sync_free_ ? segment_offsets() + El_ : nullptr; }
+  const int32_t* rows_bound() const { return path_.sync_free ? segment_offsets() + El_ : nullptr; }
 
   // ---- GEMM operands and GEMMs (operands.cu) ------------------------------------------------------------
   Fp8Op act_operand(const QTensorView& rows, int64_t c, DeviceStatus* st);
@@ -188,7 +187,7 @@ class StepContext {
   // The report's entry of a deduplicated exchange: one row of row_bytes per (token, peer rank).
   static WireTransfer dedup_transfer(MoePass pass, const std::string& name, const std::string& format,
                                      int64_t row_bytes, const DispatchPlan& plan);
-  bool device_ep() const { return sync_free_ && comm_ != nullptr; }
+  bool device_ep() const { return path_.sync_free && comm_ != nullptr; }
   // sync-free EP (ep_device.cu): one exchange as pulls from the peers' buffers
   void pull_exchange(const EpPiece* pieces, int n, const std::vector<RowStream>& streams, cudaStream_t s);
   void* const* peer_table(const void* mine) const;  // the peers' addresses of a shared buffer
