@@ -315,7 +315,9 @@ def _backward(ctx, dy, _dsaved, _dstep):
     dx, dw1, dw2, dwr, dprobs, db1 = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, bf16,
                                                   bias_grad, False, stored, None, None, None)
     if module.storage is not None and not stored:  # from the layer's layout to the parameters' own
-        dw1, dw2 = module._grads_to_storage(dw1 if needs[0] else None, dw2 if needs[1] else None)
+        in_layer = [dw1 if needs[0] else None, dw2 if needs[1] else None]
+        del dw1, dw2  # (each freed once mapped: one weight's two copies live at a time, as autograd's relayout)
+        dw1, dw2 = module._grads_to_storage(in_layer)
     return (dx if dx_wanted else None, dw1.to(d1) if needs[0] else None, dw2.to(d2) if needs[1] else None,
             dwr if needs[2] else None, None, None, None, None, dprobs if wants[8] else None,
             db1 if bias_grad else None)

@@ -99,10 +99,10 @@ class _ExpertsLayer(LayerOwner):
         return _experts_config(self.hidden, self.ffn, self.experts, self.topk, self.recipe, self.align, max_tokens,
                                self.activation, self.gemm1_bias)
 
-    def _grads_to_storage(self, dw1: Optional[torch.Tensor], dw2: Optional[torch.Tensor]):
-        """dW1 [E, 2F', H'] and dW2 [E, H', F'] (the layer's layout) as the stored weights' gradients
-        [E, H, 2F] and [E, F, H] (None stays None)."""
-        return self._layout.grads_from_layer(dw1, dw2)
+    def _grads_to_storage(self, in_layer: list):
+        """[dW1 [E, 2F', H'], dW2 [E, H', F']] (the layer's layout; None where not wanted) as the stored
+        weights' gradients [E, H, 2F] and [E, F, H]; the list's entries are dropped as they are mapped."""
+        return self._layout.grads_from_layer(in_layer)
 
     def run(self, xb: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
             w2: torch.Tensor, b1: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -229,20 +229,24 @@ class _Layout:
         F, Fp, H = self.F, self.Fp, self.H
         return (F, 2, 0, 1, Fp) if self.interleaved else (F, 1, 0, F, Fp), (H, 1, 0, 0, -1)
 
-    def grads_from_layer(self, dw1: Optional[torch.Tensor], dw2: Optional[torch.Tensor]):
-        """Gradients in the layer's layout -> the transposed weights' [E, H, 2F], [E, F, H] (CUDA)."""
+    def grads_from_layer(self, in_layer: list):
+        """[dW1, dW2] in the layer's layout -> the transposed weights' [E, H, 2F], [E, F, H] (CUDA); each
+        entry of `in_layer` is set to None once mapped, so that it is freed before the next one."""
         m1, m2 = self.row_maps()
         out = []
-        for g, shape, c, l, r, cp, m in ((dw1, (self.H, 2 * self.F), self.H, 2 * self.F, 2 * self.Fp, self.Hp, m1),
-                                         (dw2, (self.F, self.H), self.F, self.H, self.Hp, self.Fp, m2)):
+        for i, (shape, c, l, r, cp, m) in enumerate((((self.H, 2 * self.F), self.H, 2 * self.F, 2 * self.Fp,
+                                                      self.Hp, m1),
+                                                     ((self.F, self.H), self.F, self.H, self.Hp, self.Fp, m2))):
+            g, in_layer[i] = in_layer[i], None
             if g is None:
                 out.append(None)
                 continue
-            gc = g.contiguous()
+            g = g.contiguous()
             dst = torch.empty((g.shape[0], *shape), dtype=g.dtype, device=g.device)
             with torch.cuda.device(g.device):
-                _native.expert_relayout(gc.data_ptr(), dst.data_ptr(), gc.element_size(), g.shape[0], c, l, r, cp,
+                _native.expert_relayout(g.data_ptr(), dst.data_ptr(), g.element_size(), g.shape[0], c, l, r, cp,
                                         m, False, torch.cuda.current_stream(g.device).cuda_stream)
+            del g
             out.append(dst)
         return out[0], out[1]
 

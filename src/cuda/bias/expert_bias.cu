@@ -2,10 +2,9 @@
 //
 //   add_expert_bias_kernel   one thread per 8 features of a row: the row's segment by binary search
 //                            over the offsets, 16-byte loads and stores of h, 2 x 16-byte bias loads.
-//   bias_grad_kernel<In, 4>  one thread per (segment, 4 features): each feature's sum over the
-//                            segment's rows in row order (the reference's order), one 4- or 8-byte
-//                            load per row, eight rows loaded ahead of the adds (<In, 1>: one
-//                            feature per thread, for operands not so aligned).
+//   bias_grad_kernel<In>     one thread per (segment, feature): the segment's rows summed in row order
+//                            (the reference's order), coalesced across the warp's 32 features; four
+//                            rows loaded ahead of the adds.
 #include <cuda_runtime.h>
 
 #include "cuda/common.cuh"
@@ -61,75 +60,39 @@ add_expert_bias_kernel(bf16_t* __restrict__ h, int64_t m, int64_t n, const int32
   *p = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// The features c .. c + kCols - 1 of row r as floats (kCols 4: one 8- or 4-byte load; 1: a value).
 struct Bf16Rows {
   const bf16_t* dh;
-  bool aligned(int) const { return reinterpret_cast<uintptr_t>(dh) % 8 == 0; }
-  template <int kCols>
-  __device__ __forceinline__ void load(int64_t r, int64_t c, int64_t n, int64_t, float* v) const {
-    if constexpr (kCols == 4) {
-      const uint2 w = __ldg(reinterpret_cast<const uint2*>(dh + r * n + c));
-      v[0] = num::bf16_to_f32(static_cast<bf16_t>(w.x & 0xFFFFu)), v[1] = num::bf16_to_f32(static_cast<bf16_t>(w.x >> 16));
-      v[2] = num::bf16_to_f32(static_cast<bf16_t>(w.y & 0xFFFFu)), v[3] = num::bf16_to_f32(static_cast<bf16_t>(w.y >> 16));
-    } else {
-      v[0] = num::bf16_to_f32(dh[r * n + c]);
-    }
+  __device__ __forceinline__ float operator()(int64_t r, int64_t c, int64_t n, int64_t) const {
+    return num::bf16_to_f32(dh[r * n + c]);
   }
 };
 struct Fp8Rows {
   const uint8_t* codes;
   const uint8_t* scales;
-  bool aligned(int) const { return reinterpret_cast<uintptr_t>(codes) % 4 == 0; }
-  template <int kCols>
-  __device__ __forceinline__ void load(int64_t r, int64_t c, int64_t n, int64_t m, float* v) const {
-    const uint8_t s = __ldg(scales + (c / kFp8Block) * m + r);  // (the kCols features share a 128-block)
-    if constexpr (kCols == 4) {
-      const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(codes + r * n + c));
-#pragma unroll
-      for (int q = 0; q < 4; ++q) v[q] = num::dequant_e4m3(static_cast<uint8_t>(w >> (8 * q)), s);
-    } else {
-      v[0] = num::dequant_e4m3(codes[r * n + c], s);
-    }
+  __device__ __forceinline__ float operator()(int64_t r, int64_t c, int64_t n, int64_t m) const {
+    return num::dequant_e4m3(codes[r * n + c], scales[(c / kFp8Block) * m + r]);
   }
 };
 
-// kCols features per thread, each its own sum over the segment's rows in row order; kRows rows
-// loaded ahead of their adds (the loads of a thread are independent; only each feature's adds chain)
-template <class In, int kCols>
+template <class In>
 __global__ void __launch_bounds__(kThreads)
 bias_grad_kernel(In in, int64_t m, int64_t n, const int32_t* __restrict__ offsets, float* __restrict__ db,
                  bool accumulate, const int32_t* __restrict__ rows_bound) {
-  constexpr int kRows = 8;
   const int e = blockIdx.y;
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kCols;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (c >= n) return;
   const int64_t lim = row_limit(m, rows_bound);
   const int64_t r0 = offsets[e];
   const int64_t r1 = offsets[e + 1] < lim ? offsets[e + 1] : lim;
-  float s[kCols];
-#pragma unroll
-  for (int q = 0; q < kCols; ++q) s[q] = 0.0f;
+  float s = 0.0f;
   int64_t r = r0;
-  for (; r + kRows <= r1; r += kRows) {
-    float v[kRows][kCols];
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) in.template load<kCols>(r + j, c, n, m, v[j]);
-#pragma unroll
-    for (int j = 0; j < kRows; ++j)
-#pragma unroll
-      for (int q = 0; q < kCols; ++q) s[q] = __fadd_rn(s[q], v[j][q]);
+  for (; r + 4 <= r1; r += 4) {
+    const float v0 = in(r, c, n, m), v1 = in(r + 1, c, n, m), v2 = in(r + 2, c, n, m), v3 = in(r + 3, c, n, m);
+    s = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(s, v0), v1), v2), v3);
   }
-  for (; r < r1; ++r) {
-    float v[kCols];
-    in.template load<kCols>(r, c, n, m, v);
-#pragma unroll
-    for (int q = 0; q < kCols; ++q) s[q] = __fadd_rn(s[q], v[q]);
-  }
-#pragma unroll
-  for (int q = 0; q < kCols; ++q) {
-    float* out = db + e * n + c + q;
-    *out = num::f32_canonical(accumulate ? __fadd_rn(*out, s[q]) : s[q]);
-  }
+  for (; r < r1; ++r) s = __fadd_rn(s, in(r, c, n, m));
+  float* out = db + e * n + c;
+  *out = num::f32_canonical(accumulate ? __fadd_rn(*out, s) : s);
 }
 
 void check_args(int64_t m, int64_t n, const int32_t* offsets, int num, const char* what) {
@@ -144,13 +107,8 @@ void launch_grad(In in, int64_t m, int64_t n, const int32_t* offsets, int num, f
                  const int32_t* rows_bound, cudaStream_t stream, const char* what) {
   check_args(m, n, offsets, num, what);
   FLOWMOE_CHECK(db != nullptr, what << ": null db");
-  if (in.aligned(4)) {  // (n % 8 == 0: every 4-feature group's load is aligned with the base)
-    const dim3 grid(static_cast<unsigned>((n / 4 + kThreads - 1) / kThreads), static_cast<unsigned>(num));
-    bias_grad_kernel<In, 4><<<grid, kThreads, 0, stream>>>(in, m, n, offsets, db, accumulate, rows_bound);
-  } else {
-    const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads), static_cast<unsigned>(num));
-    bias_grad_kernel<In, 1><<<grid, kThreads, 0, stream>>>(in, m, n, offsets, db, accumulate, rows_bound);
-  }
+  const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads), static_cast<unsigned>(num));
+  bias_grad_kernel<In><<<grid, kThreads, 0, stream>>>(in, m, n, offsets, db, accumulate, rows_bound);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
