@@ -173,7 +173,8 @@ int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t
                                             const float* wr);
 // Version 9 (moe.h MoeWeights): the weights as one struct, with the expert weights where a model
 // stores them (flowmoe/expert_layout.h ExpertStorage; gpt-oss's gate_up_proj [El, Hs, 2Fs] and
-// down_proj [El, Fs, Hs]), read in place by the layers for which reads_stored_weights gives 1.
+// down_proj [El, Fs, Hs]), read in place by the layers for which reads_stored_weights gives 1
+// (set_weights_ex; a backward's parameters: flowmoe_backward_call's params).
 typedef struct flowmoe_weights {
   const void* w1;           // [El, 2F, H], or stored [El, Hs, 2Fs]: fp32, or bf16 bits when bf16 = 1
   const void* w2;           // [El, H, F], or stored [El, Fs, Hs]
@@ -185,13 +186,13 @@ typedef struct flowmoe_weights {
   int interleaved;          // stored gate / up alternating along 2Fs (1) or concatenated (0)
 } flowmoe_weights;
 int flowmoe_layer_set_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w);
-int flowmoe_layer_set_backward_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w);
 // *out = 1 when the layer reads stored_hidden / stored_ffn weights of that kind (bf16: 1 BF16, 0 FP32).
 int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int bf16, int* out);
 // The same for a layer of `recipe` on `backend` ("cpu" or "cuda") before one is made.
 int flowmoe_recipe_reads_stored_weights(const char* recipe, const char* backend, int bf16, int* out);
 // Version 9 (moe.h MoeGrads): a backward's outputs as one struct (db1 included: no separate
-// set_gemm1_bias_grad call), the expert gradients optionally where a model stores the weights.
+// set_gemm1_bias_grad call), the expert gradients optionally where a model stores the weights
+// (flowmoe_backward_call below).
 typedef struct flowmoe_grads {
   void* dw1;               // [El, 2F, H], or stored [El, Hs, 2Fs]: fp32, or bf16 bits when bf16 = 1; null: skipped
   void* dw2;               // [El, H, F], or stored [El, Fs, Hs]
@@ -204,7 +205,35 @@ typedef struct flowmoe_grads {
   int64_t stored_ffn;
   int interleaved;
 } flowmoe_grads;
-int flowmoe_layer_backward_grads(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, const flowmoe_grads* g);
+// Version 9: a forward and a backward as one call each, everything a call needs in its arguments
+// (what bind_memory, set_routing, set_gemm1_bias, load_step and set_backward_weights set before):
+// memory: the caller-memory regions (all null for a layer that owns its memory).
+typedef struct flowmoe_memory {
+  void* weights;
+  void* saved;
+  void* transient;
+} flowmoe_memory;
+typedef struct flowmoe_forward_call {
+  const uint16_t* x;       // [tokens, H] bf16 bits
+  int64_t tokens;
+  uint16_t* y;             // [tokens, H]
+  const int32_t* ids;      // external_routing layers: [tokens, k] int32, else null
+  const float* probs;      // [tokens, k] fp32, else null
+  const float* b1;         // gemm1_bias layers: [El, 2F] fp32, else null
+  flowmoe_memory memory;
+} flowmoe_forward_call;
+int flowmoe_layer_forward_call(flowmoe_layer* layer, const flowmoe_forward_call* call);
+typedef struct flowmoe_backward_call {
+  const uint16_t* dy;      // [tokens, H] of the forward whose state `step` holds
+  uint16_t* dx;
+  flowmoe_grads grads;
+  const flowmoe_weights* params;  // the parameters the dgrad weights are derived from, or null
+                                  // (then the weights region's copies: takes_backward_weights)
+  flowmoe_memory memory;          // the forward's weights (or null with params) and saved regions
+  const void* step;               // step_state's bytes of that forward, or null: the latest forward
+  int64_t step_bytes;
+} flowmoe_backward_call;
+int flowmoe_layer_backward_call(flowmoe_layer* layer, const flowmoe_backward_call* call);
 // *out = 1 when the layer's backward writes expert gradients of that kind (bf16) stored so.
 int flowmoe_layer_writes_stored_grads(flowmoe_layer* layer, int64_t stored_hidden, int64_t stored_ffn,
                                       int interleaved, int bf16, int* out);

@@ -65,6 +65,21 @@ class Grads(ctypes.Structure):  # flowmoe_grads (version 9)
                 ("interleaved", ctypes.c_int32)]
 
 
+class Memory(ctypes.Structure):  # flowmoe_memory (version 9)
+    _fields_ = [("weights", ctypes.c_void_p), ("saved", ctypes.c_void_p), ("transient", ctypes.c_void_p)]
+
+
+class ForwardCall(ctypes.Structure):  # flowmoe_forward_call (version 9)
+    _fields_ = [("x", ctypes.c_void_p), ("tokens", ctypes.c_int64), ("y", ctypes.c_void_p), ("ids", ctypes.c_void_p),
+                ("probs", ctypes.c_void_p), ("b1", ctypes.c_void_p), ("memory", Memory)]
+
+
+class BackwardCall(ctypes.Structure):  # flowmoe_backward_call (version 9)
+    _fields_ = [("dy", ctypes.c_void_p), ("dx", ctypes.c_void_p), ("grads", Grads),
+                ("params", ctypes.POINTER(Weights)), ("memory", Memory), ("step", ctypes.c_void_p),
+                ("step_bytes", ctypes.c_int64)]
+
+
 class LayerStatus(ctypes.Structure):
     _fields_ = [("nonfinite", ctypes.c_int64), ("underflow", ctypes.c_int64), ("aux_loss", ctypes.c_float)]
 
@@ -128,8 +143,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_backward_ex": (c_int, [vp, vp, vp, vp, vp, vp, vp, c_int]),
         "flowmoe_layer_backward_bf16": (c_int, [vp, vp, vp, vp, vp, vp, vp]),
         "flowmoe_layer_takes_backward_weights": (c_int, [vp, ctypes.POINTER(c_int)]),
-        "flowmoe_layer_set_backward_weights_ex": (c_int, [vp, ctypes.POINTER(Weights)]),
-        "flowmoe_layer_backward_grads": (c_int, [vp, vp, vp, ctypes.POINTER(Grads)]),
+        "flowmoe_layer_forward_call": (c_int, [vp, ctypes.POINTER(ForwardCall)]),
+        "flowmoe_layer_backward_call": (c_int, [vp, ctypes.POINTER(BackwardCall)]),
         "flowmoe_layer_writes_stored_grads": (c_int, [vp, i64, i64, c_int, c_int, ctypes.POINTER(c_int)]),
         "flowmoe_layer_set_routing": (c_int, [vp, vp, vp]),
         "flowmoe_layer_set_gemm1_bias": (c_int, [vp, vp]),
@@ -406,7 +421,7 @@ class Layer:
         self.set_weights(w1, w2, wr, router_bias, bf16=True)
 
     def reads_stored_weights(self, bf16: bool) -> bool:
-        """Whether set_weights and set_backward_weights take a storage (weights read where stored) for
+        """Whether set_weights and backward_call's params take a storage (weights read where stored) for
         BF16 (bf16) or FP32 expert weights."""
         out = ctypes.c_int()
         check(lib().flowmoe_layer_reads_stored_weights(self.handle, int(bool(bf16)), ctypes.byref(out)))
@@ -421,19 +436,36 @@ class Layer:
         check(lib().flowmoe_layer_backward_ex(self.handle, dy, dx, dw1 or None, dw2 or None, dwr or None,
                                               dprobs or None, int(bool(accumulate))))
 
-    def backward_grads(self, dy: int, dx: int, dw1: Optional[int], dw2: Optional[int], *, bf16: bool,
-                       dwr: Optional[int] = None, dprobs: Optional[int] = None, db1: Optional[int] = None,
-                       accumulate: bool = False, storage: Optional[Tuple[int, int, bool]] = None) -> None:
-        """The backward with every output in one call (C ABI v9): dw1, dw2 FP32 (+= with accumulate) or
-        BF16 (bf16, overwritten), in the layer's layout or (storage: (H, F, interleaved)) a model's
-        stored one where writes_stored_grads; dwr, dprobs, db1 as in the other entry points."""
-        hs, fs, inter = storage if storage is not None else (0, 0, False)
+    def forward_call(self, x: int, tokens: int, y: int, memory: Tuple[int, int, int] = (0, 0, 0), *,
+                     ids: Optional[int] = None, probs: Optional[int] = None, b1: Optional[int] = None) -> None:
+        """One forward with everything it needs (C ABI v9): x, y [tokens, H] bf16; memory the caller
+        regions (weights, saved, transient; 0 where none); the caller's routing ids / probs
+        (external_routing) and GEMM1 bias b1 (gemm1_bias layers)."""
+        c = ForwardCall(x, int(tokens), y, ids or None, probs or None, b1 or None, Memory(*[m or None for m in memory]))
+        check(lib().flowmoe_layer_forward_call(self.handle, ctypes.byref(c)))
+
+    def backward_call(self, dy: int, dx: int, memory: Tuple[int, int, int], step: Optional[Tuple[int, int]], *,
+                      dw1: Optional[int], dw2: Optional[int], bf16: bool, dwr: Optional[int] = None,
+                      dprobs: Optional[int] = None, db1: Optional[int] = None, accumulate: bool = False,
+                      grads_storage: Optional[Tuple[int, int, bool]] = None,
+                      params: Optional[Tuple[int, int, bool, Optional[int]]] = None,
+                      params_storage: Optional[Tuple[int, int, bool]] = None) -> None:
+        """One backward with everything it needs (C ABI v9): its forward's memory regions and step
+        (address, bytes; None: the latest forward); the gradients dw1, dw2 FP32 (+= with accumulate)
+        or BF16 (bf16, overwritten), in the layer's layout or where grads_storage (H, F, interleaved)
+        says (the layer's writes_stored_grads), dwr, dprobs, db1; and params
+        (w1, w2, bf16, wr: the parameters its dgrad weights are derived from, where stored per
+        params_storage) or None (the weights region's copies)."""
+        hs, fs, inter = grads_storage if grads_storage is not None else (0, 0, False)
         g = Grads(dw1 or None, dw2 or None, int(bool(bf16)), dwr or None, dprobs or None, db1 or None,
                   int(bool(accumulate)), int(hs), int(fs), int(bool(inter)))
-        check(lib().flowmoe_layer_backward_grads(self.handle, dy, dx, ctypes.byref(g)))
+        w = _weights(params[0], params[1], params[2], params[3], None, params_storage) if params is not None else None
+        c = BackwardCall(dy, dx, g, ctypes.pointer(w) if w is not None else None,
+                         Memory(*[m or None for m in memory]), step[0] if step else None, int(step[1]) if step else 0)
+        check(lib().flowmoe_layer_backward_call(self.handle, ctypes.byref(c)))
 
     def writes_stored_grads(self, storage: Tuple[int, int, bool], bf16: bool) -> bool:
-        """Whether backward_grads writes dW1, dW2 of that kind in `storage`'s layout."""
+        """Whether backward_call writes dW1, dW2 of that kind in `storage`'s layout."""
         out = ctypes.c_int()
         hs, fs, inter = storage
         check(lib().flowmoe_layer_writes_stored_grads(self.handle, int(hs), int(fs), int(bool(inter)),
@@ -448,17 +480,10 @@ class Layer:
 
     @property
     def takes_backward_weights(self) -> bool:
-        """Whether a backward can derive its dgrad weights from the parameters (set_backward_weights)."""
+        """Whether a backward can derive its dgrad weights from the parameters (backward_call's params)."""
         out = ctypes.c_int()
         check(lib().flowmoe_layer_takes_backward_weights(self.handle, ctypes.byref(out)))
         return bool(out.value)
-
-    def set_backward_weights(self, w1: int, w2: int, bf16: bool, wr: Optional[int] = None,
-                             storage: Optional[Tuple[int, int, bool]] = None) -> None:
-        """The parameters of the next backward only: W1, W2 (FP32, or BF16 bits with bf16; storage as
-        in set_weights), Wr (FP32; None for an experts-only layer)."""
-        w = _weights(w1, w2, bf16, wr, None, storage)
-        check(lib().flowmoe_layer_set_backward_weights_ex(self.handle, ctypes.byref(w)))
 
     def set_routing(self, ids: int, probs: int) -> None:
         """The next forward's routing (external_routing layers): ids [T, k] int32, probs [T, k] fp32."""

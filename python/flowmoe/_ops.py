@@ -137,12 +137,10 @@ def _run_forward(r, x, wbuf, keep_step, routing=None, b1=None):
     saved = _bytes(r.plan[1], x.device)
     tbuf = _bytes(r.plan[2], x.device) if r.plan[2] else None
     with r.ordered():
-        r.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
-        if routing is not None:
-            r.layer.set_routing(routing[0].data_ptr(), routing[1].data_ptr())
-        if b1 is not None:
-            r.layer.set_gemm1_bias(b1.data_ptr())
-        r.layer.forward(x.data_ptr(), x.shape[0], y.data_ptr())
+        r.layer.forward_call(x.data_ptr(), x.shape[0], y.data_ptr(), (_addr(wbuf), _addr(saved), _addr(tbuf)),
+                             ids=routing[0].data_ptr() if routing is not None else None,
+                             probs=routing[1].data_ptr() if routing is not None else None,
+                             b1=b1.data_ptr() if b1 is not None else None)
         step = r.step() if keep_step else _no_step()
     return y, saved, step
 
@@ -175,15 +173,6 @@ def _(x, w1, w2, wr, wbuf, module_id, keep_step, ids, probs, b1):
 
 
 # ---- backward ---------------------------------------------------------------------------------------
-def _set_backward_weights(m, runner, params):
-    """params: (w1, w2, wr) the backward derives its weights from (wbuf then None; wr None for the
-    experts-only layer; w1, w2 where m.storage says they are stored), or None."""
-    if params is not None:
-        w1, w2, wr = params
-        runner.layer.set_backward_weights(w1.data_ptr(), w2.data_ptr(), w1.dtype == torch.bfloat16, _addr(wr),
-                                          storage=m.storage)
-
-
 def _run_backward(m, dy, wbuf, saved, step, params, grads, db1, accumulate, stored_grads=False):
     """dx and dprobs (d loss / d probs [T, k] fp32 of an experts-only layer, else empty); the weight
     gradients written (or, accumulate, added) into grads (dw1, dw2, dwr: None where not wanted),
@@ -196,13 +185,18 @@ def _run_backward(m, dy, wbuf, saved, step, params, grads, db1, accumulate, stor
     dprobs = _dprobs_buffer(m, dy)
     tbuf = _bytes(runner.plan[2], dy.device) if runner.plan[2] else None
     bf16_grads = any(g is not None and g.dtype == torch.bfloat16 for g in grads[:2])
+    # params: (w1, w2, wr) the dgrad weights are derived from (wbuf then None; wr None for the
+    # experts-only layer; w1, w2 where m.storage says they are stored), or None
+    p = None if params is None else (params[0].data_ptr(), params[1].data_ptr(),
+                                     params[0].dtype == torch.bfloat16, _addr(params[2]))
+    step = step.contiguous()  # (the runner's id, then the layer's state: _Runner.step)
     with runner.ordered():
-        runner.layer.bind_memory(_addr(wbuf), _addr(saved), _addr(tbuf))
-        runner.load_step(step)
-        _set_backward_weights(m, runner, params)
-        runner.layer.backward_grads(dy.data_ptr(), dx.data_ptr(), _addr(grads[0]), _addr(grads[1]), bf16=bf16_grads,
-                                    dwr=_addr(grads[2]), dprobs=_addr(dprobs), db1=_addr(db1), accumulate=accumulate,
-                                    storage=m.storage if stored_grads else None)
+        runner.layer.backward_call(dy.data_ptr(), dx.data_ptr(), (_addr(wbuf), _addr(saved), _addr(tbuf)),
+                                   (step.data_ptr() + 8, step.numel() - 8), dw1=_addr(grads[0]),
+                                   dw2=_addr(grads[1]), bf16=bf16_grads, dwr=_addr(grads[2]), dprobs=_addr(dprobs),
+                                   db1=_addr(db1), accumulate=accumulate,
+                                   grads_storage=m.storage if stored_grads else None, params=p,
+                                   params_storage=m.storage)
     return dx, dprobs
 
 

@@ -114,11 +114,6 @@ class _Runner:
                                "max_tokens to keep one layer for every size")
         return r
 
-    def load_step(self, step: torch.Tensor) -> None:
-        """Before a backward (its memory bound): the state of the forward of `step` (not consumed)."""
-        step = step.contiguous()
-        self.layer.load_step(step.data_ptr() + 8, step.numel() - 8)
-
     @contextlib.contextmanager
     def ordered(self):
         """The layer's work ordered after the caller's current stream, and the current stream after

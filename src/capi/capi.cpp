@@ -421,20 +421,35 @@ flowmoe::MoeWeights weights_of(const char* what, const flowmoe_weights* c) {
   w.storage = flowmoe::ExpertStorage{c->stored_hidden, c->stored_ffn, c->interleaved == 1};
   return w;
 }
+
+flowmoe::MoeGrads grads_of(const char* what, const flowmoe_grads* c) {
+  FLOWMOE_CHECK(c, what << ": the gradients struct is null");
+  FLOWMOE_CHECK(c->bf16 == 0 || c->bf16 == 1, what << ": bf16 = " << c->bf16 << "; expected 0 or 1");
+  FLOWMOE_CHECK(c->accumulate == 0 || c->accumulate == 1,
+                what << ": accumulate = " << c->accumulate << "; expected 0 or 1");
+  FLOWMOE_CHECK((c->stored_hidden == 0) == (c->stored_ffn == 0),
+                what << ": stored_hidden " << c->stored_hidden << ", stored_ffn " << c->stored_ffn
+                     << "; expected both 0 (the layer's layout) or both the stored sizes");
+  flowmoe::MoeGrads g;
+  if (c->bf16) {
+    g.dw1_bf16 = static_cast<uint16_t*>(c->dw1);
+    g.dw2_bf16 = static_cast<uint16_t*>(c->dw2);
+  } else {
+    g.dw1 = static_cast<float*>(c->dw1);
+    g.dw2 = static_cast<float*>(c->dw2);
+  }
+  g.dwr = c->dwr;
+  g.dprobs = c->dprobs;
+  g.db1 = c->db1;
+  g.accumulate = c->accumulate == 1;
+  g.storage = flowmoe::ExpertStorage{c->stored_hidden, c->stored_ffn, c->interleaved != 0};
+  return g;
+}
 }  // namespace
 
 int flowmoe_layer_set_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w) {
   const char* what = "flowmoe_layer_set_weights_ex";
   return guarded(what, [&] { checked(layer, what)->layer->set_weights(weights_of(what, w)); });
-}
-
-int flowmoe_layer_set_backward_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w) {
-  const char* what = "flowmoe_layer_set_backward_weights_ex";
-  return guarded(what, [&] {
-    const flowmoe::MoeWeights mw = weights_of(what, w);
-    FLOWMOE_CHECK(mw.router_bias == nullptr, what << ": router_bias given; the backward does not read it (null)");
-    checked(layer, what)->layer->set_backward_weights(mw);
-  });
 }
 
 int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int bf16, int* out) {
@@ -445,32 +460,38 @@ int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int bf16, int* out)
   });
 }
 
-int flowmoe_layer_backward_grads(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, const flowmoe_grads* c) {
-  const char* what = "flowmoe_layer_backward_grads";
+int flowmoe_layer_forward_call(flowmoe_layer* layer, const flowmoe_forward_call* call) {
+  const char* what = "flowmoe_layer_forward_call";
   return guarded(what, [&] {
     flowmoe_layer* l = checked(layer, what);
-    l->db1 = nullptr;  // (a set_gemm1_bias_grad pointer is not carried into this entry point)
-    FLOWMOE_CHECK(c, what << ": the gradients struct is null");
-    FLOWMOE_CHECK(c->bf16 == 0 || c->bf16 == 1, what << ": bf16 = " << c->bf16 << "; expected 0 or 1");
-    FLOWMOE_CHECK(c->accumulate == 0 || c->accumulate == 1,
-                  what << ": accumulate = " << c->accumulate << "; expected 0 or 1");
-    FLOWMOE_CHECK((c->stored_hidden == 0) == (c->stored_ffn == 0),
-                  what << ": stored_hidden " << c->stored_hidden << ", stored_ffn " << c->stored_ffn
-                       << "; expected both 0 (the layer's layout) or both the stored sizes");
-    flowmoe::MoeGrads g;
-    if (c->bf16) {
-      g.dw1_bf16 = static_cast<uint16_t*>(c->dw1);
-      g.dw2_bf16 = static_cast<uint16_t*>(c->dw2);
-    } else {
-      g.dw1 = static_cast<float*>(c->dw1);
-      g.dw2 = static_cast<float*>(c->dw2);
+    FLOWMOE_CHECK(call, what << ": the call struct is null");
+    flowmoe::MoeLayer& m = *l->layer;
+    m.bind_memory(flowmoe::MoeMemory{call->memory.weights, call->memory.saved, call->memory.transient});
+    if (m.config().external_routing || call->ids || call->probs) m.set_routing(call->ids, call->probs);
+    if (m.config().gemm1_bias || call->b1) m.set_gemm1_bias(call->b1);
+    m.forward(call->x, call->tokens, call->y);
+  });
+}
+
+int flowmoe_layer_backward_call(flowmoe_layer* layer, const flowmoe_backward_call* call) {
+  const char* what = "flowmoe_layer_backward_call";
+  return guarded(what, [&] {
+    flowmoe_layer* l = checked(layer, what);
+    l->db1 = nullptr;
+    FLOWMOE_CHECK(call, what << ": the call struct is null");
+    FLOWMOE_CHECK(call->step_bytes >= 0 && (call->step != nullptr || call->step_bytes == 0),
+                  what << ": step " << call->step << " of " << call->step_bytes
+                       << " bytes; expected step_state's bytes, or null and 0 (the latest forward)");
+    flowmoe::MoeLayer& m = *l->layer;
+    const flowmoe::MoeGrads g = grads_of(what, &call->grads);
+    m.bind_memory(flowmoe::MoeMemory{call->memory.weights, call->memory.saved, call->memory.transient});
+    if (call->step) m.load_step(static_cast<const uint8_t*>(call->step), static_cast<size_t>(call->step_bytes));
+    if (call->params) {
+      const flowmoe::MoeWeights p = weights_of(what, call->params);
+      FLOWMOE_CHECK(p.router_bias == nullptr, what << ": params.router_bias given; the backward does not read it");
+      m.set_backward_weights(p);
     }
-    g.dwr = c->dwr;
-    g.dprobs = c->dprobs;
-    g.db1 = c->db1;
-    g.accumulate = c->accumulate == 1;
-    g.storage = flowmoe::ExpertStorage{c->stored_hidden, c->stored_ffn, c->interleaved != 0};
-    l->layer->backward(dy, dx, g);
+    m.backward(call->dy, call->dx, g);
   });
 }
 
