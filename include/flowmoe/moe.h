@@ -172,7 +172,7 @@ struct MoeWeights {
   // Read in place by the CUDA layer's FP8 block recipes (blockwise, flow, flow-fp4: the weight
   // quantization reads them, no relaid copy) and, for BF16 parameters, its bf16 recipe (its BF16
   // copies written relaid); refused elsewhere (MoeLayer::reads_stored_weights). The gradients
-  // (MoeGrads) stay in the layer's layout.
+  // follow MoeGrads::storage (the layer's layout unless it says otherwise).
   ExpertStorage storage;
 
   bool bf16_params() const { return w1_bf16 != nullptr || w2_bf16 != nullptr; }

@@ -108,7 +108,7 @@ def derive_weights(w1: torch.Tensor, w2: torch.Tensor, wr: Optional[torch.Tensor
     for name, t, dtype in (("w1", w1, expert_dtype), ("w2", w2, expert_dtype), ("wr", wr, torch.float32),
                            ("router_bias", router_bias, torch.float32)):
         if t is not None and (t.dtype != dtype or not t.is_contiguous() or t.device != r.device):
-            raise FlowmoeError(f"flowmoe.torch.MoE: {name} is {t.dtype} on {t.device} (contiguous: "
+            raise FlowmoeError(f"{m.who}: {name} is {t.dtype} on {t.device} (contiguous: "
                                f"{t.is_contiguous()}); expected contiguous {dtype} on {r.device} (w1 and w2: "
                                "both float32 or both bfloat16)")
     wbuf = _bytes(r.plan[0], w1.device)
@@ -228,9 +228,12 @@ def moe_backward(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torch.Te
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # (no argument has a default: a boxed call drops trailing arguments equal to their defaults, and
     # PyTorch 2.11 then fails to bump the versions of the mutated main_* arguments, indexing past them)
-    # stored_grads: dw1, dw2 written where the module's storage keeps the weights (_stored_grads)
+    # stored_grads: dw1, dw2 returned where the module's storage keeps the weights: written there by
+    # the layer where it can (_stored_grads), else written in its layout and mapped here, inside the
+    # op (so that a traced backward sees only the op and its fake)
     m = _module(module_id)
-    grads = _grad_buffers(m, dy.device, [n and not accumulate for n in needs], bf16_grads, stored_grads)
+    direct = stored_grads and m._stored_grads(_Runner.of_step(step, f"{m.who} backward"), bf16_grads)
+    grads = _grad_buffers(m, dy.device, [n and not accumulate for n in needs], bf16_grads, direct)
     db1 = _bias_grad_buffer(m, dy.device, bias_grad)
     # (w1, w2: the parameters as the caller holds them, converted as the forward did, for as long as
     # the backward runs)
@@ -238,7 +241,14 @@ def moe_backward(dy: torch.Tensor, wbuf: Optional[torch.Tensor], saved: torch.Te
         if w1 is not None else None
     into = [main_w1, main_w2, main_wr] if accumulate else [g if n else None for g, n in zip(grads, needs)]
     dx, dprobs = _run_backward(m, dy, wbuf, saved, step, params, into, db1 if bias_grad else None, accumulate,
-                               stored_grads)
+                               direct)
+    del into, params
+    if stored_grads and not direct:  # each layer-layout gradient freed once mapped (one pair lives at a time)
+        in_layer = [grads[0] if needs[0] else None, grads[1] if needs[1] else None]
+        empty = [grads[0] if not needs[0] else None, grads[1] if not needs[1] else None]
+        del grads[:2]
+        dw1, dw2 = m._grads_to_storage(in_layer)
+        grads[:0] = [dw1 if dw1 is not None else empty[0], dw2 if dw2 is not None else empty[1]]
     return dx, grads[0], grads[1], grads[2], dprobs, db1
 
 
@@ -303,15 +313,9 @@ def _backward(ctx, dy, _dsaved, _dstep):
     d1, d2 = ctx.weight_dtypes
     bf16 = module.external_routing and d1 == d2 == torch.bfloat16
     bias_grad = ctx.has_b1 and bool(wants[9])
-    # weights read where the model stores them: their gradients written there by the wgrad where
-    # the layer can (else in its layout, mapped back below)
-    stored = module.storage is not None and ctx.runner is not None and module._stored_grads(ctx.runner, bf16)
+    # weights read where the model stores them: their gradients returned in the same layout
     dx, dw1, dw2, dwr, dprobs, db1 = moe_backward(dy, wbuf, saved, step, w1, w2, wr, needs, ctx.module_id, bf16,
-                                                  bias_grad, False, stored, None, None, None)
-    if module.storage is not None and not stored:  # from the layer's layout to the parameters' own
-        in_layer = [dw1 if needs[0] else None, dw2 if needs[1] else None]
-        del dw1, dw2  # (each freed once mapped: one weight's two copies live at a time, as autograd's relayout)
-        dw1, dw2 = module._grads_to_storage(in_layer)
+                                                  bias_grad, False, module.storage is not None, None, None, None)
     return (dx if dx_wanted else None, dw1.to(d1) if needs[0] else None, dw2.to(d2) if needs[1] else None,
             dwr if needs[2] else None, None, None, None, None, dprobs if wants[8] else None,
             db1 if bias_grad else None)

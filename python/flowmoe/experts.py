@@ -24,8 +24,12 @@ before the activation) and ``b2`` [E, H] (added per slot before its routing weig
 b2[e_k]), ``activation="clamped-swiglu"`` with ``swiglu_alpha`` / ``swiglu_limit``, ``transposed``
 weights (w1 [E, H, 2F], w2 [E, F, H]) and ``interleaved`` gate / up (rows, or columns when
 transposed, alternating; b1 too). H and F need not be multiples of 128: the weights, x and b1 are
-zero-padded to the next multiple (the layer's tiles) and y cropped, the same computation. Layouts
-other than the layer's own are relaid by differentiable copies at every forward (_Layout).
+zero-padded to the next multiple (the layer's tiles) and y cropped, the same computation.
+Transposed weights are read where they are by the layers that can (the library's rule,
+``_reads_stored``: the CUDA layer of the FP8 block recipes, and of bf16 with BF16 parameters), their
+gradients written there by the wgrad where the layer can and otherwise mapped back inside the
+backward op; other layouts, and the other layers, get them relaid by differentiable copies at
+every forward (_Layout).
 """
 
 from __future__ import annotations

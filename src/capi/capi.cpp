@@ -427,6 +427,8 @@ flowmoe::MoeGrads grads_of(const char* what, const flowmoe_grads* c) {
   FLOWMOE_CHECK(c->bf16 == 0 || c->bf16 == 1, what << ": bf16 = " << c->bf16 << "; expected 0 or 1");
   FLOWMOE_CHECK(c->accumulate == 0 || c->accumulate == 1,
                 what << ": accumulate = " << c->accumulate << "; expected 0 or 1");
+  FLOWMOE_CHECK(c->interleaved == 0 || c->interleaved == 1,
+                what << ": interleaved = " << c->interleaved << "; expected 0 or 1");
   FLOWMOE_CHECK((c->stored_hidden == 0) == (c->stored_ffn == 0),
                 what << ": stored_hidden " << c->stored_hidden << ", stored_ffn " << c->stored_ffn
                      << "; expected both 0 (the layer's layout) or both the stored sizes");

@@ -74,8 +74,9 @@ struct StoredWeights {
     const bool second = !first && map.second >= 0 && col >= map.second && col + 7 < map.second + map.valid;
     if (std::is_same<In, bf16_t>::value && (first || second)) {
       const int64_t j0 = first ? map.base0 + map.stride * col : map.base1 + map.stride * (col - map.second);
-      const In* p = base + (map.stride == 2 ? (j0 & ~int64_t(1)) : j0);
-      if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+      const int64_t j_first = map.stride == 2 ? (j0 & ~int64_t(1)) : j0;  // (16 values from here at stride 2)
+      const In* p = base + j_first;
+      if ((reinterpret_cast<uintptr_t>(p) & 15) == 0 && (map.stride == 1 || j_first + 15 < l)) {
         const uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
         if (map.stride == 1) return a;
         const uint4 b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
