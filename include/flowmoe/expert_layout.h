@@ -70,6 +70,18 @@ void expert_weights_to_layer(const T* src, T* dst, int num_experts, int64_t c, i
         dst[(e * r + i) * cp + k] = (j >= 0 && k < c) ? src[(e * c + k) * l + j] : T(0);
     }
 }
+// The gradients' way back (from_layer above): grad [E, C, L] from the layer's dst_grad [E, R, Cp];
+// `put(stored_index_value&, layer_value)` writes each (e.g. = or +=, with a conversion).
+template <typename D, typename S, typename Put>
+void expert_grads_from_layer(const S* dst_grad, D* grad, int num_experts, int64_t c, int64_t l, int64_t r, int64_t cp,
+                             const ExpertRowMap& map, Put put) {
+  for (int64_t e = 0; e < num_experts; ++e)
+    for (int64_t i = 0; i < r; ++i) {
+      const int64_t j = map.map(i);
+      if (j < 0) continue;  // (padding rows: no stored gradient)
+      for (int64_t k = 0; k < c; ++k) put(grad[(e * c + k) * l + j], dst_grad[(e * r + i) * cp + k]);
+    }
+}
 }  // namespace cpu
 
 }  // namespace flowmoe

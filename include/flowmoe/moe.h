@@ -171,8 +171,9 @@ struct MoeWeights {
   // sizes Hs <= H and Fs <= F (the rest of the layer's H, F reads as zeros; flowmoe/expert_layout.h).
   // Read in place by the CUDA layer's FP8 block recipes (blockwise, flow, flow-fp4: the weight
   // quantization reads them, no relaid copy) and, for BF16 parameters, its bf16 recipe (its BF16
-  // copies written relaid); refused elsewhere (MoeLayer::reads_stored_weights). The gradients
-  // follow MoeGrads::storage (the layer's layout unless it says otherwise).
+  // copies written relaid), and by the CPU layer (relaid into its copies); refused elsewhere
+  // (MoeLayer::reads_stored_weights). The gradients follow MoeGrads::storage (the layer's layout
+  // unless it says otherwise).
   ExpertStorage storage;
 
   bool bf16_params() const { return w1_bf16 != nullptr || w2_bf16 != nullptr; }
@@ -398,15 +399,16 @@ class MoeLayer {
   // (MoeWeights::storage not the layer's layout), FP32 masters or (bf16_params) BF16 parameters.
   virtual bool reads_stored_weights(bool bf16_params) const { return false; }
   // Whether the backward writes dW1 and dW2 (BF16 with bf16_grads, else FP32) in `storage`'s layout
-  // (MoeGrads::storage): the CUDA layer of the FP8 block recipes with align 128 (its wgrad kernel
-  // writes them; the stored rows a multiple of 16 bytes, and gate / up either interleaved or
-  // concatenated without padding between them).
+  // (MoeGrads::storage): the CPU layer always (the reference maps them), the CUDA layer of the FP8
+  // block recipes with align 128 (its wgrad kernel writes them; the stored rows a multiple of 16
+  // bytes, and gate / up either interleaved or concatenated without padding between them).
   virtual bool writes_stored_grads(const ExpertStorage& storage, bool bf16_grads) const {
     return storage.is_layer_layout();
   }
   // What reads_stored_weights(bf16_params) gives for the layer of `backend` ("cpu", "cuda") and
-  // `recipe`, before one is made: the CUDA layer of the FP8 block recipes (blockwise, flow,
-  // flow-fp4), and of bf16 with BF16 parameters (its copies relaid from them).
+  // `recipe`, before one is made: the CPU layer always (it relays them into its own copies), the
+  // CUDA layer of the FP8 block recipes (blockwise, flow, flow-fp4) and of bf16 with BF16
+  // parameters (its copies relaid from them).
   static bool reads_stored_weights(const std::string& backend, Recipe recipe, bool bf16_params);
 
  protected:

@@ -26,7 +26,8 @@ weights (w1 [E, H, 2F], w2 [E, F, H]) and ``interleaved`` gate / up (rows, or co
 transposed, alternating; b1 too). H and F need not be multiples of 128: the weights, x and b1 are
 zero-padded to the next multiple (the layer's tiles) and y cropped, the same computation.
 Transposed weights are read where they are by the layers that can (the library's rule,
-``_reads_stored``: the CUDA layer of the FP8 block recipes, and of bf16 with BF16 parameters), their
+``_reads_stored``: the CPU layer, the CUDA layer of the FP8 block recipes, and of bf16 with BF16
+parameters), their
 gradients written there by the wgrad where the layer can and otherwise mapped back inside the
 backward op; other layouts, and the other layers, get them relaid by differentiable copies at
 every forward (_Layout).
@@ -349,9 +350,9 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
     # configuration is first made (_ExpertsLayer)
     act = (activation, float(swiglu_alpha), float(swiglu_limit)) if activation != "swiglu" else ("swiglu", 1.702, 7.0)
     lay = _Layout(H, F, bool(transposed), bool(interleaved))
-    # transposed weights are read where they are by the layers that can (the CUDA layer of the FP8
-    # block recipes, and of bf16 with BF16 parameters: the library's rule), relaid by differentiable
-    # copies for the others
+    # transposed weights are read where they are by the layers that can (the CPU layer; the CUDA
+    # layer of the FP8 block recipes, and of bf16 with BF16 parameters: the library's rule), relaid
+    # by differentiable copies for the others
     bf16_params = w1.dtype == w2.dtype == torch.bfloat16  # (else FP32: _ops.layer_weights)
     stored = lay.transposed and _reads_stored(recipe, x.device.type, bf16_params)
     key = (recipe, align, max_tokens, bool(sync_free), check_finite, E, H, F, k, act, b1 is not None,

@@ -91,6 +91,7 @@ void MoeLayer::check_grads(const MoeGrads& g) const {
 
 // ---- weights ------------------------------------------------------------------------------------
 bool MoeLayer::reads_stored_weights(const std::string& backend, Recipe recipe, bool bf16_params) {
+  if (backend == "cpu") return true;  // (the reference relays them into its own copies)
   const WeightCopy copy = recipe_spec(recipe).weights;
   return backend == "cuda" && (copy == WeightCopy::kFp8Block || (copy == WeightCopy::kBf16Only && bf16_params));
 }

@@ -42,8 +42,30 @@ CpuMoeLayer::CpuMoeLayer(const MoeConfig& cfg)
 }
 
 void CpuMoeLayer::set_weights(const MoeWeights& w) {
-  const bool router = !cfg_.external_routing;
   check_weights(w, "host");
+  const ExpertStorage& st = w.storage;
+  if (!st.is_layer_layout()) {  // relaid into the layer's layout (padding zeros), then as any weights
+    const int64_t n1 = int64_t(El_) * 2 * F_ * H_, n2 = int64_t(El_) * H_ * F_;
+    MoeWeights lw = w;
+    lw.storage = ExpertStorage();
+    const auto relay = [&](const auto* w1, const auto* w2, auto& v1, auto& v2) {
+      v1.resize(n1), v2.resize(n2);
+      cpu::expert_weights_to_layer(w1, v1.data(), El_, st.hidden, 2 * st.ffn, 2 * F_, H_, st.w1_rows(F_));
+      cpu::expert_weights_to_layer(w2, v2.data(), El_, st.ffn, st.hidden, H_, F_, st.w2_rows());
+    };
+    std::vector<bf16_t> b1, b2;
+    std::vector<float> f1, f2;
+    if (w.bf16_params()) {
+      relay(w.w1_bf16, w.w2_bf16, b1, b2);
+      lw.w1_bf16 = b1.data(), lw.w2_bf16 = b2.data();
+    } else {
+      relay(w.w1, w.w2, f1, f2);
+      lw.w1 = f1.data(), lw.w2 = f2.data();
+    }
+    set_weights(lw);
+    return;
+  }
+  const bool router = !cfg_.external_routing;
   // W1, W2: this rank's El local experts (El = E on a single rank); Wr: all E (replicated).
   const int64_t n1 = int64_t(El_) * 2 * F_ * H_, n2 = int64_t(El_) * H_ * F_;
   if (w.bf16_params()) {
@@ -155,8 +177,32 @@ void CpuMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
     FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null host pointers to [T, H] bf16");
     check_grads(g);
   });
-  // BF16 expert gradients: this backward's FP32 sums (overwritten), then rounded once (RNE)
   const int64_t n1 = El_ * 2 * F_ * H_, n2 = El_ * H_ * F_;
+  const ExpertStorage& st = g.storage;
+  if (!st.is_layer_layout()) {
+    // dW1, dW2 computed in the layer's layout (FP32, from zero), then mapped to the stored one:
+    // FP32 = or += (accumulate), BF16 rounded once (RNE)
+    std::vector<float> l1(g.wants_dw1() ? n1 : 0, 0.0f), l2(g.wants_dw2() ? n2 : 0, 0.0f);
+    MoeGrads gl = g;
+    gl.storage = ExpertStorage();
+    gl.dw1 = g.wants_dw1() ? l1.data() : nullptr, gl.dw2 = g.wants_dw2() ? l2.data() : nullptr;
+    gl.dw1_bf16 = gl.dw2_bf16 = nullptr;
+    backward_f32_grads(dy, dx, gl);
+    const auto back = [&](const std::vector<float>& lay, float* f32, bf16_t* b16, int64_t c, int64_t l, int64_t r,
+                          int64_t cp, const ExpertRowMap& map) {
+      if (f32 && g.accumulate)
+        cpu::expert_grads_from_layer(lay.data(), f32, El_, c, l, r, cp, map, [](float& d, float v) { d += v; });
+      else if (f32)
+        cpu::expert_grads_from_layer(lay.data(), f32, El_, c, l, r, cp, map, [](float& d, float v) { d = v; });
+      else if (b16)
+        cpu::expert_grads_from_layer(lay.data(), b16, El_, c, l, r, cp, map,
+                                     [](bf16_t& d, float v) { d = num::f32_to_bf16(v); });
+    };
+    if (g.wants_dw1()) back(l1, g.dw1, g.dw1_bf16, st.hidden, 2 * st.ffn, 2 * F_, H_, st.w1_rows(F_));
+    if (g.wants_dw2()) back(l2, g.dw2, g.dw2_bf16, st.ffn, st.hidden, H_, F_, st.w2_rows());
+    return;
+  }
+  // BF16 expert gradients: this backward's FP32 sums (overwritten), then rounded once (RNE)
   std::vector<float> dw1_f32(g.dw1_bf16 ? n1 : 0), dw2_f32(g.dw2_bf16 ? n2 : 0);
   MoeGrads gf = g;
   if (g.dw1_bf16) gf.dw1 = dw1_f32.data(), gf.dw1_bf16 = nullptr;

@@ -154,6 +154,10 @@ class CpuMoeLayer final : public MoeLayer {
   void set_weights(const MoeWeights& w) override;
   void forward(const bf16_t* x, int64_t tokens, bf16_t* y) override;
   void backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) override;
+  bool reads_stored_weights(bool) const override { return true; }
+  bool writes_stored_grads(const ExpertStorage& st, bool) const override {
+    return st.is_layer_layout() || (st.hidden >= 1 && st.hidden <= H_ && st.ffn >= 1 && st.ffn <= F_);
+  }
   const CastReport& cast_report() const override { return report_; }
   MoeStatus status() const override { return status_; }
   std::vector<uint8_t> step_state() const override;

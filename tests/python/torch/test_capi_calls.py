@@ -76,12 +76,11 @@ def test_bad_call_arguments_are_clear_errors():
     c = native.BackwardCall(dy.data_ptr(), dx.data_ptr(), g, None, native.Memory(None, None, None), None, 0)
     with pytest.raises(FlowmoeError, match="interleaved = 2"):
         native.check(native.lib().flowmoe_layer_backward_call(layer.handle, ctypes.byref(c)))
-    # weights described as stored: the CPU layer reads only its own layout, and says where to go
-    with pytest.raises(FlowmoeError, match="relay them first"):
-        layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr(), storage=(100, 64, True))
-    assert not layer.reads_stored_weights(True) and not layer.reads_stored_weights(False)
-    assert not layer.writes_stored_grads((100, 64, True), False)
-    assert layer.writes_stored_grads((0, 0, False), False)  # (the layer's own layout)
+    # weights described as stored with sizes larger than the layer's: refused, the sizes named
+    with pytest.raises(FlowmoeError, match="stored sizes H 129"):
+        layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr(), storage=(H + 1, 64, True))
+    assert layer.reads_stored_weights(True) and layer.reads_stored_weights(False)  # (the CPU reference)
+    assert layer.writes_stored_grads((100, 64, True), False) and not layer.writes_stored_grads((H + 1, 64, True), False)
     layer.close()
 
 
@@ -89,7 +88,8 @@ def test_stored_weights_rule_is_the_librarys():
     rule = native.recipe_reads_stored_weights
     for recipe in ("blockwise", "flow", "flow-fp4"):
         assert rule(recipe, "cuda", False) and rule(recipe, "cuda", True)
-        assert not rule(recipe, "cpu", True)
+    for recipe in ("bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"):
+        assert rule(recipe, "cpu", False) and rule(recipe, "cpu", True)  # (the CPU layer relays them)
     assert rule("bf16", "cuda", True) and not rule("bf16", "cuda", False)
     assert not rule("fp8-naive", "cuda", True)
     with pytest.raises(FlowmoeError, match="backend 'tpu'"):

@@ -162,3 +162,34 @@ def test_gradient_accumulation_and_weights_move():
     torch.optim.AdamW(params, lr=1e-3, fused=True).step()
     for b, p in zip(before, params):
         assert not torch.equal(b, p.detach())
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "flow"])
+def test_the_layer_reads_the_parameters_where_they_are(recipe):
+    """The layer takes gpt-oss's transposed, interleaved, unpadded parameters themselves (the
+    library's rule: the CPU reference relays them into its own copies) and returns their gradients
+    in their layout: the autograd graph holds no relaying copy of them."""
+    from flowmoe import experts as fx
+
+    x, logits, gate_up, b1, down, b2, dy = problem(3)
+    owner = torch.nn.Module()
+    ids, w = route(logits)
+    y = ft.experts(x, ids, w, gate_up, down, recipe=recipe, b1=b1, b2=b2, activation="clamped-swiglu",
+                   swiglu_alpha=ALPHA, swiglu_limit=LIMIT, transposed=True, interleaved=True, owner=owner)
+    layers = list(fx._layers[id(owner)][1].values())
+    assert len(layers) == 1 and layers[0].storage == (H, F, True)
+    seen, stack, feeding = set(), [y.grad_fn], []
+    while stack:  # every node between y and the leaves: which ones feed gate_up and down
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        for f, _ in n.next_functions:
+            if f is not None and type(f).__name__ == "AccumulateGrad" and any(
+                    f.variable is p for p in (gate_up, down)):
+                feeding.append(type(n).__name__)
+            stack.append(f)
+    # (the flowmoe operator's own node, nothing that copies or transposes them in between)
+    assert len(feeding) == 2 and all("moe_forward" in name for name in feeding), feeding
+    y.float().backward(dy)
+    assert gate_up.grad.shape == gate_up.shape and down.grad.shape == down.shape

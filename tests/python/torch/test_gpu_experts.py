@@ -254,7 +254,7 @@ def test_gpu_gpt_oss_weights_read_in_place_give_the_bits_of_relaid_ones(recipe, 
     from flowmoe import experts as fx
 
     bf16 = dtype == torch.bfloat16
-    assert fx._reads_stored(recipe, "cuda", bf16) and not fx._reads_stored(recipe, "cpu", bf16)
+    assert fx._reads_stored(recipe, "cuda", bf16)
     x, logits, gate_up, b1, down, b2, dy = (t.detach().to(DEV) for t in go.problem(1, dtype))
     leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, b1, down, b2)]
     y, g = go.run(recipe, *leaves, dy, align=align)
