@@ -88,6 +88,7 @@ class _Runner:
         self.backward_weights = layer.takes_backward_weights
         self.id = next(_Runner._ids)
         self.step_capacity = 4096  # bytes of the last step_state (a first guess before the first)
+        self.stored_grads = {}  # (storage, bf16) -> the layer's writes_stored_grads (LayerOwner._stored_grads)
         _Runner._live[self.id] = self
 
     def step(self) -> torch.Tensor:
@@ -180,11 +181,10 @@ class LayerOwner:
     def _stored_grads(self, runner: _Runner, bf16: bool) -> bool:
         """Whether `runner`'s backward writes dW1, dW2 (BF16 with bf16) where `storage` keeps the
         weights (the library's rule, asked once per runner and kind)."""
-        cache = runner.__dict__.setdefault("_stored_grads", {})
         key = (self.storage, bool(bf16))
-        if key not in cache:
-            cache[key] = runner.layer.writes_stored_grads(self.storage, bf16)
-        return cache[key]
+        if key not in runner.stored_grads:
+            runner.stored_grads[key] = runner.layer.writes_stored_grads(self.storage, bf16)
+        return runner.stored_grads[key]
 
     def _ensure_runner(self, device: torch.device, tokens: int) -> _Runner:
         """The native layer for `tokens` tokens on `device`, built (or rebuilt larger) when needed. A

@@ -99,6 +99,23 @@ struct StoredWeights {
   }
 };
 
+// Expert ex of a batch: the source and each output advanced by one expert's extent (X [n][k] and
+// its transpose, their [n/128][k/128] scales; a null output stays null).
+template <typename Source, typename Ptr>  // (Ptr: the kernels' uint8_t* __restrict__)
+__device__ __forceinline__ void to_expert(int64_t ex, int64_t n, int64_t k, Source& w, Ptr& codes, Ptr& scales,
+                                          Ptr& t_codes, Ptr& t_scales) {
+  const int64_t elems = n * k, blocks = (n / kTile) * (k / kTile);
+  w.to_expert(ex, n);
+  if (codes) {
+    codes += ex * elems;
+    scales += ex * blocks;
+  }
+  if (t_codes) {
+    t_codes += ex * elems;
+    t_scales += ex * blocks;
+  }
+}
+
 // ---- K11: weights, one 128x128 block per CTA, plus the exact transposed copy; blockIdx.z the expert.
 // In = bf16_t, or float (the masters, rounded to BF16 on the way: the bits of the BF16 copy's
 // quantization; `nonfinite` then counts the FP32 values, as f32_to_bf16 does). Source: where X is
@@ -112,18 +129,7 @@ quantize_weight_kernel(Source w, int64_t n, int64_t k, uint8_t* __restrict__ cod
   __shared__ float s_amax[kThreads / 32];
   __shared__ int s_bad[kThreads / 32];
   const int64_t bn = blockIdx.y, bk = blockIdx.x;
-  {  // expert blockIdx.z of a batch: each operand advanced by one expert's extent
-    const int64_t ex = blockIdx.z, elems = n * k, blocks = (n / kTile) * (k / kTile);
-    w.to_expert(ex, n);
-    if (codes) {
-      codes += ex * elems;
-      scales += ex * blocks;
-    }
-    if (t_codes) {
-      t_codes += ex * elems;
-      t_scales += ex * blocks;
-    }
-  }
+  to_expert(blockIdx.z, n, k, w, codes, scales, t_codes, t_scales);
   const int tid = threadIdx.x;
   uint4 v[8];
   float amax = 0.f;
@@ -180,18 +186,7 @@ quantize_weight_pairs_kernel(StoredWeights<bf16_t> w, int64_t n, int64_t k, uint
   __shared__ float s_amax[2][kThreads / 32];
   __shared__ int s_bad[2][kThreads / 32];
   const int64_t bn = blockIdx.y, bk = blockIdx.x, half = k / 2 / kTile;  // gate block bk, up bk + half
-  {
-    const int64_t ex = blockIdx.z, elems = n * k, blocks = (n / kTile) * (k / kTile);
-    w.to_expert(ex, n);
-    if (codes) {
-      codes += ex * elems;
-      scales += ex * blocks;
-    }
-    if (t_codes) {
-      t_codes += ex * elems;
-      t_scales += ex * blocks;
-    }
-  }
+  to_expert(blockIdx.z, n, k, w, codes, scales, t_codes, t_scales);
   const int tid = threadIdx.x;
   uint4 v[2][8];
   float amax[2] = {0.f, 0.f};

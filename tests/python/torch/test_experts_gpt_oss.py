@@ -101,12 +101,9 @@ def test_values_and_gradients_against_float64(recipe, tol):
     assert clamped.float().mean() > 0.1, "the clamp acts on this problem"
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "flow"])
-def test_same_bits_as_weights_relaid_by_hand(recipe):
-    """transposed / interleaved read by flowmoe give the bits of the same weights given in the
-    layer's own layout [E, 2F, H] (gate rows first) and [E, H, F]."""
-    x, logits, gate_up, b1, down, b2, dy = problem(1)
-    y, grads = run(recipe, x, logits, gate_up, b1, down, b2, dy)
+def run_relaid(recipe, x, logits, gate_up, b1, down, b2, dy, align=128):
+    """run() with the same weights relaid by hand into the layer's own layout [E, 2F, H] (gate rows
+    first) and [E, H, F]: y and the gradients of (x, logits, w1, b1, w2, b2) in that layout."""
     gu = gate_up.detach().transpose(1, 2)
     w1 = torch.cat([gu[:, 0::2], gu[:, 1::2]], 1).contiguous().requires_grad_()
     bb = b1.detach()
@@ -115,14 +112,29 @@ def test_same_bits_as_weights_relaid_by_hand(recipe):
     x2, l2, b22 = (t.detach().clone().requires_grad_() for t in (x, logits, b2))
     ids, w = route(l2)
     y2 = ft.experts(x2, ids, w, w1, w2, recipe=recipe, b1=b1c, b2=b22, activation="clamped-swiglu",
-                    swiglu_alpha=ALPHA, swiglu_limit=LIMIT)
+                    swiglu_alpha=ALPHA, swiglu_limit=LIMIT, align=align)
     y2.float().backward(dy)
-    assert torch.equal(y, y2.detach().float())
-    assert torch.equal(grads[0], x2.grad) and torch.equal(grads[1], l2.grad) and torch.equal(grads[5], b22.grad)
+    return y2.detach().float(), (x2.grad, l2.grad, w1.grad, b1c.grad, w2.grad, b22.grad)
+
+
+def assert_same_bits_as_relaid(y, grads, relaid):
+    """run()'s y and gradients (gpt-oss's layout) against run_relaid()'s, bit for bit."""
+    y2, (dx, dl, dw1, db1, dw2, db2) = relaid
+    assert torch.equal(y, y2)
+    assert torch.equal(grads[0], dx) and torch.equal(grads[1], dl) and torch.equal(grads[5], db2)
     g1 = grads[2].transpose(1, 2)
-    assert torch.equal(torch.cat([g1[:, 0::2], g1[:, 1::2]], 1), w1.grad)
-    assert torch.equal(torch.cat([grads[3][:, 0::2], grads[3][:, 1::2]], 1), b1c.grad)
-    assert torch.equal(grads[4].transpose(1, 2), w2.grad)
+    assert torch.equal(torch.cat([g1[:, 0::2], g1[:, 1::2]], 1), dw1)
+    assert torch.equal(torch.cat([grads[3][:, 0::2], grads[3][:, 1::2]], 1), db1)
+    assert torch.equal(grads[4].transpose(1, 2), dw2)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "flow"])
+def test_same_bits_as_weights_relaid_by_hand(recipe):
+    """transposed / interleaved read by flowmoe give the bits of the same weights given in the
+    layer's own layout [E, 2F, H] (gate rows first) and [E, H, F]."""
+    x, logits, gate_up, b1, down, b2, dy = problem(1)
+    y, grads = run(recipe, x, logits, gate_up, b1, down, b2, dy)
+    assert_same_bits_as_relaid(y, grads, run_relaid(recipe, x, logits, gate_up, b1, down, b2, dy))
 
 
 def test_bf16_parameters_get_bf16_gradients():

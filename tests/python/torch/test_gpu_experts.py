@@ -223,24 +223,6 @@ def test_gpu_frozen_expert_weights_give_the_other_gradients_bits(recipe, frozen)
 
 
 # ---- gpt-oss's weights read where they are stored (issue 52) ----------------------------------------
-def _gpt_oss_relaid(recipe, x, logits, gate_up, b1, down, b2, dy, align=128):
-    """The same problem with the weights relaid by hand into the layer's own layout (gate rows first):
-    the path that copies them (what flowmoe did for every recipe before issue 52)."""
-    import test_experts_gpt_oss as go
-
-    gu = gate_up.detach().transpose(1, 2)
-    w1 = torch.cat([gu[:, 0::2], gu[:, 1::2]], 1).contiguous().requires_grad_()
-    bb = b1.detach()
-    b1c = torch.cat([bb[:, 0::2], bb[:, 1::2]], 1).contiguous().requires_grad_()
-    w2 = down.detach().transpose(1, 2).contiguous().requires_grad_()
-    x2, l2, b22 = (t.detach().clone().requires_grad_() for t in (x, logits, b2))
-    ids, w = go.route(l2)
-    y2 = ft.experts(x2, ids, w, w1, w2, recipe=recipe, b1=b1c, b2=b22, activation="clamped-swiglu",
-                    swiglu_alpha=go.ALPHA, swiglu_limit=go.LIMIT, align=align)
-    y2.float().backward(dy)
-    return y2.detach().float(), (x2.grad, l2.grad, w1.grad, b1c.grad, w2.grad, b22.grad)
-
-
 @pytest.mark.parametrize("recipe,dtype,align", [(r, d, 128) for r in ("blockwise", "flow", "flow-fp4")
                                                 for d in (torch.float32, torch.bfloat16)]
                          + [("bf16", torch.bfloat16, 128), ("flow", torch.bfloat16, 64)])
@@ -258,14 +240,8 @@ def test_gpu_gpt_oss_weights_read_in_place_give_the_bits_of_relaid_ones(recipe, 
     x, logits, gate_up, b1, down, b2, dy = (t.detach().to(DEV) for t in go.problem(1, dtype))
     leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, b1, down, b2)]
     y, g = go.run(recipe, *leaves, dy, align=align)
-    y2, (dx, dl, dw1, db1, dw2, db2) = _gpt_oss_relaid(recipe, x, logits, gate_up, b1, down, b2, dy, align)
-    assert torch.equal(y, y2)
-    assert torch.equal(g[0], dx) and torch.equal(g[1], dl) and torch.equal(g[5], db2)
     assert g[2].dtype == dtype and g[2].shape == gate_up.shape and g[4].shape == down.shape
-    g1 = g[2].transpose(1, 2)
-    assert torch.equal(torch.cat([g1[:, 0::2], g1[:, 1::2]], 1), dw1)
-    assert torch.equal(torch.cat([g[3][:, 0::2], g[3][:, 1::2]], 1), db1)
-    assert torch.equal(g[4].transpose(1, 2), dw2)
+    go.assert_same_bits_as_relaid(y, g, go.run_relaid(recipe, x, logits, gate_up, b1, down, b2, dy, align))
 
 
 def test_gpu_gpt_oss_forward_keeps_no_relaid_weights():
