@@ -23,8 +23,9 @@ extern "C" {
 #endif
 
 // Bumped when a function or field is added (each is marked with the version that added it);
-// earlier versions' functions keep their signatures and meaning.
-#define FLOWMOE_CAPI_VERSION 9
+// earlier versions' functions keep their signatures and meaning. Version 10 appended fields to
+// flowmoe_cuda_options and flowmoe_forward_call: callers built against version 9 are rebuilt.
+#define FLOWMOE_CAPI_VERSION 10
 
 enum flowmoe_status_code {
   FLOWMOE_OK = 0,
@@ -92,6 +93,10 @@ typedef struct flowmoe_cuda_options {
   // CudaLayerOptions::caller_memory: the weight copies, saved activations and scratch live in
   // regions the caller binds (flowmoe_layer_memory_plan, flowmoe_layer_bind_memory).
   int32_t caller_memory;
+  // Version 10, CudaLayerOptions::bf16_params_in_place (caller memory): the expert parameters are
+  // BF16 in the layer's layout and the bf16 recipe's GEMMs read them in place, no copy (every
+  // forward then takes them: flowmoe_forward_call's params).
+  int32_t bf16_params_in_place;
 } flowmoe_cuda_options;
 // flowmoe_layer_create_cuda with options (null: the defaults).
 int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm, int device,
@@ -221,7 +226,13 @@ typedef struct flowmoe_forward_call {
   const float* probs;      // [tokens, k] fp32, else null
   const float* b1;         // gemm1_bias layers: [El, 2F] fp32, else null
   flowmoe_memory memory;
+  // Version 10: the parameters this forward's GEMMs read in place (the layer's
+  // flowmoe_layer_reads_params_in_place gives 1: then required; BF16 w1, w2 as given to
+  // set_weights_ex; wr and router_bias not read), else null.
+  const flowmoe_weights* params;
 } flowmoe_forward_call;
+// Version 10: *out = 1 when every forward takes the parameters (flowmoe_forward_call's params).
+int flowmoe_layer_reads_params_in_place(flowmoe_layer* layer, int* out);
 int flowmoe_layer_forward_call(flowmoe_layer* layer, const flowmoe_forward_call* call);
 typedef struct flowmoe_backward_call {
   const uint16_t* dy;      // [tokens, H] of the forward whose state `step` holds

@@ -395,6 +395,14 @@ class MoeLayer {
   // keeps them unchanged in between), reads Wr there, and reads nothing of the weights region,
   // which may then be unbound (null). Refused where takes_backward_weights() is false.
   virtual void set_backward_weights(const MoeWeights& w);
+  // Whether each forward reads the BF16 expert parameters in place (CudaLayerOptions::
+  // bf16_params_in_place on the bf16 recipe): set_weights only checks them (no copy), and every
+  // forward takes them (set_forward_weights), as every backward does (set_backward_weights).
+  virtual bool reads_params_in_place() const { return false; }
+  // The parameters of the next forward only, as given to set_weights (BF16 W1, W2 in the layer's
+  // layout; Wr and router_bias not read): its GEMMs read them where they are, so the caller keeps
+  // them unchanged until the forward's work is done. Refused where reads_params_in_place() is false.
+  virtual void set_forward_weights(const MoeWeights& w);
   // Whether set_weights and set_backward_weights read W1, W2 where a model stores them
   // (MoeWeights::storage not the layer's layout), FP32 masters or (bf16_params) BF16 parameters.
   virtual bool reads_stored_weights(bool bf16_params) const { return false; }
@@ -541,6 +549,15 @@ struct CudaLayerOptions {
   // without host synchronisation (its buffers are shared with the peers once, at construction)
   // nor with LayerStepGraph (which captures the layer's own addresses). Same bits as the default.
   bool caller_memory = false;
+  // Caller memory, recipe bf16: the caller's expert parameters are BF16 in the layer's layout
+  // (MoeWeights::w1_bf16 / w2_bf16, ExpertStorage of the layer), and the BF16 GEMMs read them in
+  // place: the weights region holds no BF16 copy of them (2 bytes per expert parameter less, kept
+  // from a forward to its backward) and set_weights, instead of copying them, reads them once to
+  // count their non-finite values. Every forward and backward then takes the parameters
+  // (set_forward_weights, set_backward_weights); set_weights refuses FP32 masters and stored
+  // layouts. Other recipes: no effect (the FP8 recipes quantize straight from the parameters
+  // already). Same bits as the copies.
+  bool bf16_params_in_place = false;
   // The grouped GEMMs' options (gemm.h): cuBLASLt per expert (BF16, wgrad, grouped_gemm off) and
   // the wgrad kernel's choice.
   gemm::GroupedGemmOptions gemm;

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Tuple
 from ._errors import CommError, ConfigError, FlowmoeError, NonFiniteError, OutOfMemoryError, debug, split_location
 
 LIBRARY_NAME = "libflowmoe_capi.so"
-CAPI_VERSION = 9
+CAPI_VERSION = 10
 
 OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED, ERROR_OUT_OF_MEMORY = 0, 1, 2, 3, 4, 5
 
@@ -49,7 +49,8 @@ class Config(ctypes.Structure):
 
 
 class CudaOptions(ctypes.Structure):
-    _fields_ = [("sync_free", ctypes.c_int32), ("caller_memory", ctypes.c_int32)]
+    _fields_ = [("sync_free", ctypes.c_int32), ("caller_memory", ctypes.c_int32),
+                ("bf16_params_in_place", ctypes.c_int32)]  # (version 10)
 
 
 class Weights(ctypes.Structure):  # flowmoe_weights (version 9)
@@ -69,9 +70,10 @@ class Memory(ctypes.Structure):  # flowmoe_memory (version 9)
     _fields_ = [("weights", ctypes.c_void_p), ("saved", ctypes.c_void_p), ("transient", ctypes.c_void_p)]
 
 
-class ForwardCall(ctypes.Structure):  # flowmoe_forward_call (version 9)
+class ForwardCall(ctypes.Structure):  # flowmoe_forward_call (version 10: params)
     _fields_ = [("x", ctypes.c_void_p), ("tokens", ctypes.c_int64), ("y", ctypes.c_void_p), ("ids", ctypes.c_void_p),
-                ("probs", ctypes.c_void_p), ("b1", ctypes.c_void_p), ("memory", Memory)]
+                ("probs", ctypes.c_void_p), ("b1", ctypes.c_void_p), ("memory", Memory),
+                ("params", ctypes.POINTER(Weights))]
 
 
 class BackwardCall(ctypes.Structure):  # flowmoe_backward_call (version 9)
@@ -143,6 +145,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "flowmoe_layer_backward_ex": (c_int, [vp, vp, vp, vp, vp, vp, vp, c_int]),
         "flowmoe_layer_backward_bf16": (c_int, [vp, vp, vp, vp, vp, vp, vp]),
         "flowmoe_layer_takes_backward_weights": (c_int, [vp, ctypes.POINTER(c_int)]),
+        "flowmoe_layer_reads_params_in_place": (c_int, [vp, ctypes.POINTER(c_int)]),
         "flowmoe_layer_forward_call": (c_int, [vp, ctypes.POINTER(ForwardCall)]),
         "flowmoe_layer_backward_call": (c_int, [vp, ctypes.POINTER(BackwardCall)]),
         "flowmoe_layer_writes_stored_grads": (c_int, [vp, i64, i64, c_int, c_int, ctypes.POINTER(c_int)]),
@@ -385,7 +388,8 @@ class Layer:
     """A MoE layer handle (moe.h MoeLayer) on raw addresses."""
 
     def __init__(self, config: Config, comm: Optional[Comm] = None, device: Optional[int] = None,
-                 stream: int = 0, sync_free: bool = False, caller_memory: bool = False):
+                 stream: int = 0, sync_free: bool = False, caller_memory: bool = False,
+                 bf16_params_in_place: bool = False):
         self._comm = comm  # the layer does not own its communicator: keep it alive
         self.config = config
         handle = ctypes.c_void_p()
@@ -393,7 +397,7 @@ class Layer:
         if device is None:
             check(lib().flowmoe_layer_create_cpu(ctypes.byref(config), comm_h, ctypes.byref(handle)))
         else:
-            opts = CudaOptions(int(bool(sync_free)), int(bool(caller_memory)))
+            opts = CudaOptions(int(bool(sync_free)), int(bool(caller_memory)), int(bool(bf16_params_in_place)))
             check(lib().flowmoe_layer_create_cuda_opts(ctypes.byref(config), comm_h, int(device),
                                                        ctypes.c_void_p(stream or None), ctypes.byref(opts),
                                                        ctypes.byref(handle)))
@@ -437,11 +441,15 @@ class Layer:
                                               dprobs or None, int(bool(accumulate))))
 
     def forward_call(self, x: int, tokens: int, y: int, memory: Tuple[int, int, int] = (0, 0, 0), *,
-                     ids: Optional[int] = None, probs: Optional[int] = None, b1: Optional[int] = None) -> None:
-        """One forward with everything it needs (C ABI v9): x, y [tokens, H] bf16; memory the caller
+                     ids: Optional[int] = None, probs: Optional[int] = None, b1: Optional[int] = None,
+                     params: Optional[Tuple[int, int]] = None) -> None:
+        """One forward with everything it needs (C ABI v10): x, y [tokens, H] bf16; memory the caller
         regions (weights, saved, transient; 0 where none); the caller's routing ids / probs
-        (external_routing) and GEMM1 bias b1 (gemm1_bias layers)."""
-        c = ForwardCall(x, int(tokens), y, ids or None, probs or None, b1 or None, Memory(*[m or None for m in memory]))
+        (external_routing) and GEMM1 bias b1 (gemm1_bias layers); params (w1, w2): the BF16 parameters
+        its GEMMs read in place (reads_params_in_place), else None."""
+        w = _weights(params[0], params[1], True, None, None, None) if params is not None else None
+        c = ForwardCall(x, int(tokens), y, ids or None, probs or None, b1 or None, Memory(*[m or None for m in memory]),
+                        ctypes.pointer(w) if w is not None else None)
         check(lib().flowmoe_layer_forward_call(self.handle, ctypes.byref(c)))
 
     def backward_call(self, dy: int, dx: int, memory: Tuple[int, int, int], step: Optional[Tuple[int, int]], *,
@@ -477,6 +485,13 @@ class Layer:
         """backward with BF16 expert gradients (bf16 bits, overwritten: the FP32 sums rounded once)."""
         check(lib().flowmoe_layer_backward_bf16(self.handle, dy, dx, dw1 or None, dw2 or None, dwr or None,
                                                 dprobs or None))
+
+    @property
+    def reads_params_in_place(self) -> bool:
+        """Whether every forward takes the BF16 parameters (forward_call's params), read in place."""
+        out = ctypes.c_int()
+        check(lib().flowmoe_layer_reads_params_in_place(self.handle, ctypes.byref(out)))
+        return bool(out.value)
 
     @property
     def takes_backward_weights(self) -> bool:

@@ -16,7 +16,8 @@ Operators, each opaque to torch.compile and with a fake (meta) implementation:
   state as a value (_runner.py: the native layer's id and its step_state bytes; CPU: the whole saved
   state). Autograd keeps both as the node's saved tensors, so a second backward
   through one forward (retain_graph=True) gives the same gradients again; nothing outside the graph
-  holds a forward's state. w1, w2, wr are passed for autograd only (the op reads wbuf). The full
+  holds a forward's state. w1, w2, wr are passed for autograd (the op reads wbuf), and w1, w2 are
+  read in place by the layers that do (bf16 with BF16 parameters: _Runner.params_in_place). The full
   layer passes ids, probs, b1 None; the experts-only layer wr None and the routing: ids [T, k] int32,
   probs [T, k] fp32, and (its gemm1_bias layers) GEMM1's bias b1 [E, 2F] fp32, else None. (No
   defaults: a defaulted argument would be left out of autograd's needs_input_grad.)
@@ -128,11 +129,12 @@ def _(w1, w2, wr, router_bias, module_id, tokens):
 
 
 # ---- forward ----------------------------------------------------------------------------------------
-def _run_forward(r, x, wbuf, keep_step, routing=None, b1=None):
+def _run_forward(r, x, wbuf, keep_step, routing=None, b1=None, params=None):
     """One forward of the native layer on PyTorch memory: y, the saved bytes and the step tensor
     (the forward's host state; empty when keep_step is off: no backward will follow).
     routing: (ids [T, k] int32, probs [T, k] fp32) of the experts-only layer; b1: its GEMM1 bias
-    [E, 2F] fp32 (gemm1_bias layers)."""
+    [E, 2F] fp32 (gemm1_bias layers); params: (w1, w2) the BF16 parameters the layer reads in place
+    (its params_in_place), else None."""
     y = torch.empty_like(x)
     saved = _bytes(r.plan[1], x.device)
     tbuf = _bytes(r.plan[2], x.device) if r.plan[2] else None
@@ -140,7 +142,8 @@ def _run_forward(r, x, wbuf, keep_step, routing=None, b1=None):
         r.layer.forward_call(x.data_ptr(), x.shape[0], y.data_ptr(), (_addr(wbuf), _addr(saved), _addr(tbuf)),
                              ids=routing[0].data_ptr() if routing is not None else None,
                              probs=routing[1].data_ptr() if routing is not None else None,
-                             b1=b1.data_ptr() if b1 is not None else None)
+                             b1=b1.data_ptr() if b1 is not None else None,
+                             params=(params[0].data_ptr(), params[1].data_ptr()) if params is not None else None)
         step = r.step() if keep_step else _no_step()
     return y, saved, step
 
@@ -160,7 +163,11 @@ def moe_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, wr: Optiona
                            else f"{m.who}: b1 missing; the layer's experts have a GEMM1 bias")
     if b1 is not None and (b1.dtype != torch.float32 or not b1.is_contiguous() or b1.device != x.device):
         raise FlowmoeError(f"{m.who}: b1 {b1.dtype} on {b1.device}; expected contiguous float32 on {x.device}")
-    out = _run_forward(r, x, wbuf, keep_step, routing=(ids, probs) if ids is not None else None, b1=b1)
+    # (the parameters read in place: as derive_weights took them, contiguous; a copy lives as long as
+    # the call's work on the stream)
+    params = layer_weights(w1.detach(), w2.detach()) if r.params_in_place else None
+    out = _run_forward(r, x, wbuf, keep_step, routing=(ids, probs) if ids is not None else None, b1=b1,
+                       params=params)
     m._have_forward = True
     return out
 

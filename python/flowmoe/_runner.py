@@ -48,10 +48,11 @@ class _Runner:
 
     @staticmethod
     def build(cfg: _native.Config, comm, device: torch.device, max_tokens: int, sync_free: bool,
-              who: str) -> "_Runner":
+              who: str, bf16_params: bool = False) -> "_Runner":
         """The native layer of `cfg` on `device`: a CUDA layer on PyTorch's current stream there
         (its own stream where that is the legacy default stream), taking its memory from PyTorch
-        (caller memory), or a CPU layer."""
+        (caller memory), or a CPU layer. bf16_params: the expert parameters are BF16 in the layer's
+        layout (the CUDA layer of bf16 then reads them in place: reads_params_in_place)."""
         if device.type != "cuda":
             if sync_free:
                 # Accepted at construction (a module built on the CPU is often moved to a GPU
@@ -74,7 +75,7 @@ class _Runner:
                 stream = torch.cuda.Stream(device)
         with torch.cuda.device(index):
             layer = _native.Layer(cfg, comm, device=index, stream=stream.cuda_stream, sync_free=sync_free,
-                                  caller_memory=True)
+                                  caller_memory=True, bf16_params_in_place=bf16_params)
         return _Runner(layer, device, stream, max_tokens)
 
     def __init__(self, layer: _native.Layer, device: torch.device, stream, max_tokens: int):
@@ -86,6 +87,9 @@ class _Runner:
         # whether a backward can derive its dgrad weights from the parameters (the experts-only CUDA
         # layer of the FP8 block recipes): the weight copies then need not outlive the forward
         self.backward_weights = layer.takes_backward_weights
+        # whether every forward reads the BF16 parameters in place (forward_call's params): the weights
+        # region then holds no BF16 copy of them (the CUDA layer of bf16 built with bf16_params)
+        self.params_in_place = layer.reads_params_in_place
         self.id = next(_Runner._ids)
         self.step_capacity = 4096  # bytes of the last step_state (a first guess before the first)
         self.stored_grads = {}  # (storage, bf16) -> the layer's writes_stored_grads (LayerOwner._stored_grads)
@@ -161,6 +165,9 @@ class LayerOwner:
     # read in place by the layer (its reads_stored_weights), the gradients mapped back by
     # _grads_to_storage; None: the layer's layout (the experts-only layer of gpt-oss-like models)
     storage = None
+    # the expert parameters are BF16 in the layer's layout (the experts-only layer keyed so): the layer
+    # may read them in place (_Runner.params_in_place)
+    bf16_params = False
 
     def _ep_comm(self, device: torch.device):
         """The communicator of the layer on `device` (expert parallelism), or None."""
@@ -203,7 +210,7 @@ class LayerOwner:
         self._drop_kept_weights()
         comm = self._ep_comm(device)
         cfg = self._config(max_tokens)
-        self._runner = _Runner.build(cfg, comm, device, max_tokens, self.sync_free, self.who)
+        self._runner = _Runner.build(cfg, comm, device, max_tokens, self.sync_free, self.who, self.bf16_params)
         return self._runner
 
     def _check_call(self, xb: torch.Tensor, ids: Optional[torch.Tensor] = None) -> None:

@@ -82,11 +82,13 @@ class _ExpertsLayer(LayerOwner):
     def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int, recipe: str, align: int,
                  max_tokens: Optional[int], sync_free: bool, check_finite: Optional[bool], who: str,
                  activation: Tuple[str, float, float] = ("swiglu", 1.702, 7.0), gemm1_bias: bool = False,
-                 storage: Optional["_Layout"] = None):
+                 storage: Optional["_Layout"] = None, bf16_params: bool = False):
         self.hidden, self.ffn, self.experts, self.topk = hidden, ffn, num_experts, topk
         # (LayerOwner.storage) the caller's transposed weights, read where they are
         self._layout = storage
         self.storage = (storage.H, storage.F, storage.interleaved) if storage is not None else None
+        # (LayerOwner.bf16_params) BF16 parameters in the layer's layout: bf16 reads them in place
+        self.bf16_params = bool(bf16_params) and storage is None
         self.activation, self.gemm1_bias = activation, bool(gemm1_bias)
         self.local_experts = num_experts
         self.recipe, self.align, self.max_tokens = recipe, align, max_tokens
@@ -356,10 +358,11 @@ def experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
     bf16_params = w1.dtype == w2.dtype == torch.bfloat16  # (else FP32: _ops.layer_weights)
     stored = lay.transposed and _reads_stored(recipe, x.device.type, bf16_params)
     key = (recipe, align, max_tokens, bool(sync_free), check_finite, E, H, F, k, act, b1 is not None,
-           lay.transposed, lay.interleaved, stored)
+           lay.transposed, lay.interleaved, stored, bf16_params)
     layer = _layer_for(owner if owner is not None else w1, key,
                        lambda: _ExpertsLayer(lay.Hp, lay.Fp, E, k, recipe, align, max_tokens, bool(sync_free),
-                                             check_finite, who, act, b1 is not None, lay if stored else None))
+                                             check_finite, who, act, b1 is not None, lay if stored else None,
+                                             bf16_params))
     return _call(layer, x, top_k_index, top_k_weights, w1, w2, H, lay, b1, b2)
 
 

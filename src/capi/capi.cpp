@@ -124,6 +124,7 @@ MoeConfig to_config(const flowmoe_config* c, flowmoe_comm* comm, const char* wha
 struct CudaFlags {
   bool sync_free = false;
   bool caller_memory = false;
+  bool bf16_params_in_place = false;
 };
 
 CudaFlags cuda_flags(const flowmoe_cuda_options* o, const char* what) {
@@ -134,6 +135,9 @@ CudaFlags cuda_flags(const flowmoe_cuda_options* o, const char* what) {
                 what << ": caller_memory = " << o->caller_memory << "; expected 0 or 1");
   f.sync_free = o->sync_free == 1;
   f.caller_memory = o->caller_memory == 1;
+  FLOWMOE_CHECK(o->bf16_params_in_place == 0 || o->bf16_params_in_place == 1,
+                what << ": bf16_params_in_place = " << o->bf16_params_in_place << "; expected 0 or 1");
+  f.bf16_params_in_place = o->bf16_params_in_place == 1;
   return f;
 }
 
@@ -301,6 +305,7 @@ int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm
     const flowmoe::capi::CudaFlags flags = flowmoe::capi::cuda_flags(options, what);
     o.sync_free = flags.sync_free;
     o.caller_memory = flags.caller_memory;
+    o.bf16_params_in_place = flags.bf16_params_in_place;
     h->layer = flowmoe::make_cuda_layer(c, static_cast<cudaStream_t>(stream), o);
     *out = h.release();
   });
@@ -388,6 +393,13 @@ int flowmoe_layer_takes_backward_weights(flowmoe_layer* layer, int* out) {
   });
 }
 
+int flowmoe_layer_reads_params_in_place(flowmoe_layer* layer, int* out) {
+  return guarded("flowmoe_layer_reads_params_in_place", [&] {
+    FLOWMOE_CHECK(out != nullptr, "flowmoe_layer_reads_params_in_place: null output");
+    *out = checked(layer, "flowmoe_layer_reads_params_in_place")->layer->reads_params_in_place() ? 1 : 0;
+  });
+}
+
 int flowmoe_layer_set_backward_weights(flowmoe_layer* layer, const float* w1, const float* w2, const float* wr) {
   return guarded("flowmoe_layer_set_backward_weights", [&] {
     flowmoe::MoeWeights w = expert_weights(w1, w2);
@@ -471,6 +483,7 @@ int flowmoe_layer_forward_call(flowmoe_layer* layer, const flowmoe_forward_call*
     m.bind_memory(flowmoe::MoeMemory{call->memory.weights, call->memory.saved, call->memory.transient});
     if (m.config().external_routing || call->ids || call->probs) m.set_routing(call->ids, call->probs);
     if (m.config().gemm1_bias || call->b1) m.set_gemm1_bias(call->b1);
+    if (call->params) m.set_forward_weights(weights_of(what, call->params));
     m.forward(call->x, call->tokens, call->y);
   });
 }

@@ -30,6 +30,12 @@ void MoeLayer::set_backward_weights(const MoeWeights&) {
                                                                   "the weights region bound for its backward instead");
 }
 
+void MoeLayer::set_forward_weights(const MoeWeights&) {
+  FLOWMOE_CHECK(false, "MoeLayer::set_forward_weights: this " << backend() << " layer reads its forward's weights "
+                                                                 "from the weights region (reads_params_in_place() "
+                                                                 "is false); expected no parameters with the forward");
+}
+
 // ---- routing from the caller (MoeConfig::external_routing) --------------------------------------
 void MoeLayer::set_routing(const int32_t* ids, const float* probs) {
   FLOWMOE_CHECK(cfg_.external_routing,

@@ -297,4 +297,7 @@ TEST(MoeRouted, ErrorsSayWhatIsExpected) {
   // only the CUDA experts-only layer with caller memory derives the backward's weights itself
   EXPECT_FALSE(layer->takes_backward_weights());
   expect_throw([&] { layer->set_backward_weights(w); }, "takes_backward_weights");
+  // ... and only the CUDA bf16 layer built with bf16_params_in_place reads the forward's in place
+  EXPECT_FALSE(layer->reads_params_in_place());
+  expect_throw([&] { layer->set_forward_weights(w); }, "reads_params_in_place");
 }

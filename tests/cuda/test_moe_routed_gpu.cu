@@ -208,7 +208,10 @@ TEST_P(Routed, CallerMemoryTwoForwardsInFlight) {
 // the FP8 block recipes), a group of experts at a time (also one expert per group), with the
 // weights region poisoned and unbound, and writes BF16 expert gradients (MoeGrads::dw1_bf16): the
 // FP32 gradients of the owned layer rounded once, and its dx, dprobs and dWr, bit for bit. The
-// other recipes refuse set_backward_weights and give the same bits with the weights region bound.
+// other recipes refuse set_backward_weights and give the same bits with the weights region bound,
+// but bf16 with CudaLayerOptions::bf16_params_in_place: its GEMMs read the BF16 parameters in both
+// passes (set_forward_weights, set_backward_weights), its weights region holds no copy of them, and
+// the bits are the copies'. The option changes nothing for the other recipes.
 TEST_P(Routed, CallerMemoryBackwardWeightsFromParamsAndBf16Grads) {
   REQUIRE_SM90();
   const Recipe recipe = std::get<0>(GetParam());
@@ -219,12 +222,15 @@ TEST_P(Routed, CallerMemoryBackwardWeightsFromParamsAndBf16Grads) {
   struct Variant {
     bool external, bf16_params;
     int64_t chunk_bytes;
+    bool in_place;
   };
-  for (const Variant v : {Variant{true, true, -1}, Variant{true, false, -1}, Variant{true, true, 1},
-                          Variant{false, true, -1}, Variant{false, false, 1}}) {
+  for (const Variant v : {Variant{true, true, -1, false}, Variant{true, false, -1, false}, Variant{true, true, 1, false},
+                          Variant{false, true, -1, false}, Variant{false, false, 1, false}, Variant{true, true, -1, true},
+                          Variant{false, true, -1, true}}) {
     SCOPED_TRACE(std::string(v.external ? "experts-only layer, " : "full layer, ") +
                  (v.bf16_params ? "BF16 parameters" : "FP32 masters") +
-                 (v.chunk_bytes == 1 ? ", one expert per dgrad group" : ""));
+                 (v.chunk_bytes == 1 ? ", one expert per dgrad group" : "") +
+                 (v.in_place ? ", bf16_params_in_place" : ""));
     const Out want = run(p, v.external, sync_free, v.bf16_params);
     MoeConfig cfg = base;
     cfg.external_routing = v.external;
@@ -232,10 +238,16 @@ TEST_P(Routed, CallerMemoryBackwardWeightsFromParamsAndBf16Grads) {
     opt.sync_free = sync_free;
     opt.caller_memory = true;
     if (v.chunk_bytes > 0) opt.dgrad_weight_chunk_bytes = v.chunk_bytes;
+    opt.bf16_params_in_place = v.in_place;
     std::unique_ptr<MoeLayer> l = make_cuda_layer(cfg, nullptr, opt);
-    const bool from_params = recipe == Recipe::kBlockwise || recipe == Recipe::kFlow || recipe == Recipe::kFlowFp4;
+    const bool in_place = v.in_place && recipe == Recipe::kBf16;
+    const bool from_params =
+        recipe == Recipe::kBlockwise || recipe == Recipe::kFlow || recipe == Recipe::kFlowFp4 || in_place;
     EXPECT_EQ(l->takes_backward_weights(), from_params);
+    EXPECT_EQ(l->reads_params_in_place(), in_place);
     const MoeMemoryPlan plan = l->memory_plan();
+    if (in_place)  // (no BF16 copy of W1, W2 in the weights region)
+      EXPECT_LT(plan.weights, int64_t(sizeof(bf16_t)) * int64_t(p.w1.size() + p.w2.size()));
     DBuf<uint8_t> wm(plan.weights), sm(plan.saved), tm(plan.transient);
     DBuf<float> w1(p.w1), w2(p.w2), wr(p.wr);
     DBuf<bf16_t> w1b(rne_bf16(p.w1)), w2b(rne_bf16(p.w2));
@@ -252,6 +264,13 @@ TEST_P(Routed, CallerMemoryBackwardWeightsFromParamsAndBf16Grads) {
     DBuf<int32_t> ids(p.ids);
     DBuf<float> probs(p.probs), dprobs(p.probs.size()), dwr(p.wr.size());
     if (v.external) l->set_routing(ids.p, probs.p);
+    if (in_place) {
+      EXPECT_THROW(l->forward(x.p, kT, y.p), Error);  // (the parameters are required)
+      if (v.external) l->set_routing(ids.p, probs.p);
+      l->set_forward_weights(w);
+    } else {
+      EXPECT_THROW(l->set_forward_weights(w), Error);
+    }
     l->forward(x.p, kT, y.p);
     if (from_params) {  // the forward's weight copies gone: the backward must not read them
       ASSERT_EQ(cudaMemset(wm.p, 0xFF, plan.weights), cudaSuccess);

@@ -192,7 +192,8 @@ void CudaMoeLayer::release() {
 
 // ---- weights -------------------------------------------------------------------------------------
 bool CudaMoeLayer::takes_backward_weights() const {
-  return path_.transposes_in_backward && path_.spec().weights == WeightCopy::kFp8Block;
+  return (path_.transposes_in_backward && path_.spec().weights == WeightCopy::kFp8Block) ||
+         path_.bf16_params_in_place;
 }
 
 bool CudaMoeLayer::reads_stored_weights(bool bf16_params) const {
@@ -213,10 +214,33 @@ void CudaMoeLayer::set_backward_weights(const MoeWeights& w) {
   const char* what = "MoeLayer::set_backward_weights";
   FLOWMOE_CHECK(takes_backward_weights(),
                 what << ": this layer reads its backward's weights from the weights region (it derives them from "
-                        "the parameters only with caller memory and FP8 block weights: blockwise, flow, flow-fp4); "
+                        "the parameters only with caller memory and FP8 block weights: blockwise, flow, flow-fp4, "
+                        "or reads them in place: bf16 with CudaLayerOptions::bf16_params_in_place); "
                         "expected the weights region bound for the backward instead");
   check_weights(w, "device");  // (Wr exactly when the layer has a router: its backward reads it there)
+  if (path_.bf16_params_in_place) check_params_in_place(w, what);
   backward_weights_ = w;
+}
+
+void CudaMoeLayer::set_forward_weights(const MoeWeights& w) {
+  const char* what = "MoeLayer::set_forward_weights";
+  FLOWMOE_CHECK(path_.bf16_params_in_place,
+                what << ": this layer reads its forward's weights from the weights region (only the bf16 recipe "
+                        "with CudaLayerOptions::bf16_params_in_place and caller memory reads the parameters in "
+                        "place); expected no parameters with the forward");
+  FLOWMOE_CHECK(w.w1_bf16 && w.w2_bf16, what << ": W1 or W2 is null; expected the BF16 parameters given to set_weights");
+  check_params_in_place(w, what);
+  forward_weights_ = w;
+  forward_weights_.wr = nullptr;  // (the forward reads the router's weights where set_weights put them)
+  forward_weights_.router_bias = nullptr;
+}
+
+void CudaMoeLayer::check_params_in_place(const MoeWeights& w, const char* what) const {
+  FLOWMOE_CHECK(w.bf16_params() && w.storage.is_layer_layout(),
+                what << ": " << (w.bf16_params() ? "W1, W2 stored transposed" : "FP32 W1, W2")
+                     << "; this layer reads BF16 parameters in place (CudaLayerOptions::bf16_params_in_place): "
+                        "expected BF16 W1 [El, 2F, H] and W2 [El, H, F] in the layer's layout (or a layer built "
+                        "without the option, which copies them)");
 }
 
 void CudaMoeLayer::set_weights(const MoeWeights& w) {
@@ -232,6 +256,7 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   // weight_status[0]: FP32 masters as they are converted, BF16 parameters (the BF16 copies' values
   // themselves) as they are copied or quantized.
   const bool bf16_params = w.bf16_params();
+  if (path_.bf16_params_in_place) check_params_in_place(w, what);
   // The dgrad weights W^T written here too, unless each backward transposes them from W
   // (RecipePath::transposes_in_backward): then null, and quantize_weights writes W alone.
   const bool keep_t = !path_.transposes_in_backward;
@@ -275,6 +300,11 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
                        stream_);
       quantize_weights(w.w2, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, w2t_codes, w2t_ue8m0, wstatus, stream_);
     }
+  } else if (path_.bf16_params_in_place) {
+    // the GEMMs read the parameters themselves (set_forward_weights, set_backward_weights): one read
+    // to count their non-finite values, no copy
+    copy_bf16_checked(w.w1_bf16, n1, nullptr, wstatus, stream_);
+    copy_bf16_checked(w.w2_bf16, n2, nullptr, wstatus, stream_);
   } else if (bf16_params && spec.weights == WeightCopy::kBf16Only) {
     copy_bf16_checked(w.w1_bf16, n1, wb.w1_bf16, wstatus, stream_);
     copy_bf16_checked(w.w2_bf16, n2, wb.w2_bf16, wstatus, stream_);
@@ -348,6 +378,8 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
 void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   const char* what = "MoeLayer::forward";
   backward_weights_ = MoeWeights();  // (set_backward_weights holds for the backward that follows it)
+  const MoeWeights params = forward_weights_;  // for this forward only, also when a check below throws
+  forward_weights_ = MoeWeights();
   // the caller's routing and bias are for this forward only, even one refused by the checks below
   const RoutingInput ext = take_routing(what);
   gemm1_bias_ = take_gemm1_bias(what);
@@ -356,6 +388,9 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
     FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
                   what << ": T = " << tokens << " tokens; expected 1 <= T <= max_tokens = " << cfg_.max_tokens);
     FLOWMOE_CHECK(x && y, what << ": x and y must be non-null device pointers to [T, H] bf16");
+    FLOWMOE_CHECK(!path_.bf16_params_in_place || params.w1_bf16,
+                  what << ": this layer reads the BF16 parameters in place (CudaLayerOptions::bf16_params_in_place) "
+                          "and got none for this forward; expected set_forward_weights (forward_call's params) first");
     check_bound(what, /*saved=*/true);
   });
   T_ = tokens;
@@ -373,7 +408,14 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status, 0, 4 * sizeof(DeviceStatus), stream_));
 
   route(x, ext);
-  pipeline_->forward(ctx_, y);  // (pipelines/: the expert path of path_.dataflow, from the token rows to y)
+  call_params_ = params;
+  try {
+    pipeline_->forward(ctx_, y);  // (pipelines/: the expert path of path_.dataflow, from the token rows to y)
+  } catch (...) {
+    call_params_ = MoeWeights();
+    throw;
+  }
+  call_params_ = MoeWeights();
   if (!path_.sync_free) save_activations(row_counts());  // (sync_free: when the report is read)
   have_forward_ = true;
 }
@@ -405,7 +447,7 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status + kStatusBwd, 0, 2 * sizeof(DeviceStatus), stream_));
   grads_accumulate_ = g.accumulate;
   dx_ready_marked_ = false;  // (a backward that threw may have left it set)
-  backward_params_ = params;
+  call_params_ = params;
   pipeline_->backward(ctx_, dy, g);  // (pipelines/: from dy to the dX rows and the wgrads)
   if (streams_.tail()) {  // the tail stream joins stream_ even when the tail throws (stream-ordered,
                           // so that a graph capture stays well-formed; errors of the join ignored)
@@ -421,7 +463,7 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   } else {
     backward_tail(g, dx);
   }
-  backward_params_ = MoeWeights();
+  call_params_ = MoeWeights();
   backward_done_ = true;
 }
 
@@ -470,6 +512,9 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                   what << ": CudaLayerOptions::gemm_pool_priority = " << options.gemm_pool_priority
                        << "; expected -1 (the layer's choice) or 0.."
                        << gemm::GroupedGemmOptions::kMaxPoolPriority);
+    FLOWMOE_CHECK(!options.bf16_params_in_place || options.caller_memory,
+                  what << ": CudaLayerOptions::bf16_params_in_place without caller_memory; expected caller_memory "
+                          "(the parameters then take the place of the weights region's copies)");
     FLOWMOE_CHECK(options.ep_direct_bytes >= -1, what << ": CudaLayerOptions::ep_direct_bytes = "
                                                       << options.ep_direct_bytes
                                                       << "; expected -1 (the default) or a byte count >= 0");

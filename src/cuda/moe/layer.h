@@ -72,6 +72,8 @@ class CudaMoeLayer final : public MoeLayer {
   void bind_memory(const MoeMemory& memory) override;
   bool takes_backward_weights() const override;
   void set_backward_weights(const MoeWeights& w) override;
+  bool reads_params_in_place() const override { return path_.bf16_params_in_place; }
+  void set_forward_weights(const MoeWeights& w) override;
   bool reads_stored_weights(bool bf16_params) const override;
   bool writes_stored_grads(const ExpertStorage& storage, bool bf16_grads) const override;
 
@@ -106,8 +108,10 @@ class CudaMoeLayer final : public MoeLayer {
   void set_routing_tokens(const RoutingTokens& t);
   // caller memory: the regions `what` needs are bound (weights, plus saved for forward / backward)
   void check_bound(const char* what, bool saved, bool weights = true) const;
+  // bf16_params_in_place: the parameters are BF16 in the layer's layout (else throws, naming `what`)
+  void check_params_in_place(const MoeWeights& w, const char* what) const;
   // Wr as the backward reads it: set_backward_weights' parameter, else the weights region's copy
-  const float* router_weights() const { return backward_params_.wr ? backward_params_.wr : ws_.weights.wr; }
+  const float* router_weights() const { return call_params_.wr ? call_params_.wr : ws_.weights.wr; }
 
   // ---- routing (routing.cu) --------------------------------------------------------------------
   void route(const bf16_t* x, const RoutingInput& ext);  // ext: MoeConfig::external_routing's ids, probs
@@ -161,8 +165,9 @@ class CudaMoeLayer final : public MoeLayer {
 
   // ---- state of the latest set_weights / forward / backward --------------------------------------
   bool have_weights_ = false, have_forward_ = false, backward_done_ = false, has_bias_ = false;
+  MoeWeights forward_weights_;   // set_forward_weights' parameters, for the next forward only
   MoeWeights backward_weights_;  // set_backward_weights' parameters, for the next backward only
-  MoeWeights backward_params_;   // ... taken by the backward running now
+  MoeWeights call_params_;       // ... taken by the forward or backward running now (else none)
   bool grads_accumulate_ = true;  // MoeGrads::accumulate of the backward running
   bool dx_ready_marked_ = false;  // mark_dx_rows_ready ran in this backward
   int64_t T_ = 0;                 // tokens of the forward

@@ -82,7 +82,7 @@ QTensorView StepContext::make_dgrad_weights(int g, int e0, int n) {
   const int64_t rows = g == 1 ? 2 * F_ : H_, cols = g == 1 ? H_ : F_;  // W_g [rows, cols] per expert
   const int64_t off = int64_t(e0) * rows * cols;
   QTensorView wt = weight_128x128_f32(wb.wt_codes, wb.wt_scales, n, cols, rows);
-  const MoeWeights& p = backward_params_;
+  const MoeWeights& p = call_params_;
   if (p.w1 || p.w1_bf16) {
     auto s = bwd(g == 1 ? "quantize W1^T from the parameters (dgrad weights)"
                         : "quantize W2^T from the parameters (dgrad weights)");
@@ -170,6 +170,12 @@ void StepContext::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTenso
                f32_col(in_col, k), out, stream_);
 }
 
+const bf16_t* StepContext::bf16_weight(int g) const {
+  if (!path_.bf16_params_in_place) return g == 1 ? ws_.weights.w1_bf16 : ws_.weights.w2_bf16;
+  const bf16_t* w = g == 1 ? call_params_.w1_bf16 : call_params_.w2_bf16;
+  FLOWMOE_CHECK(w != nullptr, "internal error: the BF16 parameters read in place are missing (W" << g << ")");
+  return w;
+}
 void StepContext::bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {
   const auto x = cs<bf16_t>(in, Mp_ * k);
   const auto wt = cs<bf16_t>(w, int64_t(El_) * n * k);

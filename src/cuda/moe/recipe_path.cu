@@ -83,6 +83,9 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
   // derived from W in each backward, in its scratch, instead of being kept there: 1 byte less per
   // expert parameter and forward in flight, for one FP8 transpose of the weights per backward.
   p.transposes_in_backward = options.caller_memory && p.fp8;
+  // The same lifetime argument for bf16's BF16 copies: with BF16 parameters in the layer's layout
+  // the GEMMs read the parameters themselves, which the caller keeps until the backward
+  p.bf16_params_in_place = options.caller_memory && options.bf16_params_in_place && s.weights == WeightCopy::kBf16Only;
   // ... a group of experts at a time, so that W^T of every expert never exists at once: where the
   // grouped kernel runs the dgrad over a range of the experts (UE8M0 row scales: no expert-packed
   // scales to re-base) and not through the fused dSwiGLU (it reads all of W2^T). Even groups.

@@ -43,6 +43,8 @@ struct RecipePath {
   bool ep_dedup = false;       // the deduplicated EP dispatch
   bool transposes_in_backward = false;  // FP8 dgrad weights W^T made in each backward (transient)
                                         // rather than written by set_weights (caller memory)
+  bool bf16_params_in_place = false;  // bf16: the GEMMs read the caller's BF16 parameters, no BF16
+                                      // copies (CudaLayerOptions::bf16_params_in_place)
   // With transposes_in_backward: the experts of W1^T / W2^T made at once, each group just before
   // its dgrad (CudaLayerOptions::dgrad_weight_chunk_bytes); all local experts otherwise
   int wt_chunk1 = 0, wt_chunk2 = 0;

@@ -14,7 +14,7 @@ StepContext::StepContext(CudaMoeLayer& l)
       path_(l.path_), stream_(l.stream_), direct_bytes_(l.direct_bytes_),
       gemm1_bias_(l.gemm1_bias_), ws_(l.ws_), gemm_(l.gemm_), streams_(l.streams_), clock_(l.clock_), T_(l.T_),
       Mp_(l.Mp_), held_(l.held_), blocks_(l.blocks_), seg_(l.seg_), plan_(l.plan_),
-      dedup_recv_tokens_(l.dedup_recv_tokens_), backward_params_(l.backward_params_),
+      dedup_recv_tokens_(l.dedup_recv_tokens_), call_params_(l.call_params_),
       grads_accumulate_(l.grads_accumulate_), dx_ready_marked_(l.dx_ready_marked_), host_syncs_(l.host_syncs_),
       peers_(l.peers_), peer_tables_(l.peer_tables_), rep_(l.rep_), pending_ops_(l.pending_ops_),
       pending_wire_(l.pending_wire_) {}

@@ -104,7 +104,7 @@ class StepContext {
   const Segments& seg_;
   const DispatchPlan& plan_;
   int64_t& dedup_recv_tokens_;
-  const MoeWeights& backward_params_;
+  const MoeWeights& call_params_;  // the parameters the running forward / backward was given, else none
   const bool& grads_accumulate_;
   bool& dx_ready_marked_;
   int64_t& host_syncs_;
@@ -172,6 +172,9 @@ class StepContext {
   // the same W, out [Mp, k]; wgrad: dW [El, n, k] from the gradient [Mp, n] and the input [Mp, k]):
   // cuBLASLt per expert on the host segments, or the sm_90a BF16 kernels on the device segments
   // (path_.grouped_gemm: sync_free or CudaLayerOptions::FpropDgrad::kGrouped; wgrad with align 128).
+  // The BF16 W_g [El, n, k] the bf16 recipe's GEMMs read: the weights region's copy, or the
+  // parameters of the running forward / backward where the layer reads them in place
+  const bf16_t* bf16_weight(int g) const;
   void bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
   void bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
   void bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw, bf16_t* dw_bf16);

@@ -102,7 +102,8 @@ struct WeightBuffers {
   float* wr = nullptr;            // [E, H]
   float* router_bias = nullptr;   // [E]
   bf16_t* wr_check = nullptr;     // [E, H] scratch of set_weights' non-finite check of Wr
-  bf16_t* w1_bf16 = nullptr;      // [El, 2F, H] (FP8 with FP32 scales: scratch; FP8 blocks: the fused SwiGLU's scratch, else none)
+  bf16_t* w1_bf16 = nullptr;      // [El, 2F, H] (FP8 with FP32 scales: scratch; FP8 blocks: the fused SwiGLU's scratch, else none;
+                                  // none where bf16 reads the parameters in place: StepContext::bf16_weight)
   bf16_t* w2_bf16 = nullptr;      // [El, H, F] (FP8 with FP32 scales: scratch; FP8 blocks: none)
   // FP8 recipes: codes + GEMM-ready FP32 128x128 block scales, and the exact transposes (dgrad;
   // with caller memory transposed from W at the start of each backward, in the transient region);

@@ -79,6 +79,10 @@ def test_bad_call_arguments_are_clear_errors():
     # weights described as stored with sizes larger than the layer's: refused, the sizes named
     with pytest.raises(FlowmoeError, match="stored sizes H 129"):
         layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr(), storage=(H + 1, 64, True))
+    # parameters with the forward: only the CUDA bf16 layer with bf16_params_in_place reads them there
+    assert not layer.reads_params_in_place
+    with pytest.raises(FlowmoeError, match="reads_params_in_place"):
+        layer.forward_call(x.data_ptr(), T, y.data_ptr(), params=(w1.data_ptr(), w2.data_ptr()))
     assert layer.reads_stored_weights(True) and layer.reads_stored_weights(False)  # (the CPU reference)
     assert layer.writes_stored_grads((100, 64, True), False) and not layer.writes_stored_grads((H + 1, 64, True), False)
     layer.close()

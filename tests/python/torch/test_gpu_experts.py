@@ -116,11 +116,12 @@ def test_gpu_module_under_cuda_graph_capture():
 
 
 @pytest.mark.parametrize("recipe,from_params", [("flow", True), ("flow-fp4", True), ("blockwise", True),
-                                                ("fp8-naive", False), ("bf16", False)])
+                                                ("fp8-naive", False), ("bf16", True)])
 def test_gpu_backward_derives_its_weights_from_the_parameters(recipe, from_params):
     # FP8 block recipes: the autograd node keeps the parameters, not the forward's weight copies
-    # (wbuf: 1 byte per expert weight), and the backward quantizes W^T from them; an in-place change
-    # of a parameter between the forward and its backward is refused as for any op saving its weight
+    # (wbuf: 1 byte per expert weight), and the backward quantizes W^T from them; bf16 reads the BF16
+    # parameters in place in both passes; an in-place change of a parameter between the forward and
+    # its backward is refused as for any op saving its weight
     m = ft.MoEExperts(512, 512, 8, 2, recipe=recipe, seed=3, device=DEV)
     w1 = torch.nn.Parameter(m.w1.detach().to(torch.bfloat16))
     w2 = torch.nn.Parameter(m.w2.detach().to(torch.bfloat16))
@@ -278,3 +279,50 @@ def test_gpu_gpt_oss_forward_keeps_no_relaid_weights():
 
     stored, relaid = held(True), held(False)
     assert relaid_bytes > 0 and relaid - stored >= relaid_bytes, (stored, relaid, relaid_bytes)
+
+
+def test_gpu_bf16_reads_bf16_parameters_in_place():
+    """bf16 with BF16 parameters in the layer's layout: the weights region holds no BF16 copy (the
+    layer of FP32 masters does: 2 bytes per expert weight more), the forward and the backward read
+    the parameters (the bits of the copies: test_gpu_bf16_parameters_give_the_bits_of_fp32_masters),
+    a non-finite parameter is still refused, and the weights train in a loop with fused AdamW."""
+    from flowmoe.experts import _layers
+    from flowmoe import FlowmoeError
+
+    m = ft.MoEExperts(512, 384, 8, 2, recipe="bf16", seed=5, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(6)
+    x = torch.randn(300, 512, device=DEV, dtype=torch.bfloat16, generator=g)
+    ids = torch.randint(0, 8, (300, 2), device=DEV, generator=g, dtype=torch.int32)
+    w = torch.rand(300, 2, device=DEV, generator=g)
+
+    def plan(w1, w2):
+        owner = torch.nn.Module()
+        ft.experts(x, ids, w, w1, w2, recipe="bf16", owner=owner)
+        r = next(iter(_layers[id(owner)][1].values()))._runner
+        return r.plan, r.params_in_place
+
+    (p16, in_place16), (p32, in_place32) = plan(m.w1.detach().bfloat16(), m.w2.detach().bfloat16()), \
+        plan(m.w1.detach(), m.w2.detach())
+    assert in_place16 and not in_place32
+    weight_elems = m.w1.numel() + m.w2.numel()
+    assert p32[0] - p16[0] >= 2 * weight_elems, (p16, p32)
+    assert p16[0] < weight_elems  # (no copy of the expert weights at all: the router's tables only)
+
+    w1 = torch.nn.Parameter(m.w1.detach().bfloat16())
+    w2 = torch.nn.Parameter(m.w2.detach().bfloat16())
+    bad = w1.detach().clone()
+    bad[3, 5, 7] = float("nan")
+    with pytest.raises(FlowmoeError, match="non-finite"):
+        ft.experts(x, ids, w, bad, w2, recipe="bf16")
+    opt = torch.optim.AdamW([w1, w2], lr=1e-3, fused=True)
+    before = [w1.detach().clone(), w2.detach().clone()]
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        y = ft.experts(x, ids, w, w1, w2, recipe="bf16")
+        loss = y.float().square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert not torch.equal(w1, before[0]) and not torch.equal(w2, before[1])
+    assert losses[-1] < losses[0], losses

@@ -16,14 +16,13 @@ namespace {
 
 void forward_bf16(StepContext& c, bf16_t* y) {
   ExpertBuffers& b = c.ws_.expert;
-  const WeightBuffers& w = c.ws_.weights;
   {
     auto s = c.fwd(c.comm_ ? "dispatch x (bf16)" : "permute+pad x (bf16)");
     c.move_bf16(c.ws_.routing.x, b.x_perm, MoePass::kForward, report_names::kDispatchX);
   }
   {
     auto s = c.fwd("GEMM1 fprop (bf16)");
-    c.bf16_fprop(b.x_perm, 2 * c.F_, c.H_, w.w1_bf16, b.h);
+    c.bf16_fprop(b.x_perm, 2 * c.F_, c.H_, c.bf16_weight(1), b.h);
   }
   c.add_gemm1_bias();
   {
@@ -32,19 +31,18 @@ void forward_bf16(StepContext& c, bf16_t* y) {
                  c.cfg_.activation);
   }
   c.gemm2_then_combine(
-      "GEMM2 fprop (bf16)", [&] { c.bf16_fprop(b.a, c.H_, c.F_, w.w2_bf16, b.rows_bf16); }, y);
+      "GEMM2 fprop (bf16)", [&] { c.bf16_fprop(b.a, c.H_, c.F_, c.bf16_weight(2), b.rows_bf16); }, y);
 }
 
 void backward_bf16(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   ExpertBuffers& b = c.ws_.expert;
-  const WeightBuffers& w = c.ws_.weights;
   {
     auto s = c.bwd(c.comm_ ? "dispatch dy (bf16)" : "permute+pad dy (bf16)");  // dY rows into rows_bf16
     c.move_bf16(dy, b.rows_bf16, MoePass::kBackward, report_names::kDispatchDy);
   }
   {
     auto s = c.bwd("GEMM2 dgrad (bf16)");
-    c.bf16_dgrad(b.rows_bf16, c.H_, c.F_, w.w2_bf16, b.da);
+    c.bf16_dgrad(b.rows_bf16, c.H_, c.F_, c.bf16_weight(2), b.da);
   }
   if (g.wants_dw2()) {
     auto s = c.bwd("GEMM2 wgrad (bf16)");
@@ -59,7 +57,7 @@ void backward_bf16(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   // GEMM1 dgrad overwrites dY's storage with the dX rows: GEMM2's grads have read it
   {
     auto s = c.bwd("GEMM1 dgrad (bf16)");
-    c.bf16_dgrad(b.dh, 2 * c.F_, c.H_, w.w1_bf16, b.rows_bf16);
+    c.bf16_dgrad(b.dh, 2 * c.F_, c.H_, c.bf16_weight(1), b.rows_bf16);
   }
   c.mark_dx_rows_ready();
   if (g.wants_dw1()) {
