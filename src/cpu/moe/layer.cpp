@@ -35,6 +35,7 @@ CpuMoeLayer::CpuMoeLayer(const MoeConfig& cfg)
     : MoeLayer(cfg), spec_(recipe_spec(cfg.recipe)), E_(cfg.num_experts),
       El_(cfg.num_local_experts()), H_(cfg.hidden), F_(cfg.ffn), K_(cfg.topk), comm_(cfg.comm) {
   report_.recipe = cfg.recipe;
+  dataflow_paths(spec_.dataflow);  // (a dataflow without a row is refused here, not at the forward)
   // Host workspaces for cfg.max_tokens (the reference operators still allocate their outputs).
   route_.x.reserve(cfg.max_tokens * H_);
   route_.logits.reserve(cfg.max_tokens * E_);
@@ -155,18 +156,30 @@ void CpuMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   QuantStats& st = report_.forward_stats;
 
   route(x, ext, &st);
-  switch (spec_.dataflow) {
-    case Dataflow::kBf16Gemms: forward_bf16(y, &st); break;
-    case Dataflow::kBlockwise: forward_blockwise(y, &st); break;
-    case Dataflow::kFp8Naive: forward_fp8_naive(y, &st); break;
-    case Dataflow::kFlow: forward_flow(y, &st); break;
-  }
+  (this->*dataflow_paths(spec_.dataflow).forward)(y, &st);
   save_routing_state();
   forward_columns_ = report_.columns.size();
   status_.nonfinite = st.nonfinite;
   status_.underflow = st.underflow;
   status_.aux_loss = route_.aux_loss;
   have_forward_ = true;
+}
+
+// The dataflows of the CPU reference: one row per recipe.h Dataflow (the CUDA layer's
+// pipelines/pipeline.cu kDataflows mirrored), the one place here that lists them.
+const CpuMoeLayer::DataflowPaths& CpuMoeLayer::dataflow_paths(Dataflow d) {
+  static const DataflowPaths kCpuDataflows[] = {
+      {Dataflow::kBf16Gemms, &CpuMoeLayer::forward_bf16, &CpuMoeLayer::backward_bf16},
+      {Dataflow::kBlockwise, &CpuMoeLayer::forward_blockwise, &CpuMoeLayer::backward_blockwise},
+      {Dataflow::kFp8Naive, &CpuMoeLayer::forward_fp8_naive, &CpuMoeLayer::backward_fp8_naive},
+      {Dataflow::kFlow, &CpuMoeLayer::forward_flow, &CpuMoeLayer::backward_flow},
+  };
+  for (const DataflowPaths& r : kCpuDataflows)
+    if (r.dataflow == d) return r;
+  FLOWMOE_CHECK(false, "make_cpu_layer: internal error: the dataflow "
+                           << dataflow_name(d) << " has no row in the CPU layer's table; expected one in "
+                                                  "src/cpu/moe/layer.cpp");
+  return kCpuDataflows[0];
 }
 
 void CpuMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
@@ -224,12 +237,7 @@ void CpuMoeLayer::backward_f32_grads(const bf16_t* dy, bf16_t* dx, const MoeGrad
   // expert path: dXp [Mp, H] bf16, dp [Mp] fp32
   std::vector<bf16_t> dxp(Mp_ * H_);
   std::vector<float> dp(Mp_, 0.0f);
-  switch (spec_.dataflow) {
-    case Dataflow::kBf16Gemms: backward_bf16(dy, g, dxp.data(), dp.data(), &st); break;
-    case Dataflow::kBlockwise: backward_blockwise(dy, g, dxp.data(), dp.data(), &st); break;
-    case Dataflow::kFp8Naive: backward_fp8_naive(dy, g, dxp.data(), dp.data(), &st); break;
-    case Dataflow::kFlow: backward_flow(dy, g, dxp.data(), dp.data(), &st); break;
-  }
+  (this->*dataflow_paths(spec_.dataflow).backward)(dy, g, dxp.data(), dp.data(), &st);
   backward_router(dxp, dp, g, dx);
   status_.nonfinite += st.nonfinite;
   status_.underflow += st.underflow;

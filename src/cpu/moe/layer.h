@@ -11,8 +11,10 @@
 //                    the ranks of a communicator (expert parallelism, docs/EP.md §5)
 //   forward.cpp      the forward path of each dataflow (GEMM1, SwiGLU, GEMM2, what is saved)
 //   backward.cpp     the backward path of each dataflow (dgrads, the wgrad column copies, wgrads)
-// The entry points switch on the table row's dataflow (recipe.h Dataflow), never on the Recipe
-// enum: flow and flow-fp4 share forward_flow / backward_flow, their formats read from the row.
+// The entry points take the forward / backward of the table row's dataflow (recipe.h Dataflow)
+// from kCpuDataflows (layer.cpp, the CUDA layer's pipelines/pipeline.cu kDataflows mirrored),
+// never from the Recipe enum: flow and flow-fp4 share forward_flow / backward_flow, their formats
+// read from the row.
 //   operators.cpp    the layer's arithmetic: SwiGLU with probabilities, grouped GEMM wrappers,
 //                    the FP32-scale (fp8-naive) block-scaled GEMMs
 //   report.cpp       the cast report: operators as executed, saved tensors, column checks
@@ -195,6 +197,14 @@ class CpuMoeLayer final : public MoeLayer {
   // dX rows [Mp, H] and dp [Mp] back to the tokens: dX [T, H] bf16 (slot sum), dprobs [T, k]
   void unpermute_dx(const std::vector<bf16_t>& dxp, const std::vector<float>& dp,
                     std::vector<bf16_t>* dx_expert, std::vector<float>* dprobs);
+
+  // One dataflow's paths (layer.cpp kCpuDataflows: a row per recipe.h Dataflow)
+  struct DataflowPaths {
+    Dataflow dataflow;
+    void (CpuMoeLayer::*forward)(bf16_t* y, QuantStats* st);
+    void (CpuMoeLayer::*backward)(const bf16_t* dy, const MoeGrads& g, bf16_t* dxp, float* dp, QuantStats* st);
+  };
+  static const DataflowPaths& dataflow_paths(Dataflow d);
 
   // ---- forward.cpp: the forward path of each dataflow (recipe.h Dataflow; y [T, H]) ----
   void forward_bf16(bf16_t* y, QuantStats* st);

@@ -23,7 +23,8 @@ namespace moe {
 CudaMoeLayer::CudaMoeLayer(const MoeConfig& cfg, cudaStream_t stream, const CudaLayerOptions& options)
     : MoeLayer(cfg), stream_(stream), E_(cfg.num_experts), H_(cfg.hidden), F_(cfg.ffn), K_(cfg.topk),
       El_(cfg.num_local_experts()), comm_(cfg.comm), max_tokens_(cfg.max_tokens), max_rows_(workspace_rows(cfg)),
-      path_(make_recipe_path(cfg, options)), arena_(cfg_), ctx_(*this), pipeline_(make_pipeline(path_)) {
+      path_(make_recipe_path(cfg, options)), arena_(cfg_), ctx_(*this),
+      pipeline_(dataflow_row(path_.dataflow).make_pipeline()) {
   int ndev = 0;
   const cudaError_t err = cudaGetDeviceCount(&ndev);
   FLOWMOE_CHECK(err == cudaSuccess && ndev > 0,

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "cuda/moe/pipelines/pipeline.h"
 #include "cuda/moe/workspace.h"
 #include "flowmoe/error.h"
 
@@ -12,18 +13,6 @@ namespace cuda {
 namespace moe {
 
 namespace {
-
-// How each pipeline's code makes the wgrad copy of GEMM1's input x_perm: the table row must say
-// the same (a check that the row and the pipeline agree).
-ColumnMethod x_perm_column_method(Dataflow d, bool x_mxfp4) {
-  switch (d) {
-    case Dataflow::kBf16Gemms: return ColumnMethod::kNone;
-    case Dataflow::kBlockwise: return ColumnMethod::kQuantizeFromBf16;
-    case Dataflow::kFp8Naive: return ColumnMethod::kDequantTransposeQuant;
-    case Dataflow::kFlow: return x_mxfp4 ? ColumnMethod::kFp4RowToFp8Col : ColumnMethod::kScalingAwareTranspose;
-  }
-  return ColumnMethod::kNone;
-}
 
 bool quantized_row(TensorFormat f) { return f == TensorFormat::kFp8Row || f == TensorFormat::kMxfp4Row; }
 
@@ -35,7 +24,8 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
   p.row = &s;
 
   p.dataflow = s.dataflow;  // (recipe.h; tests/cpu/test_recipe.cpp checks it against the formats)
-  const bool flow = p.dataflow == Dataflow::kFlow;
+  const DataflowRow& d = dataflow_row(p.dataflow);  // (pipelines/pipeline.cu)
+  const bool quantized = d.quantized_rows;
 
   p.fp8 = s.uses_fp8();
   p.pow2_weights = s.weights == WeightCopy::kFp8Block;
@@ -48,11 +38,12 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
   p.segment_blocks = false;
   for (const ColumnSpec& c : s.columns) p.segment_blocks = p.segment_blocks || c.method != ColumnMethod::kNone;
 
-  // The row and the pipeline's code agree (the flow pipeline: the entry and h quantized row-wise,
+  // The recipe row and its dataflow's row agree (quantized rows: the entry and h quantized row-wise,
   // x_perm saved in its entry format; the others: h in BF16, no MXFP4).
-  const bool agrees = s.column(WgradOperand::kGemm1Input).method == x_perm_column_method(p.dataflow, p.x_mxfp4) &&
-                      (flow ? quantized_row(s.entry) && quantized_row(p.h_saved) && p.x_perm_saved == s.entry
-                            : p.h_saved == TensorFormat::kBf16 && !p.x_mxfp4);
+  const ColumnMethod x_perm_column = p.x_mxfp4 ? d.x_perm_column_mxfp4 : d.x_perm_column;
+  const bool agrees = s.column(WgradOperand::kGemm1Input).method == x_perm_column &&
+                      (quantized ? quantized_row(s.entry) && quantized_row(p.h_saved) && p.x_perm_saved == s.entry
+                                 : p.h_saved == TensorFormat::kBf16 && !p.x_mxfp4);
   FLOWMOE_CHECK(agrees, "make_cuda_layer: internal error: recipe " << s.name << "'s table row (recipe.h) asks for "
                             "a combination of formats the CUDA layer's pipelines do not run");
 
@@ -64,17 +55,18 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
                    (options.fprop_dgrad == FD::kAuto && p.fp8 &&
                     workspace_rows(cfg) <= CudaLayerOptions::kGroupedAutoRows * cfg.num_local_experts());
   // The fused epilogues write a' row-wise FP8 and h in its saved quantized format (flow's SwiGLU +
-  // quantize and dSwiGLU + quantize): the flow pipeline, with the grouped kernel running the GEMM.
+  // quantize and dSwiGLU + quantize): a quantized-rows pipeline, with the grouped kernel running the GEMM.
   // the fused (d)SwiGLU epilogues compute plain SwiGLU of GEMM1's output (no bias between them)
   const bool plain_experts = !cfg.activation.clamped() && !cfg.gemm1_bias;
-  p.fused_swiglu = options.fused_swiglu && p.grouped_gemm && flow && plain_experts;
-  p.fused_dswiglu = options.fused_dswiglu && p.grouped_gemm && flow && plain_experts;
-  // Only the flow pipeline makes its wgrad column copies as operators of their own (the scaling-aware
-  // transposes, FP4RowToFP8Col), which can run next to the GEMMs; the others make them inline.
-  p.side_stream = options.side_stream && flow;
-  // The flow pipeline's column copies are its own buffers (dy_col / dh_col, x_perm's), dead once
-  // GEMM1's wgrad has read them; with expert parallelism the dX rows travel while the wgrad runs.
-  p.dx_rows_in_column_copies = options.dx_rows_in_column_copies && flow && cfg.comm == nullptr;
+  p.fused_swiglu = options.fused_swiglu && p.grouped_gemm && quantized && plain_experts;
+  p.fused_dswiglu = options.fused_dswiglu && p.grouped_gemm && quantized && plain_experts;
+  // Only a quantized-rows pipeline (flow) makes its wgrad column copies as operators of their own
+  // (the scaling-aware transposes, FP4RowToFP8Col), which can run next to the GEMMs; the others
+  // make them inline.
+  p.side_stream = options.side_stream && quantized;
+  // Its column copies are its own buffers (dy_col / dh_col, x_perm's), dead once GEMM1's wgrad has
+  // read them; with expert parallelism the dX rows travel while the wgrad runs.
+  p.dx_rows_in_column_copies = options.dx_rows_in_column_copies && quantized && cfg.comm == nullptr;
   // The deduplicated exchange moves BF16, FP8 (UE8M0 1x128) and MXFP4 token rows; fp8-naive's
   // FP32-scale rows take its own exchange (move_naive: every (token, expert) row, as DeepSeek-V3's).
   p.ep_dedup = cfg.comm != nullptr && options.ep_dedup && s.forward_wire != WireFormat::kFp8Fp32Scale;

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "cuda/common.cuh"
+#include "cuda/moe/pipelines/pipeline.h"
 #include "cuda/moe/workspace.h"
 #include "flowmoe/comm.h"
 #include "flowmoe/gemm.h"
@@ -225,8 +226,7 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
   // scratch of its forward alone (its backward reads the saved quantized h; the unfused dSwiGLU
   // writes dh in FP8), so the groups and then da' (its BF16 a buffer serves only as da') live
   // there when they fit.
-  uint8_t* h_free =
-      path.dataflow == Dataflow::kFlow && !fused_dswiglu && x.h ? reinterpret_cast<uint8_t*>(x.h) : nullptr;
+  uint8_t* h_free = !h_bf16 && !fused_dswiglu && x.h ? reinterpret_cast<uint8_t*>(x.h) : nullptr;
   int64_t h_left = h_free ? int64_t(sizeof(bf16_t)) * R * 2 * F : 0;
   const auto take_h = [&](int64_t bytes) -> uint8_t* {
     bytes = (bytes + 255) / 256 * 256;
@@ -281,12 +281,7 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
   }
   // the buffers only this dataflow uses (its pipeline's file)
   const DataflowBufferPlan own{a, x, path, R, Tm, H, F, MB, maxC};
-  switch (path.dataflow) {
-    case Dataflow::kBf16Gemms: break;  // (none)
-    case Dataflow::kBlockwise: plan_blockwise_buffers(own); break;
-    case Dataflow::kFp8Naive: plan_fp8_naive_buffers(own); break;
-    case Dataflow::kFlow: plan_flow_buffers(own); break;
-  }
+  if (const auto plan = dataflow_row(path.dataflow).plan_buffers) plan(own);
 }
 
 }  // namespace moe
