@@ -101,11 +101,12 @@ struct Fp8Operand {
 // 128x128 weights (fprop w, dgrad wt). Throws flowmoe::Error naming `what` for any other view.
 Fp8Operand fp8_operand(const cuda::QTensorView& v, const char* what);
 // A wgrad output written where a model stores the weight instead of as [E][N][K] (GroupedGemm::wgrad
-// on device segments, flowmoe's kernel only): [E][rows][cols] with rows <= N and cols <= K, the
+// and wgrad_bf16 on device segments, flowmoe's kernels only): [E][rows][cols] with rows <= N and cols <= K, the
 // rows and columns past them not written (a padded layer's zeros); `interleaved`: K's halves
 // [0, K/2) (gate) and [K/2, K) (up) alternate, column j of the gate half at 2 j and of the up half at
 // 2 j + 1 (K a multiple of 256). rows = 0: not stored ([E][N][K]). The layer computes the stored
-// weight's own gradient, the transpose of its layout's, by swapping the operands (dy_col <-> x_col).
+// weight's own gradient, the transpose of its layout's, by swapping the operands (dy_col <-> x_col;
+// BF16: dy <-> x).
 struct StoredDw {
   int64_t rows = 0;
   int64_t cols = 0;

@@ -479,8 +479,8 @@ void GroupedGemm::dgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<con
 void GroupedGemm::wgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
                              Span<const bf16_t> x, const WgradOut& dw, cudaStream_t stream) {
   const char* what = "BF16 wgrad";
-  FLOWMOE_CHECK(dw.stored.rows == 0, what << ": a stored output (WgradOut::stored); only the FP8 wgrad on device "
-                                            "segments writes one");
+  FLOWMOE_CHECK(dw.stored.rows == 0, what << ": a stored output (WgradOut::stored); only the wgrad kernels on device "
+                                            "segments write one");
   FLOWMOE_CHECK(dw.kind == WgradOut::Kind::kBf16 || dw.kind == WgradOut::Kind::kF32 ||
                     dw.kind == WgradOut::Kind::kF32Accumulate,
                 "BF16 wgrad: unknown output kind " << static_cast<int>(dw.kind));
@@ -547,10 +547,9 @@ void GroupedGemm::dgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Sp
 void GroupedGemm::wgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
                              Span<const bf16_t> x, const WgradOut& dw, cudaStream_t stream) {
   const char* what = "BF16 wgrad (device segments)";
-  FLOWMOE_CHECK(dw.stored.rows == 0, what << ": a stored output (WgradOut::stored); only the FP8 wgrad on device "
-                                            "segments writes one");
   check_device_segments(seg, what);
-  check_span_holds(dw.size, int64_t(seg.num_segments) * n * k, what, "dw");
+  const gemm::StoredDw& st = dw.stored;
+  check_span_holds(dw.size, int64_t(seg.num_segments) * (st.rows > 0 ? st.rows * st.cols : n * k), what, "dw");
   check_span_holds(dy.size, seg.capacity * n, what, "dy");
   check_span_holds(x.size, seg.capacity * k, what, "x");
   sm90::Bf16WgradArgs a;
@@ -564,6 +563,9 @@ void GroupedGemm::wgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Sp
   a.dw = dw.data;
   a.accumulate = dw.kind == WgradOut::Kind::kF32Accumulate;
   a.out_bf16 = dw.kind == WgradOut::Kind::kBf16;
+  a.stored_rows = st.rows;
+  a.stored_cols = st.cols;
+  a.stored_interleaved = st.interleaved;
   a.status = seg.status;
   sm90::bf16_grouped_wgrad(a, what, stream);
   impl_->stats.bf16_kernel_calls += seg.capacity > 0;  // (at capacity 0: a memset when overwriting)

@@ -25,6 +25,12 @@
 // dgrad stage BF16 halves (the FP8 kernel's epilogue: rows_tma_epilogue.cuh; an expert's partial
 // last tile from the fragments, rows below M_e only), wgrad FP32 halves stored or reduce-added
 // into dW (wgrad_tma_epilogue.cuh).
+//
+// Stored wgrad outputs (gemm.h StoredDw; the caller swaps the operands, so that dW is the stored
+// weight's gradient): Mode::kWgradStored writes [E][rows][cols] through a 3-D map that clips each
+// expert's padding; kWgradInterleaved (128-wide tiles) also loads a tile's B columns as a gate box
+// and an up box (up_offset apart) and writes them alternating, gpt-oss's gate_up_proj columns.
+// Each is an instantiation of its own: the plain wgrad's code is unchanged.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -56,7 +62,8 @@ constexpr int kThreads = 384;
 constexpr int kBox = 64 * kDepth * 2;  // an MN-major box: 64 k-rows of 64 elements, 8 KB
 constexpr int kSchedBytes = 2 * (kMaxGroupedExperts + 1) * 4;  // offsets and tile prefix
 
-enum class Mode { kFprop, kDgrad, kWgrad };
+enum class Mode { kFprop, kDgrad, kWgrad, kWgradStored, kWgradInterleaved };
+constexpr bool is_wgrad(Mode m) { return m == Mode::kWgrad || m == Mode::kWgradStored || m == Mode::kWgradInterleaved; }
 
 // One output-tile width and pass: the ring of stages takes what shared memory (227 KB per CTA)
 // leaves after the schedule and both warpgroups' epilogue buffers (BF16 64 x kBN halves, or wgrad's
@@ -82,6 +89,7 @@ struct Params {
   void* dw;
   int accumulate;
   int store;  // WgradStore
+  int up_offset;  // kWgradInterleaved: the up columns of B start here (the gate ones at 0)
   unsigned long long* bad_segments;
 };
 
@@ -90,7 +98,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     bf16_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_out, const __grid_constant__ Params p) {
 #ifdef FLOWMOE_SM90A
-  constexpr bool kWgrad = kMode == Mode::kWgrad;
+  constexpr bool kWgrad = is_wgrad(kMode);
+  constexpr bool kInterleaved = kMode == Mode::kWgradInterleaved;
+  static_assert(!kInterleaved || kBN == 128, "interleaved gate / up columns: 128-wide tiles");
   using C = Cfg<kBN, kWgrad>;
   constexpr int kMnA = kWgrad ? 1 : 0, kMnB = kMode == Mode::kFprop ? 0 : 1;
   constexpr int kStages = C::kStages;
@@ -152,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int e = tile / per_expert, r = tile % per_expert;
           a_row = b_row = s_off[e];
           a_col = (r / tiles_k) * kTile;
-          b_col = (r % tiles_k) * kBN;
+          b_col = kInterleaved ? (r % tiles_k) * (kBN / 2) : (r % tiles_k) * kBN;  // (the gate box's)
         } else {
           const RowTile rt = row_tile(s_off, s_start, E, tile);
           a_row = rt.off + rt.local0;
@@ -174,6 +184,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           if constexpr (kMode == Mode::kFprop) {
             tma_load_2d(sb, &map_b, &full[s], kd, b_row);  // kBN rows x 64
+          } else if constexpr (kInterleaved) {  // gate columns, then their up columns
+            tma_load_2d(sb, &map_b, &full[s], b_col, b_row + kd);
+            tma_load_2d(sb + kBox, &map_b, &full[s], p.up_offset + b_col, b_row + kd);
           } else {
 #pragma unroll
             for (int i = 0; i < kBN / 64; ++i) tma_load_2d(sb + i * kBox, &map_b, &full[s], b_col + 64 * i, b_row + kd);
@@ -230,10 +243,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (kWgrad) {  // per 128-column half through shared memory, by TMA (wgrad_tma_epilogue.cuh)
       const int e = tile / per_expert, r = tile % per_expert;
       float* ebuf = reinterpret_cast<float*>(epi + ci * kWgradEpiBytes);
+      if constexpr (kMode == Mode::kWgrad) {
 #pragma unroll
-      for (int h = 0; h < C::kHalves; ++h)
-        wgrad_half_to_global(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_out, p.store,
-                             e * p.n + (r / tiles_k) * kTile + 64 * ci, (r % tiles_k) * kBN + h * kTile);
+        for (int h = 0; h < C::kHalves; ++h)
+          wgrad_half_to_global(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_out, p.store,
+                               e * p.n + (r / tiles_k) * kTile + 64 * ci, (r % tiles_k) * kBN + h * kTile);
+      } else {  // expert e's matrix of the 3-D map, rows and columns within it
+#pragma unroll
+        for (int h = 0; h < C::kHalves; ++h)
+          wgrad_half_to_global<kInterleaved>(acc[h], ebuf, pending || h > 0, t, r0, c0, 1 + ci, &map_out, p.store,
+                                             (r / tiles_k) * kTile + 64 * ci, (r % tiles_k) * kBN + h * kTile, e);
+      }
       pending = true;
     } else {  // full halves staged and stored by TMA, partial ones from the fragments (rows_tma_epilogue.cuh)
       const RowTile rt = row_tile(s_off, s_start, E, tile);
@@ -250,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <int kBN, Mode kMode>
 constexpr int smem_bytes() {
-  return Cfg<kBN, kMode == Mode::kWgrad>::kSmemBytes;
+  return Cfg<kBN, is_wgrad(kMode)>::kSmemBytes;
 }
 template <int kBN, Mode kMode>
 void allow_smem() {
@@ -267,6 +287,8 @@ int sm_count() {
     allow_smem<256, Mode::kDgrad>();
     allow_smem<128, Mode::kWgrad>();
     allow_smem<256, Mode::kWgrad>();
+    allow_smem<128, Mode::kWgradStored>();
+    allow_smem<128, Mode::kWgradInterleaved>();
   });
 }
 
@@ -347,6 +369,13 @@ const char* bf16_wgrad_unsupported(const Bf16WgradArgs& a) {
   if (const char* why = common_unsupported(a.offsets, a.num_experts, a.m, a.n, a.k)) return why;
   if (!a.dw) return "a null gradient pointer";
   if (a.out_bf16 && a.accumulate) return "BF16 output with accumulation (BF16 gradients are overwritten only)";
+  if (a.stored_rows > 0) {
+    const int64_t elem = a.out_bf16 ? 2 : 4;
+    if (a.stored_rows > a.n || a.stored_cols <= 0 || a.stored_cols > a.k)
+      return "a stored dW larger than [N, K] (or with no columns)";
+    if (a.stored_cols * elem % 16 != 0) return "a stored dW whose rows are not a multiple of 16 bytes";
+    if (a.stored_interleaved && a.k % 256 != 0) return "interleaved gate / up columns need K a multiple of 256";
+  }
   if (a.m == 0) return nullptr;
   if (!a.dy || !a.x) return "a null operand pointer";
   if (!aligned16(a.dy) || !aligned16(a.x) || !aligned16(a.dw)) return "operands or gradient not 16-byte aligned";
@@ -358,23 +387,32 @@ void bf16_grouped_wgrad(const Bf16WgradArgs& a, const char* what, cudaStream_t s
   FLOWMOE_CHECK(why == nullptr, what << " (grouped sm_90a BF16 wgrad kernel): " << why << " (experts "
                                      << a.num_experts << ", m " << a.m << ", n " << a.n << ", k " << a.k << ")");
   const WgradStore store = a.out_bf16 ? WgradStore::kBf16 : a.accumulate ? WgradStore::kF32Add : WgradStore::kF32;
+  const bool stored = a.stored_rows > 0, interleaved = stored && a.stored_interleaved;
   if (a.m == 0) {  // no tokens: the gradients are zero (overwrite) or unchanged (accumulate)
+    const int64_t per_expert = stored ? a.stored_rows * a.stored_cols : a.n * a.k;
     if (!a.accumulate)
       FLOWMOE_CUDA_CHECK(
-          cudaMemsetAsync(a.dw, 0, size_t(wgrad_store_bytes(store)) * a.num_experts * a.n * a.k, stream));
+          cudaMemsetAsync(a.dw, 0, size_t(wgrad_store_bytes(store)) * a.num_experts * per_expert, stream));
     return;
   }
   Params p = make_params(a.offsets, a.num_experts, a.m, a.n, a.k, a.status);
   p.dw = a.dw;
   p.accumulate = a.accumulate;
   p.store = int(store);
+  p.up_offset = interleaved ? int(a.k / 2) : 0;
   const CUtensorMap ma = bf16_map(a.dy, a.m, a.n, 64, what);
   const CUtensorMap mb = bf16_map(a.x, a.m, a.k, 64, what);
-  const CUtensorMap mdw = wgrad_dw_map(a.dw, store, int64_t(a.num_experts) * a.n, a.k, what);
-  const bool wide = a.k % 256 == 0;
+  const CUtensorMap mdw = stored ? wgrad_dw_map(a.dw, store, a.stored_rows, a.stored_cols, what, a.num_experts)
+                                 : wgrad_dw_map(a.dw, store, int64_t(a.num_experts) * a.n, a.k, what);
+  const bool wide = !stored && a.k % 256 == 0;  // (the stored outputs' one instantiation each)
   const int64_t max_tiles = int64_t(a.num_experts) * (a.n / kTile) * (a.k / (wide ? 256 : 128));
-  wide ? launch<256, Mode::kWgrad>(ma, mb, mdw, p, max_tiles, stream)
-       : launch<128, Mode::kWgrad>(ma, mb, mdw, p, max_tiles, stream);
+  if (interleaved)
+    launch<128, Mode::kWgradInterleaved>(ma, mb, mdw, p, max_tiles, stream);
+  else if (stored)
+    launch<128, Mode::kWgradStored>(ma, mb, mdw, p, max_tiles, stream);
+  else
+    wide ? launch<256, Mode::kWgrad>(ma, mb, mdw, p, max_tiles, stream)
+         : launch<128, Mode::kWgrad>(ma, mb, mdw, p, max_tiles, stream);
 }
 
 }  // namespace sm90

@@ -54,6 +54,11 @@ struct Bf16WgradArgs {
   void* dw = nullptr;                // [E][n][k] FP32 (BF16 with out_bf16), 16-byte aligned
   bool accumulate = false;           // += into dw (empty experts untouched), else overwrite (empty: zeros)
   bool out_bf16 = false;             // dw is BF16, overwritten: each FP32 sum rounded once (RNE)
+  // dW where a model stores the weight (gemm.h StoredDw; the caller swaps dy and x): [E][stored_rows]
+  // [stored_cols] with stored_rows <= n, stored_cols <= k (rows a multiple of 16 bytes); interleaved:
+  // x's columns are gate [0, k/2) and up [k/2, k), written alternating (k a multiple of 256).
+  int64_t stored_rows = 0, stored_cols = 0;
+  bool stored_interleaved = false;
   // Malformed offsets (not 0 = o[0] <= ... <= o[E] <= m, all multiples of 128) count once in
   // status->bad_segments (may be null) and leave dW untouched.
   DeviceStatus* status = nullptr;

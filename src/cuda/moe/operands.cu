@@ -195,9 +195,17 @@ void StepContext::bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_
     gemm_->dgrad_bf16(seg_, n, k, dy, wt, ms<bf16_t>(out, Mp_ * k), stream_);
 }
 void StepContext::bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw,
-                             bf16_t* dw_bf16) {
+                             bf16_t* dw_bf16, const gemm::StoredDw& stored) {
   const auto dy = cs<bf16_t>(grad, Mp_ * n);
   const auto x = cs<bf16_t>(in, Mp_ * k);
+  if (stored.rows > 0) {
+    // the stored weight is W^T's layout: its gradient in^T . grad, the kernel with the operands
+    // swapped (MoeLayer::writes_stored_grads: the grouped kernels, align 128)
+    gemm::WgradOut o = dw_out(dw, dw_bf16, int64_t(El_) * stored.rows * stored.cols);
+    o.stored = stored;
+    gemm_->wgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, k, n, x, dy, o, stream_);
+    return;
+  }
   const gemm::WgradOut out = dw_out(dw, dw_bf16, int64_t(El_) * n * k);
   if (path_.grouped_gemm && cfg_.align == 128)  // (the kernel's 128-token blocks)
     gemm_->wgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k, dy, x, out, stream_);

@@ -177,7 +177,8 @@ class StepContext {
   const bf16_t* bf16_weight(int g) const;
   void bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
   void bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
-  void bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw, bf16_t* dw_bf16);
+  void bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw, bf16_t* dw_bf16,
+                  const gemm::StoredDw& stored = {});
 
   // ---- token movement (ep_exchange.cu) ----------------------------------------------------------------
   void move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name);

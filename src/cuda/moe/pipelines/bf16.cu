@@ -46,7 +46,9 @@ void backward_bf16(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   }
   if (g.wants_dw2()) {
     auto s = c.bwd("GEMM2 wgrad (bf16)");
-    c.bf16_wgrad(b.rows_bf16, c.H_, b.a, c.F_, g.dw2, g.dw2_bf16);
+    const ExpertStorage& st = g.storage;  // (stored: W2 as [El, Fs, Hs])
+    c.bf16_wgrad(b.rows_bf16, c.H_, b.a, c.F_, g.dw2, g.dw2_bf16,
+                 st.is_layer_layout() ? gemm::StoredDw{} : gemm::StoredDw{st.ffn, st.hidden, false});
   }
   {
     auto s = c.bwd("dSwiGLU*prob (bf16)");
@@ -62,7 +64,9 @@ void backward_bf16(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   c.mark_dx_rows_ready();
   if (g.wants_dw1()) {
     auto s = c.bwd("GEMM1 wgrad (bf16)");
-    c.bf16_wgrad(b.dh, 2 * c.F_, b.x_perm, c.H_, g.dw1, g.dw1_bf16);
+    const ExpertStorage& st = g.storage;  // (stored: W1 as [El, Hs, 2Fs])
+    c.bf16_wgrad(b.dh, 2 * c.F_, b.x_perm, c.H_, g.dw1, g.dw1_bf16,
+                 st.is_layer_layout() ? gemm::StoredDw{} : gemm::StoredDw{st.hidden, 2 * st.ffn, st.interleaved});
   }
 }
 
