@@ -73,10 +73,10 @@ def route(logits):
     return ids, w
 
 
-def run(recipe, x, logits, gate_up, b1, down, b2, dy, align=128):
+def run(recipe, x, logits, gate_up, b1, down, b2, dy, align=128, **kw):
     ids, w = route(logits)
     y = ft.experts(x, ids, w, gate_up, down, recipe=recipe, b1=b1, b2=b2, activation="clamped-swiglu",
-                   swiglu_alpha=ALPHA, swiglu_limit=LIMIT, transposed=True, interleaved=True, align=align)
+                   swiglu_alpha=ALPHA, swiglu_limit=LIMIT, transposed=True, interleaved=True, align=align, **kw)
     y.float().backward(dy)
     return y.detach().float(), [t.grad.clone() for t in (x, logits, gate_up, b1, down, b2)]
 
@@ -101,7 +101,7 @@ def test_values_and_gradients_against_float64(recipe, tol):
     assert clamped.float().mean() > 0.1, "the clamp acts on this problem"
 
 
-def run_relaid(recipe, x, logits, gate_up, b1, down, b2, dy, align=128):
+def run_relaid(recipe, x, logits, gate_up, b1, down, b2, dy, align=128, **kw):
     """run() with the same weights relaid by hand into the layer's own layout [E, 2F, H] (gate rows
     first) and [E, H, F]: y and the gradients of (x, logits, w1, b1, w2, b2) in that layout."""
     gu = gate_up.detach().transpose(1, 2)
@@ -112,7 +112,7 @@ def run_relaid(recipe, x, logits, gate_up, b1, down, b2, dy, align=128):
     x2, l2, b22 = (t.detach().clone().requires_grad_() for t in (x, logits, b2))
     ids, w = route(l2)
     y2 = ft.experts(x2, ids, w, w1, w2, recipe=recipe, b1=b1c, b2=b22, activation="clamped-swiglu",
-                    swiglu_alpha=ALPHA, swiglu_limit=LIMIT, align=align)
+                    swiglu_alpha=ALPHA, swiglu_limit=LIMIT, align=align, **kw)
     y2.float().backward(dy)
     return y2.detach().float(), (x2.grad, l2.grad, w1.grad, b1c.grad, w2.grad, b22.grad)
 

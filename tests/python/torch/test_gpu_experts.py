@@ -245,6 +245,30 @@ def test_gpu_gpt_oss_weights_read_in_place_give_the_bits_of_relaid_ones(recipe, 
     go.assert_same_bits_as_relaid(y, g, go.run_relaid(recipe, x, logits, gate_up, b1, down, b2, dy, align))
 
 
+def test_gpu_gpt_oss_bf16_grouped_kernels_write_the_stored_gradients():
+    """bf16 on its grouped kernels (sync_free, as flowmoe.hf runs it): the BF16 wgrad writes
+    gate_up_proj's and down_proj's gradients where they are stored (the layer's writes_stored_grads;
+    no mapping pass), y and every other gradient with the bits of the weights relaid by hand, the
+    two weights' within one BF16 rounding of theirs (the swapped operands' FP32 sums, rounded once)."""
+    import test_experts_gpt_oss as go
+    from flowmoe.experts import _layers
+
+    x, logits, gate_up, b1, down, b2, dy = (t.detach().to(DEV) for t in go.problem(3, torch.bfloat16))
+    leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, b1, down, b2)]
+    y, g = go.run("bf16", *leaves, dy, sync_free=True)
+    layer = next(iter(_layers[id(leaves[2])][1].values()))
+    assert layer._stored_grads(layer._runner, True), "the layer maps the gradients instead of writing them"
+    y2, (dx, dl, dw1, db1, dw2, db2) = go.run_relaid("bf16", x, logits, gate_up, b1, down, b2, dy, sync_free=True)
+    assert torch.equal(y, y2) and torch.equal(g[0], dx) and torch.equal(g[1], dl) and torch.equal(g[5], db2)
+    assert torch.equal(torch.cat([g[3][:, 0::2], g[3][:, 1::2]], 1), db1)
+    g1 = g[2].transpose(1, 2)
+    for got, want, name in ((torch.cat([g1[:, 0::2], g1[:, 1::2]], 1), dw1, "gate_up_proj"),
+                            (g[4].transpose(1, 2), dw2, "down_proj")):
+        assert got.dtype == torch.bfloat16 and float(want.float().abs().sum()) > 0, name
+        diff = (got.float() - want.float()).abs()
+        assert bool((diff <= want.float().abs() * 2.0 ** -7).all()), (name, float(diff.max()))
+
+
 def test_gpu_gpt_oss_forward_keeps_no_relaid_weights():
     """Between forward and backward the node of the in-place path holds no copy of the weights: the
     relaying path holds at least the relaid W1 and W2 more."""
