@@ -22,9 +22,14 @@
 extern "C" {
 #endif
 
-// Bumped when a function or field is added (each is marked with the version that added it);
-// earlier versions' functions keep their signatures and meaning. Version 10 appended fields to
-// flowmoe_cuda_options and flowmoe_forward_call: callers built against version 9 are rebuilt.
+// Bumped when a function or field is added, changed or removed (each is marked with the version
+// that added it); up to version 9 earlier versions' functions kept their signatures and meaning.
+// Version 10 appended fields to flowmoe_cuda_options and flowmoe_forward_call (callers built
+// against version 9 are rebuilt), and removed the per-call setters (bind_memory, set_routing,
+// set_gemm1_bias(_grad), load_step, set_backward_weights(_bf16)) and the legacy calls that needed
+// them (forward, backward, backward_ex, backward_bf16, set_weights, set_weights_bf16): every call
+// takes what it needs as arguments (flowmoe_layer_forward_call, flowmoe_layer_backward_call), and
+// set_weights_ex takes the memory.
 #define FLOWMOE_CAPI_VERSION 10
 
 enum flowmoe_status_code {
@@ -64,16 +69,16 @@ typedef struct flowmoe_config {
   int32_t check_columns;  // MoeConfig::check_columns
   // MoeConfig::transpose_exponent: "row-max" (SPEC §4; also when null) or "column-amax"
   const char* transpose_exponent;
-  // MoeConfig::external_routing (0 / 1; version 3): the caller routes (flowmoe_layer_set_routing
-  // before each forward); no router weights (wr null), no aux loss, dprobs from the backward.
+  // MoeConfig::external_routing (0 / 1; version 3): the caller routes (flowmoe_forward_call's ids,
+  // probs); no router weights (wr null), no aux loss, dprobs from the backward.
   int32_t external_routing;
   // MoeConfig::activation (version 6): "swiglu" (also when null) or "clamped-swiglu" (gpt-oss) with
   // swiglu_alpha and swiglu_limit (ignored for "swiglu").
   const char* activation;
   float swiglu_alpha;
   float swiglu_limit;
-  // MoeConfig::gemm1_bias (0 / 1; version 6): b1 [El, 2F] fp32 before each forward
-  // (flowmoe_layer_set_gemm1_bias), db1 from the backward (flowmoe_layer_set_gemm1_bias_grad).
+  // MoeConfig::gemm1_bias (0 / 1; version 6): b1 [El, 2F] fp32 with each forward
+  // (flowmoe_forward_call's b1), db1 from the backward (flowmoe_grads' db1).
   int32_t gemm1_bias;
 } flowmoe_config;
 
@@ -91,7 +96,7 @@ typedef struct flowmoe_cuda_options {
   // 128; the same bits as the default, bf16's as its grouped BF16 kernels give them).
   int32_t sync_free;
   // CudaLayerOptions::caller_memory: the weight copies, saved activations and scratch live in
-  // regions the caller binds (flowmoe_layer_memory_plan, flowmoe_layer_bind_memory).
+  // regions the caller passes with each call (flowmoe_layer_memory_plan, flowmoe_memory).
   int32_t caller_memory;
   // Version 10, CudaLayerOptions::bf16_params_in_place (caller memory): the expert parameters are
   // BF16 in the layer's layout and the bf16 recipe's GEMMs read them in place, no copy (every
@@ -131,55 +136,28 @@ int flowmoe_expert_relayout(const void* src, void* dst, int elem_bytes, int num_
 const char* flowmoe_layer_backend(const flowmoe_layer* layer);  // "cpu" or "cuda"
 int flowmoe_layer_local_experts(const flowmoe_layer* layer);    // El
 
-// router_bias may be null.
-int flowmoe_layer_set_weights(flowmoe_layer* layer, const float* w1, const float* w2,
-                              const float* wr, const float* router_bias);
-// flowmoe_layer_set_weights with BF16 parameters W1, W2 (bf16 bits; version 4; moe.h MoeWeights::
-// w1_bf16): the bits of FP32 masters holding the same values, without an FP32 copy.
-int flowmoe_layer_set_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2,
-                                   const float* wr, const float* router_bias);
-int flowmoe_layer_forward(flowmoe_layer* layer, const uint16_t* x, int64_t tokens, uint16_t* y);
-// Gradient pointers may be null (skipped). accumulate: 1 adds to the buffers, 0 overwrites them
-// (MoeGrads::accumulate).
-int flowmoe_layer_backward(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
-                           float* dw2, float* dwr, int accumulate);
-
-// MoeLayer::set_routing (external_routing layers): ids [T, k] int32, probs [T, k] fp32 of the next
-// forward (host pointers for a CPU layer, device pointers for a CUDA layer; read by that forward).
-int flowmoe_layer_set_routing(flowmoe_layer* layer, const int32_t* ids, const float* probs);
-// flowmoe_layer_backward with d loss / d probs [T, k] fp32 (MoeGrads::dprobs, overwritten; null:
-// skipped). An external_routing layer takes dwr null.
-int flowmoe_layer_backward_ex(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
-                              float* dw2, float* dwr, float* dprobs, int accumulate);
-// flowmoe_layer_backward_ex with the expert gradients in BF16 (bf16 bits; version 5; moe.h
-// MoeGrads::dw1_bf16): overwritten with the FP32 sums rounded once (RNE) as the wgrad stores them
-// (the gradients of BF16 parameters, with no FP32 copy); dwr (FP32) and dprobs overwritten too.
-int flowmoe_layer_backward_bf16(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, uint16_t* dw1,
-                                uint16_t* dw2, float* dwr, float* dprobs);
-
-// Version 6, gemm1_bias layers (moe.h MoeLayer::set_gemm1_bias, MoeGrads::db1): b1 [El, 2F] fp32 of
-// the next forward (read by it: keep it valid until its work is done); db1 [El, 2F] fp32 written
-// by the next backward call, whichever entry point (+= when it accumulates, else overwritten).
-int flowmoe_layer_set_gemm1_bias(flowmoe_layer* layer, const float* b1);
-int flowmoe_layer_set_gemm1_bias_grad(flowmoe_layer* layer, float* db1);
-
 // Caller memory (moe.h MoeMemoryPlan, MoeMemory): out = {weights, saved, transient} bytes (all 0
-// for a layer that owns its memory); bind the regions the next calls use (set_weights: weights +
-// transient; forward, backward: all three, the backward with its forward's weights and saved).
+// for a layer that owns its memory); each call takes the regions it uses (flowmoe_memory below:
+// set_weights_ex weights + transient; forward, backward all three, the backward with its forward's
+// weights and saved).
 int flowmoe_layer_memory_plan(flowmoe_layer* layer, int64_t out[3]);
-int flowmoe_layer_bind_memory(flowmoe_layer* layer, void* weights, void* saved, void* transient);
-// Version 5 (moe.h MoeLayer::takes_backward_weights / set_backward_weights): *out = 1 when the next
-// backward can quantize its dgrad weights from the parameters, given just before it, so that the
-// weights region need not be kept from the forward (bind it as null for that backward); else 0.
+// Version 5 (moe.h MoeLayer::takes_backward_weights): *out = 1 when a backward can quantize its
+// dgrad weights from the parameters (flowmoe_backward_call's params), so that the weights region
+// need not be kept from the forward (pass it as null to that backward); else 0.
 int flowmoe_layer_takes_backward_weights(flowmoe_layer* layer, int* out);
-// wr: the router's [E, H] FP32 weights (null for an external_routing layer).
-int flowmoe_layer_set_backward_weights(flowmoe_layer* layer, const float* w1, const float* w2, const float* wr);
-int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2,
-                                            const float* wr);
+// The caller-memory regions of one call (version 9): null where none (all null for a layer that
+// owns its memory).
+typedef struct flowmoe_memory {
+  void* weights;
+  void* saved;
+  void* transient;
+} flowmoe_memory;
 // Version 9 (moe.h MoeWeights): the weights as one struct, with the expert weights where a model
 // stores them (flowmoe/expert_layout.h ExpertStorage; gpt-oss's gate_up_proj [El, Hs, 2Fs] and
 // down_proj [El, Fs, Hs]), read in place by the layers for which reads_stored_weights gives 1
-// (set_weights_ex; a backward's parameters: flowmoe_backward_call's params).
+// (set_weights_ex; a backward's parameters: flowmoe_backward_call's params). Version 4's BF16
+// parameters (bf16 = 1, moe.h MoeWeights::w1_bf16) give the bits of FP32 masters holding the same
+// values, without an FP32 copy.
 typedef struct flowmoe_weights {
   const void* w1;           // [El, 2F, H], or stored [El, Hs, 2Fs]: fp32, or bf16 bits when bf16 = 1
   const void* w2;           // [El, H, F], or stored [El, Fs, Hs]
@@ -190,14 +168,17 @@ typedef struct flowmoe_weights {
   int64_t stored_ffn;
   int interleaved;          // stored gate / up alternating along 2Fs (1) or concatenated (0)
 } flowmoe_weights;
-int flowmoe_layer_set_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w);
+// The weights of the next forwards (moe.h MoeLayer::set_weights: copies, quantized per the recipe).
+// memory: a caller-memory layer's weights and transient regions (saved is not read), where the
+// copies go; null or all null for a layer that owns its memory. Version 10 added memory.
+int flowmoe_layer_set_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w,
+                                 const flowmoe_memory* memory);
 // *out = 1 when the layer reads stored_hidden / stored_ffn weights of that kind (bf16: 1 BF16, 0 FP32).
 int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int bf16, int* out);
 // The same for a layer of `recipe` on `backend` ("cpu" or "cuda") before one is made.
 int flowmoe_recipe_reads_stored_weights(const char* recipe, const char* backend, int bf16, int* out);
-// Version 9 (moe.h MoeGrads): a backward's outputs as one struct (db1 included: no separate
-// set_gemm1_bias_grad call), the expert gradients optionally where a model stores the weights
-// (flowmoe_backward_call below).
+// Version 9 (moe.h MoeGrads): a backward's outputs as one struct, the expert gradients optionally
+// where a model stores the weights (flowmoe_backward_call below).
 typedef struct flowmoe_grads {
   void* dw1;               // [El, 2F, H], or stored [El, Hs, 2Fs]: fp32, or bf16 bits when bf16 = 1; null: skipped
   void* dw2;               // [El, H, F], or stored [El, Fs, Hs]
@@ -211,13 +192,7 @@ typedef struct flowmoe_grads {
   int interleaved;
 } flowmoe_grads;
 // Version 9: a forward and a backward as one call each, everything a call needs in its arguments
-// (what bind_memory, set_routing, set_gemm1_bias, load_step and set_backward_weights set before):
-// memory: the caller-memory regions (all null for a layer that owns its memory).
-typedef struct flowmoe_memory {
-  void* weights;
-  void* saved;
-  void* transient;
-} flowmoe_memory;
+// (memory: the caller-memory regions, all null for a layer that owns its memory).
 typedef struct flowmoe_forward_call {
   const uint16_t* x;       // [tokens, H] bf16 bits
   int64_t tokens;
@@ -248,14 +223,12 @@ int flowmoe_layer_backward_call(flowmoe_layer* layer, const flowmoe_backward_cal
 // *out = 1 when the layer's backward writes expert gradients of that kind (bf16) stored so.
 int flowmoe_layer_writes_stored_grads(flowmoe_layer* layer, int64_t stored_hidden, int64_t stored_ffn,
                                       int interleaved, int bf16, int* out);
-// A forward's state as a value (version 7; moe.h MoeLayer::step_state / load_step): after a
-// forward, *size = its host state's bytes, written to out when capacity >= *size (else nothing is
-// written: call again with *size bytes; out null and capacity 0 ask the size alone). Before a
-// backward, load_step puts such bytes back (not consumed: the same bytes may back any number of
-// backwards; the CUDA layer also needs that forward's saved region bound). Replaces version 6's
-// take_step / resume_step / step_destroy handles.
+// A forward's state as a value (version 7; moe.h MoeLayer::step_state): after a forward, *size =
+// its host state's bytes, written to out when capacity >= *size (else nothing is written: call
+// again with *size bytes; out null and capacity 0 ask the size alone). A backward takes such bytes
+// as flowmoe_backward_call's step (not consumed: the same bytes may back any number of backwards;
+// the CUDA layer also needs that forward's saved region).
 int flowmoe_layer_step_state(flowmoe_layer* layer, void* out, int64_t capacity, int64_t* size);
-int flowmoe_layer_load_step(flowmoe_layer* layer, const void* bytes, int64_t size);
 
 typedef struct flowmoe_layer_status {
   int64_t nonfinite;  // MoeStatus

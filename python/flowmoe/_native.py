@@ -136,27 +136,18 @@ def _declare(lib: ctypes.CDLL) -> None:
                                             vp]),
         "flowmoe_layer_backend": (ctypes.c_char_p, [vp]),
         "flowmoe_layer_local_experts": (c_int, [vp]),
-        "flowmoe_layer_set_weights_ex": (c_int, [vp, ctypes.POINTER(Weights)]),
+        "flowmoe_layer_set_weights_ex": (c_int, [vp, ctypes.POINTER(Weights), ctypes.POINTER(Memory)]),
         "flowmoe_layer_reads_stored_weights": (c_int, [vp, c_int, ctypes.POINTER(c_int)]),
         "flowmoe_recipe_reads_stored_weights": (c_int, [ctypes.c_char_p, ctypes.c_char_p, c_int,
                                                         ctypes.POINTER(c_int)]),
-        "flowmoe_layer_forward": (c_int, [vp, vp, i64, vp]),
-        "flowmoe_layer_backward": (c_int, [vp, vp, vp, vp, vp, vp, c_int]),
-        "flowmoe_layer_backward_ex": (c_int, [vp, vp, vp, vp, vp, vp, vp, c_int]),
-        "flowmoe_layer_backward_bf16": (c_int, [vp, vp, vp, vp, vp, vp, vp]),
         "flowmoe_layer_takes_backward_weights": (c_int, [vp, ctypes.POINTER(c_int)]),
         "flowmoe_layer_reads_params_in_place": (c_int, [vp, ctypes.POINTER(c_int)]),
         "flowmoe_layer_forward_call": (c_int, [vp, ctypes.POINTER(ForwardCall)]),
         "flowmoe_layer_backward_call": (c_int, [vp, ctypes.POINTER(BackwardCall)]),
         "flowmoe_layer_writes_stored_grads": (c_int, [vp, i64, i64, c_int, c_int, ctypes.POINTER(c_int)]),
-        "flowmoe_layer_set_routing": (c_int, [vp, vp, vp]),
-        "flowmoe_layer_set_gemm1_bias": (c_int, [vp, vp]),
-        "flowmoe_layer_set_gemm1_bias_grad": (c_int, [vp, vp]),
         "flowmoe_layer_status_get": (c_int, [vp, ctypes.POINTER(LayerStatus)]),
         "flowmoe_layer_memory_plan": (c_int, [vp, ctypes.POINTER(i64)]),
-        "flowmoe_layer_bind_memory": (c_int, [vp, vp, vp, vp]),
         "flowmoe_layer_step_state": (c_int, [vp, vp, i64, ctypes.POINTER(i64)]),
-        "flowmoe_layer_load_step": (c_int, [vp, vp, i64]),
         "flowmoe_layer_cast_report": (c_int, [vp, c_int, ctypes.POINTER(ctypes.c_char_p)]),
         "flowmoe_set_callback_error": (None, [ctypes.c_char_p]),
         "flowmoe_comm_create_host": (c_int, [c_int, c_int, ctypes.POINTER(HostCommOps), ctypes.c_double,
@@ -413,16 +404,16 @@ class Layer:
         return lib().flowmoe_layer_local_experts(self.handle)
 
     def set_weights(self, w1: int, w2: int, wr: int, router_bias: Optional[int] = None, *, bf16: bool = False,
-                    storage: Optional[Tuple[int, int, bool]] = None) -> None:
+                    storage: Optional[Tuple[int, int, bool]] = None,
+                    memory: Tuple[int, int, int] = (0, 0, 0)) -> None:
         """W1, W2 (FP32, or BF16 bits with bf16: the bits of FP32 masters of the same values), Wr, the
         router bias. storage: (H, F, interleaved) of W1, W2 stored transposed ([E, H, 2F], [E, F, H];
-        read in place where reads_stored_weights), or None: the layer's layout."""
+        read in place where reads_stored_weights), or None: the layer's layout. memory: a
+        caller-memory layer's regions (weights, saved, transient; saved is not read, 0 where none)
+        that receive the weight copies; (0, 0, 0) for a layer that owns its memory."""
         w = _weights(w1, w2, bf16, wr, router_bias, storage)
-        check(lib().flowmoe_layer_set_weights_ex(self.handle, ctypes.byref(w)))
-
-    def set_weights_bf16(self, w1: int, w2: int, wr: int, router_bias: Optional[int] = None) -> None:
-        """set_weights with BF16 w1 / w2 (bf16 bits): the bits of FP32 masters of the same values."""
-        self.set_weights(w1, w2, wr, router_bias, bf16=True)
+        m = Memory(*[a or None for a in memory])
+        check(lib().flowmoe_layer_set_weights_ex(self.handle, ctypes.byref(w), ctypes.byref(m)))
 
     def reads_stored_weights(self, bf16: bool) -> bool:
         """Whether set_weights and backward_call's params take a storage (weights read where stored) for
@@ -430,15 +421,6 @@ class Layer:
         out = ctypes.c_int()
         check(lib().flowmoe_layer_reads_stored_weights(self.handle, int(bool(bf16)), ctypes.byref(out)))
         return bool(out.value)
-
-    def forward(self, x: int, tokens: int, y: int) -> None:
-        check(lib().flowmoe_layer_forward(self.handle, x, int(tokens), y))
-
-    def backward(self, dy: int, dx: int, dw1: Optional[int], dw2: Optional[int], dwr: Optional[int],
-                 accumulate: bool, dprobs: Optional[int] = None) -> None:
-        """dprobs: d loss / d probs [T, k] fp32 (overwritten), or None."""
-        check(lib().flowmoe_layer_backward_ex(self.handle, dy, dx, dw1 or None, dw2 or None, dwr or None,
-                                              dprobs or None, int(bool(accumulate))))
 
     def forward_call(self, x: int, tokens: int, y: int, memory: Tuple[int, int, int] = (0, 0, 0), *,
                      ids: Optional[int] = None, probs: Optional[int] = None, b1: Optional[int] = None,
@@ -480,12 +462,6 @@ class Layer:
                                                       int(bool(bf16)), ctypes.byref(out)))
         return bool(out.value)
 
-    def backward_bf16(self, dy: int, dx: int, dw1: Optional[int], dw2: Optional[int], dwr: Optional[int] = None,
-                      dprobs: Optional[int] = None) -> None:
-        """backward with BF16 expert gradients (bf16 bits, overwritten: the FP32 sums rounded once)."""
-        check(lib().flowmoe_layer_backward_bf16(self.handle, dy, dx, dw1 or None, dw2 or None, dwr or None,
-                                                dprobs or None))
-
     @property
     def reads_params_in_place(self) -> bool:
         """Whether every forward takes the BF16 parameters (forward_call's params), read in place."""
@@ -500,26 +476,11 @@ class Layer:
         check(lib().flowmoe_layer_takes_backward_weights(self.handle, ctypes.byref(out)))
         return bool(out.value)
 
-    def set_routing(self, ids: int, probs: int) -> None:
-        """The next forward's routing (external_routing layers): ids [T, k] int32, probs [T, k] fp32."""
-        check(lib().flowmoe_layer_set_routing(self.handle, ids, probs))
-
-    def set_gemm1_bias(self, b1: int) -> None:
-        """The next forward's GEMM1 bias b1 [El, 2F] fp32 (gemm1_bias layers)."""
-        check(lib().flowmoe_layer_set_gemm1_bias(self.handle, b1))
-
-    def set_gemm1_bias_grad(self, db1: int) -> None:
-        """Where the next backward writes db1 [El, 2F] fp32 (gemm1_bias layers)."""
-        check(lib().flowmoe_layer_set_gemm1_bias_grad(self.handle, db1))
-
     def memory_plan(self) -> tuple:
         """(weights, saved, transient) bytes the caller provides (all 0: the layer owns its memory)."""
         out = (ctypes.c_int64 * 3)()
         check(lib().flowmoe_layer_memory_plan(self.handle, out))
         return int(out[0]), int(out[1]), int(out[2])
-
-    def bind_memory(self, weights: int, saved: int, transient: int) -> None:
-        check(lib().flowmoe_layer_bind_memory(self.handle, weights or None, saved or None, transient or None))
 
     def step_state(self, out: int, capacity: int) -> int:
         """After a forward: the size in bytes of its host state (moe.h MoeLayer::step_state),
@@ -527,10 +488,6 @@ class Layer:
         size = ctypes.c_int64()
         check(lib().flowmoe_layer_step_state(self.handle, out or None, int(capacity), ctypes.byref(size)))
         return int(size.value)
-
-    def load_step(self, address: int, size: int) -> None:
-        """Before a backward: the state of the forward it backs (bytes of step_state; not consumed)."""
-        check(lib().flowmoe_layer_load_step(self.handle, address or None, int(size)))
 
     def status(self) -> dict:
         s = LayerStatus()

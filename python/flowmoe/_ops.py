@@ -115,9 +115,9 @@ def derive_weights(w1: torch.Tensor, w2: torch.Tensor, wr: Optional[torch.Tensor
     wbuf = _bytes(r.plan[0], w1.device)
     tbuf = _bytes(r.plan[2], w1.device) if r.plan[2] else None
     with r.ordered():
-        r.layer.bind_memory(_addr(wbuf), 0, _addr(tbuf))
         r.layer.set_weights(_addr(w1), _addr(w2), _addr(wr), _addr(router_bias),
-                            bf16=expert_dtype == torch.bfloat16, storage=m.storage)
+                            bf16=expert_dtype == torch.bfloat16, storage=m.storage,
+                            memory=(_addr(wbuf), 0, _addr(tbuf)))
     m.weight_updates += 1
     return wbuf
 

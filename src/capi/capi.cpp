@@ -25,7 +25,6 @@ struct flowmoe_layer {
   std::unique_ptr<flowmoe::MoeLayer> layer;
   int device = -1;  // CUDA device of a CUDA layer (made current for each call), -1 for CPU
   std::string report;
-  float* db1 = nullptr;  // flowmoe_layer_set_gemm1_bias_grad: the next backward's db1
 };
 
 namespace flowmoe {
@@ -167,42 +166,6 @@ MoeWeights expert_weights(const W* w1, const W* w2) {
   return w;
 }
 
-// Both backward entry points: the expert gradients FP32 (float) or BF16 (uint16_t bits).
-template <typename G>
-int backward(const char* what, flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, G* dw1, G* dw2, float* dwr,
-             float* dprobs, bool accumulate) {
-  return guarded(what, [&] {
-    MoeGrads g;
-    if constexpr (std::is_same_v<G, float>) {
-      g.dw1 = dw1;
-      g.dw2 = dw2;
-    } else {
-      g.dw1_bf16 = dw1;
-      g.dw2_bf16 = dw2;
-    }
-    g.dwr = dwr;
-    g.dprobs = dprobs;
-    g.accumulate = accumulate;
-    if (layer != nullptr) {  // for this backward only, whatever happens to it (even a failed device switch)
-      g.db1 = layer->db1;
-      layer->db1 = nullptr;
-    }
-    checked(layer, what)->layer->backward(dy, dx, g);
-  });
-}
-
-// Both set_weights entry points.
-template <typename W>
-int set_weights(const char* what, flowmoe_layer* layer, const W* w1, const W* w2, const float* wr,
-                const float* router_bias) {
-  return guarded(what, [&] {
-    MoeWeights w = expert_weights(w1, w2);
-    w.wr = wr;
-    w.router_bias = router_bias;
-    checked(layer, what)->layer->set_weights(w);
-  });
-}
-
 }  // namespace
 
 std::string take_callback_error() {
@@ -216,8 +179,6 @@ std::string take_callback_error() {
 
 using flowmoe::capi::checked;
 using flowmoe::capi::guarded;
-using flowmoe::capi::set_weights;
-using flowmoe::capi::backward;
 using flowmoe::capi::expert_weights;
 
 extern "C" {
@@ -355,37 +316,6 @@ int flowmoe_layer_local_experts(const flowmoe_layer* layer) {
   return layer && layer->layer ? layer->layer->config().num_local_experts() : 0;
 }
 
-int flowmoe_layer_set_weights(flowmoe_layer* layer, const float* w1, const float* w2,
-                              const float* wr, const float* router_bias) {
-  return set_weights("flowmoe_layer_set_weights", layer, w1, w2, wr, router_bias);
-}
-
-int flowmoe_layer_set_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2,
-                                   const float* wr, const float* router_bias) {
-  return set_weights("flowmoe_layer_set_weights_bf16", layer, w1, w2, wr, router_bias);
-}
-
-int flowmoe_layer_forward(flowmoe_layer* layer, const uint16_t* x, int64_t tokens, uint16_t* y) {
-  return guarded("flowmoe_layer_forward", [&] {
-    checked(layer, "flowmoe_layer_forward")->layer->forward(x, tokens, y);
-  });
-}
-
-int flowmoe_layer_backward(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
-                           float* dw2, float* dwr, int accumulate) {
-  return flowmoe_layer_backward_ex(layer, dy, dx, dw1, dw2, dwr, nullptr, accumulate);
-}
-
-int flowmoe_layer_backward_ex(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, float* dw1,
-                              float* dw2, float* dwr, float* dprobs, int accumulate) {
-  return backward("flowmoe_layer_backward", layer, dy, dx, dw1, dw2, dwr, dprobs, accumulate != 0);
-}
-
-int flowmoe_layer_backward_bf16(flowmoe_layer* layer, const uint16_t* dy, uint16_t* dx, uint16_t* dw1,
-                                uint16_t* dw2, float* dwr, float* dprobs) {
-  return backward("flowmoe_layer_backward_bf16", layer, dy, dx, dw1, dw2, dwr, dprobs, false);
-}
-
 int flowmoe_layer_takes_backward_weights(flowmoe_layer* layer, int* out) {
   return guarded("flowmoe_layer_takes_backward_weights", [&] {
     FLOWMOE_CHECK(out != nullptr, "flowmoe_layer_takes_backward_weights: null output");
@@ -397,23 +327,6 @@ int flowmoe_layer_reads_params_in_place(flowmoe_layer* layer, int* out) {
   return guarded("flowmoe_layer_reads_params_in_place", [&] {
     FLOWMOE_CHECK(out != nullptr, "flowmoe_layer_reads_params_in_place: null output");
     *out = checked(layer, "flowmoe_layer_reads_params_in_place")->layer->reads_params_in_place() ? 1 : 0;
-  });
-}
-
-int flowmoe_layer_set_backward_weights(flowmoe_layer* layer, const float* w1, const float* w2, const float* wr) {
-  return guarded("flowmoe_layer_set_backward_weights", [&] {
-    flowmoe::MoeWeights w = expert_weights(w1, w2);
-    w.wr = wr;
-    checked(layer, "flowmoe_layer_set_backward_weights")->layer->set_backward_weights(w);
-  });
-}
-
-int flowmoe_layer_set_backward_weights_bf16(flowmoe_layer* layer, const uint16_t* w1, const uint16_t* w2,
-                                            const float* wr) {
-  return guarded("flowmoe_layer_set_backward_weights_bf16", [&] {
-    flowmoe::MoeWeights w = expert_weights(w1, w2);
-    w.wr = wr;
-    checked(layer, "flowmoe_layer_set_backward_weights_bf16")->layer->set_backward_weights(w);
   });
 }
 
@@ -461,9 +374,29 @@ flowmoe::MoeGrads grads_of(const char* what, const flowmoe_grads* c) {
 }
 }  // namespace
 
-int flowmoe_layer_set_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w) {
+int flowmoe_layer_set_weights_ex(flowmoe_layer* layer, const flowmoe_weights* w,
+                                 const flowmoe_memory* memory) {
   const char* what = "flowmoe_layer_set_weights_ex";
-  return guarded(what, [&] { checked(layer, what)->layer->set_weights(weights_of(what, w)); });
+  return guarded(what, [&] {
+    flowmoe::MoeLayer& m = *checked(layer, what)->layer;
+    const flowmoe::MoeWeights weights = weights_of(what, w);
+    flowmoe::MoeMemory regions;
+    if (memory) regions = flowmoe::MoeMemory{memory->weights, memory->saved, memory->transient};
+    // A caller-memory layer writes its weight copies into the regions given here: say so in this
+    // function's terms rather than the layer's (whose message names MoeLayer::bind_memory).
+    const flowmoe::MoeMemoryPlan plan = m.memory_plan();
+    const bool no_weights = plan.weights != 0 && regions.weights == nullptr;
+    const bool no_transient = plan.transient != 0 && regions.transient == nullptr;
+    FLOWMOE_CHECK(!no_weights && !no_transient,
+                  what << ": this layer takes its memory from the caller (memory_plan: "
+                       << plan.weights << " weights, " << plan.transient << " transient bytes) but "
+                       << (memory == nullptr ? "memory is null"
+                           : no_weights      ? "memory.weights is null"
+                                             : "memory.transient is null")
+                       << "; expected the weights and transient regions of those sizes");
+    m.bind_memory(regions);  // as every call does (null regions for a layer that owns its memory)
+    m.set_weights(weights);
+  });
 }
 
 int flowmoe_layer_reads_stored_weights(flowmoe_layer* layer, int bf16, int* out) {
@@ -492,7 +425,6 @@ int flowmoe_layer_backward_call(flowmoe_layer* layer, const flowmoe_backward_cal
   const char* what = "flowmoe_layer_backward_call";
   return guarded(what, [&] {
     flowmoe_layer* l = checked(layer, what);
-    l->db1 = nullptr;
     FLOWMOE_CHECK(call, what << ": the call struct is null");
     FLOWMOE_CHECK(call->step_bytes >= 0 && (call->step != nullptr || call->step_bytes == 0),
                   what << ": step " << call->step << " of " << call->step_bytes
@@ -531,29 +463,6 @@ int flowmoe_recipe_reads_stored_weights(const char* recipe, const char* backend,
   });
 }
 
-int flowmoe_layer_set_routing(flowmoe_layer* layer, const int32_t* ids, const float* probs) {
-  return guarded("flowmoe_layer_set_routing", [&] {
-    checked(layer, "flowmoe_layer_set_routing")->layer->set_routing(ids, probs);
-  });
-}
-
-int flowmoe_layer_set_gemm1_bias(flowmoe_layer* layer, const float* b1) {
-  return guarded("flowmoe_layer_set_gemm1_bias", [&] {
-    checked(layer, "flowmoe_layer_set_gemm1_bias")->layer->set_gemm1_bias(b1);
-  });
-}
-
-int flowmoe_layer_set_gemm1_bias_grad(flowmoe_layer* layer, float* db1) {
-  return guarded("flowmoe_layer_set_gemm1_bias_grad", [&] {
-    flowmoe_layer* l = checked(layer, "flowmoe_layer_set_gemm1_bias_grad");
-    FLOWMOE_CHECK(db1 != nullptr, "flowmoe_layer_set_gemm1_bias_grad: null db1; expected db1 [El, 2F] fp32");
-    FLOWMOE_CHECK(l->layer->config().gemm1_bias,
-                  "flowmoe_layer_set_gemm1_bias_grad: this layer's experts have no bias; expected a layer "
-                  "configured with gemm1_bias = 1");
-    l->db1 = db1;
-  });
-}
-
 int flowmoe_layer_memory_plan(flowmoe_layer* layer, int64_t out[3]) {
   return guarded("flowmoe_layer_memory_plan", [&] {
     FLOWMOE_CHECK(out != nullptr, "flowmoe_layer_memory_plan: null output");
@@ -561,16 +470,6 @@ int flowmoe_layer_memory_plan(flowmoe_layer* layer, int64_t out[3]) {
     out[0] = p.weights;
     out[1] = p.saved;
     out[2] = p.transient;
-  });
-}
-
-int flowmoe_layer_bind_memory(flowmoe_layer* layer, void* weights, void* saved, void* transient) {
-  return guarded("flowmoe_layer_bind_memory", [&] {
-    flowmoe::MoeMemory m;
-    m.weights = weights;
-    m.saved = saved;
-    m.transient = transient;
-    checked(layer, "flowmoe_layer_bind_memory")->layer->bind_memory(m);
   });
 }
 
@@ -583,14 +482,6 @@ int flowmoe_layer_step_state(flowmoe_layer* layer, void* out, int64_t capacity, 
     const std::vector<uint8_t> bytes = checked(layer, "flowmoe_layer_step_state")->layer->step_state();
     *size = static_cast<int64_t>(bytes.size());
     if (capacity >= *size && !bytes.empty()) std::memcpy(out, bytes.data(), bytes.size());
-  });
-}
-
-int flowmoe_layer_load_step(flowmoe_layer* layer, const void* bytes, int64_t size) {
-  return guarded("flowmoe_layer_load_step", [&] {
-    FLOWMOE_CHECK(size >= 0, "flowmoe_layer_load_step: " << size << " bytes; expected the size step_state gave");
-    checked(layer, "flowmoe_layer_load_step")
-        ->layer->load_step(static_cast<const uint8_t*>(bytes), static_cast<size_t>(size));
   });
 }
 

@@ -1,9 +1,13 @@
-"""The C ABI's one-call forward and backward (version 9: flowmoe_layer_forward_call /
-flowmoe_layer_backward_call, everything a call needs in its arguments) on the CPU layer: the bits of
-the earlier entry points called after their setters, a step given back as bytes, the gradients'
-struct with db1; the stored-weights rules as the library states them; bad arguments as clear errors."""
+"""The C ABI's one-call forward and backward (flowmoe_layer_forward_call / flowmoe_layer_backward_call,
+everything a call needs in its arguments; version 10 removed the per-call setters) on the CPU layer:
+a backward given an earlier forward's step bytes equals the backward right after that forward, the
+same bytes back a second backward, the gradients' struct accumulates; the header and the library
+keep no per-call setter; the stored-weights rules as the library states them; bad arguments as
+clear errors."""
 
 import ctypes
+import os
+import re
 
 import pytest
 import torch
@@ -13,6 +17,13 @@ from flowmoe._errors import FlowmoeError
 from flowmoe.torch import MoE
 
 H, F, E, K, T = 128, 128, 4, 2, 24
+HEADER = os.path.join(os.path.dirname(__file__), "..", "..", "..", "include", "flowmoe", "c_api.h")
+# What version 10 removed: the per-call setters and the calls that needed them (flowmoe_layer_<name>),
+# and the Python wrappers of them (Layer.<name>; Layer.set_weights stays, on set_weights_ex).
+SETTERS = ("bind_memory", "set_routing", "set_gemm1_bias", "set_gemm1_bias_grad", "load_step",
+           "set_backward_weights", "set_backward_weights_bf16")
+REMOVED_C = SETTERS + ("forward", "backward", "backward_ex", "backward_bf16", "set_weights", "set_weights_bf16")
+REMOVED_PY = SETTERS + ("forward", "backward", "backward_bf16", "set_weights_bf16")
 
 
 def problem(recipe):
@@ -27,34 +38,70 @@ def weights(m):
     return m.w1.detach(), m.w2.detach(), m.wr.detach()
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "flow"])
-def test_one_call_forward_and_backward_give_the_bits_of_the_setter_sequence(recipe):
-    m, x, dy = problem(recipe)
+def layer_of(m):
     w1, w2, wr = weights(m)
-    outs = []
-    for one_call in (False, True):
-        layer = native.Layer(m._config(T))
-        layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr())
-        y, dx = torch.empty_like(x), torch.empty_like(x)
-        gs = [torch.full_like(w, float("nan")) for w in (w1, w2, wr)]
-        if one_call:
-            layer.forward_call(x.data_ptr(), T, y.data_ptr())
-            # a second forward, then the first one's state given back as bytes
-            cap = layer.step_state(0, 0)
-            step = torch.empty(cap, dtype=torch.uint8)
-            layer.step_state(step.data_ptr(), cap)
-            x2, y2 = x.flip(0).contiguous(), torch.empty_like(x)  # (alive while the call runs)
-            layer.forward_call(x2.data_ptr(), T, y2.data_ptr())
-            layer.backward_call(dy.data_ptr(), dx.data_ptr(), (0, 0, 0), (step.data_ptr(), cap),
-                                dw1=gs[0].data_ptr(), dw2=gs[1].data_ptr(), bf16=False, dwr=gs[2].data_ptr())
-        else:
-            layer.forward(x.data_ptr(), T, y.data_ptr())
-            layer.backward(dy.data_ptr(), dx.data_ptr(), *[g.data_ptr() for g in gs], False)
-        layer.close()
-        outs.append((y, dx, *gs))
-    for name, a, b in zip(("y", "dx", "dw1", "dw2", "dwr"), *outs):
-        assert torch.equal(a, b), name
-    assert all(bool(torch.isfinite(g).all()) for g in outs[1][2:])
+    layer = native.Layer(m._config(T))
+    layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr())
+    return layer
+
+
+def backward(layer, dy, step, grads, accumulate=False):
+    """backward_call of `step` (None: the latest forward) into grads [dw1, dw2, dwr] (overwritten, or
+    += with accumulate): (dx, dw1, dw2, dwr)."""
+    dx = torch.empty_like(dy)
+    layer.backward_call(dy.data_ptr(), dx.data_ptr(), (0, 0, 0), step, dw1=grads[0].data_ptr(),
+                        dw2=grads[1].data_ptr(), bf16=False, dwr=grads[2].data_ptr(), accumulate=accumulate)
+    return (dx, *grads)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "flow"])
+def test_backward_of_an_earlier_step_equals_the_backward_after_its_forward(recipe):
+    m, x, dy = problem(recipe)
+    nan = [torch.full_like(w, float("nan")) for w in weights(m)]
+    # the plain sequence: forward x, then its backward (no step: the latest forward)
+    a = layer_of(m)
+    ya = torch.empty_like(x)
+    a.forward_call(x.data_ptr(), T, ya.data_ptr())
+    want = backward(a, dy, None, [g.clone() for g in nan])
+    a.close()
+    # forward x, keep its step bytes, forward another input, then backward x's step
+    b = layer_of(m)
+    yb = torch.empty_like(x)
+    b.forward_call(x.data_ptr(), T, yb.data_ptr())
+    cap = b.step_state(0, 0)
+    step = torch.empty(cap, dtype=torch.uint8)
+    assert b.step_state(step.data_ptr(), cap) == cap
+    x2, y2 = x.flip(0).contiguous(), torch.empty_like(x)  # (alive while the calls run)
+    b.forward_call(x2.data_ptr(), T, y2.data_ptr())
+    # without the step the backward is the second forward's: the step is what makes them equal below
+    latest = backward(b, dy, None, [g.clone() for g in nan])
+    assert not torch.equal(latest[0], want[0])
+    got = backward(b, dy, (step.data_ptr(), cap), [g.clone() for g in nan])
+    assert torch.equal(ya, yb)
+    for name, u, v in zip(("dx", "dw1", "dw2", "dwr"), want, got):
+        assert torch.equal(u, v), name
+    assert all(bool(torch.isfinite(g).all()) for g in got[1:])
+    # the bytes are not consumed: a second backward of them, accumulated into the first's gradients,
+    # gives the same dx and twice the gradients (the expert wgrads may add inside their sums: within
+    # rounding; the router gradient is added as one sum per element: exactly)
+    again = backward(b, dy, (step.data_ptr(), cap), [g.clone() for g in got[1:]], accumulate=True)
+    assert torch.equal(again[0], want[0])
+    for u, v in zip(want[1:3], again[1:3]):
+        torch.testing.assert_close(v, 2 * u, rtol=1e-6, atol=1e-6)
+    assert torch.equal(again[3], 2 * want[3])
+    b.close()
+
+
+def test_header_and_library_have_no_per_call_setter():
+    with open(HEADER) as f:
+        # the declarations, not the comments (the version note names what was removed)
+        code = "\n".join(line.split("//")[0] for line in f)
+    assert "flowmoe_layer_forward_call" in code and "flowmoe_layer_set_weights_ex" in code
+    for name in REMOVED_C:
+        assert not re.search(rf"\bflowmoe_layer_{name}\b", code), f"c_api.h declares flowmoe_layer_{name}"
+        assert not hasattr(native.lib(), f"flowmoe_layer_{name}"), f"the library exports flowmoe_layer_{name}"
+    for name in REMOVED_PY:
+        assert not hasattr(native.Layer, name), f"flowmoe._native.Layer.{name}"
 
 
 def test_bad_call_arguments_are_clear_errors():
@@ -79,6 +126,12 @@ def test_bad_call_arguments_are_clear_errors():
     # weights described as stored with sizes larger than the layer's: refused, the sizes named
     with pytest.raises(FlowmoeError, match="stored sizes H 129"):
         layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr(), storage=(H + 1, 64, True))
+    # memory for a layer that owns it: refused; a null memory pointer is the same as none
+    region = torch.empty(256, dtype=torch.uint8)
+    with pytest.raises(FlowmoeError, match="owns its memory"):
+        layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr(), memory=(region.data_ptr(), 0, 0))
+    cw = native.Weights(w1.data_ptr(), w2.data_ptr(), 0, wr.data_ptr(), None, 0, 0, 0)
+    native.check(native.lib().flowmoe_layer_set_weights_ex(layer.handle, ctypes.byref(cw), None))
     # parameters with the forward: only the CUDA bf16 layer with bf16_params_in_place reads them there
     assert not layer.reads_params_in_place
     with pytest.raises(FlowmoeError, match="reads_params_in_place"):
@@ -86,6 +139,32 @@ def test_bad_call_arguments_are_clear_errors():
     assert layer.reads_stored_weights(True) and layer.reads_stored_weights(False)  # (the CPU reference)
     assert layer.writes_stored_grads((100, 64, True), False) and not layer.writes_stored_grads((H + 1, 64, True), False)
     layer.close()
+
+
+@pytest.mark.gpu
+def test_caller_memory_layer_takes_its_regions_with_set_weights():
+    """set_weights_ex writes a caller-memory layer's weight copies into the regions passed with it
+    (no bind_memory since version 10): the forward then gives the bits of the layer that owns its
+    memory; without them, an error naming the missing region."""
+    m, x, _ = problem("flow")
+    w1, w2, wr = [t.cuda() for t in weights(m)]
+    x = x.cuda()
+    outs = []
+    for caller_memory in (False, True):
+        layer = native.Layer(m._config(T), device=torch.cuda.current_device(), caller_memory=caller_memory)
+        regions = [torch.empty(n, dtype=torch.uint8, device="cuda") if n else None for n in layer.memory_plan()]
+        memory = tuple(r.data_ptr() if r is not None else 0 for r in regions)
+        assert (memory[0] != 0) == caller_memory
+        if caller_memory:
+            with pytest.raises(FlowmoeError, match="memory.weights is null"):
+                layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr())
+        layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr(), memory=(memory[0], 0, memory[2]))
+        y = torch.empty_like(x)
+        layer.forward_call(x.data_ptr(), T, y.data_ptr(), memory)
+        torch.cuda.synchronize()
+        outs.append(y)
+        layer.close()
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_stored_weights_rule_is_the_librarys():

@@ -84,7 +84,7 @@ def test_module_equals_function_bits():
 
 @pytest.mark.parametrize("recipe", ["bf16", "blockwise", "fp8-naive", "flow", "flow-fp4"])
 def test_bf16_parameters_give_the_bits_of_fp32_masters(recipe):
-    # BF16 w1 / w2 go to the layer as they are (set_weights_bf16: no FP32 copy); the result is that
+    # BF16 w1 / w2 go to the layer as they are (set_weights with bf16: no FP32 copy); the result is that
     # of FP32 masters holding the same values, and the gradients are the FP32 ones rounded to BF16
     x, logits, w1, w2, dy = problem(2)
     ids, w = route(logits.detach())

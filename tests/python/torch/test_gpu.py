@@ -51,10 +51,11 @@ def test_module_equals_cuda_layer_bitwise(recipe):
     w = [m.w1.detach(), m.w2.detach(), m.wr.detach()]
     layer.set_weights(*[t.data_ptr() for t in w])
     y = torch.empty_like(x)
-    layer.forward(x.data_ptr(), x.shape[0], y.data_ptr())
+    layer.forward_call(x.data_ptr(), x.shape[0], y.data_ptr())
     dx = torch.empty_like(x)
     gs = [torch.full_like(t, float("nan")) for t in w]
-    layer.backward(dy.data_ptr(), dx.data_ptr(), *[g.data_ptr() for g in gs], False)
+    layer.backward_call(dy.data_ptr(), dx.data_ptr(), (0, 0, 0), None, dw1=gs[0].data_ptr(), dw2=gs[1].data_ptr(),
+                        bf16=False, dwr=gs[2].data_ptr())
     torch.cuda.synchronize()
     for name, a, b in zip(("y", "dx", "dw1", "dw2", "dwr"), got, [y, dx] + gs):
         assert torch.equal(a, b), f"{recipe}: {name} differs from the CUDA layer"

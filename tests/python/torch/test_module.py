@@ -46,10 +46,11 @@ def run_capi(m, x, dy, accumulate=False, fill=float("nan")):
     bias = m.router_bias
     layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr(), bias.data_ptr() if bias is not None else 0)
     y = torch.empty_like(x)
-    layer.forward(x.data_ptr(), x.shape[0], y.data_ptr())
+    layer.forward_call(x.data_ptr(), x.shape[0], y.data_ptr())
     dx = torch.empty_like(x)
     gs = [torch.full_like(w, fill) for w in (w1, w2, wr)]
-    layer.backward(dy.data_ptr(), dx.data_ptr(), *[g.data_ptr() for g in gs], accumulate)
+    layer.backward_call(dy.data_ptr(), dx.data_ptr(), (0, 0, 0), None, dw1=gs[0].data_ptr(), dw2=gs[1].data_ptr(),
+                        bf16=False, dwr=gs[2].data_ptr(), accumulate=accumulate)
     status = layer.status()
     layer.close()
     return (y, dx, *gs), status
@@ -333,15 +334,15 @@ def test_capi_errors_are_exceptions_not_crashes():
     x, _ = data(T=8)
     y = torch.empty_like(x)
     with pytest.raises(flowmoe.FlowmoeError, match="set_weights first"):
-        layer.forward(x.data_ptr(), 8, y.data_ptr())
+        layer.forward_call(x.data_ptr(), 8, y.data_ptr())
     w = [t.detach() for t in (m.w1, m.w2, m.wr)]
     layer.set_weights(*[t.data_ptr() for t in w])
     with pytest.raises(flowmoe.FlowmoeError, match="max_tokens"):
-        layer.forward(x.data_ptr(), 9, y.data_ptr())
+        layer.forward_call(x.data_ptr(), 9, y.data_ptr())
     with pytest.raises(flowmoe.FlowmoeError, match="non-null"):
-        layer.forward(0, 8, y.data_ptr())
+        layer.forward_call(0, 8, y.data_ptr())
     with pytest.raises(flowmoe.FlowmoeError, match="call forward first"):
-        layer.backward(x.data_ptr(), y.data_ptr(), 0, 0, 0, False)
+        layer.backward_call(x.data_ptr(), y.data_ptr(), (0, 0, 0), None, dw1=None, dw2=None, bf16=False)
     with pytest.raises(flowmoe.FlowmoeError, match="without the CUDA backend|CUDA"):
         if native.has_cuda():
             raise flowmoe.FlowmoeError("CUDA built in: nothing to refuse")
