@@ -128,6 +128,21 @@ def measure(args, impl, device):
     out = {"impl": impl, "ms": statistics.median(times),
            "peak_above_state_mib": (torch.cuda.max_memory_allocated(device) - base) / MiB,
            "state_mib": base / MiB}
+    # where the peak is: one more step with the peak read after the forward and after the backward
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    opt.zero_grad(set_to_none=True)
+    x.grad = None
+    y = block(x)
+    y = y[0] if isinstance(y, tuple) else y
+    torch.cuda.synchronize(device)
+    out["peak_forward_mib"] = (torch.cuda.max_memory_allocated(device) - base) / MiB
+    torch.cuda.reset_peak_memory_stats(device)
+    y.backward(dy)
+    del y
+    opt.step()
+    torch.cuda.synchronize(device)
+    out["peak_backward_mib"] = (torch.cuda.max_memory_allocated(device) - base) / MiB
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -178,7 +193,8 @@ def main(argv=None):
         rows.append(r)
         base = rows[0]["ms"]
         print(f"# {impl}: {r['ms']:.2f} ms ({base / r['ms']:.2f}x {rows[0]['impl']}), peak above the state "
-              f"{r['peak_above_state_mib']:.0f} MiB (state {r['state_mib']:.0f} MiB)", flush=True)
+              f"{r['peak_above_state_mib']:.0f} MiB (state {r['state_mib']:.0f} MiB; forward "
+              f"{r['peak_forward_mib']:.0f}, backward {r['peak_backward_mib']:.0f})", flush=True)
         if args.profile:
             print(f"#   kernel time {r['kernel_total_ms']:.2f} ms: " +
                   ", ".join(f"{k} {v:.2f}" for k, v in r["kernel_ms"].items()), flush=True)

@@ -102,6 +102,10 @@ typedef struct flowmoe_cuda_options {
   // BF16 in the layer's layout and the bf16 recipe's GEMMs read them in place, no copy (every
   // forward then takes them: flowmoe_forward_call's params).
   int32_t bf16_params_in_place;
+  // Version 10, CudaLayerOptions::bf16_params_stored (with bf16_params_in_place): the BF16
+  // parameters are stored as a model keeps them (flowmoe_weights' stored sizes) and each pass
+  // relays them into its transient region.
+  int32_t bf16_params_stored;
 } flowmoe_cuda_options;
 // flowmoe_layer_create_cuda with options (null: the defaults).
 int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm, int device,

@@ -396,12 +396,14 @@ class MoeLayer {
   // which may then be unbound (null). Refused where takes_backward_weights() is false.
   virtual void set_backward_weights(const MoeWeights& w);
   // Whether each forward reads the BF16 expert parameters in place (CudaLayerOptions::
-  // bf16_params_in_place on the bf16 recipe): set_weights only checks them (no copy), and every
-  // forward takes them (set_forward_weights), as every backward does (set_backward_weights).
+  // bf16_params_in_place on the bf16 recipe; with bf16_params_stored relaid per pass): set_weights
+  // only checks them (no copy), and every forward takes them (set_forward_weights), as every
+  // backward does (set_backward_weights).
   virtual bool reads_params_in_place() const { return false; }
   // The parameters of the next forward only, as given to set_weights (BF16 W1, W2 in the layer's
-  // layout; Wr and router_bias not read): its GEMMs read them where they are, so the caller keeps
-  // them unchanged until the forward's work is done. Refused where reads_params_in_place() is false.
+  // layout, or stored with bf16_params_stored; Wr and router_bias not read): its GEMMs read them
+  // where they are (or their relaid copies), so the caller keeps them unchanged until the forward's
+  // work is done. Refused where reads_params_in_place() is false.
   virtual void set_forward_weights(const MoeWeights& w);
   // Whether set_weights and set_backward_weights read W1, W2 where a model stores them
   // (MoeWeights::storage not the layer's layout), FP32 masters or (bf16_params) BF16 parameters.
@@ -559,6 +561,14 @@ struct CudaLayerOptions {
   // layouts. Other recipes: no effect (the FP8 recipes quantize straight from the parameters
   // already). Same bits as the copies.
   bool bf16_params_in_place = false;
+  // With bf16_params_in_place: the BF16 parameters are stored as a model keeps them instead
+  // (MoeWeights::storage not the layer's layout, e.g. gpt-oss's transposed, interleaved experts),
+  // which the GEMMs do not read; each forward and each backward relays them into BF16 copies in
+  // its transient region (shared by every layer, gone with the call), so the weights region still
+  // holds none and a forward in flight keeps nothing of the weights (the copy of set_weights kept 2
+  // bytes per expert parameter until the backward). Costs one relay per pass instead of one per
+  // weight update. set_weights then refuses the layer's layout. Same bits as the copies.
+  bool bf16_params_stored = false;
   // The grouped GEMMs' options (gemm.h): cuBLASLt per expert (BF16, wgrad, grouped_gemm off) and
   // the wgrad kernel's choice.
   gemm::GroupedGemmOptions gemm;

@@ -50,7 +50,7 @@ class Config(ctypes.Structure):
 
 class CudaOptions(ctypes.Structure):
     _fields_ = [("sync_free", ctypes.c_int32), ("caller_memory", ctypes.c_int32),
-                ("bf16_params_in_place", ctypes.c_int32)]  # (version 10)
+                ("bf16_params_in_place", ctypes.c_int32), ("bf16_params_stored", ctypes.c_int32)]  # (version 10)
 
 
 class Weights(ctypes.Structure):  # flowmoe_weights (version 9)
@@ -380,7 +380,7 @@ class Layer:
 
     def __init__(self, config: Config, comm: Optional[Comm] = None, device: Optional[int] = None,
                  stream: int = 0, sync_free: bool = False, caller_memory: bool = False,
-                 bf16_params_in_place: bool = False):
+                 bf16_params_in_place: bool = False, bf16_params_stored: bool = False):
         self._comm = comm  # the layer does not own its communicator: keep it alive
         self.config = config
         handle = ctypes.c_void_p()
@@ -388,7 +388,8 @@ class Layer:
         if device is None:
             check(lib().flowmoe_layer_create_cpu(ctypes.byref(config), comm_h, ctypes.byref(handle)))
         else:
-            opts = CudaOptions(int(bool(sync_free)), int(bool(caller_memory)), int(bool(bf16_params_in_place)))
+            opts = CudaOptions(int(bool(sync_free)), int(bool(caller_memory)), int(bool(bf16_params_in_place)),
+                               int(bool(bf16_params_stored)))
             check(lib().flowmoe_layer_create_cuda_opts(ctypes.byref(config), comm_h, int(device),
                                                        ctypes.c_void_p(stream or None), ctypes.byref(opts),
                                                        ctypes.byref(handle)))
@@ -424,12 +425,14 @@ class Layer:
 
     def forward_call(self, x: int, tokens: int, y: int, memory: Tuple[int, int, int] = (0, 0, 0), *,
                      ids: Optional[int] = None, probs: Optional[int] = None, b1: Optional[int] = None,
-                     params: Optional[Tuple[int, int]] = None) -> None:
+                     params: Optional[Tuple[int, int]] = None,
+                     params_storage: Optional[Tuple[int, int, bool]] = None) -> None:
         """One forward with everything it needs (C ABI v10): x, y [tokens, H] bf16; memory the caller
         regions (weights, saved, transient; 0 where none); the caller's routing ids / probs
         (external_routing) and GEMM1 bias b1 (gemm1_bias layers); params (w1, w2): the BF16 parameters
-        its GEMMs read in place (reads_params_in_place), else None."""
-        w = _weights(params[0], params[1], True, None, None, None) if params is not None else None
+        its GEMMs read in place (reads_params_in_place; stored per params_storage: relaid per pass),
+        else None."""
+        w = _weights(params[0], params[1], True, None, None, params_storage) if params is not None else None
         c = ForwardCall(x, int(tokens), y, ids or None, probs or None, b1 or None, Memory(*[m or None for m in memory]),
                         ctypes.pointer(w) if w is not None else None)
         check(lib().flowmoe_layer_forward_call(self.handle, ctypes.byref(c)))

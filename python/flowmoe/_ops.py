@@ -129,12 +129,12 @@ def _(w1, w2, wr, router_bias, module_id, tokens):
 
 
 # ---- forward ----------------------------------------------------------------------------------------
-def _run_forward(r, x, wbuf, keep_step, routing=None, b1=None, params=None):
+def _run_forward(r, x, wbuf, keep_step, routing=None, b1=None, params=None, storage=None):
     """One forward of the native layer on PyTorch memory: y, the saved bytes and the step tensor
     (the forward's host state; empty when keep_step is off: no backward will follow).
     routing: (ids [T, k] int32, probs [T, k] fp32) of the experts-only layer; b1: its GEMM1 bias
     [E, 2F] fp32 (gemm1_bias layers); params: (w1, w2) the BF16 parameters the layer reads in place
-    (its params_in_place), else None."""
+    (its params_in_place; where `storage` says they are stored), else None."""
     y = torch.empty_like(x)
     saved = _bytes(r.plan[1], x.device)
     tbuf = _bytes(r.plan[2], x.device) if r.plan[2] else None
@@ -143,7 +143,8 @@ def _run_forward(r, x, wbuf, keep_step, routing=None, b1=None, params=None):
                              ids=routing[0].data_ptr() if routing is not None else None,
                              probs=routing[1].data_ptr() if routing is not None else None,
                              b1=b1.data_ptr() if b1 is not None else None,
-                             params=(params[0].data_ptr(), params[1].data_ptr()) if params is not None else None)
+                             params=(params[0].data_ptr(), params[1].data_ptr()) if params is not None else None,
+                             params_storage=storage)
         step = r.step() if keep_step else _no_step()
     return y, saved, step
 
@@ -167,7 +168,7 @@ def moe_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, wr: Optiona
     # the call's work on the stream)
     params = layer_weights(w1.detach(), w2.detach()) if r.params_in_place else None
     out = _run_forward(r, x, wbuf, keep_step, routing=(ids, probs) if ids is not None else None, b1=b1,
-                       params=params)
+                       params=params, storage=m.storage)
     m._have_forward = True
     return out
 

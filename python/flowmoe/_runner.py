@@ -48,11 +48,12 @@ class _Runner:
 
     @staticmethod
     def build(cfg: _native.Config, comm, device: torch.device, max_tokens: int, sync_free: bool,
-              who: str, bf16_params: bool = False) -> "_Runner":
+              who: str, bf16_params: bool = False, stored: bool = False) -> "_Runner":
         """The native layer of `cfg` on `device`: a CUDA layer on PyTorch's current stream there
         (its own stream where that is the legacy default stream), taking its memory from PyTorch
-        (caller memory), or a CPU layer. bf16_params: the expert parameters are BF16 in the layer's
-        layout (the CUDA layer of bf16 then reads them in place: reads_params_in_place)."""
+        (caller memory), or a CPU layer. bf16_params: the expert parameters are BF16 (the CUDA layer
+        of bf16 then reads them in place, reads_params_in_place, or with `stored`, kept as the model
+        stores them, relays them in each pass)."""
         if device.type != "cuda":
             if sync_free:
                 # Accepted at construction (a module built on the CPU is often moved to a GPU
@@ -75,7 +76,8 @@ class _Runner:
                 stream = torch.cuda.Stream(device)
         with torch.cuda.device(index):
             layer = _native.Layer(cfg, comm, device=index, stream=stream.cuda_stream, sync_free=sync_free,
-                                  caller_memory=True, bf16_params_in_place=bf16_params)
+                                  caller_memory=True, bf16_params_in_place=bf16_params,
+                                  bf16_params_stored=bf16_params and stored)
         return _Runner(layer, device, stream, max_tokens)
 
     def __init__(self, layer: _native.Layer, device: torch.device, stream, max_tokens: int):
@@ -165,8 +167,8 @@ class LayerOwner:
     # read in place by the layer (its reads_stored_weights), the gradients mapped back by
     # _grads_to_storage; None: the layer's layout (the experts-only layer of gpt-oss-like models)
     storage = None
-    # the expert parameters are BF16 in the layer's layout (the experts-only layer keyed so): the layer
-    # may read them in place (_Runner.params_in_place)
+    # the expert parameters are BF16 (the experts-only layer keyed so), in the layer's layout or where
+    # `storage` says: the layer may read them in place (_Runner.params_in_place)
     bf16_params = False
 
     def _ep_comm(self, device: torch.device):
@@ -210,7 +212,8 @@ class LayerOwner:
         self._drop_kept_weights()
         comm = self._ep_comm(device)
         cfg = self._config(max_tokens)
-        self._runner = _Runner.build(cfg, comm, device, max_tokens, self.sync_free, self.who, self.bf16_params)
+        self._runner = _Runner.build(cfg, comm, device, max_tokens, self.sync_free, self.who, self.bf16_params,
+                                     self.storage is not None)
         return self._runner
 
     def _check_call(self, xb: torch.Tensor, ids: Optional[torch.Tensor] = None) -> None:

@@ -87,8 +87,8 @@ class _ExpertsLayer(LayerOwner):
         # (LayerOwner.storage) the caller's transposed weights, read where they are
         self._layout = storage
         self.storage = (storage.H, storage.F, storage.interleaved) if storage is not None else None
-        # (LayerOwner.bf16_params) BF16 parameters in the layer's layout: bf16 reads them in place
-        self.bf16_params = bool(bf16_params) and storage is None
+        # (LayerOwner.bf16_params) BF16 parameters: bf16 reads them in place (stored: relaid per pass)
+        self.bf16_params = bool(bf16_params)
         self.activation, self.gemm1_bias = activation, bool(gemm1_bias)
         self.local_experts = num_experts
         self.recipe, self.align, self.max_tokens = recipe, align, max_tokens

@@ -124,6 +124,7 @@ struct CudaFlags {
   bool sync_free = false;
   bool caller_memory = false;
   bool bf16_params_in_place = false;
+  bool bf16_params_stored = false;
 };
 
 CudaFlags cuda_flags(const flowmoe_cuda_options* o, const char* what) {
@@ -137,6 +138,9 @@ CudaFlags cuda_flags(const flowmoe_cuda_options* o, const char* what) {
   FLOWMOE_CHECK(o->bf16_params_in_place == 0 || o->bf16_params_in_place == 1,
                 what << ": bf16_params_in_place = " << o->bf16_params_in_place << "; expected 0 or 1");
   f.bf16_params_in_place = o->bf16_params_in_place == 1;
+  FLOWMOE_CHECK(o->bf16_params_stored == 0 || o->bf16_params_stored == 1,
+                what << ": bf16_params_stored = " << o->bf16_params_stored << "; expected 0 or 1");
+  f.bf16_params_stored = o->bf16_params_stored == 1;
   return f;
 }
 
@@ -267,6 +271,7 @@ int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm
     o.sync_free = flags.sync_free;
     o.caller_memory = flags.caller_memory;
     o.bf16_params_in_place = flags.bf16_params_in_place;
+    o.bf16_params_stored = flags.bf16_params_stored;
     h->layer = flowmoe::make_cuda_layer(c, static_cast<cudaStream_t>(stream), o);
     *out = h.release();
   });

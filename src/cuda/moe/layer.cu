@@ -240,11 +240,26 @@ void CudaMoeLayer::set_forward_weights(const MoeWeights& w) {
 }
 
 void CudaMoeLayer::check_params_in_place(const MoeWeights& w, const char* what) const {
+  if (path_.bf16_relay_per_pass) {
+    FLOWMOE_CHECK(w.bf16_params() && !w.storage.is_layer_layout(),
+                  what << ": " << (w.bf16_params() ? "W1, W2 in the layer's layout" : "FP32 W1, W2")
+                       << "; this layer relays stored BF16 parameters in each pass "
+                          "(CudaLayerOptions::bf16_params_stored): expected BF16 W1, W2 with their storage "
+                          "(or a layer built without the option)");
+    return;
+  }
   FLOWMOE_CHECK(w.bf16_params() && w.storage.is_layer_layout(),
                 what << ": " << (w.bf16_params() ? "W1, W2 stored transposed" : "FP32 W1, W2")
                      << "; this layer reads BF16 parameters in place (CudaLayerOptions::bf16_params_in_place): "
                         "expected BF16 W1 [El, 2F, H] and W2 [El, H, F] in the layer's layout (or a layer built "
                         "without the option, which copies them)");
+}
+
+void CudaMoeLayer::relay_params(const MoeWeights& p) {
+  const ExpertStorage& st = p.storage;
+  WeightBuffers& wb = ws_.weights;
+  expert_weights_to_layer(p.w1_bf16, wb.w1_bf16, 2, El_, st.hidden, 2 * st.ffn, 2 * F_, H_, st.w1_rows(F_), stream_);
+  expert_weights_to_layer(p.w2_bf16, wb.w2_bf16, 2, El_, st.ffn, st.hidden, H_, F_, st.w2_rows(), stream_);
 }
 
 void CudaMoeLayer::set_weights(const MoeWeights& w) {
@@ -272,7 +287,11 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   uint8_t* const w2t_ue8m0 = keep_t ? wb.w2t_ue8m0 : nullptr;
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(wstatus, 0, sizeof(DeviceStatus), stream_));
   const ExpertStorage& st = w.storage;
-  if (!st.is_layer_layout() && spec.weights == WeightCopy::kBf16Only) {
+  if (path_.bf16_relay_per_pass) {
+    // each pass relays them (relay_params): their non-finite values counted here, no copy
+    copy_bf16_checked(w.w1_bf16, int64_t(El_) * st.hidden * 2 * st.ffn, nullptr, wstatus, stream_);
+    copy_bf16_checked(w.w2_bf16, int64_t(El_) * st.ffn * st.hidden, nullptr, wstatus, stream_);
+  } else if (!st.is_layer_layout() && spec.weights == WeightCopy::kBf16Only) {
     // (BF16 parameters: check_weights) the BF16 copies relaid from where the model stores them,
     // their non-finite values counted there
     expert_weights_to_layer(w.w1_bf16, wb.w1_bf16, 2, El_, st.hidden, 2 * st.ffn, 2 * F_, H_, st.w1_rows(F_),
@@ -414,6 +433,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   route(x, ext);
   call_params_ = params;
   try {
+    if (path_.bf16_relay_per_pass) relay_params(call_params_);
     pipeline_->forward(ctx_, y);  // (pipelines/: the expert path of path_.dataflow, from the token rows to y)
   } catch (...) {
     call_params_ = MoeWeights();
@@ -452,6 +472,7 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   grads_accumulate_ = g.accumulate;
   dx_ready_marked_ = false;  // (a backward that threw may have left it set)
   call_params_ = params;
+  if (path_.bf16_relay_per_pass) relay_params(call_params_);
   pipeline_->backward(ctx_, dy, g);  // (pipelines/: from dy to the dX rows and the wgrads)
   if (streams_.tail()) {  // the tail stream joins stream_ even when the tail throws (stream-ordered,
                           // so that a graph capture stays well-formed; errors of the join ignored)
@@ -516,6 +537,9 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                   what << ": CudaLayerOptions::gemm_pool_priority = " << options.gemm_pool_priority
                        << "; expected -1 (the layer's choice) or 0.."
                        << gemm::GroupedGemmOptions::kMaxPoolPriority);
+    FLOWMOE_CHECK(!options.bf16_params_stored || options.bf16_params_in_place,
+                  what << ": CudaLayerOptions::bf16_params_stored without bf16_params_in_place; expected both "
+                          "(the stored parameters are relaid per pass in place of the weights region's copies)");
     FLOWMOE_CHECK(!options.bf16_params_in_place || options.caller_memory,
                   what << ": CudaLayerOptions::bf16_params_in_place without caller_memory; expected caller_memory "
                           "(the parameters then take the place of the weights region's copies)");

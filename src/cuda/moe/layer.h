@@ -110,6 +110,8 @@ class CudaMoeLayer final : public MoeLayer {
   void check_bound(const char* what, bool saved, bool weights = true) const;
   // bf16_params_in_place: the parameters are BF16 in the layer's layout (else throws, naming `what`)
   void check_params_in_place(const MoeWeights& w, const char* what) const;
+  // bf16_relay_per_pass: the stored parameters `p` relaid into the pass's BF16 copies (transient)
+  void relay_params(const MoeWeights& p);
   // Wr as the backward reads it: set_backward_weights' parameter, else the weights region's copy
   const float* router_weights() const { return call_params_.wr ? call_params_.wr : ws_.weights.wr; }
 

@@ -171,7 +171,8 @@ void StepContext::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTenso
 }
 
 const bf16_t* StepContext::bf16_weight(int g) const {
-  if (!path_.bf16_params_in_place) return g == 1 ? ws_.weights.w1_bf16 : ws_.weights.w2_bf16;
+  if (!path_.bf16_params_in_place || path_.bf16_relay_per_pass)  // (the relaid copies: CudaMoeLayer::relay_params)
+    return g == 1 ? ws_.weights.w1_bf16 : ws_.weights.w2_bf16;
   const bf16_t* w = g == 1 ? call_params_.w1_bf16 : call_params_.w2_bf16;
   FLOWMOE_CHECK(w != nullptr, "internal error: the BF16 parameters read in place are missing (W" << g << ")");
   return w;

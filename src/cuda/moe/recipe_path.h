@@ -44,7 +44,9 @@ struct RecipePath {
   bool transposes_in_backward = false;  // FP8 dgrad weights W^T made in each backward (transient)
                                         // rather than written by set_weights (caller memory)
   bool bf16_params_in_place = false;  // bf16: the GEMMs read the caller's BF16 parameters, no BF16
-                                      // copies (CudaLayerOptions::bf16_params_in_place)
+                                      // copies (CudaLayerOptions::bf16_params_in_place) ...
+  bool bf16_relay_per_pass = false;   // ... or, stored as a model keeps them, each pass's relaid
+                                      // copies in its transient region (bf16_params_stored)
   // With transposes_in_backward: the experts of W1^T / W2^T made at once, each group just before
   // its dgrad (CudaLayerOptions::dgrad_weight_chunk_bytes); all local experts otherwise
   int wt_chunk1 = 0, wt_chunk2 = 0;

@@ -183,7 +183,11 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
   // FP8 blocks are quantized straight from the parameters: no BF16 copy; only the fused SwiGLU's
   // W1 interleave takes w1_bf16 as scratch for the natural copy (set_weights).
   const Region bf16_weights = fp8 ? kT : kW;
-  if (path.bf16_params_in_place) {
+  if (path.bf16_relay_per_pass) {
+    // each pass relays the stored parameters into its own scratch copies
+    w.w1_bf16 = a.device<bf16_t>(El * 2 * F * H, kT);
+    w.w2_bf16 = a.device<bf16_t>(El * H * F, kT);
+  } else if (path.bf16_params_in_place) {
     // (the GEMMs read the caller's BF16 parameters: no copies)
   } else if (!pow2) {
     w.w1_bf16 = a.device<bf16_t>(El * 2 * F * H, bf16_weights);

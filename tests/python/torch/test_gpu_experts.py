@@ -270,9 +270,11 @@ def test_gpu_gpt_oss_bf16_grouped_kernels_write_the_stored_gradients():
         assert bool((diff <= want.float().abs() * 2.0 ** -7).all()), (name, float(diff.max()))
 
 
-def test_gpu_gpt_oss_forward_keeps_no_relaid_weights():
-    """Between forward and backward the node of the in-place path holds no copy of the weights: the
-    relaying path holds at least the relaid W1 and W2 more."""
+@pytest.mark.parametrize("recipe", ["flow", "bf16"])
+def test_gpu_gpt_oss_forward_keeps_no_relaid_weights(recipe):
+    """Between forward and backward the node of the in-place path holds no copy of the weights (flow
+    quantizes them where stored; bf16 relays them in each pass into scratch): the relaying path
+    holds at least the relaid W1 and W2 more."""
     import test_experts_gpt_oss as go
 
     x, logits, gate_up, b1, down, b2, dy = (t.detach().to(DEV) for t in go.problem(2, torch.bfloat16))
@@ -291,11 +293,11 @@ def test_gpu_gpt_oss_forward_keeps_no_relaid_weights():
             b1_ = torch.cat([leaves[3][:, 0::2], leaves[3][:, 1::2]], 1)
             relaid_bytes = w1.numel() * w1.element_size() + w2.numel() * w2.element_size()
         kw = dict(transposed=True, interleaved=True) if transposed else {}
-        ft.experts(leaves[0], ids, w, w1, w2, recipe="flow", b1=b1_, b2=leaves[5], activation="clamped-swiglu",
+        ft.experts(leaves[0], ids, w, w1, w2, recipe=recipe, b1=b1_, b2=leaves[5], activation="clamped-swiglu",
                    swiglu_alpha=go.ALPHA, swiglu_limit=go.LIMIT, **kw)  # warm-up: the layer is built
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        y = ft.experts(leaves[0], ids, w, w1, w2, recipe="flow", b1=b1_, b2=leaves[5], activation="clamped-swiglu",
+        y = ft.experts(leaves[0], ids, w, w1, w2, recipe=recipe, b1=b1_, b2=leaves[5], activation="clamped-swiglu",
                        swiglu_alpha=go.ALPHA, swiglu_limit=go.LIMIT, **kw)
         torch.cuda.synchronize()
         out = torch.cuda.memory_allocated() - before
