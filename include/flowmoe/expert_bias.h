@@ -12,9 +12,12 @@
 //                      dH[r, c]: the BF16 dSwiGLU output (bf16; blockwise, before its
 //                      quantization) or the row-wise FP8 1x128 copy GEMM1's dgrad reads, with
 //                      UE8M0 scales (flow, flow-fp4: no BF16 dH exists there), each
-//                      value decoded exactly (num::dequant_e4m3). Summed in binary32 in row order
-//                      from +0 (one f_add per row), then added to db's old value when accumulating.
-// Both backends give the same bits (the sums are sequential per column on the GPU too).
+//                      value decoded exactly (num::dequant_e4m3). Summed in binary32 in blocks of
+//                      kExpertBiasBlockRows rows from the segment's first row: each block in row
+//                      order from +0 (one f_add per row), the blocks' sums in block order from +0,
+//                      then added to db's old value when accumulating.
+// Both backends give the same bits (the GPU sums the blocks in parallel, each in row order, and adds
+// their sums in block order).
 #pragma once
 
 #include <cstdint>
@@ -22,6 +25,8 @@
 #include "flowmoe/tensor.h"
 
 namespace flowmoe {
+// expert_bias_grad's summation blocks: rows per block (the GPU's parallel unit)
+constexpr int64_t kExpertBiasBlockRows = 128;
 namespace cpu {
 
 void add_expert_bias(bf16_t* h, int64_t m, int64_t n, const Segments& seg, const float* bias);

@@ -1,6 +1,8 @@
 // CPU reference of the expert-bias operators (include/flowmoe/expert_bias.h).
 #include "flowmoe/expert_bias.h"
 
+#include <algorithm>
+
 #include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/swiglu_math.h"
@@ -26,12 +28,19 @@ void add_expert_bias(bf16_t* h, int64_t m, int64_t n, const Segments& seg, const
 }
 
 namespace {
+// The order of expert_bias.h: each 128-row block of the segment summed in row order from +0, the
+// blocks' sums added in block order from +0.
 template <class Value>
 void segment_sums(int64_t n, const Segments& seg, float* db, bool accumulate, Value value) {
   for (int e = 0; e < seg.num_segments(); ++e)
     for (int64_t c = 0; c < n; ++c) {
       float s = 0.0f;
-      for (int64_t r = seg.offsets[e]; r < seg.offsets[e + 1]; ++r) s = s + value(r, c);
+      for (int64_t b = seg.offsets[e]; b < seg.offsets[e + 1]; b += kExpertBiasBlockRows) {
+        const int64_t end = std::min<int64_t>(b + kExpertBiasBlockRows, seg.offsets[e + 1]);
+        float p = 0.0f;
+        for (int64_t r = b; r < end; ++r) p = p + value(r, c);
+        s = s + p;
+      }
       db[e * n + c] = num::f32_canonical(accumulate ? db[e * n + c] + s : s);
     }
 }

@@ -3,6 +3,7 @@
 // bits), a bias that moves the output, and the configuration's refusals.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <random>
@@ -53,9 +54,11 @@ TEST(ExpertBias, AddIsOneRoundingPerElement) {
   }
 }
 
+// The order of expert_bias.h: 128-row blocks from each segment's first row, each summed in row
+// order, the blocks' sums added in block order (segment 2 holds 3 blocks, the last one partial).
 TEST(ExpertBias, GradIsTheRowSumPerSegment) {
-  const Segments seg = segs({0, 128, 128, 384});
-  const int64_t m = 384, n = 256;
+  const Segments seg = segs({0, 128, 128, 440});
+  const int64_t m = 440, n = 256;
   std::mt19937 rng(2);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<bf16_t> dh(m * n);
@@ -67,9 +70,13 @@ TEST(ExpertBias, GradIsTheRowSumPerSegment) {
     for (int64_t c = 0; c < n; ++c) {
       float s = 0.0f;
       double d = 0.0;
-      for (int64_t r = seg.offsets[e]; r < seg.offsets[e + 1]; ++r) {
-        s += num::bf16_to_f32(dh[r * n + c]);
-        d += num::bf16_to_f32(dh[r * n + c]);
+      for (int64_t b = seg.offsets[e]; b < seg.offsets[e + 1]; b += 128) {
+        float p = 0.0f;
+        for (int64_t r = b; r < std::min<int64_t>(b + 128, seg.offsets[e + 1]); ++r) {
+          p += num::bf16_to_f32(dh[r * n + c]);
+          d += num::bf16_to_f32(dh[r * n + c]);
+        }
+        s += p;
       }
       ASSERT_EQ(num::f32_bits(db[e * n + c]), num::f32_bits(s)) << e << "," << c;
       ASSERT_EQ(num::f32_bits(acc[e * n + c]), num::f32_bits(5.0f + s)) << e << "," << c;
@@ -85,7 +92,11 @@ TEST(ExpertBias, GradIsTheRowSumPerSegment) {
   for (int e = 0; e < 3; ++e)
     for (int64_t c = 0; c < n; ++c) {
       float s = 0.0f;
-      for (int64_t r = seg.offsets[e]; r < seg.offsets[e + 1]; ++r) s += deq[r * n + c];
+      for (int64_t b = seg.offsets[e]; b < seg.offsets[e + 1]; b += 128) {
+        float p = 0.0f;
+        for (int64_t r = b; r < std::min<int64_t>(b + 128, seg.offsets[e + 1]); ++r) p += deq[r * n + c];
+        s += p;
+      }
       ASSERT_EQ(num::f32_bits(db8[e * n + c]), num::f32_bits(s)) << e << "," << c;
     }
 }

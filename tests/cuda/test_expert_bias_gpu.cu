@@ -1,5 +1,6 @@
 // Expert biases and the clamped SwiGLU on the GPU (issue 46): the bias kernels equal their CPU
-// references bit for bit (odd sizes, padding rows, a rows bound, NaN, accumulation), and the
+// references bit for bit (odd sizes, padding rows, a rows bound, NaN, accumulation, segments of
+// many 128-row blocks), and the
 // experts-only CUDA layer with gpt-oss's experts (clamped SwiGLU, GEMM1 bias) matches the CPU layer
 // within the GEMM tolerance of test_moe_routed_gpu.cu, with the same bits with and without
 // sync_free.
@@ -66,7 +67,8 @@ TEST(ExpertBiasGpu, GradMatchesCpu) {
   REQUIRE_DEVICE();
   std::mt19937 rng(6);
   for (int64_t n : {128, 384, 5888}) {
-    const Segments seg = padded_segments({300, 0, 1, 129}, 128);
+    // (1500 rows: 12 blocks of 128, more than one wave of the kernel's 8 warps)
+    const Segments seg = padded_segments({300, 0, 1, 129, 1500}, 128);
     const int64_t m = seg.num_tokens();
     const int E = seg.num_segments();
     std::vector<bf16_t> dh = normal_bf16(m * n, 1.0f, rng);
@@ -87,6 +89,17 @@ TEST(ExpertBiasGpu, GradMatchesCpu) {
       expect_same_bits(want, g.get(), acc ? "db (bf16, +=)" : "db (bf16)");
       expect_same_bits(want8, g8.get(), acc ? "db (fp8, +=)" : "db (fp8)");
     }
+    // a rows bound inside the last segment (sync_free's device row count): the rows past it are
+    // not summed, as the reference over segments cut there
+    const int32_t bound_row = seg.offsets[E - 1] + 777;
+    Segments cut = seg;
+    cut.offsets[E] = bound_row;
+    std::vector<float> want = old;
+    cpu::expert_bias_grad(dh.data(), bound_row, n, cut, want.data(), false);
+    DBuf<float> gb(old);
+    DBuf<int32_t> bound(std::vector<int32_t>{bound_row});
+    cuda::expert_bias_grad(d.p, m, n, off.p, E, gb.p, false, bound.p, nullptr);
+    expect_same_bits(want, gb.get(), "db (bf16) under a rows bound");
   }
 }
 

@@ -2,9 +2,12 @@
 //
 //   add_expert_bias_kernel   one thread per 8 features of a row: the row's segment by binary search
 //                            over the offsets, 16-byte loads and stores of h, 2 x 16-byte bias loads.
-//   bias_grad_kernel<In>     one thread per (segment, feature): the segment's rows summed in row order
-//                            (the reference's order), coalesced across the warp's 32 features; four
-//                            rows loaded ahead of the adds.
+//   bias_grad_kernel<In>     one CTA per (segment, 32 features): its 8 warps sum the segment's
+//                            128-row blocks in parallel (warp w the blocks w, w + 8, ...; lane l
+//                            feature l, the block's rows in row order, four loaded ahead of the
+//                            adds), and after each wave of 8 blocks warp 0 adds their sums in block
+//                            order: the reference's order (expert_bias.h), coalesced across a warp's
+//                            32 features.
 #include <cuda_runtime.h>
 
 #include "cuda/common.cuh"
@@ -74,25 +77,47 @@ struct Fp8Rows {
   }
 };
 
+constexpr int kGradCols = 32;                 // features per CTA: one per lane
+constexpr int kGradWarps = kThreads / 32;     // blocks summed at once
+constexpr int64_t kGradBlock = kExpertBiasBlockRows;
+
 template <class In>
 __global__ void __launch_bounds__(kThreads)
 bias_grad_kernel(In in, int64_t m, int64_t n, const int32_t* __restrict__ offsets, float* __restrict__ db,
                  bool accumulate, const int32_t* __restrict__ rows_bound) {
+  __shared__ float part[kGradWarps][kGradCols];
   const int e = blockIdx.y;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (c >= n) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kGradCols + lane;
   const int64_t lim = row_limit(m, rows_bound);
   const int64_t r0 = offsets[e];
   const int64_t r1 = offsets[e + 1] < lim ? offsets[e + 1] : lim;
-  float s = 0.0f;
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) {
-    const float v0 = in(r, c, n, m), v1 = in(r + 1, c, n, m), v2 = in(r + 2, c, n, m), v3 = in(r + 3, c, n, m);
-    s = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(s, v0), v1), v2), v3);
+  const int64_t nb = r1 > r0 ? (r1 - r0 + kGradBlock - 1) / kGradBlock : 0;
+  float s = 0.0f;  // (warp 0's) the blocks' sums so far, in block order
+  for (int64_t w0 = 0; w0 < nb; w0 += kGradWarps) {  // (the same trip count for every thread)
+    const int64_t b = w0 + warp;
+    float p = 0.0f;
+    if (b < nb && c < n) {
+      const int64_t rb = r0 + b * kGradBlock, re = rb + kGradBlock < r1 ? rb + kGradBlock : r1;
+      int64_t r = rb;
+      for (; r + 4 <= re; r += 4) {
+        const float v0 = in(r, c, n, m), v1 = in(r + 1, c, n, m), v2 = in(r + 2, c, n, m), v3 = in(r + 3, c, n, m);
+        p = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(p, v0), v1), v2), v3);
+      }
+      for (; r < re; ++r) p = __fadd_rn(p, in(r, c, n, m));
+    }
+    part[warp][lane] = p;
+    __syncthreads();
+    if (warp == 0) {
+      const int64_t k = nb - w0 < kGradWarps ? nb - w0 : kGradWarps;
+      for (int i = 0; i < k; ++i) s = __fadd_rn(s, part[i][lane]);
+    }
+    __syncthreads();
   }
-  for (; r < r1; ++r) s = __fadd_rn(s, in(r, c, n, m));
-  float* out = db + e * n + c;
-  *out = num::f32_canonical(accumulate ? __fadd_rn(*out, s) : s);
+  if (warp == 0 && c < n) {
+    float* out = db + e * n + c;
+    *out = num::f32_canonical(accumulate ? __fadd_rn(*out, s) : s);
+  }
 }
 
 void check_args(int64_t m, int64_t n, const int32_t* offsets, int num, const char* what) {
@@ -107,7 +132,7 @@ void launch_grad(In in, int64_t m, int64_t n, const int32_t* offsets, int num, f
                  const int32_t* rows_bound, cudaStream_t stream, const char* what) {
   check_args(m, n, offsets, num, what);
   FLOWMOE_CHECK(db != nullptr, what << ": null db");
-  const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads), static_cast<unsigned>(num));
+  const dim3 grid(static_cast<unsigned>((n + kGradCols - 1) / kGradCols), static_cast<unsigned>(num));
   bias_grad_kernel<In><<<grid, kThreads, 0, stream>>>(in, m, n, offsets, db, accumulate, rows_bound);
   FLOWMOE_LAUNCH_CHECK(what);
 }
