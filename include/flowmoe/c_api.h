@@ -145,9 +145,11 @@ int flowmoe_layer_local_experts(const flowmoe_layer* layer);    // El
 // set_weights_ex weights + transient; forward, backward all three, the backward with its forward's
 // weights and saved).
 int flowmoe_layer_memory_plan(flowmoe_layer* layer, int64_t out[3]);
-// Version 5 (moe.h MoeLayer::takes_backward_weights): *out = 1 when a backward can quantize its
-// dgrad weights from the parameters (flowmoe_backward_call's params), so that the weights region
-// need not be kept from the forward (pass it as null to that backward); else 0.
+// Version 5 (moe.h MoeLayer::takes_backward_weights): *out = 1 when a backward takes the parameters
+// (flowmoe_backward_call's params): the FP8 block recipes quantize their dgrad weights from them, so
+// that the weights region need not be kept from the forward (pass it as null to that backward);
+// a layer that reads BF16 parameters in place (flowmoe_layer_reads_params_in_place) requires them.
+// Else 0.
 int flowmoe_layer_takes_backward_weights(flowmoe_layer* layer, int* out);
 // The caller-memory regions of one call (version 9): null where none (all null for a layer that
 // owns its memory).
@@ -217,8 +219,9 @@ typedef struct flowmoe_backward_call {
   const uint16_t* dy;      // [tokens, H] of the forward whose state `step` holds
   uint16_t* dx;
   flowmoe_grads grads;
-  const flowmoe_weights* params;  // the parameters the dgrad weights are derived from, or null
-                                  // (then the weights region's copies: takes_backward_weights)
+  const flowmoe_weights* params;  // the parameters the dgrad weights are derived from (required where
+                                  // the layer reads them in place), or null: the weights region's
+                                  // copies (takes_backward_weights)
   flowmoe_memory memory;          // the forward's weights (or null with params) and saved regions
   const void* step;               // step_state's bytes of that forward, or null: the latest forward
   int64_t step_bytes;

@@ -385,15 +385,17 @@ class MoeLayer {
   virtual MoeMemoryPlan memory_plan() const { return MoeMemoryPlan(); }
   virtual void bind_memory(const MoeMemory& memory);
 
-  // Caller memory: whether the next backward can derive its dgrad weights W^T straight from the
-  // parameters (set_backward_weights), so that the weights region need not outlive its forward
-  // (the CUDA layer of the recipes with FP8 block weights: blockwise, flow, flow-fp4).
+  // Caller memory: whether the next backward takes the parameters (set_backward_weights), so that
+  // the weights region need not outlive its forward: the CUDA layer of the recipes with FP8 block
+  // weights (blockwise, flow, flow-fp4) derives its dgrad weights W^T from them, and a layer that
+  // reads BF16 parameters in place (reads_params_in_place) requires them.
   virtual bool takes_backward_weights() const { return false; }
   // The parameters of the next backward only, as in set_weights (W1, W2 FP32 or BF16; Wr exactly
-  // when the layer has a router; router_bias not read): it quantizes W^T from them into the
-  // transient region (the bits of transposing the forward's W, which they must equal: the caller
-  // keeps them unchanged in between), reads Wr there, and reads nothing of the weights region,
-  // which may then be unbound (null). Refused where takes_backward_weights() is false.
+  // when the layer has a router; router_bias not read): the FP8 block recipes quantize W^T from them
+  // into the transient region (the bits of transposing the forward's W, which they must equal: the
+  // caller keeps them unchanged in between), bf16 in place reads (or relays) them; Wr is read there,
+  // and nothing of the weights region, which may then be unbound (null). Refused where
+  // takes_backward_weights() is false.
   virtual void set_backward_weights(const MoeWeights& w);
   // Whether each forward reads the BF16 expert parameters in place (CudaLayerOptions::
   // bf16_params_in_place on the bf16 recipe; with bf16_params_stored relaid per pass): set_weights
@@ -434,10 +436,12 @@ class MoeLayer {
   // The bias given by set_gemm1_bias, returned and forgotten (null without gemm1_bias; throws when
   // gemm1_bias and none was given).
   const float* take_gemm1_bias(const char* what);
-  // set_weights' pointer checks, both backends: W1 and W2 given once each, both FP32 or both BF16;
-  // Wr given exactly when the layer has a router, router_bias only then. `space`: "host" or
-  // "device", for the message.
-  void check_weights(const MoeWeights& w, const char* space) const;
+  // set_weights' pointer checks, both backends: W1 and W2 given once each, both FP32 or both BF16,
+  // stored only where the layer reads them so; Wr given exactly when the layer has a router,
+  // router_bias only then (experts_only: neither, whatever the layer). `space`: "host" or
+  // "device", `what`: the caller, for the message.
+  void check_weights(const MoeWeights& w, const char* space, const char* what = "MoeLayer::set_weights",
+                     bool experts_only = false) const;
   // backward's gradient checks, both backends: each expert gradient FP32 or BF16 (not both), BF16
   // ones only when overwriting, dwr only with a router.
   void check_grads(const MoeGrads& g) const;
@@ -457,6 +461,10 @@ std::unique_ptr<MoeLayer> make_cpu_layer(const MoeConfig& cfg);
 // whose message starts with `what`.
 void check_sync_free_options(const char* what, const MoeConfig& cfg, const CommShape& comm, bool sync_free,
                              bool caller_memory);
+// The rules of CudaLayerOptions::bf16_params_in_place / bf16_params_stored (host code, shared by
+// make_cuda_layer and the C ABI's flowmoe_config_check): in place needs caller_memory, stored needs
+// in place. Throws flowmoe::Error whose message starts with `what`.
+void check_param_options(const char* what, bool caller_memory, bool bf16_params_in_place, bool bf16_params_stored);
 
 }  // namespace flowmoe
 

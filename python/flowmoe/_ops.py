@@ -28,8 +28,9 @@ Operators, each opaque to torch.compile and with a fake (meta) implementation:
   parameters of the experts-only layer: written by the wgrad itself). With ``accumulate`` (main_grad
   mode, eager only) the weight gradients are added in place into the FP32 buffers main_w1, main_w2,
   main_wr instead (the op's mutated arguments) and dw1, dw2, dwr come back empty. Where the layer
-  takes them (the FP8 block recipes on CUDA), the backward gets the parameters w1, w2 (and wr)
-  instead of wbuf and quantizes the dgrad weights from them: no weight copy outlives its forward.
+  takes them (the FP8 block recipes on CUDA, which quantize the dgrad weights from them, and bf16
+  reading BF16 parameters in place), the backward gets the parameters w1, w2 (and wr) instead of
+  wbuf: no weight copy outlives its forward.
 
 Memory (CUDA): every buffer comes from PyTorch's caching allocator: wbuf per weight refresh, saved
 per forward (freed when autograd frees the graph), and one transient scratch per call, returned to
@@ -276,8 +277,9 @@ def _setup_context(ctx, inputs, output):
     tensors; and (eager) the native layer that ran the forward, so that it lives as long as the node
     even when the module builds a larger one.
 
-    The parameters are kept instead of the copies where the layer derives a backward's dgrad
-    weights from them (the FP8 block recipes on CUDA): no copy; autograd's version counters refuse
+    The parameters are kept instead of the copies where the layer's backward takes them (the FP8
+    block recipes on CUDA derive the dgrad weights from them, bf16 in place reads them): no copy;
+    autograd's version counters refuse
     an in-place change before the backward, as for any op that saves its weight.
 
     Gradients are not materialised: `saved` and `step` never get one, and autograd would otherwise

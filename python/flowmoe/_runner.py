@@ -86,8 +86,9 @@ class _Runner:
         self.stream = stream  # torch.cuda.Stream of a CUDA layer, None for CPU
         self.max_tokens = max_tokens
         self.plan = layer.memory_plan()
-        # whether a backward can derive its dgrad weights from the parameters (the experts-only CUDA
-        # layer of the FP8 block recipes): the weight copies then need not outlive the forward
+        # whether a backward takes the parameters (the experts-only CUDA layer of the FP8 block
+        # recipes, which derive the dgrad weights from them, and of bf16 reading them in place): the
+        # weight copies then need not outlive the forward
         self.backward_weights = layer.takes_backward_weights
         # whether every forward reads the BF16 parameters in place (forward_call's params): the weights
         # region then holds no BF16 copy of them (the CUDA layer of bf16 built with bf16_params)

@@ -230,6 +230,7 @@ int flowmoe_config_check(const flowmoe_config* cfg, int ep_world, const flowmoe_
     c.validate(comm);
     const flowmoe::capi::CudaFlags flags = flowmoe::capi::cuda_flags(options, what);
     flowmoe::check_sync_free_options(what, c, comm, flags.sync_free, flags.caller_memory);
+    flowmoe::check_param_options(what, flags.caller_memory, flags.bf16_params_in_place, flags.bf16_params_stored);
   });
 }
 

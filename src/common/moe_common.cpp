@@ -102,9 +102,8 @@ bool MoeLayer::reads_stored_weights(const std::string& backend, Recipe recipe, b
   return backend == "cuda" && (copy == WeightCopy::kFp8Block || (copy == WeightCopy::kBf16Only && bf16_params));
 }
 
-void MoeLayer::check_weights(const MoeWeights& w, const char* space) const {
-  const char* what = "MoeLayer::set_weights";
-  const bool router = !cfg_.external_routing;
+void MoeLayer::check_weights(const MoeWeights& w, const char* space, const char* what, bool experts_only) const {
+  const bool router = !cfg_.external_routing && !experts_only;
   const int el = cfg_.num_local_experts();
   FLOWMOE_CHECK(!(w.w1 && w.w1_bf16) && !(w.w2 && w.w2_bf16),
                 what << ": W1 or W2 given both as FP32 masters and as BF16 parameters; expected one of "
@@ -115,8 +114,10 @@ void MoeLayer::check_weights(const MoeWeights& w, const char* space) const {
                      << " local experts, H = " << cfg_.hidden << ", F = " << cfg_.ffn << ")");
   FLOWMOE_CHECK(w.wr || !router, what << ": wr is null; expected a " << space << " pointer to Wr [E, H] fp32");
   FLOWMOE_CHECK(router || (w.wr == nullptr && w.router_bias == nullptr),
-                what << ": wr or router_bias given to a layer without a router "
-                        "(MoeConfig::external_routing: the caller routes); expected null");
+                what << (experts_only ? ": wr or router_bias given; this call reads the expert weights only"
+                                      : ": wr or router_bias given to a layer without a router "
+                                        "(MoeConfig::external_routing: the caller routes)")
+                     << "; expected null");
   const ExpertStorage& st = w.storage;
   if (st.is_layer_layout()) return;
   FLOWMOE_CHECK(reads_stored_weights(w.bf16_params()),
@@ -258,6 +259,15 @@ void MoeConfig::validate(const CommShape& shape) const {
   FLOWMOE_CHECK(rows <= INT32_MAX,
                 what << ": max_tokens = " << max_tokens << " gives up to " << rows
                      << " padded rows, which do not fit int32 row indices; expected fewer tokens");
+}
+
+void check_param_options(const char* what, bool caller_memory, bool bf16_params_in_place, bool bf16_params_stored) {
+  FLOWMOE_CHECK(!bf16_params_stored || bf16_params_in_place,
+                what << ": CudaLayerOptions::bf16_params_stored without bf16_params_in_place; expected both "
+                        "(the stored parameters are relaid per pass in place of the weights region's copies)");
+  FLOWMOE_CHECK(!bf16_params_in_place || caller_memory,
+                what << ": CudaLayerOptions::bf16_params_in_place without caller_memory; expected caller_memory "
+                        "(the parameters then take the place of the weights region's copies)");
 }
 
 void check_sync_free_options(const char* what, const MoeConfig& cfg, const CommShape& comm, bool sync_free,

@@ -210,8 +210,9 @@ TEST_P(Routed, CallerMemoryTwoForwardsInFlight) {
 // FP32 gradients of the owned layer rounded once, and its dx, dprobs and dWr, bit for bit. The
 // other recipes refuse set_backward_weights and give the same bits with the weights region bound,
 // but bf16 with CudaLayerOptions::bf16_params_in_place: its GEMMs read the BF16 parameters in both
-// passes (set_forward_weights, set_backward_weights), its weights region holds no copy of them, and
-// the bits are the copies'. The option changes nothing for the other recipes.
+// passes (set_forward_weights, set_backward_weights), its weights region holds no copy of them, the
+// bits are the copies', and a forward given other parameters than set_weights' reads the ones it
+// is given. The option changes nothing for the other recipes.
 TEST_P(Routed, CallerMemoryBackwardWeightsFromParamsAndBf16Grads) {
   REQUIRE_SM90();
   const Recipe recipe = std::get<0>(GetParam());
@@ -292,6 +293,27 @@ TEST_P(Routed, CallerMemoryBackwardWeightsFromParamsAndBf16Grads) {
     if (!v.external) expect_same_bits(want.dwr, dwr.get(), "dWr");
     expect_same_bits(rne_bf16(want.dw1), dw1.get(), "dW1 (BF16) = the FP32 dW1 rounded");
     expect_same_bits(rne_bf16(want.dw2), dw2.get(), "dW2 (BF16) = the FP32 dW2 rounded");
+    if (in_place) {
+      // the forward reads the parameters it is given, not a copy of set_weights' ones: the same
+      // forward given other values (W1 halved: exact in BF16) after set_weights of the first gives
+      // the output of set_weights of the second
+      std::vector<bf16_t> half(w1b.get());
+      for (bf16_t& b : half) b = num::f32_to_bf16(0.5f * num::bf16_to_f32(b));
+      DBuf<bf16_t> w1h(half);
+      MoeWeights wh = w;
+      wh.w1_bf16 = w1h.p;
+      const auto forward_y = [&](const MoeWeights& seen, const MoeWeights& read) {
+        l->bind_memory(MoeMemory{wm.p, sm.p, tm.p});
+        l->set_weights(seen);
+        if (v.external) l->set_routing(ids.p, probs.p);
+        l->set_forward_weights(read);
+        l->forward(x.p, kT, y.p);
+        return y.get();
+      };
+      const std::vector<bf16_t> y_read = forward_y(w, wh), y_set = forward_y(wh, wh), y_first = forward_y(w, w);
+      expect_same_bits(y_set, y_read, "y of the parameters given to the forward");
+      EXPECT_NE(y_read, y_first) << "halving W1 changed nothing: the test cannot tell the parameters apart";
+    }
   }
 }
 

@@ -198,6 +198,8 @@ bool CudaMoeLayer::takes_backward_weights() const {
 }
 
 bool CudaMoeLayer::reads_stored_weights(bool bf16_params) const {
+  // (a layer built for BF16 parameters in place takes one layout: stored exactly when relaying them)
+  if (path_.bf16_params_in_place) return bf16_params && path_.bf16_relay_per_pass;
   return MoeLayer::reads_stored_weights(backend(), cfg_.recipe, bf16_params);
 }
 
@@ -232,11 +234,12 @@ void CudaMoeLayer::set_forward_weights(const MoeWeights& w) {
                 what << ": this layer reads its forward's weights from the weights region (only the bf16 recipe "
                         "with CudaLayerOptions::bf16_params_in_place and caller memory reads the parameters in "
                         "place); expected no parameters with the forward");
-  FLOWMOE_CHECK(w.w1_bf16 && w.w2_bf16, what << ": W1 or W2 is null; expected the BF16 parameters given to set_weights");
-  check_params_in_place(w, what);
-  forward_weights_ = w;
-  forward_weights_.wr = nullptr;  // (the forward reads the router's weights where set_weights put them)
-  forward_weights_.router_bias = nullptr;
+  MoeWeights experts = w;  // (the forward reads the router's weights where set_weights put them)
+  experts.wr = nullptr;
+  experts.router_bias = nullptr;
+  check_weights(experts, "device", what, /*experts_only=*/true);  // (the stored sizes too)
+  check_params_in_place(experts, what);
+  forward_weights_ = experts;
 }
 
 void CudaMoeLayer::check_params_in_place(const MoeWeights& w, const char* what) const {
@@ -264,6 +267,7 @@ void CudaMoeLayer::relay_params(const MoeWeights& p) {
 
 void CudaMoeLayer::set_weights(const MoeWeights& w) {
   const char* what = "MoeLayer::set_weights";
+  forward_weights_ = MoeWeights();  // (given for a forward that did not run)
   const bool router = !cfg_.external_routing;
   check_weights(w, "device");
   check_bound(what, /*saved=*/false);
@@ -449,11 +453,16 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   const char* what = "MoeLayer::backward";
   const MoeWeights params = backward_weights_;  // for this backward only, also when a check below throws
   backward_weights_ = MoeWeights();
+  forward_weights_ = MoeWeights();  // (set_forward_weights holds for the next forward only)
   collective_checks(comm_, what, [&] {
     FLOWMOE_CHECK(have_forward_, what << ": no saved forward; call forward first (backward "
                                          "consumes the activations of the latest forward)");
     FLOWMOE_CHECK(dy && dx, what << ": dy and dx must be non-null device pointers to [T, H] bf16");
     check_grads(g);
+    FLOWMOE_CHECK(!path_.bf16_params_in_place || params.w1_bf16,
+                  what << ": this layer reads the BF16 parameters in place (CudaLayerOptions::bf16_params_in_place) "
+                          "and got none for this backward; expected set_backward_weights (backward_call's params) "
+                          "first");
     check_bound(what, /*saved=*/true, /*weights=*/!params.w1 && !params.w1_bf16);
   });
   rep_.drop_ops(MoePass::kBackward);
@@ -472,21 +481,26 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   grads_accumulate_ = g.accumulate;
   dx_ready_marked_ = false;  // (a backward that threw may have left it set)
   call_params_ = params;
-  if (path_.bf16_relay_per_pass) relay_params(call_params_);
-  pipeline_->backward(ctx_, dy, g);  // (pipelines/: from dy to the dX rows and the wgrads)
-  if (streams_.tail()) {  // the tail stream joins stream_ even when the tail throws (stream-ordered,
-                          // so that a graph capture stays well-formed; errors of the join ignored)
-    try {
-      backward_tail(g, dx);
-    } catch (...) {
+  try {
+    if (path_.bf16_relay_per_pass) relay_params(call_params_);
+    pipeline_->backward(ctx_, dy, g);  // (pipelines/: from dy to the dX rows and the wgrads)
+    if (streams_.tail()) {  // the tail stream joins stream_ even when the tail throws (stream-ordered,
+                            // so that a graph capture stays well-formed; errors of the join ignored)
       try {
-        streams_.join_tail();
+        backward_tail(g, dx);
       } catch (...) {
+        try {
+          streams_.join_tail();
+        } catch (...) {
+        }
+        throw;
       }
-      throw;
+    } else {
+      backward_tail(g, dx);
     }
-  } else {
-    backward_tail(g, dx);
+  } catch (...) {
+    call_params_ = MoeWeights();  // (the caller's pointers are for this call only)
+    throw;
   }
   call_params_ = MoeWeights();
   backward_done_ = true;
@@ -537,12 +551,7 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                   what << ": CudaLayerOptions::gemm_pool_priority = " << options.gemm_pool_priority
                        << "; expected -1 (the layer's choice) or 0.."
                        << gemm::GroupedGemmOptions::kMaxPoolPriority);
-    FLOWMOE_CHECK(!options.bf16_params_stored || options.bf16_params_in_place,
-                  what << ": CudaLayerOptions::bf16_params_stored without bf16_params_in_place; expected both "
-                          "(the stored parameters are relaid per pass in place of the weights region's copies)");
-    FLOWMOE_CHECK(!options.bf16_params_in_place || options.caller_memory,
-                  what << ": CudaLayerOptions::bf16_params_in_place without caller_memory; expected caller_memory "
-                          "(the parameters then take the place of the weights region's copies)");
+    check_param_options(what, options.caller_memory, options.bf16_params_in_place, options.bf16_params_stored);
     FLOWMOE_CHECK(options.ep_direct_bytes >= -1, what << ": CudaLayerOptions::ep_direct_bytes = "
                                                       << options.ep_direct_bytes
                                                       << "; expected -1 (the default) or a byte count >= 0");

@@ -179,3 +179,24 @@ def test_stored_weights_rule_is_the_librarys():
         rule("flow", "tpu", True)
     with pytest.raises(FlowmoeError):
         rule("no-such-recipe", "cuda", True)
+
+
+def test_config_check_takes_the_in_place_options_rules():
+    """flowmoe_config_check refuses what make_cuda_layer refuses of the BF16-parameters options (one
+    rule, moe.h check_param_options): bf16_params_stored without bf16_params_in_place, and
+    bf16_params_in_place without caller memory; a flag that is not 0 / 1 is named."""
+    m, _, _ = problem("bf16")
+    cfg = m._config(T)
+
+    def check(sync_free, caller_memory, in_place, stored):
+        opts = native.CudaOptions(sync_free, caller_memory, in_place, stored)
+        native.check(native.lib().flowmoe_config_check(ctypes.byref(cfg), 0, ctypes.byref(opts)))
+
+    check(0, 1, 1, 1)  # (accepted: what flowmoe.torch.experts builds for gpt-oss's BF16 parameters)
+    check(0, 1, 1, 0)
+    with pytest.raises(FlowmoeError, match="bf16_params_stored without bf16_params_in_place"):
+        check(0, 1, 0, 1)
+    with pytest.raises(FlowmoeError, match="bf16_params_in_place without caller_memory"):
+        check(0, 0, 1, 0)
+    with pytest.raises(FlowmoeError, match="bf16_params_stored = 2"):
+        check(0, 1, 1, 2)

@@ -139,8 +139,8 @@ def test_gpu_backward_derives_its_weights_from_the_parameters(recipe, from_param
     plan = next(iter(_layers[id(owner)][1].values()))._runner.plan
     wbuf, saved = plan[0], plan[1]
     y_bytes = y.numel() * y.element_size()
-    if from_params:
-        assert held <= saved + y_bytes, (held, y_bytes, plan)  # y and saved (the step is on the CPU): no copies
+    if from_params:  # y and saved (the step is on the CPU; PyTorch rounds each block to 512 bytes): no copies
+        assert held <= (saved + 511) // 512 * 512 + y_bytes, (held, y_bytes, plan)
     else:
         assert held >= wbuf + saved, (held, plan)
     dy = torch.randn_like(y)
