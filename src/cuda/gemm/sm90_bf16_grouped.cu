@@ -369,13 +369,8 @@ const char* bf16_wgrad_unsupported(const Bf16WgradArgs& a) {
   if (const char* why = common_unsupported(a.offsets, a.num_experts, a.m, a.n, a.k)) return why;
   if (!a.dw) return "a null gradient pointer";
   if (a.out_bf16 && a.accumulate) return "BF16 output with accumulation (BF16 gradients are overwritten only)";
-  if (a.stored_rows > 0) {
-    const int64_t elem = a.out_bf16 ? 2 : 4;
-    if (a.stored_rows > a.n || a.stored_cols <= 0 || a.stored_cols > a.k)
-      return "a stored dW larger than [N, K] (or with no columns)";
-    if (a.stored_cols * elem % 16 != 0) return "a stored dW whose rows are not a multiple of 16 bytes";
-    if (a.stored_interleaved && a.k % 256 != 0) return "interleaved gate / up columns need K a multiple of 256";
-  }
+  if (const char* why = stored_dw_unsupported(a.stored_rows, a.stored_cols, a.stored_interleaved, a.n, a.k, a.out_bf16))
+    return why;
   if (a.m == 0) return nullptr;
   if (!a.dy || !a.x) return "a null operand pointer";
   if (!aligned16(a.dy) || !aligned16(a.x) || !aligned16(a.dw)) return "operands or gradient not 16-byte aligned";

@@ -367,13 +367,8 @@ const char* wgrad_device_unsupported(const WgradArgs& a) {
   if (a.m > 0 && (!a.dy_codes || !a.dy_scales || !a.x_codes || !a.x_scales)) return "a null operand pointer";
   if (!a.dw) return "a null output pointer";
   if (a.out_bf16 && a.accumulate) return "BF16 output with accumulation (BF16 gradients are overwritten only)";
-  if (a.stored_rows > 0) {
-    const int64_t elem = a.out_bf16 ? 2 : 4;
-    if (a.stored_rows > a.n || a.stored_cols <= 0 || a.stored_cols > a.k)
-      return "a stored dW larger than [N, K] (or with no columns)";
-    if (a.stored_cols * elem % 16 != 0) return "a stored dW whose rows are not a multiple of 16 bytes";
-    if (a.stored_interleaved && a.k % 256 != 0) return "interleaved gate / up columns need K a multiple of 256";
-  }
+  if (const char* why = stored_dw_unsupported(a.stored_rows, a.stored_cols, a.stored_interleaved, a.n, a.k, a.out_bf16))
+    return why;
   const auto misaligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; };
   if (misaligned(a.dy_codes) || misaligned(a.dy_scales) || misaligned(a.x_codes) || misaligned(a.x_scales) ||
       misaligned(a.dw))

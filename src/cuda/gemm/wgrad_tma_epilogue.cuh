@@ -45,6 +45,18 @@ inline CUtensorMap wgrad_dw_map(void* dw, WgradStore s, int64_t rows, int64_t co
                             what);
 }
 
+// Why a wgrad kernel cannot write dW [N, K] stored as [E][rows][cols] (gemm.h StoredDw; rows = 0:
+// not stored), or null: both kernels' rule (the 3-D map's 16-byte rows, the interleave's K/2
+// boundary on a 128-column tile).
+inline const char* stored_dw_unsupported(int64_t rows, int64_t cols, bool interleaved, int64_t n, int64_t k,
+                                         bool out_bf16) {
+  if (rows <= 0) return nullptr;
+  if (rows > n || cols <= 0 || cols > k) return "a stored dW larger than [N, K] (or with no columns)";
+  if (cols * (out_bf16 ? 2 : 4) % 16 != 0) return "a stored dW whose rows are not a multiple of 16 bytes";
+  if (interleaved && k % 256 != 0) return "interleaved gate / up columns need K a multiple of 256";
+  return nullptr;
+}
+
 #ifdef FLOWMOE_SM90A
 // Two FP32 sums rounded to BF16 (RNE) by one cvt, packed lo | hi << 16; a NaN as numerics.h's
 // f32_to_bf16 writes it (quiet, sign and payload kept) instead of the instruction's canonical NaN.
