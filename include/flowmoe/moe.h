@@ -465,6 +465,11 @@ void check_sync_free_options(const char* what, const MoeConfig& cfg, const CommS
 // make_cuda_layer and the C ABI's flowmoe_config_check): in place needs caller_memory, stored needs
 // in place. Throws flowmoe::Error whose message starts with `what`.
 void check_param_options(const char* what, bool caller_memory, bool bf16_params_in_place, bool bf16_params_stored);
+// The activation of kActivations (swiglu_math.h) named `name` with alpha / limit where it takes
+// them; throws flowmoe::Error naming `what` and the known names otherwise.
+GatedActivation activation_from_name(const std::string& name, float alpha, float limit, const char* what);
+// kActivations' name of `kind`, or null for a kind without a row.
+const char* activation_name(ActivationKind kind);
 
 }  // namespace flowmoe
 

@@ -196,6 +196,19 @@ FLOWMOE_HD SwigluGradProb dswiglu_prob_f32(float da, float p, float gate, float 
 // limit like any large value (the model does the same).
 enum class ActivationKind : uint8_t { kSwiglu = 0, kClampedSwiglu = 1 };
 
+// The activations as data: each kind's name (the C ABI's MoeConfig::activation string, Python's
+// activation=) and whether it takes alpha / limit. A new gated activation is a kind, its row here,
+// and its branch of act_f32 / dact_prob_f32 below (both backends' kernels call those).
+struct ActivationRow {
+  ActivationKind kind;
+  const char* name;
+  bool takes_alpha_limit;
+};
+constexpr ActivationRow kActivations[] = {
+    {ActivationKind::kSwiglu, "swiglu", false},
+    {ActivationKind::kClampedSwiglu, "clamped-swiglu", true},
+};
+
 struct GatedActivation {
   ActivationKind kind = ActivationKind::kSwiglu;
   float alpha = 1.702f;  // kClampedSwiglu: the sigmoid's slope (gpt-oss: swiglu_alpha)
@@ -268,6 +281,8 @@ FLOWMOE_HD float saved_up(const GatedActivation& act, float up) {
 }  // namespace num
 
 using num::ActivationKind;
+using num::ActivationRow;
+using num::kActivations;
 using num::GatedActivation;
 
 }  // namespace flowmoe

@@ -102,15 +102,8 @@ MoeConfig to_config(const flowmoe_config* c, flowmoe_comm* comm, const char* wha
   FLOWMOE_CHECK(c->external_routing == 0 || c->external_routing == 1,
                 what << ": external_routing = " << c->external_routing << "; expected 0 or 1");
   cfg.external_routing = c->external_routing == 1;
-  const std::string act = c->activation ? c->activation : "swiglu";
-  if (act == "clamped-swiglu") {
-    cfg.activation.kind = ActivationKind::kClampedSwiglu;
-    cfg.activation.alpha = c->swiglu_alpha;
-    cfg.activation.limit = c->swiglu_limit;
-  } else {
-    FLOWMOE_CHECK(act == "swiglu", what << ": activation '" << act << "' is unknown; expected 'swiglu' or "
-                                           "'clamped-swiglu'");
-  }
+  cfg.activation = activation_from_name(c->activation ? c->activation : "swiglu", c->swiglu_alpha, c->swiglu_limit,
+                                        what);
   FLOWMOE_CHECK(c->gemm1_bias == 0 || c->gemm1_bias == 1,
                 what << ": gemm1_bias = " << c->gemm1_bias << "; expected 0 or 1");
   cfg.gemm1_bias = c->gemm1_bias == 1;

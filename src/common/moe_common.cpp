@@ -243,9 +243,9 @@ void MoeConfig::validate(const CommShape& shape) const {
     FLOWMOE_CHECK(std::isfinite(activation.alpha) && std::isfinite(activation.limit) && activation.limit > 0.0f,
                   what << ": clamped SwiGLU with alpha = " << activation.alpha << ", limit = " << activation.limit
                        << "; expected finite values and limit > 0 (gpt-oss: alpha 1.702, limit 7)");
-  FLOWMOE_CHECK(activation.kind == ActivationKind::kSwiglu || activation.clamped(),
+  FLOWMOE_CHECK(activation_name(activation.kind) != nullptr,
                 what << ": activation " << static_cast<int>(activation.kind)
-                     << " unknown; expected SwiGLU or clamped SwiGLU");
+                     << " unknown; expected a kind of kActivations (swiglu_math.h)");
   if (gemm1_bias) {
     // fp8-naive's dataflow (quantize before the dispatch, FP32 scales) has no GEMM1 bias step.
     FLOWMOE_CHECK(recipe != Recipe::kFp8Naive,
@@ -259,6 +259,27 @@ void MoeConfig::validate(const CommShape& shape) const {
   FLOWMOE_CHECK(rows <= INT32_MAX,
                 what << ": max_tokens = " << max_tokens << " gives up to " << rows
                      << " padded rows, which do not fit int32 row indices; expected fewer tokens");
+}
+
+GatedActivation activation_from_name(const std::string& name, float alpha, float limit, const char* what) {
+  std::string known;
+  for (const ActivationRow& r : kActivations) {
+    if (name == r.name) {
+      GatedActivation a;
+      a.kind = r.kind;
+      if (r.takes_alpha_limit) a.alpha = alpha, a.limit = limit;
+      return a;
+    }
+    known += std::string(known.empty() ? "'" : ", '") + r.name + "'";
+  }
+  FLOWMOE_CHECK(false, what << ": activation '" << name << "' is unknown; expected one of " << known);
+  return GatedActivation();
+}
+
+const char* activation_name(ActivationKind kind) {
+  for (const ActivationRow& r : kActivations)
+    if (r.kind == kind) return r.name;
+  return nullptr;
 }
 
 void check_param_options(const char* what, bool caller_memory, bool bf16_params_in_place, bool bf16_params_stored) {
@@ -309,7 +330,11 @@ std::string MoeConfig::describe() const {
      << (router == RouterScore::kSoftmax ? "softmax" : "sigmoid")
      << (router_renormalize ? "+renorm" : "") << " A=" << align << " " << recipe_name(recipe);
   if (external_routing) os << " external-routing";
-  if (activation.clamped()) os << " clamped-swiglu(alpha=" << activation.alpha << ",limit=" << activation.limit << ")";
+  if (activation.kind != ActivationKind::kSwiglu) {
+    const char* name = activation_name(activation.kind);
+    os << " " << (name ? name : "unknown-activation") << "(alpha=" << activation.alpha << ",limit=" << activation.limit
+       << ")";
+  }
   if (gemm1_bias) os << " gemm1-bias";
   return os.str();
 }

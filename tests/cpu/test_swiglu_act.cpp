@@ -17,11 +17,17 @@
 #include "common/swiglu_data.h"
 #include "flowmoe/cpu/convert.h"
 #include "flowmoe/error.h"
+#include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/swiglu.h"
 #include "flowmoe/swiglu_math.h"
 
 using flowmoe::ActivationKind;
+using flowmoe::ActivationRow;
+using flowmoe::activation_from_name;
+using flowmoe::activation_name;
+using flowmoe::kActivations;
+using flowmoe::MoeConfig;
 using flowmoe::bf16_t;
 using flowmoe::GatedActivation;
 using flowmoe::QTensor;
@@ -494,6 +500,31 @@ TEST(SwigluAct, BadActivationIsRejected) {
                "unknown activation kind");
   // a limit of +inf never clamps: the plain gated form (u + 1) * g * sigmoid(alpha g)
   EXPECT_NO_THROW(cpu::swiglu(h.data(), 2, 128, out.data(), nullptr, clamped(1.0f, INFINITY)));
+}
+
+// The activations as data (kActivations): every row's name gives its kind back, alpha / limit
+// only where the row takes them; an unknown name is refused with the known ones listed; a config
+// describes itself with the row's name.
+TEST(ActivationTable, NamesAndKindsRoundTrip) {
+  for (const ActivationRow& r : kActivations) {
+    const GatedActivation a = activation_from_name(r.name, 2.5f, 3.5f, "test");
+    EXPECT_EQ(a.kind, r.kind) << r.name;
+    EXPECT_STREQ(activation_name(r.kind), r.name);
+    EXPECT_EQ(a.alpha, r.takes_alpha_limit ? 2.5f : GatedActivation().alpha) << r.name;
+    EXPECT_EQ(a.limit, r.takes_alpha_limit ? 3.5f : GatedActivation().limit) << r.name;
+  }
+  EXPECT_EQ(activation_name(static_cast<ActivationKind>(7)), nullptr);
+  try {
+    activation_from_name("gelu-gated", 1.0f, 1.0f, "test");
+    ADD_FAILURE() << "an unknown activation name was accepted";
+  } catch (const flowmoe::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("'gelu-gated' is unknown"), std::string::npos) << m;
+    for (const ActivationRow& r : kActivations) EXPECT_NE(m.find(r.name), std::string::npos) << m;
+  }
+  MoeConfig cfg;
+  cfg.activation = activation_from_name("clamped-swiglu", 1.702f, 7.0f, "test");
+  EXPECT_NE(cfg.describe().find("clamped-swiglu(alpha=1.702,limit=7)"), std::string::npos) << cfg.describe();
 }
 
 }  // namespace
