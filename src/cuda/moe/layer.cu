@@ -208,12 +208,11 @@ bool CudaMoeLayer::writes_stored_grads(const ExpertStorage& st, bool bf16_grads)
   const int64_t elem = bf16_grads ? 2 : 4;
   // (only flowmoe's wgrad kernels write them: the FP8 one where the caller did not turn it off, the
   // BF16 one where the bf16 recipe runs the grouped kernels)
-  const WeightCopy wc = path_.spec().weights;
-  const bool kernel = wc == WeightCopy::kFp8Block
-                          ? gemm_->options().wgrad_kernel != gemm::GroupedGemmOptions::WgradKernel::kOff
-                          : wc == WeightCopy::kBf16Only && path_.grouped_gemm;
-  return kernel && cfg_.align == 128 && cfg_.comm == nullptr && st.hidden >= 1 && st.hidden <= H_ && st.ffn >= 1 && st.ffn <= F_ && (st.interleaved || st.ffn == F_) &&
-         st.hidden * elem % 16 == 0 && 2 * st.ffn * elem % 16 == 0;
+  const bool fp8_kernel = path_.spec().weights == WeightCopy::kFp8Block && cfg_.align == 128 &&
+                          gemm_->options().wgrad_kernel != gemm::GroupedGemmOptions::WgradKernel::kOff;
+  return (fp8_kernel || path_.bf16_wgrad_kernel) && cfg_.comm == nullptr && st.hidden >= 1 && st.hidden <= H_ &&
+         st.ffn >= 1 && st.ffn <= F_ && (st.interleaved || st.ffn == F_) && st.hidden * elem % 16 == 0 &&
+         2 * st.ffn * elem % 16 == 0;
 }
 
 void CudaMoeLayer::set_backward_weights(const MoeWeights& w) {

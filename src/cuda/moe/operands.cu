@@ -201,14 +201,14 @@ void StepContext::bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, in
   const auto x = cs<bf16_t>(in, Mp_ * k);
   if (stored.rows > 0) {
     // the stored weight is W^T's layout: its gradient in^T . grad, the kernel with the operands
-    // swapped (MoeLayer::writes_stored_grads: the grouped kernels, align 128)
+    // swapped (MoeLayer::writes_stored_grads: RecipePath::bf16_wgrad_kernel)
     gemm::WgradOut o = dw_out(dw, dw_bf16, int64_t(El_) * stored.rows * stored.cols);
     o.stored = stored;
     gemm_->wgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, k, n, x, dy, o, stream_);
     return;
   }
   const gemm::WgradOut out = dw_out(dw, dw_bf16, int64_t(El_) * n * k);
-  if (path_.grouped_gemm && cfg_.align == 128)  // (the kernel's 128-token blocks)
+  if (path_.bf16_wgrad_kernel)
     gemm_->wgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k, dy, x, out, stream_);
   else
     gemm_->wgrad_bf16(seg_, n, k, dy, x, out, stream_);

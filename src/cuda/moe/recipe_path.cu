@@ -54,6 +54,7 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
   p.grouped_gemm = options.sync_free || options.fprop_dgrad == FD::kGrouped ||
                    (options.fprop_dgrad == FD::kAuto && p.fp8 &&
                     workspace_rows(cfg) <= CudaLayerOptions::kGroupedAutoRows * cfg.num_local_experts());
+  p.bf16_wgrad_kernel = s.weights == WeightCopy::kBf16Only && p.grouped_gemm && cfg.align == 128;
   // The fused epilogues write a' row-wise FP8 and h in its saved quantized format (flow's SwiGLU +
   // quantize and dSwiGLU + quantize): a quantized-rows pipeline, with the grouped kernel running the GEMM.
   // the fused (d)SwiGLU epilogues compute plain SwiGLU of GEMM1's output (no bias between them)
