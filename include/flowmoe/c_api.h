@@ -223,7 +223,8 @@ typedef struct flowmoe_backward_call {
                                   // the layer reads them in place), or null: the weights region's
                                   // copies (takes_backward_weights)
   flowmoe_memory memory;          // the forward's weights (or null with params) and saved regions
-  const void* step;               // step_state's bytes of that forward, or null: the latest forward
+  const void* step;               // step_state's bytes of that forward, or null: the step the layer
+                                  // holds (its latest forward's, or the bytes a backward loaded since)
   int64_t step_bytes;
 } flowmoe_backward_call;
 int flowmoe_layer_backward_call(flowmoe_layer* layer, const flowmoe_backward_call* call);
