@@ -119,9 +119,9 @@ struct WgradOut {
   void* data = nullptr;
   int64_t size = 0;  // elements
   StoredDw stored;   // (rows > 0: [E][rows][cols] as above; size then counts those)
-  static WgradOut bf16(bf16_t* p, int64_t n) { return {Kind::kBf16, p, n}; }
-  static WgradOut f32(float* p, int64_t n) { return {Kind::kF32, p, n}; }
-  static WgradOut accumulate(float* p, int64_t n) { return {Kind::kF32Accumulate, p, n}; }
+  static WgradOut bf16(bf16_t* p, int64_t n) { return {Kind::kBf16, p, n, {}}; }
+  static WgradOut f32(float* p, int64_t n) { return {Kind::kF32, p, n, {}}; }
+  static WgradOut accumulate(float* p, int64_t n) { return {Kind::kF32Accumulate, p, n, {}}; }
 };
 const char* wgrad_kind_name(WgradOut::Kind k);
 

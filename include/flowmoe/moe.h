@@ -409,13 +409,13 @@ class MoeLayer {
   virtual void set_forward_weights(const MoeWeights& w);
   // Whether set_weights and set_backward_weights read W1, W2 where a model stores them
   // (MoeWeights::storage not the layer's layout), FP32 masters or (bf16_params) BF16 parameters.
-  virtual bool reads_stored_weights(bool bf16_params) const { return false; }
+  virtual bool reads_stored_weights(bool /*bf16_params*/) const { return false; }
   // Whether the backward writes dW1 and dW2 (BF16 with bf16_grads, else FP32) in `storage`'s layout
   // (MoeGrads::storage): the CPU layer always (the reference maps them), the CUDA layer of the FP8
   // block recipes and of bf16 on its grouped kernels (CudaLayerOptions::fprop_dgrad kGrouped or
   // sync_free), with align 128 (the wgrad kernels write them; the stored rows a multiple of 16
   // bytes, and gate / up either interleaved or concatenated without padding between them).
-  virtual bool writes_stored_grads(const ExpertStorage& storage, bool bf16_grads) const {
+  virtual bool writes_stored_grads(const ExpertStorage& storage, bool /*bf16_grads*/) const {
     return storage.is_layer_layout();
   }
   // What reads_stored_weights(bf16_params) gives for the layer of `backend` ("cpu", "cuda") and

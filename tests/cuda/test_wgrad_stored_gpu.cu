@@ -38,6 +38,15 @@ int64_t plain_index(const StoredCase& t, int64_t e, int64_t r, int64_t c) {
   return (e * t.n + row) * t.k + r;
 }
 
+// The stored gradient [E][rows][cols] the plain one pw [E][N][K] maps to.
+std::vector<float> stored_of_plain(const StoredCase& t, int64_t experts, const std::vector<float>& pw) {
+  std::vector<float> out(size_t(experts * t.rows * t.cols));
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t r = 0; r < t.rows; ++r)
+      for (int64_t c = 0; c < t.cols; ++c) out[(e * t.rows + r) * t.cols + c] = pw[plain_index(t, e, r, c)];
+  return out;
+}
+
 class WgradStoredGpu : public ::testing::TestWithParam<StoredCase> {};
 
 TEST_P(WgradStoredGpu, SameBitsAsThePlainGradientTransposedAndMapped) {
@@ -62,10 +71,7 @@ TEST_P(WgradStoredGpu, SameBitsAsThePlainGradientTransposedAndMapped) {
     gg.wgrad(seg, p.n, p.k, dy_col, x_col, gemm::WgradOut::f32(plain.p, nw), 0);
     const auto pw = plain.get();
     const gemm::StoredDw sd{t.rows, t.cols, t.interleaved};
-    std::vector<float> want(ns);
-    for (int64_t e = 0; e < p.E; ++e)
-      for (int64_t r = 0; r < t.rows; ++r)
-        for (int64_t c = 0; c < t.cols; ++c) want[(e * t.rows + r) * t.cols + c] = pw[plain_index(t, e, r, c)];
+    const std::vector<float> want = stored_of_plain(t, p.E, pw);
     // FP32 =, the buffer one guard longer, all NaN: the stored tensor written whole, nothing past it
     GBuf<float> st(ns + guard);
     st.put(std::vector<float>(ns + guard, std::nanf("")));
@@ -126,11 +132,7 @@ TEST_P(WgradStoredGpu, Bf16KernelSameValuesAsThePlainGradientTransposedAndMapped
     const gemm::DeviceSegments seg{off.p, E, m, nullptr};
     GBuf<float> plain(nw);
     gg.wgrad_bf16(seg, t.n, t.k, dy.cspan(), x.cspan(), gemm::WgradOut::f32(plain.p, nw), 0);
-    const auto pw = plain.get();
-    std::vector<float> want(ns);
-    for (int64_t e = 0; e < E; ++e)
-      for (int64_t r = 0; r < t.rows; ++r)
-        for (int64_t c = 0; c < t.cols; ++c) want[(e * t.rows + r) * t.cols + c] = pw[plain_index(t, e, r, c)];
+    const std::vector<float> want = stored_of_plain(t, E, plain.get());
     // |products| summed, for the normal data's bound
     std::vector<double> bound(ns, 0.0);
     if (!small) {

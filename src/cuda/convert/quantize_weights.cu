@@ -116,6 +116,34 @@ __device__ __forceinline__ void to_expert(int64_t ex, int64_t n, int64_t k, Sour
   }
 }
 
+// Column block cb of X's row block bn from the 8 chunks each thread holds, once every warp's amax
+// and bad count are in s_amax / s_bad: the block's scale from their maximum, its codes (where
+// `codes`), its swizzled tile for the transposed copy (s_q) and its scale in both grids.
+__device__ __forceinline__ void encode_block(const uint4 (&v)[8], const float* s_amax, const int* s_bad, int64_t bn,
+                                             int64_t cb, int64_t n, int64_t k, uint8_t* codes, uint8_t* scales,
+                                             uint8_t* t_scales, uint8_t* s_q) {
+  const int tid = threadIdx.x;
+  float amax = 0.f;
+  int bad = 0;
+  for (int i = 0; i < kThreads / 32; ++i) {
+    amax = fmaxf(amax, s_amax[i]);
+    bad += s_bad[i];
+  }
+  const int e = e4m3_scale_exp(amax);
+  const uint8_t sc = bad ? kUE8M0NaN : ue8m0_from_exp(e);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int row = i * 16 + (tid >> 4), ch = tid & 15;
+    const uint2 q = encode8(v[i], e, bad != 0);
+    if (codes) reinterpret_cast<uint2*>(codes + (bn * kTile + row) * k + cb * kTile)[ch] = q;
+    *reinterpret_cast<uint2*>(&s_q[detail::swz_chunk(row, ch >> 1) + (ch & 1) * 8]) = q;
+  }
+  if (tid == 0) {
+    if (scales) scales[bn * (k / kTile) + cb] = sc;
+    if (t_scales) t_scales[cb * (n / kTile) + bn] = sc;
+  }
+}
+
 // ---- K11: weights, one 128x128 block per CTA, plus the exact transposed copy; blockIdx.z the expert.
 // In = bf16_t, or float (the masters, rounded to BF16 on the way: the bits of the BF16 copy's
 // quantization; `nonfinite` then counts the FP32 values, as f32_to_bf16 does). Source: where X is
@@ -148,25 +176,7 @@ quantize_weight_kernel(Source w, int64_t n, int64_t k, uint8_t* __restrict__ cod
     s_bad[tid >> 5] = wbad;
   }
   __syncthreads();
-  amax = 0.f;
-  bad = 0;
-  for (int i = 0; i < kThreads / 32; ++i) {
-    amax = fmaxf(amax, s_amax[i]);
-    bad += s_bad[i];
-  }
-  const int e = e4m3_scale_exp(amax);
-  const uint8_t sc = bad ? kUE8M0NaN : ue8m0_from_exp(e);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int row = i * 16 + (tid >> 4), ch = tid & 15;
-    const uint2 q = encode8(v[i], e, bad != 0);
-    if (codes) reinterpret_cast<uint2*>(codes + (bn * kTile + row) * k + bk * kTile)[ch] = q;
-    *reinterpret_cast<uint2*>(&s_q[detail::swz_chunk(row, ch >> 1) + (ch & 1) * 8]) = q;
-  }
-  if (tid == 0) {
-    if (scales) scales[bn * (k / kTile) + bk] = sc;
-    if (t_scales) t_scales[bk * (n / kTile) + bn] = sc;
-  }
+  encode_block(v, s_amax, s_bad, bn, bk, n, k, codes, scales, t_scales, s_q);
   if (!t_codes) return;
   __syncthreads();
   // (whole 128-byte rows of the transpose per 8 lanes: coalesced stores)
@@ -222,28 +232,8 @@ quantize_weight_pairs_kernel(StoredWeights<bf16_t> w, int64_t n, int64_t k, uint
   }
   __syncthreads();
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float m = 0.f;
-    int nb = 0;
-    for (int i = 0; i < kThreads / 32; ++i) {
-      m = fmaxf(m, s_amax[h][i]);
-      nb += s_bad[h][i];
-    }
-    const int e = e4m3_scale_exp(m);
-    const uint8_t sc = nb ? kUE8M0NaN : ue8m0_from_exp(e);
-    const int64_t cb = bk + h * half;  // X's column block
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int row = i * 16 + (tid >> 4), ch = tid & 15;
-      const uint2 q = encode8(v[h][i], e, nb != 0);
-      if (codes) reinterpret_cast<uint2*>(codes + (bn * kTile + row) * k + cb * kTile)[ch] = q;
-      *reinterpret_cast<uint2*>(&s_q[h][detail::swz_chunk(row, ch >> 1) + (ch & 1) * 8]) = q;
-    }
-    if (tid == 0) {
-      if (scales) scales[bn * (k / kTile) + cb] = sc;
-      if (t_scales) t_scales[cb * (n / kTile) + bn] = sc;
-    }
-  }
+  for (int h = 0; h < 2; ++h)  // (X's column blocks bk and bk + half)
+    encode_block(v[h], s_amax[h], s_bad[h], bn, bk + h * half, n, k, codes, scales, t_scales, s_q[h]);
   if (!t_codes) return;
   __syncthreads();
 #pragma unroll
