@@ -166,7 +166,7 @@ void ep_pull_rows(const EpPiece* pieces, int n, void* const* peer_bases, int64_t
 // ---- the step context's part (step_context.h; the plan: routing.cu; the shared buffers: layer.cu) --
 
 void* const* StepContext::peer_table(const void* mine) const {
-  for (const auto& t : peer_tables_)
+  for (const auto& t : *peer_tables_)
     if (t.first == mine) return t.second;
   FLOWMOE_CHECK(false, "MoeLayer: internal error: a buffer the peers read was not shared at construction");
   return nullptr;

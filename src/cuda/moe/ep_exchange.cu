@@ -20,7 +20,7 @@ namespace moe {
 
 void StepContext::log_combine(MoePass pass, const std::string& name, const std::string& format,
                               int64_t row_bytes) {
-  rep_.wire.push_back(ep_detail::combine_transfer(pass, name, format, row_bytes, plan_));
+  rep_->wire.push_back(ep_detail::combine_transfer(pass, name, format, row_bytes, step_.plan));
 }
 
 // One exchange of the communicator. Stream contract: the send buffers were written (and the
@@ -31,7 +31,7 @@ void StepContext::log_combine(MoePass pass, const std::string& name, const std::
 // plus the communicator's.
 void StepContext::ep_exchange(const std::function<void()>& fn) {
   FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  ++host_syncs_;
+  ++*host_syncs_;
   fn();
   comm_->synchronize();
 }
@@ -42,16 +42,16 @@ void StepContext::ep_exchange(const std::function<void()>& fn) {
 void StepContext::ep_dispatch(MoePass pass, const char* name, WireFormat f, std::vector<RowStream> streams) {
   EpBuffers& ep = ws_.ep;
   if (pass == MoePass::kForward) {
-    ep_gather_rows(ws_.routing.probs, int64_t(sizeof(float)), true, ws_.routing.tokens.row_map_unpadded, T_, K_,
+    ep_gather_rows(ws_.routing.probs, int64_t(sizeof(float)), true, ws_.routing.tokens.row_map_unpadded, step_.T, K_,
                    ep.send_probs, stream_);
     streams.push_back({ep.send_probs, ws_.routing.row_prob, int64_t(sizeof(float))});
   }
   if (device_ep()) {  // the plan's pieces on the device, padding pieces zero-filled
     pull_exchange(ep.dispatch_pieces, dispatch_piece_count(), streams, stream_);
-    pending_wire_.push_back({PendingWire::kDispatch, pass, name, "", f, 0});
+    pending_wire_->push_back({PendingWire::kDispatch, pass, name, "", f, 0});
     return;
   }
-  const DispatchPlan p = ep_detail::plan_for(plan_, pass, f);
+  const DispatchPlan p = ep_detail::plan_for(step_.plan, pass, f);
   // the exchange writes every row but the padding: one batched fill of El ranges per stream
   std::vector<CopyPiece> pad;
   for (const RowStream& st : streams)
@@ -62,7 +62,7 @@ void StepContext::ep_dispatch(MoePass pass, const char* name, WireFormat f, std:
     }
   cuda::comm::copy_pieces(pad, stream_);
   ep_exchange([&] { dispatch_rows(*comm_, p, streams, direct_bytes_); });
-  rep_.wire.push_back(ep_detail::dispatch_transfer(pass, name, p));
+  rep_->wire.push_back(ep_detail::dispatch_transfer(pass, name, p));
 }
 
 // Deduplicated dispatch: each token travels once to each rank holding one of its experts
@@ -80,9 +80,9 @@ void StepContext::dedup_exchange(MoePass pass, const char* name, const std::stri
   const bool fwd = pass == MoePass::kForward;
   const int W = comm_->world_size(), me = comm_->rank();
   if (fwd) {
-    ep_gather_rows(ws_.routing.ids, int64_t(sizeof(int32_t)) * K_, false, ep.tokens_to_ranks.row_map, T_, K_,
+    ep_gather_rows(ws_.routing.ids, int64_t(sizeof(int32_t)) * K_, false, ep.tokens_to_ranks.row_map, step_.T, K_,
                    ep.send_ids, stream_);
-    ep_gather_rows(ws_.routing.probs, int64_t(sizeof(float)) * K_, false, ep.tokens_to_ranks.row_map, T_, K_,
+    ep_gather_rows(ws_.routing.probs, int64_t(sizeof(float)) * K_, false, ep.tokens_to_ranks.row_map, step_.T, K_,
                    ep.send_token_probs, stream_);
     streams.push_back({ep.send_ids, ep.recv_ids, int64_t(sizeof(int32_t)) * K_});
     streams.push_back({ep.send_token_probs, ep.recv_probs, int64_t(sizeof(float)) * K_});
@@ -97,14 +97,14 @@ void StepContext::dedup_exchange(MoePass pass, const char* name, const std::stri
     if (fwd)
       FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ep.recv_ids, 0xFF, sizeof(int32_t) * size_t(W) * max_tokens_ * K_, stream_));
     pull_exchange(ep.dedup_pieces, W, streams, stream_);
-    pending_wire_.push_back({PendingWire::kDedup, pass, name, wire_format, WireFormat::kBf16, row_bytes});
+    pending_wire_->push_back({PendingWire::kDedup, pass, name, wire_format, WireFormat::kBf16, row_bytes});
     if (fwd) route_received_tokens(int64_t(W) * max_tokens_);
     return;
   }
   std::vector<int64_t> so(W + 1, 0), ro(W + 1, 0);
   for (int p = 0; p < W; ++p) {
-    so[p + 1] = so[p] + plan_.send_tokens[p];
-    ro[p + 1] = ro[p] + plan_.recv_tokens[p];
+    so[p + 1] = so[p] + step_.plan.send_tokens[p];
+    ro[p + 1] = ro[p] + step_.plan.recv_tokens[p];
   }
   FLOWMOE_CHECK(ro[W] <= int64_t(W) * max_tokens_,
                 "MoeLayer: " << ro[W] << " tokens received; expected at most " << int64_t(W) * max_tokens_);
@@ -125,14 +125,14 @@ void StepContext::dedup_exchange(MoePass pass, const char* name, const std::stri
   cuda::comm::copy_pieces(own, stream_);
   ep_exchange([&] { comm_->exchange(sends, recvs); });
   if (fwd) route_received_tokens(ro[W]);
-  rep_.wire.push_back(dedup_transfer(pass, name, wire_format, row_bytes, plan_));
+  rep_->wire.push_back(dedup_transfer(pass, name, wire_format, row_bytes, step_.plan));
 }
 
 // The received tokens (n slots: rank 0's first, each rank's in token order) over the local
 // experts: the padded layout of the plan, row for row, and each row's probability.
 void StepContext::route_received_tokens(int64_t n) {
   EpBuffers& ep = ws_.ep;
-  dedup_recv_tokens_ = n;
+  step_.dedup_recv_tokens = n;
   Routing& rr = ep.received_tokens;
   rr.tokens = n;
   if (n == 0) return;
@@ -162,12 +162,12 @@ void StepContext::move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const
     return;
   }
   if (path_.ep_dedup) {
-    ep_gather_rows(tok, 2 * H_, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_rows, stream_);
+    ep_gather_rows(tok, 2 * H_, false, ep.tokens_to_ranks.row_map, step_.T, K_, ep.send_rows, stream_);
     dedup_exchange(pass, name, "bf16", {{ep.send_rows, ep.recv_tokens, 2 * H_}});
     permute_pad_bf16(reinterpret_cast<const bf16_t*>(ep.recv_tokens), H_, ep.received_tokens, rows, stream_);
     return;
   }
-  ep_gather_rows(tok, 2 * H_, false, routing.row_map_unpadded, T_, K_, ep.send_rows, stream_);
+  ep_gather_rows(tok, 2 * H_, false, routing.row_map_unpadded, step_.T, K_, ep.send_rows, stream_);
   ep_dispatch(pass, name, WireFormat::kBf16, {{ep.send_rows, rows, 2 * H_}});
 }
 
@@ -178,25 +178,25 @@ void StepContext::move_fp8(const QTensorView& tok, const QTensorView& rows, MoeP
   const Routing& routing = ws_.routing.tokens;
   EpBuffers& ep = ws_.ep;
   if (comm_ == nullptr) {
-    permute_pad_fp8(tok.codes, tok.ue8m0(), H_, routing, rows.codes, rows.ue8m0(), Mp_, stream_);
+    permute_pad_fp8(tok.codes, tok.ue8m0(), H_, routing, rows.codes, rows.ue8m0(), step_.Mp, stream_);
     return;
   }
   const int64_t nc = H_ / 128;
   if (path_.ep_dedup) {
-    ep_gather_rows(tok.codes, H_, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_rows, stream_);
-    ep_gather_col_scales(tok.ue8m0(), nc, 1, ep.tokens_to_ranks.row_map, T_, K_, ep.send_scales, stream_);
+    ep_gather_rows(tok.codes, H_, false, ep.tokens_to_ranks.row_map, step_.T, K_, ep.send_rows, stream_);
+    ep_gather_col_scales(tok.ue8m0(), nc, 1, ep.tokens_to_ranks.row_map, step_.T, K_, ep.send_scales, stream_);
     dedup_exchange(pass, name, "fp8 + ue8m0 1x128 scales",
                    {{ep.send_rows, ep.recv_tokens, H_}, {ep.send_scales, ep.recv_token_scales, nc}});
-    ep_transpose_scales(ep.recv_token_scales, dedup_recv_tokens_, nc, 1, ep.recv_token_scales_col,
-                        std::max<int64_t>(dedup_recv_tokens_, 1), stream_);
+    ep_transpose_scales(ep.recv_token_scales, step_.dedup_recv_tokens, nc, 1, ep.recv_token_scales_col,
+                        std::max<int64_t>(step_.dedup_recv_tokens, 1), stream_);
     permute_pad_fp8(ep.recv_tokens, ep.recv_token_scales_col, H_, ep.received_tokens, rows.codes, rows.ue8m0(),
-                    std::max<int64_t>(Mp_, 1), stream_);
+                    std::max<int64_t>(step_.Mp, 1), stream_);
     return;
   }
-  ep_gather_rows(tok.codes, H_, false, routing.row_map_unpadded, T_, K_, ep.send_rows, stream_);
-  ep_gather_col_scales(tok.ue8m0(), nc, 1, routing.row_map_unpadded, T_, K_, ep.send_scales, stream_);
+  ep_gather_rows(tok.codes, H_, false, routing.row_map_unpadded, step_.T, K_, ep.send_rows, stream_);
+  ep_gather_col_scales(tok.ue8m0(), nc, 1, routing.row_map_unpadded, step_.T, K_, ep.send_scales, stream_);
   ep_dispatch(pass, name, WireFormat::kFp8, {{ep.send_rows, rows.codes, H_}, {ep.send_scales, ep.recv_scales, nc}});
-  ep_transpose_scales(ep.recv_scales, Mp_, nc, 1, rows.ue8m0(), Mp_, stream_);
+  ep_transpose_scales(ep.recv_scales, step_.Mp, nc, 1, rows.ue8m0(), step_.Mp, stream_);
 }
 
 // MXFP4 token rows (codes [T, H/2], scales [T][H/32]) -> rows [Mp, H/2] + [Mp][H/32] (the wire
@@ -209,16 +209,16 @@ void StepContext::move_mxfp4(const QTensorView& tok, const QTensorView& rows) {
     return;
   }
   if (path_.ep_dedup) {
-    ep_gather_rows(tok.codes, H_ / 2, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_rows, stream_);
-    ep_gather_rows(tok.ue8m0(), H_ / 32, false, ep.tokens_to_ranks.row_map, T_, K_, ep.send_scales, stream_);
+    ep_gather_rows(tok.codes, H_ / 2, false, ep.tokens_to_ranks.row_map, step_.T, K_, ep.send_rows, stream_);
+    ep_gather_rows(tok.ue8m0(), H_ / 32, false, ep.tokens_to_ranks.row_map, step_.T, K_, ep.send_scales, stream_);
     dedup_exchange(MoePass::kForward, report_names::kDispatchX, "mxfp4 + ue8m0 1x32 scales",
                    {{ep.send_rows, ep.recv_tokens, H_ / 2}, {ep.send_scales, ep.recv_token_scales, H_ / 32}});
     permute_pad_mxfp4(ep.recv_tokens, ep.recv_token_scales, H_, ep.received_tokens, rows.codes, rows.ue8m0(),
                       stream_);
     return;
   }
-  ep_gather_rows(tok.codes, H_ / 2, false, routing.row_map_unpadded, T_, K_, ep.send_rows, stream_);
-  ep_gather_rows(tok.ue8m0(), H_ / 32, false, routing.row_map_unpadded, T_, K_, ep.send_scales, stream_);
+  ep_gather_rows(tok.codes, H_ / 2, false, routing.row_map_unpadded, step_.T, K_, ep.send_rows, stream_);
+  ep_gather_rows(tok.ue8m0(), H_ / 32, false, routing.row_map_unpadded, step_.T, K_, ep.send_scales, stream_);
   ep_dispatch(MoePass::kForward, report_names::kDispatchX, WireFormat::kMxfp4,
               {{ep.send_rows, rows.codes, H_ / 2}, {ep.send_scales, rows.scales, H_ / 32}});
 }
@@ -234,12 +234,12 @@ void StepContext::move_naive(bf16_t* out, MoePass pass, const char* name) {
   const QTensorView& entry = ws_.expert.entry_f32;
   const QTensorView& recv = ws_.expert.x_recv_f32;
   const int64_t nc = H_ / 128;
-  ep_gather_rows(entry.codes, H_, false, routing.row_map_unpadded, T_, K_, ep.send_rows, stream_);
-  ep_gather_col_scales(entry.f32(), nc, 4, routing.row_map_unpadded, T_, K_, ep.send_scales, stream_);
+  ep_gather_rows(entry.codes, H_, false, routing.row_map_unpadded, step_.T, K_, ep.send_rows, stream_);
+  ep_gather_col_scales(entry.f32(), nc, 4, routing.row_map_unpadded, step_.T, K_, ep.send_scales, stream_);
   ep_dispatch(pass, name, WireFormat::kFp8Fp32Scale,
               {{ep.send_rows, recv.codes, H_}, {ep.send_scales, ep.recv_scales, 4 * nc}});
-  ep_transpose_scales(ep.recv_scales, Mp_, nc, 4, recv.f32(), Mp_, stream_);
-  dequantize_row_fp32_scale(recv.codes, recv.f32(), Mp_, H_, nullptr, El_, out, stream_);
+  ep_transpose_scales(ep.recv_scales, step_.Mp, nc, 4, recv.f32(), step_.Mp, stream_);
+  dequantize_row_fp32_scale(recv.codes, recv.f32(), step_.Mp, H_, nullptr, El_, out, stream_);
 }
 
 // expert output rows [Mp, H] -> y [T, H] (plain sum in slot order; EP: the rows come back to the
@@ -254,10 +254,10 @@ void StepContext::combine_y(bf16_t* y) {
   bf16_t* back = ws_.ep.combined_rows;
   if (device_ep()) {
     pull_exchange(ws_.ep.combine_pieces, combine_piece_count(), {{rows, back, 2 * H_}}, stream_);
-    pending_wire_.push_back({PendingWire::kCombine, MoePass::kForward, report_names::kCombineOutput,
+    pending_wire_->push_back({PendingWire::kCombine, MoePass::kForward, report_names::kCombineOutput,
                              report_names::kCombineOutputFormat, WireFormat::kBf16, 2 * H_});
   } else {
-    ep_exchange([&] { combine_rows(*comm_, plan_, {{rows, back, 2 * H_}}, direct_bytes_); });
+    ep_exchange([&] { combine_rows(*comm_, step_.plan, {{rows, back, 2 * H_}}, direct_bytes_); });
     log_combine(MoePass::kForward, report_names::kCombineOutput, report_names::kCombineOutputFormat, 2 * H_);
   }
   // the unpadded map addresses the send-order rows that just came back; same kernel and
@@ -270,14 +270,14 @@ void StepContext::combine_y(bf16_t* y) {
 // combine, after each row's dprob partials are summed here) runs while the wgrad computes.
 void StepContext::mark_dx_rows_ready() {
   if (!comm_) {
-    if (streams_.tail()) {
-      FLOWMOE_CUDA_CHECK(cudaEventRecord(streams_.dx_ready(), stream_));
+    if (streams_->tail()) {
+      FLOWMOE_CUDA_CHECK(cudaEventRecord(streams_->dx_ready(), stream_));
       dx_ready_marked_ = true;
     }
     return;
   }
-  ep_sum_row_dprobs(ws_.routing.dprob_partials, F_ / 128, Mp_, ws_.ep.row_dprob, stream_);
-  FLOWMOE_CUDA_CHECK(cudaEventRecord(streams_.dx_ready(), stream_));
+  ep_sum_row_dprobs(ws_.routing.dprob_partials, F_ / 128, step_.Mp, ws_.ep.row_dprob, stream_);
+  FLOWMOE_CUDA_CHECK(cudaEventRecord(streams_->dx_ready(), stream_));
   dx_ready_marked_ = true;
 }
 

@@ -23,7 +23,7 @@ namespace moe {
 CudaMoeLayer::CudaMoeLayer(const MoeConfig& cfg, cudaStream_t stream, const CudaLayerOptions& options)
     : MoeLayer(cfg), stream_(stream), E_(cfg.num_experts), H_(cfg.hidden), F_(cfg.ffn), K_(cfg.topk),
       El_(cfg.num_local_experts()), comm_(cfg.comm), max_tokens_(cfg.max_tokens), max_rows_(workspace_rows(cfg)),
-      path_(make_recipe_path(cfg, options)), arena_(cfg_), ctx_(*this),
+      path_(make_recipe_path(cfg, options)), arena_(cfg_),
       pipeline_(dataflow_row(path_.dataflow).make_pipeline()) {
   int ndev = 0;
   const cudaError_t err = cudaGetDeviceCount(&ndev);
@@ -94,20 +94,8 @@ void CudaMoeLayer::share_ep_buffers() {
 }
 
 void CudaMoeLayer::layout_workspace() {
-  const RoutingTokens kept = routing_tokens();  // host fields of the views, set per forward
   ws_ = Workspace();
   ws_.allocate(arena_, cfg_, path_, /*device_plan=*/path_.sync_free && comm_ != nullptr);
-  set_routing_tokens(kept);
-}
-
-CudaMoeLayer::RoutingTokens CudaMoeLayer::routing_tokens() const {
-  return {ws_.routing.tokens.tokens, ws_.ep.tokens_to_ranks.tokens, ws_.ep.received_tokens.tokens};
-}
-
-void CudaMoeLayer::set_routing_tokens(const RoutingTokens& t) {
-  ws_.routing.tokens.tokens = t.tokens;
-  ws_.ep.tokens_to_ranks.tokens = t.to_ranks;
-  ws_.ep.received_tokens.tokens = t.received;
 }
 
 // ---- caller memory and steps in flight -----------------------------------------------------------
@@ -148,11 +136,11 @@ std::vector<uint8_t> CudaMoeLayer::step_state() const {
   FLOWMOE_CHECK(have_forward_, what << ": no forward yet; call it after a forward");
   step_bytes::Writer w;
   step_bytes::put_header(w, step_bytes::step_header(cfg_, El_, true));
-  w.put(T_), w.put(Mp_), w.put(routed_), w.put(held_), w.put(blocks_), w.put(dedup_recv_tokens_);
-  const RoutingTokens rt = routing_tokens();
-  w.put(rt.tokens), w.put(rt.to_ranks), w.put(rt.received);
-  step_bytes::put(w, seg_);
-  step_bytes::put(w, plan_);
+  const Step& s = step_;
+  w.put(s.T), w.put(s.Mp), w.put(s.routed), w.put(s.held), w.put(s.blocks), w.put(s.dedup_recv_tokens);
+  w.put(s.routing_tokens), w.put(s.tokens_to_ranks), w.put(s.received_tokens);
+  step_bytes::put(w, s.seg);
+  step_bytes::put(w, s.plan);
   return w.take();
 }
 
@@ -163,23 +151,17 @@ void CudaMoeLayer::load_step(const uint8_t* bytes, size_t size) {
   FLOWMOE_CHECK(bytes != nullptr || size == 0, what << ": null bytes; expected the bytes of step_state()");
   step_bytes::Reader r(bytes, size, what);
   step_bytes::check_header(r, step_bytes::step_header(cfg_, El_, true));
-  // (read into locals first: refused bytes leave the layer as it was)
-  int64_t T = 0, Mp = 0, routed = 0, held = 0, blocks = 0, dedup = 0;
-  r.get(&T), r.get(&Mp), r.get(&routed), r.get(&held), r.get(&blocks), r.get(&dedup);
-  RoutingTokens rt;
-  r.get(&rt.tokens), r.get(&rt.to_ranks), r.get(&rt.received);
-  Segments seg;
-  DispatchPlan plan;
-  step_bytes::get(r, &seg);
-  step_bytes::get(r, &plan);
+  // (read into a value first: refused bytes leave the layer as it was)
+  Step s;
+  r.get(&s.T), r.get(&s.Mp), r.get(&s.routed), r.get(&s.held), r.get(&s.blocks), r.get(&s.dedup_recv_tokens);
+  r.get(&s.routing_tokens), r.get(&s.tokens_to_ranks), r.get(&s.received_tokens);
+  step_bytes::get(r, &s.seg);
+  step_bytes::get(r, &s.plan);
   r.finish();
-  FLOWMOE_CHECK(T >= 1 && T <= max_tokens_ && Mp >= 0 && Mp <= max_rows_ && blocks >= 0,
-                what << ": a step of " << T << " tokens and " << Mp << " rows; expected 1.." << max_tokens_
+  FLOWMOE_CHECK(s.T >= 1 && s.T <= max_tokens_ && s.Mp >= 0 && s.Mp <= max_rows_ && s.blocks >= 0,
+                what << ": a step of " << s.T << " tokens and " << s.Mp << " rows; expected 1.." << max_tokens_
                      << " tokens and at most " << max_rows_ << " rows (the bytes of step_state() of this layer)");
-  T_ = T, Mp_ = Mp, routed_ = routed, held_ = held, blocks_ = blocks, dedup_recv_tokens_ = dedup;
-  set_routing_tokens(rt);
-  seg_ = std::move(seg);
-  plan_ = std::move(plan);
+  step_ = std::move(s);
   have_forward_ = true;
   backward_done_ = false;
 }
@@ -384,8 +366,8 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
           cudaMemcpyAsync(natural.scales, w1.scales, w1.scale_bytes(), cudaMemcpyDeviceToDevice, stream_));
       interleave_gate_up(natural, w1, stream_);
     }
-    ctx_.log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2 * El_, n1);
-    ctx_.log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2 * El_, n2);
+    rep_.add_op(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2 * El_, n1);
+    rep_.add_op(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2 * El_, n2);
   } else if (spec.weights == WeightCopy::kFp8BlockFp32Scale) {
     if (!bf16_params) {  // (BF16 parameters: quantized above, straight from them)
       quantize_weights_fp32_scale(wb.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1.f32(), w1t_codes, w1t_f32,
@@ -393,8 +375,8 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
       quantize_weights_fp32_scale(wb.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2.f32(), w2t_codes, w2t_f32,
                                   wstatus, stream_);
     }
-    ctx_.log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2, n1);
-    ctx_.log(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2, n2);
+    rep_.add_op(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2, n1);
+    rep_.add_op(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2, n2);
   }
   have_weights_ = true;
   have_forward_ = false;
@@ -408,7 +390,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   forward_weights_ = MoeWeights();
   // the caller's routing and bias are for this forward only, even one refused by the checks below
   const RoutingInput ext = take_routing(what);
-  gemm1_bias_ = take_gemm1_bias(what);
+  const float* const gemm1_bias = take_gemm1_bias(what);
   collective_checks(comm_, what, [&] {
     FLOWMOE_CHECK(have_weights_, what << ": no weights; call set_weights first");
     FLOWMOE_CHECK(tokens >= 1 && tokens <= cfg_.max_tokens,
@@ -419,7 +401,6 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
                           "and got none for this forward; expected set_forward_weights (forward_call's params) first");
     check_bound(what, /*saved=*/true);
   });
-  T_ = tokens;
   have_forward_ = false;
   rep_.drop_ops(MoePass::kForward);
   rep_.drop_ops(MoePass::kBackward);
@@ -433,16 +414,19 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   clock_.start_forward();
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status, 0, 4 * sizeof(DeviceStatus), stream_));
 
-  route(x, ext);
-  call_params_ = params;
-  try {
-    if (path_.bf16_relay_per_pass) relay_params(call_params_);
-    pipeline_->forward(ctx_, y);  // (pipelines/: the expert path of path_.dataflow, from the token rows to y)
-  } catch (...) {
-    call_params_ = MoeWeights();
-    throw;
-  }
-  call_params_ = MoeWeights();
+  Step step;
+  step.T = tokens;
+  StepCall call;
+  call.params = params;
+  call.gemm1_bias = gemm1_bias;
+  call.router_bias = has_bias_ ? ws_.weights.router_bias : nullptr;
+  call.routing_ids = ext.ids;
+  call.routing_probs = ext.probs;
+  StepContext c = context(std::move(step), call);
+  c.route(x);
+  if (path_.bf16_relay_per_pass) relay_params(params);
+  pipeline_->forward(c, y);  // (pipelines/: the expert path of path_.dataflow, from the token rows to y)
+  step_ = c.take_step();
   if (!path_.sync_free) save_activations(row_counts());  // (sync_free: when the report is read)
   have_forward_ = true;
 }
@@ -477,31 +461,26 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   stats_valid_ = false;
   clock_.start_backward();
   FLOWMOE_CUDA_CHECK(cudaMemsetAsync(ws_.routing.pass_status + kStatusBwd, 0, 2 * sizeof(DeviceStatus), stream_));
-  grads_accumulate_ = g.accumulate;
-  dx_ready_marked_ = false;  // (a backward that threw may have left it set)
-  call_params_ = params;
-  try {
-    if (path_.bf16_relay_per_pass) relay_params(call_params_);
-    pipeline_->backward(ctx_, dy, g);  // (pipelines/: from dy to the dX rows and the wgrads)
-    if (streams_.tail()) {  // the tail stream joins stream_ even when the tail throws (stream-ordered,
-                            // so that a graph capture stays well-formed; errors of the join ignored)
+  StepCall call;
+  call.params = params;
+  call.grads_accumulate = g.accumulate;
+  StepContext c = context(step_, call);  // (a copy: the layer's step backs any number of backwards)
+  if (path_.bf16_relay_per_pass) relay_params(params);
+  pipeline_->backward(c, dy, g);  // (pipelines/: from dy to the dX rows and the wgrads)
+  if (streams_.tail()) {  // the tail stream joins stream_ even when the tail throws (stream-ordered,
+                          // so that a graph capture stays well-formed; errors of the join ignored)
+    try {
+      c.backward_tail(g, dx);
+    } catch (...) {
       try {
-        backward_tail(g, dx);
+        streams_.join_tail();
       } catch (...) {
-        try {
-          streams_.join_tail();
-        } catch (...) {
-        }
-        throw;
       }
-    } else {
-      backward_tail(g, dx);
+      throw;
     }
-  } catch (...) {
-    call_params_ = MoeWeights();  // (the caller's pointers are for this call only)
-    throw;
+  } else {
+    c.backward_tail(g, dx);
   }
-  call_params_ = MoeWeights();
   backward_done_ = true;
 }
 

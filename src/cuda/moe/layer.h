@@ -1,20 +1,25 @@
 // The CUDA MoE layer (include/flowmoe/moe.h make_cuda_layer; docs/MOE_GPU.md): the five recipes of
 // SPEC §6 built from the CUDA operators (convert.h, token.h, swiglu.h, gemm.h) and the layer's own
 // kernels (kernels.cuh), with the dataflow of the CPU backend step for step, so that the two can
-// be compared on the same inputs. The class owns the state and runs what every dataflow shares;
-// the dataflows themselves are pipelines (pipelines/pipeline.h) over a step context:
+// be compared on the same inputs. The class holds what construction fixed (shapes, recipe path,
+// workspace plan, streams, GEMM object), the weights' state and the latest step; each forward and
+// backward runs in a step context made for it (step_context.h: the setup, the memory bound, the
+// step as a value, the call's inputs), and the dataflows themselves are pipelines
+// (pipelines/pipeline.h) over that context:
 //   layer.cu        API and lifecycle: construction, set_weights, forward / backward entry points
-//                   (route, then the pipeline, then the tail), make_cuda_layer, moe_debug.h
-//   routing.cu      router, routing tables, the one host sync, the EP dispatch plan (sync_free:
-//                   made on the device)
-//   backward_tail.cu the common tail: dprobs, router backward, dWr, dx (tail stream / EP combine)
+//                   (a context, routing, the pipeline, the tail; the step kept), make_cuda_layer,
+//                   moe_debug.h
+//   routing.cu      (context) router, routing tables, the one host sync, the EP dispatch plan
+//                   (sync_free: made on the device)
+//   backward_tail.cu (context) the common tail: dprobs, router backward, dWr, dx (tail stream / EP
+//                   combine)
 //   report.cu       the cast report's saved tensors, status counters, stage times
 // Around it:
 //   recipe_path.h/.cu the recipe as data (RecipePath: dataflow, formats, the options that apply),
 //                   made once at construction; the rooms read it instead of the Recipe enum
 //   workspace.h/.cu the device buffers (named views), allocated once at construction
 //   streams.h/.cu   side stream (fork / mark / join), tail stream, stage clock
-//   step_context.h  what a pipeline sees of the layer (views, streams, options) and the services
+//   step_context.h  the step, a call's inputs, and the context a pipeline runs in with the services
 //                   the dataflows share: step_context.cu (segments, report logging), operands.cu
 //                   (GEMMs and operands), ep_exchange.cu / ep_device.cu (token movement, EP)
 //   pipelines/      one file per dataflow (bf16, blockwise, fp8_naive, flow) with its forward and
@@ -85,11 +90,6 @@ class CudaMoeLayer final : public MoeLayer {
   // moe_graph.h
   bool sync_free() const { return path_.sync_free; }
   bool caller_memory() const { return caller_memory_; }
-  // The token counts the routing views carry on the host (set by each forward): kept across a
-  // re-layout of the workspace and in a step (step_state).
-  struct RoutingTokens {
-    int64_t tokens = 0, to_ranks = 0, received = 0;
-  };
   bool has_weights() const { return have_weights_; }
   cudaStream_t stream() const { return stream_; }
   // Sync-free EP (sync_free with comm_): make_cuda_layer, once every rank built its layer
@@ -97,39 +97,29 @@ class CudaMoeLayer final : public MoeLayer {
   void share_ep_buffers();
 
  private:
-  friend class StepContext;  // refers to the state below (step_context.h)
+  friend class StepContext;  // made from the setup below, per call (step_context.h)
   static constexpr int kHostStatusWeights = 4;  // routing.host_status[4]: set_weights' check (sync_free)
 
   // ---- lifecycle (layer.cu) --------------------------------------------------------------------
   void allocate(const CudaLayerOptions& options);
   void release();
   void layout_workspace();  // ws_'s views over the arena's current pass
-  RoutingTokens routing_tokens() const;
-  void set_routing_tokens(const RoutingTokens& t);
   // caller memory: the regions `what` needs are bound (weights, plus saved for forward / backward)
   void check_bound(const char* what, bool saved, bool weights = true) const;
   // bf16_params_in_place: the parameters are BF16 in the layer's layout (else throws, naming `what`)
   void check_params_in_place(const MoeWeights& w, const char* what) const;
   // bf16_relay_per_pass: the stored parameters `p` relaid into the pass's BF16 copies (transient)
   void relay_params(const MoeWeights& p);
-  // Wr as the backward reads it: set_backward_weights' parameter, else the weights region's copy
-  const float* router_weights() const { return call_params_.wr ? call_params_.wr : ws_.weights.wr; }
 
-  // ---- routing (routing.cu) --------------------------------------------------------------------
-  void route(const bf16_t* x, const RoutingInput& ext);  // ext: MoeConfig::external_routing's ids, probs
-  void plan_expert_parallel();  // EP: the dispatch plan from the fetched counts (collective)
-  void plan_on_device();        // sync-free EP: the plan from every rank's device counts
-  EpConfig ep_config() const;   // the plan's configuration (forward wire format, probabilities)
-
-  // ---- the backward's common tail (backward_tail.cu), after the pipeline's dX rows ------------
-  void backward_tail(const MoeGrads& g, bf16_t* dx);
+  // A context for one forward or backward (step_context.h): this layer's setup and memory, `step`, `call`.
+  StepContext context(Step step, const StepCall& call) { return StepContext(*this, std::move(step), call); }
 
   // ---- report (report.cu) ----------------------------------------------------------------------
   // The row counts the report needs: padded rows, rows held, 128-row blocks.
   struct RowCounts {
     int64_t padded = 0, held = 0, blocks = 0;
   };
-  RowCounts row_counts() const { return {Mp_, held_, blocks_}; }
+  RowCounts row_counts() const { return {step_.Mp, step_.held, step_.blocks}; }
   // sync_free: the step's operators and saved tensors completed with the counts fetched now.
   void resolve_report() const;
   void save_rows(const std::string& name, const std::string& format, int64_t bytes, double per_row,
@@ -151,7 +141,6 @@ class CudaMoeLayer final : public MoeLayer {
   // The recipe's path (recipe_path.h): dataflow, formats, and the options that depend on the recipe
   // (grouped GEMMs, fused epilogues, side stream, deduplicated EP dispatch)
   const RecipePath path_;
-  const float* gemm1_bias_ = nullptr;  // b1 of the current forward (set_gemm1_bias), else null
   int64_t direct_bytes_ = -1; // dispatch_rows / combine_rows message grouping (comm.h)
   bool caller_memory_ = false;  // CudaLayerOptions::caller_memory: ws_ laid over bound_ per call
   MoeMemoryPlan plan_bytes_;    // the sizes of the caller's regions
@@ -169,17 +158,9 @@ class CudaMoeLayer final : public MoeLayer {
   bool have_weights_ = false, have_forward_ = false, backward_done_ = false, has_bias_ = false;
   MoeWeights forward_weights_;   // set_forward_weights' parameters, for the next forward only
   MoeWeights backward_weights_;  // set_backward_weights' parameters, for the next backward only
-  MoeWeights call_params_;       // ... taken by the forward or backward running now (else none)
-  bool grads_accumulate_ = true;  // MoeGrads::accumulate of the backward running
-  bool dx_ready_marked_ = false;  // mark_dx_rows_ready ran in this backward
-  int64_t T_ = 0;                 // tokens of the forward
-  int64_t Mp_ = 0;                // padded rows of the local experts
-  int64_t routed_ = 0;            // routed rows of this rank's tokens
-  int64_t held_ = 0;              // routed rows the local experts hold (= routed_ alone)
-  int64_t blocks_ = 0;            // 128-row blocks of the segments
-  Segments seg_;
-  DispatchPlan plan_;             // EP: of the latest forward (backward reuses it)
-  int64_t dedup_recv_tokens_ = 0; // EP dedup: tokens received by the forward's dispatch
+  // The step of the latest forward, or of load_step since: what a backward takes when given no step
+  // (MoeLayer::backward), and what step_state serialises.
+  Step step_;
   int64_t host_syncs_ = 0;
   DevicePeers* peers_ = nullptr;  // sync-free EP: comm_->device_peers()
   std::vector<std::pair<const void*, void* const*>> peer_tables_;  // buffer -> its peers' addresses
@@ -191,8 +172,7 @@ class CudaMoeLayer final : public MoeLayer {
   mutable MoeStatus mstatus_;
   mutable bool stats_valid_ = false;
 
-  // ---- the dataflow (last: refers to everything above) ----------------------------------------
-  StepContext ctx_;                          // what the pipeline and the shared services see
+  // ---- the dataflow ----------------------------------------------------------------------------
   std::unique_ptr<PipelineSteps> pipeline_;  // path_.dataflow's (pipelines/pipeline.h)
 };
 

@@ -15,20 +15,20 @@ namespace moe {
 // Row-wise UE8M0 operand [Mp, C] -> GEMM-ready (expert-packed FP32 scales in gemm_row_scales).
 gemm::Fp8Operand StepContext::act_operand(const QTensorView& rows, int64_t c, DeviceStatus* st) {
   float* f32 = ws_.expert.gemm_row_scales;
-  act_scales_to_f32(rows.ue8m0(), Mp_, c, segment_offsets(), El_, f32, st, stream_);
-  return Fp8Op{cs<uint8_t>(rows.codes, Mp_ * c), cs<float>(f32, Mp_ * c / 128)};
+  act_scales_to_f32(rows.ue8m0(), step_.Mp, c, segment_offsets(), El_, f32, st, stream_);
+  return Fp8Op{cs<uint8_t>(rows.codes, step_.Mp * c), cs<float>(f32, step_.Mp * c / 128)};
 }
 // Column-wise UE8M0 operand [C over Mp] -> GEMM-ready FP32 [blocks][C] in `scales_f32`.
 gemm::Fp8Operand StepContext::col_operand(const QTensorView& col, int64_t c, float* scales_f32, cudaStream_t s) {
-  col_scales_to_f32(col.ue8m0(), blocks_, c, scales_f32, s);
-  return Fp8Op{cs<uint8_t>(col.codes, c * Mp_), cs<float>(scales_f32, blocks_ * c)};
+  col_scales_to_f32(col.ue8m0(), step_.blocks, c, scales_f32, s);
+  return Fp8Op{cs<uint8_t>(col.codes, c * step_.Mp), cs<float>(scales_f32, step_.blocks * c)};
 }
 // fp8-naive operands: FP32 scales already GEMM-ready.
 gemm::Fp8Operand StepContext::f32_row_operand(const QTensorView& rows, int64_t c) const {
-  return Fp8Op{cs<uint8_t>(rows.codes, Mp_ * c), cs<float>(rows.f32(), Mp_ * c / 128)};
+  return Fp8Op{cs<uint8_t>(rows.codes, step_.Mp * c), cs<float>(rows.f32(), step_.Mp * c / 128)};
 }
 gemm::Fp8Operand StepContext::f32_col_operand(const QTensorView& col, int64_t c) const {
-  return Fp8Op{cs<uint8_t>(col.codes, c * Mp_), cs<float>(col.f32(), blocks_ * c)};
+  return Fp8Op{cs<uint8_t>(col.codes, c * step_.Mp), cs<float>(col.f32(), step_.blocks * c)};
 }
 // El expert weights [N, K] (or their transposes).
 gemm::Fp8Operand StepContext::weight_operand(const QTensorView& w, int64_t n, int64_t k) const {
@@ -38,10 +38,10 @@ gemm::Fp8Operand StepContext::weight_operand(const QTensorView& w, int64_t n, in
 // them, or expert-packed FP32 over this pass's segments.
 QTensorView StepContext::gemm_rows(const QTensorView& rows, int64_t c) const {
   QTensorView v = rows;
-  v.rows = Mp_;
+  v.rows = step_.Mp;
   v.cols = c;
   v.scale_rows = c / 128;
-  v.scale_ld = Mp_;
+  v.scale_ld = step_.Mp;
   if (v.scale_format == ScaleFormat::kF32) {
     v.offsets = segment_offsets();
     v.num_segments = El_;
@@ -50,28 +50,28 @@ QTensorView StepContext::gemm_rows(const QTensorView& rows, int64_t c) const {
 }
 QTensorView StepContext::saved_h() const {
   const QTensorView& h = ws_.expert.h_saved;
-  return path_.h_mxfp4() ? mxfp4_1x32(h.codes, h.ue8m0(), Mp_, 2 * F_) : row_1x128(h.codes, h.ue8m0(), Mp_, 2 * F_);
+  return path_.h_mxfp4() ? mxfp4_1x32(h.codes, h.ue8m0(), step_.Mp, 2 * F_) : row_1x128(h.codes, h.ue8m0(), step_.Mp, 2 * F_);
 }
 void StepContext::fp8_fprop(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out,
                             DeviceStatus* st) {
   if (path_.grouped_gemm) {
-    gemm_->fprop(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st}, n, k, gemm_rows(in, k), w,
-                 ms<bf16_t>(out, Mp_ * n), stream_);
+    gemm_->fprop(gemm::DeviceSegments{segment_offsets(), El_, step_.Mp, st}, n, k, gemm_rows(in, k), w,
+                 ms<bf16_t>(out, step_.Mp * n), stream_);
     return;
   }
   const Fp8Op a = in.scale_format == ScaleFormat::kF32 ? f32_row_operand(in, k) : act_operand(in, k, st);
-  gemm_->fprop(seg_, n, k, a, weight_operand(w, n, k), ms<bf16_t>(out, Mp_ * n), stream_);
+  gemm_->fprop(step_.seg, n, k, a, weight_operand(w, n, k), ms<bf16_t>(out, step_.Mp * n), stream_);
 }
 void StepContext::fp8_dgrad(const QTensorView& in, int64_t n, int64_t k, const QTensorView& w, bf16_t* out,
                             DeviceStatus* st, int e0, int ne) {
   if (path_.grouped_gemm) {  // (experts [e0, e0 + ne): their offsets, from row offsets[e0] on)
-    gemm_->dgrad(gemm::DeviceSegments{segment_offsets() + e0, ne < 0 ? El_ : ne, Mp_, st}, n, k, gemm_rows(in, n), w,
-                 ms<bf16_t>(out, Mp_ * k), stream_);
+    gemm_->dgrad(gemm::DeviceSegments{segment_offsets() + e0, ne < 0 ? El_ : ne, step_.Mp, st}, n, k, gemm_rows(in, n), w,
+                 ms<bf16_t>(out, step_.Mp * k), stream_);
     return;
   }
   FLOWMOE_CHECK(e0 == 0 && (ne < 0 || ne == El_), "internal error: a dgrad over a range of experts needs the grouped kernel");
   const Fp8Op a = in.scale_format == ScaleFormat::kF32 ? f32_row_operand(in, n) : act_operand(in, n, st);
-  gemm_->dgrad(seg_, n, k, a, weight_operand(w, k, n), ms<bf16_t>(out, Mp_ * k), stream_);
+  gemm_->dgrad(step_.seg, n, k, a, weight_operand(w, k, n), ms<bf16_t>(out, step_.Mp * k), stream_);
 }
 
 // W_g^T of experts [e0, e0 + n) (FP8 128 x 128 blocks, the exact transposes of W_g's) in the
@@ -139,79 +139,79 @@ void StepContext::fp8_wgrad(const QTensorView& grad_col, int64_t n, const QTenso
     // column copies swapped (MoeLayer::writes_stored_grads: FP8 block recipes, align 128)
     gemm::WgradOut o = dw_out(dw, dw_bf16, int64_t(El_) * stored.rows * stored.cols);
     o.stored = stored;
-    gemm_->wgrad(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, k, n,
-                 col_128x1(in_col.codes, in_col.ue8m0(), Mp_, k, blocks_),
-                 col_128x1(grad_col.codes, grad_col.ue8m0(), Mp_, n, blocks_), o, stream_);
+    gemm_->wgrad(gemm::DeviceSegments{segment_offsets(), El_, step_.Mp, st_bwd_aux()}, k, n,
+                 col_128x1(in_col.codes, in_col.ue8m0(), step_.Mp, k, step_.blocks),
+                 col_128x1(grad_col.codes, grad_col.ue8m0(), step_.Mp, n, step_.blocks), o, stream_);
     return;
   }
   const gemm::WgradOut out = dw_out(dw, dw_bf16, int64_t(El_) * n * k);
-  if (!f32 && (path_.sync_free || gemm_->wgrad_runs_kernel(seg_, n, k, out.kind))) {
+  if (!f32 && (path_.sync_free || gemm_->wgrad_runs_kernel(step_.seg, n, k, out.kind))) {
     // the kernel reads the UE8M0 scales as the column copies hold them (the capacity's blocks;
     // those past the segments' are never read): no conversion pass, the same bits
-    gemm_->wgrad(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k,
-                 col_128x1(grad_col.codes, grad_col.ue8m0(), Mp_, n, blocks_),
-                 col_128x1(in_col.codes, in_col.ue8m0(), Mp_, k, blocks_), out, stream_);
+    gemm_->wgrad(gemm::DeviceSegments{segment_offsets(), El_, step_.Mp, st_bwd_aux()}, n, k,
+                 col_128x1(grad_col.codes, grad_col.ue8m0(), step_.Mp, n, step_.blocks),
+                 col_128x1(in_col.codes, in_col.ue8m0(), step_.Mp, k, step_.blocks), out, stream_);
     return;
   }
   if (!path_.sync_free) {
     const Fp8Op g = f32 ? f32_col_operand(grad_col, n) : col_operand(grad_col, n, b.grad_col_scales, stream_);
     const Fp8Op x = f32 ? f32_col_operand(in_col, k) : col_operand(in_col, k, b.input_col_scales, stream_);
-    gemm_->wgrad(seg_, n, k, g, x, out, stream_);
+    gemm_->wgrad(step_.seg, n, k, g, x, out, stream_);
     return;
   }
   // fp8-naive's FP32 scales, GEMM-ready
   const auto f32_col = [&](const QTensorView& col, int64_t c) {
-    QTensorView v = col_128x1(col.codes, nullptr, Mp_, c, blocks_);
+    QTensorView v = col_128x1(col.codes, nullptr, step_.Mp, c, step_.blocks);
     v.scales = col.scales;
     v.scale_format = ScaleFormat::kF32;
     return v;
   };
-  gemm_->wgrad(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k, f32_col(grad_col, n),
+  gemm_->wgrad(gemm::DeviceSegments{segment_offsets(), El_, step_.Mp, st_bwd_aux()}, n, k, f32_col(grad_col, n),
                f32_col(in_col, k), out, stream_);
 }
 
 const bf16_t* StepContext::bf16_weight(int g) const {
-  if (!path_.bf16_params_in_place || path_.bf16_relay_per_pass)  // (the relaid copies: CudaMoeLayer::relay_params)
+  if (!path_.bf16_params_in_place || path_.bf16_relay_per_pass)  // (the relaid copies: StepContext::relay_params)
     return g == 1 ? ws_.weights.w1_bf16 : ws_.weights.w2_bf16;
   const bf16_t* w = g == 1 ? call_params_.w1_bf16 : call_params_.w2_bf16;
   FLOWMOE_CHECK(w != nullptr, "internal error: the BF16 parameters read in place are missing (W" << g << ")");
   return w;
 }
 void StepContext::bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {
-  const auto x = cs<bf16_t>(in, Mp_ * k);
+  const auto x = cs<bf16_t>(in, step_.Mp * k);
   const auto wt = cs<bf16_t>(w, int64_t(El_) * n * k);
   if (path_.grouped_gemm)
-    gemm_->fprop_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_fwd_aux()}, n, k, x, wt,
-                      ms<bf16_t>(out, Mp_ * n), stream_);
+    gemm_->fprop_bf16(gemm::DeviceSegments{segment_offsets(), El_, step_.Mp, st_fwd_aux()}, n, k, x, wt,
+                      ms<bf16_t>(out, step_.Mp * n), stream_);
   else
-    gemm_->fprop_bf16(seg_, n, k, x, wt, ms<bf16_t>(out, Mp_ * n), stream_);
+    gemm_->fprop_bf16(step_.seg, n, k, x, wt, ms<bf16_t>(out, step_.Mp * n), stream_);
 }
 void StepContext::bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {
-  const auto dy = cs<bf16_t>(in, Mp_ * n);
+  const auto dy = cs<bf16_t>(in, step_.Mp * n);
   const auto wt = cs<bf16_t>(w, int64_t(El_) * n * k);
   if (path_.grouped_gemm)
-    gemm_->dgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k, dy, wt,
-                      ms<bf16_t>(out, Mp_ * k), stream_);
+    gemm_->dgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, step_.Mp, st_bwd_aux()}, n, k, dy, wt,
+                      ms<bf16_t>(out, step_.Mp * k), stream_);
   else
-    gemm_->dgrad_bf16(seg_, n, k, dy, wt, ms<bf16_t>(out, Mp_ * k), stream_);
+    gemm_->dgrad_bf16(step_.seg, n, k, dy, wt, ms<bf16_t>(out, step_.Mp * k), stream_);
 }
 void StepContext::bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw,
                              bf16_t* dw_bf16, const gemm::StoredDw& stored) {
-  const auto dy = cs<bf16_t>(grad, Mp_ * n);
-  const auto x = cs<bf16_t>(in, Mp_ * k);
+  const auto dy = cs<bf16_t>(grad, step_.Mp * n);
+  const auto x = cs<bf16_t>(in, step_.Mp * k);
   if (stored.rows > 0) {
     // the stored weight is W^T's layout: its gradient in^T . grad, the kernel with the operands
     // swapped (MoeLayer::writes_stored_grads: RecipePath::bf16_wgrad_kernel)
     gemm::WgradOut o = dw_out(dw, dw_bf16, int64_t(El_) * stored.rows * stored.cols);
     o.stored = stored;
-    gemm_->wgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, k, n, x, dy, o, stream_);
+    gemm_->wgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, step_.Mp, st_bwd_aux()}, k, n, x, dy, o, stream_);
     return;
   }
   const gemm::WgradOut out = dw_out(dw, dw_bf16, int64_t(El_) * n * k);
   if (path_.bf16_wgrad_kernel)
-    gemm_->wgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, Mp_, st_bwd_aux()}, n, k, dy, x, out, stream_);
+    gemm_->wgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, step_.Mp, st_bwd_aux()}, n, k, dy, x, out, stream_);
   else
-    gemm_->wgrad_bf16(seg_, n, k, dy, x, out, stream_);
+    gemm_->wgrad_bf16(step_.seg, n, k, dy, x, out, stream_);
 }
 
 // A BF16 gradient (overwritten, rounded once as the wgrad stores it), or an FP32 one with

@@ -17,7 +17,7 @@ void CudaMoeLayer::save_rows(const std::string& name, const std::string& format,
   s.format = format;
   s.bytes = bytes;
   // the rows held here: this rank's routed rows (one GPU) or the rows its El experts received
-  s.bytes_per_token_unpadded = per_row * double(held) / double(T_);
+  s.bytes_per_token_unpadded = per_row * double(held) / double(step_.T);
   rep_.saved.push_back(s);
 }
 
@@ -41,9 +41,9 @@ void CudaMoeLayer::save_activations(const RowCounts& rc) const {
     save_rows(s->name, s->format_string(), saved_bytes(s->format, cols, rc), s->row_bytes(H_, F_), rc.held);
   }
   namespace rn = report_names;
-  save_tokens(rn::kSavedRouterInput, rn::kSavedRouterInputFormat, T_ * H_ * 2);
-  save_tokens(rn::kSavedRouterLogits, rn::kSavedRouterLogitsFormat, T_ * E_ * 4);
-  save_tokens(rn::kSavedRouting, rn::kSavedRoutingFormat, T_ * K_ * 12);
+  save_tokens(rn::kSavedRouterInput, rn::kSavedRouterInputFormat, step_.T * H_ * 2);
+  save_tokens(rn::kSavedRouterLogits, rn::kSavedRouterLogitsFormat, step_.T * E_ * 4);
+  save_tokens(rn::kSavedRouting, rn::kSavedRoutingFormat, step_.T * K_ * 12);
 }
 
 void CudaMoeLayer::save_tokens(const std::string& name, const std::string& format, int64_t bytes) const {
@@ -51,7 +51,7 @@ void CudaMoeLayer::save_tokens(const std::string& name, const std::string& forma
   s.name = name;
   s.format = format;
   s.bytes = bytes;
-  s.bytes_per_token_unpadded = double(bytes) / double(T_);
+  s.bytes_per_token_unpadded = double(bytes) / double(step_.T);
   rep_.saved.push_back(s);
 }
 
@@ -76,7 +76,7 @@ void CudaMoeLayer::resolve_report() const {
     const int W = comm_->world_size(), me = comm_->rank();
     const int32_t* m = ws_.ep.host_matrices;
     const DispatchPlan plan =
-        plan_from_all_counts(ep_config(), me, W, m, T_, path_.ep_dedup ? m + int64_t(W) * E_ : nullptr);
+        plan_from_all_counts(ep_config(cfg_), me, W, m, step_.T, path_.ep_dedup ? m + int64_t(W) * E_ : nullptr);
     for (int g = 0; g < E_; ++g) routed += m[int64_t(me) * E_ + g];
     rc = {plan.padded_rows(), plan.recv_rows(), plan.padded_segments().num_blocks()};
     rep_.wire.clear();
@@ -114,7 +114,7 @@ void CudaMoeLayer::read_status() const {
     FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(r.host_status + kHostStatusWeights, r.weight_status + 1, sizeof(DeviceStatus),
                                        cudaMemcpyDeviceToHost, stream_));
   FLOWMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (ctx_.device_ep()) {  // a device barrier that timed out: the exchanges after it read incomplete rows
+  if (path_.sync_free && comm_) {  // sync-free EP: a device barrier that timed out: the exchanges after it read incomplete rows
     const std::string failed = peers_->failed();
     if (!failed.empty()) throw CommError(__FILE__, __LINE__, "MoeLayer (rank " + std::to_string(comm_->rank()) + "): " + failed);
   }

@@ -1,12 +1,15 @@
-// The CUDA layer's step context: what a pipeline (pipelines/pipeline.h) sees of the layer while it
-// runs a forward or a backward, and the services every dataflow shares. The layer (layer.h) owns
-// all state: the workspace's views, the streams, the recipe path and options, the rows and
-// segments of the step, the report; the context refers to them (references bound once, at the
-// layer's construction) under the names the layer gives them, so that a step reads the same in
-// the layer, in a service and in a pipeline (`c.ws_.expert`, `c.Mp_`, `c.fwd(...)`).
+// The CUDA layer's step context: everything one forward or one backward runs with, and the services
+// every dataflow shares. The layer (layer.h) makes one per call (StepContext::context) from what
+// its construction fixed (shapes, recipe path, streams, GEMM object), the memory bound for the call
+// (the workspace's views), the step (a value: the forward fills it, the backward reads a copy) and
+// the call's inputs (parameters read in place, biases); the context refers to no field of the layer.
+// Its members keep the names the layer gives them, so that a step reads the same in a service and
+// in a pipeline (`c.ws_.expert`, `c.step_.Mp`, `c.fwd(...)`).
 //
 // The services, by file:
-//   step_context.cu  the stage scopes and status counters, the segments (offsets, 128-row blocks),
+//   routing.cu       the forward's routing (router, routing tables, the one host sync, the EP plan)
+//   backward_tail.cu the backward's common tail (router backward, dWr, dx)
+//   step_context.cu  construction, the stage scopes and status counters, the segments (offsets, 128-row blocks),
 //                    report logging (log, log_rows, log_held)
 //   operands.cu      the GEMMs and their operands: FP8 fprop / dgrad / wgrad, the dgrad weights
 //                    W^T (kept or made per backward), BF16 GEMMs, the wgrad output mode
@@ -70,63 +73,109 @@ struct PendingWire {
   int64_t row_bytes;  // kDedup, kCombine
 };
 
+// The step: what a forward decided and its backward reads (the rows and segments of the routing,
+// the EP plan, the token counts of the routing views). A value: the forward's context fills it,
+// the layer keeps the latest (MoeLayer::step_state serialises it, load_step restores it) and each
+// backward's context starts from a copy of it.
+struct Step {
+  int64_t T = 0;                  // tokens of the forward
+  int64_t Mp = 0;                 // padded rows of the local experts (sync_free: the row capacity)
+  int64_t routed = 0;             // routed rows of this rank's tokens
+  int64_t held = 0;               // routed rows the local experts hold (= routed alone)
+  int64_t blocks = 0;             // 128-row blocks of the segments
+  int64_t dedup_recv_tokens = 0;  // EP dedup: tokens received by the forward's dispatch
+  // the token counts the routing views carry on the host (RoutingView::tokens)
+  int64_t routing_tokens = 0, tokens_to_ranks = 0, received_tokens = 0;
+  Segments seg;
+  DispatchPlan plan;  // EP: the forward's dispatch plan (the backward's combines reuse it)
+};
+
+// What one forward or backward is given besides its tensors.
+struct StepCall {
+  MoeWeights params;                  // the parameters it reads in place (else none: the weights region)
+  const float* gemm1_bias = nullptr;  // b1 of the forward (MoeConfig::gemm1_bias), else null
+  const float* router_bias = nullptr; // the router's bias set_weights copied, else null
+  // MoeConfig::external_routing: the forward's routing from the caller, ids [T, k] and probs [T, k]
+  const int32_t* routing_ids = nullptr;
+  const float* routing_probs = nullptr;
+  bool grads_accumulate = true;       // MoeGrads::accumulate of the backward
+};
+
+// The configuration of the sync-free and host-planned EP dispatch (forward wire format, probabilities).
+EpConfig ep_config(const MoeConfig& cfg);
+
+// A step context is made for one forward or one backward (StepContext::context) from the layer's
+// setup, the memory bound for the call, the step and the call's inputs; it holds values, and
+// pointers to the resources and sinks the layer owns (GEMM object, streams, clock, report).
 class StepContext {
  public:
-  explicit StepContext(CudaMoeLayer& layer);  // (step_context.cu)
+  StepContext(CudaMoeLayer& layer, Step step, const StepCall& call);  // (step_context.cu)
   StepContext(const StepContext&) = delete;
   StepContext& operator=(const StepContext&) = delete;
   using Fp8Op = gemm::Fp8Operand;
 
-  // ---- the layer's configuration and options (recipe_path.h) ---------------------------------------
-  const MoeConfig& cfg_;
+  // ---- what the layer's construction fixed (recipe_path.h), copied -----------------------------------
+  const MoeConfig cfg_;
   const int E_;
   const int64_t H_, F_;
   const int K_;
   const int El_;              // experts held here: E_ alone, E_ / ranks with a communicator
   Communicator* const comm_;  // null: single GPU, all experts local
-  const int64_t max_tokens_;
-  const RecipePath& path_;
-  const cudaStream_t& stream_;
-  const int64_t& direct_bytes_;
-  const float* const& gemm1_bias_;  // b1 of the current forward, else null
+  const int64_t max_tokens_, max_rows_;
+  const RecipePath path_;
+  const cudaStream_t stream_;
+  const int64_t direct_bytes_;
 
-  // ---- views and resources ---------------------------------------------------------------------------
-  Workspace& ws_;
-  const std::unique_ptr<GroupedGemm>& gemm_;
-  LayerStreams& streams_;
-  StageClock& clock_;
+  // ---- resources the layer owns ----------------------------------------------------------------------
+  GroupedGemm* const gemm_;
+  LayerStreams* const streams_;
+  StageClock* const clock_;
+  DevicePeers* const peers_;  // sync-free EP: the peers' buffers, else null
+  const std::vector<std::pair<const void*, void* const*>>* const peer_tables_;
 
-  // ---- the step: rows and segments of the forward (routing.cu), the running backward ---------------
-  const int64_t& T_;
-  const int64_t& Mp_;
-  const int64_t& held_;
-  const int64_t& blocks_;
-  const Segments& seg_;
-  const DispatchPlan& plan_;
-  int64_t& dedup_recv_tokens_;
-  const MoeWeights& call_params_;  // the parameters the running forward / backward was given, else none
-  const bool& grads_accumulate_;
-  bool& dx_ready_marked_;
-  int64_t& host_syncs_;
-  DevicePeers* const& peers_;
-  const std::vector<std::pair<const void*, void* const*>>& peer_tables_;
+  // ---- this call: the workspace's views over the memory bound for it, its inputs ---------------------
+  Workspace ws_;  // (its routing views' host token counts those of step_)
+  const MoeWeights call_params_;  // the parameters the forward / backward reads in place, else none
+  const float* const gemm1_bias_;
+  const float* const router_bias_;
+  const int32_t* const routing_ids_;
+  const float* const routing_probs_;
+  const bool grads_accumulate_;
 
+  // ---- the step: filled by the forward (routing.cu, the dispatch), read by the backward -------------
+  Step step_;
+  bool dx_ready_marked_ = false;  // mark_dx_rows_ready ran in this backward
+  // The step as the layer keeps it (the routing views' token counts recorded); the context is done.
+  Step take_step();
+
+  // ---- routing (routing.cu): the forward's first part, before the pipeline ----------------------------
+  void route(const bf16_t* x);
+  void plan_expert_parallel();  // EP: the dispatch plan from the fetched counts (collective)
+  void plan_on_device();        // sync-free EP: the plan from every rank's device counts
+
+  // ---- the backward's common tail (backward_tail.cu), after the pipeline's dX rows ------------------
+  void backward_tail(const MoeGrads& g, bf16_t* dx);
+  // Wr as the backward reads it: the backward's parameter, else the weights region's copy
+  const float* router_weights() const { return call_params_.wr ? call_params_.wr : ws_.weights.wr; }
+
+  // ---- the layer's report and counters --------------------------------------------------------------
+  CastReport* const rep_;
+  std::vector<PendingOp>* const pending_ops_;
+  std::vector<PendingWire>* const pending_wire_;
+  int64_t* const host_syncs_;
   // ---- report (step_context.cu) ------------------------------------------------------------------------
-  CastReport& rep_;
-  std::vector<PendingOp>& pending_ops_;
-  std::vector<PendingWire>& pending_wire_;
   void log(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t elements);
   // An operator over the padded rows: Mp x cols elements (sync_free: resolved when the report is read).
   void log_rows(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t cols);
   // An operator over the rows the local experts hold: held x cols elements (sync_free: resolved later).
   void log_held(MoePass pass, CastKind kind, const std::string& name, int64_t calls, int64_t outputs, int64_t cols);
   StageClock::Scope fwd(const char* name, cudaStream_t s = nullptr) {
-    return StageClock::Scope(&clock_, MoePass::kForward, name, s ? s : stream_);
+    return StageClock::Scope(clock_, MoePass::kForward, name, s ? s : stream_);
   }
   StageClock::Scope bwd(const char* name, cudaStream_t s = nullptr) {
-    return StageClock::Scope(&clock_, MoePass::kBackward, name, s ? s : stream_);
+    return StageClock::Scope(clock_, MoePass::kBackward, name, s ? s : stream_);
   }
-  StageClock::Scope stage(MoePass pass, const char* name) { return StageClock::Scope(&clock_, pass, name, stream_); }
+  StageClock::Scope stage(MoePass pass, const char* name) { return StageClock::Scope(clock_, pass, name, stream_); }
   DeviceStatus* st_fwd() { return ws_.routing.pass_status + kStatusFwd; }
   DeviceStatus* st_fwd_aux() { return ws_.routing.pass_status + kStatusFwdAux; }
   DeviceStatus* st_bwd() { return ws_.routing.pass_status + kStatusBwd; }

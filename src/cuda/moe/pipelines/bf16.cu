@@ -27,7 +27,7 @@ void forward_bf16(StepContext& c, bf16_t* y) {
   c.add_gemm1_bias();
   {
     auto s = c.fwd("SwiGLU*prob (bf16)");
-    cuda::swiglu(b.h, c.Mp_, c.F_, b.a, c.st_fwd(), c.stream_, c.ws_.routing.row_prob, c.rows_bound(),
+    cuda::swiglu(b.h, c.step_.Mp, c.F_, b.a, c.st_fwd(), c.stream_, c.ws_.routing.row_prob, c.rows_bound(),
                  c.cfg_.activation);
   }
   c.gemm2_then_combine(
@@ -52,7 +52,7 @@ void backward_bf16(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   }
   {
     auto s = c.bwd("dSwiGLU*prob (bf16)");
-    cuda::dswiglu(b.da, b.h, c.Mp_, c.F_, b.dh, c.st_bwd(), c.stream_, c.ws_.routing.row_prob,
+    cuda::dswiglu(b.da, b.h, c.step_.Mp, c.F_, b.dh, c.st_bwd(), c.stream_, c.ws_.routing.row_prob,
                   c.ws_.routing.dprob_partials, c.rows_bound(), c.cfg_.activation);
   }
   c.gemm1_bias_grad_bf16(g);
@@ -74,7 +74,7 @@ class Bf16Steps final : public PipelineSteps {
  public:
   void forward(StepContext& c, bf16_t* y) override { forward_bf16(c, y); }
   void backward(StepContext& c, const bf16_t* dy, const MoeGrads& g) override {
-    c.streams_.with_side_drained([&] { backward_bf16(c, dy, g); });
+    c.streams_->with_side_drained([&] { backward_bf16(c, dy, g); });
   }
 };
 

@@ -38,7 +38,7 @@ void forward_blockwise(StepContext& c, bf16_t* y) {
   c.add_gemm1_bias();
   {
     auto s = c.fwd("SwiGLU*prob (bf16)");
-    cuda::swiglu(b.h, c.Mp_, c.F_, b.a, c.st_fwd(), c.stream_, c.ws_.routing.row_prob, c.rows_bound(),
+    cuda::swiglu(b.h, c.step_.Mp, c.F_, b.a, c.st_fwd(), c.stream_, c.ws_.routing.row_prob, c.rows_bound(),
                  c.cfg_.activation);
   }
   {
@@ -66,7 +66,7 @@ void backward_blockwise(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   c.fp8_gemm2_grads(g, -1);  // (it ends before the dh quantize overwrites dY's copies)
   {
     auto s = c.bwd("dSwiGLU*prob (bf16)");
-    cuda::dswiglu(b.da, b.h, c.Mp_, c.F_, b.dh, c.st_bwd(), c.stream_, c.ws_.routing.row_prob,
+    cuda::dswiglu(b.da, b.h, c.step_.Mp, c.F_, b.dh, c.st_bwd(), c.stream_, c.ws_.routing.row_prob,
                   c.ws_.routing.dprob_partials, c.rows_bound(), c.cfg_.activation);
   }
   c.gemm1_bias_grad_bf16(g);
@@ -83,7 +83,7 @@ class BlockwiseSteps final : public PipelineSteps {
  public:
   void forward(StepContext& c, bf16_t* y) override { forward_blockwise(c, y); }
   void backward(StepContext& c, const bf16_t* dy, const MoeGrads& g) override {
-    c.streams_.with_side_drained([&] { backward_blockwise(c, dy, g); });
+    c.streams_->with_side_drained([&] { backward_blockwise(c, dy, g); });
   }
 };
 

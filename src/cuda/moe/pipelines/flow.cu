@@ -28,9 +28,9 @@ void forward_flow(StepContext& c, bf16_t* y) {
   if (!c.path_.x_mxfp4) {
     {
       auto s = c.fwd("quantize x (entry)");
-      quantize_row(c.ws_.routing.x, c.T_, c.H_, b.entry_fp8.codes, b.entry_fp8.ue8m0(), c.st_fwd(), c.stream_);
+      quantize_row(c.ws_.routing.x, c.step_.T, c.H_, b.entry_fp8.codes, b.entry_fp8.ue8m0(), c.st_fwd(), c.stream_);
     }
-    c.log(MoePass::kForward, CastKind::kQuantize, spec.quantize_x_entry, 1, 1, c.T_ * c.H_);
+    c.log(MoePass::kForward, CastKind::kQuantize, spec.quantize_x_entry, 1, 1, c.step_.T * c.H_);
     {
       auto s = c.fwd(c.comm_ ? "dispatch x (fp8)" : "permute+pad x (fp8)");
       c.move_fp8(b.entry_fp8, b.x_perm_row, MoePass::kForward, report_names::kDispatchX);
@@ -39,9 +39,9 @@ void forward_flow(StepContext& c, bf16_t* y) {
   } else {
     {
       auto s = c.fwd("quantize x (entry, mxfp4)");
-      quantize_mxfp4(c.ws_.routing.x, c.T_, c.H_, b.entry_mxfp4.codes, b.entry_mxfp4.ue8m0(), c.st_fwd(), c.stream_);
+      quantize_mxfp4(c.ws_.routing.x, c.step_.T, c.H_, b.entry_mxfp4.codes, b.entry_mxfp4.ue8m0(), c.st_fwd(), c.stream_);
     }
-    c.log(MoePass::kForward, CastKind::kQuantize, spec.quantize_x_entry, 1, 1, c.T_ * c.H_);
+    c.log(MoePass::kForward, CastKind::kQuantize, spec.quantize_x_entry, 1, 1, c.step_.T * c.H_);
     {
       auto s = c.fwd(c.comm_ ? "dispatch x (mxfp4)" : "permute+pad x (mxfp4)");
       c.move_mxfp4(b.entry_mxfp4, b.x_perm_mxfp4);
@@ -50,7 +50,7 @@ void forward_flow(StepContext& c, bf16_t* y) {
     x_in = c.path_.fused_swiglu ? b.x_perm_fp8_fused : b.x_perm_fp8;
     {
       auto s = c.fwd("FP4RowToFP8Row x_perm");
-      fp4_to_fp8_row(b.x_perm_mxfp4.codes, b.x_perm_mxfp4.ue8m0(), c.Mp_, c.H_, x_in.codes, x_in.ue8m0(), c.st_fwd(),
+      fp4_to_fp8_row(b.x_perm_mxfp4.codes, b.x_perm_mxfp4.ue8m0(), c.step_.Mp, c.H_, x_in.codes, x_in.ue8m0(), c.st_fwd(),
                      c.stream_, c.rows_bound());
     }
     c.log_rows(MoePass::kForward, CastKind::kConvert, report_names::kFp4RowToFp8RowXperm, 1, 1, c.H_);
@@ -61,9 +61,9 @@ void forward_flow(StepContext& c, bf16_t* y) {
     // one kernel: GEMM1 on the interleaved W1 with SwiGLU*prob and both quantizations in its epilogue
     auto s = c.fwd(h4 ? "GEMM1 fprop (fp8) + SwiGLU*prob + quantize (a' row, h mxfp4)"
                       : "GEMM1 fprop (fp8) + SwiGLU*prob + quantize (a' row, h row)");
-    c.gemm_->fprop_swiglu(gemm::DeviceSegments{c.segment_offsets(), c.El_, c.Mp_, c.st_fwd_aux()}, c.F_, c.H_,
+    c.gemm_->fprop_swiglu(gemm::DeviceSegments{c.segment_offsets(), c.El_, c.step_.Mp, c.st_fwd_aux()}, c.F_, c.H_,
                           c.gemm_rows(x_in, c.H_), w.w1, c.ws_.routing.row_prob,
-                          row_1x128(ar.codes, ar.ue8m0(), c.Mp_, c.F_), c.saved_h(), c.st_fwd(), c.stream_);
+                          row_1x128(ar.codes, ar.ue8m0(), c.step_.Mp, c.F_), c.saved_h(), c.st_fwd(), c.stream_);
     c.log_rows(MoePass::kForward, CastKind::kFused,
                h4 ? report_names::kGemm1SwigluQuantRowHMxfp4 : report_names::kGemm1SwigluQuantRowHRow, 1, 2, 2 * c.F_);
   } else {
@@ -74,30 +74,30 @@ void forward_flow(StepContext& c, bf16_t* y) {
     c.add_gemm1_bias();
     if (!h4) {
       auto s = c.fwd("SwiGLU*prob + quantize (a' row, h row)");
-      cuda::swiglu_quant(b.h, c.Mp_, c.F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), c.st_fwd(), c.stream_,
+      cuda::swiglu_quant(b.h, c.step_.Mp, c.F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), c.st_fwd(), c.stream_,
                          c.ws_.routing.row_prob, c.rows_bound(), c.cfg_.activation);
       c.log_rows(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHRow, 1, 2, 2 * c.F_);
     } else {
       auto s = c.fwd("SwiGLU*prob + quantize (a' row, h mxfp4)");
-      cuda::swiglu_quant_h4(b.h, c.Mp_, c.F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), c.st_fwd(), c.stream_,
+      cuda::swiglu_quant_h4(b.h, c.step_.Mp, c.F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), c.st_fwd(), c.stream_,
                             c.ws_.routing.row_prob, c.rows_bound(), c.cfg_.activation);
       c.log_rows(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHMxfp4, 1, 2, 2 * c.F_);
     }
   }
   {  // the wgrad copy of a' is needed in the backward only: next to GEMM2 (both read a' row-wise)
-    cudaStream_t ts = c.streams_.fork();
+    cudaStream_t ts = c.streams_->fork();
     {  // the stage's events close before mark(), so that join() covers them too
       auto s =
-          c.fwd(c.streams_.side_on() ? "scaling-aware transpose a' (side stream)" : "scaling-aware transpose a'", ts);
+          c.fwd(c.streams_->side_on() ? "scaling-aware transpose a' (side stream)" : "scaling-aware transpose a'", ts);
       scaling_aware_transpose(ar.codes, ar.ue8m0(), c.F_, sb, b.a_col.codes, b.a_col.ue8m0(), c.st_fwd_aux(), ts,
                               c.cfg_.transpose_exponent);
     }
-    c.streams_.mark(LayerStreams::kSideA);
+    c.streams_->mark(LayerStreams::kSideA);
   }
   c.log_rows(MoePass::kForward, CastKind::kConvert, spec.column(WgradOperand::kGemm2Input).op, 1, 1, c.F_);
   c.gemm2_then_combine(
       "GEMM2 fprop (fp8)", [&] { c.fp8_fprop(ar, c.H_, c.F_, w.w2, b.rows_bf16, c.st_fwd_aux()); }, y);
-  c.streams_.join(LayerStreams::kSideA);  // a' col ready before anything later on stream_ (the backward) runs
+  c.streams_->join(LayerStreams::kSideA);  // a' col ready before anything later on stream_ (the backward) runs
 }
 
 // flow's unfused dSwiGLU*prob + quantize: from da' (BF16) and the saved h into dh's row and column
@@ -123,13 +123,13 @@ void backward_flow_dswiglu(StepContext& c) {
 void backward_flow(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   ExpertBuffers& b = c.ws_.expert;
   const RecipeSpec& spec = c.path_.spec();
-  const bool side = c.streams_.side_on();
+  const bool side = c.streams_->side_on();
   const SegmentBlocks sb = c.blocks();
   {
     auto s = c.bwd("quantize dy (entry)");
-    quantize_row(dy, c.T_, c.H_, b.entry_fp8.codes, b.entry_fp8.ue8m0(), c.st_bwd(), c.stream_);
+    quantize_row(dy, c.step_.T, c.H_, b.entry_fp8.codes, b.entry_fp8.ue8m0(), c.st_bwd(), c.stream_);
   }
-  c.log(MoePass::kBackward, CastKind::kQuantize, spec.quantize_dy_entry, 1, 1, c.T_ * c.H_);
+  c.log(MoePass::kBackward, CastKind::kQuantize, spec.quantize_dy_entry, 1, 1, c.step_.T * c.H_);
   {
     auto s = c.bwd(c.comm_ ? "dispatch dy (fp8)" : "permute+pad dy (fp8)");
     c.move_fp8(b.entry_fp8, b.dy_row, MoePass::kBackward, report_names::kDispatchDy);
@@ -137,13 +137,13 @@ void backward_flow(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   {  // the wgrad copies on the side stream: dY's next to GEMM2 dgrad (both read dY row-wise),
      // then x_perm's next to everything up to GEMM1 wgrad (its buffer is free until then); none for
      // a weight whose gradient is not asked for (frozen experts)
-    cudaStream_t ts = c.streams_.fork();
+    cudaStream_t ts = c.streams_->fork();
     if (g.wants_dw2()) {
       auto s = c.bwd(side ? "scaling-aware transpose dY (side stream)" : "scaling-aware transpose dY", ts);
       scaling_aware_transpose(b.dy_row.codes, b.dy_row.ue8m0(), c.H_, sb, b.dy_col.codes, b.dy_col.ue8m0(), c.st_bwd(),
                               ts, c.cfg_.transpose_exponent);
     }
-    c.streams_.mark(LayerStreams::kSideA);
+    c.streams_->mark(LayerStreams::kSideA);
     if (g.wants_dw1() && !c.path_.x_mxfp4) {
       auto s = c.bwd(side ? "scaling-aware transpose x_perm (side stream)" : "scaling-aware transpose x_perm", ts);
       scaling_aware_transpose(b.x_perm_row.codes, b.x_perm_row.ue8m0(), c.H_, sb, b.x_perm_col_flow.codes,
@@ -153,7 +153,7 @@ void backward_flow(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
       fp4_to_fp8_col(b.x_perm_mxfp4.codes, b.x_perm_mxfp4.ue8m0(), c.H_, sb, b.x_perm_col_flow.codes,
                      b.x_perm_col_flow.ue8m0(), c.st_bwd(), ts, c.cfg_.transpose_exponent);
     }
-    c.streams_.mark(LayerStreams::kSideB);
+    c.streams_->mark(LayerStreams::kSideB);
   }
   if (g.wants_dw2())
     c.log_rows(MoePass::kBackward, CastKind::kConvert, spec.column(WgradOperand::kGemm2Grad).op, 1, 1, c.H_);
@@ -162,12 +162,12 @@ void backward_flow(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
       const QTensorView w2t = c.path_.transposes_in_backward ? c.make_dgrad_weights(2, 0, c.El_) : c.ws_.weights.w2t;
       auto s = c.bwd(c.path_.h_mxfp4() ? "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from mxfp4 h)"
                                        : "GEMM2 dgrad (fp8) + dSwiGLU*prob + quantize (dh row + col, from fp8 h)");
-      // the step's views: Mp_ rows (the buffers hold the largest step's)
+      // the step's views: step_.Mp rows (the buffers hold the largest step's)
       c.gemm_->dgrad_dswiglu(
-          gemm::DeviceSegments{c.segment_offsets(), c.El_, c.Mp_, c.st_bwd_aux()}, c.H_, c.F_,
+          gemm::DeviceSegments{c.segment_offsets(), c.El_, c.step_.Mp, c.st_bwd_aux()}, c.H_, c.F_,
           c.gemm_rows(b.dy_row, c.H_), w2t, c.ws_.routing.row_prob, c.saved_h(),
-          row_1x128(b.dh_row_fused.codes, b.dh_row_fused.ue8m0(), c.Mp_, 2 * c.F_),
-          col_128x1(b.dh_col_fused.codes, b.dh_col_fused.ue8m0(), c.Mp_, 2 * c.F_, segment_max_blocks(c.Mp_, c.El_)),
+          row_1x128(b.dh_row_fused.codes, b.dh_row_fused.ue8m0(), c.step_.Mp, 2 * c.F_),
+          col_128x1(b.dh_col_fused.codes, b.dh_col_fused.ue8m0(), c.step_.Mp, 2 * c.F_, segment_max_blocks(c.step_.Mp, c.El_)),
           c.ws_.routing.dprob_partials, c.st_bwd(), c.stream_);
     }
     c.log_rows(MoePass::kBackward, CastKind::kFused, report_names::kGemm2DgradDswigluQuantRowCol, 1, 2, 2 * c.F_);
@@ -175,7 +175,7 @@ void backward_flow(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   } else {
     c.fp8_gemm2_grads(g, LayerStreams::kSideA);  // the wgrad after dY's column copy
     // the dSwiGLU below overwrites dY's row and column copies
-    c.streams_.join(LayerStreams::kSideA);  // (also when there is no wgrad of W2: the transpose read dY row)
+    c.streams_->join(LayerStreams::kSideA);  // (also when there is no wgrad of W2: the transpose read dY row)
     backward_flow_dswiglu(c);
   }
   const bool fused = c.path_.fused_dswiglu;
@@ -185,16 +185,16 @@ void backward_flow(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   // the wgrad after x_perm's column copy
   c.fp8_gemm1_grads(g, fused ? b.dh_row_fused : b.dh_row, fused ? b.dh_col_fused : b.dh_col, b.x_perm_col_flow,
                     LayerStreams::kSideB);
-  c.streams_.join(LayerStreams::kSideB);  // the side stream idle before the next forward reuses x_perm
+  c.streams_->join(LayerStreams::kSideB);  // the side stream idle before the next forward reuses x_perm
 }
 
 class FlowSteps final : public PipelineSteps {
  public:
   void forward(StepContext& c, bf16_t* y) override {
-    c.streams_.with_side_drained([&] { forward_flow(c, y); });
+    c.streams_->with_side_drained([&] { forward_flow(c, y); });
   }
   void backward(StepContext& c, const bf16_t* dy, const MoeGrads& g) override {
-    c.streams_.with_side_drained([&] { backward_flow(c, dy, g); });
+    c.streams_->with_side_drained([&] { backward_flow(c, dy, g); });
   }
 };
 

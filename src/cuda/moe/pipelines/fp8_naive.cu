@@ -24,19 +24,19 @@ void naive_entry(StepContext& c, MoePass pass, const bf16_t* in, bf16_t* out) {
   const bool f = pass == MoePass::kForward;
   {
     auto s = c.stage(pass, f ? "quantize x (entry, fp32 scales)" : "quantize dy (entry, fp32 scales)");
-    quantize_row_fp32_scale(in, c.T_, c.H_, nullptr, c.E_, b.entry_f32.codes, b.entry_f32.f32(),
+    quantize_row_fp32_scale(in, c.step_.T, c.H_, nullptr, c.E_, b.entry_f32.codes, b.entry_f32.f32(),
                             f ? c.st_fwd() : c.st_bwd(), c.stream_);
   }
   const RecipeSpec& spec = c.path_.spec();
-  c.log(pass, CastKind::kQuantize, f ? spec.quantize_x_entry : spec.quantize_dy_entry, 1, 1, c.T_ * c.H_);
+  c.log(pass, CastKind::kQuantize, f ? spec.quantize_x_entry : spec.quantize_dy_entry, 1, 1, c.step_.T * c.H_);
   const char* deq = f ? spec.dequantize_x_after_dispatch : spec.dequantize_dy_after_dispatch;
   if (c.comm_ == nullptr) {
     {
       auto s = c.stage(pass, deq);
-      dequantize_row_fp32_scale(b.entry_f32.codes, b.entry_f32.f32(), c.T_, c.H_, nullptr, c.E_, b.entry_dequantized,
+      dequantize_row_fp32_scale(b.entry_f32.codes, b.entry_f32.f32(), c.step_.T, c.H_, nullptr, c.E_, b.entry_dequantized,
                                 c.stream_);
     }
-    c.log(pass, CastKind::kDequantize, deq, 1, 1, c.T_ * c.H_);
+    c.log(pass, CastKind::kDequantize, deq, 1, 1, c.step_.T * c.H_);
     {
       auto s = c.stage(pass, f ? "permute+pad x (bf16)" : "permute+pad dy (bf16)");
       permute_pad_bf16(b.entry_dequantized, c.H_, c.ws_.routing.tokens, out, c.stream_);
@@ -58,7 +58,7 @@ void forward_naive(StepContext& c, bf16_t* y) {
   naive_entry(c, MoePass::kForward, c.ws_.routing.x, xp);
   {
     auto s = c.fwd("quantize x_perm (row, fp32 scales)");
-    quantize_row_fp32_scale(xp, c.Mp_, c.H_, c.segment_offsets(), c.El_, b.x_perm_f32.codes, b.x_perm_f32.f32(),
+    quantize_row_fp32_scale(xp, c.step_.Mp, c.H_, c.segment_offsets(), c.El_, b.x_perm_f32.codes, b.x_perm_f32.f32(),
                             c.st_fwd(), c.stream_);
   }
   c.log_rows(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeXpermFp32Scale, 1, 1, c.H_);
@@ -68,12 +68,12 @@ void forward_naive(StepContext& c, bf16_t* y) {
   }
   {
     auto s = c.fwd("SwiGLU*prob (bf16)");
-    cuda::swiglu(b.h, c.Mp_, c.F_, b.a, c.st_fwd(), c.stream_, c.ws_.routing.row_prob, c.rows_bound(),
+    cuda::swiglu(b.h, c.step_.Mp, c.F_, b.a, c.st_fwd(), c.stream_, c.ws_.routing.row_prob, c.rows_bound(),
                  c.cfg_.activation);
   }
   {
     auto s = c.fwd("quantize a' (row, fp32 scales)");
-    quantize_row_fp32_scale(b.a, c.Mp_, c.F_, c.segment_offsets(), c.El_, b.a_f32.codes, b.a_f32.f32(), c.st_fwd(),
+    quantize_row_fp32_scale(b.a, c.step_.Mp, c.F_, c.segment_offsets(), c.El_, b.a_f32.codes, b.a_f32.f32(), c.st_fwd(),
                             c.stream_);
   }
   c.log_rows(MoePass::kForward, CastKind::kQuantize, report_names::kQuantizeAFp32Scale, 1, 1, c.F_);
@@ -86,10 +86,10 @@ void forward_naive(StepContext& c, bf16_t* y) {
 void naive_col(StepContext& c, const QTensorView& row, int64_t cols, const QTensorView& col, WgradOperand what) {
   ExpertBuffers& b = c.ws_.expert;
   const SegmentBlocks sb = c.blocks();
-  dequantize_row_fp32_scale(row.codes, row.f32(), c.Mp_, cols, c.segment_offsets(), c.El_, b.naive_dequantized,
+  dequantize_row_fp32_scale(row.codes, row.f32(), c.step_.Mp, cols, c.segment_offsets(), c.El_, b.naive_dequantized,
                             c.stream_);
   c.log_rows(MoePass::kBackward, CastKind::kDequantize, dq_t_q_dequantize_name(what), 1, 1, cols);
-  transpose_bf16(b.naive_dequantized, c.Mp_, cols, b.naive_transposed, c.stream_);
+  transpose_bf16(b.naive_dequantized, c.step_.Mp, cols, b.naive_transposed, c.stream_);
   quantize_transposed_fp32_scale(b.naive_transposed, cols, sb, col.codes, col.f32(), c.st_bwd(), c.stream_);
   c.log_rows(MoePass::kBackward, CastKind::kQuantize, dq_t_q_quantize_name(what), 1, 1, cols);
 }
@@ -99,7 +99,7 @@ void backward_naive(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   naive_entry(c, MoePass::kBackward, dy, b.rows_bf16);  // the dY rows
   {
     auto s = c.bwd("quantize dY (row, fp32 scales)");
-    quantize_row_fp32_scale(b.rows_bf16, c.Mp_, c.H_, c.segment_offsets(), c.El_, b.dy_row_f32.codes,
+    quantize_row_fp32_scale(b.rows_bf16, c.step_.Mp, c.H_, c.segment_offsets(), c.El_, b.dy_row_f32.codes,
                             b.dy_row_f32.f32(), c.st_bwd(), c.stream_);
   }
   c.log_rows(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDYFp32Scale, 1, 1, c.H_);
@@ -118,13 +118,13 @@ void backward_naive(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
   }
   {
     auto s = c.bwd("dSwiGLU*prob (bf16)");
-    cuda::dswiglu(b.da, b.h, c.Mp_, c.F_, b.dh, c.st_bwd(), c.stream_, c.ws_.routing.row_prob,
+    cuda::dswiglu(b.da, b.h, c.step_.Mp, c.F_, b.dh, c.st_bwd(), c.stream_, c.ws_.routing.row_prob,
                   c.ws_.routing.dprob_partials, c.rows_bound(), c.cfg_.activation);
   }
   c.gemm1_bias_grad_bf16(g);
   {
     auto s = c.bwd("quantize dh (row, fp32 scales)");
-    quantize_row_fp32_scale(b.dh, c.Mp_, 2 * c.F_, c.segment_offsets(), c.El_, b.dh_row_f32.codes, b.dh_row_f32.f32(),
+    quantize_row_fp32_scale(b.dh, c.step_.Mp, 2 * c.F_, c.segment_offsets(), c.El_, b.dh_row_f32.codes, b.dh_row_f32.f32(),
                             c.st_bwd(), c.stream_);
   }
   c.log_rows(MoePass::kBackward, CastKind::kQuantize, report_names::kQuantizeDhFp32Scale, 1, 1, 2 * c.F_);

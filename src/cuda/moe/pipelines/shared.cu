@@ -18,7 +18,7 @@ namespace moe {
 void StepContext::add_gemm1_bias() {
   if (gemm1_bias_ == nullptr) return;
   auto s = fwd("GEMM1 bias (bf16 h += b1)");
-  cuda::add_expert_bias(ws_.expert.h, Mp_, 2 * F_, segment_offsets(), El_, gemm1_bias_, rows_bound(), stream_);
+  cuda::add_expert_bias(ws_.expert.h, step_.Mp, 2 * F_, segment_offsets(), El_, gemm1_bias_, rows_bound(), stream_);
 }
 
 // GEMM2 (gemm2() computes the expert output rows into ExpertBuffers::rows_bf16) and the way back
@@ -39,12 +39,12 @@ void StepContext::gemm2_then_combine(const char* gemm_stage, const std::function
 void StepContext::gemm1_bias_grad_bf16(const MoeGrads& g) {
   if (!g.db1) return;
   auto s = bwd("GEMM1 bias grad (db1 from bf16 dh)");
-  expert_bias_grad(ws_.expert.dh, Mp_, 2 * F_, segment_offsets(), El_, g.db1, g.accumulate, rows_bound(), stream_);
+  expert_bias_grad(ws_.expert.dh, step_.Mp, 2 * F_, segment_offsets(), El_, g.db1, g.accumulate, rows_bound(), stream_);
 }
 void StepContext::gemm1_bias_grad_fp8(const MoeGrads& g, const QTensorView& dh_row) {
   if (!g.db1) return;
   auto s = bwd("GEMM1 bias grad (db1 from fp8 dh)");
-  expert_bias_grad_fp8(dh_row.codes, dh_row.ue8m0(), Mp_, 2 * F_, segment_offsets(), El_, g.db1, g.accumulate,
+  expert_bias_grad_fp8(dh_row.codes, dh_row.ue8m0(), step_.Mp, 2 * F_, segment_offsets(), El_, g.db1, g.accumulate,
                        rows_bound(), stream_);
 }
 
@@ -58,7 +58,7 @@ void StepContext::fp8_gemm2_grads(const MoeGrads& g, int side) {
 }
 // GEMM2's wgrad alone (after the side event `side`, or -1), from dY's and a''s column copies.
 void StepContext::fp8_gemm2_wgrad(const MoeGrads& g, int side) {
-  if (side >= 0) streams_.join(side);
+  if (side >= 0) streams_->join(side);
   if (!g.wants_dw2()) return;
   auto s = bwd("GEMM2 wgrad (fp8)");
   const ExpertStorage& st = g.storage;  // (stored: W2 as [El, Fs, Hs])
@@ -72,7 +72,7 @@ void StepContext::fp8_gemm1_grads(const MoeGrads& g, const QTensorView& dh_row, 
                                  const QTensorView& x_perm_col, int side) {
   ExpertBuffers& b = ws_.expert;
   const auto wgrad = [&] {
-    if (side >= 0) streams_.join(side);
+    if (side >= 0) streams_->join(side);
     if (!g.wants_dw1()) return;
     auto s = bwd("GEMM1 wgrad (fp8)");
     const ExpertStorage& st = g.storage;  // (stored: W1 as [El, Hs, 2Fs])
