@@ -29,8 +29,9 @@ extern "C" {
 // set_gemm1_bias(_grad), load_step, set_backward_weights(_bf16)) and the legacy calls that needed
 // them (forward, backward, backward_ex, backward_bf16, set_weights, set_weights_bf16): every call
 // takes what it needs as arguments (flowmoe_layer_forward_call, flowmoe_layer_backward_call), and
-// set_weights_ex takes the memory.
-#define FLOWMOE_CAPI_VERSION 10
+// set_weights_ex takes the memory. Version 11 appended the forward's step output to
+// flowmoe_forward_call (callers built against version 10 are rebuilt).
+#define FLOWMOE_CAPI_VERSION 11
 
 enum flowmoe_status_code {
   FLOWMOE_OK = 0,
@@ -211,6 +212,14 @@ typedef struct flowmoe_forward_call {
   // flowmoe_layer_reads_params_in_place gives 1: then required; BF16 w1, w2 as given to
   // set_weights_ex; wr and router_bias not read), else null.
   const flowmoe_weights* params;
+  // Version 11: the forward's step as its output (flowmoe_layer_step_state's bytes, the value a
+  // backward takes as flowmoe_backward_call's step). With step_size non-null: *step_size = its size
+  // in bytes, written to step_out when step_capacity >= that (else nothing is written: ask
+  // flowmoe_layer_step_state with that size). All null / 0: no step is asked for (a CUDA layer
+  // without caller memory has none: step_size must be null there).
+  void* step_out;
+  int64_t step_capacity;
+  int64_t* step_size;
 } flowmoe_forward_call;
 // Version 10: *out = 1 when every forward takes the parameters (flowmoe_forward_call's params).
 int flowmoe_layer_reads_params_in_place(flowmoe_layer* layer, int* out);

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Tuple
 from ._errors import CommError, ConfigError, FlowmoeError, NonFiniteError, OutOfMemoryError, debug, split_location
 
 LIBRARY_NAME = "libflowmoe_capi.so"
-CAPI_VERSION = 10
+CAPI_VERSION = 11
 
 OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED, ERROR_OUT_OF_MEMORY = 0, 1, 2, 3, 4, 5
 
@@ -70,10 +70,11 @@ class Memory(ctypes.Structure):  # flowmoe_memory (version 9)
     _fields_ = [("weights", ctypes.c_void_p), ("saved", ctypes.c_void_p), ("transient", ctypes.c_void_p)]
 
 
-class ForwardCall(ctypes.Structure):  # flowmoe_forward_call (version 10: params)
+class ForwardCall(ctypes.Structure):  # flowmoe_forward_call (version 10: params; 11: the step out)
     _fields_ = [("x", ctypes.c_void_p), ("tokens", ctypes.c_int64), ("y", ctypes.c_void_p), ("ids", ctypes.c_void_p),
                 ("probs", ctypes.c_void_p), ("b1", ctypes.c_void_p), ("memory", Memory),
-                ("params", ctypes.POINTER(Weights))]
+                ("params", ctypes.POINTER(Weights)), ("step_out", ctypes.c_void_p), ("step_capacity", ctypes.c_int64),
+                ("step_size", ctypes.POINTER(ctypes.c_int64))]
 
 
 class BackwardCall(ctypes.Structure):  # flowmoe_backward_call (version 9)
@@ -426,16 +427,22 @@ class Layer:
     def forward_call(self, x: int, tokens: int, y: int, memory: Tuple[int, int, int] = (0, 0, 0), *,
                      ids: Optional[int] = None, probs: Optional[int] = None, b1: Optional[int] = None,
                      params: Optional[Tuple[int, int]] = None,
-                     params_storage: Optional[Tuple[int, int, bool]] = None) -> None:
-        """One forward with everything it needs (C ABI v10): x, y [tokens, H] bf16; memory the caller
+                     params_storage: Optional[Tuple[int, int, bool]] = None,
+                     step: Optional[Tuple[int, int]] = None) -> Optional[int]:
+        """One forward with everything it needs (C ABI v11): x, y [tokens, H] bf16; memory the caller
         regions (weights, saved, transient; 0 where none); the caller's routing ids / probs
         (external_routing) and GEMM1 bias b1 (gemm1_bias layers); params (w1, w2): the BF16 parameters
         its GEMMs read in place (reads_params_in_place; stored per params_storage: relaid per pass),
-        else None."""
+        else None. step (host address, capacity): the forward's step is its output, written there when
+        it fits; returns its size in bytes (None without `step`; larger than capacity: call
+        step_state with that size)."""
         w = _weights(params[0], params[1], True, None, None, params_storage) if params is not None else None
+        size = ctypes.c_int64(0)
         c = ForwardCall(x, int(tokens), y, ids or None, probs or None, b1 or None, Memory(*[m or None for m in memory]),
-                        ctypes.pointer(w) if w is not None else None)
+                        ctypes.pointer(w) if w is not None else None, (step[0] or None) if step else None,
+                        int(step[1]) if step else 0, ctypes.pointer(size) if step else None)
         check(lib().flowmoe_layer_forward_call(self.handle, ctypes.byref(c)))
+        return int(size.value) if step else None
 
     def backward_call(self, dy: int, dx: int, memory: Tuple[int, int, int], step: Optional[Tuple[int, int]], *,
                       dw1: Optional[int], dw2: Optional[int], bf16: bool, dwr: Optional[int] = None,

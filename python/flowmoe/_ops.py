@@ -139,14 +139,16 @@ def _run_forward(r, x, wbuf, keep_step, routing=None, b1=None, params=None, stor
     y = torch.empty_like(x)
     saved = _bytes(r.plan[1], x.device)
     tbuf = _bytes(r.plan[2], x.device) if r.plan[2] else None
+    buf = r.step_buffer() if keep_step else None
     with r.ordered():
-        r.layer.forward_call(x.data_ptr(), x.shape[0], y.data_ptr(), (_addr(wbuf), _addr(saved), _addr(tbuf)),
-                             ids=routing[0].data_ptr() if routing is not None else None,
-                             probs=routing[1].data_ptr() if routing is not None else None,
-                             b1=b1.data_ptr() if b1 is not None else None,
-                             params=(params[0].data_ptr(), params[1].data_ptr()) if params is not None else None,
-                             params_storage=storage)
-        step = r.step() if keep_step else _no_step()
+        n = r.layer.forward_call(x.data_ptr(), x.shape[0], y.data_ptr(), (_addr(wbuf), _addr(saved), _addr(tbuf)),
+                                 ids=routing[0].data_ptr() if routing is not None else None,
+                                 probs=routing[1].data_ptr() if routing is not None else None,
+                                 b1=b1.data_ptr() if b1 is not None else None,
+                                 params=(params[0].data_ptr(), params[1].data_ptr()) if params is not None else None,
+                                 params_storage=storage,
+                                 step=(buf.data_ptr() + 8, buf.numel() - 8) if keep_step else None)
+        step = r.step(buf, n) if keep_step else _no_step()
     return y, saved, step
 
 

@@ -98,16 +98,23 @@ class _Runner:
         self.stored_grads = {}  # (storage, bf16) -> the layer's writes_stored_grads (LayerOwner._stored_grads)
         _Runner._live[self.id] = self
 
-    def step(self) -> torch.Tensor:
-        """After a forward: its step, a uint8 CPU tensor (the runner's id, then the layer's state)."""
+    def step_buffer(self) -> torch.Tensor:
+        """A buffer for the next forward's step: the runner's id (8 bytes), then room for the layer's
+        state (the size of the last one); the forward writes the state there (forward_call's step)."""
         buf = torch.empty(8 + self.step_capacity, dtype=torch.uint8)
-        n = self.layer.step_state(buf.data_ptr() + 8, self.step_capacity)
+        buf[:8].view(torch.int64)[0] = self.id
+        return buf
+
+    def step(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        """After a forward that wrote n bytes of state into buf (step_buffer; n larger than its room:
+        nothing written, read now from the layer): the forward's step, a uint8 CPU tensor (the
+        runner's id, then the layer's state)."""
         if n > self.step_capacity:
             self.step_capacity = n
             buf = torch.empty(8 + n, dtype=torch.uint8)
             self.layer.step_state(buf.data_ptr() + 8, n)
-        buf[:8].view(torch.int64)[0] = self.id
-        return buf if n == self.step_capacity else buf[:8 + n]
+            buf[:8].view(torch.int64)[0] = self.id
+        return buf if n == buf.numel() - 8 else buf[:8 + n]
 
     @staticmethod
     def of_step(step: torch.Tensor, who: str) -> "_Runner":

@@ -412,11 +412,28 @@ int flowmoe_layer_forward_call(flowmoe_layer* layer, const flowmoe_forward_call*
     flowmoe_layer* l = checked(layer, what);
     FLOWMOE_CHECK(call, what << ": the call struct is null");
     flowmoe::MoeLayer& m = *l->layer;
+    // (checked before the layer is given anything)
+    FLOWMOE_CHECK(call->step_capacity >= 0 && (call->step_out != nullptr || call->step_capacity == 0) &&
+                      (call->step_size != nullptr || call->step_out == nullptr),
+                  what << ": step_out " << call->step_out << " of " << call->step_capacity << " bytes, step_size "
+                       << static_cast<const void*>(call->step_size)
+                       << "; expected a buffer, its size and a size pointer (or null, 0 and a size pointer to ask "
+                          "the size alone; all null and 0: no step)");
+    const flowmoe::MoeMemoryPlan plan = m.memory_plan();
+    FLOWMOE_CHECK(!call->step_size || l->device < 0 || plan.weights + plan.saved + plan.transient > 0,
+                  what << ": a step asked of a CUDA layer that owns its memory (its next forward overwrites what a "
+                          "step would name); expected step_size null, or a layer built with caller_memory");
     m.bind_memory(flowmoe::MoeMemory{call->memory.weights, call->memory.saved, call->memory.transient});
     if (m.config().external_routing || call->ids || call->probs) m.set_routing(call->ids, call->probs);
     if (m.config().gemm1_bias || call->b1) m.set_gemm1_bias(call->b1);
     if (call->params) m.set_forward_weights(weights_of(what, call->params));
     m.forward(call->x, call->tokens, call->y);
+    if (call->step_size) {
+      const std::vector<uint8_t> bytes = m.step_state();
+      *call->step_size = static_cast<int64_t>(bytes.size());
+      if (call->step_capacity >= *call->step_size && !bytes.empty())
+        std::memcpy(call->step_out, bytes.data(), bytes.size());
+    }
   });
 }
 

@@ -188,11 +188,8 @@ bool CudaMoeLayer::reads_stored_weights(bool bf16_params) const {
 bool CudaMoeLayer::writes_stored_grads(const ExpertStorage& st, bool bf16_grads) const {
   if (st.is_layer_layout()) return true;
   const int64_t elem = bf16_grads ? 2 : 4;
-  // (only flowmoe's wgrad kernels write them: the FP8 one where the caller did not turn it off, the
-  // BF16 one where the bf16 recipe runs the grouped kernels)
-  const bool fp8_kernel = path_.spec().weights == WeightCopy::kFp8Block && cfg_.align == 128 &&
-                          gemm_->options().wgrad_kernel != gemm::GroupedGemmOptions::WgradKernel::kOff;
-  return (fp8_kernel || path_.bf16_wgrad_kernel) && cfg_.comm == nullptr && st.hidden >= 1 && st.hidden <= H_ &&
+  // (only flowmoe's wgrad kernels write them: RecipePath::fp8_wgrad_kernel, bf16_wgrad_kernel)
+  return (path_.fp8_wgrad_kernel || path_.bf16_wgrad_kernel) && cfg_.comm == nullptr && st.hidden >= 1 && st.hidden <= H_ &&
          st.ffn >= 1 && st.ffn <= F_ && (st.interleaved || st.ffn == F_) && st.hidden * elem % 16 == 0 &&
          2 * st.ffn * elem % 16 == 0;
 }

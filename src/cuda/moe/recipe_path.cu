@@ -55,6 +55,8 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
                    (options.fprop_dgrad == FD::kAuto && p.fp8 &&
                     workspace_rows(cfg) <= CudaLayerOptions::kGroupedAutoRows * cfg.num_local_experts());
   p.bf16_wgrad_kernel = s.weights == WeightCopy::kBf16Only && p.grouped_gemm && cfg.align == 128;
+  p.fp8_wgrad_kernel = p.pow2_weights && cfg.align == 128 &&
+                       options.gemm.wgrad_kernel != gemm::GroupedGemmOptions::WgradKernel::kOff;
   // The fused epilogues write a' row-wise FP8 and h in its saved quantized format (flow's SwiGLU +
   // quantize and dSwiGLU + quantize): a quantized-rows pipeline, with the grouped kernel running the GEMM.
   // the fused (d)SwiGLU epilogues compute plain SwiGLU of GEMM1's output (no bias between them)

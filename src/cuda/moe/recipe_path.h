@@ -37,6 +37,8 @@ struct RecipePath {
   bool grouped_gemm = true;    // fprop / dgrad (bf16: and wgrad) by flowmoe's grouped kernels
   bool bf16_wgrad_kernel = false;  // bf16: its wgrads by the grouped BF16 kernel (grouped_gemm, align 128:
                                    // the kernel's 128-token blocks), the one that writes stored dW
+  bool fp8_wgrad_kernel = false;   // the UE8M0 recipes: flowmoe's FP8 wgrad kernel may run (align 128, not
+                                   // turned off in CudaLayerOptions::gemm), the one that writes stored dW
   bool fused_swiglu = false;   // GEMM1 + SwiGLU*prob + quantize in one kernel (W1 interleaved)
   bool fused_dswiglu = false;  // GEMM2 dgrad + dSwiGLU*prob + quantize in one kernel
   bool side_stream = false;    // the wgrad column copies on the side stream

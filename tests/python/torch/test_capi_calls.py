@@ -1,7 +1,7 @@
 """The C ABI's one-call forward and backward (flowmoe_layer_forward_call / flowmoe_layer_backward_call,
 everything a call needs in its arguments; version 10 removed the per-call setters) on the CPU layer:
-a backward given an earlier forward's step bytes equals the backward right after that forward, the
-same bytes back a second backward, the gradients' struct accumulates; the header and the library
+the forward returns its step (version 11), a backward given an earlier forward's step bytes equals
+the backward right after that forward, the same bytes back a second backward, the gradients' struct accumulates; the header and the library
 keep no per-call setter; the stored-weights rules as the library states them; bad arguments as
 clear errors."""
 
@@ -67,10 +67,17 @@ def test_backward_of_an_earlier_step_equals_the_backward_after_its_forward(recip
     # forward x, keep its step bytes, forward another input, then backward x's step
     b = layer_of(m)
     yb = torch.empty_like(x)
-    b.forward_call(x.data_ptr(), T, yb.data_ptr())
-    cap = b.step_state(0, 0)
-    step = torch.empty(cap, dtype=torch.uint8)
-    assert b.step_state(step.data_ptr(), cap) == cap
+    # (the forward's output: asked with no room, its size alone and nothing written; then with room)
+    cap = b.forward_call(x.data_ptr(), T, yb.data_ptr(), step=(0, 0))
+    assert cap > 0 and cap == b.step_state(0, 0)
+    small = torch.full((cap - 1,), 7, dtype=torch.uint8)
+    assert b.forward_call(x.data_ptr(), T, yb.data_ptr(), step=(small.data_ptr(), cap - 1)) == cap
+    assert bool((small == 7).all())
+    step = torch.empty(cap + 5, dtype=torch.uint8)
+    assert b.forward_call(x.data_ptr(), T, yb.data_ptr(), step=(step.data_ptr(), cap + 5)) == cap
+    step = step[:cap].clone()
+    same = torch.empty(cap, dtype=torch.uint8)
+    assert b.step_state(same.data_ptr(), cap) == cap and torch.equal(step, same)
     x2, y2 = x.flip(0).contiguous(), torch.empty_like(x)  # (alive while the calls run)
     b.forward_call(x2.data_ptr(), T, y2.data_ptr())
     # without the step the backward is the second forward's: the step is what makes them equal below
@@ -118,6 +125,13 @@ def test_bad_call_arguments_are_clear_errors():
         ids = torch.zeros(T, K, dtype=torch.int32)
         probs = torch.zeros(T, K)
         layer.forward_call(x.data_ptr(), T, y.data_ptr(), ids=ids.data_ptr(), probs=probs.data_ptr())
+    # a step buffer without the size pointer, or a negative capacity: refused before the forward runs
+    room = torch.empty(64, dtype=torch.uint8)
+    for out, cap, size in ((room.data_ptr(), 64, None), (0, -1, ctypes.pointer(ctypes.c_int64()))):
+        c = native.ForwardCall(x.data_ptr(), T, y.data_ptr(), None, None, None, native.Memory(None, None, None), None,
+                               out, cap, size)
+        with pytest.raises(FlowmoeError, match="step_out"):
+            native.check(native.lib().flowmoe_layer_forward_call(layer.handle, ctypes.byref(c)))
     # a gradients struct with a flag that is not 0 / 1
     g = native.Grads(None, None, 0, None, None, None, 0, 0, 0, 2)
     c = native.BackwardCall(dy.data_ptr(), dx.data_ptr(), g, None, native.Memory(None, None, None), None, 0)
@@ -160,6 +174,11 @@ def test_caller_memory_layer_takes_its_regions_with_set_weights():
                 layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr())
         layer.set_weights(w1.data_ptr(), w2.data_ptr(), wr.data_ptr(), memory=(memory[0], 0, memory[2]))
         y = torch.empty_like(x)
+        if caller_memory:
+            assert layer.forward_call(x.data_ptr(), T, y.data_ptr(), memory, step=(0, 0)) > 0
+        else:  # (a layer that owns its memory has no step to give: refused before the forward)
+            with pytest.raises(FlowmoeError, match="owns its memory"):
+                layer.forward_call(x.data_ptr(), T, y.data_ptr(), memory, step=(0, 0))
         layer.forward_call(x.data_ptr(), T, y.data_ptr(), memory)
         torch.cuda.synchronize()
         outs.append(y)
