@@ -1,6 +1,6 @@
 // The CPU MoE layer's API and lifecycle (src/cpu/moe/layer.h): construction, set_weights (the
 // weight copies of the recipe), and the forward / backward entry points that run the recipe's
-// path (forward.cpp, backward.cpp) between the router (router.cpp) and the report.
+// path (dataflows/<name>.cpp) between the router (router.cpp) and the report.
 #include <algorithm>
 #include <memory>
 #include <string>

@@ -9,8 +9,9 @@
 //   router.cpp       the router and the routing of a forward; the router's backward and dx tail
 //   ep_exchange.cpp  token movement: permute+pad / unpermute on one rank, dispatch / combine over
 //                    the ranks of a communicator (expert parallelism, docs/EP.md §5)
-//   forward.cpp      the forward path of each dataflow (GEMM1, SwiGLU, GEMM2, what is saved)
-//   backward.cpp     the backward path of each dataflow (dgrads, the wgrad column copies, wgrads)
+//   dataflows/       one file per dataflow (bf16, blockwise, fp8_naive, flow; the CUDA layer's
+//                    pipelines/ mirrored): its forward (GEMM1, SwiGLU, GEMM2, what is saved) and its
+//                    backward (dgrads, the wgrad column copies, wgrads)
 // The entry points take the forward / backward of the table row's dataflow (recipe.h Dataflow)
 // from kCpuDataflows (layer.cpp, the CUDA layer's pipelines/pipeline.cu kDataflows mirrored),
 // never from the Recipe enum: flow and flow-fp4 share forward_flow / backward_flow, their formats
@@ -206,13 +207,13 @@ class CpuMoeLayer final : public MoeLayer {
   };
   static const DataflowPaths& dataflow_paths(Dataflow d);
 
-  // ---- forward.cpp: the forward path of each dataflow (recipe.h Dataflow; y [T, H]) ----
+  // ---- dataflows/<name>.cpp: the forward path of each dataflow (recipe.h Dataflow; y [T, H]) ----
   void forward_bf16(bf16_t* y, QuantStats* st);
   void forward_blockwise(bf16_t* y, QuantStats* st);
   void forward_fp8_naive(bf16_t* y, QuantStats* st);
   void forward_flow(bf16_t* y, QuantStats* st);  // flow and flow-fp4
 
-  // ---- backward.cpp: each fills dxp [Mp, H] bf16 (GEMM1 dgrad) and dp [Mp] (d loss / d prob
+  // ---- dataflows/<name>.cpp, the backward paths: each fills dxp [Mp, H] bf16 (GEMM1 dgrad) and dp [Mp] (d loss / d prob
   // per row) and adds to the weight gradients ----
   // backward with FP32 expert gradients (backward rounds into BF16 ones after it)
   void backward_f32_grads(const bf16_t* dy, bf16_t* dx, const MoeGrads& g);
