@@ -3,7 +3,7 @@
 // same run. Medians of CUDA-event timings after warm-up; random data; two input sets alternated so
 // that consecutive repetitions never find their input in L2.
 //
-//   flowmoe_bench_swiglu [--reps N] [--config NAME] [--rows M] [--gemm-only]
+//   flowmoe_bench_swiglu [--reps N] [--config NAME] [--rows M] [--gemm-only] [--bias-only]
 //
 // Targets (issue 4): fused SwiGLU+quantize <= 1.05x the plain BF16 SwiGLU kernel;
 // fused dSwiGLU+quantize (row + col) >= 2.5x the unfused sequence (dSwiGLU -> quantize_row ->
@@ -32,6 +32,7 @@
 #include "flowmoe/cuda/qtensor_view.h"
 #include "flowmoe/cuda/status.h"
 #include "flowmoe/error.h"
+#include "flowmoe/expert_bias.h"
 #include "flowmoe/gemm.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/swiglu.h"
@@ -466,19 +467,62 @@ void gemm1_section() {
   }
 }
 
+// gpt-oss-20b's block: T 8192 top-4 rows over 32 experts, 2F = 2 x 2944 (F 2880 padded to 128).
+void bias_section() {
+  const int64_t m = 32768, n = 5888;
+  const int E = 32;
+  std::printf("\n## GEMM1 bias gradient: db = each expert's sum of dH rows [%lld, %lld], %d experts (gpt-oss-20b)\n",
+              static_cast<long long>(m), static_cast<long long>(n), E);
+  header();
+  const auto counts = ragged_counts(E, m, 23, 128);
+  std::vector<int32_t> offs(E + 1, 0);
+  for (int e = 0; e < E; ++e) offs[e + 1] = offs[e] + counts[e];
+  int32_t* doff = dalloc<int32_t>(E + 1);
+  CK(cudaMemcpy(doff, offs.data(), sizeof(int32_t) * (E + 1), cudaMemcpyHostToDevice));
+  bf16_t* dh[2];
+  uint8_t *codes[2], *scales[2];
+  cuda::DeviceStatus* st = dalloc<cuda::DeviceStatus>(1);
+  for (int i = 0; i < 2; ++i) {
+    dh[i] = dalloc<bf16_t>(m * n);
+    codes[i] = dalloc<uint8_t>(m * n);
+    scales[i] = dalloc<uint8_t>(m * n / 128);
+    const std::vector<bf16_t> v = random_bf16(m * n, 40 + i);
+    CK(cudaMemcpy(dh[i], v.data(), sizeof(bf16_t) * m * n, cudaMemcpyHostToDevice));
+    cuda::quantize_row(dh[i], m, n, codes[i], scales[i], st, 0);
+  }
+  bf16_t* deq = dalloc<bf16_t>(m * n);
+  float* db = dalloc<float>(E * n);
+  const double bf16_bytes = 2.0 * m * n, fp8_bytes = m * n + m * n / 128.0;
+  const float t_bf16 =
+      median_us([&](int r) { cuda::expert_bias_grad(dh[r & 1], m, n, doff, E, db, false, nullptr, 0); });
+  const float t_unfused = median_us([&](int r) {
+    cuda::dequantize_row(codes[r & 1], scales[r & 1], m, n, deq, 0);
+    cuda::expert_bias_grad(deq, m, n, doff, E, db, false, nullptr, 0);
+  });
+  const float t_fp8 = median_us(
+      [&](int r) { cuda::expert_bias_grad_fp8(codes[r & 1], scales[r & 1], m, n, doff, E, db, false, nullptr, 0); });
+  line("expert_bias_grad (BF16 dH)", bf16_bytes, t_bf16);
+  line("expert_bias_grad_fp8 (row-wise FP8 dH)", fp8_bytes, t_fp8, "dequantize_row + BF16 sums", t_unfused);
+  CK(cudaDeviceSynchronize());
+  for (int i = 0; i < 2; ++i)
+    for (void* p : std::initializer_list<void*>{dh[i], codes[i], scales[i]}) cudaFree(p);
+  for (void* p : std::initializer_list<void*>{doff, st, deq, db}) cudaFree(p);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string only;
   int64_t rows = 32768;
-  bool gemm1_only = false;
+  bool gemm1_only = false, bias_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = std::max(3, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--config") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--rows") && i + 1 < argc) rows = std::atoll(argv[++i]);
     else if (!std::strcmp(argv[i], "--gemm-only") || !std::strcmp(argv[i], "--gemm1-only")) gemm1_only = true;
+    else if (!std::strcmp(argv[i], "--bias-only")) bias_only = true;
     else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--config NAME] [--rows M] [--gemm-only]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--reps N] [--config NAME] [--rows M] [--gemm-only] [--bias-only]\n", argv[0]);
       return 2;
     }
   }
@@ -493,11 +537,16 @@ int main(int argc, char** argv) {
       {"DeepSeek-V2-Lite", 1408, 8},   // 64 experts / EP8
       {"Qwen3-30B-A3B", 768, 128},     // 128 experts, no EP (issue 51: use --rows 262144 for T 32768 top-8)
   };
+  if (bias_only) {
+    bias_section();
+    return 0;
+  }
   for (const Config& c : configs) {
     if (gemm1_only || (!only.empty() && only != c.name)) continue;
     bench_config(c, rows);
   }
   gemm1_section();
   gemm_section();
+  if (!gemm1_only) bias_section();
   return 0;
 }

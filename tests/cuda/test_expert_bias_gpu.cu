@@ -33,6 +33,17 @@ Segments padded_segments(const std::vector<int32_t>& lens, int align) {
   return s;
 }
 
+// The first `rows` rows of a row-wise FP8 tensor (its scales [K/128][M] laid out for the fewer rows).
+QTensor first_rows(const QTensor& q, int64_t rows) {
+  QTensor f = q;
+  f.rows = rows;
+  f.codes.assign(q.codes.begin(), q.codes.begin() + rows * q.cols);
+  f.scales.clear();
+  for (int64_t b = 0; b < q.cols / 128; ++b)
+    f.scales.insert(f.scales.end(), q.scales.begin() + b * q.rows, q.scales.begin() + b * q.rows + rows);
+  return f;
+}
+
 TEST(ExpertBiasGpu, AddMatchesCpu) {
   REQUIRE_DEVICE();
   std::mt19937 rng(5);
@@ -100,7 +111,42 @@ TEST(ExpertBiasGpu, GradMatchesCpu) {
     DBuf<int32_t> bound(std::vector<int32_t>{bound_row});
     cuda::expert_bias_grad(d.p, m, n, off.p, E, gb.p, false, bound.p, nullptr);
     expect_same_bits(want, gb.get(), "db (bf16) under a rows bound");
+    std::vector<float> want8 = old;
+    cpu::expert_bias_grad(first_rows(q, bound_row), cut, want8.data(), false);
+    DBuf<float> gb8(old);
+    cuda::expert_bias_grad_fp8(codes.p, scales.p, m, n, off.p, E, gb8.p, false, bound.p, nullptr);
+    expect_same_bits(want8, gb8.get(), "db (fp8) under a rows bound");
   }
+}
+
+// Every E4M3 code (NaN, subnormals, +-0, +-448) under every kind of scale (the smallest 2^-127, 2^0,
+// the largest, whose products overflow to inf, and the NaN scale), with the segments' sums: the
+// decode and the sums of the CPU reference, bit for bit.
+TEST(ExpertBiasGpu, Fp8GradOfEveryCodeAndScale) {
+  REQUIRE_DEVICE();
+  const int64_t n = 256;
+  const Segments seg = padded_segments({5, 128, 0, 300}, 128);
+  const int64_t m = seg.num_tokens();
+  const int E = seg.num_segments();
+  QTensor q;
+  std::vector<bf16_t> zeros(m * n, 0);
+  cpu::quantize_row(zeros.data(), m, n, &q);  // (the layout; codes and scales set below)
+  std::mt19937 rng(9);
+  for (int64_t i = 0; i < m * n; ++i) q.codes[i] = static_cast<uint8_t>((i * 37 + i / n) & 0xFF);
+  const uint8_t kScales[] = {0, 1, 100, 127, 140, 200, 254, 255};
+  for (size_t i = 0; i < q.scales.size(); ++i) q.scales[i] = kScales[rng() % 8];
+  // (segment 1 without NaN codes, under a moderate scale: finite sums, subnormal codes among them)
+  for (int64_t r = seg.offsets[1]; r < seg.offsets[2]; ++r)
+    for (int64_t c = 0; c < n; ++c)
+      if (num::e4m3_is_nan(q.codes[r * n + c])) q.codes[r * n + c] = 0x7E;
+  for (int64_t r = seg.offsets[1]; r < seg.offsets[2]; ++r) q.scales[r] = q.scales[m + r] = 120;
+  std::vector<float> old(E * n, 1.5f), want = old;
+  cpu::expert_bias_grad(q, seg, want.data(), true);
+  DBuf<uint8_t> codes(q.codes), scales(q.scales);
+  DBuf<int32_t> off(seg.offsets);
+  DBuf<float> g(old);
+  cuda::expert_bias_grad_fp8(codes.p, scales.p, m, n, off.p, E, g.p, true, nullptr, nullptr);
+  expect_same_bits(want, g.get(), "db (fp8, every code)");
 }
 
 // The experts-only layer with gpt-oss's experts: CUDA against the CPU layer, and sync_free's bits.
