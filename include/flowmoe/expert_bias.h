@@ -50,9 +50,12 @@ namespace cuda {
 // multiple of 8 (h rows are read 16 bytes at a time).
 void add_expert_bias(bf16_t* h, int64_t m, int64_t n, const int32_t* offsets, int num_segments,
                      const float* bias, const int32_t* rows_bound, cudaStream_t stream);
+// dh_gate_up: dh's columns as gate / up pairs (2 j, 2 j + 1; swiglu.h dswiglu's dh_gate_up), db
+// still in the layer's order (gate half, then up half): column 2 j's sum into db[e, j], 2 j + 1's
+// into db[e, n/2 + j]; the sums themselves as without it.
 void expert_bias_grad(const bf16_t* dh, int64_t m, int64_t n, const int32_t* offsets,
                       int num_segments, float* db, bool accumulate, const int32_t* rows_bound,
-                      cudaStream_t stream);
+                      cudaStream_t stream, bool dh_gate_up = false);
 // dh as row-wise FP8: codes [M, N], scales [N/128][M] (UE8M0).
 void expert_bias_grad_fp8(const uint8_t* codes, const uint8_t* scales, int64_t m, int64_t n,
                           const int32_t* offsets, int num_segments, float* db, bool accumulate,

@@ -112,6 +112,17 @@ struct StoredDw {
   int64_t cols = 0;
   bool interleaved = false;
 };
+// A BF16 weight read where a model stores it (GroupedGemm::fprop_bf16 / dgrad_bf16 on device
+// segments): expert e's W_e^T, [rows][cols] with rows <= K and cols <= N, at data + e * rows * cols;
+// what lies past them reads as zeros (a padded layer's). `gate_up`: its N columns hold the gate and
+// up halves alternating (column 2 j: gate j, 2 j + 1: up j; gpt-oss's gate_up_proj): fprop writes y
+// in the layer's order (gate half, then up half), dgrad reads dy in the stored order.
+struct StoredW {
+  const bf16_t* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  bool gate_up = false;
+};
 // wgrad output [E][N][K]: BF16, FP32, or FP32 accumulated into (main gradients, beta = 1).
 struct WgradOut {
   enum class Kind : uint8_t { kBf16, kF32, kF32Accumulate };
@@ -434,6 +445,11 @@ class GroupedGemm {
                   Span<const bf16_t> w, Span<bf16_t> dx, cudaStream_t stream);
   void wgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
                   Span<const bf16_t> x, const WgradOut& dw, cudaStream_t stream);
+  // The same fprop and dgrad with W read where the model stores it (StoredW: no relaid copy).
+  void fprop_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> x, const gemm::StoredW& w,
+                  Span<bf16_t> y, cudaStream_t stream);
+  void dgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> dy, const gemm::StoredW& w,
+                  Span<bf16_t> dx, cudaStream_t stream);
 
   struct Stats {
     int64_t matmuls = 0;            // cublasLtMatmul launches of real work (not tuning trials)

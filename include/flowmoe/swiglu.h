@@ -151,10 +151,12 @@ void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8
 
 // ---- backward -------------------------------------------------------------------------------------
 // Plain BF16 backward (first step of the unfused baseline): da [M, F], h [M, 2F] -> dh [M, 2F].
+// dh_gate_up: dh's columns as gate / up pairs (2 j: d gate j, 2 j + 1: d up j; the order of a
+// gate_up_proj stored so, gemm.h StoredW) instead of the gate half then the up half.
 void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
              DeviceStatus* status, cudaStream_t stream, const float* prow = nullptr,
              float* dprow_part = nullptr, const int32_t* rows_bound = nullptr,
-             const GatedActivation& act = {});
+             const GatedActivation& act = {}, bool dh_gate_up = false);
 // Fused backward + row-wise and column-wise quantize, one pass (M = sb.m):
 // row_codes [M, 2F], row_scales [2F/128][M], col_codes [2F, M], col_scales [sb.max_blocks][2F].
 void dswiglu_quant(const bf16_t* da, const bf16_t* h, int64_t f, const SegmentBlocks& sb,

@@ -111,6 +111,17 @@ TEST(ExpertBiasGpu, GradMatchesCpu) {
     DBuf<int32_t> bound(std::vector<int32_t>{bound_row});
     cuda::expert_bias_grad(d.p, m, n, off.p, E, gb.p, false, bound.p, nullptr);
     expect_same_bits(want, gb.get(), "db (bf16) under a rows bound");
+    // dh as gate / up pairs (the bf16 recipe reading gate_up_proj where stored): db in the layer's order
+    std::vector<bf16_t> pairs(m * n);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < n / 2; ++j)
+        pairs[r * n + 2 * j] = dh[r * n + j], pairs[r * n + 2 * j + 1] = dh[r * n + n / 2 + j];
+    DBuf<bf16_t> dp(pairs);
+    DBuf<float> gp(old);
+    std::vector<float> want_pairs = old;
+    cpu::expert_bias_grad(dh.data(), m, n, seg, want_pairs.data(), true);
+    cuda::expert_bias_grad(dp.p, m, n, off.p, E, gp.p, true, nullptr, nullptr, /*dh_gate_up=*/true);
+    expect_same_bits(want_pairs, gp.get(), "db (bf16 dh as gate / up pairs, +=)");
     std::vector<float> want8 = old;
     cpu::expert_bias_grad(first_rows(q, bound_row), cut, want8.data(), false);
     DBuf<float> gb8(old);

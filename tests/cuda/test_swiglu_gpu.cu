@@ -389,6 +389,17 @@ TEST_P(SwigluGpu, BackwardWithProbBitExact) {
   EXPECT_EQ(status().nonfinite, static_cast<ull>(st_dh.nonfinite));
   cuda::sum_dprow_parts(dpart.p, m, f, ddprow.p, 0);
   expect_same_bits(bits(dprow), bits(ddprow.get()), m, "sum_dprow_parts");
+  // dh as gate / up pairs (a gate_up_proj stored so): the same values, d gate j at 2 j, d up j at 2 j + 1
+  std::vector<bf16_t> pairs(m * k);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < f; ++j) pairs[r * k + 2 * j] = dh[r * k + j], pairs[r * k + 2 * j + 1] = dh[r * k + f + j];
+  DBuf<bf16_t> ddh2(m * k);
+  DBuf<float> dpart_pairs(m * tiles);
+  reset();
+  cuda::dswiglu(dda.p, dh_in.p, m, f, ddh2.p, status_, 0, dp.p, dpart_pairs.p, nullptr, act, /*dh_gate_up=*/true);
+  expect_same_bits(pairs, ddh2.get(), m * k, "dswiglu*p bf16, dh as gate / up pairs");
+  expect_same_bits(bits(part), bits(dpart_pairs.get()), m * tiles, "dswiglu*p dp partial sums (pairs)");
+  EXPECT_EQ(status().nonfinite, static_cast<ull>(st_dh.nonfinite));
 
   // fused, BF16 H and FP8 H
   QTensor row, col;

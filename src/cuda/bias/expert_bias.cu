@@ -76,7 +76,7 @@ constexpr int64_t kGradBlock = kExpertBiasBlockRows;
 
 __global__ void __launch_bounds__(kThreads)
 bias_grad_kernel(const bf16_t* __restrict__ dh, int64_t m, int64_t n, const int32_t* __restrict__ offsets,
-                 float* __restrict__ db, bool accumulate, const int32_t* __restrict__ rows_bound) {
+                 float* __restrict__ db, bool accumulate, const int32_t* __restrict__ rows_bound, bool gate_up) {
   __shared__ float part[kGradWarps][kGradCols];
   const int e = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -108,7 +108,7 @@ bias_grad_kernel(const bf16_t* __restrict__ dh, int64_t m, int64_t n, const int3
     __syncthreads();
   }
   if (warp == 0 && c < n) {
-    float* out = db + e * n + c;
+    float* out = db + e * n + (gate_up ? (c % 2 ? n / 2 : 0) + c / 2 : c);
     *out = num::f32_canonical(accumulate ? __fadd_rn(*out, s) : s);
   }
 }
@@ -206,12 +206,13 @@ void add_expert_bias(bf16_t* h, int64_t m, int64_t n, const int32_t* offsets, in
 }
 
 void expert_bias_grad(const bf16_t* dh, int64_t m, int64_t n, const int32_t* offsets, int num_segments,
-                      float* db, bool accumulate, const int32_t* rows_bound, cudaStream_t stream) {
+                      float* db, bool accumulate, const int32_t* rows_bound, cudaStream_t stream, bool dh_gate_up) {
   const char* what = "cuda::expert_bias_grad";
   check_args(m, n, offsets, num_segments, what);
+  FLOWMOE_CHECK(!dh_gate_up || n % 2 == 0, what << ": N = " << n << " gate / up pairs; expected an even N");
   FLOWMOE_CHECK(db != nullptr && dh != nullptr, what << ": dh and db must be non-null");
   const dim3 grid(static_cast<unsigned>((n + kGradCols - 1) / kGradCols), static_cast<unsigned>(num_segments));
-  bias_grad_kernel<<<grid, kThreads, 0, stream>>>(dh, m, n, offsets, db, accumulate, rows_bound);
+  bias_grad_kernel<<<grid, kThreads, 0, stream>>>(dh, m, n, offsets, db, accumulate, rows_bound, dh_gate_up);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 

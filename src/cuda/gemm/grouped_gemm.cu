@@ -506,11 +506,12 @@ void GroupedGemm::wgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<con
 namespace {
 // fprop (n_out = N, k_red = K, B = W K-major) and dgrad (n_out = K, k_red = N, B = W read MN-major):
 // A [capacity, k_red], W E x [N, K], D [capacity, n_out].
+// (stored: w holds the stored matrices, sized by the caller)
 sm90::Bf16RowsArgs bf16_rows_args(const gemm::DeviceSegments& seg, int64_t n_out, int64_t k_red,
                                   gemm::Span<const bf16_t> a, gemm::Span<const bf16_t> w, gemm::Span<bf16_t> d,
-                                  bool w_mn_major, const char* what) {
+                                  bool w_mn_major, const char* what, bool stored = false) {
   check_span_holds(a.size, seg.capacity * k_red, what, w_mn_major ? "dy" : "x");
-  check_span_holds(w.size, int64_t(seg.num_segments) * n_out * k_red, what, "w");
+  if (!stored) check_span_holds(w.size, int64_t(seg.num_segments) * n_out * k_red, what, "w");
   check_span_holds(d.size, seg.capacity * n_out, what, w_mn_major ? "dx" : "y");
   sm90::Bf16RowsArgs r;
   r.offsets = seg.offsets;
@@ -541,6 +542,31 @@ void GroupedGemm::dgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Sp
   const char* what = "BF16 dgrad (device segments)";
   check_device_segments(seg, what);
   sm90::bf16_grouped_rows(bf16_rows_args(seg, k, n, dy, w, dx, true, what), what, stream);  // W_e [N, K] as stored
+  impl_->stats.bf16_kernel_calls += seg.capacity > 0;
+}
+
+// (stored W: W_e^T [rows <= K][cols <= N], the kernel's B MN-major in fprop and K-major in dgrad)
+void GroupedGemm::fprop_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> x, const gemm::StoredW& w,
+                             Span<bf16_t> y, cudaStream_t stream) {
+  const char* what = "BF16 fprop, stored weight (device segments)";
+  check_device_segments(seg, what);
+  FLOWMOE_CHECK(w.data != nullptr, what << ": no stored weight");
+  sm90::Bf16RowsArgs a = bf16_rows_args(seg, n, k, x, {w.data, int64_t(seg.num_segments) * w.rows * w.cols}, y,
+                                        /*w_mn_major=*/true, what, /*stored=*/true);
+  a.b_rows = w.rows, a.b_cols = w.cols, a.split_gate_up = w.gate_up;
+  sm90::bf16_grouped_rows(a, what, stream);
+  impl_->stats.bf16_kernel_calls += seg.capacity > 0;
+}
+
+void GroupedGemm::dgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Span<const bf16_t> dy,
+                             const gemm::StoredW& w, Span<bf16_t> dx, cudaStream_t stream) {
+  const char* what = "BF16 dgrad, stored weight (device segments)";
+  check_device_segments(seg, what);
+  FLOWMOE_CHECK(w.data != nullptr, what << ": no stored weight");
+  sm90::Bf16RowsArgs a = bf16_rows_args(seg, k, n, dy, {w.data, int64_t(seg.num_segments) * w.rows * w.cols}, dx,
+                                        /*w_mn_major=*/false, what, /*stored=*/true);
+  a.b_rows = w.rows, a.b_cols = w.cols;  // (gate_up: dy's columns in the stored order already)
+  sm90::bf16_grouped_rows(a, what, stream);
   impl_->stats.bf16_kernel_calls += seg.capacity > 0;
 }
 

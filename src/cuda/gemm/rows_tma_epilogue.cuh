@@ -75,6 +75,65 @@ __device__ __forceinline__ void rows_half_to_global(const float (&acc)[kHalves][
       }
   }
 }
+
+// The same half of a tile whose kBN columns are gate / up pairs (column 2 i the gate's, 2 i + 1 the
+// up's of the pair i; the bf16 kernel's Mode::kDgradSplit): D's columns [0, n_out / 2) take the
+// gates and [n_out / 2, n_out) the ups, the tile's pairs from pair col0 / 2 on. A full half stages
+// its 64 gates and 64 ups as two boxes (same swizzle) and stores them apart; a partial one stores
+// single BF16 values from the fragments.
+template <int kHalves>
+__device__ __forceinline__ void rows_half_to_global_split(const float (&acc)[kHalves][64], uint8_t* ebuf,
+                                                          const CUtensorMap* map_d, bf16_t* d, int n_out,
+                                                          int64_t row0, int rows, int col0, int t, int r0, int c0,
+                                                          int bar_id) {
+  const int up = n_out / 2, g0 = col0 / 2;
+  if (rows >= 64) {
+    if (t == 0) bulk_wait_read_all();
+    named_sync(bar_id, 128);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int pair = 4 * j + c0 / 2;  // of the half's 64
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const int q = r0 + 8 * rh;
+          const int off = q * 128 + (((pair / 8) ^ (q % 8)) << 4) + 2 * (pair % 8);
+          *reinterpret_cast<__nv_bfloat16*>(ebuf + h * kRowsBoxBytes + off) = __float2bfloat16_rn(acc[h][4 * j + 2 * rh]);
+          *reinterpret_cast<__nv_bfloat16*>(ebuf + (kHalves + h) * kRowsBoxBytes + off) =
+              __float2bfloat16_rn(acc[h][4 * j + 2 * rh + 1]);
+        }
+      }
+    fence_async_smem();  // the writes above before the async proxy reads them
+    named_sync(bar_id, 128);
+    if (t == 0) {
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        tma_store_2d(map_d, ebuf + h * kRowsBoxBytes, g0 + 64 * h, int(row0));
+        tma_store_2d(map_d, ebuf + (kHalves + h) * kRowsBoxBytes, up + g0 + 64 * h, int(row0));
+      }
+      bulk_commit();
+    }
+  } else {
+    bf16_t* dst = d + row0 * n_out + g0 + c0 / 2;
+    const bool v0 = r0 < rows, v1 = r0 + 8 < rows;
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        bf16_t* q = dst + h * 64 + 4 * j;
+        if (v0) {
+          reinterpret_cast<__nv_bfloat16*>(q + int64_t(r0) * n_out)[0] = __float2bfloat16_rn(acc[h][4 * j + 0]);
+          reinterpret_cast<__nv_bfloat16*>(q + int64_t(r0) * n_out + up)[0] = __float2bfloat16_rn(acc[h][4 * j + 1]);
+        }
+        if (v1) {
+          reinterpret_cast<__nv_bfloat16*>(q + int64_t(r0 + 8) * n_out)[0] = __float2bfloat16_rn(acc[h][4 * j + 2]);
+          reinterpret_cast<__nv_bfloat16*>(q + int64_t(r0 + 8) * n_out + up)[0] =
+              __float2bfloat16_rn(acc[h][4 * j + 3]);
+        }
+      }
+  }
+}
 #endif  // FLOWMOE_SM90A
 
 }  // namespace sm90

@@ -31,6 +31,13 @@
 // expert's padding; kWgradInterleaved (128-wide tiles) also loads a tile's B columns as a gate box
 // and an up box (up_offset apart) and writes them alternating, gpt-oss's gate_up_proj columns.
 // Each is an instantiation of its own: the plain wgrad's code is unchanged.
+//
+// Stored weights in fprop / dgrad (gemm.h StoredW; Params::b_stored): B through a 3-D map, each
+// expert's W^T [rows][cols] at its own coordinate, so that rows and columns past the stored ones
+// (a padded layer's) read as zeros rather than the next expert's; fprop reads it MN-major, dgrad
+// K-major (the transposes of the layer's W). Mode::kDgradSplit (fprop of gate_up_proj): the tile's
+// columns are gate / up pairs, and its epilogue (rows_half_to_global_split) writes the gates and
+// the ups to D's two halves, h in the layer's order.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -62,7 +69,9 @@ constexpr int kThreads = 384;
 constexpr int kBox = 64 * kDepth * 2;  // an MN-major box: 64 k-rows of 64 elements, 8 KB
 constexpr int kSchedBytes = 2 * (kMaxGroupedExperts + 1) * 4;  // offsets and tile prefix
 
-enum class Mode { kFprop, kDgrad, kWgrad, kWgradStored, kWgradInterleaved };
+// kFprop: B K-major (W [n][k]); kDgrad: B MN-major (W [k][n]); kDgradSplit: B MN-major whose n
+// columns hold gate / up pairs (2 j, 2 j + 1), D's column j the gate's and n/2 + j the up's.
+enum class Mode { kFprop, kDgrad, kDgradSplit, kWgrad, kWgradStored, kWgradInterleaved };
 constexpr bool is_wgrad(Mode m) { return m == Mode::kWgrad || m == Mode::kWgradStored || m == Mode::kWgradInterleaved; }
 
 // One output-tile width and pass: the ring of stages takes what shared memory (227 KB per CTA)
@@ -90,6 +99,8 @@ struct Params {
   int accumulate;
   int store;  // WgradStore
   int up_offset;  // kWgradInterleaved: the up columns of B start here (the gate ones at 0)
+  int b_stored;   // fprop / dgrad: B through a 3-D map, expert e's matrix at its own coordinate (its
+                  // rows and columns past the stored ones read as zeros), else the 2-D [E * rows, cols]
   unsigned long long* bad_segments;
 };
 
@@ -157,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
         if (skipped(tile)) continue;
         const int nkb = stages_of(tile);
-        int a_row = 0, b_row = 0, a_col = 0, b_col = 0;  // the first box of the tile's A and B
+        int a_row = 0, b_row = 0, a_col = 0, b_col = 0, b_mat = 0;  // the first box of the tile's A and B
         if constexpr (kWgrad) {
           const int e = tile / per_expert, r = tile % per_expert;
           a_row = b_row = s_off[e];
@@ -166,7 +177,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         } else {
           const RowTile rt = row_tile(s_off, s_start, E, tile);
           a_row = rt.off + rt.local0;
-          b_row = kMode == Mode::kFprop ? rt.e * p.n + rt.nt * kBN : rt.e * p.k;
+          const int e_row = p.b_stored ? 0 : rt.e;  // (stored: the expert is the map's third coordinate)
+          b_mat = rt.e;
+          b_row = kMode == Mode::kFprop ? e_row * p.n + rt.nt * kBN : e_row * p.k;
           b_col = rt.nt * kBN;
         }
         for (int kb = 0; kb < nkb; ++kb, ++it) {
@@ -182,14 +195,22 @@ __global__ void __launch_bounds__(kThreads, 1)
           } else {
             tma_load_2d(sa, &map_a, &full[s], kd, a_row);  // 128 rows x 64
           }
-          if constexpr (kMode == Mode::kFprop) {
-            tma_load_2d(sb, &map_b, &full[s], kd, b_row);  // kBN rows x 64
+          if constexpr (kMode == Mode::kFprop) {  // kBN rows x 64
+            if (p.b_stored)
+              tma_load_3d(sb, &map_b, &full[s], kd, b_row, b_mat);
+            else
+              tma_load_2d(sb, &map_b, &full[s], kd, b_row);
           } else if constexpr (kInterleaved) {  // gate columns, then their up columns
             tma_load_2d(sb, &map_b, &full[s], b_col, b_row + kd);
             tma_load_2d(sb + kBox, &map_b, &full[s], p.up_offset + b_col, b_row + kd);
           } else {
 #pragma unroll
-            for (int i = 0; i < kBN / 64; ++i) tma_load_2d(sb + i * kBox, &map_b, &full[s], b_col + 64 * i, b_row + kd);
+            for (int i = 0; i < kBN / 64; ++i) {
+              if (!kWgrad && p.b_stored)
+                tma_load_3d(sb + i * kBox, &map_b, &full[s], b_col + 64 * i, b_row + kd, b_mat);
+              else
+                tma_load_2d(sb + i * kBox, &map_b, &full[s], b_col + 64 * i, b_row + kd);
+            }
           }
         }
       }
@@ -258,8 +279,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {  // full halves staged and stored by TMA, partial ones from the fragments (rows_tma_epilogue.cuh)
       const RowTile rt = row_tile(s_off, s_start, E, tile);
       const int local0 = rt.local0 + 64 * ci;  // first row of this half in the expert
-      rows_half_to_global<C::kHalves>(acc, epi + ci * (kBN / 64) * kRowsBoxBytes, &map_out, p.d, p.n,
-                                      int64_t(rt.off) + local0, rt.rows - local0, rt.nt * kBN, t, r0, c0, 1 + ci);
+      if constexpr (kMode == Mode::kDgradSplit)
+        rows_half_to_global_split<C::kHalves>(acc, epi + ci * (kBN / 64) * kRowsBoxBytes, &map_out, p.d, p.n,
+                                              int64_t(rt.off) + local0, rt.rows - local0, rt.nt * kBN, t, r0, c0,
+                                              1 + ci);
+      else
+        rows_half_to_global<C::kHalves>(acc, epi + ci * (kBN / 64) * kRowsBoxBytes, &map_out, p.d, p.n,
+                                        int64_t(rt.off) + local0, rt.rows - local0, rt.nt * kBN, t, r0, c0, 1 + ci);
     }
   }
   if (t == 0) bulk_wait_all();  // the bulk operations have read the buffers before the CTA exits
@@ -285,6 +311,8 @@ int sm_count() {
     allow_smem<256, Mode::kFprop>();
     allow_smem<128, Mode::kDgrad>();
     allow_smem<256, Mode::kDgrad>();
+    allow_smem<128, Mode::kDgradSplit>();
+    allow_smem<256, Mode::kDgradSplit>();
     allow_smem<128, Mode::kWgrad>();
     allow_smem<256, Mode::kWgrad>();
     allow_smem<128, Mode::kWgradStored>();
@@ -336,6 +364,13 @@ const char* common_unsupported(const int32_t* offsets, int experts, int64_t m, i
 const char* bf16_rows_unsupported(const Bf16RowsArgs& a) {
   if (const char* why = common_unsupported(a.offsets, a.num_experts, a.m, a.n_out, a.k_red)) return why;
   if ((a.m / kTile + a.num_experts) * (a.n_out / kTile) >= (int64_t(1) << 31)) return "more than 2^31 output tiles";
+  if (a.b_rows != 0 || a.b_cols != 0) {
+    const int64_t max_rows = a.b_mn_major ? a.k_red : a.n_out, max_cols = a.b_mn_major ? a.n_out : a.k_red;
+    if (a.b_rows < 1 || a.b_cols < 1 || a.b_rows > max_rows || a.b_cols > max_cols)
+      return "the stored weight's matrix is empty or larger than the GEMM's";
+    if (a.b_cols * 2 % 16 != 0) return "the stored weight's rows are not a multiple of 16 bytes";
+  }
+  if (a.split_gate_up && !a.b_mn_major) return "gate / up pairs are read from an MN-major B only";
   if (a.m == 0) return nullptr;
   if (!a.a || !a.b || !a.d) return "a null operand pointer";
   if (!aligned16(a.a) || !aligned16(a.b) || !aligned16(a.d)) return "operands or output not 16-byte aligned";
@@ -353,11 +388,19 @@ void bf16_grouped_rows(const Bf16RowsArgs& a, const char* what, cudaStream_t str
   const bool wide = a.n_out % 256 == 0;
   const int bn = wide ? 256 : 128;
   const CUtensorMap ma = bf16_map(a.a, a.m, a.k_red, kTile, what);
-  const CUtensorMap mb = a.b_mn_major ? bf16_map(a.b, a.num_experts * a.k_red, a.n_out, 64, what)
-                                      : bf16_map(a.b, a.num_experts * a.n_out, a.k_red, bn, what);
+  const bool stored = a.b_rows > 0;
+  p.b_stored = stored ? 1 : 0;
+  const CUtensorMap mb =
+      stored ? make_tensor_map_3d(a.b, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, uint64_t(a.num_experts), uint64_t(a.b_rows),
+                                  uint64_t(a.b_cols), a.b_mn_major ? 64 : bn, 64, CU_TENSOR_MAP_SWIZZLE_128B, what)
+      : a.b_mn_major ? bf16_map(a.b, a.num_experts * a.k_red, a.n_out, 64, what)
+                     : bf16_map(a.b, a.num_experts * a.n_out, a.k_red, bn, what);
   const int64_t max_tiles = (a.m / kTile + a.num_experts) * (a.n_out / bn);
   const CUtensorMap md = bf16_map(a.d, a.m, a.n_out, 64, what);
-  if (a.b_mn_major)
+  if (a.split_gate_up)
+    wide ? launch<256, Mode::kDgradSplit>(ma, mb, md, p, max_tiles, stream)
+         : launch<128, Mode::kDgradSplit>(ma, mb, md, p, max_tiles, stream);
+  else if (a.b_mn_major)
     wide ? launch<256, Mode::kDgrad>(ma, mb, md, p, max_tiles, stream)
          : launch<128, Mode::kDgrad>(ma, mb, md, p, max_tiles, stream);
   else

@@ -30,6 +30,13 @@ struct Bf16RowsArgs {
   const bf16_t* a = nullptr;         // [m, k_red], 16-byte aligned
   const bf16_t* b = nullptr;         // as above, 16-byte aligned
   bool b_mn_major = false;
+  // B where a model stores it: expert e's matrix [b_rows][b_cols] at b + e * b_rows * b_cols
+  // (b_rows <= k_red and b_cols <= n_out MN-major, b_rows <= n_out and b_cols <= k_red K-major;
+  // rows and columns past them read as zeros), else 0: the layer's [E * rows][cols].
+  int64_t b_rows = 0, b_cols = 0;
+  // (MN-major B) B's n_out columns are gate / up pairs (2 i, 2 i + 1): D's column i takes pair i's
+  // gate and n_out / 2 + i its up (gpt-oss's gate_up_proj read where stored, h in the layer's order)
+  bool split_gate_up = false;
   bf16_t* d = nullptr;               // [m, n_out], 16-byte aligned
   // Malformed offsets count once in status->bad_segments (may be null) and leave D untouched.
   DeviceStatus* status = nullptr;

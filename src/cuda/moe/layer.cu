@@ -421,7 +421,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   call.routing_probs = ext.probs;
   StepContext c = context(std::move(step), call);
   c.route(x);
-  if (path_.bf16_relay_per_pass) relay_params(params);
+  if (path_.bf16_relay_per_pass && !c.stored_gemms()) relay_params(params);
   pipeline_->forward(c, y);  // (pipelines/: the expert path of path_.dataflow, from the token rows to y)
   step_ = c.take_step();
   if (!path_.sync_free) save_activations(row_counts());  // (sync_free: when the report is read)
@@ -462,7 +462,7 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   call.params = params;
   call.grads_accumulate = g.accumulate;
   StepContext c = context(step_, call);  // (a copy: the layer's step backs any number of backwards)
-  if (path_.bf16_relay_per_pass) relay_params(params);
+  if (path_.bf16_relay_per_pass && !c.stored_gemms(g)) relay_params(params);
   pipeline_->backward(c, dy, g);  // (pipelines/: from dy to the dX rows and the wgrads)
   if (streams_.tail()) {  // the tail stream joins stream_ even when the tail throws (stream-ordered,
                           // so that a graph capture stays well-formed; errors of the join ignored)

@@ -177,6 +177,32 @@ const bf16_t* StepContext::bf16_weight(int g) const {
   FLOWMOE_CHECK(w != nullptr, "internal error: the BF16 parameters read in place are missing (W" << g << ")");
   return w;
 }
+bool StepContext::stored_gemms() const {
+  const ExpertStorage& st = call_params_.storage;
+  return path_.bf16_stored_gemms && call_params_.w1_bf16 && !st.is_layer_layout() && (st.interleaved || st.ffn == F_);
+}
+bool StepContext::stored_gemms(const MoeGrads& g) const {
+  const ExpertStorage &p = call_params_.storage, &s = g.storage;
+  return stored_gemms() &&
+         (!g.wants_dw1() || (s.hidden == p.hidden && s.ffn == p.ffn && s.interleaved == p.interleaved));
+}
+gemm::StoredW StepContext::stored_weight(int g) const {
+  const ExpertStorage& st = call_params_.storage;
+  gemm::StoredW w;
+  if (g == 1)
+    w.data = call_params_.w1_bf16, w.rows = st.hidden, w.cols = 2 * st.ffn, w.gate_up = st.interleaved;
+  else
+    w.data = call_params_.w2_bf16, w.rows = st.ffn, w.cols = st.hidden;
+  return w;
+}
+void StepContext::bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const gemm::StoredW& w, bf16_t* out) {
+  gemm_->fprop_bf16(gemm::DeviceSegments{segment_offsets(), El_, step_.Mp, st_fwd_aux()}, n, k,
+                    cs<bf16_t>(in, step_.Mp * k), w, ms<bf16_t>(out, step_.Mp * n), stream_);
+}
+void StepContext::bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const gemm::StoredW& w, bf16_t* out) {
+  gemm_->dgrad_bf16(gemm::DeviceSegments{segment_offsets(), El_, step_.Mp, st_bwd_aux()}, n, k,
+                    cs<bf16_t>(in, step_.Mp * n), w, ms<bf16_t>(out, step_.Mp * k), stream_);
+}
 void StepContext::bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out) {
   const auto x = cs<bf16_t>(in, step_.Mp * k);
   const auto wt = cs<bf16_t>(w, int64_t(El_) * n * k);

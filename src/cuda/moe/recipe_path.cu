@@ -82,6 +82,7 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
   // the GEMMs read the parameters themselves, which the caller keeps until the backward
   p.bf16_params_in_place = options.caller_memory && options.bf16_params_in_place && s.weights == WeightCopy::kBf16Only;
   p.bf16_relay_per_pass = p.bf16_params_in_place && options.bf16_params_stored;
+  p.bf16_stored_gemms = p.bf16_relay_per_pass && p.grouped_gemm;
   // ... a group of experts at a time, so that W^T of every expert never exists at once: where the
   // grouped kernel runs the dgrad over a range of the experts (UE8M0 row scales: no expert-packed
   // scales to re-base) and not through the fused dSwiGLU (it reads all of W2^T). Even groups.

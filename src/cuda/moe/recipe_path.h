@@ -50,7 +50,10 @@ struct RecipePath {
   bool bf16_params_in_place = false;  // bf16: the GEMMs read the caller's BF16 parameters, no BF16
                                       // copies (CudaLayerOptions::bf16_params_in_place) ...
   bool bf16_relay_per_pass = false;   // ... or, stored as a model keeps them, each pass's relaid
-                                      // copies in its transient region (bf16_params_stored)
+                                      // copies in its transient region (bf16_params_stored) ...
+  bool bf16_stored_gemms = false;     // ... which the grouped kernels read where they are stored instead
+                                      // (gemm.h StoredW), where the storage allows (StepContext::
+                                      // stored_gemms): no relay
   // With transposes_in_backward: the experts of W1^T / W2^T made at once, each group just before
   // its dgrad (CudaLayerOptions::dgrad_weight_chunk_bytes); all local experts otherwise
   int wt_chunk1 = 0, wt_chunk2 = 0;

@@ -224,10 +224,20 @@ class StepContext {
   // The BF16 W_g [El, n, k] the bf16 recipe's GEMMs read: the weights region's copy, or the
   // parameters of the running forward / backward where the layer reads them in place
   const bf16_t* bf16_weight(int g) const;
+  // RecipePath::bf16_stored_gemms: whether this forward's (and, for a backward, its gradients') storage
+  // lets the GEMMs read the stored parameters in place (gate / up pairs or no padding of F; a
+  // backward's dW1 stored the same way or not asked for), else the pass relays them (relay_params).
+  bool stored_gemms() const;
+  bool stored_gemms(const MoeGrads& g) const;
+  // W_g where the model stores it (stored_gemms): W1^T [Hs][2Fs], W2^T [Fs][Hs] per expert.
+  gemm::StoredW stored_weight(int g) const;
   void bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
   void bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const bf16_t* w, bf16_t* out);
   void bf16_wgrad(const bf16_t* grad, int64_t n, const bf16_t* in, int64_t k, float* dw, bf16_t* dw_bf16,
                   const gemm::StoredDw& stored = {});
+  // The same fprop and dgrad on a stored weight (stored_weight; the grouped kernels)
+  void bf16_fprop(const bf16_t* in, int64_t n, int64_t k, const gemm::StoredW& w, bf16_t* out);
+  void bf16_dgrad(const bf16_t* in, int64_t n, int64_t k, const gemm::StoredW& w, bf16_t* out);
 
   // ---- token movement (ep_exchange.cu) ----------------------------------------------------------------
   void move_bf16(const bf16_t* tok, bf16_t* rows, MoePass pass, const char* name);
@@ -252,7 +262,8 @@ class StepContext {
   void gemm2_then_combine(const char* gemm_stage, const std::function<void()>& gemm2, bf16_t* y);
   // MoeConfig::gemm1_bias: h += b1 after GEMM1; db1 from dH (BF16 or row-wise FP8)
   void add_gemm1_bias();
-  void gemm1_bias_grad_bf16(const MoeGrads& g);
+  // (dh_gate_up: dh's columns as gate / up pairs, db1 still in the layer's order)
+  void gemm1_bias_grad_bf16(const MoeGrads& g, bool dh_gate_up = false);
   void gemm1_bias_grad_fp8(const MoeGrads& g, const QTensorView& dh_row);
   // The UE8M0 recipes' backward GEMMs (blockwise, flow, flow-fp4); `side`: the side event the
   // wgrad waits for, or -1

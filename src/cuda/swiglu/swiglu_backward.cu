@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kThreads)
 dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
                    const float* __restrict__ prow, int64_t m, int64_t f, bf16_t* __restrict__ dh,
                    float* __restrict__ dpart, unsigned long long* nonfinite, const int32_t* __restrict__ m_bound,
-                   GatedActivation act) {
+                   GatedActivation act, bool gate_up) {
   const int64_t kb = blockIdx.y;
   const int64_t mb = detail::bounded_rows(m, m_bound);  // rows processed; m is dpart's stride
   const int lane = threadIdx.x & 15;
@@ -70,9 +70,18 @@ dswiglu_row_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h,
       detail::count_nonfinite_warp(nonfinite, du, mu >= detail::kBf16NonFiniteBits);
     }
     if (r < mb) {
-      bf16_t* dst = dh + r * 2 * f + kb * kTile + lane * 8;
-      *reinterpret_cast<uint4*>(dst) = canonical_nan8(dg, mg);
-      *reinterpret_cast<uint4*>(dst + f) = canonical_nan8(du, mu);
+      const uint4 g = canonical_nan8(dg, mg), u = canonical_nan8(du, mu);
+      if (gate_up) {  // the 8 pairs (d gate j, d up j) side by side: 32 bytes from column 2 j
+        uint4* dst = reinterpret_cast<uint4*>(dh + r * 2 * f + 2 * (kb * kTile + lane * 8));
+        dst[0] = make_uint4(__byte_perm(g.x, u.x, 0x5410), __byte_perm(g.x, u.x, 0x7632),
+                            __byte_perm(g.y, u.y, 0x5410), __byte_perm(g.y, u.y, 0x7632));
+        dst[1] = make_uint4(__byte_perm(g.z, u.z, 0x5410), __byte_perm(g.z, u.z, 0x7632),
+                            __byte_perm(g.w, u.w, 0x5410), __byte_perm(g.w, u.w, 0x7632));
+      } else {
+        bf16_t* dst = dh + r * 2 * f + kb * kTile + lane * 8;
+        *reinterpret_cast<uint4*>(dst) = g;
+        *reinterpret_cast<uint4*>(dst + f) = u;
+      }
     }
   }
 }
@@ -315,7 +324,7 @@ dswiglu_quant_kernel(const bf16_t* __restrict__ da, const bf16_t* __restrict__ h
 // ================================================================================================
 void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh,
              DeviceStatus* status, cudaStream_t stream, const float* prow, float* dprow_part,
-             const int32_t* rows_bound, const GatedActivation& act) {
+             const int32_t* rows_bound, const GatedActivation& act, bool dh_gate_up) {
   const char* what = "cuda::dswiglu";
   check_f(f, what);
   check_act(act, what);
@@ -327,10 +336,10 @@ void dswiglu(const bf16_t* da, const bf16_t* h, int64_t m, int64_t f, bf16_t* dh
   check_aligned(dh, "dh", what);
   if (prow) {
     dswiglu_row_kernel<true><<<row_grid(m, f), kThreads, 0, stream>>>(
-        da, h, prow, m, f, dh, dprow_part, nonfinite_ptr(status), rows_bound, act);
+        da, h, prow, m, f, dh, dprow_part, nonfinite_ptr(status), rows_bound, act, dh_gate_up);
   } else {
     dswiglu_row_kernel<false><<<row_grid(m, f), kThreads, 0, stream>>>(
-        da, h, nullptr, m, f, dh, nullptr, nonfinite_ptr(status), rows_bound, act);
+        da, h, nullptr, m, f, dh, nullptr, nonfinite_ptr(status), rows_bound, act, dh_gate_up);
   }
   FLOWMOE_LAUNCH_CHECK(what);
 }

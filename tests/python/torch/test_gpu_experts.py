@@ -247,10 +247,12 @@ def test_gpu_gpt_oss_weights_read_in_place_give_the_bits_of_relaid_ones(recipe, 
 
 
 def test_gpu_gpt_oss_bf16_grouped_kernels_write_the_stored_gradients():
-    """bf16 on its grouped kernels (sync_free, as flowmoe.hf runs it): the BF16 wgrad writes
-    gate_up_proj's and down_proj's gradients where they are stored (the layer's writes_stored_grads;
-    no mapping pass), y and every other gradient with the bits of the weights relaid by hand, the
-    two weights' within one BF16 rounding of theirs (the swapped operands' FP32 sums, rounded once)."""
+    """bf16 on its grouped kernels (sync_free, as flowmoe.hf runs it) reads gate_up_proj and down_proj
+    where they are stored (no relaid copy: gemm.h StoredW) and its BF16 wgrad writes their gradients
+    there (the layer's writes_stored_grads; no mapping pass): y and the routing and bias gradients
+    with the bits of the weights relaid by hand; dx within a BF16 rounding (GEMM1's dgrad reduces over
+    the stored gate / up pairs' order); the two weights' within one BF16 rounding of theirs (the
+    swapped operands' FP32 sums, rounded once)."""
     import test_experts_gpt_oss as go
     from flowmoe.experts import _layers
 
@@ -260,8 +262,10 @@ def test_gpu_gpt_oss_bf16_grouped_kernels_write_the_stored_gradients():
     layer = next(iter(_layers[id(leaves[2])][1].values()))
     assert layer._stored_grads(layer._runner, True), "the layer maps the gradients instead of writing them"
     y2, (dx, dl, dw1, db1, dw2, db2) = go.run_relaid("bf16", x, logits, gate_up, b1, down, b2, dy, sync_free=True)
-    assert torch.equal(y, y2) and torch.equal(g[0], dx) and torch.equal(g[1], dl) and torch.equal(g[5], db2)
+    assert torch.equal(y, y2) and torch.equal(g[1], dl) and torch.equal(g[5], db2)
     assert torch.equal(torch.cat([g[3][:, 0::2], g[3][:, 1::2]], 1), db1)
+    ddx = (g[0].float() - dx.float()).abs()
+    assert bool((ddx <= dx.float().abs() * 2.0 ** -7 + 2.0 ** -20).all()), float(ddx.max())
     g1 = g[2].transpose(1, 2)
     for got, want, name in ((torch.cat([g1[:, 0::2], g1[:, 1::2]], 1), dw1, "gate_up_proj"),
                             (g[4].transpose(1, 2), dw2, "down_proj")):

@@ -36,10 +36,11 @@ void StepContext::gemm2_then_combine(const char* gemm_stage, const std::function
 
 // db1 (MoeConfig::gemm1_bias) from the dH that GEMM1's dgrad reads: BF16 (bf16, blockwise) or
 // row-wise FP8 (flow, flow-fp4), as the CPU layer.
-void StepContext::gemm1_bias_grad_bf16(const MoeGrads& g) {
+void StepContext::gemm1_bias_grad_bf16(const MoeGrads& g, bool dh_gate_up) {
   if (!g.db1) return;
   auto s = bwd("GEMM1 bias grad (db1 from bf16 dh)");
-  expert_bias_grad(ws_.expert.dh, step_.Mp, 2 * F_, segment_offsets(), El_, g.db1, g.accumulate, rows_bound(), stream_);
+  expert_bias_grad(ws_.expert.dh, step_.Mp, 2 * F_, segment_offsets(), El_, g.db1, g.accumulate, rows_bound(), stream_,
+                   dh_gate_up);
 }
 void StepContext::gemm1_bias_grad_fp8(const MoeGrads& g, const QTensorView& dh_row) {
   if (!g.db1) return;
