@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <memory>
 #include <random>
 #include <vector>
@@ -130,34 +131,43 @@ TEST(ExpertBiasGpu, GradMatchesCpu) {
   }
 }
 
-// Every E4M3 code (NaN, subnormals, +-0, +-448) under every kind of scale (the smallest 2^-127, 2^0,
-// the largest, whose products overflow to inf, and the NaN scale), with the segments' sums: the
-// decode and the sums of the CPU reference, bit for bit.
+// Every E4M3 code under every kind of scale, a segment per kind so that each is seen: the smallest
+// scales 2^-127 and 2^-126 (subnormal products), 2^0, the largest 2^127 (positive codes: sums
+// overflowing to +inf), each without NaN codes; then NaN codes, and the NaN scale. Against the CPU
+// reference's decode and sums, bit for bit.
 TEST(ExpertBiasGpu, Fp8GradOfEveryCodeAndScale) {
   REQUIRE_DEVICE();
   const int64_t n = 256;
-  const Segments seg = padded_segments({5, 128, 0, 300}, 128);
+  const std::vector<int32_t> lens = {300, 256, 128, 200, 131, 128};
+  const uint8_t kScale[] = {0, 1, 127, 254, 120, 255};
+  const Segments seg = padded_segments(lens, 128);
   const int64_t m = seg.num_tokens();
   const int E = seg.num_segments();
   QTensor q;
   std::vector<bf16_t> zeros(m * n, 0);
   cpu::quantize_row(zeros.data(), m, n, &q);  // (the layout; codes and scales set below)
-  std::mt19937 rng(9);
-  for (int64_t i = 0; i < m * n; ++i) q.codes[i] = static_cast<uint8_t>((i * 37 + i / n) & 0xFF);
-  const uint8_t kScales[] = {0, 1, 100, 127, 140, 200, 254, 255};
-  for (size_t i = 0; i < q.scales.size(); ++i) q.scales[i] = kScales[rng() % 8];
-  // (segment 1 without NaN codes, under a moderate scale: finite sums, subnormal codes among them)
-  for (int64_t r = seg.offsets[1]; r < seg.offsets[2]; ++r)
-    for (int64_t c = 0; c < n; ++c)
-      if (num::e4m3_is_nan(q.codes[r * n + c])) q.codes[r * n + c] = 0x7E;
-  for (int64_t r = seg.offsets[1]; r < seg.offsets[2]; ++r) q.scales[r] = q.scales[m + r] = 120;
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = seg.offsets[e]; r < seg.offsets[e + 1]; ++r) {
+      for (int64_t c = 0; c < n; ++c) {
+        uint8_t v = static_cast<uint8_t>((37 * c + 11 * r) & 0xFF);  // (every code, -0 = 0x80 among them)
+        if (e < 4 && num::e4m3_is_nan(v)) v = static_cast<uint8_t>((v & 0x80u) | 0x7Eu);
+        if (e == 3) v &= 0x7Fu;  // (+inf sums, no inf - inf)
+        q.codes[r * n + c] = v;
+      }
+      for (int64_t b = 0; b < n / 128; ++b) q.scales[b * m + r] = kScale[e];
+    }
   std::vector<float> old(E * n, 1.5f), want = old;
   cpu::expert_bias_grad(q, seg, want.data(), true);
   DBuf<uint8_t> codes(q.codes), scales(q.scales);
   DBuf<int32_t> off(seg.offsets);
   DBuf<float> g(old);
   cuda::expert_bias_grad_fp8(codes.p, scales.p, m, n, off.p, E, g.p, true, nullptr, nullptr);
-  expect_same_bits(want, g.get(), "db (fp8, every code)");
+  const std::vector<float> got = g.get();
+  expect_same_bits(want, got, "db (fp8, every code)");
+  // (each kind seen: finite sums under the small and unit scales, +inf under the largest, NaN last)
+  for (int e : {0, 1, 2}) EXPECT_TRUE(std::isfinite(want[e * n])) << "segment " << e;
+  EXPECT_TRUE(std::isinf(want[3 * n]) && want[3 * n] > 0);
+  EXPECT_TRUE(std::isnan(want[4 * n]) && std::isnan(want[5 * n]));
 }
 
 // The experts-only layer with gpt-oss's experts: CUDA against the CPU layer, and sync_free's bits.
