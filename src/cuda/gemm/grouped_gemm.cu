@@ -506,13 +506,14 @@ void GroupedGemm::wgrad_bf16(const Segments& seg, int64_t n, int64_t k, Span<con
 namespace {
 // fprop (n_out = N, k_red = K, B = W K-major) and dgrad (n_out = K, k_red = N, B = W read MN-major):
 // A [capacity, k_red], W E x [N, K], D [capacity, n_out].
-// (stored: w holds the stored matrices, sized by the caller)
+// (stored: w holds the stored matrices, sized by the caller, read with the other major-ness)
 sm90::Bf16RowsArgs bf16_rows_args(const gemm::DeviceSegments& seg, int64_t n_out, int64_t k_red,
                                   gemm::Span<const bf16_t> a, gemm::Span<const bf16_t> w, gemm::Span<bf16_t> d,
-                                  bool w_mn_major, const char* what, bool stored = false) {
-  check_span_holds(a.size, seg.capacity * k_red, what, w_mn_major ? "dy" : "x");
+                                  bool dgrad, const char* what, bool stored = false) {
+  check_span_holds(a.size, seg.capacity * k_red, what, dgrad ? "dy" : "x");
   if (!stored) check_span_holds(w.size, int64_t(seg.num_segments) * n_out * k_red, what, "w");
-  check_span_holds(d.size, seg.capacity * n_out, what, w_mn_major ? "dx" : "y");
+  check_span_holds(d.size, seg.capacity * n_out, what, dgrad ? "dx" : "y");
+  const bool w_mn_major = dgrad != stored;
   sm90::Bf16RowsArgs r;
   r.offsets = seg.offsets;
   r.num_experts = seg.num_segments;
@@ -552,7 +553,7 @@ void GroupedGemm::fprop_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Sp
   check_device_segments(seg, what);
   FLOWMOE_CHECK(w.data != nullptr, what << ": no stored weight");
   sm90::Bf16RowsArgs a = bf16_rows_args(seg, n, k, x, {w.data, int64_t(seg.num_segments) * w.rows * w.cols}, y,
-                                        /*w_mn_major=*/true, what, /*stored=*/true);
+                                        /*dgrad=*/false, what, /*stored=*/true);  // (W^T read MN-major)
   a.b_rows = w.rows, a.b_cols = w.cols, a.split_gate_up = w.gate_up;
   sm90::bf16_grouped_rows(a, what, stream);
   impl_->stats.bf16_kernel_calls += seg.capacity > 0;
@@ -564,7 +565,7 @@ void GroupedGemm::dgrad_bf16(const DeviceSegments& seg, int64_t n, int64_t k, Sp
   check_device_segments(seg, what);
   FLOWMOE_CHECK(w.data != nullptr, what << ": no stored weight");
   sm90::Bf16RowsArgs a = bf16_rows_args(seg, k, n, dy, {w.data, int64_t(seg.num_segments) * w.rows * w.cols}, dx,
-                                        /*w_mn_major=*/false, what, /*stored=*/true);
+                                        /*dgrad=*/true, what, /*stored=*/true);  // (W^T read K-major)
   a.b_rows = w.rows, a.b_cols = w.cols;  // (gate_up: dy's columns in the stored order already)
   sm90::bf16_grouped_rows(a, what, stream);
   impl_->stats.bf16_kernel_calls += seg.capacity > 0;
