@@ -30,9 +30,13 @@ constexpr int kRowsBoxBytes = 64 * 128;
 // written). A full half goes through `ebuf` as BF16 (16-byte chunk c of row q at c ^ (q % 8): the
 // TMA's 128-byte swizzle, conflict-free writes) and out by TMA stores one thread issues; the
 // warpgroup goes on to its next tile, and the buffer is waited for (read) only when the next full
-// half refills it. A partial half (an expert's last token tile) stores BF16 pairs from the
-// fragments. `bar_id`: the warpgroup's named barrier.
-template <int kHalves>
+// half refills it. A partial half (an expert's last token tile) stores BF16 from the fragments.
+// `bar_id`: the warpgroup's named barrier.
+// kSplit (the bf16 kernel's Mode::kDgradSplit): the tile's columns are gate / up pairs (column 2 i
+// the gate's, 2 i + 1 the up's of pair i); D's columns [0, n_out / 2) take the gates and
+// [n_out / 2, n_out) the ups, the tile's pairs from pair col0 / 2 on: the gates and the ups staged
+// as boxes of their own (same swizzle) and stored apart.
+template <int kHalves, bool kSplit = false>
 __device__ __forceinline__ void rows_half_to_global(const float (&acc)[kHalves][64], uint8_t* ebuf,
                                                     const CUtensorMap* map_d, bf16_t* d, int n_out, int64_t row0,
                                                     int rows, int col0, int t, int r0, int c0, int bar_id) {
@@ -44,94 +48,71 @@ __device__ __forceinline__ void rows_half_to_global(const float (&acc)[kHalves][
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         uint8_t* box = ebuf + (2 * h + j / 8) * kRowsBoxBytes;
+        const int pair = 4 * j + c0 / 2;  // (split) of the half's 64
 #pragma unroll
         for (int rh = 0; rh < 2; ++rh) {
           const int q = r0 + 8 * rh;
-          *reinterpret_cast<__nv_bfloat162*>(box + q * 128 + (((j % 8) ^ (q % 8)) << 4) + 2 * c0) =
-              __floats2bfloat162_rn(acc[h][4 * j + 2 * rh], acc[h][4 * j + 2 * rh + 1]);
+          if constexpr (kSplit) {
+            const int off = q * 128 + (((pair / 8) ^ (q % 8)) << 4) + 2 * (pair % 8);
+            *reinterpret_cast<__nv_bfloat16*>(ebuf + h * kRowsBoxBytes + off) =
+                __float2bfloat16_rn(acc[h][4 * j + 2 * rh]);
+            *reinterpret_cast<__nv_bfloat16*>(ebuf + (kHalves + h) * kRowsBoxBytes + off) =
+                __float2bfloat16_rn(acc[h][4 * j + 2 * rh + 1]);
+          } else {
+            *reinterpret_cast<__nv_bfloat162*>(box + q * 128 + (((j % 8) ^ (q % 8)) << 4) + 2 * c0) =
+                __floats2bfloat162_rn(acc[h][4 * j + 2 * rh], acc[h][4 * j + 2 * rh + 1]);
+          }
         }
       }
     fence_async_smem();  // the writes above before the async proxy reads them
     named_sync(bar_id, 128);
     if (t == 0) {
+      if constexpr (kSplit) {  // boxes [0, kHalves) the gates, then the ups
 #pragma unroll
-      for (int b = 0; b < 2 * kHalves; ++b) tma_store_2d(map_d, ebuf + b * kRowsBoxBytes, col0 + 64 * b, int(row0));
-      bulk_commit();
-    }
-  } else {
-    bf16_t* dst = d + row0 * n_out + col0 + c0;
-    const bool v0 = r0 < rows, v1 = r0 + 8 < rows;
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h)
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        bf16_t* q = dst + h * 128 + 8 * j;
-        if (v0)
-          *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0) * n_out) =
-              __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
-        if (v1)
-          *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0 + 8) * n_out) =
-              __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
-      }
-  }
-}
-
-// The same half of a tile whose kBN columns are gate / up pairs (column 2 i the gate's, 2 i + 1 the
-// up's of the pair i; the bf16 kernel's Mode::kDgradSplit): D's columns [0, n_out / 2) take the
-// gates and [n_out / 2, n_out) the ups, the tile's pairs from pair col0 / 2 on. A full half stages
-// its 64 gates and 64 ups as two boxes (same swizzle) and stores them apart; a partial one stores
-// single BF16 values from the fragments.
-template <int kHalves>
-__device__ __forceinline__ void rows_half_to_global_split(const float (&acc)[kHalves][64], uint8_t* ebuf,
-                                                          const CUtensorMap* map_d, bf16_t* d, int n_out,
-                                                          int64_t row0, int rows, int col0, int t, int r0, int c0,
-                                                          int bar_id) {
-  const int up = n_out / 2, g0 = col0 / 2;
-  if (rows >= 64) {
-    if (t == 0) bulk_wait_read_all();
-    named_sync(bar_id, 128);
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h)
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int pair = 4 * j + c0 / 2;  // of the half's 64
-#pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-          const int q = r0 + 8 * rh;
-          const int off = q * 128 + (((pair / 8) ^ (q % 8)) << 4) + 2 * (pair % 8);
-          *reinterpret_cast<__nv_bfloat16*>(ebuf + h * kRowsBoxBytes + off) = __float2bfloat16_rn(acc[h][4 * j + 2 * rh]);
-          *reinterpret_cast<__nv_bfloat16*>(ebuf + (kHalves + h) * kRowsBoxBytes + off) =
-              __float2bfloat16_rn(acc[h][4 * j + 2 * rh + 1]);
+        for (int h = 0; h < kHalves; ++h) {
+          tma_store_2d(map_d, ebuf + h * kRowsBoxBytes, col0 / 2 + 64 * h, int(row0));
+          tma_store_2d(map_d, ebuf + (kHalves + h) * kRowsBoxBytes, n_out / 2 + col0 / 2 + 64 * h, int(row0));
         }
-      }
-    fence_async_smem();  // the writes above before the async proxy reads them
-    named_sync(bar_id, 128);
-    if (t == 0) {
+      } else {
 #pragma unroll
-      for (int h = 0; h < kHalves; ++h) {
-        tma_store_2d(map_d, ebuf + h * kRowsBoxBytes, g0 + 64 * h, int(row0));
-        tma_store_2d(map_d, ebuf + (kHalves + h) * kRowsBoxBytes, up + g0 + 64 * h, int(row0));
+        for (int b = 0; b < 2 * kHalves; ++b) tma_store_2d(map_d, ebuf + b * kRowsBoxBytes, col0 + 64 * b, int(row0));
       }
       bulk_commit();
     }
+  } else if constexpr (kSplit) {
+      const bool v0 = r0 < rows, v1 = r0 + 8 < rows;
+      bf16_t* dst = d + row0 * n_out + col0 / 2 + c0 / 2;
+      const int up = n_out / 2;
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          bf16_t* q = dst + h * 64 + 4 * j;
+          if (v0) {
+            reinterpret_cast<__nv_bfloat16*>(q + int64_t(r0) * n_out)[0] = __float2bfloat16_rn(acc[h][4 * j + 0]);
+            reinterpret_cast<__nv_bfloat16*>(q + int64_t(r0) * n_out + up)[0] = __float2bfloat16_rn(acc[h][4 * j + 1]);
+          }
+          if (v1) {
+            reinterpret_cast<__nv_bfloat16*>(q + int64_t(r0 + 8) * n_out)[0] = __float2bfloat16_rn(acc[h][4 * j + 2]);
+            reinterpret_cast<__nv_bfloat16*>(q + int64_t(r0 + 8) * n_out + up)[0] =
+                __float2bfloat16_rn(acc[h][4 * j + 3]);
+          }
+        }
   } else {
-    bf16_t* dst = d + row0 * n_out + g0 + c0 / 2;
-    const bool v0 = r0 < rows, v1 = r0 + 8 < rows;
+      bf16_t* dst = d + row0 * n_out + col0 + c0;
+      const bool v0 = r0 < rows, v1 = r0 + 8 < rows;
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h)
+      for (int h = 0; h < kHalves; ++h)
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        bf16_t* q = dst + h * 64 + 4 * j;
-        if (v0) {
-          reinterpret_cast<__nv_bfloat16*>(q + int64_t(r0) * n_out)[0] = __float2bfloat16_rn(acc[h][4 * j + 0]);
-          reinterpret_cast<__nv_bfloat16*>(q + int64_t(r0) * n_out + up)[0] = __float2bfloat16_rn(acc[h][4 * j + 1]);
+        for (int j = 0; j < 16; ++j) {
+          bf16_t* q = dst + h * 128 + 8 * j;
+          if (v0)
+            *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0) * n_out) =
+                __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
+          if (v1)
+            *reinterpret_cast<__nv_bfloat162*>(q + int64_t(r0 + 8) * n_out) =
+                __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
         }
-        if (v1) {
-          reinterpret_cast<__nv_bfloat16*>(q + int64_t(r0 + 8) * n_out)[0] = __float2bfloat16_rn(acc[h][4 * j + 2]);
-          reinterpret_cast<__nv_bfloat16*>(q + int64_t(r0 + 8) * n_out + up)[0] =
-              __float2bfloat16_rn(acc[h][4 * j + 3]);
-        }
-      }
   }
 }
 #endif  // FLOWMOE_SM90A

@@ -36,7 +36,7 @@
 // expert's W^T [rows][cols] at its own coordinate, so that rows and columns past the stored ones
 // (a padded layer's) read as zeros rather than the next expert's; fprop reads it MN-major, dgrad
 // K-major (the transposes of the layer's W). Mode::kDgradSplit (fprop of gate_up_proj): the tile's
-// columns are gate / up pairs, and its epilogue (rows_half_to_global_split) writes the gates and
+// columns are gate / up pairs, and its epilogue (rows_half_to_global<kHalves, true>) writes the gates and
 // the ups to D's two halves, h in the layer's order.
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -279,13 +279,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {  // full halves staged and stored by TMA, partial ones from the fragments (rows_tma_epilogue.cuh)
       const RowTile rt = row_tile(s_off, s_start, E, tile);
       const int local0 = rt.local0 + 64 * ci;  // first row of this half in the expert
-      if constexpr (kMode == Mode::kDgradSplit)
-        rows_half_to_global_split<C::kHalves>(acc, epi + ci * (kBN / 64) * kRowsBoxBytes, &map_out, p.d, p.n,
-                                              int64_t(rt.off) + local0, rt.rows - local0, rt.nt * kBN, t, r0, c0,
-                                              1 + ci);
-      else
-        rows_half_to_global<C::kHalves>(acc, epi + ci * (kBN / 64) * kRowsBoxBytes, &map_out, p.d, p.n,
-                                        int64_t(rt.off) + local0, rt.rows - local0, rt.nt * kBN, t, r0, c0, 1 + ci);
+      rows_half_to_global<C::kHalves, kMode == Mode::kDgradSplit>(
+          acc, epi + ci * (kBN / 64) * kRowsBoxBytes, &map_out, p.d, p.n, int64_t(rt.off) + local0,
+          rt.rows - local0, rt.nt * kBN, t, r0, c0, 1 + ci);
     }
   }
   if (t == 0) bulk_wait_all();  // the bulk operations have read the buffers before the CTA exits
