@@ -2,7 +2,8 @@
 // copy bandwidth, measured in the same run. Medians of CUDA-event timings after warm-up, random
 // data, two input sets alternated so that L2 (60 MB) never holds the input.
 //
-//   flowmoe_bench_convert [--reps N] [--config NAME] [--tokens T]
+//   flowmoe_bench_convert [--reps N] [--config NAME] [--tokens T] [--weights]
+//   (--weights: only the weight quantization at gpt-oss-20b's sizes; --config weights: the same)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "flowmoe/cuda/convert.h"
+#include "flowmoe/expert_layout.h"
 #include "flowmoe/numerics.h"
 
 #include "bench_util.cuh"
@@ -155,17 +157,71 @@ void bench_config(const Config& c, int64_t tokens_per_gpu) {
   cudaFree(sb.block_start); cudaFree(sb.block_end); cudaFree(sb.block_offsets);
 }
 
+// The FP8 weight quantization of one step (128 x 128 blocks, convert.h quantize_weights /
+// quantize_weights_stored), at gpt-oss-20b's expert sizes (32 experts, H = F = 2880 stored,
+// 2944 in the layer): the parameters in the layer's layout, and where gpt-oss stores them
+// (gate_up_proj [E, H, 2F] interleaved, down_proj [E, F, H]); W for the forward, W^T for the
+// backward, and both from one read. Bytes: BF16 read + codes and scales written.
+void bench_weights() {
+  const int E = 32;
+  const int64_t hs = 2880, fs = 2880, h = 2944, f = 2944;
+  std::printf("\nweights, gpt-oss-20b experts: %d x [%lld, %lld] and [%lld, %lld] (stored %lld x %lld)\n", E,
+              (long long)(2 * f), (long long)h, (long long)h, (long long)f, (long long)hs, (long long)fs);
+  const int64_t n1 = int64_t(E) * 2 * f * h, n2 = int64_t(E) * h * f;  // layer-layout elements
+  const int64_t s1 = int64_t(E) * hs * 2 * fs, s2 = int64_t(E) * fs * hs;  // stored elements
+  std::vector<bf16_t> hw(std::max(n1, s1));
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 0.02f);
+  for (auto& v : hw) v = num::f32_to_bf16(nd(rng));
+  bf16_t* w1 = dalloc<bf16_t>(std::max(n1, s1));
+  bf16_t* w2 = dalloc<bf16_t>(std::max(n2, s2));
+  CK(cudaMemcpy(w1, hw.data(), std::max(n1, s1) * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w2, hw.data(), std::max(n2, s2) * 2, cudaMemcpyHostToDevice));
+  uint8_t *c = dalloc<uint8_t>(n1), *sc = dalloc<uint8_t>(n1 / 16384 + 1);
+  uint8_t *tc = dalloc<uint8_t>(n1), *ts = dalloc<uint8_t>(n1 / 16384 + 1);
+  const ExpertStorage st{hs, fs, true};
+  const auto out = [](int64_t elems, int copies) { return double(copies) * (elems + elems / 16384.0); };
+  std::printf("  %-34s %12s %12s %13s %7s\n", "kernel", "bytes", "time", "bandwidth", "%copy");
+  const float d1 = time_us([&](int) { cuda::quantize_weights(w1, E, 2 * f, h, c, sc, nullptr, nullptr, nullptr, 0); });
+  const float d1t = time_us([&](int) { cuda::quantize_weights(w1, E, 2 * f, h, nullptr, nullptr, tc, ts, nullptr, 0); });
+  const float d1b = time_us([&](int) { cuda::quantize_weights(w1, E, 2 * f, h, c, sc, tc, ts, nullptr, 0); });
+  const float d2 = time_us([&](int) { cuda::quantize_weights(w2, E, h, f, c, sc, nullptr, nullptr, nullptr, 0); });
+  row("W1 layer layout, W", 2.0 * n1 + out(n1, 1), d1);
+  row("W1 layer layout, W^T", 2.0 * n1 + out(n1, 1), d1t);
+  row("W1 layer layout, W and W^T", 2.0 * n1 + out(n1, 2), d1b);
+  row("W2 layer layout, W", 2.0 * n2 + out(n2, 1), d2);
+  const auto stored1 = [&](uint8_t* cc, uint8_t* ss, uint8_t* tt, uint8_t* tts) {
+    cuda::quantize_weights_stored(w1, E, hs, 2 * fs, st.w1_rows(f), 2 * f, h, cc, ss, tt, tts, nullptr, 0);
+  };
+  const auto stored2 = [&](uint8_t* cc, uint8_t* ss, uint8_t* tt, uint8_t* tts) {
+    cuda::quantize_weights_stored(w2, E, fs, hs, st.w2_rows(), h, f, cc, ss, tt, tts, nullptr, 0);
+  };
+  const float g1 = time_us([&](int) { stored1(c, sc, nullptr, nullptr); });
+  const float g1t = time_us([&](int) { stored1(nullptr, nullptr, tc, ts); });
+  const float g2 = time_us([&](int) { stored2(c, sc, nullptr, nullptr); });
+  const float g2t = time_us([&](int) { stored2(nullptr, nullptr, tc, ts); });
+  row("gate_up_proj as stored, W (fwd)", 2.0 * s1 + out(n1, 1), g1);
+  row("gate_up_proj as stored, W^T (bwd)", 2.0 * s1 + out(n1, 1), g1t);
+  row("down_proj as stored, W (fwd)", 2.0 * s2 + out(n2, 1), g2);
+  row("down_proj as stored, W^T (bwd)", 2.0 * s2 + out(n2, 1), g2t);
+  std::printf("  one step's weight quantization as stored (fwd W + bwd W^T, both weights): %.1f us\n",
+              g1 + g1t + g2 + g2t);
+  cudaFree(w1); cudaFree(w2); cudaFree(c); cudaFree(sc); cudaFree(tc); cudaFree(ts);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string only;
   int64_t tokens = 4096;
+  bool weights_only = false;  // only the weight quantization (bench_weights)
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = std::max(3, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--config") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) tokens = std::atoll(argv[++i]);
+    else if (!std::strcmp(argv[i], "--weights")) weights_only = true;
     else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--config NAME] [--tokens T]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--reps N] [--config NAME] [--tokens T] [--weights]\n", argv[0]);
       return 2;
     }
   }
@@ -183,6 +239,8 @@ int main(int argc, char** argv) {
       {"DeepSeek-V2-Lite EP8", 2048, 64, 6, 8}, {"DeepSeek-V2-Lite EP16", 2048, 64, 6, 16},
       {"DeepSeek-V2-Lite EP32", 2048, 64, 6, 32},
   };
+  if (only.empty() || only == "weights") bench_weights();
+  if (weights_only) return 0;
   for (const Config& c : configs) {
     if (!only.empty() && only != c.name) continue;
     bench_config(c, tokens);

@@ -30,8 +30,9 @@ extern "C" {
 // them (forward, backward, backward_ex, backward_bf16, set_weights, set_weights_bf16): every call
 // takes what it needs as arguments (flowmoe_layer_forward_call, flowmoe_layer_backward_call), and
 // set_weights_ex takes the memory. Version 11 appended the forward's step output to
-// flowmoe_forward_call (callers built against version 10 are rebuilt).
-#define FLOWMOE_CAPI_VERSION 11
+// flowmoe_forward_call (callers built against version 10 are rebuilt). Version 12 appended the
+// parameters' storage to flowmoe_cuda_options (callers built against version 11 are rebuilt).
+#define FLOWMOE_CAPI_VERSION 12
 
 enum flowmoe_status_code {
   FLOWMOE_OK = 0,
@@ -107,6 +108,13 @@ typedef struct flowmoe_cuda_options {
   // parameters are stored as a model keeps them (flowmoe_weights' stored sizes) and each pass
   // relays them into its transient region.
   int32_t bf16_params_stored;
+  // Version 12, CudaLayerOptions::bf16_storage (with bf16_params_stored): the stored sizes H, F and
+  // gate / up interleaving (0 / 1) the parameters will have, where known (all 0: not known). Where
+  // the layer's grouped BF16 kernels read that storage in place, its transient region keeps no room
+  // for the relay and every call must give parameters of that kind.
+  int64_t stored_hidden;
+  int64_t stored_ffn;
+  int32_t stored_interleaved;
 } flowmoe_cuda_options;
 // flowmoe_layer_create_cuda with options (null: the defaults).
 int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm, int device,

@@ -461,10 +461,12 @@ std::unique_ptr<MoeLayer> make_cpu_layer(const MoeConfig& cfg);
 // whose message starts with `what`.
 void check_sync_free_options(const char* what, const MoeConfig& cfg, const CommShape& comm, bool sync_free,
                              bool caller_memory);
-// The rules of CudaLayerOptions::bf16_params_in_place / bf16_params_stored (host code, shared by
-// make_cuda_layer and the C ABI's flowmoe_config_check): in place needs caller_memory, stored needs
-// in place. Throws flowmoe::Error whose message starts with `what`.
-void check_param_options(const char* what, bool caller_memory, bool bf16_params_in_place, bool bf16_params_stored);
+// The rules of CudaLayerOptions::bf16_params_in_place / bf16_params_stored / bf16_storage (host
+// code, shared by make_cuda_layer and the C ABI's flowmoe_config_check): in place needs
+// caller_memory, stored needs in place, a storage needs stored and positive sizes. Throws
+// flowmoe::Error whose message starts with `what`.
+void check_param_options(const char* what, bool caller_memory, bool bf16_params_in_place, bool bf16_params_stored,
+                         const ExpertStorage& bf16_storage = ExpertStorage());
 // The activation of kActivations (swiglu_math.h) named `name` with alpha / limit where it takes
 // them; throws flowmoe::Error naming `what` and the known names otherwise.
 GatedActivation activation_from_name(const std::string& name, float alpha, float limit, const char* what);
@@ -582,6 +584,13 @@ struct CudaLayerOptions {
   // bytes per expert parameter until the backward). Costs one relay per pass instead of one per
   // weight update. set_weights then refuses the layer's layout. Same bits as the copies.
   bool bf16_params_stored = false;
+  // With bf16_params_stored: the storage the parameters will have, where known at construction
+  // (default: not known). Where flowmoe's grouped BF16 kernels read it in place (sync_free or
+  // fprop_dgrad kGrouped, align 128, one GPU; gate / up interleaved or concatenated without padding,
+  // stored rows of 16-byte multiples: H % 8 == 0, F % 4 == 0) no pass relays them, so the
+  // transient region keeps no room for the relay (2 bytes per expert parameter), and every call
+  // must then give parameters of this storage with 16-byte-aligned bases.
+  ExpertStorage bf16_storage;
   // The grouped GEMMs' options (gemm.h): cuBLASLt per expert (BF16, wgrad, grouped_gemm off) and
   // the wgrad kernel's choice.
   gemm::GroupedGemmOptions gemm;

@@ -121,25 +121,38 @@ namespace cuda {
 // aligned (cudaMalloc gives 256). `status` may be null (then nothing is counted).
 
 // ---- forward --------------------------------------------------------------------------------------
+// GEMM1's expert bias (flowmoe/expert_bias.h) applied as the row launchers below read h: a row r
+// of segment e reads bf16_rne(f32(h[r, c]) + bias[e, c]) (add_expert_bias's bits; rows past the
+// last segment as they are), so the activation and the saved copy of H see the biased h, without
+// add_expert_bias's pass over h. biased_h: h itself where the biased values are also stored there
+// (in place: the recipes that save h in BF16, as add_expert_bias leaves it), or null where h is
+// scratch (read only). Default: no bias.
+struct GateUpBias {
+  const float* bias = nullptr;        // [num_segments, 2F] FP32, 16-byte aligned; null: none
+  const int32_t* offsets = nullptr;   // [num_segments + 1] device int32, offsets[0] == 0
+  int num_segments = 0;
+  bf16_t* biased_h = nullptr;
+};
 // Plain BF16 activation (the baseline): h [M, 2F] -> a [M, F].
 // rows_bound (every row-wise launcher below): a device int; rows at or past min(M, *rows_bound)
 // are neither read nor written nor counted (M still the scale grids' stride): the row count of a
 // step the host has not fetched, e.g. the padded offsets[E] of routing. Null: all M rows.
 void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* status,
             cudaStream_t stream, const float* prow = nullptr, const int32_t* rows_bound = nullptr,
-            const GatedActivation& act = {});
+            const GatedActivation& act = {}, const GateUpBias& bias = {});
 // Fused activation + row-wise quantize: a_codes [M, F], a_scales [F/128][M]. Optionally (h_codes
 // and h_scales not null) H row-wise in the same pass: h_codes [M, 2F], h_scales [2F/128][M].
 void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                   uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream,
                   const float* prow = nullptr, const int32_t* rows_bound = nullptr,
-                  const GatedActivation& act = {});
+                  const GatedActivation& act = {}, const GateUpBias& bias = {});
 // The same with H saved as MXFP4 instead (the `flow-fp4` recipe): h4_codes [M, 2F/2] (two E2M1 per
 // byte, even index in the low nibble), h4_scales [M][2F/32] == cpu::quantize_mxfp4(H).
 void swiglu_quant_h4(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                      uint8_t* h4_codes, uint8_t* h4_scales, DeviceStatus* status,
                      cudaStream_t stream, const float* prow = nullptr,
-                     const int32_t* rows_bound = nullptr, const GatedActivation& act = {});
+                     const int32_t* rows_bound = nullptr, const GatedActivation& act = {},
+                     const GateUpBias& bias = {});
 // The same plus the column-wise copy of A over the segments (M = sb.m), fused: a_col_codes
 // [F, M], a_col_scales [sb.max_blocks][F]; bit-identical to scaling_aware_transpose of the
 // row-wise output (underflow counted). h_codes/h_scales optional as above.

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Tuple
 from ._errors import CommError, ConfigError, FlowmoeError, NonFiniteError, OutOfMemoryError, debug, split_location
 
 LIBRARY_NAME = "libflowmoe_capi.so"
-CAPI_VERSION = 11
+CAPI_VERSION = 12
 
 OK, ERROR, ERROR_NONFINITE, ERROR_COMM, ERROR_UNSUPPORTED, ERROR_OUT_OF_MEMORY = 0, 1, 2, 3, 4, 5
 
@@ -50,7 +50,9 @@ class Config(ctypes.Structure):
 
 class CudaOptions(ctypes.Structure):
     _fields_ = [("sync_free", ctypes.c_int32), ("caller_memory", ctypes.c_int32),
-                ("bf16_params_in_place", ctypes.c_int32), ("bf16_params_stored", ctypes.c_int32)]  # (version 10)
+                ("bf16_params_in_place", ctypes.c_int32), ("bf16_params_stored", ctypes.c_int32),  # (version 10)
+                ("stored_hidden", ctypes.c_int64), ("stored_ffn", ctypes.c_int64),
+                ("stored_interleaved", ctypes.c_int32)]  # (version 12)
 
 
 class Weights(ctypes.Structure):  # flowmoe_weights (version 9)
@@ -381,7 +383,8 @@ class Layer:
 
     def __init__(self, config: Config, comm: Optional[Comm] = None, device: Optional[int] = None,
                  stream: int = 0, sync_free: bool = False, caller_memory: bool = False,
-                 bf16_params_in_place: bool = False, bf16_params_stored: bool = False):
+                 bf16_params_in_place: bool = False, bf16_params_stored: bool = False,
+                 bf16_storage: Optional[Tuple[int, int, bool]] = None):
         self._comm = comm  # the layer does not own its communicator: keep it alive
         self.config = config
         handle = ctypes.c_void_p()
@@ -389,8 +392,9 @@ class Layer:
         if device is None:
             check(lib().flowmoe_layer_create_cpu(ctypes.byref(config), comm_h, ctypes.byref(handle)))
         else:
+            hs, fs, inter = bf16_storage if bf16_storage is not None else (0, 0, False)
             opts = CudaOptions(int(bool(sync_free)), int(bool(caller_memory)), int(bool(bf16_params_in_place)),
-                               int(bool(bf16_params_stored)))
+                               int(bool(bf16_params_stored)), int(hs), int(fs), int(bool(inter)))
             check(lib().flowmoe_layer_create_cuda_opts(ctypes.byref(config), comm_h, int(device),
                                                        ctypes.c_void_p(stream or None), ctypes.byref(opts),
                                                        ctypes.byref(handle)))

@@ -48,12 +48,12 @@ class _Runner:
 
     @staticmethod
     def build(cfg: _native.Config, comm, device: torch.device, max_tokens: int, sync_free: bool,
-              who: str, bf16_params: bool = False, stored: bool = False) -> "_Runner":
+              who: str, bf16_params: bool = False, storage=None) -> "_Runner":
         """The native layer of `cfg` on `device`: a CUDA layer on PyTorch's current stream there
         (its own stream where that is the legacy default stream), taking its memory from PyTorch
         (caller memory), or a CPU layer. bf16_params: the expert parameters are BF16 (the CUDA layer
-        of bf16 then reads them in place, reads_params_in_place, or with `stored`, kept as the model
-        stores them, relays them in each pass)."""
+        of bf16 then reads them in place, reads_params_in_place, or with `storage` (H, F, interleaved),
+        kept as the model stores them, reads them there or relays them in each pass)."""
         if device.type != "cuda":
             if sync_free:
                 # Accepted at construction (a module built on the CPU is often moved to a GPU
@@ -77,7 +77,8 @@ class _Runner:
         with torch.cuda.device(index):
             layer = _native.Layer(cfg, comm, device=index, stream=stream.cuda_stream, sync_free=sync_free,
                                   caller_memory=True, bf16_params_in_place=bf16_params,
-                                  bf16_params_stored=bf16_params and stored)
+                                  bf16_params_stored=bf16_params and storage is not None,
+                                  bf16_storage=storage if bf16_params else None)
         return _Runner(layer, device, stream, max_tokens)
 
     def __init__(self, layer: _native.Layer, device: torch.device, stream, max_tokens: int):
@@ -221,7 +222,7 @@ class LayerOwner:
         comm = self._ep_comm(device)
         cfg = self._config(max_tokens)
         self._runner = _Runner.build(cfg, comm, device, max_tokens, self.sync_free, self.who, self.bf16_params,
-                                     self.storage is not None)
+                                     self.storage)
         return self._runner
 
     def _check_call(self, xb: torch.Tensor, ids: Optional[torch.Tensor] = None) -> None:

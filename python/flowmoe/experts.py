@@ -390,6 +390,9 @@ def _call(layer: _ExpertsLayer, x, top_k_index, top_k_weights, w1, w2, H: int, l
     if lay is None or (lay.identity and b1 is None):
         y = layer.run(xb.contiguous(), ids, probs, w1, w2)
     elif layer.storage is not None:  # w1, w2 as stored: the layer reads them there
+        # (on 16-byte-aligned bases, which its kernels read through TMA: a view at another offset
+        # goes as a differentiable copy, which the allocator aligns)
+        w1, w2 = (w if w.data_ptr() % 16 == 0 else w.clone() for w in (w1, w2))
         y = lay.crop_y(layer.run(lay.pad_x(xb).contiguous(), ids, probs, w1, w2,
                                  lay.bias1(b1) if b1 is not None else None))
     else:

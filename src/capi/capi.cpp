@@ -118,6 +118,7 @@ struct CudaFlags {
   bool caller_memory = false;
   bool bf16_params_in_place = false;
   bool bf16_params_stored = false;
+  flowmoe::ExpertStorage bf16_storage;  // (version 12)
 };
 
 CudaFlags cuda_flags(const flowmoe_cuda_options* o, const char* what) {
@@ -134,6 +135,9 @@ CudaFlags cuda_flags(const flowmoe_cuda_options* o, const char* what) {
   FLOWMOE_CHECK(o->bf16_params_stored == 0 || o->bf16_params_stored == 1,
                 what << ": bf16_params_stored = " << o->bf16_params_stored << "; expected 0 or 1");
   f.bf16_params_stored = o->bf16_params_stored == 1;
+  FLOWMOE_CHECK(o->stored_interleaved == 0 || o->stored_interleaved == 1,
+                what << ": stored_interleaved = " << o->stored_interleaved << "; expected 0 or 1");
+  f.bf16_storage = flowmoe::ExpertStorage{o->stored_hidden, o->stored_ffn, o->stored_interleaved == 1};
   return f;
 }
 
@@ -223,7 +227,8 @@ int flowmoe_config_check(const flowmoe_config* cfg, int ep_world, const flowmoe_
     c.validate(comm);
     const flowmoe::capi::CudaFlags flags = flowmoe::capi::cuda_flags(options, what);
     flowmoe::check_sync_free_options(what, c, comm, flags.sync_free, flags.caller_memory);
-    flowmoe::check_param_options(what, flags.caller_memory, flags.bf16_params_in_place, flags.bf16_params_stored);
+    flowmoe::check_param_options(what, flags.caller_memory, flags.bf16_params_in_place, flags.bf16_params_stored,
+                                 flags.bf16_storage);
   });
 }
 
@@ -266,6 +271,7 @@ int flowmoe_layer_create_cuda_opts(const flowmoe_config* cfg, flowmoe_comm* comm
     o.caller_memory = flags.caller_memory;
     o.bf16_params_in_place = flags.bf16_params_in_place;
     o.bf16_params_stored = flags.bf16_params_stored;
+    o.bf16_storage = flags.bf16_storage;
     h->layer = flowmoe::make_cuda_layer(c, static_cast<cudaStream_t>(stream), o);
     *out = h.release();
   });

@@ -282,7 +282,14 @@ const char* activation_name(ActivationKind kind) {
   return nullptr;
 }
 
-void check_param_options(const char* what, bool caller_memory, bool bf16_params_in_place, bool bf16_params_stored) {
+void check_param_options(const char* what, bool caller_memory, bool bf16_params_in_place, bool bf16_params_stored,
+                         const ExpertStorage& bf16_storage) {
+  FLOWMOE_CHECK(bf16_storage.hidden >= 0 && (bf16_storage.is_layer_layout() ? bf16_storage.ffn == 0 : bf16_storage.ffn >= 1),
+                what << ": CudaLayerOptions::bf16_storage of H = " << bf16_storage.hidden << ", F = " << bf16_storage.ffn
+                     << "; expected H >= 1 and F >= 1, or both 0 (not known)");
+  FLOWMOE_CHECK(bf16_storage.is_layer_layout() || bf16_params_stored,
+                what << ": CudaLayerOptions::bf16_storage without bf16_params_stored; expected it only with stored "
+                        "BF16 parameters");
   FLOWMOE_CHECK(!bf16_params_stored || bf16_params_in_place,
                 what << ": CudaLayerOptions::bf16_params_stored without bf16_params_in_place; expected both "
                         "(the stored parameters are relaid per pass in place of the weights region's copies)");

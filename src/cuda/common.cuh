@@ -109,6 +109,21 @@ __device__ __forceinline__ int warp_sum_i(int v) {
   return v;
 }
 
+// cp.async (sm_80 and later): 16 bytes from global to shared memory without passing through
+// registers, zeros where !valid (the source is then not read); complete once a later
+// cp_async_wait<N> leaves at most N of the thread's committed groups pending, visible then to the
+// thread that issued it (to others after a barrier).
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+               "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 // One atomic per warp for a counter (lane 0 adds the warp's total). All lanes must call.
 __device__ __forceinline__ void warp_count(unsigned long long* counter, int v) {
   if (!__any_sync(0xffffffffu, v != 0)) return;  // the usual case: nothing to count

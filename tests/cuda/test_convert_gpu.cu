@@ -273,10 +273,12 @@ TEST(ConvertGpuWeight, QuantizeWeightAndTransposeBitExact) {
   }
 }
 
-// quantize_weights: E experts in one launch, each expert's bits those of the CPU reference on its slice
+// quantize_weights: E experts in one launch, each expert's bits those of the CPU reference on its
+// slice; 50 experts: 300 blocks, more than the staged BF16 kernel's CTAs (two per SM), so that
+// CTAs encode a block while the next one's copies are in flight
 TEST(ConvertGpuWeight, QuantizeWeightsBatchedBitExactPerExpert) {
   REQUIRE_DEVICE();
-  const int experts = 3;
+  const int experts = 50;
   const int64_t n = 256, k = 384, elems = n * k, blocks = elems / 16384;
   std::vector<bf16_t> w;
   for (int e = 0; e < experts; ++e) {

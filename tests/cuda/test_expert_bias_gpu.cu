@@ -8,8 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/moe_config.h"
@@ -21,6 +23,7 @@
 #include "flowmoe/expert_bias.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/numerics.h"
+#include "flowmoe/swiglu.h"
 
 namespace flowmoe {
 namespace {
@@ -129,6 +132,89 @@ TEST(ExpertBiasGpu, GradMatchesCpu) {
     cuda::expert_bias_grad_fp8(codes.p, scales.p, m, n, off.p, E, gb8.p, false, bound.p, nullptr);
     expect_same_bits(want8, gb8.get(), "db (fp8) under a rows bound");
   }
+}
+
+// GEMM1's bias added as the SwiGLU kernels read h (swiglu.h GateUpBias): the bits of
+// add_expert_bias followed by the same kernel on the biased h, for the plain BF16 activation (the
+// biased h stored back in place), the FP8 forward saving H row-wise and the one saving H as MXFP4
+// (h left as it was); clamped activation, rows past the last segment (unbiased), NaN, an infinite
+// bias, probabilities, and a rows bound.
+TEST(ExpertBiasGpu, SwigluReadsBiasedH) {
+  REQUIRE_DEVICE();
+  std::mt19937 rng(8);
+  GatedActivation act;
+  act.kind = ActivationKind::kClampedSwiglu;
+  act.limit = 1.5f;
+  for (int64_t f : {128, 384}) {
+    const int64_t n = 2 * f;
+    const Segments seg = padded_segments({37, 0, 1, 200, 64}, 16);
+    const int64_t rows = seg.num_tokens(), m = rows + 9;  // (9 rows past the last segment)
+    const int E = seg.num_segments();
+    std::vector<bf16_t> h = normal_bf16(m * n, 1.5f, rng);
+    std::vector<float> b = normal_f32(E * n, 1.0f, rng), prow = normal_f32(m, 1.0f, rng);
+    h[5] = 0x7FC1;        // NaN in
+    b[3 * n + 9] = INFINITY;
+    std::vector<bf16_t> hb = h;
+    cpu::add_expert_bias(hb.data(), rows, n, seg, b.data());
+    DBuf<float> db(b), dp(prow);
+    DBuf<int32_t> off(seg.offsets);
+    // plain BF16, biased h stored in place
+    std::vector<bf16_t> want_a(m * f);
+    cpu::swiglu(hb.data(), m, f, want_a.data(), prow.data(), act);
+    DBuf<bf16_t> dh(h), da(m * f);
+    cuda::GateUpBias stored{db.p, off.p, E, dh.p};
+    cuda::swiglu(dh.p, m, f, da.p, nullptr, 0, dp.p, nullptr, act, stored);
+    expect_same_bits(want_a, da.get(), "a' (bf16, b1 on read)");
+    expect_same_bits(hb, dh.get(), "h + b1 stored in place");
+    // FP8 a' and H row-wise; h only read
+    QTensor arow, hrow;
+    cpu::swiglu_quant(hb.data(), m, f, &arow, nullptr, nullptr, &hrow, prow.data(), act);
+    DBuf<bf16_t> dh2(h);
+    DBuf<uint8_t> ac(m * f), as(m * f / 128), hc(m * n), hs(m * n / 128);
+    cuda::GateUpBias read{db.p, off.p, E, nullptr};
+    cuda::swiglu_quant(dh2.p, m, f, ac.p, as.p, hc.p, hs.p, nullptr, 0, dp.p, nullptr, act, read);
+    expect_same_bits(arow.codes, ac.get(), "a' codes (fp8, b1 on read)");
+    expect_same_bits(arow.scales, as.get(), "a' scales (fp8, b1 on read)");
+    expect_same_bits(hrow.codes, hc.get(), "saved H codes (b1 on read)");
+    expect_same_bits(hrow.scales, hs.get(), "saved H scales (b1 on read)");
+    expect_same_bits(h, dh2.get(), "h unchanged without biased_h");
+    // H saved as MXFP4
+    std::vector<bf16_t> hsv(m * n);
+    cpu::saved_h(hb.data(), m, f, hsv.data(), act);
+    QTensor h4;
+    cpu::quantize_mxfp4(hsv.data(), m, n, &h4);
+    DBuf<uint8_t> h4c(m * n / 2), h4s(m * n / 32);
+    cuda::swiglu_quant_h4(dh2.p, m, f, ac.p, as.p, h4c.p, h4s.p, nullptr, 0, dp.p, nullptr, act, read);
+    expect_same_bits(arow.codes, ac.get(), "a' codes (h mxfp4, b1 on read)");
+    expect_same_bits(h4.codes, h4c.get(), "saved H mxfp4 codes (b1 on read)");
+    expect_same_bits(h4.scales, h4s.get(), "saved H mxfp4 scales (b1 on read)");
+    // a rows bound inside segment 3: the rows past it neither read nor stored
+    const int32_t bound_row = seg.offsets[3] + 50;
+    DBuf<bf16_t> dh3(h), da3(std::vector<bf16_t>(m * f, 0));
+    DBuf<int32_t> bound(std::vector<int32_t>{bound_row});
+    cuda::swiglu(dh3.p, m, f, da3.p, nullptr, 0, dp.p, bound.p, act, cuda::GateUpBias{db.p, off.p, E, dh3.p});
+    const std::vector<bf16_t> got3 = dh3.get(), a3 = da3.get();
+    expect_same_bits(hb, got3, size_t(bound_row) * n, "h + b1 under a rows bound");
+    EXPECT_TRUE(std::equal(got3.begin() + size_t(bound_row) * n, got3.end(), h.begin() + size_t(bound_row) * n))
+        << "rows past the bound untouched";
+    expect_same_bits(want_a, a3, size_t(bound_row) * f, "a' under a rows bound");
+  }
+  // arguments: a bias without offsets, biased_h other than h
+  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected an error mentioning \"" << needle << "\"";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  DBuf<bf16_t> x(std::vector<bf16_t>(256, 0)), y(std::vector<bf16_t>(256, 0)), a(std::vector<bf16_t>(128, 0));
+  DBuf<float> b(std::vector<float>(256, 0.f));
+  DBuf<int32_t> off(std::vector<int32_t>{0, 1});
+  expect_error([&] { cuda::swiglu(x.p, 1, 128, a.p, nullptr, 0, nullptr, nullptr, {}, cuda::GateUpBias{b.p, nullptr, 1, nullptr}); },
+               "offsets");
+  expect_error([&] { cuda::swiglu(x.p, 1, 128, a.p, nullptr, 0, nullptr, nullptr, {}, cuda::GateUpBias{b.p, off.p, 1, y.p}); },
+               "biased_h is not h");
 }
 
 // Every E4M3 code under every kind of scale, a segment per kind so that each is seen: the smallest

@@ -3,7 +3,8 @@
 // H and F not multiples of 128) have the bits of the CPU reference that first relays them into the
 // layer's layout (cpu::expert_weights_to_layer) and then quantizes (cpu::quantize_weight; FP32
 // sources through their BF16 copy, as quantize_weights on FP32 masters), for BF16 and FP32 sources, every map of flowmoe/expert_layout.h, stored rows that take the vector loads and
-// rows that do not (odd sizes), a non-finite value; each output alone; bad maps are clear errors.
+// rows that do not (odd sizes), sizes with more blocks than the staged kernel's CTAs, a non-finite
+// value; each output alone; bad maps are clear errors.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -103,6 +104,10 @@ const Case kCases[] = {
     {"w1 interleaved, odd F", 136, 101, true, true},  // rows of 404 B: value by value
     {"w2", 200, 136, false, false},
     {"w2, odd H", 131, 136, false, false},
+    // more blocks than the staged kernel's CTAs (one or two per SM): each CTA encodes one block
+    // while the next one's copies are in flight
+    {"w1 interleaved, many blocks", 1000, 1400, true, true},
+    {"w2, many blocks", 1400, 1000, false, false},
 };
 
 TEST(ConvertGpuWeightStored, SameBitsAsRelayoutThenQuantizeBf16) {

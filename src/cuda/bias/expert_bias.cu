@@ -16,6 +16,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "cuda/bias/expert_bias.cuh"
 #include "cuda/common.cuh"
 #include "flowmoe/error.h"
 #include "flowmoe/expert_bias.h"
@@ -26,23 +27,13 @@ namespace flowmoe {
 namespace cuda {
 namespace {
 
+using bias_detail::segment_of;
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ int64_t row_limit(int64_t m, const int32_t* rows_bound) {
   if (!rows_bound) return m;
   const int64_t b = *rows_bound;
   return b < m ? b : m;
-}
-
-// The segment holding row r (offsets[0] <= r < offsets[num]); -1 when past the last segment.
-__device__ __forceinline__ int segment_of(const int32_t* offsets, int num, int64_t r) {
-  if (r >= offsets[num]) return -1;
-  int lo = 0, hi = num - 1;  // offsets[lo] <= r < offsets[hi + 1]
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (offsets[mid] <= r) lo = mid; else hi = mid - 1;
-  }
-  return lo;
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -55,18 +46,7 @@ add_expert_bias_kernel(bf16_t* __restrict__ h, int64_t m, int64_t n, const int32
   const int e = segment_of(offsets, num, r);
   if (e < 0) return;
   uint4* p = reinterpret_cast<uint4*>(h + r * n + c);
-  uint4 v = *p;
-  const float4* b = reinterpret_cast<const float4*>(bias + e * n + c);
-  const float4 b0 = __ldg(b), b1 = __ldg(b + 1);
-  const float bb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-  uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float lo = num::f32_canonical(__fadd_rn(num::bf16_to_f32(static_cast<bf16_t>(w[q] & 0xFFFFu)), bb[2 * q]));
-    const float hi = num::f32_canonical(__fadd_rn(num::bf16_to_f32(static_cast<bf16_t>(w[q] >> 16)), bb[2 * q + 1]));
-    w[q] = static_cast<uint32_t>(num::f32_to_bf16(lo)) | (static_cast<uint32_t>(num::f32_to_bf16(hi)) << 16);
-  }
-  *p = make_uint4(w[0], w[1], w[2], w[3]);
+  *p = bias_detail::add_bias8(*p, bias + e * n + c);
 }
 
 

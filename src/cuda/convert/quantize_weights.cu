@@ -3,6 +3,7 @@
 // where a model stores the weights (gpt-oss's transposed, interleaved, unpadded experts).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "cuda/convert/quant8.cuh"
@@ -183,62 +184,146 @@ quantize_weight_kernel(Source w, int64_t n, int64_t k, uint8_t* __restrict__ cod
   detail::store_col_tile_swz(s_q, kTile, t_codes + (bk * kTile) * n + bn * kTile, n, n % 16 == 0);
 }
 
-// ---- K11 for gpt-oss's interleaved gate_up_proj (BF16): one CTA per gate block and its up block ---
-// X = W1^T [n][k] read from src [C][L] with layer row r (gate) at stored 2 r and up row k/2 + r at
-// 2 r + 1: each thread loads 16 stored values (two aligned uint4) holding 8 gate and 8 up values, so
-// every stored byte is read once (the generic kernel reads each run twice, once per block). The bits
-// of quantize_weight_kernel on the same X (per block: the same amax, codes and transposed copy).
-__global__ void __launch_bounds__(kThreads)
-quantize_weight_pairs_kernel(StoredWeights<bf16_t> w, int64_t n, int64_t k, uint8_t* __restrict__ codes,
-                             uint8_t* __restrict__ scales, uint8_t* __restrict__ t_codes,
-                             uint8_t* __restrict__ t_scales, unsigned long long* nonfinite) {
-  __shared__ __align__(16) uint8_t s_q[2][detail::kSwzBytes];
-  __shared__ float s_amax[2][kThreads / 32];
-  __shared__ int s_bad[2][kThreads / 32];
-  const int64_t bn = blockIdx.y, bk = blockIdx.x, half = k / 2 / kTile;  // gate block bk, up bk + half
-  to_expert(blockIdx.z, n, k, w, codes, scales, t_codes, t_scales);
+// ---- K11 staged: BF16 weights read through cp.async stages ------------------------------------
+// The same blocks, codes and transposed copies as quantize_weight_kernel, for BF16 sources whose
+// 8-value groups are whole, aligned 16-byte runs (dense weights, gpt-oss's down_proj and
+// interleaved gate_up_proj): each CTA walks blocks blockIdx.x, + gridDim.x, ..., and while it
+// encodes one block the next one's runs are already on their way into shared memory (cp.async,
+// zeros for the padding), so the loads of an SM never wait on its encoding and stores. Each
+// thread reads back only the runs it copied itself (no barrier between copy and use).
+//
+// Value (row, col) of X [n][k] of expert ex is at src + ex * expert_stride + row * ld + j(col):
+// j = base0 + col for col < cols, base1 + col - second for second <= col < second + cols (a
+// second run, e.g. the up half stored after the gate half; second < 0: none), zeros for other
+// columns and for row >= rows. kPairs (gpt-oss's interleaved gate_up_proj): X's column blocks bk
+// (gate) and bk + k / 256 (up) come from one read of the stored pairs, gate column r at stored
+// 2 r, up at 2 r + 1 (base0 = 0), so every stored byte is read once.
+struct StagedSource {
+  const bf16_t* src;
+  int64_t expert_stride, ld;
+  int64_t base0, base1, second;
+  int64_t rows, cols;  // cols (and base0, base1, second, ld) multiples of 8
+};
+
+constexpr int kStages = 2;
+
+// Starts the copies of block t (expert, row block bn, column block bk; kPairs: the gate block)
+// into `stage` ([chunk][kThreads] uint4, this thread's chunk i at [i][tid]) and commits them.
+template <bool kPairs>
+__device__ __forceinline__ void stage_block(const StagedSource& s, int64_t t, int64_t tn, int64_t tk, uint4* stage) {
   const int tid = threadIdx.x;
-  uint4 v[2][8];
-  float amax[2] = {0.f, 0.f};
-  int bad[2] = {0, 0};
+  const int64_t ex = t / (tn * tk), rem = t % (tn * tk), bn = rem / tk, bk = rem % tk;
+  const bf16_t* base = s.src + ex * s.expert_stride;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int row = i * 16 + (tid >> 4), ch = tid & 15;
-    const int64_t c = bn * kTile + row, r0 = bk * kTile + ch * 8;
-    if (c < w.c && r0 < w.map.valid) {  // (valid % 8 == 0: a group is whole or padding)
-      const uint4* p = reinterpret_cast<const uint4*>(w.src + c * w.l + 2 * r0);
-      const uint4 a = __ldg(p), b = __ldg(p + 1);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const unsigned sel = h ? 0x7632u : 0x5410u;  // gate: the even values, up: the odd ones
-        v[h][i] = make_uint4(__byte_perm(a.x, a.y, sel), __byte_perm(a.z, a.w, sel), __byte_perm(b.x, b.y, sel),
-                             __byte_perm(b.z, b.w, sel));
-      }
+    const int64_t c = bn * kTile + row, r = bk * kTile + ch * 8;
+    if constexpr (kPairs) {
+      const bool ok = c < s.rows && r < s.cols;
+      const bf16_t* p = ok ? base + c * s.ld + 2 * r : s.src;
+      detail::cp_async16_zfill(stage + (2 * i) * kThreads + tid, p, ok);
+      detail::cp_async16_zfill(stage + (2 * i + 1) * kThreads + tid, ok ? p + 8 : s.src, ok);
     } else {
-      v[0][i] = v[1][i] = make_uint4(0u, 0u, 0u, 0u);
-    }
-    amax8(v[0][i], amax[0], bad[0]);
-    amax8(v[1][i], amax[1], bad[1]);
-  }
-  detail::warp_count(nonfinite, bad[0] + bad[1]);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float m = detail::warp_max(amax[h], 32);
-    const int wb = detail::warp_sum_i(bad[h]);
-    if ((tid & 31) == 0) {
-      s_amax[h][tid >> 5] = m;
-      s_bad[h][tid >> 5] = wb;
+      int64_t j = -1;
+      if (c < s.rows) {
+        if (r < s.cols)
+          j = s.base0 + r;
+        else if (s.second >= 0 && r >= s.second && r < s.second + s.cols)
+          j = s.base1 + (r - s.second);
+      }
+      detail::cp_async16_zfill(stage + i * kThreads + tid, j >= 0 ? base + c * s.ld + j : s.src, j >= 0);
     }
   }
-  __syncthreads();
+  detail::cp_async_commit();
+}
+
+template <bool kPairs>
+__global__ void __launch_bounds__(kThreads, kPairs ? 1 : 2)
+quantize_weight_staged_kernel(StagedSource s, int num_experts, int64_t n, int64_t k, uint8_t* __restrict__ codes,
+                              uint8_t* __restrict__ scales, uint8_t* __restrict__ t_codes,
+                              uint8_t* __restrict__ t_scales, unsigned long long* nonfinite) {
+  constexpr int kHalves = kPairs ? 2 : 1, kChunks = 8 * kHalves;
+  extern __shared__ uint4 s_stage[];  // [kStages][kChunks][kThreads]
+  __shared__ __align__(16) uint8_t s_q[kHalves][detail::kSwzBytes];
+  __shared__ float s_amax[kHalves][kThreads / 32];
+  __shared__ int s_bad[kHalves][kThreads / 32];
+  const int tid = threadIdx.x;
+  const int64_t tn = n / kTile, tk = k / kTile / kHalves, total = int64_t(num_experts) * tn * tk;
+  const int64_t elems = n * k, blocks = tn * (k / kTile);
+  int64_t t = blockIdx.x;
+  if (t < total) stage_block<kPairs>(s, t, tn, tk, s_stage);
+  for (int buf = 0; t < total; t += gridDim.x, buf ^= 1) {
+    const int64_t next = t + gridDim.x;
+    if (next < total)
+      stage_block<kPairs>(s, next, tn, tk, s_stage + (buf ^ 1) * kChunks * kThreads);
+    else
+      detail::cp_async_commit();  // (an empty group: the wait counts groups)
+    detail::cp_async_wait<1>();   // block t's copies done
+    const uint4* st = s_stage + buf * kChunks * kThreads;
+    const int64_t ex = t / (tn * tk), rem = t % (tn * tk), bn = rem / tk, bk = rem % tk;
+    uint4 v[kHalves][8];
+    float amax[kHalves];
+    int bad[kHalves];
 #pragma unroll
-  for (int h = 0; h < 2; ++h)  // (X's column blocks bk and bk + half)
-    encode_block(v[h], s_amax[h], s_bad[h], bn, bk + h * half, n, k, codes, scales, t_scales, s_q[h]);
-  if (!t_codes) return;
-  __syncthreads();
+    for (int h = 0; h < kHalves; ++h) amax[h] = 0.f, bad[h] = 0;
 #pragma unroll
-  for (int h = 0; h < 2; ++h)
-    detail::store_col_tile_swz(s_q[h], kTile, t_codes + ((bk + h * half) * kTile) * n + bn * kTile, n, n % 16 == 0);
+    for (int i = 0; i < 8; ++i) {
+      if constexpr (kPairs) {
+        const uint4 a = st[(2 * i) * kThreads + tid], b = st[(2 * i + 1) * kThreads + tid];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const unsigned sel = h ? 0x7632u : 0x5410u;  // gate: the even values, up: the odd ones
+          v[h][i] = make_uint4(__byte_perm(a.x, a.y, sel), __byte_perm(a.z, a.w, sel), __byte_perm(b.x, b.y, sel),
+                               __byte_perm(b.z, b.w, sel));
+        }
+      } else {
+        v[0][i] = st[i * kThreads + tid];
+      }
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) amax8(v[h][i], amax[h], bad[h]);
+    }
+    int bad_all = 0;
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      bad_all += bad[h];
+      const float m = detail::warp_max(amax[h], 32);
+      const int wb = detail::warp_sum_i(bad[h]);
+      if ((tid & 31) == 0) {
+        s_amax[h][tid >> 5] = m;
+        s_bad[h][tid >> 5] = wb;
+      }
+    }
+    detail::warp_count(nonfinite, bad_all);
+    __syncthreads();
+    uint8_t* const cd = codes ? codes + ex * elems : nullptr;
+    uint8_t* const sc = scales ? scales + ex * blocks : nullptr;
+    uint8_t* const tc = t_codes ? t_codes + ex * elems : nullptr;
+    uint8_t* const ts = t_scales ? t_scales + ex * blocks : nullptr;
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+      encode_block(v[h], s_amax[h], s_bad[h], bn, bk + h * tk, n, k, cd, sc, ts, s_q[h]);
+    if (tc) {
+      __syncthreads();
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h)
+        detail::store_col_tile_swz(s_q[h], kTile, tc + ((bk + h * tk) * kTile) * n + bn * kTile, n, n % 16 == 0);
+    }
+    __syncthreads();  // (s_amax, s_bad and s_q are the next block's)
+  }
+}
+
+template <bool kPairs>
+void launch_staged(const StagedSource& s, int num_experts, int64_t n, int64_t k, uint8_t* codes, uint8_t* scales,
+                   uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream, const char* what) {
+  constexpr int kHalves = kPairs ? 2 : 1;
+  const int smem = int(kStages * 8 * kHalves * kThreads * sizeof(uint4));
+  auto* kernel = quantize_weight_staged_kernel<kPairs>;
+  FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int64_t total = int64_t(num_experts) * (n / kTile) * (k / kTile / kHalves);
+  const int64_t ctas = std::min<int64_t>(total, int64_t(detail::device_sm_count()) * (kPairs ? 1 : 2));
+  kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(s, num_experts, n, k, codes, scales, t_codes,
+                                                                  t_scales, nonfinite_ptr(status));
+  FLOWMOE_LAUNCH_CHECK(what);
 }
 
 }  // namespace
@@ -267,11 +352,16 @@ void launch_quantize_weights(const In* w, int num_experts, int64_t n, int64_t k,
   FLOWMOE_CHECK(codes || t_codes, what << ": no output; expected codes and scales, t_codes and t_scales, or both");
   if (codes) check_aligned(codes, "codes", what);
   if (t_codes) check_aligned(t_codes, "t_codes", what);
-  dim3 grid(static_cast<unsigned>(k / kTile), static_cast<unsigned>(n / kTile),
-            static_cast<unsigned>(num_experts));
-  quantize_weight_kernel<In><<<grid, kThreads, 0, stream>>>(DenseWeights<In>{w, k}, n, k, codes, scales, t_codes,
-                                                            t_scales, nonfinite_ptr(status));
-  FLOWMOE_LAUNCH_CHECK(what);
+  if constexpr (std::is_same<In, bf16_t>::value) {  // (BF16: whole aligned runs)
+    const StagedSource s{w, n * k, k, 0, 0, -1, n, k};
+    launch_staged<false>(s, num_experts, n, k, codes, scales, t_codes, t_scales, status, stream, what);
+  } else {
+    dim3 grid(static_cast<unsigned>(k / kTile), static_cast<unsigned>(n / kTile),
+              static_cast<unsigned>(num_experts));
+    quantize_weight_kernel<In><<<grid, kThreads, 0, stream>>>(DenseWeights<In>{w, k}, n, k, codes, scales, t_codes,
+                                                              t_scales, nonfinite_ptr(status));
+    FLOWMOE_LAUNCH_CHECK(what);
+  }
 }
 
 // W [E][N][K] from src [E][C][L]: the kernel quantizes X = W^T [K][N] (read along the stored rows),
@@ -302,17 +392,21 @@ void launch_quantize_weights_stored(const In* src, int num_experts, int64_t c, i
   FLOWMOE_CHECK(codes || t_codes, what << ": no output; expected codes and scales, t_codes and t_scales, or both");
   if (codes) check_aligned(codes, "codes", what);
   if (t_codes) check_aligned(t_codes, "t_codes", what);
-  // gpt-oss's interleaved BF16 gate_up_proj with whole 8-row groups and aligned rows: the pair kernel
-  const bool pairs = std::is_same<In, bf16_t>::value && map.stride == 2 && map.base0 == 0 && map.base1 == 1 &&
-                     map.second == n / 2 && (n / 2) % kTile == 0 && map.valid % 8 == 0 && l % 8 == 0 &&
-                     reinterpret_cast<uintptr_t>(src) % 16 == 0;
-  if (pairs) {
-    dim3 grid(static_cast<unsigned>(n / 2 / kTile), static_cast<unsigned>(k / kTile),
-              static_cast<unsigned>(num_experts));
-    quantize_weight_pairs_kernel<<<grid, kThreads, 0, stream>>>(
-        StoredWeights<bf16_t>{reinterpret_cast<const bf16_t*>(src), c, l, map}, k, n, t_codes, t_scales, codes,
-        scales, nonfinite_ptr(status));
-    FLOWMOE_LAUNCH_CHECK(what);
+  // BF16 in whole aligned 8-value runs: the staged kernel; gpt-oss's interleaved gate_up_proj as
+  // pairs (every stored byte read once)
+  const bool bf16_runs = std::is_same<In, bf16_t>::value && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+                         l % 8 == 0 && map.valid % 8 == 0;
+  const bool pairs = bf16_runs && map.stride == 2 && map.base0 == 0 && map.base1 == 1 && map.second == n / 2 &&
+                     (n / 2) % kTile == 0;
+  const bool runs = bf16_runs && map.stride == 1 && map.base0 % 8 == 0 &&
+                    (map.second < 0 || (map.base1 % 8 == 0 && map.second % 8 == 0));
+  if (pairs || runs) {
+    // (the kernel quantizes X = W^T [k][n]: W's codes are its transposed copy)
+    const StagedSource s{reinterpret_cast<const bf16_t*>(src), c * l, l, map.base0, map.base1, map.second, c, map.valid};
+    if (pairs)
+      launch_staged<true>(s, num_experts, k, n, t_codes, t_scales, codes, scales, status, stream, what);
+    else
+      launch_staged<false>(s, num_experts, k, n, t_codes, t_scales, codes, scales, status, stream, what);
     return;
   }
   dim3 grid(static_cast<unsigned>(n / kTile), static_cast<unsigned>(k / kTile), static_cast<unsigned>(num_experts));

@@ -84,13 +84,8 @@ struct DswigluRowIn {
 };
 
 #ifdef FLOWMOE_SM90A
-__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+using ::flowmoe::cuda::detail::cp_async16_zfill;  // (cuda/common.cuh)
+using ::flowmoe::cuda::detail::cp_async_commit;
 
 // Offsets of the saved h tile in the warpgroup's buffer. FP8: gate [64][128 B] then up, 16-byte
 // chunk c of row r at c ^ (r % 8); MXFP4: gate [64][64 B] then up, chunk c at c ^ (r / 2 % 4). Both
@@ -188,7 +183,7 @@ __device__ __forceinline__ void dswiglu_epilogue(const float (&acc)[64], uint8_t
     for (int j = 0; j < 16; ++j)
       D[pair_word(r0 + 8 * rh, 4 * j + quad)] = valid ? pack_bf16x2(acc[4 * j + 2 * rh], acc[4 * j + 2 * rh + 1]) : 0u;
   }
-  cp_async_wait_all();
+  ::flowmoe::cuda::detail::cp_async_wait<0>();
   named_sync(bar, 128);  // every thread's h chunks have landed
 
   // dgate and dup (BF16, as dswiglu8 / dswiglu8_prob form them) over D and into U; the rows' BF16

@@ -227,6 +227,19 @@ void CudaMoeLayer::check_params_in_place(const MoeWeights& w, const char* what) 
                        << "; this layer relays stored BF16 parameters in each pass "
                           "(CudaLayerOptions::bf16_params_stored): expected BF16 W1, W2 with their storage "
                           "(or a layer built without the option)");
+    if (!path_.bf16_relay_planned) {
+      // (built for a storage its kernels read in place: no room to relay any other)
+      const ExpertStorage& st = w.storage;
+      const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+      FLOWMOE_CHECK(bf16_kernels_read_stored(st, F_) && aligned16(w.w1_bf16) && aligned16(w.w2_bf16),
+                    what << ": BF16 W1, W2 stored as [" << st.hidden << ", 2 x " << st.ffn << "] ("
+                         << (st.interleaved ? "gate / up interleaved" : "gate then up") << ") at "
+                         << w.w1_bf16 << ", " << w.w2_bf16
+                         << "; this layer reads them in place and keeps no room to relay them "
+                            "(CudaLayerOptions::bf16_storage): expected H % 8 == 0, F % 4 == 0, gate / up "
+                            "interleaved or F = " << F_ << ", and 16-byte-aligned bases (or a layer built "
+                            "without bf16_storage, which relays what its kernels cannot read)");
+    }
     return;
   }
   FLOWMOE_CHECK(w.bf16_params() && w.storage.is_layer_layout(),
@@ -236,7 +249,9 @@ void CudaMoeLayer::check_params_in_place(const MoeWeights& w, const char* what) 
                         "without the option, which copies them)");
 }
 
-void CudaMoeLayer::relay_params(const MoeWeights& p) {
+void CudaMoeLayer::relay_params(const MoeWeights& p, const char* what) {
+  FLOWMOE_CHECK(path_.bf16_relay_planned, what << ": internal error: a relay of the stored parameters on a layer "
+                                                  "planned without room for it (CudaLayerOptions::bf16_storage)");
   const ExpertStorage& st = p.storage;
   WeightBuffers& wb = ws_.weights;
   expert_weights_to_layer(p.w1_bf16, wb.w1_bf16, 2, El_, st.hidden, 2 * st.ffn, 2 * F_, H_, st.w1_rows(F_), stream_);
@@ -421,7 +436,7 @@ void CudaMoeLayer::forward(const bf16_t* x, int64_t tokens, bf16_t* y) {
   call.routing_probs = ext.probs;
   StepContext c = context(std::move(step), call);
   c.route(x);
-  if (path_.bf16_relay_per_pass && !c.stored_gemms()) relay_params(params);
+  if (path_.bf16_relay_per_pass && !c.stored_gemms()) relay_params(params, what);
   pipeline_->forward(c, y);  // (pipelines/: the expert path of path_.dataflow, from the token rows to y)
   step_ = c.take_step();
   if (!path_.sync_free) save_activations(row_counts());  // (sync_free: when the report is read)
@@ -462,7 +477,13 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   call.params = params;
   call.grads_accumulate = g.accumulate;
   StepContext c = context(step_, call);  // (a copy: the layer's step backs any number of backwards)
-  if (path_.bf16_relay_per_pass && !c.stored_gemms(g)) relay_params(params);
+  if (path_.bf16_relay_per_pass && !c.stored_gemms(g)) {
+    FLOWMOE_CHECK(path_.bf16_relay_planned || c.stored_gemms(),
+                  what << ": dW1 stored as [" << g.storage.hidden << ", 2 x " << g.storage.ffn
+                       << "], not as the parameters; this layer reads them in place and keeps no room to relay "
+                          "them (CudaLayerOptions::bf16_storage): expected MoeGrads::storage = the parameters' storage");
+    relay_params(params, what);
+  }
   pipeline_->backward(c, dy, g);  // (pipelines/: from dy to the dX rows and the wgrads)
   if (streams_.tail()) {  // the tail stream joins stream_ even when the tail throws (stream-ordered,
                           // so that a graph capture stays well-formed; errors of the join ignored)
@@ -526,7 +547,8 @@ std::unique_ptr<MoeLayer> make_cuda_layer(const MoeConfig& cfg, cudaStream_t str
                   what << ": CudaLayerOptions::gemm_pool_priority = " << options.gemm_pool_priority
                        << "; expected -1 (the layer's choice) or 0.."
                        << gemm::GroupedGemmOptions::kMaxPoolPriority);
-    check_param_options(what, options.caller_memory, options.bf16_params_in_place, options.bf16_params_stored);
+    check_param_options(what, options.caller_memory, options.bf16_params_in_place, options.bf16_params_stored,
+                        options.bf16_storage);
     FLOWMOE_CHECK(options.ep_direct_bytes >= -1, what << ": CudaLayerOptions::ep_direct_bytes = "
                                                       << options.ep_direct_bytes
                                                       << "; expected -1 (the default) or a byte count >= 0");

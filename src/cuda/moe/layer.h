@@ -109,7 +109,7 @@ class CudaMoeLayer final : public MoeLayer {
   // bf16_params_in_place: the parameters are BF16 in the layer's layout (else throws, naming `what`)
   void check_params_in_place(const MoeWeights& w, const char* what) const;
   // bf16_relay_per_pass: the stored parameters `p` relaid into the pass's BF16 copies (transient)
-  void relay_params(const MoeWeights& p);
+  void relay_params(const MoeWeights& p, const char* what);
 
   // A context for one forward or backward (step_context.h): this layer's setup and memory, `step`, `call`.
   StepContext context(Step step, const StepCall& call) { return StepContext(*this, std::move(step), call); }

@@ -83,6 +83,11 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
   p.bf16_params_in_place = options.caller_memory && options.bf16_params_in_place && s.weights == WeightCopy::kBf16Only;
   p.bf16_relay_per_pass = p.bf16_params_in_place && options.bf16_params_stored;
   p.bf16_stored_gemms = p.bf16_relay_per_pass && p.grouped_gemm;
+  // no room for the relay where every pass is known to read them in place: the kernels read the
+  // storage, and the wgrad writes dW1 there (writes_stored_grads), so no backward relays either
+  p.bf16_relay_planned = p.bf16_relay_per_pass &&
+                         !(p.bf16_stored_gemms && p.bf16_wgrad_kernel && cfg.comm == nullptr &&
+                           bf16_kernels_read_stored(options.bf16_storage, cfg.ffn));
   // ... a group of experts at a time, so that W^T of every expert never exists at once: where the
   // grouped kernel runs the dgrad over a range of the experts (UE8M0 row scales: no expert-packed
   // scales to re-base) and not through the fused dSwiGLU (it reads all of W2^T). Even groups.

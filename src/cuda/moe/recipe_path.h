@@ -54,6 +54,8 @@ struct RecipePath {
   bool bf16_stored_gemms = false;     // ... which the grouped kernels read where they are stored instead
                                       // (gemm.h StoredW), where the storage allows (StepContext::
                                       // stored_gemms): no relay
+  bool bf16_relay_planned = false;    // the transient region has room for the relay: relay_per_pass
+                                      // unless CudaLayerOptions::bf16_storage is known to be read in place
   // With transposes_in_backward: the experts of W1^T / W2^T made at once, each group just before
   // its dgrad (CudaLayerOptions::dgrad_weight_chunk_bytes); all local experts otherwise
   int wt_chunk1 = 0, wt_chunk2 = 0;
@@ -61,6 +63,14 @@ struct RecipePath {
   const RecipeSpec& spec() const { return *row; }
   bool h_mxfp4() const { return h_saved == TensorFormat::kMxfp4Row; }  // flow-fp4's h
 };
+
+// Whether flowmoe's grouped BF16 kernels read W1, W2 stored as `st` in place (gemm.h StoredW: each
+// expert's W1^T [Hs][2Fs], W2^T [Fs][Hs] through TMA maps, rows of 16-byte multiples; gate / up
+// interleaved, or concatenated without padding between them: Fs == the layer's F); the bases'
+// alignment is the call's (StepContext::stored_gemms).
+inline bool bf16_kernels_read_stored(const ExpertStorage& st, int64_t layer_ffn) {
+  return !st.is_layer_layout() && (st.interleaved || st.ffn == layer_ffn) && st.hidden % 8 == 0 && st.ffn % 4 == 0;
+}
 
 // The path of cfg.recipe on a layer with these options (cfg.comm, cfg's row capacity and local
 // experts enter the GEMM and EP choices). Throws flowmoe::Error if the table row asks for a

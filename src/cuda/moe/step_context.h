@@ -39,6 +39,7 @@
 #include "flowmoe/gemm.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/recipe.h"
+#include "flowmoe/swiglu.h"
 #include "flowmoe/token.h"
 
 namespace flowmoe {
@@ -260,8 +261,10 @@ class StepContext {
   // ---- steps more than one pipeline runs (pipelines/shared.cu) ----------------------------------------
   // GEMM2 (gemm2() computes the expert output rows into ExpertBuffers::rows_bf16) and the way back
   void gemm2_then_combine(const char* gemm_stage, const std::function<void()>& gemm2, bf16_t* y);
-  // MoeConfig::gemm1_bias: h += b1 after GEMM1; db1 from dH (BF16 or row-wise FP8)
-  void add_gemm1_bias();
+  // MoeConfig::gemm1_bias: b1 added to h as the activation reads it (swiglu.h GateUpBias; none
+  // without the bias), the biased h stored back where `store_h` (the recipes that save h in BF16);
+  // db1 from dH (BF16 or row-wise FP8)
+  GateUpBias gemm1_bias_on_read(bool store_h) const;
   // (dh_gate_up: dh's columns as gate / up pairs, db1 still in the layer's order)
   void gemm1_bias_grad_bf16(const MoeGrads& g, bool dh_gate_up = false);
   void gemm1_bias_grad_fp8(const MoeGrads& g, const QTensorView& dh_row);

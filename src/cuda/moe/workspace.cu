@@ -183,8 +183,8 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
   // FP8 blocks are quantized straight from the parameters: no BF16 copy; only the fused SwiGLU's
   // W1 interleave takes w1_bf16 as scratch for the natural copy (set_weights).
   const Region bf16_weights = fp8 ? kT : kW;
-  if (path.bf16_relay_per_pass) {
-    // each pass relays the stored parameters into its own scratch copies
+  if (path.bf16_relay_planned) {
+    // a pass may relay the stored parameters into its own scratch copies
     w.w1_bf16 = a.device<bf16_t>(El * 2 * F * H, kT);
     w.w2_bf16 = a.device<bf16_t>(El * H * F, kT);
   } else if (path.bf16_params_in_place) {
@@ -266,14 +266,17 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
     const QTensorView row =
         row_1x128(a.device<uint8_t>(R * maxC, kT), a.device<uint8_t>((maxC / 128) * R, kT), R, maxC);
     x.x_perm_fp8 = x.a_row = x.dy_row = x.dh_row = row;
-    // the two column copies' codes in one piece: 2 R maxC >= 2 R H bytes, the dX rows' when they
-    // share it (RecipePath::dx_rows_in_column_copies: GEMM1's wgrad has read both copies before its
-    // dgrad writes the rows; the forward's GEMM2 rows come after every forward use of them)
-    uint8_t* col_codes = a.device<uint8_t>(2 * maxC * R, kT);
+    // the two column copies' codes in one piece: the gradient's (dY's [H over R], then dh's [2F over
+    // R]) and the other wgrad operand's (x_perm's [H over R]; fp8-naive: a''s [F over R] first), so
+    // R (maxC + max(H, F)) >= 2 R H bytes, the dX rows' when they share it
+    // (RecipePath::dx_rows_in_column_copies: GEMM1's wgrad has read both copies before its dgrad
+    // writes the rows; the forward's GEMM2 rows come after every forward use of them)
+    const int64_t in_cols = std::max(H, F);
+    uint8_t* col_codes = a.device<uint8_t>((maxC + in_cols) * R, kT);
     if (path.dx_rows_in_column_copies) x.rows_bf16 = reinterpret_cast<bf16_t*>(col_codes);
     const QTensorView grad_col = col_128x1(col_codes, a.device<uint8_t>(MB * maxC, kT), R, maxC, MB);
     x.dy_col = x.dh_col = grad_col;
-    x.x_perm_col_flow = col_128x1(col_codes + maxC * R, a.device<uint8_t>(MB * maxC, kT), R, maxC, MB);
+    x.x_perm_col_flow = col_128x1(col_codes + maxC * R, a.device<uint8_t>(MB * in_cols, kT), R, in_cols, MB);
     x.gemm_row_scales = a.device<float>(R * maxC / 128, kT);
     x.grad_col_scales = a.device<float>(MB * maxC, kT);
     x.input_col_scales = a.device<float>(MB * maxC, kT);
@@ -281,7 +284,7 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
         row_1x128_f32(row.codes, x.gemm_row_scales, R, maxC);
     x.dy_col_f32 = x.dh_col_f32 = col_128x1_f32(grad_col.codes, x.grad_col_scales, R, maxC, MB);
     x.a_col_f32 = x.x_perm_col_f32 =
-        col_128x1_f32(x.x_perm_col_flow.codes, x.input_col_scales, R, maxC, MB);
+        col_128x1_f32(x.x_perm_col_flow.codes, x.input_col_scales, R, in_cols, MB);
   }
   // the buffers only this dataflow uses (its pipeline's file)
   const DataflowBufferPlan own{a, x, path, R, Tm, H, F, MB, maxC};

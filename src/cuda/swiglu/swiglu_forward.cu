@@ -12,6 +12,7 @@
 //   swiglu_quant_col_kernel     one CTA per (128-token block of a segment, 128-feature tile):
 //                               the row pass above into a shared byte tile, then the column copy
 //                               by exponent shifts (the scaling-aware transpose, fused).
+#include "cuda/bias/expert_bias.cuh"
 #include "cuda/swiglu/swiglu_common.cuh"
 
 namespace flowmoe {
@@ -22,13 +23,15 @@ namespace {
 // ---- forward, row-wise: plain BF16 or fused quantize ----------------------------------------------
 enum class FwdOut { kBf16, kFp8, kFp8SaveH, kFp8SaveH4 };
 
+// (h not __restrict__: bias.biased_h may be h itself, each value read before the same thread
+// stores its biased value)
 template <FwdOut kOut>
 __global__ void __launch_bounds__(kThreads)
-swiglu_row_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, int64_t m, int64_t f,
+swiglu_row_kernel(const bf16_t* h, const float* __restrict__ prow, int64_t m, int64_t f,
                   bf16_t* __restrict__ a, uint8_t* __restrict__ a_codes, uint8_t* __restrict__ a_scales,
                   uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales,
                   unsigned long long* nonfinite, const int32_t* __restrict__ m_bound,
-                  GatedActivation act) {
+                  GatedActivation act, GateUpBias bias) {
   const int64_t kb = blockIdx.y;  // feature tile
   const int64_t mb = detail::bounded_rows(m, m_bound);  // rows processed; m is the scale grids' stride
   const int lane = threadIdx.x & 15;
@@ -42,9 +45,25 @@ swiglu_row_kernel(const bf16_t* __restrict__ h, const float* __restrict__ prow, 
     p[i] = 0.0f;
     if (r < mb) {
       const bf16_t* src = h + r * 2 * f + kb * kTile + lane * 8;
-      g[i] = ldg16(src);
-      u[i] = ldg16(src + f);
+      g[i] = bias.biased_h ? *reinterpret_cast<const uint4*>(src) : ldg16(src);
+      u[i] = bias.biased_h ? *reinterpret_cast<const uint4*>(src + f) : ldg16(src + f);
       if (prow) p[i] = __ldg(prow + r);
+    }
+  }
+  if (bias.bias) {  // GEMM1's bias on the way in (GateUpBias)
+#pragma unroll
+    for (int i = 0; i < kRowsPerHalfWarp; ++i) {
+      const int64_t r = r0 + i * (kThreads / 16);
+      const int e = r < mb ? bias_detail::segment_of(bias.offsets, bias.num_segments, r) : -1;
+      if (e < 0) continue;
+      const int64_t col = kb * kTile + lane * 8;
+      g[i] = bias_detail::add_bias8(g[i], bias.bias + e * 2 * f + col);
+      u[i] = bias_detail::add_bias8(u[i], bias.bias + e * 2 * f + f + col);
+      if (bias.biased_h) {
+        bf16_t* dst = bias.biased_h + r * 2 * f + col;
+        *reinterpret_cast<uint4*>(dst) = g[i];
+        *reinterpret_cast<uint4*>(dst + f) = u[i];
+      }
     }
   }
 #pragma unroll
@@ -230,6 +249,21 @@ swiglu_quant_col_kernel(const bf16_t* __restrict__ h, const float* __restrict__ 
   detail::store_col_tile(s_q, n, a_col_codes + (kt * kTile) * m + bs, m, (m % 16 == 0) && (bs % 16 == 0));
 }
 
+// GateUpBias: given whole (bias, offsets, at least one segment) or not at all; aligned; the
+// biased values stored in place only.
+void check_bias(const GateUpBias& b, const bf16_t* h, const char* what) {
+  if (!b.bias) {
+    FLOWMOE_CHECK(!b.biased_h, what << ": GateUpBias::biased_h without a bias; expected none or both");
+    return;
+  }
+  FLOWMOE_CHECK(b.offsets && b.num_segments >= 1, what << ": GateUpBias with " << b.num_segments
+                                                       << " segments and offsets " << (b.offsets ? "given" : "null")
+                                                       << "; expected the offsets of at least one segment");
+  check_aligned(b.bias, "bias", what);
+  FLOWMOE_CHECK(!b.biased_h || b.biased_h == h,
+                what << ": GateUpBias::biased_h is not h; expected h itself (the biased h stored in place) or null");
+}
+
 }  // namespace
 
 // ================================================================================================
@@ -237,26 +271,29 @@ swiglu_quant_col_kernel(const bf16_t* __restrict__ h, const float* __restrict__ 
 // ================================================================================================
 void swiglu(const bf16_t* h, int64_t m, int64_t f, bf16_t* a, DeviceStatus* status,
             cudaStream_t stream, const float* prow, const int32_t* rows_bound,
-            const GatedActivation& act) {
+            const GatedActivation& act, const GateUpBias& bias) {
   const char* what = "cuda::swiglu";
   check_f(f, what);
   check_act(act, what);
   check_m(m, what);
+  check_bias(bias, h, what);
   if (m == 0) return;
   check_aligned(h, "h", what);
   check_aligned(a, "a", what);
   swiglu_row_kernel<FwdOut::kBf16><<<row_grid(m, f), kThreads, 0, stream>>>(
-      h, prow, m, f, a, nullptr, nullptr, nullptr, nullptr, nonfinite_ptr(status), rows_bound, act);
+      h, prow, m, f, a, nullptr, nullptr, nullptr, nullptr, nonfinite_ptr(status), rows_bound, act, bias);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
 void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                   uint8_t* h_codes, uint8_t* h_scales, DeviceStatus* status, cudaStream_t stream,
-                  const float* prow, const int32_t* rows_bound, const GatedActivation& act) {
+                  const float* prow, const int32_t* rows_bound, const GatedActivation& act,
+                  const GateUpBias& bias) {
   const char* what = "cuda::swiglu_quant";
   check_f(f, what);
   check_act(act, what);
   check_m(m, what);
+  check_bias(bias, h, what);
   FLOWMOE_CHECK((h_codes == nullptr) == (h_scales == nullptr),
                 what << ": give both h_codes and h_scales (H saved as FP8), or neither");
   if (m == 0) return;
@@ -266,11 +303,11 @@ void swiglu_quant(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8
     check_aligned(h_codes, "h_codes", what);
     swiglu_row_kernel<FwdOut::kFp8SaveH><<<row_grid(m, f), kThreads, 0, stream>>>(
         h, prow, m, f, nullptr, a_codes, a_scales, h_codes, h_scales, nonfinite_ptr(status), rows_bound,
-        act);
+        act, bias);
   } else {
     swiglu_row_kernel<FwdOut::kFp8><<<row_grid(m, f), kThreads, 0, stream>>>(
         h, prow, m, f, nullptr, a_codes, a_scales, nullptr, nullptr, nonfinite_ptr(status), rows_bound,
-        act);
+        act, bias);
   }
   FLOWMOE_LAUNCH_CHECK(what);
 }
@@ -306,18 +343,19 @@ void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8
 void swiglu_quant_h4(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, uint8_t* a_scales,
                      uint8_t* h4_codes, uint8_t* h4_scales, DeviceStatus* status,
                      cudaStream_t stream, const float* prow, const int32_t* rows_bound,
-                     const GatedActivation& act) {
+                     const GatedActivation& act, const GateUpBias& bias) {
   const char* what = "cuda::swiglu_quant_h4";
   check_f(f, what);
   check_act(act, what);
   check_m(m, what);
+  check_bias(bias, h, what);
   if (m == 0) return;
   check_aligned(h, "h", what);
   check_pair(a_codes, a_scales, "a_codes", "a_scales", what);
   check_pair(h4_codes, h4_scales, "h4_codes", "h4_scales", what);
   swiglu_row_kernel<FwdOut::kFp8SaveH4><<<row_grid(m, f), kThreads, 0, stream>>>(
       h, prow, m, f, nullptr, a_codes, a_scales, h4_codes, h4_scales, nonfinite_ptr(status), rows_bound,
-      act);
+      act, bias);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 

@@ -207,8 +207,8 @@ def test_config_check_takes_the_in_place_options_rules():
     m, _, _ = problem("bf16")
     cfg = m._config(T)
 
-    def check(sync_free, caller_memory, in_place, stored):
-        opts = native.CudaOptions(sync_free, caller_memory, in_place, stored)
+    def check(sync_free, caller_memory, in_place, stored, storage=(0, 0, 0)):
+        opts = native.CudaOptions(sync_free, caller_memory, in_place, stored, *storage)
         native.check(native.lib().flowmoe_config_check(ctypes.byref(cfg), 0, ctypes.byref(opts)))
 
     check(0, 1, 1, 1)  # (accepted: what flowmoe.torch.experts builds for gpt-oss's BF16 parameters)
@@ -219,3 +219,11 @@ def test_config_check_takes_the_in_place_options_rules():
         check(0, 0, 1, 0)
     with pytest.raises(FlowmoeError, match="bf16_params_stored = 2"):
         check(0, 1, 1, 2)
+    # (version 12) the storage known at construction: only with stored parameters, sizes >= 1
+    check(0, 1, 1, 1, (2880, 2880, 1))  # (gpt-oss-20b's, what flowmoe.torch.experts passes)
+    with pytest.raises(FlowmoeError, match="bf16_storage without bf16_params_stored"):
+        check(0, 1, 1, 0, (2880, 2880, 1))
+    with pytest.raises(FlowmoeError, match="bf16_storage of H = 2880, F = 0"):
+        check(0, 1, 1, 1, (2880, 0, 1))
+    with pytest.raises(FlowmoeError, match="stored_interleaved = 3"):
+        check(0, 1, 1, 1, (2880, 2880, 3))

@@ -276,6 +276,42 @@ def test_gpu_gpt_oss_bf16_grouped_kernels_write_the_stored_gradients():
         assert bool((diff <= want.float().abs() * 2.0 ** -7).all()), (name, float(diff.max()))
 
 
+def test_gpu_gpt_oss_bf16_plans_no_relay_and_takes_unaligned_weights():
+    """bf16 on its grouped kernels, built knowing gpt-oss's storage (C ABI v12 bf16_storage): its
+    transient region keeps no room for relaying the weights (the relaid W1 and W2 less than the same
+    layer built without the storage), and weights whose bases are not 16-byte aligned (a view at an
+    odd offset) are given to it as aligned copies, with the bits of the aligned weights."""
+    import test_experts_gpt_oss as go
+    from flowmoe import _native
+    from flowmoe.experts import _layers
+
+    x, logits, gate_up, b1, down, b2, dy = (t.detach().to(DEV) for t in go.problem(4, torch.bfloat16))
+    leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, b1, down, b2)]
+    y, g = go.run("bf16", *leaves, dy, sync_free=True)
+    layer = next(iter(_layers[id(leaves[2])][1].values()))
+    r = layer._runner
+    cfg = layer._config(r.max_tokens)
+    without = _native.Layer(cfg, device=torch.cuda.current_device(), stream=r.stream.cuda_stream, sync_free=True,
+                            caller_memory=True, bf16_params_in_place=True, bf16_params_stored=True).memory_plan()
+    hp, fp = layer.hidden, layer.ffn
+    relay = 2 * go.E * (2 * fp * hp + hp * fp)
+    assert without[2] - r.plan[2] >= relay, (without, r.plan, relay)
+
+    def unaligned(t):  # the same values at a base 2 bytes past a 16-byte boundary
+        buf = torch.zeros(t.numel() + 8, dtype=t.dtype, device=DEV)
+        v = buf[1:1 + t.numel()].view(t.shape)
+        v.copy_(t)
+        return v.detach().requires_grad_()
+
+    odd = [t.clone().requires_grad_() for t in (x, logits)] + [unaligned(gate_up), b1.clone().requires_grad_(),
+                                                               unaligned(down), b2.clone().requires_grad_()]
+    assert odd[2].data_ptr() % 16 != 0 and odd[4].data_ptr() % 16 != 0
+    y2, g2 = go.run("bf16", *odd, dy, sync_free=True)
+    assert torch.equal(y, y2)
+    for a, b, name in zip(g, g2, ("x", "logits", "gate_up", "b1", "down", "b2")):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("recipe", ["flow", "bf16"])
 def test_gpu_gpt_oss_forward_keeps_no_relaid_weights(recipe):
     """Between forward and backward the node of the in-place path holds no copy of the weights (flow

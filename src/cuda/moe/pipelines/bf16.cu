@@ -30,11 +30,11 @@ void forward_bf16(StepContext& c, bf16_t* y) {
     else
       c.bf16_fprop(b.x_perm, 2 * c.F_, c.H_, c.bf16_weight(1), b.h);
   }
-  c.add_gemm1_bias();
-  {
-    auto s = c.fwd("SwiGLU*prob (bf16)");
+  {  // (GEMM1's bias added as the kernel reads h, the biased h stored back: the backward reads it)
+    const GateUpBias bias = c.gemm1_bias_on_read(/*store_h=*/true);
+    auto s = c.fwd(bias.bias ? "b1 + SwiGLU*prob (bf16)" : "SwiGLU*prob (bf16)");
     cuda::swiglu(b.h, c.step_.Mp, c.F_, b.a, c.st_fwd(), c.stream_, c.ws_.routing.row_prob, c.rows_bound(),
-                 c.cfg_.activation);
+                 c.cfg_.activation, bias);
   }
   c.gemm2_then_combine(
       "GEMM2 fprop (bf16)",

@@ -35,11 +35,11 @@ void forward_blockwise(StepContext& c, bf16_t* y) {
     auto s = c.fwd("GEMM1 fprop (fp8)");
     c.fp8_fprop(x_row, 2 * c.F_, c.H_, w.w1, b.h, c.st_fwd_aux());
   }
-  c.add_gemm1_bias();
-  {
-    auto s = c.fwd("SwiGLU*prob (bf16)");
+  {  // (GEMM1's bias added as the kernel reads h, the biased h stored back: the backward reads it)
+    const GateUpBias bias = c.gemm1_bias_on_read(/*store_h=*/true);
+    auto s = c.fwd(bias.bias ? "b1 + SwiGLU*prob (bf16)" : "SwiGLU*prob (bf16)");
     cuda::swiglu(b.h, c.step_.Mp, c.F_, b.a, c.st_fwd(), c.stream_, c.ws_.routing.row_prob, c.rows_bound(),
-                 c.cfg_.activation);
+                 c.cfg_.activation, bias);
   }
   {
     auto s = c.fwd("quantize a' (row + col)");

@@ -71,16 +71,18 @@ void forward_flow(StepContext& c, bf16_t* y) {
       auto s = c.fwd("GEMM1 fprop (fp8)");
       c.fp8_fprop(x_in, 2 * c.F_, c.H_, w.w1, b.h, c.st_fwd_aux());
     }
-    c.add_gemm1_bias();
+    // (GEMM1's bias added as the kernel reads h: h is scratch here, saved quantized)
+    const GateUpBias bias = c.gemm1_bias_on_read(/*store_h=*/false);
     if (!h4) {
-      auto s = c.fwd("SwiGLU*prob + quantize (a' row, h row)");
+      auto s = c.fwd(bias.bias ? "b1 + SwiGLU*prob + quantize (a' row, h row)" : "SwiGLU*prob + quantize (a' row, h row)");
       cuda::swiglu_quant(b.h, c.step_.Mp, c.F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), c.st_fwd(), c.stream_,
-                         c.ws_.routing.row_prob, c.rows_bound(), c.cfg_.activation);
+                         c.ws_.routing.row_prob, c.rows_bound(), c.cfg_.activation, bias);
       c.log_rows(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHRow, 1, 2, 2 * c.F_);
     } else {
-      auto s = c.fwd("SwiGLU*prob + quantize (a' row, h mxfp4)");
+      auto s = c.fwd(bias.bias ? "b1 + SwiGLU*prob + quantize (a' row, h mxfp4)"
+                               : "SwiGLU*prob + quantize (a' row, h mxfp4)");
       cuda::swiglu_quant_h4(b.h, c.step_.Mp, c.F_, ar.codes, ar.ue8m0(), hs.codes, hs.ue8m0(), c.st_fwd(), c.stream_,
-                            c.ws_.routing.row_prob, c.rows_bound(), c.cfg_.activation);
+                            c.ws_.routing.row_prob, c.rows_bound(), c.cfg_.activation, bias);
       c.log_rows(MoePass::kForward, CastKind::kFused, report_names::kSwigluQuantRowHMxfp4, 1, 2, 2 * c.F_);
     }
   }

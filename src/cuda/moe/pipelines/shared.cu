@@ -8,17 +8,22 @@
 #include "cuda/common.cuh"
 #include "cuda/moe/step_context.h"
 #include "flowmoe/expert_bias.h"
+#include "flowmoe/swiglu.h"
 
 namespace flowmoe {
 namespace cuda {
 namespace moe {
 
-// GEMM1's bias (MoeConfig::gemm1_bias), in place on h before the activation: every row of the
-// segments, as the CPU layer (no-op without the bias).
-void StepContext::add_gemm1_bias() {
-  if (gemm1_bias_ == nullptr) return;
-  auto s = fwd("GEMM1 bias (bf16 h += b1)");
-  cuda::add_expert_bias(ws_.expert.h, step_.Mp, 2 * F_, segment_offsets(), El_, gemm1_bias_, rows_bound(), stream_);
+// GEMM1's bias (MoeConfig::gemm1_bias) on h as the activation kernel reads it: every row of the
+// segments, as the CPU layer adds it before the activation (none without the bias).
+GateUpBias StepContext::gemm1_bias_on_read(bool store_h) const {
+  GateUpBias b;
+  if (gemm1_bias_ == nullptr) return b;
+  b.bias = gemm1_bias_;
+  b.offsets = segment_offsets();
+  b.num_segments = El_;
+  b.biased_h = store_h ? ws_.expert.h : nullptr;
+  return b;
 }
 
 // GEMM2 (gemm2() computes the expert output rows into ExpertBuffers::rows_bf16) and the way back
