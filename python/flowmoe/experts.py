@@ -400,11 +400,20 @@ def _call(layer: _ExpertsLayer, x, top_k_index, top_k_weights, w1, w2, H: int, l
         y = lay.crop_y(layer.run(lay.pad_x(xb).contiguous(), ids, probs, w1l, w2l,
                                  lay.bias1(b1) if b1 is not None else None))
     if b2 is not None:  # sum_k p_k b2[e_k] (dropped slots: id -1, no bias)
-        keep = ids >= 0
-        bias = torch.nn.functional.embedding_bag(ids.clamp(min=0).long(), b2.to(torch.float32), mode="sum",
-                                                 per_sample_weights=probs * keep)
-        y = (y.to(torch.float32) + bias).to(torch.bfloat16)
+        y = _add_expert_bias2(y, ids, probs, b2)
     return y.reshape(x.shape).to(x.dtype)
+
+
+def _add_expert_bias2(y: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    """y + sum_k p_k b2[e_k] (dropped slots, id -1, add nothing), in FP32 and rounded to BF16 once, as
+    one matrix product: the routing weights as a dense [T, E] matrix P (each token's k weights in
+    its experts' columns), then addmm(y, P, b2). Its backward is two products and a gather (dP,
+    db2 = P^T dy); embedding_bag's sum with per-sample weights took 0.75 ms of a gpt-oss-20b block's
+    step in its forward and backward kernels (docs/HF.md)."""
+    keep = (ids >= 0).unsqueeze(-1)
+    onehot = torch.nn.functional.one_hot(ids.clamp(min=0).long(), b2.shape[0]).to(torch.float32)  # [T, k, E]
+    P = (onehot * (probs.unsqueeze(-1) * keep)).sum(1)
+    return torch.addmm(y.to(torch.float32), P, b2.to(torch.float32)).to(torch.bfloat16)
 
 
 class MoEExperts(nn.Module):
