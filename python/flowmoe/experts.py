@@ -400,11 +400,11 @@ def _call(layer: _ExpertsLayer, x, top_k_index, top_k_weights, w1, w2, H: int, l
         y = lay.crop_y(layer.run(lay.pad_x(xb).contiguous(), ids, probs, w1l, w2l,
                                  lay.bias1(b1) if b1 is not None else None))
     if b2 is not None:  # sum_k p_k b2[e_k] (dropped slots: id -1, no bias)
-        y = _add_expert_bias2(y, ids, probs, b2)
+        y = _add_down_bias(y, ids, probs, b2)
     return y.reshape(x.shape).to(x.dtype)
 
 
-def _add_expert_bias2(y: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+def _add_down_bias(y: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
     """y + sum_k p_k b2[e_k] (dropped slots, id -1, add nothing), in FP32 and rounded to BF16 once, as
     one matrix product: the routing weights as a dense [T, E] matrix P (each token's k weights in
     its experts' columns), then addmm(y, P, b2). Its backward is two products and a gather (dP,
