@@ -153,7 +153,8 @@ void swiglu_quant_h4(const bf16_t* h, int64_t m, int64_t f, uint8_t* a_codes, ui
                      cudaStream_t stream, const float* prow = nullptr,
                      const int32_t* rows_bound = nullptr, const GatedActivation& act = {},
                      const GateUpBias& bias = {});
-// The same plus the column-wise copy of A over the segments (M = sb.m), fused: a_col_codes
+// The same plus the column-wise copy of A over the segments (M = sb.m), fused (no GateUpBias: no
+// pipeline with GEMM1's bias calls it; add_expert_bias first where one would): a_col_codes
 // [F, M], a_col_scales [sb.max_blocks][F]; bit-identical to scaling_aware_transpose of the
 // row-wise output (underflow counted). h_codes/h_scales optional as above.
 void swiglu_quant_col(const bf16_t* h, int64_t f, const SegmentBlocks& sb, uint8_t* a_codes,

@@ -316,11 +316,12 @@ template <bool kPairs>
 void launch_staged(const StagedSource& s, int num_experts, int64_t n, int64_t k, uint8_t* codes, uint8_t* scales,
                    uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream, const char* what) {
   constexpr int kHalves = kPairs ? 2 : 1;
-  const int smem = int(kStages * 8 * kHalves * kThreads * sizeof(uint4));
+  constexpr int smem = int(kStages * 8 * kHalves * kThreads * sizeof(uint4));
   auto* kernel = quantize_weight_staged_kernel<kPairs>;
-  FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int sms = detail::sm_count_after(
+      [&] { FLOWMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); });
   const int64_t total = int64_t(num_experts) * (n / kTile) * (k / kTile / kHalves);
-  const int64_t ctas = std::min<int64_t>(total, int64_t(detail::device_sm_count()) * (kPairs ? 1 : 2));
+  const int64_t ctas = std::min<int64_t>(total, int64_t(sms) * (kPairs ? 1 : 2));
   kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(s, num_experts, n, k, codes, scales, t_codes,
                                                                   t_scales, nonfinite_ptr(status));
   FLOWMOE_LAUNCH_CHECK(what);
