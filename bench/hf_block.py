@@ -62,6 +62,23 @@ def import_flowmoe_hf(lib):
     import flowmoe.hf  # noqa: F401
 
 
+def flowmoe_plan(block):
+    """The memory plan (weights, saved, transient bytes per call) of the flowmoe layer serving the
+    block's experts, or None (another implementation, or no layer built yet)."""
+    try:
+        from flowmoe.experts import _layers
+    except ImportError:
+        return None
+    for p in block.parameters():
+        entry = _layers.get(id(p))
+        if entry is None:
+            continue
+        for layer in entry[1].values():
+            if getattr(layer, "_runner", None) is not None:
+                return tuple(layer._runner.plan)
+    return None
+
+
 def hidden_size(args):
     if args.family == "gpt-oss":
         return args.size or GPT_OSS_20B["hidden_size"]
@@ -128,6 +145,9 @@ def measure(args, impl, device):
     out = {"impl": impl, "ms": statistics.median(times),
            "peak_above_state_mib": (torch.cuda.max_memory_allocated(device) - base) / MiB,
            "state_mib": base / MiB}
+    plan = flowmoe_plan(block)
+    if plan is not None:  # the native layer's regions per call (weights, saved, transient)
+        out["flowmoe_plan_mib"] = dict(zip(("weights", "saved", "transient"), (b / MiB for b in plan)))
     # where the peak is: one more step with the peak read after the forward and after the backward
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -195,6 +215,9 @@ def main(argv=None):
         print(f"# {impl}: {r['ms']:.2f} ms ({base / r['ms']:.2f}x {rows[0]['impl']}), peak above the state "
               f"{r['peak_above_state_mib']:.0f} MiB (state {r['state_mib']:.0f} MiB; forward "
               f"{r['peak_forward_mib']:.0f}, backward {r['peak_backward_mib']:.0f})", flush=True)
+        if "flowmoe_plan_mib" in r:
+            print("#   flowmoe's regions per call: " +
+                  ", ".join(f"{k} {v:.0f} MiB" for k, v in r["flowmoe_plan_mib"].items()), flush=True)
         if args.profile:
             print(f"#   kernel time {r['kernel_total_ms']:.2f} ms: " +
                   ", ".join(f"{k} {v:.2f}" for k, v in r["kernel_ms"].items()), flush=True)
