@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -21,6 +22,7 @@
 
 #include "cuda/device_buffer.h"
 #include "flowmoe/cuda/status.h"
+#include "flowmoe/error.h"
 #include "flowmoe/numerics.h"
 #include "flowmoe/recipe.h"
 #include "flowmoe/tensor.h"  // bf16_t
@@ -170,6 +172,16 @@ double rel_rms(const std::vector<T>& got, const std::vector<T>& want) {
     den += w * w;
   }
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// `fn` throws flowmoe::Error (or a subclass) whose message mentions `needle`.
+inline void expect_error(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error mentioning \"" << needle << "\"";
+  } catch (const flowmoe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace testutil

@@ -200,14 +200,6 @@ TEST(ExpertBiasGpu, SwigluReadsBiasedH) {
     expect_same_bits(want_a, a3, size_t(bound_row) * f, "a' under a rows bound");
   }
   // arguments: a bias without offsets, biased_h other than h
-  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "expected an error mentioning \"" << needle << "\"";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   DBuf<bf16_t> x(std::vector<bf16_t>(256, 0)), y(std::vector<bf16_t>(256, 0)), a(std::vector<bf16_t>(128, 0));
   DBuf<float> b(std::vector<float>(256, 0.f));
   DBuf<int32_t> off(std::vector<int32_t>{0, 1});
