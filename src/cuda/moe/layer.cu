@@ -230,8 +230,7 @@ void CudaMoeLayer::check_params_in_place(const MoeWeights& w, const char* what) 
     if (!path_.bf16_relay_planned) {
       // (built for a storage its kernels read in place: no room to relay any other)
       const ExpertStorage& st = w.storage;
-      const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-      FLOWMOE_CHECK(bf16_kernels_read_stored(st, F_) && aligned16(w.w1_bf16) && aligned16(w.w2_bf16),
+      FLOWMOE_CHECK(bf16_kernels_read_stored(st, F_) && detail::aligned16(w.w1_bf16) && detail::aligned16(w.w2_bf16),
                     what << ": BF16 W1, W2 stored as [" << st.hidden << ", 2 x " << st.ffn << "] ("
                          << (st.interleaved ? "gate / up interleaved" : "gate then up") << ") at "
                          << w.w1_bf16 << ", " << w.w2_bf16
@@ -478,7 +477,8 @@ void CudaMoeLayer::backward(const bf16_t* dy, bf16_t* dx, const MoeGrads& g) {
   call.grads_accumulate = g.accumulate;
   StepContext c = context(step_, call);  // (a copy: the layer's step backs any number of backwards)
   if (path_.bf16_relay_per_pass && !c.stored_gemms(g)) {
-    FLOWMOE_CHECK(path_.bf16_relay_planned || c.stored_gemms(),
+    // (the parameters' storage and alignment were checked when given: check_params_in_place)
+    FLOWMOE_CHECK(path_.bf16_relay_planned,
                   what << ": dW1 stored as [" << g.storage.hidden << ", 2 x " << g.storage.ffn
                        << "], not as the parameters; this layer reads them in place and keeps no room to relay "
                           "them (CudaLayerOptions::bf16_storage): expected MoeGrads::storage = the parameters' storage");

@@ -179,10 +179,9 @@ const bf16_t* StepContext::bf16_weight(int g) const {
 }
 bool StepContext::stored_gemms() const {
   const ExpertStorage& st = call_params_.storage;
-  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   // (the kernels' TMA maps: 16-byte rows W1^T [Hs][2Fs], W2^T [Fs][Hs] and bases; else the relay)
   return path_.bf16_stored_gemms && call_params_.w1_bf16 && bf16_kernels_read_stored(st, F_) &&
-         aligned16(call_params_.w1_bf16) && aligned16(call_params_.w2_bf16);
+         detail::aligned16(call_params_.w1_bf16) && detail::aligned16(call_params_.w2_bf16);
 }
 bool StepContext::stored_gemms(const MoeGrads& g) const {
   const ExpertStorage &p = call_params_.storage, &s = g.storage;
