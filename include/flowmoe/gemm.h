@@ -42,6 +42,7 @@
 
 #include "flowmoe/cuda/qtensor_view.h"
 #include "flowmoe/settings.h"
+#include "flowmoe/swiglu_math.h"
 #include "flowmoe/tensor.h"
 
 // The CUDA runtime's stream handle, declared without including cuda_runtime.h (same typedef).
@@ -401,10 +402,13 @@ class GroupedGemm {
   // (interleave_gate_up); row_prob: [capacity] on the device, or null (a' = silu(gate) * up).
   // Non-finite a', gate and up values are counted in status->nonfinite (may be null) as the SwiGLU
   // kernels count them; malformed offsets in seg.status. F a positive multiple of 128.
+  // act: SwiGLU or the clamped SwiGLU (with its saved-h marks, swiglu_math.h); gate_up_bias:
+  // GEMM1's bias [E, 2F] FP32 (gate then up, 16-byte aligned) added to h as cuda::swiglu_quant's
+  // GateUpBias adds it, or null.
   void fprop_swiglu(const DeviceSegments& seg, int64_t f, int64_t k, const cuda::QTensorView& x,
                     const cuda::QTensorView& w1_interleaved, const float* row_prob,
                     const cuda::QTensorView& a_row, const cuda::QTensorView& h_saved, DeviceStatus* status,
-                    cudaStream_t stream);
+                    cudaStream_t stream, const GatedActivation& act = {}, const float* gate_up_bias = nullptr);
 
   // GEMM2-dgrad of the flow recipes with dSwiGLU*prob and dh's quantizations fused into the
   // grouped kernel's epilogue (docs/EPILOGUES.md §2). For every row
@@ -418,10 +422,11 @@ class GroupedGemm {
   // written, other rows are untouched. row_prob: [capacity], or null (plain dSwiGLU). Non-finite
   // dgate and dup values are counted in status->nonfinite (may be null) as the dSwiGLU kernels
   // count them; malformed offsets in seg.status. F a positive multiple of 128.
+  // act: the forward's activation (the clamped SwiGLU's gradient masks read the saved marks).
   void dgrad_dswiglu(const DeviceSegments& seg, int64_t n, int64_t f, const cuda::QTensorView& dy,
                      const cuda::QTensorView& wt, const float* row_prob, const cuda::QTensorView& h_saved,
                      const cuda::QTensorView& dh_row, const cuda::QTensorView& dh_col, float* dprob_partials,
-                     DeviceStatus* status, cudaStream_t stream);
+                     DeviceStatus* status, cudaStream_t stream, const GatedActivation& act = {});
 
   // BF16 baseline (FP32 accumulation): x [M, K], w [E][N][K], y [M, N]; dgrad uses W itself.
   void fprop_bf16(const Segments& seg, int64_t n, int64_t k, Span<const bf16_t> x,

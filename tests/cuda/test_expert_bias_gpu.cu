@@ -255,9 +255,13 @@ struct LayerOut {
 };
 
 LayerOut run_gpu(const flowmoe_test::RoutedProblem& p, const MoeConfig& cfg, const std::vector<float>& b1,
-            bool sync_free) {
+            bool sync_free, bool fused_epilogues = false) {
   CudaLayerOptions opt;
   opt.sync_free = sync_free;
+  if (fused_epilogues) {  // flow's GEMM1 + b1 + clamped SwiGLU and GEMM2-dgrad + dSwiGLU as one kernel each
+    opt.fprop_dgrad = CudaLayerOptions::FpropDgrad::kGrouped;
+    opt.fused_swiglu = opt.fused_dswiglu = true;
+  }
   std::unique_ptr<MoeLayer> l = make_cuda_layer(cfg, nullptr, opt);
   const int64_t T = p.T, H = cfg.hidden;
   DBuf<float> w1(p.w1), w2(p.w2), b(b1), dw1(p.w1.size()), dw2(p.w2.size()), dprobs(p.probs.size()),
@@ -294,6 +298,15 @@ TEST_P(ClampedBiasLayer, MatchesTheCpuLayerAndSyncFreeBits) {
   expect_same_bits(gpu.y, gpu_sf.y, "y (sync_free)");
   expect_same_bits(gpu.dw1, gpu_sf.dw1, "dW1 (sync_free)");
   expect_same_bits(gpu.db1, gpu_sf.db1, "db1 (sync_free)");
+  if (recipe == Recipe::kFlow || recipe == Recipe::kFlowFp4) {  // the fused epilogues: the same bits
+    const LayerOut fused = run_gpu(p, cfg, b1, false, true);
+    expect_same_bits(gpu.y, fused.y, "y (fused epilogues)");
+    expect_same_bits(gpu.dx, fused.dx, "dx (fused epilogues)");
+    expect_same_bits(gpu.dw1, fused.dw1, "dW1 (fused epilogues)");
+    expect_same_bits(gpu.dw2, fused.dw2, "dW2 (fused epilogues)");
+    expect_same_bits(gpu.dprobs, fused.dprobs, "dprobs (fused epilogues)");
+    expect_same_bits(gpu.db1, fused.db1, "db1 (fused epilogues)");
+  }
   std::unique_ptr<MoeLayer> c = make_cpu_layer(cfg);
   c->set_weights(MoeWeights{p.w1.data(), p.w2.data(), nullptr, nullptr});
   c->set_routing(p.ids.data(), p.probs.data());

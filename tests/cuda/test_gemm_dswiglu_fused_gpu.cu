@@ -38,6 +38,7 @@ struct Case {
   bool f32_w_scales;  // W2^T's scales GEMM-ready FP32 (the layer's) or UE8M0
   bool nonfinite;     // NaN / Inf injected into dY and h
   bool prob;          // with the routing probabilities (and dp), or the plain dSwiGLU
+  bool clamped = false;  // gpt-oss's clamped SwiGLU (h spread over the limit, marks saved)
 };
 
 void run_case(const Case& c) {
@@ -45,7 +46,9 @@ void run_case(const Case& c) {
   std::vector<int32_t> off(E + 1, 0);
   for (int e = 0; e < E; ++e) off[e + 1] = off[e] + kCounts[e];
   const int64_t rows = off[E], m = rows + kTailRows, n2 = 2 * kF;
-  std::mt19937 rng(777u + 2u * c.mxfp4_h + 4u * c.f32_w_scales + 8u * c.nonfinite + 16u * c.prob);
+  std::mt19937 rng(777u + 2u * c.mxfp4_h + 4u * c.f32_w_scales + 8u * c.nonfinite + 16u * c.prob + 32u * c.clamped);
+  GatedActivation act;
+  if (c.clamped) act.kind = ActivationKind::kClampedSwiglu;  // alpha 1.702, limit 7 (gpt-oss's)
   // dY rows with magnitudes 2^-8 .. 2^8, h rows 2^-6 .. 2^6 (scale exponents spread over tiles)
   std::vector<float> dyf = normal_f32(m * kH, 1.0f, rng), hf = normal_f32(m * n2, 1.0f, rng);
   for (int64_t r = 0; r < m; ++r) {
@@ -92,8 +95,15 @@ void run_case(const Case& c) {
   }
   // the saved h
   DBuf<uint8_t> h8_c(m * n2), h8_s((n2 / 128) * m), h4_c(m * kF), h4_s(m * (n2 / 32));
-  cuda::quantize_row(h_bf.p, m, n2, h8_c.p, h8_s.p, quant_st.p, 0);
-  cuda::quantize_mxfp4(h_bf.p, m, n2, h4_c.p, h4_s.p, quant_st.p, 0);
+  if (c.clamped)  // h as the forward saves it: values past the limit carry the clamp's marks
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t k = 0; k < n2; ++k) {
+        float& v = hf[r * n2 + k];
+        v = k < kF ? num::saved_gate(act, v) : num::saved_up(act, v);
+      }
+  DBuf<bf16_t> hs_bf(to_bf16(hf));
+  cuda::quantize_row(hs_bf.p, m, n2, h8_c.p, h8_s.p, quant_st.p, 0);
+  cuda::quantize_mxfp4(hs_bf.p, m, n2, h4_c.p, h4_s.p, quant_st.p, 0);
   const cuda::QTensorView h_saved =
       c.mxfp4_h ? cuda::mxfp4_1x32(h4_c.p, h4_s.p, m, n2) : cuda::row_1x128(h8_c.p, h8_s.p, m, n2);
   // the segments' blocks (the unfused kernel's column-wise grid)
@@ -122,20 +132,21 @@ void run_case(const Case& c) {
     gg.dgrad(seg, kH, kF, dy, wt, {da.p, m * kF}, 0);
     if (c.mxfp4_h)
       cuda::dswiglu_quant_fp4h(da.p, h4_c.p, h4_s.p, kF, sb, rc0.p, rs0.p, cc0.p, cs0.p, ref_st.p, 0, p,
-                               c.prob ? dp0.p : nullptr);
+                               c.prob ? dp0.p : nullptr, act);
     else
       cuda::dswiglu_quant_fp8h(da.p, h8_c.p, h8_s.p, kF, sb, rc0.p, rs0.p, cc0.p, cs0.p, ref_st.p, 0, p,
-                               c.prob ? dp0.p : nullptr);
+                               c.prob ? dp0.p : nullptr, act);
     ASSERT_CUDA_OK(cudaDeviceSynchronize());
   }
   gg.dgrad_dswiglu(seg, kH, kF, dy, wt, p, h_saved, cuda::row_1x128(rc1.p, rs1.p, m, n2),
-                   cuda::col_128x1(cc1.p, cs1.p, m, n2, mb), c.prob ? dp1.p : nullptr, fused_st.p, 0);
+                   cuda::col_128x1(cc1.p, cs1.p, m, n2, mb), c.prob ? dp1.p : nullptr, fused_st.p, 0, act);
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_EQ(gg.stats().grouped_kernel_calls, 2);
   EXPECT_EQ(quant_st.p->bad_segments, 0u);
 
   const std::string what = std::string(c.mxfp4_h ? "h mxfp4" : "h fp8") + (c.f32_w_scales ? ", fp32 w scales" : "") +
-                           (c.nonfinite ? ", nan/inf" : "") + (c.prob ? ", prob" : ", no prob");
+                           (c.nonfinite ? ", nan/inf" : "") + (c.prob ? ", prob" : ", no prob") +
+                           (c.clamped ? ", clamped" : "");
   expect_same_bits(rc0.get(), rc1.get(), what + ": dh row codes");
   expect_same_bits(rs0.get(), rs1.get(), what + ": dh row scales");
   expect_same_bits(cc0.get(), cc1.get(), what + ": dh column codes");
@@ -174,6 +185,16 @@ TEST(GemmDswigluFusedGpu, NonFiniteCountedAsUnfused) {
   REQUIRE_SM90();
   run_case({false, true, true, true});
   run_case({true, true, true, true});
+}
+
+// gpt-oss's clamped SwiGLU: the masks and the clamped values read from the saved marks
+TEST(GemmDswigluFusedGpu, ClampedSwigluBitsEqualUnfused) {
+  REQUIRE_SM90();
+  run_case({false, true, false, true, true});
+  run_case({false, false, false, false, true});
+  run_case({true, true, false, true, true});
+  run_case({false, true, true, true, true});
+  run_case({true, true, true, true, true});
 }
 
 TEST(GemmDswigluFusedGpu, BadArgumentsRejected) {

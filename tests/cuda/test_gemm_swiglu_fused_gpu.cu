@@ -40,6 +40,7 @@ struct Case {
   bool mxfp4_h;       // flow-fp4 (h saved MXFP4) or flow (h saved FP8 rows)
   bool f32_w_scales;  // W1's scales GEMM-ready FP32 (the layer's) or UE8M0
   bool nonfinite;     // NaN / Inf injected into x
+  bool gpt_oss = false;  // the clamped SwiGLU (h spread far past its limit) and GEMM1's bias
 };
 
 void run_case(const Case& c) {
@@ -47,7 +48,9 @@ void run_case(const Case& c) {
   std::vector<int32_t> off(E + 1, 0);
   for (int e = 0; e < E; ++e) off[e + 1] = off[e] + kCounts[e];
   const int64_t rows = off[E], m = rows + kTailRows;
-  std::mt19937 rng(1234u + 2u * c.mxfp4_h + 4u * c.f32_w_scales + 8u * c.nonfinite);
+  std::mt19937 rng(1234u + 2u * c.mxfp4_h + 4u * c.f32_w_scales + 8u * c.nonfinite + 16u * c.gpt_oss);
+  GatedActivation act;
+  if (c.gpt_oss) act.kind = ActivationKind::kClampedSwiglu;  // alpha 1.702, limit 7 (gpt-oss's)
   // x rows with magnitudes 2^-8 .. 2^8 (scale exponents spread over tiles), plus special rows
   std::vector<float> xf = normal_f32(m * kK, 1.0f, rng);
   for (int64_t r = 0; r < m; ++r)
@@ -69,9 +72,20 @@ void run_case(const Case& c) {
   std::uniform_real_distribution<float> u01(0.0f, 1.0f);
   for (float& p : prob) p = u01(rng);
 
+  // GEMM1's bias [E, 2F] (gate then up): magnitudes up to ~16, so that it moves values across the
+  // limit; with non-finite input also an infinite bias and a NaN bias
+  std::vector<float> bias = normal_f32(int64_t(E) * 2 * kF, 4.0f, rng);
+  if (c.nonfinite) {
+    bias[3 * 2 * kF + 17] = std::numeric_limits<float>::infinity();      // expert 3, a gate feature
+    bias[6 * 2 * kF + kF + 300] = std::numeric_limits<float>::quiet_NaN();  // expert 6, an up feature
+  }
+  DBuf<float> d_bias(bias);
+  const float* b1 = c.gpt_oss ? d_bias.p : nullptr;
   DBuf<bf16_t> x_bf(xb), w_bf(wb);
   DBuf<float> d_prob(prob);
   DBuf<int32_t> d_off(off);
+  cuda::GateUpBias ref_bias;  // the unfused SwiGLU kernel adds it as it reads h
+  if (c.gpt_oss) ref_bias = cuda::GateUpBias{d_bias.p, d_off.p, E, nullptr};
   ManagedStatus quant_st, ref_st, fused_st;
   DBuf<uint8_t> x_c(m * kK), x_s((kK / 128) * m);
   cuda::quantize_row(x_bf.p, m, kK, x_c.p, x_s.p, quant_st.p, 0);
@@ -105,19 +119,22 @@ void run_case(const Case& c) {
     DBuf<bf16_t> h(m * 2 * kF);
     gg.fprop(seg, 2 * kF, kK, x, w_nat, {h.p, m * 2 * kF}, 0);
     if (c.mxfp4_h)
-      cuda::swiglu_quant_h4(h.p, m, kF, ra_c.p, ra_s.p, rh_c.p, rh_s.p, ref_st.p, 0, d_prob.p, d_off.p + E);
+      cuda::swiglu_quant_h4(h.p, m, kF, ra_c.p, ra_s.p, rh_c.p, rh_s.p, ref_st.p, 0, d_prob.p, d_off.p + E, act,
+                            ref_bias);
     else
-      cuda::swiglu_quant(h.p, m, kF, ra_c.p, ra_s.p, rh_c.p, rh_s.p, ref_st.p, 0, d_prob.p, d_off.p + E);
+      cuda::swiglu_quant(h.p, m, kF, ra_c.p, ra_s.p, rh_c.p, rh_s.p, ref_st.p, 0, d_prob.p, d_off.p + E, act,
+                         ref_bias);
     ASSERT_CUDA_OK(cudaDeviceSynchronize());
   }
   const cuda::QTensorView h_out = c.mxfp4_h ? cuda::mxfp4_1x32(fh_c.p, fh_s.p, m, 2 * kF)
                                             : cuda::row_1x128(fh_c.p, fh_s.p, m, 2 * kF);
-  gg.fprop_swiglu(seg, kF, kK, x, w_int, d_prob.p, cuda::row_1x128(fa_c.p, fa_s.p, m, kF), h_out, fused_st.p, 0);
+  gg.fprop_swiglu(seg, kF, kK, x, w_int, d_prob.p, cuda::row_1x128(fa_c.p, fa_s.p, m, kF), h_out, fused_st.p, 0, act,
+                  b1);
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_EQ(gg.stats().grouped_kernel_calls, 2);
 
   const std::string what = std::string(c.mxfp4_h ? "h mxfp4" : "h fp8") + (c.f32_w_scales ? ", fp32 w scales" : "") +
-                           (c.nonfinite ? ", nan/inf" : "");
+                           (c.nonfinite ? ", nan/inf" : "") + (c.gpt_oss ? ", clamped + bias" : "");
   expect_same_bits(ra_c.get(), fa_c.get(), what + ": a' codes");
   expect_same_bits(ra_s.get(), fa_s.get(), what + ": a' scales");
   expect_same_bits(rh_c.get(), fh_c.get(), what + ": h codes");
@@ -152,6 +169,15 @@ TEST(GemmSwigluFusedGpu, NonFiniteCountedAsUnfused) {
   run_case({true, true, true});
 }
 
+// gpt-oss: the clamped SwiGLU with its saved-h marks and GEMM1's bias added in the epilogue
+TEST(GemmSwigluFusedGpu, ClampedSwigluWithBiasBitsEqualUnfused) {
+  REQUIRE_SM90();
+  run_case({false, true, false, true});
+  run_case({true, false, false, true});
+  run_case({false, true, true, true});
+  run_case({true, true, true, true});
+}
+
 TEST(GemmSwigluFusedGpu, BadArgumentsRejected) {
   REQUIRE_SM90();
   const int E = 2;
@@ -169,6 +195,12 @@ TEST(GemmSwigluFusedGpu, BadArgumentsRejected) {
   EXPECT_THROW(gg.fprop_swiglu(seg, kF, kK, x, w, nullptr, a, a, nullptr, 0), Error);         // h [m, F]
   const cuda::QTensorView w_half = cuda::weight_128x128(w_c.p, w_s.p, E, kF, kK);
   EXPECT_THROW(gg.fprop_swiglu(seg, kF, kK, x, w_half, nullptr, a, h, nullptr, 0), Error);    // W1 [F, K]
+  DBuf<float> bias(E * 2 * kF + 4);
+  EXPECT_THROW(gg.fprop_swiglu(seg, kF, kK, x, w, nullptr, a, h, nullptr, 0, {}, bias.p + 1), Error);  // unaligned bias
+  GatedActivation bad_act;
+  bad_act.kind = ActivationKind::kClampedSwiglu;
+  bad_act.limit = 0.0f;
+  EXPECT_THROW(gg.fprop_swiglu(seg, kF, kK, x, w, nullptr, a, h, nullptr, 0, bad_act), Error);  // limit 0
   cuda::QTensorView w_odd = cuda::weight_128x128(w_c.p, w_s.p, 3, 128, kK);                  // 128 rows per expert
   EXPECT_THROW(cuda::interleave_gate_up(w_odd, w_odd, 0), Error);
   EXPECT_THROW(cuda::interleave_gate_up(w, w, 0), Error);                                     // in place

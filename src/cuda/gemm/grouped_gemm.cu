@@ -335,7 +335,8 @@ void GroupedGemm::dgrad(const DeviceSegments& seg, int64_t n, int64_t k, const Q
 
 void GroupedGemm::fprop_swiglu(const DeviceSegments& seg, int64_t f, int64_t k, const QTensorView& x,
                                const QTensorView& w1_interleaved, const float* row_prob, const QTensorView& a_row,
-                               const QTensorView& h_saved, DeviceStatus* status, cudaStream_t stream) {
+                               const QTensorView& h_saved, DeviceStatus* status, cudaStream_t stream,
+                               const GatedActivation& act, const float* gate_up_bias) {
   const char* what = "FP8 fprop + SwiGLU epilogue (device segments)";
   impl_->require_fp8(what);
   check_device_segments(seg, what);
@@ -355,6 +356,8 @@ void GroupedGemm::fprop_swiglu(const DeviceSegments& seg, int64_t f, int64_t k, 
   s.h_codes = h_saved.codes;
   s.h_scales = h_saved.ue8m0();
   s.h_scale_ld = h_saved.scale_ld;
+  s.act = act;
+  s.gate_up_bias = gate_up_bias;
   s.status = status;
   sm90::fp8_grouped_rowwise_swiglu(rowwise_args(seg, 2 * f, k, x, w1_interleaved, {nullptr, 0}, what), s, what,
                                    stream);
@@ -364,7 +367,7 @@ void GroupedGemm::fprop_swiglu(const DeviceSegments& seg, int64_t f, int64_t k, 
 void GroupedGemm::dgrad_dswiglu(const DeviceSegments& seg, int64_t n, int64_t f, const QTensorView& dy,
                                 const QTensorView& wt, const float* row_prob, const QTensorView& h_saved,
                                 const QTensorView& dh_row, const QTensorView& dh_col, float* dprob_partials,
-                                DeviceStatus* status, cudaStream_t stream) {
+                                DeviceStatus* status, cudaStream_t stream, const GatedActivation& act) {
   const char* what = "FP8 dgrad + dSwiGLU epilogue (device segments)";
   impl_->require_fp8(what);
   check_device_segments(seg, what);
@@ -399,6 +402,7 @@ void GroupedGemm::dgrad_dswiglu(const DeviceSegments& seg, int64_t n, int64_t f,
   s.col_codes = dh_col.codes;
   s.col_scales = dh_col.ue8m0();
   s.dprob_partials = dprob_partials;
+  s.act = act;
   s.status = status;
   sm90::fp8_grouped_rowwise_dswiglu(rowwise_args(seg, f, n, dy, wt, {nullptr, 0}, what), s, what, stream);
   ++impl_->stats.grouped_kernel_calls;

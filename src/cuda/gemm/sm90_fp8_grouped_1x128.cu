@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "cuda/common.cuh"
@@ -244,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       dswiglu_epilogue<kH4>(acc[0], ebuf, dexch, dcodes, p.dswiglu, din, int64_t(off) + local0, me - local0, nt,
                             block, t, ci, 1 + ci);
     } else if constexpr (kEpi != Epi::kBf16) {
-      swiglu_epilogue<kEpi>(acc, ebuf, p.swiglu, int64_t(off) + local0, me - local0, nt, t, 1 + ci);
+      swiglu_epilogue<kEpi>(acc, ebuf, p.swiglu, int64_t(off) + local0, me - local0, rt.e, nt, t, 1 + ci);
     } else if (local0 + 64 <= me) {
       if (t == 0) bulk_wait_read_all();
       named_sync(1 + ci, 128);
@@ -380,14 +381,24 @@ void fp8_grouped_rowwise(const RowwiseGroupedArgs& a, const char* what, cudaStre
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 
+// Why the epilogues cannot compute this activation, or null (swiglu_common.cuh check_act's rule).
+const char* activation_unsupported(const GatedActivation& act) {
+  if (act.kind != ActivationKind::kSwiglu && act.kind != ActivationKind::kClampedSwiglu) return "an unknown activation kind";
+  if (act.clamped() && !(act.limit > 0.0f && std::isfinite(act.alpha)))
+    return "the clamped SwiGLU needs limit > 0 and a finite alpha";
+  return nullptr;
+}
+
 const char* swiglu_grouped_unsupported(const RowwiseGroupedArgs& a, const SwigluEpilogueArgs& s) {
   if (const char* why = unsupported(a, false)) return why;
+  if (const char* why = activation_unsupported(s.act)) return why;
   if (a.d != nullptr) return "a BF16 output given: the SwiGLU epilogue writes a' and h only";
   if (s.f <= 0 || a.n_out != 2 * s.f) return "the output features are not 2F (gate and up)";
   if (a.m == 0) return nullptr;
   if (!s.a_codes || !s.a_scales || !s.h_codes || !s.h_scales) return "a null a' or h pointer";
   if (!aligned16(s.a_codes) || !aligned16(s.h_codes)) return "the a' or h codes are not 16-byte aligned";
   if (s.h_mxfp4 && (reinterpret_cast<uintptr_t>(s.h_scales) & 3u) != 0) return "the MXFP4 h scales are not 4-byte aligned";
+  if (!aligned16(s.gate_up_bias)) return "GEMM1's bias is not 16-byte aligned";
   if (s.a_scale_ld < a.m || (!s.h_mxfp4 && s.h_scale_ld < a.m))
     return "the a' or h scale grid's leading dimension is below the token count";
   return nullptr;
@@ -410,6 +421,8 @@ void fp8_grouped_rowwise_swiglu(const RowwiseGroupedArgs& a, const SwigluEpilogu
   p.swiglu.a_scale_ld = s.a_scale_ld;
   p.swiglu.h_scale_ld = s.h_scale_ld;
   p.swiglu.f = int(s.f);
+  p.swiglu.act = s.act;
+  p.swiglu.bias = s.gate_up_bias;
   p.swiglu.nonfinite = s.status ? &s.status->nonfinite : nullptr;
   const int grid = grid_size(a, 256);
   if (s.h_mxfp4)
@@ -421,6 +434,7 @@ void fp8_grouped_rowwise_swiglu(const RowwiseGroupedArgs& a, const SwigluEpilogu
 
 const char* dswiglu_grouped_unsupported(const RowwiseGroupedArgs& a, const DswigluEpilogueArgs& s) {
   if (const char* why = unsupported(a, false)) return why;
+  if (const char* why = activation_unsupported(s.act)) return why;
   if (a.d != nullptr) return "a BF16 output given: the dSwiGLU epilogue writes dh and dp only";
   if (s.f <= 0 || a.n_out != s.f) return "the output features are not F (da' is [m, F])";
   if (a.m == 0) return nullptr;
@@ -456,6 +470,7 @@ void fp8_grouped_rowwise_dswiglu(const RowwiseGroupedArgs& a, const DswigluEpilo
   q.col_scales = s.col_scales;
   q.dpart = s.dprob_partials;
   q.f = int(s.f);
+  q.act = s.act;
   q.nonfinite = s.status ? &s.status->nonfinite : nullptr;
   const int grid = grid_size(a, 128);
   if (s.h_mxfp4)

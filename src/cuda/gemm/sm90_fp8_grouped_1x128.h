@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 
+#include "flowmoe/swiglu_math.h"
 #include "flowmoe/tensor.h"
 
 typedef struct CUstream_st* cudaStream_t;
@@ -69,6 +70,8 @@ struct SwigluEpilogueArgs {
   uint8_t* h_codes = nullptr;     // FP8: E4M3 [m, 2F]; MXFP4: E2M1 [m, F] (two per byte); 16-byte aligned
   uint8_t* h_scales = nullptr;    // FP8: UE8M0 [2F/128][h_scale_ld]; MXFP4: [m][2F/32], 4-byte aligned
   int64_t h_scale_ld = 0;         // FP8 only, >= m
+  GatedActivation act;            // SwiGLU or the clamped SwiGLU (swiglu_math.h)
+  const float* gate_up_bias = nullptr;  // GEMM1's bias [E, 2F] FP32 (gate then up), 16-byte aligned, or null
   DeviceStatus* status = nullptr; // non-finite a', gate and up values counted in status->nonfinite
 };
 // Why the SwiGLU epilogue cannot take these arguments, or null when it can.
@@ -95,6 +98,7 @@ struct DswigluEpilogueArgs {
   uint8_t* col_codes = nullptr;     // dh column-wise E4M3 [2F, m], 16-byte aligned
   uint8_t* col_scales = nullptr;    // UE8M0 [ceil(m/128) + E][2F] (the segment blocks), 2-byte aligned
   float* dprob_partials = nullptr;  // [F/128][m] (needs prob), or null
+  GatedActivation act;              // SwiGLU or the clamped SwiGLU (the forward's)
   DeviceStatus* status = nullptr;   // non-finite dgate and dup values counted in status->nonfinite
 };
 const char* dswiglu_grouped_unsupported(const RowwiseGroupedArgs& a, const DswigluEpilogueArgs& s);

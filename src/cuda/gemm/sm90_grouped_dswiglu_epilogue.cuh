@@ -6,7 +6,8 @@
 //   dp's partial sum of the 128 features (swiglu.h's order) per row,
 // in the layouts cuda::dswiglu_quant_fp8h / dswiglu_quant_fp4h write, with the same bits: the
 // accumulator is rounded to BF16 as the BF16 epilogue rounds it, then the steps of
-// dswiglu_quant_kernel (swiglu_math.h and the block quantization pieces of swiglu_common.cuh).
+// dswiglu_quant_kernel (swiglu_math.h's dact_prob_f32 / dact_f32 for either activation, and the
+// block quantization pieces of swiglu_common.cuh).
 // da' in BF16 is never written.
 //
 // Fragment layout (wgmma m64n128, FP32 accumulator): thread t of the warpgroup (warp w, lane l)
@@ -53,6 +54,7 @@ struct DswigluEpiParams {
   uint8_t* col_scales = nullptr;    // UE8M0 [blocks][2f]: block = the expert's 128-token block
   float* dpart = nullptr;           // [f/128][m] dp partial sums, or null
   int f = 0;
+  GatedActivation act;              // SwiGLU or the clamped SwiGLU (the forward's)
   unsigned long long* nonfinite = nullptr;  // non-finite dgate and dup values counted (may be null)
 };
 
@@ -203,8 +205,8 @@ __device__ __forceinline__ void dswiglu_epilogue(const float (&acc)[64], uint8_t
       const float d0 = bf16_lo(dw), d1 = bf16_hi(dw);
       uint32_t gw, uw;
       if (q.prob) {
-        const SwigluGradProb lo = dswiglu_prob_f32(d0, in.p[rh], g.x, u.x);
-        const SwigluGradProb hi = dswiglu_prob_f32(d1, in.p[rh], g.y, u.y);
+        const SwigluGradProb lo = dact_prob_f32(q.act, d0, in.p[rh], g.x, u.x);
+        const SwigluGradProb hi = dact_prob_f32(q.act, d1, in.p[rh], g.y, u.y);
         float v = f_fma(d1, hi.a, f_fma(d0, lo.a, 0.0f));
         if (j & 1) {
           v = f_add(lvl[rh][0], v);
@@ -226,8 +228,8 @@ __device__ __forceinline__ void dswiglu_epilogue(const float (&acc)[64], uint8_t
         gw = pack_bf16x2(lo.dgate, hi.dgate);
         uw = pack_bf16x2(lo.dup, hi.dup);
       } else {
-        const SwigluGrad lo = dswiglu_f32(d0, g.x, u.x);
-        const SwigluGrad hi = dswiglu_f32(d1, g.y, u.y);
+        const SwigluGrad lo = dact_f32(q.act, d0, g.x, u.x);
+        const SwigluGrad hi = dact_f32(q.act, d1, g.y, u.y);
         gw = pack_bf16x2(lo.dgate, hi.dgate);
         uw = pack_bf16x2(lo.dup, hi.dup);
       }

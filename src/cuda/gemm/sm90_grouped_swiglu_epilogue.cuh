@@ -1,11 +1,12 @@
 // The fused SwiGLU epilogue of the grouped FP8 kernel (sm90_fp8_grouped_1x128.cu) for GEMM1 of the
 // flow recipes: from a 64 x 256 accumulator half tile whose two 128-feature halves are the gate and
 // the up projections of the same 128 features (W1's rows interleaved in 128-row blocks g0, u0, g1,
-// u1, ...), it writes a' = p * silu(gate) * up as FP8 1x128 row tiles and the saved h (FP8 1x128
+// u1, ...), it writes a' = p * act(gate, up) as FP8 1x128 row tiles and the saved h (FP8 1x128
 // row tiles, or MXFP4 1x32 blocks) in the layouts cuda::swiglu_quant / swiglu_quant_h4 write, with
-// the same bits: the accumulator is rounded to BF16 as the BF16 epilogue rounds it, then the steps
-// of swiglu_row_kernel (swiglu_math.h, and the block quantization pieces of swiglu_common.cuh).
-// h in BF16 is never written.
+// the same bits: the accumulator is rounded to BF16 as the BF16 epilogue rounds it, GEMM1's bias
+// added as swiglu.h's GateUpBias adds it (when given), then the steps of swiglu_row_kernel
+// (swiglu_math.h's act_f32 and saved_gate / saved_up, and the block quantization pieces of
+// swiglu_common.cuh). h in BF16 is never written.
 //
 // Fragment layout (wgmma m64nNk32, FP32 accumulator): thread t of the warpgroup (warp w, lane l)
 // holds rows r0 = 16 w + l / 4 (values 4 j + 0, 1) and r0 + 8 (values 4 j + 2, 3), columns
@@ -19,6 +20,7 @@
 // the next expert or lies past the segments) are computed on zeros and never written.
 #pragma once
 
+#include "cuda/bias/expert_bias.cuh"
 #include "cuda/sm90/arch.cuh"
 #include "cuda/swiglu/swiglu_common.cuh"
 
@@ -41,6 +43,8 @@ struct SwigluEpiParams {
   uint8_t* h_scales = nullptr;  // kSwigluH8: UE8M0 [2f/128][h_scale_ld]; kSwigluH4: [m][2f/32]
   int64_t a_scale_ld = 0, h_scale_ld = 0;
   int f = 0;
+  GatedActivation act;          // SwiGLU or gpt-oss's clamped SwiGLU
+  const float* bias = nullptr;  // GEMM1's bias [experts][2f] FP32 (gate then up), or null
   unsigned long long* nonfinite = nullptr;  // non-finite a', gate and up values counted (may be null)
 };
 
@@ -69,12 +73,12 @@ __device__ __forceinline__ uint32_t absmax_bf16_words(const uint32_t* w) {
 
 #ifdef FLOWMOE_SM90A  // (named_sync exists on sm_90a only; the kernel that calls this is guarded too)
 // One warpgroup's half tile: acc[0] = gate, acc[1] = up of features 128 nt .. 128 nt + 127 for the
-// 64 rows row0 .. row0 + 63 (global), of which the first `rows` belong to the expert (may be <= 0).
+// 64 rows row0 .. row0 + 63 (global), of which the first `rows` belong to expert e (may be <= 0).
 // t: the thread in the warpgroup; bar: the warpgroup's named barrier; stage: SwigluStage::kBytes of
 // shared memory. All 128 threads must call.
 template <Epi kEpi>
 __device__ __forceinline__ void swiglu_epilogue(const float (&acc)[2][64], uint8_t* stage, const SwigluEpiParams& q,
-                                                int64_t row0, int rows, int nt, int t, int bar) {
+                                                int64_t row0, int rows, int e, int nt, int t, int bar) {
   using namespace swiglu_detail;
   using S = SwigluStage<kEpi>;
   const int warp = t / 32, lane = t % 32, r0 = 16 * warp + lane / 4, c0 = 2 * (lane % 4);
@@ -92,6 +96,20 @@ __device__ __forceinline__ void swiglu_epilogue(const float (&acc)[2][64], uint8
       uw2[rh][j] = valid ? pack_bf16x2(acc[1][4 * j + 2 * rh], acc[1][4 * j + 2 * rh + 1]) : 0u;
     }
   }
+  if (q.bias) {  // GEMM1's bias, on the expert's rows only (the others stay zero, as in h)
+    const float* gb = q.bias + int64_t(e) * 2 * f + 128 * nt + c0;  // up's at + f
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float2 bg = __ldg(reinterpret_cast<const float2*>(gb + 8 * j));
+      const float2 bu = __ldg(reinterpret_cast<const float2*>(gb + f + 8 * j));
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        if (r0 + 8 * rh >= rows) continue;
+        gw2[rh][j] = bias_detail::add_bias2(gw2[rh][j], bg);
+        uw2[rh][j] = bias_detail::add_bias2(uw2[rh][j], bu);
+      }
+    }
+  }
   named_sync(bar, 128);  // the previous tile's chunks have been read out of `stage`
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
@@ -99,16 +117,16 @@ __device__ __forceinline__ void swiglu_epilogue(const float (&acc)[2][64], uint8
     const bool valid = row < rows;
     const int64_t grow = row0 + row;
     uint8_t* srow = stage + row * S::kPitch;
-    const uint32_t(&gw)[16] = gw2[rh];
-    const uint32_t(&uw)[16] = uw2[rh];
+    uint32_t(&gw)[16] = gw2[rh];
+    uint32_t(&uw)[16] = uw2[rh];
     float p = 0.0f;
     if (q.prob && valid) p = __ldg(q.prob + grow);
-    // a' = swiglu(gate, up) * p in binary32 (swiglu8 and the f_mul of swiglu_row_kernel)
+    // a' = act(gate, up) * p in binary32 (swiglu8 and the f_mul of swiglu_row_kernel)
     float a[32];
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      a[2 * j] = swiglu_f32(bf16_lo(gw[j]), bf16_lo(uw[j]));
-      a[2 * j + 1] = swiglu_f32(bf16_hi(gw[j]), bf16_hi(uw[j]));
+      a[2 * j] = act_f32(q.act, bf16_lo(gw[j]), bf16_lo(uw[j]));
+      a[2 * j + 1] = act_f32(q.act, bf16_hi(gw[j]), bf16_hi(uw[j]));
       if (q.prob) {
         a[2 * j] = f_mul(a[2 * j], p);
         a[2 * j + 1] = f_mul(a[2 * j + 1], p);
@@ -125,7 +143,14 @@ __device__ __forceinline__ void swiglu_epilogue(const float (&acc)[2][64], uint8
         *reinterpret_cast<uint16_t*>(srow + 8 * j + c0) =
             static_cast<uint16_t>(sa.bad ? 0x7F7Fu : e4m3_encode2(a[2 * j], a[2 * j + 1], inv, sa.e));
     }
-    // the saved h: gate and up
+    // the saved h: gate and up, with the clamp's marks (saved_h8; a' no longer reads them)
+    if (q.act.clamped()) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        gw[j] = saved_h2(q.act, gw[j], false);
+        uw[j] = saved_h2(q.act, uw[j], true);
+      }
+    }
     bool hbad = false;
     if constexpr (kEpi == Epi::kSwigluH8) {
       const BlockScale sg = e4m3_scale_bf16(detail::group_max_u(absmax_bf16_words<16>(gw), 4));

@@ -59,10 +59,10 @@ RecipePath make_recipe_path(const MoeConfig& cfg, const CudaLayerOptions& option
                        options.gemm.wgrad_kernel != gemm::GroupedGemmOptions::WgradKernel::kOff;
   // The fused epilogues write a' row-wise FP8 and h in its saved quantized format (flow's SwiGLU +
   // quantize and dSwiGLU + quantize): a quantized-rows pipeline, with the grouped kernel running the GEMM.
-  // the fused (d)SwiGLU epilogues compute plain SwiGLU of GEMM1's output (no bias between them)
-  const bool plain_experts = !cfg.activation.clamped() && !cfg.gemm1_bias;
-  p.fused_swiglu = options.fused_swiglu && p.grouped_gemm && quantized && plain_experts;
-  p.fused_dswiglu = options.fused_dswiglu && p.grouped_gemm && quantized && plain_experts;
+  // (either activation, with or without GEMM1's bias: the epilogues add it and clamp as the
+  // SwiGLU kernels do)
+  p.fused_swiglu = options.fused_swiglu && p.grouped_gemm && quantized;
+  p.fused_dswiglu = options.fused_dswiglu && p.grouped_gemm && quantized;
   // Only a quantized-rows pipeline (flow) makes its wgrad column copies as operators of their own
   // (the scaling-aware transposes, FP4RowToFP8Col), which can run next to the GEMMs; the others
   // make them inline.

@@ -121,15 +121,15 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&x)[8]) {
   }
 }
 
-// The saved copy of 8 BF16 gate (up = false) or up values (num::saved_gate / saved_up): BF16 in,
-// BF16 out, unchanged for SwiGLU.
+// The saved copy of 2 BF16 gate (up = false) or up values packed in a word (num::saved_gate /
+// saved_up), and of 8 in a uint4: BF16 in, BF16 out, unchanged for SwiGLU.
+__device__ __forceinline__ uint32_t saved_h2(const GatedActivation& act, uint32_t w, bool up) {
+  const float lo = bf16_lo(w), hi = bf16_hi(w);
+  return up ? pack_bf16x2(saved_up(act, lo), saved_up(act, hi)) : pack_bf16x2(saved_gate(act, lo), saved_gate(act, hi));
+}
 __device__ __forceinline__ uint4 saved_h8(const GatedActivation& act, const uint4& v, bool up) {
   if (!act.clamped()) return v;
-  float x[8];
-  unpack8(v, x);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] = up ? saved_up(act, x[i]) : saved_gate(act, x[i]);
-  return pack8(x);
+  return make_uint4(saved_h2(act, v.x, up), saved_h2(act, v.y, up), saved_h2(act, v.z, up), saved_h2(act, v.w, up));
 }
 
 // 8 E4M3 codes (a uint2) of one 1x128 row tile with scale code `s`, decoded exactly to binary32

@@ -58,12 +58,17 @@ void forward_flow(StepContext& c, bf16_t* y) {
   const QTensorView& ar = b.a_row;  // (flow-fp4 unfused: its storage held GEMM1's input, consumed by now)
   const QTensorView& hs = b.h_saved;
   if (c.path_.fused_swiglu) {
-    // one kernel: GEMM1 on the interleaved W1 with SwiGLU*prob and both quantizations in its epilogue
-    auto s = c.fwd(h4 ? "GEMM1 fprop (fp8) + SwiGLU*prob + quantize (a' row, h mxfp4)"
-                      : "GEMM1 fprop (fp8) + SwiGLU*prob + quantize (a' row, h row)");
+    // one kernel: GEMM1 on the interleaved W1 with (b1 +) SwiGLU*prob and both quantizations in its
+    // epilogue
+    const float* b1 = c.gemm1_bias_on_read(/*store_h=*/false).bias;
+    auto s = c.fwd(h4 ? (b1 ? "GEMM1 fprop (fp8) + b1 + SwiGLU*prob + quantize (a' row, h mxfp4)"
+                            : "GEMM1 fprop (fp8) + SwiGLU*prob + quantize (a' row, h mxfp4)")
+                      : (b1 ? "GEMM1 fprop (fp8) + b1 + SwiGLU*prob + quantize (a' row, h row)"
+                            : "GEMM1 fprop (fp8) + SwiGLU*prob + quantize (a' row, h row)"));
     c.gemm_->fprop_swiglu(gemm::DeviceSegments{c.segment_offsets(), c.El_, c.step_.Mp, c.st_fwd_aux()}, c.F_, c.H_,
                           c.gemm_rows(x_in, c.H_), w.w1, c.ws_.routing.row_prob,
-                          row_1x128(ar.codes, ar.ue8m0(), c.step_.Mp, c.F_), c.saved_h(), c.st_fwd(), c.stream_);
+                          row_1x128(ar.codes, ar.ue8m0(), c.step_.Mp, c.F_), c.saved_h(), c.st_fwd(), c.stream_,
+                          c.cfg_.activation, b1);
     c.log_rows(MoePass::kForward, CastKind::kFused,
                h4 ? report_names::kGemm1SwigluQuantRowHMxfp4 : report_names::kGemm1SwigluQuantRowHRow, 1, 2, 2 * c.F_);
   } else {
@@ -170,7 +175,7 @@ void backward_flow(StepContext& c, const bf16_t* dy, const MoeGrads& g) {
           c.gemm_rows(b.dy_row, c.H_), w2t, c.ws_.routing.row_prob, c.saved_h(),
           row_1x128(b.dh_row_fused.codes, b.dh_row_fused.ue8m0(), c.step_.Mp, 2 * c.F_),
           col_128x1(b.dh_col_fused.codes, b.dh_col_fused.ue8m0(), c.step_.Mp, 2 * c.F_, segment_max_blocks(c.step_.Mp, c.El_)),
-          c.ws_.routing.dprob_partials, c.st_bwd(), c.stream_);
+          c.ws_.routing.dprob_partials, c.st_bwd(), c.stream_, c.cfg_.activation);
     }
     c.log_rows(MoePass::kBackward, CastKind::kFused, report_names::kGemm2DgradDswigluQuantRowCol, 1, 2, 2 * c.F_);
     c.fp8_gemm2_wgrad(g, LayerStreams::kSideA);  // after dY's column copy; dh did not overwrite dY's copies
