@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -182,6 +183,20 @@ inline void expect_error(const std::function<void()>& fn, const std::string& nee
   } catch (const flowmoe::Error& e) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
+}
+
+// W1's gate / up block interleaving on the host (flowmoe/gemm.h interleave_gate_up): per expert,
+// of `blocks` units of `unit` bytes (a 128-row block of codes, or its row of scales), unit b goes
+// to 2 b (the gate half, b < blocks / 2) or 2 (b - blocks / 2) + 1 (the up half).
+inline std::vector<uint8_t> gate_up_interleaved(const std::vector<uint8_t>& v, int experts, int64_t blocks,
+                                                int64_t unit) {
+  std::vector<uint8_t> out(v.size());
+  for (int e = 0; e < experts; ++e)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t to = b < blocks / 2 ? 2 * b : 2 * (b - blocks / 2) + 1;
+      std::copy_n(v.begin() + (e * blocks + b) * unit, unit, out.begin() + (e * blocks + to) * unit);
+    }
+  return out;
 }
 
 }  // namespace testutil

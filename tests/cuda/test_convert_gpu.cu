@@ -320,6 +320,40 @@ TEST(ConvertGpuWeight, QuantizeWeightsBatchedBitExactPerExpert) {
       << "codes without scales";
 }
 
+// quantize_weights with gate_up_interleaved (W1 as GroupedGemm::fprop_swiglu reads it): W's codes
+// and scales those of the natural copy permuted by whole 128-row blocks (interleave_gate_up), W^T as
+// it is; BF16 (the staged kernel) and FP32 masters; N not 2F with F % 128 == 0 is a clear error.
+TEST(ConvertGpuWeight, QuantizeWeightsGateUpInterleaved) {
+  REQUIRE_DEVICE();
+  const int experts = 3;
+  const int64_t n = 768, k = 256, elems = n * k, blocks = elems / 16384;
+  const std::vector<float> wf = normal_f32(size_t(experts) * elems, 0.05f, 91u);
+  std::vector<bf16_t> wb(wf.size());
+  for (size_t i = 0; i < wf.size(); ++i) wb[i] = num::f32_to_bf16(wf[i]);
+  DBuf<bf16_t> dwb(wb);
+  DBuf<float> dwf(wf);
+  for (bool fp32 : {false, true}) {
+    SCOPED_TRACE(fp32 ? "fp32 masters" : "bf16");
+    DBuf<uint8_t> c(experts * elems), s(experts * blocks), tc(experts * elems), ts(experts * blocks);
+    DBuf<uint8_t> ci(experts * elems), si(experts * blocks), tci(experts * elems), tsi(experts * blocks);
+    if (fp32) {
+      cuda::quantize_weights(dwf.p, experts, n, k, c.p, s.p, tc.p, ts.p, nullptr, 0);
+      cuda::quantize_weights(dwf.p, experts, n, k, ci.p, si.p, tci.p, tsi.p, nullptr, 0, /*gate_up_interleaved=*/true);
+    } else {
+      cuda::quantize_weights(dwb.p, experts, n, k, c.p, s.p, tc.p, ts.p, nullptr, 0);
+      cuda::quantize_weights(dwb.p, experts, n, k, ci.p, si.p, tci.p, tsi.p, nullptr, 0, /*gate_up_interleaved=*/true);
+    }
+    const int64_t nb = n / 128;
+    expect_same_bits(gate_up_interleaved(c.get(), experts, nb, 128 * k), ci.get(), "interleaved codes");
+    expect_same_bits(gate_up_interleaved(s.get(), experts, nb, k / 128), si.get(), "interleaved scales");
+    expect_same_bits(tc.get(), tci.get(), "transposed codes");
+    expect_same_bits(ts.get(), tsi.get(), "transposed scales");
+  }
+  DBuf<uint8_t> c(experts * 384 * k), s(experts * 3 * 2);
+  expect_error([&] { cuda::quantize_weights(dwb.p, experts, 384, k, c.p, s.p, nullptr, nullptr, nullptr, 0, true); },
+               "F a multiple of 128");
+}
+
 // quantize_weights on FP32 masters: the bits of quantize_weights on their BF16 (RNE) copy; the
 // non-finite count is the FP32 values' (a finite FP32 value that rounds to a BF16 Inf is not counted,
 // as f32_to_bf16 does not count it; its block still gets the NaN scale of the BF16 copy's).

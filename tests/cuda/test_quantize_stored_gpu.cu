@@ -4,7 +4,8 @@
 // layer's layout (cpu::expert_weights_to_layer) and then quantizes (cpu::quantize_weight; FP32
 // sources through their BF16 copy, as quantize_weights on FP32 masters), for BF16 and FP32 sources, every map of flowmoe/expert_layout.h, stored rows that take the vector loads and
 // rows that do not (odd sizes), sizes with more blocks than the staged kernel's CTAs, a non-finite
-// value; each output alone; bad maps are clear errors.
+// value; each output alone; W1 written in the fused SwiGLU's gate / up block interleaving; bad maps
+// are clear errors.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -95,6 +96,18 @@ void check_case(const Case& t, const std::vector<T>& src, int experts) {
   expect_same_bits(scales, s2.get(), experts * blocks, "scales alone");
   expect_same_bits(tcodes, tc2.get(), experts * elems, "transposed codes alone");
   expect_same_bits(tscales, ts2.get(), experts * blocks, "transposed scales alone");
+  if (!t.w1) return;
+  // W1 in the fused SwiGLU's gate / up block interleaving: the same codes and scales permuted by
+  // whole 128-row blocks, W1^T as it is
+  DBuf<uint8_t> c3(experts * elems), s3(experts * blocks), tc3(experts * elems), ts3(experts * blocks);
+  cuda::quantize_weights_stored(dsrc.p, experts, s.c, s.l, s.map, s.n, s.k, c3.p, s3.p, tc3.p, ts3.p, nullptr, 0,
+                                /*gate_up_interleaved=*/true);
+  const int64_t nb = s.n / 128;
+  expect_same_bits(gate_up_interleaved(codes, experts, nb, 128 * s.k), c3.get(), experts * elems, "interleaved codes");
+  expect_same_bits(gate_up_interleaved(scales, experts, nb, s.k / 128), s3.get(), experts * blocks,
+                   "interleaved scales");
+  expect_same_bits(tcodes, tc3.get(), experts * elems, "transposed codes (interleaved W1)");
+  expect_same_bits(tscales, ts3.get(), experts * blocks, "transposed scales (interleaved W1)");
 }
 
 const Case kCases[] = {

@@ -49,15 +49,19 @@ void quantize_weight(const bf16_t* w, int64_t n, int64_t k, uint8_t* codes, uint
 // The same for E experts in one launch: w [E][N][K] -> codes [E][N][K], scales [E][N/128][K/128]
 // and (if not null) t_codes [E][K][N], t_scales [E][K/128][N/128]; each expert's bits those of
 // quantize_weight on its own slices. codes and scales may be null (the transposed copy alone: the
-// backward's dgrad weights derived from the parameters), not both copies.
+// backward's dgrad weights derived from the parameters), not both copies. gate_up_interleaved:
+// W's copy (codes, scales) written with each expert's 128-row blocks in W1's gate / up interleaving
+// (flowmoe/gemm.h interleave_gate_up, the layout GroupedGemm::fprop_swiglu reads; N = 2F, F a
+// multiple of 128): the bits of interleave_gate_up on the natural copy, without it; the
+// transposed copy stays as it is.
 void quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
                       uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
-                      cudaStream_t stream);
+                      cudaStream_t stream, bool gate_up_interleaved = false);
 // FP32 weights (masters), rounded to BF16 (RNE) on the way: the bits of quantize_weights on their
 // BF16 copy, without one; status->nonfinite counts the FP32 values that are not finite.
 void quantize_weights(const float* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
                       uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
-                      cudaStream_t stream);
+                      cudaStream_t stream, bool gate_up_interleaved = false);
 
 // quantize_weights of the layer's W [E][N][K] read where a model stores it transposed
 // (flowmoe/expert_layout.h): src [E][C][L] with W[e][r][c] = (c < C and map(r) >= 0) ?
@@ -65,12 +69,15 @@ void quantize_weights(const float* w, int num_experts, int64_t n, int64_t k, uin
 // w2_rows). The outputs and bits of expert_weights_to_layer followed by quantize_weights(W, ...),
 // without the BF16 copy (128 x 128 blocks quantize the same either way round). N, K multiples of
 // 128, C <= K, every map(r) < L; any src alignment (16-byte aligned rows take vector loads).
+// gate_up_interleaved: W's copy in W1's gate / up block interleaving, as for quantize_weights.
 void quantize_weights_stored(const bf16_t* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
                              int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
-                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream);
+                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream,
+                             bool gate_up_interleaved = false);
 void quantize_weights_stored(const float* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
                              int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
-                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream);
+                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream,
+                             bool gate_up_interleaved = false);
 
 // ---- dequantize -------------------------------------------------------------------------------
 // Row-wise FP8 [M, K] -> bf16 [M, K].

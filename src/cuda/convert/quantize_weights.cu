@@ -117,12 +117,24 @@ __device__ __forceinline__ void to_expert(int64_t ex, int64_t n, int64_t k, Sour
   }
 }
 
+// The order of an output's 128-row blocks within an expert: as they are (half 0), or W1's gate / up
+// interleaving (flowmoe/gemm.h interleave_gate_up, what GroupedGemm::fprop_swiglu reads): of
+// 2 * half blocks, block b < half (gate) goes to 2 b, block half + b (up) to 2 b + 1.
+struct RowBlockOrder {
+  int64_t codes_half = 0;  // X's copy (codes, scales): its row blocks bn
+  int64_t t_half = 0;      // the transposed copy (t_codes, t_scales): its row blocks, X's column blocks
+};
+__device__ __forceinline__ int64_t out_block(int64_t b, int64_t half) {
+  return half == 0 ? b : (b < half ? 2 * b : 2 * (b - half) + 1);
+}
+
 // Column block cb of X's row block bn from the 8 chunks each thread holds, once every warp's amax
 // and bad count are in s_amax / s_bad: the block's scale from their maximum, its codes (where
-// `codes`), its swizzled tile for the transposed copy (s_q) and its scale in both grids.
+// `codes`), its swizzled tile for the transposed copy (s_q) and its scale in both grids, each copy's
+// row blocks in `order`.
 __device__ __forceinline__ void encode_block(const uint4 (&v)[8], const float* s_amax, const int* s_bad, int64_t bn,
                                              int64_t cb, int64_t n, int64_t k, uint8_t* codes, uint8_t* scales,
-                                             uint8_t* t_scales, uint8_t* s_q) {
+                                             uint8_t* t_scales, uint8_t* s_q, const RowBlockOrder& order) {
   const int tid = threadIdx.x;
   float amax = 0.f;
   int bad = 0;
@@ -132,16 +144,17 @@ __device__ __forceinline__ void encode_block(const uint4 (&v)[8], const float* s
   }
   const int e = e4m3_scale_exp(amax);
   const uint8_t sc = bad ? kUE8M0NaN : ue8m0_from_exp(e);
+  const int64_t on = out_block(bn, order.codes_half), ot = out_block(cb, order.t_half);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int row = i * 16 + (tid >> 4), ch = tid & 15;
     const uint2 q = encode8(v[i], e, bad != 0);
-    if (codes) reinterpret_cast<uint2*>(codes + (bn * kTile + row) * k + cb * kTile)[ch] = q;
+    if (codes) reinterpret_cast<uint2*>(codes + (on * kTile + row) * k + cb * kTile)[ch] = q;
     *reinterpret_cast<uint2*>(&s_q[detail::swz_chunk(row, ch >> 1) + (ch & 1) * 8]) = q;
   }
   if (tid == 0) {
-    if (scales) scales[bn * (k / kTile) + cb] = sc;
-    if (t_scales) t_scales[cb * (n / kTile) + bn] = sc;
+    if (scales) scales[on * (k / kTile) + cb] = sc;
+    if (t_scales) t_scales[ot * (n / kTile) + bn] = sc;
   }
 }
 
@@ -153,7 +166,7 @@ template <typename In, typename Source>
 __global__ void __launch_bounds__(kThreads)
 quantize_weight_kernel(Source w, int64_t n, int64_t k, uint8_t* __restrict__ codes,
                        uint8_t* __restrict__ scales, uint8_t* __restrict__ t_codes,
-                       uint8_t* __restrict__ t_scales, unsigned long long* nonfinite) {
+                       uint8_t* __restrict__ t_scales, unsigned long long* nonfinite, RowBlockOrder order) {
   __shared__ __align__(16) uint8_t s_q[detail::kSwzBytes];  // the codes, swizzled (tile.cuh)
   __shared__ float s_amax[kThreads / 32];
   __shared__ int s_bad[kThreads / 32];
@@ -177,11 +190,12 @@ quantize_weight_kernel(Source w, int64_t n, int64_t k, uint8_t* __restrict__ cod
     s_bad[tid >> 5] = wbad;
   }
   __syncthreads();
-  encode_block(v, s_amax, s_bad, bn, bk, n, k, codes, scales, t_scales, s_q);
+  encode_block(v, s_amax, s_bad, bn, bk, n, k, codes, scales, t_scales, s_q, order);
   if (!t_codes) return;
   __syncthreads();
   // (whole 128-byte rows of the transpose per 8 lanes: coalesced stores)
-  detail::store_col_tile_swz(s_q, kTile, t_codes + (bk * kTile) * n + bn * kTile, n, n % 16 == 0);
+  detail::store_col_tile_swz(s_q, kTile, t_codes + (out_block(bk, order.t_half) * kTile) * n + bn * kTile, n,
+                             n % 16 == 0);
 }
 
 // ---- K11 staged: BF16 weights read through cp.async stages ------------------------------------
@@ -241,7 +255,7 @@ template <bool kPairs>
 __global__ void __launch_bounds__(kThreads, kPairs ? 1 : 2)
 quantize_weight_staged_kernel(StagedSource s, int num_experts, int64_t n, int64_t k, uint8_t* __restrict__ codes,
                               uint8_t* __restrict__ scales, uint8_t* __restrict__ t_codes,
-                              uint8_t* __restrict__ t_scales, unsigned long long* nonfinite) {
+                              uint8_t* __restrict__ t_scales, unsigned long long* nonfinite, RowBlockOrder order) {
   constexpr int kHalves = kPairs ? 2 : 1, kChunks = 8 * kHalves;
   extern __shared__ uint4 s_stage[];  // [kStages][kChunks][kThreads]
   __shared__ __align__(16) uint8_t s_q[kHalves][detail::kSwzBytes];
@@ -301,12 +315,13 @@ quantize_weight_staged_kernel(StagedSource s, int num_experts, int64_t n, int64_
     uint8_t* const ts = t_scales ? t_scales + ex * blocks : nullptr;
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
-      encode_block(v[h], s_amax[h], s_bad[h], bn, bk + h * tk, n, k, cd, sc, ts, s_q[h]);
+      encode_block(v[h], s_amax[h], s_bad[h], bn, bk + h * tk, n, k, cd, sc, ts, s_q[h], order);
     if (tc) {
       __syncthreads();
 #pragma unroll
       for (int h = 0; h < kHalves; ++h)
-        detail::store_col_tile_swz(s_q[h], kTile, tc + ((bk + h * tk) * kTile) * n + bn * kTile, n, n % 16 == 0);
+        detail::store_col_tile_swz(s_q[h], kTile, tc + (out_block(bk + h * tk, order.t_half) * kTile) * n + bn * kTile,
+                                   n, n % 16 == 0);
     }
     __syncthreads();  // (s_amax, s_bad and s_q are the next block's)
   }
@@ -314,7 +329,8 @@ quantize_weight_staged_kernel(StagedSource s, int num_experts, int64_t n, int64_
 
 template <bool kPairs>
 void launch_staged(const StagedSource& s, int num_experts, int64_t n, int64_t k, uint8_t* codes, uint8_t* scales,
-                   uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream, const char* what) {
+                   uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream, const char* what,
+                   const RowBlockOrder& order) {
   constexpr int kHalves = kPairs ? 2 : 1;
   constexpr int smem = int(kStages * 8 * kHalves * kThreads * sizeof(uint4));
   auto* kernel = quantize_weight_staged_kernel<kPairs>;
@@ -323,7 +339,7 @@ void launch_staged(const StagedSource& s, int num_experts, int64_t n, int64_t k,
   const int64_t total = int64_t(num_experts) * (n / kTile) * (k / kTile / kHalves);
   const int64_t ctas = std::min<int64_t>(total, int64_t(sms) * (kPairs ? 1 : 2));
   kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(s, num_experts, n, k, codes, scales, t_codes,
-                                                                  t_scales, nonfinite_ptr(status));
+                                                                  t_scales, nonfinite_ptr(status), order);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 
@@ -336,10 +352,20 @@ void quantize_weight(const bf16_t* w, int64_t n, int64_t k, uint8_t* codes, uint
 }
 
 namespace {
+// W1's gate / up interleaving asked of W [E][N][K] (N = 2F): F a multiple of 128.
+int64_t gate_up_half(bool interleaved, int64_t n, const char* what) {
+  if (!interleaved) return 0;
+  FLOWMOE_CHECK(n % (2 * kTile) == 0, what << ": gate / up interleaving needs W1 [2F, K] with F a multiple of 128 "
+                                              "(N = " << n << ")");
+  return n / (2 * kTile);
+}
+}  // namespace
+
+namespace {
 template <typename In>
 void launch_quantize_weights(const In* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
                              uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, bool gate_up_interleaved) {
   const char* what = "cuda::quantize_weights";
   FLOWMOE_CHECK(num_experts >= 1 && num_experts < 65536,
                 what << ": " << num_experts << " experts; expected 1 to 65535");
@@ -353,14 +379,16 @@ void launch_quantize_weights(const In* w, int num_experts, int64_t n, int64_t k,
   FLOWMOE_CHECK(codes || t_codes, what << ": no output; expected codes and scales, t_codes and t_scales, or both");
   if (codes) check_aligned(codes, "codes", what);
   if (t_codes) check_aligned(t_codes, "t_codes", what);
+  RowBlockOrder order;
+  order.codes_half = gate_up_half(gate_up_interleaved, n, what);  // (W's copy; W^T as it is)
   if constexpr (std::is_same<In, bf16_t>::value) {  // (BF16: whole aligned runs)
     const StagedSource s{w, n * k, k, 0, 0, -1, n, k};
-    launch_staged<false>(s, num_experts, n, k, codes, scales, t_codes, t_scales, status, stream, what);
+    launch_staged<false>(s, num_experts, n, k, codes, scales, t_codes, t_scales, status, stream, what, order);
   } else {
     dim3 grid(static_cast<unsigned>(k / kTile), static_cast<unsigned>(n / kTile),
               static_cast<unsigned>(num_experts));
     quantize_weight_kernel<In><<<grid, kThreads, 0, stream>>>(DenseWeights<In>{w, k}, n, k, codes, scales, t_codes,
-                                                              t_scales, nonfinite_ptr(status));
+                                                              t_scales, nonfinite_ptr(status), order);
     FLOWMOE_LAUNCH_CHECK(what);
   }
 }
@@ -370,7 +398,8 @@ void launch_quantize_weights(const In* w, int num_experts, int64_t n, int64_t k,
 template <typename In>
 void launch_quantize_weights_stored(const In* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
                                     int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
-                                    uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream) {
+                                    uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream,
+                                    bool gate_up_interleaved) {
   const char* what = "cuda::quantize_weights_stored";
   FLOWMOE_CHECK(num_experts >= 1 && num_experts < 65536,
                 what << ": " << num_experts << " experts; expected 1 to 65535");
@@ -393,6 +422,8 @@ void launch_quantize_weights_stored(const In* src, int num_experts, int64_t c, i
   FLOWMOE_CHECK(codes || t_codes, what << ": no output; expected codes and scales, t_codes and t_scales, or both");
   if (codes) check_aligned(codes, "codes", what);
   if (t_codes) check_aligned(t_codes, "t_codes", what);
+  RowBlockOrder order;  // (the kernel's transposed copy is W's)
+  order.t_half = gate_up_half(gate_up_interleaved, n, what);
   // BF16 in whole aligned 8-value runs: the staged kernel; gpt-oss's interleaved gate_up_proj as
   // pairs (every stored byte read once)
   const bool bf16_runs = std::is_same<In, bf16_t>::value && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
@@ -405,40 +436,42 @@ void launch_quantize_weights_stored(const In* src, int num_experts, int64_t c, i
     // (the kernel quantizes X = W^T [k][n]: W's codes are its transposed copy)
     const StagedSource s{reinterpret_cast<const bf16_t*>(src), c * l, l, map.base0, map.base1, map.second, c, map.valid};
     if (pairs)
-      launch_staged<true>(s, num_experts, k, n, t_codes, t_scales, codes, scales, status, stream, what);
+      launch_staged<true>(s, num_experts, k, n, t_codes, t_scales, codes, scales, status, stream, what, order);
     else
-      launch_staged<false>(s, num_experts, k, n, t_codes, t_scales, codes, scales, status, stream, what);
+      launch_staged<false>(s, num_experts, k, n, t_codes, t_scales, codes, scales, status, stream, what, order);
     return;
   }
   dim3 grid(static_cast<unsigned>(n / kTile), static_cast<unsigned>(k / kTile), static_cast<unsigned>(num_experts));
   quantize_weight_kernel<In><<<grid, kThreads, 0, stream>>>(StoredWeights<In>{src, c, l, map}, k, n, t_codes,
-                                                            t_scales, codes, scales, nonfinite_ptr(status));
+                                                            t_scales, codes, scales, nonfinite_ptr(status), order);
   FLOWMOE_LAUNCH_CHECK(what);
 }
 }  // namespace
 
 void quantize_weights_stored(const bf16_t* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
                              int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
-                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream) {
-  launch_quantize_weights_stored(src, num_experts, c, l, map, n, k, codes, scales, t_codes, t_scales, status, stream);
+                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream, bool gate_up_interleaved) {
+  launch_quantize_weights_stored(src, num_experts, c, l, map, n, k, codes, scales, t_codes, t_scales, status, stream,
+                                 gate_up_interleaved);
 }
 
 void quantize_weights_stored(const float* src, int num_experts, int64_t c, int64_t l, const ExpertRowMap& map,
                              int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, uint8_t* t_codes,
-                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream) {
-  launch_quantize_weights_stored(src, num_experts, c, l, map, n, k, codes, scales, t_codes, t_scales, status, stream);
+                             uint8_t* t_scales, DeviceStatus* status, cudaStream_t stream, bool gate_up_interleaved) {
+  launch_quantize_weights_stored(src, num_experts, c, l, map, n, k, codes, scales, t_codes, t_scales, status, stream,
+                                 gate_up_interleaved);
 }
 
 void quantize_weights(const bf16_t* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
                       uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
-                      cudaStream_t stream) {
-  launch_quantize_weights(w, num_experts, n, k, codes, scales, t_codes, t_scales, status, stream);
+                      cudaStream_t stream, bool gate_up_interleaved) {
+  launch_quantize_weights(w, num_experts, n, k, codes, scales, t_codes, t_scales, status, stream, gate_up_interleaved);
 }
 
 void quantize_weights(const float* w, int num_experts, int64_t n, int64_t k, uint8_t* codes,
                       uint8_t* scales, uint8_t* t_codes, uint8_t* t_scales, DeviceStatus* status,
-                      cudaStream_t stream) {
-  launch_quantize_weights(w, num_experts, n, k, codes, scales, t_codes, t_scales, status, stream);
+                      cudaStream_t stream, bool gate_up_interleaved) {
+  launch_quantize_weights(w, num_experts, n, k, codes, scales, t_codes, t_scales, status, stream, gate_up_interleaved);
 }
 
 }  // namespace cuda

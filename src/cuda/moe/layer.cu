@@ -275,6 +275,9 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
   // The dgrad weights W^T written here too, unless each backward transposes them from W
   // (RecipePath::transposes_in_backward): then null, and quantize_weights writes W alone.
   const bool keep_t = !path_.transposes_in_backward;
+  // GEMM1's fused SwiGLU epilogue reads W1 with its gate / up blocks interleaved (only GEMM1's fprop
+  // reads w1; W1^T stays as it is): the quantization writes them so
+  const bool ilv = path_.fused_swiglu;
   uint8_t* const w1t_codes = keep_t ? wb.w1t.codes : nullptr;
   uint8_t* const w2t_codes = keep_t ? wb.w2t.codes : nullptr;
   float* const w1t_f32 = keep_t ? wb.w1t.f32() : nullptr;
@@ -297,9 +300,10 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
     copy_bf16_checked(w.w2_bf16, int64_t(El_) * st.ffn * st.hidden, nullptr, wstatus, stream_);
   } else if (!st.is_layer_layout()) {
     // (kFp8Block: check_weights) read where the model stores them: w1 [El, Hs, 2Fs], w2 [El, Fs, Hs]
+    // (ilv: W1 written in the fused SwiGLU's block interleaving, below)
     const auto stored = [&](const auto* w1, const auto* w2) {
       quantize_weights_stored(w1, El_, st.hidden, 2 * st.ffn, st.w1_rows(F_), 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0,
-                              w1t_codes, w1t_ue8m0, wstatus, stream_);
+                              w1t_codes, w1t_ue8m0, wstatus, stream_, ilv);
       quantize_weights_stored(w2, El_, st.ffn, st.hidden, st.w2_rows(), H_, F_, wb.w2.codes, wb.w2_ue8m0, w2t_codes,
                               w2t_ue8m0, wstatus, stream_);
     };
@@ -311,12 +315,12 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
     // every expert in one launch per weight, FP32 masters rounded to BF16 on the way (no BF16 copy)
     if (bf16_params) {
       quantize_weights(w.w1_bf16, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, w1t_codes, w1t_ue8m0, wstatus,
-                       stream_);
+                       stream_, ilv);
       quantize_weights(w.w2_bf16, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, w2t_codes, w2t_ue8m0, wstatus,
                        stream_);
     } else {
       quantize_weights(w.w1, El_, 2 * F_, H_, wb.w1.codes, wb.w1_ue8m0, w1t_codes, w1t_ue8m0, wstatus,
-                       stream_);
+                       stream_, ilv);
       quantize_weights(w.w2, El_, H_, F_, wb.w2.codes, wb.w2_ue8m0, w2t_codes, w2t_ue8m0, wstatus, stream_);
     }
   } else if (path_.bf16_params_in_place) {
@@ -365,18 +369,6 @@ void CudaMoeLayer::set_weights(const MoeWeights& w) {
     if (keep_t) weight_scales_to_f32(wb.w1t_ue8m0, El_, H_, 2 * F_, wb.w1t.f32(), stream_);
     weight_scales_to_f32(wb.w2_ue8m0, El_, H_, F_, wb.w2.f32(), stream_);
     if (keep_t) weight_scales_to_f32(wb.w2t_ue8m0, El_, F_, H_, wb.w2t.f32(), stream_);
-    if (path_.fused_swiglu) {
-      // GEMM1's fused SwiGLU epilogue reads W1 with its gate/up blocks interleaved (only GEMM1's
-      // fprop reads w1): the natural copy goes through w1_bf16, free once quantized
-      const QTensorView& w1 = wb.w1;
-      QTensorView natural = w1;
-      natural.codes = reinterpret_cast<uint8_t*>(wb.w1_bf16);
-      natural.scales = natural.codes + n1;
-      FLOWMOE_CUDA_CHECK(cudaMemcpyAsync(natural.codes, w1.codes, n1, cudaMemcpyDeviceToDevice, stream_));
-      FLOWMOE_CUDA_CHECK(
-          cudaMemcpyAsync(natural.scales, w1.scales, w1.scale_bytes(), cudaMemcpyDeviceToDevice, stream_));
-      interleave_gate_up(natural, w1, stream_);
-    }
     rep_.add_op(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w1, 1, 2 * El_, n1);
     rep_.add_op(MoePass::kWeightUpdate, CastKind::kQuantize, spec.quantize_w2, 1, 2 * El_, n2);
   } else if (spec.weights == WeightCopy::kFp8BlockFp32Scale) {

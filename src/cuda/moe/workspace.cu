@@ -180,8 +180,8 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
   w.wr = a.device<float>(E * H, kW);
   w.router_bias = a.device<float>(E, kW);
   w.wr_check = a.device<bf16_t>(E * H, kT);
-  // FP8 blocks are quantized straight from the parameters: no BF16 copy; only the fused SwiGLU's
-  // W1 interleave takes w1_bf16 as scratch for the natural copy (set_weights).
+  // FP8 blocks are quantized straight from the parameters: no BF16 copy (the fused SwiGLU's W1
+  // interleaving too: written so by the quantization).
   const Region bf16_weights = fp8 ? kT : kW;
   if (path.bf16_relay_planned) {
     // a pass may relay the stored parameters into its own scratch copies
@@ -192,8 +192,6 @@ void Workspace::allocate(DeviceArena& a, const MoeConfig& cfg, const RecipePath&
   } else if (!pow2) {
     w.w1_bf16 = a.device<bf16_t>(El * 2 * F * H, bf16_weights);
     w.w2_bf16 = a.device<bf16_t>(El * H * F, bf16_weights);
-  } else if (fused_swiglu) {
-    w.w1_bf16 = a.device<bf16_t>(El * 2 * F * H, kT);
   }
   if (fp8) {
     // the dgrad weights: kept from set_weights, or (caller memory) made per backward (below)

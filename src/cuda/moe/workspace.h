@@ -102,13 +102,13 @@ struct WeightBuffers {
   float* wr = nullptr;            // [E, H]
   float* router_bias = nullptr;   // [E]
   bf16_t* wr_check = nullptr;     // [E, H] scratch of set_weights' non-finite check of Wr
-  bf16_t* w1_bf16 = nullptr;      // [El, 2F, H] (FP8 with FP32 scales: scratch; FP8 blocks: the fused SwiGLU's scratch, else none;
+  bf16_t* w1_bf16 = nullptr;      // [El, 2F, H] (FP8 with FP32 scales: scratch; FP8 blocks: none;
                                   // none where bf16 reads the parameters in place: StepContext::bf16_weight)
   bf16_t* w2_bf16 = nullptr;      // [El, H, F] (FP8 with FP32 scales: scratch; FP8 blocks: none)
   // FP8 recipes: codes + GEMM-ready FP32 128x128 block scales, and the exact transposes (dgrad;
   // with caller memory transposed from W at the start of each backward, in the transient region);
   // with the fused SwiGLU (CudaLayerOptions::fused_swiglu) w1's 128-row blocks are interleaved
-  // gate/up per expert (interleave_gate_up)
+  // gate/up per expert (as interleave_gate_up; quantize_weights writes them so)
   QTensorView w1, w1t, w2, w2t;  // (w1t, w2t: not with caller memory, which makes W^T in the backward)
   // power-of-two recipes: the UE8M0 block scales quantize_weight writes, [El][N/128][K/128],
   // converted into w*.scales
