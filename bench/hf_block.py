@@ -69,7 +69,8 @@ def flowmoe_plan(block):
         from flowmoe.experts import _layers
     except ImportError:
         return None
-    for p in block.parameters():
+    # (the layers are keyed by their owner: the experts module the HF backend passes, or w1)
+    for p in list(block.modules()) + list(block.parameters()):
         entry = _layers.get(id(p))
         if entry is None:
             continue
