@@ -393,13 +393,13 @@ class GroupedGemm {
   // GEMM1 of the flow recipes with SwiGLU*prob and the quantizations fused into the grouped
   // kernel's epilogue (docs/EPILOGUES.md §1). For every row r < offsets[E]
   // (expert e) with h = x_r . W1_e^T rounded to BF16 (what fprop writes, gate = h[0, F),
-  // up = h[F, 2F)): a'_r = row_prob[r] * silu(gate) * up written to a_row (FP8 1x128 row tiles,
+  // up = h[F, 2F)): a'_r = row_prob[r] * act(gate, up) written to a_row (FP8 1x128 row tiles,
   // [capacity, F], UE8M0 scales [F/128][scale_ld]) and h written to h_saved (FP8 1x128 rows
   // [capacity, 2F] with UE8M0 scales [2F/128][scale_ld], or MXFP4 1x32 [capacity, 2F]): exactly
   // the bits of fprop followed by cuda::swiglu_quant (FP8 h) or cuda::swiglu_quant_h4 (MXFP4 h) on
   // the rows < offsets[E]; h in BF16 is never written, other rows are untouched. x as fprop's;
   // w1_interleaved: W1 [E * 2F, K] with each expert's 128-row blocks interleaved gate/up
-  // (interleave_gate_up); row_prob: [capacity] on the device, or null (a' = silu(gate) * up).
+  // (interleave_gate_up); row_prob: [capacity] on the device, or null (a' = act(gate, up)).
   // Non-finite a', gate and up values are counted in status->nonfinite (may be null) as the SwiGLU
   // kernels count them; malformed offsets in seg.status. F a positive multiple of 128.
   // act: SwiGLU or the clamped SwiGLU (with its saved-h marks, swiglu_math.h); gate_up_bias:

@@ -216,6 +216,15 @@ struct GatedActivation {
   FLOWMOE_HD bool clamped() const { return kind == ActivationKind::kClampedSwiglu; }
 };
 
+// Why a kernel cannot compute `act` (an unknown kind; the clamped SwiGLU without limit > 0 and a
+// finite alpha), or null: the host checks of the SwiGLU kernels and of the GEMMs' fused epilogues.
+inline const char* activation_unsupported(const GatedActivation& act) {
+  if (act.kind != ActivationKind::kSwiglu && act.kind != ActivationKind::kClampedSwiglu) return "unknown activation kind";
+  if (act.clamped() && !(act.limit > 0.0f && std::isfinite(act.alpha)))
+    return "the clamped SwiGLU needs limit > 0 and a finite alpha";
+  return nullptr;
+}
+
 FLOWMOE_HD float clamp_gate(float gate, float limit) { return gate > limit ? limit : gate; }
 FLOWMOE_HD float clamp_up(float up, float limit) {
   return up > limit ? limit : (up < -limit ? -limit : up);

@@ -28,11 +28,9 @@ void check_shape(int64_t m, int64_t f, const char* what) {
 }
 // The gated activation: a known kind; the clamped one with a limit > 0 and a finite alpha.
 void check_act(const GatedActivation& act, const char* what) {
-  FLOWMOE_CHECK(act.kind == ActivationKind::kSwiglu || act.kind == ActivationKind::kClampedSwiglu,
-                what << ": unknown activation kind " << static_cast<int>(act.kind));
-  FLOWMOE_CHECK(!act.clamped() || (act.limit > 0.0f && std::isfinite(act.alpha)),
-                what << ": the clamped SwiGLU needs limit > 0 and a finite alpha (got limit "
-                     << act.limit << ", alpha " << act.alpha << ")");
+  const char* why = num::activation_unsupported(act);
+  FLOWMOE_CHECK(why == nullptr, what << ": " << why << " (kind " << static_cast<int>(act.kind) << ", limit "
+                                     << act.limit << ", alpha " << act.alpha << ")");
 }
 void check_ptr(const void* p, int64_t m, const char* name, const char* what) {
   FLOWMOE_CHECK(p != nullptr || m == 0, what << ": " << name << " is null for M = " << m);

@@ -339,6 +339,8 @@ void GroupedGemm::fprop_swiglu(const DeviceSegments& seg, int64_t f, int64_t k, 
                                const GatedActivation& act, const float* gate_up_bias) {
   const char* what = "FP8 fprop + SwiGLU epilogue (device segments)";
   impl_->require_fp8(what);
+  const char* bad_act = num::activation_unsupported(act);  // (also without rows)
+  FLOWMOE_CHECK(bad_act == nullptr, what << ": " << bad_act);
   check_device_segments(seg, what);
   FLOWMOE_CHECK(f > 0 && f % kFp8Block == 0,
                 what << ": F = " << f << " is not a positive multiple of 128 (W1 is [2F, K] per expert)");
@@ -370,6 +372,8 @@ void GroupedGemm::dgrad_dswiglu(const DeviceSegments& seg, int64_t n, int64_t f,
                                 DeviceStatus* status, cudaStream_t stream, const GatedActivation& act) {
   const char* what = "FP8 dgrad + dSwiGLU epilogue (device segments)";
   impl_->require_fp8(what);
+  const char* bad_act = num::activation_unsupported(act);  // (also without rows)
+  FLOWMOE_CHECK(bad_act == nullptr, what << ": " << bad_act);
   check_device_segments(seg, what);
   FLOWMOE_CHECK(f > 0 && f % kFp8Block == 0,
                 what << ": F = " << f << " is not a positive multiple of 128 (W2^T is [F, H] per expert)");

@@ -32,7 +32,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 
 #include "cuda/common.cuh"
@@ -381,17 +380,9 @@ void fp8_grouped_rowwise(const RowwiseGroupedArgs& a, const char* what, cudaStre
   FLOWMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-// Why the epilogues cannot compute this activation, or null (swiglu_common.cuh check_act's rule).
-const char* activation_unsupported(const GatedActivation& act) {
-  if (act.kind != ActivationKind::kSwiglu && act.kind != ActivationKind::kClampedSwiglu) return "an unknown activation kind";
-  if (act.clamped() && !(act.limit > 0.0f && std::isfinite(act.alpha)))
-    return "the clamped SwiGLU needs limit > 0 and a finite alpha";
-  return nullptr;
-}
-
 const char* swiglu_grouped_unsupported(const RowwiseGroupedArgs& a, const SwigluEpilogueArgs& s) {
   if (const char* why = unsupported(a, false)) return why;
-  if (const char* why = activation_unsupported(s.act)) return why;
+  if (const char* why = num::activation_unsupported(s.act)) return why;
   if (a.d != nullptr) return "a BF16 output given: the SwiGLU epilogue writes a' and h only";
   if (s.f <= 0 || a.n_out != 2 * s.f) return "the output features are not 2F (gate and up)";
   if (a.m == 0) return nullptr;
@@ -434,7 +425,7 @@ void fp8_grouped_rowwise_swiglu(const RowwiseGroupedArgs& a, const SwigluEpilogu
 
 const char* dswiglu_grouped_unsupported(const RowwiseGroupedArgs& a, const DswigluEpilogueArgs& s) {
   if (const char* why = unsupported(a, false)) return why;
-  if (const char* why = activation_unsupported(s.act)) return why;
+  if (const char* why = num::activation_unsupported(s.act)) return why;
   if (a.d != nullptr) return "a BF16 output given: the dSwiGLU epilogue writes dh and dp only";
   if (s.f <= 0 || a.n_out != s.f) return "the output features are not F (da' is [m, F])";
   if (a.m == 0) return nullptr;

@@ -307,11 +307,9 @@ inline void check_pair(const void* codes, const void* scales, const char* cname,
 }
 // The gated activation: a known kind; the clamped one with a limit > 0 and a finite alpha.
 inline void check_act(const GatedActivation& act, const char* what) {
-  FLOWMOE_CHECK(act.kind == ActivationKind::kSwiglu || act.kind == ActivationKind::kClampedSwiglu,
-                what << ": unknown activation kind " << static_cast<int>(act.kind));
-  FLOWMOE_CHECK(!act.clamped() || (act.limit > 0.0f && std::isfinite(act.alpha)),
-                what << ": the clamped SwiGLU needs limit > 0 and a finite alpha (got limit "
-                     << act.limit << ", alpha " << act.alpha << ")");
+  const char* why = num::activation_unsupported(act);
+  FLOWMOE_CHECK(why == nullptr, what << ": " << why << " (kind " << static_cast<int>(act.kind) << ", limit "
+                                     << act.limit << ", alpha " << act.alpha << ")");
 }
 inline void check_prob(const float* prow, const float* dprow_part, const char* what) {
   FLOWMOE_CHECK(prow != nullptr || dprow_part == nullptr,
