@@ -205,3 +205,36 @@ def test_the_layer_reads_the_parameters_where_they_are(recipe):
     assert len(feeding) == 2 and all("moe_forward" in name for name in feeding), feeding
     y.float().backward(dy)
     assert gate_up.grad.shape == gate_up.shape and down.grad.shape == down.shape
+
+
+def test_down_bias_skips_dropped_slots_with_its_gradients():
+    """The down-projection bias b2 (gpt-oss's down_proj_bias) is added as sum_k p_k b2[e_k] over the
+    kept slots only (id -1: dropped, adds nothing and gets no gradient), in FP32 rounded once: values
+    and the gradients of y, p and b2 against a float64 loop."""
+    from flowmoe.experts import _add_down_bias
+    g = torch.Generator().manual_seed(5)
+    ids = torch.tensor([[0, 2], [-1, 1], [2, 2], [-1, -1]])
+    probs = torch.rand(4, 2, generator=g, dtype=torch.float32).requires_grad_()
+    b2 = torch.randn(E, 8, generator=g).requires_grad_()
+    y = torch.randn(4, 8, generator=g).to(torch.bfloat16).requires_grad_()
+    out = _add_down_bias(y, ids, probs, b2)
+    want = y.detach().double().clone()
+    for t in range(4):
+        for s in range(2):
+            if ids[t, s] >= 0:
+                want[t] += probs[t, s].double().detach() * b2[ids[t, s]].double().detach()
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, want.to(torch.bfloat16))
+    dy = torch.randn(4, 8, generator=g)
+    out.float().backward(dy)
+    dy = dy.to(torch.bfloat16).float()  # (the gradient reaching the FP32 sum: BF16 output's)
+    assert torch.equal(y.grad, dy.to(torch.bfloat16))
+    dprobs = torch.stack([torch.stack([(dy[t].double() * b2[ids[t, s]].double()).sum() if ids[t, s] >= 0
+                                       else torch.zeros((), dtype=torch.float64) for s in range(2)]) for t in range(4)])
+    torch.testing.assert_close(probs.grad.double(), dprobs, rtol=1e-5, atol=1e-6)
+    db2 = torch.zeros(E, 8, dtype=torch.float64)
+    for t in range(4):
+        for s in range(2):
+            if ids[t, s] >= 0:
+                db2[ids[t, s]] += probs[t, s].double().detach() * dy[t].double()
+    torch.testing.assert_close(b2.grad.double(), db2, rtol=1e-5, atol=1e-6)
